@@ -1,0 +1,30 @@
+"""ssdtrain-megatron: SSD activation offloading for Megatron training."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="ssdtrain-megatron",
+    version="0.1.0",
+    description="Offload Megatron activations to local NVMe SSDs while forward runs, "
+                "prefetch them back before backward",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ssdtrain_megatron", "ssdtrain_megatron.*"]),
+    # torch: an open lower bound, so users keep their own CUDA build. On a CPU machine the
+    # Makefile installs torch==2.13.0 first, so nothing here pulls a multi-GB CUDA wheel.
+    install_requires=["torch>=2.3", "pyyaml>=6", "numpy"],
+    extras_require={
+        "test": ["pytest>=7", "matplotlib"],
+        "megatron": ["megatron-core>=0.16,<0.17"],
+        "aio": ["deepspeed>=0.19"],
+        "gds": ["kvikio-cu12"],
+        "te": ["transformer-engine[pytorch]"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={
+        "console_scripts": [
+            "ssdtrain=ssdtrain_megatron.cli:main",
+        ],
+    },
+)

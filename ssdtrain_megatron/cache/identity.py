@@ -1,0 +1,48 @@
+"""Which saved tensors we touch, and when two saves are the same tensor.
+
+Identity is (storage, storage_offset, shape, stride, dtype, version). Split views of one fused
+projection (same storage, different offsets) are therefore different tensors — the reference
+code left the offset out and returned one view's data for the other. The storage is tracked
+through a weak reference to its C++ object: while we hold it, that object's address cannot be
+reused, so a freed and re-allocated buffer never matches an old record.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Set, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def pass_reason(t: torch.Tensor, device: torch.device, param_storages: Set[int],
+                min_bytes: int) -> Optional[str]:
+    """Why ``t`` stays with autograd (None: it may be offloaded)."""
+    if type(t) not in _PLAIN:
+        return "subclass"
+    if t.layout is not torch.strided:
+        return "layout"
+    if t.device != device:
+        return "device"
+    if _is_parameter(t) or t.untyped_storage()._cdata in param_storages:
+        return "parameter"
+    if t.numel() * t.element_size() < max(min_bytes, 1):
+        return "small"
+    return None
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        return True
+    base = t._base
+    return base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad))
+
+
+def dedup_key(t: torch.Tensor) -> Tuple:
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+
+
+def storage_ref(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())

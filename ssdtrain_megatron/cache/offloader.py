@@ -1,0 +1,507 @@
+"""ActivationOffloader: saved-tensor hooks that move activations to an IO engine and back."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Set
+
+import torch
+
+from ..config import OffloadConfig
+from ..io import IOEngine, make_engine
+from ..io import cleanup
+from ..telemetry.stats import StepCounters, StepStats, append_jsonl
+from .identity import dedup_key, pass_reason, storage_ref
+from .microbatch import MicroBatch
+from .record import State, TensorRecord
+
+log = logging.getLogger(__name__)
+
+DECISIONS = ("offload", "keep", "recompute")
+
+
+class IOTimeout(RuntimeError):
+    """An IO wait exceeded ``io_timeout_s``; the message says what was pending."""
+
+
+class _Handle:
+    """What autograd holds instead of an offloaded tensor. Dropping the last handle of a record
+    (autograd frees saved tensors right after their backward node runs) releases it."""
+
+    __slots__ = ("record", "owner")
+
+    def __init__(self, record: TensorRecord, owner: "ActivationOffloader") -> None:
+        self.record = record
+        self.owner = owner
+
+    def __del__(self) -> None:
+        self.owner._drop_handle(self.record)
+
+
+class ActivationOffloader:
+    """Offload the activations autograd saves to SSD (or another engine) and bring them back.
+
+    Forward runs inside ``microbatch(mb)`` (optionally ``layer(i)`` per layer); each saved
+    tensor that is large enough, on the training device and not a parameter is handed to the
+    IO engine and replaced by a small handle. Backward reads it back in reverse save order,
+    a window of layers ahead; a tensor still in memory (write in flight, or still referenced)
+    is forwarded without a read.
+
+    Args:
+        config: the settings (see OffloadConfig).
+        device: the training device; default: the current CUDA device, else the CPU.
+        engine: an IO engine to use instead of building ``config.engine`` (tests, benchmarks).
+
+    Raises:
+        ConfigError, EngineUnavailable, LayoutError: at construction, on bad settings or roots.
+        RuntimeError: at unpack, when a saved tensor was modified in place, or its read failed
+            (the message names the file, offset and cause).
+
+    Example:
+        >>> with ActivationOffloader(OffloadConfig(dirs=["/mnt/nvme0/act"])) as off:
+        ...     for mb, x in enumerate(batches):
+        ...         with off.microbatch(mb):
+        ...             loss = model(x)
+        ...         loss.backward()
+        ...     stats = off.end_step()
+    """
+
+    def __init__(self, config: OffloadConfig, device: Optional[torch.device] = None,
+                 engine: Optional[IOEngine] = None) -> None:
+        self.config = config
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        self.device = torch.device(device)
+        self._engine: Optional[IOEngine] = engine
+        if self._engine is None and config.policy != "keep":
+            self._engine = make_engine(config)
+        self._lock = threading.RLock()
+        self._io_done = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._records: Dict[int, TensorRecord] = {}
+        self._dedup: Dict[tuple, tuple] = {}
+        self._microbatches: Dict[Hashable, MicroBatch] = {}
+        self._param_storages: Set[int] = set()
+        self._current: Optional[MicroBatch] = None
+        self._layer: Optional[Hashable] = None
+        self._decision: str = "keep" if config.policy == "keep" else "offload"
+        self._layer_decisions: Dict[Hashable, str] = {}
+        self._inflight_bytes = 0
+        self._c = StepCounters()
+        self._step = 0
+        self._step_started = time.perf_counter()
+        self._warned: Set[str] = set()
+        self._closed = False
+        self.last_step_stats: Optional[StepStats] = None
+        cleanup.register(id(self), self._emergency_close)
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def rank_dirs(self) -> List[str]:
+        """This rank's directories (one per root) where its files live."""
+        return list(getattr(self._engine, "rank_dirs", []))
+
+    @property
+    def engine(self) -> Optional[IOEngine]:
+        return self._engine
+
+    def register_parameters(self, params: Iterable[torch.Tensor]) -> None:
+        """Never offload these tensors or any view of their storage."""
+        for p in params:
+            self._param_storages.add(p.untyped_storage()._cdata)
+
+    def set_layer_decision(self, layer: Hashable, decision: str) -> None:
+        """Plan for a layer: 'offload', 'keep' (stay in memory) or 'recompute' (labelled; the
+        integration runs the layer under checkpointing)."""
+        if decision not in DECISIONS:
+            raise ValueError(f"decision={decision!r} is invalid; allowed: {', '.join(DECISIONS)}")
+        self._layer_decisions[layer] = decision
+
+    @contextlib.contextmanager
+    def microbatch(self, key: Hashable) -> Iterator["ActivationOffloader"]:
+        """Forward of micro-batch ``key``: saved tensors inside are recorded under it."""
+        self._check_open()
+        with self._lock:
+            mb = self._microbatches.get(key)
+            if mb is None:
+                mb = self._microbatches[key] = MicroBatch(key)
+            # Another micro-batch's forward runs first: the deferred last layers of every
+            # micro-batch still waiting for backward will not be needed right away; write them.
+            for other in self._microbatches.values():
+                if other is not mb and not other.in_backward and other.deferred:
+                    self._submit_all(other.take_all_deferred())
+            prev, prev_layer = self._current, self._layer
+            self._current, self._layer = mb, None
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            with self._lock:
+                self._current, self._layer = prev, prev_layer
+
+    @contextlib.contextmanager
+    def layer(self, key: Hashable, decision: Optional[str] = None) -> Iterator[None]:
+        """Forward of one layer (an int, or a tuple that sorts in forward order)."""
+        if decision is not None:
+            self.set_layer_decision(key, decision)
+        with self._lock:
+            prev = self._layer
+            self._layer = key
+            mb = self._current
+            if mb is not None:
+                idx = mb.enter_layer(key)
+                keep = self.config.keep_last_layers
+                self._submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._layer = prev
+
+    def begin_backward(self, key: Hashable) -> None:
+        """Hint: the backward of micro-batch ``key`` is next. Its deferred last layers stay in
+        memory, and reads of its last layers start now, while other work runs."""
+        with self._lock:
+            mb = self._microbatches.get(key)
+            if mb is None:
+                return
+            self._enter_backward(mb)
+
+    def wait_writes(self) -> None:
+        """Block until every write handed to the engine has completed (or failed)."""
+        with self._lock:
+            self._wait_inflight_writes()
+
+    def end_step(self) -> StepStats:
+        """Finish the step: wait for IO, release what is left, emit and return StepStats."""
+        self._check_open()
+        with self._lock:
+            self._wait_all_io()
+            leftovers = list(self._records.values())
+            if leftovers:
+                self._warn_once("leftover", f"end_step(): {len(leftovers)} saved tensors were never "
+                                "released (a graph whose backward did not run?); releasing them, "
+                                "and a later backward through them will fail")
+                for r in leftovers:
+                    self._wait_record(r)
+                    self._release(r)
+            if self._engine is not None:
+                self._engine.end_step()
+            write = self._engine.write_meter.take() if hasattr(self._engine, "write_meter") else (0, 0.0)
+            read = self._engine.read_meter.take() if hasattr(self._engine, "read_meter") else (0, 0.0)
+            now = time.perf_counter()
+            stats = self._c.freeze(self._step, write, read,
+                                   self._engine.bytes_on_disk if self._engine else 0,
+                                   now - self._step_started)
+            self._c = StepCounters()
+            self._dedup.clear()
+            self._microbatches.clear()
+            self._step += 1
+            self._step_started = now
+            self.last_step_stats = stats
+        if self.config.stats_path:
+            append_jsonl(self.config.stats_path, stats)
+        log.debug("ssdtrain step %d: %s", stats.step, stats.summary())
+        return stats
+
+    def close(self) -> None:
+        """Release everything and remove every file and directory this offloader created."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            try:
+                self._wait_inflight_writes()
+            except IOTimeout as exc:
+                log.error("ssdtrain: closing with IO still pending: %s", exc)
+            for r in list(self._records.values()):
+                self._release(r, force=True)
+        if self._engine is not None:
+            self._engine.close()
+        cleanup.unregister(id(self))
+
+    def __enter__(self) -> "ActivationOffloader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- pack / unpack ----------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        if torch._C._current_graph_task_id() != -1:
+            # Saved while autograd's engine runs: the recompute pass of checkpointing. These
+            # tensors are needed moments later by the same backward; keep them in memory.
+            with self._lock:
+                self._c.tensors_passed_through += 1
+            return t
+        reason = pass_reason(t, self.device, self._param_storages, self.config.min_tensor_bytes)
+        if reason is not None:
+            with self._lock:
+                self._c.tensors_passed_through += 1
+            return t
+        key = dedup_key(t)
+        with self._lock:
+            hit = self._dedup.get(key)
+            if hit is not None:
+                rec, sref = hit
+                if rec.state is not State.RELEASED and not sref.expired():
+                    rec.handles += 1
+                    rec.release_pending = False  # it has a user again
+                    self._c.bytes_deduplicated += rec.nbytes
+                    return _Handle(rec, self)
+            mb = self._current
+            layer = self._layer
+            rec = TensorRecord(next(self._ids), t, mb.key if mb else None, layer)
+            rec.handles = 1
+            rec.decision = self._layer_decisions.get(layer, self._decision) if self._decision != "keep" else "keep"
+            self._records[rec.id] = rec
+            self._dedup[key] = (rec, storage_ref(t))
+            self._c.add_resident(rec.nbytes)
+            acc = self._c.layer(layer, rec.decision)
+            acc.bytes += rec.nbytes
+            acc.tensors += 1
+            if mb is not None:
+                rec.pos = mb.position
+                mb.records.append(rec)
+            if rec.decision == "keep":
+                self._move(rec, State.KEPT)
+                self._c.tensors_kept += 1
+            elif mb is not None and mb.annotated and self.config.keep_last_layers:
+                mb.deferred.append(rec)  # written once later layers prove it is not among the last
+            else:
+                self._submit(rec)
+            return _Handle(rec, self)
+
+    def _unpack(self, handle):
+        if isinstance(handle, torch.Tensor):
+            return handle
+        rec: TensorRecord = handle.record
+        with self._lock:
+            mb = self._microbatches.get(rec.microbatch)
+            if mb is not None and not mb.in_backward:
+                self._enter_backward(mb)
+            out = self._materialize(rec)
+            if mb is not None:
+                mb.consumed(rec)
+                idx = mb.index_of(rec)
+                if mb.backward_layer is None or idx < mb.backward_layer:
+                    mb.backward_layer = idx
+                self._prefetch(mb)
+        return out
+
+    # -- internals (called with the lock held) ----------------------------------------------
+
+    def _move(self, rec: TensorRecord, new: State) -> None:
+        was, now = rec.move(new)
+        if was != now:
+            self._c.add_resident(rec.nbytes if now else -rec.nbytes)
+
+    def _submit_all(self, records: List[TensorRecord]) -> None:
+        for rec in records:
+            if rec.state is State.SAVED:
+                self._submit(rec)
+
+    def _submit(self, rec: TensorRecord) -> None:
+        """Hand a SAVED record to the engine, after back-pressure allows it."""
+        cap = self.config.max_inflight_bytes
+        if self._inflight_bytes and self._inflight_bytes + rec.nbytes > cap:
+            t0 = time.perf_counter()
+            deadline = t0 + self.config.io_timeout_s
+            while self._inflight_bytes and self._inflight_bytes + rec.nbytes > cap:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise IOTimeout(f"waited {self.config.io_timeout_s:.0f}s for {self._inflight_bytes} "
+                                    f"bytes of writes to finish before writing a {rec.describe()}")
+                self._io_done.wait(left)
+            self._count_wait(rec, time.perf_counter() - t0)
+        event = None
+        if rec.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(rec.device))
+        self._move(rec, State.WRITING)
+        self._inflight_bytes += rec.nbytes
+        try:
+            fut = self._engine.write(rec.id, rec.bytes_view(), event)
+        except Exception as exc:  # could not even start (e.g. no space to reserve): keep it
+            self._inflight_bytes -= rec.nbytes
+            self._fallback(rec, exc)
+            return
+        rec.future = fut
+        fut.add_done_callback(lambda f, rec=rec: self._write_done(rec, f))
+
+    def _write_done(self, rec: TensorRecord, fut) -> None:
+        """Engine thread: a write finished (or failed)."""
+        with self._lock:
+            self._inflight_bytes -= rec.nbytes
+            exc = fut.exception()
+            if exc is not None:
+                self._engine.release(rec.id)
+                self._fallback(rec, exc)
+            else:
+                self._c.bytes_offloaded += rec.nbytes
+                self._c.tensors_offloaded += 1
+                self._c.layer(rec.layer, rec.decision).bytes_offloaded += rec.nbytes
+                t = rec.tensor
+                if t is not None and t._version != rec.version:
+                    rec.corrupt = (f"a {rec.describe()} was modified in place while it was being "
+                                   f"offloaded (version {rec.version} -> {t._version})")
+                self._move(rec, State.ON_DISK)
+                if rec.release_pending:
+                    self._release(rec)
+                elif rec.want_read:
+                    self._move(rec, State.READY)  # backward is already waiting: forward it
+                    self._c.tensors_forwarded += 1
+                else:
+                    rec.tensor = None  # our copy is on disk; the memory goes when the model drops it
+            rec.future = None
+            self._io_done.notify_all()
+
+    def _fallback(self, rec: TensorRecord, exc: BaseException) -> None:
+        self._c.fallbacks += 1
+        self._warn_once("fallback", f"offload write failed, keeping tensors in memory instead "
+                        f"(counted in StepStats.fallbacks): {exc}")
+        self._move(rec, State.KEPT)
+        self._c.tensors_kept += 1
+        if rec.release_pending:
+            self._release(rec)
+
+    def _enter_backward(self, mb: MicroBatch) -> None:
+        mb.in_backward = True
+        for rec in mb.take_all_deferred():  # its last layers: backward needs them right away
+            if rec.state is State.SAVED:
+                self._move(rec, State.KEPT)
+                self._c.tensors_kept += 1
+        self._prefetch(mb)
+
+    def _prefetch(self, mb: MicroBatch) -> None:
+        if self._engine is None:
+            return
+        for rec in mb.prefetch_candidates(self.config.prefetch_layers, self.config.max_inflight_bytes):
+            if rec.state is State.WRITING:
+                rec.want_read = True  # forwarded from memory when the write completes
+            else:
+                self._start_read(rec)
+
+    def _start_read(self, rec: TensorRecord) -> None:
+        alive = rec.ref()
+        if alive is not None:  # still referenced elsewhere: no IO needed
+            rec.tensor = alive.detach()
+            self._move(rec, State.READY)
+            self._c.tensors_forwarded += 1
+            return
+        restored, target = rec.allocate_restore()
+        rec.tensor = restored
+        self._move(rec, State.READING)
+        rec.future = self._engine.read(rec.id, target)
+        rec.future.add_done_callback(lambda f, rec=rec: self._read_done(rec, f))
+
+    def _read_done(self, rec: TensorRecord, fut) -> None:
+        with self._lock:
+            exc = fut.exception()
+            if exc is not None:
+                rec.corrupt = f"reading back a {rec.describe()} failed: {exc}"
+                rec.tensor = None
+            else:
+                self._c.bytes_read += rec.nbytes
+            self._move(rec, State.READY)
+            rec.future = None
+            if rec.release_pending:
+                self._release(rec)
+            self._io_done.notify_all()
+
+    def _materialize(self, rec: TensorRecord) -> torch.Tensor:
+        """The record's tensor for backward, waiting for IO if needed (lock held)."""
+        if rec.state is State.RELEASED:
+            raise RuntimeError(f"a {rec.describe()} saved for backward was already released "
+                               "(end_step() or close() ran before this backward)")
+        if rec.state is State.ON_DISK:
+            self._start_read(rec)
+        if rec.state is State.WRITING:
+            rec.want_read = True  # keep our reference when the write completes
+            self._c.tensors_forwarded += 1
+            out = rec.tensor
+        else:
+            if rec.state is State.READING:
+                self._wait_record(rec)
+            if rec.corrupt:
+                raise RuntimeError(rec.corrupt)
+            out = rec.tensor
+        rec.check_version(rec.ref())
+        return out
+
+    def _wait_record(self, rec: TensorRecord, count: bool = True) -> None:
+        if rec.future is None:
+            return
+        t0 = time.perf_counter()
+        deadline = t0 + self.config.io_timeout_s
+        while rec.future is not None:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise IOTimeout(f"waited {self.config.io_timeout_s:.0f}s for the "
+                                f"{rec.state.value} of a {rec.describe()} (record {rec.id})")
+            self._io_done.wait(left)
+        if count:
+            self._count_wait(rec, time.perf_counter() - t0)
+
+    def _wait_inflight_writes(self) -> None:
+        deadline = time.perf_counter() + self.config.io_timeout_s
+        while self._inflight_bytes:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise IOTimeout(f"waited {self.config.io_timeout_s:.0f}s for {self._inflight_bytes} "
+                                "bytes of pending writes")
+            self._io_done.wait(left)
+
+    def _wait_all_io(self) -> None:
+        """Wait for every pending write and read (releases deferred to their completion run)."""
+        self._wait_inflight_writes()
+        for rec in list(self._records.values()):
+            self._wait_record(rec, count=False)
+
+    def _count_wait(self, rec: TensorRecord, seconds: float) -> None:
+        self._c.io_wait_s += seconds
+        self._c.layer(rec.layer, rec.decision).io_wait_s += seconds
+
+    def _drop_handle(self, rec: TensorRecord) -> None:
+        with self._lock:
+            rec.handles -= 1
+            if rec.handles == 0 and rec.state is not State.RELEASED:
+                self._release(rec)
+
+    def _release(self, rec: TensorRecord, force: bool = False) -> None:
+        if rec.state is State.RELEASED:
+            return
+        if rec.future is not None and not force:
+            rec.release_pending = True  # IO in flight on its extent: free it when that ends
+            return
+        self._move(rec, State.RELEASED)
+        if self._engine is not None:
+            self._engine.release(rec.id)  # frees its extent at once (no-op if never written)
+        rec.tensor = None
+        self._records.pop(rec.id, None)
+        mb = self._microbatches.get(rec.microbatch)
+        if mb is not None:
+            mb.consumed(rec)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("ssdtrain: %s", message)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ActivationOffloader is closed")
+
+    def _emergency_close(self) -> None:
+        """Signal/exit path: remove files now; do not wait for anything."""
+        self._closed = True
+        if self._engine is not None:
+            self._engine.remove_files()

@@ -1,0 +1,213 @@
+"""OffloadConfig: the one object that flags, YAML presets and the Python API all produce.
+
+Every field is typed, defaulted and documented right under it. ``__post_init__`` validates
+everything, so a bad value fails before training starts, in one line that names the field,
+the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import string
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ENGINES = ("posix", "aio", "gds", "memory", "tiered")
+POLICIES = ("offload", "adaptive", "keep")
+TEMPLATE_KEYS = ("rank", "local_rank", "hostname", "job")
+
+
+class ConfigError(ValueError):
+    """An invalid OffloadConfig field; the message names the field, the value and what is allowed."""
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid: {allowed}")
+
+
+def _check_template(index: int, template: Any) -> None:
+    name = f"dirs[{index}]"
+    if not isinstance(template, str) or not template.strip():
+        _fail(name, template, "expected a non-empty path string")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        _fail(name, template, f"not a valid path template ({exc})")
+    for f in fields:
+        if f not in TEMPLATE_KEYS:
+            _fail(name, template, f"unknown placeholder {{{f}}}; allowed: "
+                  + ", ".join("{%s}" % k for k in TEMPLATE_KEYS))
+    if ".." in template.replace("\\", "/").split("/"):
+        _fail(name, template, "'..' is not allowed in an offload root")
+    if "\x00" in template:
+        _fail(name, template, "NUL byte in path")
+
+
+@dataclass
+class OffloadConfig:
+    """Settings of the SSD activation offloader.
+
+    Example:
+        >>> cfg = OffloadConfig(dirs=["/mnt/nvme0/ssdtrain/{job}", "/mnt/nvme1/ssdtrain/{job}"])
+        >>> cfg.policy
+        'offload'
+    """
+
+    dirs: list = field(default_factory=lambda: ["/tmp/ssdtrain"])
+    """Offload roots, one per drive; tensors are striped across them. Path templates may use
+    {rank}, {local_rank}, {hostname} and {job}. Each rank creates its own 0700 directory under
+    every root and removes it when it closes."""
+
+    engine: str = "posix"
+    """IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed
+    DeepNVMe aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; CUDA
+    only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM up to
+    host_memory_bytes, SSD beyond)."""
+
+    policy: str = "offload"
+    """'offload' writes every eligible activation to SSD; 'adaptive' lets the planner decide
+    per layer; 'keep' installs the offloader but keeps everything in memory (the baseline)."""
+
+    min_tensor_bytes: int = 256 * 1024
+    """Saved tensors smaller than this stay in memory (IO per byte is too costly for them)."""
+
+    keep_last_layers: int = 1
+    """Per micro-batch, the last N annotated layers stay in memory when that micro-batch's
+    backward follows its forward immediately (their backward starts right away)."""
+
+    prefetch_layers: int = 2
+    """During backward, how many layers ahead of the one being differentiated are read back."""
+
+    max_inflight_bytes: int = 1 << 30
+    """Cap on bytes being written at once; pack waits (and counts the wait) beyond it, so
+    pending writes cannot pin unbounded memory."""
+
+    checksum: bool = False
+    """Store a CRC32 of every written chunk and verify it on read."""
+
+    stats_path: Optional[str] = None
+    """When set, each step's StepStats is appended to this file as one JSON line."""
+
+    io_threads: int = 4
+    """Worker threads of the IO engine (each keeps one request in flight)."""
+
+    chunk_bytes: int = 8 << 20
+    """Tensors are written in chunks of at most this many bytes, striped over the roots;
+    a multiple of 4096."""
+
+    io_timeout_s: float = 300.0
+    """Every wait on IO raises after this many seconds, naming what was pending."""
+
+    job: Optional[str] = None
+    """Job id for the {job} placeholder and directory names; default: SLURM_JOB_ID,
+    TORCHELASTIC_RUN_ID, or 'local'."""
+
+    host_memory_bytes: int = 4 << 30
+    """Size of the host-memory pool of the 'memory' engine and of the memory tier of 'tiered'
+    (pinned when CUDA exists, plain host memory otherwise). 'memory' fails a write that does
+    not fit; 'tiered' sends it to SSD instead."""
+
+    aio_block_bytes: int = 1 << 20
+    """'aio' engine: bytes per libaio request; a multiple of 4096."""
+
+    aio_queue_depth: int = 8
+    """'aio' engine: libaio requests each aio thread keeps in flight."""
+
+    aio_intra_op_parallelism: int = 1
+    """'aio' engine: threads DeepNVMe splits each chunk across (every request is padded to a
+    multiple of 4096 times this)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dirs, str):
+            _fail("dirs", self.dirs, "expected a list of path templates, e.g. ['/mnt/nvme0/ssdtrain']")
+        if not isinstance(self.dirs, (list, tuple)) or not self.dirs:
+            _fail("dirs", self.dirs, "expected a non-empty list of path templates")
+        self.dirs = list(self.dirs)
+        for i, d in enumerate(self.dirs):
+            _check_template(i, d)
+        if self.engine not in ENGINES:
+            _fail("engine", self.engine, "allowed: " + ", ".join(ENGINES))
+        if self.policy not in POLICIES:
+            _fail("policy", self.policy, "allowed: " + ", ".join(POLICIES))
+        for name, minimum in (("min_tensor_bytes", 0), ("keep_last_layers", 0),
+                              ("prefetch_layers", 1), ("max_inflight_bytes", 1),
+                              ("io_threads", 1), ("chunk_bytes", 4096)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                _fail(name, value, f"expected an integer >= {minimum}")
+        if self.chunk_bytes % 4096:
+            _fail("chunk_bytes", self.chunk_bytes, "expected a multiple of 4096")
+        if not isinstance(self.checksum, bool):
+            _fail("checksum", self.checksum, "expected true or false")
+        if self.stats_path is not None and (not isinstance(self.stats_path, str) or not self.stats_path):
+            _fail("stats_path", self.stats_path, "expected a file path or null")
+        if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
+                or not self.io_timeout_s > 0:
+            _fail("io_timeout_s", self.io_timeout_s, "expected a number of seconds > 0")
+        self.io_timeout_s = float(self.io_timeout_s)
+        if self.job is not None and (not isinstance(self.job, str) or not self.job
+                                     or "/" in self.job or self.job in (".", "..")):
+            _fail("job", self.job, "expected a non-empty name without '/'")
+        for name, minimum in (("host_memory_bytes", 0), ("aio_block_bytes", 4096),
+                              ("aio_queue_depth", 1), ("aio_intra_op_parallelism", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                _fail(name, value, f"expected an integer >= {minimum}")
+        if self.aio_block_bytes % 4096 or self.aio_block_bytes >= 1 << 31:
+            _fail("aio_block_bytes", self.aio_block_bytes, "expected a multiple of 4096 below 2 GiB")
+        if self.engine == "memory" and self.host_memory_bytes == 0:
+            _fail("host_memory_bytes", self.host_memory_bytes,
+                  "engine='memory' needs a pool; expected an integer > 0")
+        if self.engine == "gds":
+            # Imported here, not at the top: the check needs torch, and kvikio is never imported.
+            from .io.gds import gds_unavailable_reason
+
+            why = gds_unavailable_reason()
+            if why:
+                _fail("engine", self.engine, why)
+
+    # -- derived values ---------------------------------------------------------------------
+
+    def job_id(self) -> str:
+        """The job id used in directory names and the {job} placeholder."""
+        return self.job or os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+
+    # -- YAML -------------------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> tuple:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "OffloadConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping of OffloadConfig fields, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(map(str, unknown))}; allowed: "
+                              + ", ".join(cls.field_names()))
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "OffloadConfig":
+        """Load a config from YAML: either the fields at the top level, or under an
+        ``offload:`` key (presets also describe the model and the parallel layout)."""
+        import yaml
+
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+        if isinstance(data, dict) and "offload" in data:
+            data = data["offload"] or {}
+        return cls.from_dict(data, source=str(path))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, **changes: Any) -> "OffloadConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,118 @@
+"""The IO engine interface every backend implements.
+
+An engine stores and returns opaque byte ranges under integer keys. It knows nothing of
+autograd: the offloader hands it a contiguous 1-D ``uint8`` tensor and asks for the same bytes
+back later. Ordering contract, kept by the caller: ``read(key)`` is issued only after the
+``write(key)`` future has completed, and ``release(key)`` only when no IO on that key is pending.
+"""
+
+from __future__ import annotations
+
+import abc
+from concurrent.futures import Future
+from typing import Optional, Tuple
+
+import torch
+
+
+class EngineError(RuntimeError):
+    """An IO operation failed; the message names the file, the offset and the cause."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot run on this machine; the message says what is missing."""
+
+
+class IOEngine(abc.ABC):
+    """Stores byte ranges keyed by int, asynchronously.
+
+    ``write``/``read`` return futures whose result is the number of bytes moved, or which
+    raise :class:`EngineError`. Implementations must never report success for a short or
+    failed IO.
+    """
+
+    name: str = "base"
+
+    @classmethod
+    def is_available(cls) -> Tuple[bool, str]:
+        """(True, '') when the engine can run here, else (False, what is missing)."""
+        return True, ""
+
+    @abc.abstractmethod
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+        """Start writing ``data`` (contiguous 1-D uint8). ``ready_event`` (a CUDA event or
+        None) must complete before the bytes are read from ``data``."""
+
+    @abc.abstractmethod
+    def read(self, key: int, out: torch.Tensor) -> Future:
+        """Start reading the bytes stored under ``key`` into ``out`` (contiguous 1-D uint8 of
+        the written length)."""
+
+    @abc.abstractmethod
+    def release(self, key: int) -> None:
+        """Forget ``key`` and free its space at once."""
+
+    def end_step(self) -> None:
+        """Called when no key is live: engines drop per-step files and state here."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything and remove every file this engine created."""
+
+    def remove_files(self) -> None:
+        """Signal/exit path: remove this engine's files now, without waiting for pending IO
+        (the process is going away). Default: ``close()``."""
+        self.close()
+
+    @property
+    @abc.abstractmethod
+    def bytes_on_disk(self) -> int:
+        """Bytes currently held for live keys (0 once every key is released)."""
+
+
+class BusyMeter:
+    """Wall time during which at least one operation of a kind was in flight.
+
+    Bandwidth = bytes / busy time: what the device achieved while it was being used, not
+    diluted by the compute between bursts.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._since = 0.0
+        self._busy = 0.0
+        self._bytes = 0
+
+    def begin(self) -> None:
+        import time
+
+        with self._lock:
+            if self._inflight == 0:
+                self._since = time.perf_counter()
+            self._inflight += 1
+
+    def end(self, nbytes: int) -> None:
+        import time
+
+        with self._lock:
+            self._inflight -= 1
+            self._bytes += nbytes
+            if self._inflight == 0:
+                self._busy += time.perf_counter() - self._since
+
+    def take(self) -> Tuple[int, float]:
+        """(bytes, busy seconds) since the last take; resets the counters."""
+        import time
+
+        with self._lock:
+            busy = self._busy
+            if self._inflight:
+                now = time.perf_counter()
+                busy += now - self._since
+                self._since = now
+            out = (self._bytes, busy)
+            self._bytes, self._busy = 0, 0.0
+            return out

@@ -1,0 +1,142 @@
+"""Per-step statistics of the offloader: StepStats (what users read) and its accumulator."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """One layer's row in a step (summed over micro-batches)."""
+
+    layer: str
+    bytes: int
+    """Bytes of activations this layer saved above the size threshold (after dedup)."""
+    bytes_offloaded: int
+    tensors: int
+    decision: str
+    """'offload', 'keep' or 'recompute' (what the plan asked for this layer)."""
+    io_wait_s: float
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one training step did with its activations."""
+
+    step: int
+    bytes_offloaded: int
+    """Bytes written to the engine (successfully)."""
+    bytes_read: int
+    """Bytes read back for backward."""
+    bytes_deduplicated: int
+    """Bytes not written because the same tensor was already recorded."""
+    tensors_offloaded: int
+    tensors_passed_through: int
+    """Saved tensors left to autograd: parameters, small tensors, other devices, subclasses,
+    tensors re-created during recomputation."""
+    tensors_kept: int
+    tensors_forwarded: int
+    """Unpacks served from memory without a read (write still in flight, or tensor alive)."""
+    io_wait_s: float
+    """Time the training threads blocked on IO (back-pressure in forward, reads in backward)."""
+    peak_resident_bytes: int
+    """Peak bytes of recorded activations held in memory at once."""
+    write_gbps: float
+    read_gbps: float
+    bytes_on_disk: int
+    """Bytes still on disk after the step (0 unless something leaked)."""
+    fallbacks: int
+    """Writes that failed and were kept in memory instead."""
+    step_time_s: float
+    layers: Tuple[LayerStats, ...] = ()
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["layers"] = [dataclasses.asdict(r) for r in self.layers]
+        return d
+
+    def summary(self) -> str:
+        return (f"offloaded {self.bytes_offloaded / 1e6:.1f} MB in {self.tensors_offloaded} tensors "
+                f"(read {self.bytes_read / 1e6:.1f} MB, dedup {self.bytes_deduplicated / 1e6:.1f} MB, "
+                f"forwarded {self.tensors_forwarded}), write {self.write_gbps:.2f} GB/s, "
+                f"read {self.read_gbps:.2f} GB/s, io wait {self.io_wait_s * 1e3:.1f} ms, "
+                f"peak resident {self.peak_resident_bytes / 1e6:.1f} MB")
+
+
+@dataclass
+class _LayerAcc:
+    bytes: int = 0
+    bytes_offloaded: int = 0
+    tensors: int = 0
+    decision: str = "offload"
+    io_wait_s: float = 0.0
+
+
+@dataclass
+class StepCounters:
+    """Mutable counters of the running step; the offloader updates them under its lock."""
+
+    bytes_offloaded: int = 0
+    bytes_read: int = 0
+    bytes_deduplicated: int = 0
+    tensors_offloaded: int = 0
+    tensors_passed_through: int = 0
+    tensors_kept: int = 0
+    tensors_forwarded: int = 0
+    io_wait_s: float = 0.0
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0
+    fallbacks: int = 0
+    layers: Dict[Hashable, _LayerAcc] = field(default_factory=dict)
+
+    def layer(self, key: Hashable, decision: str) -> _LayerAcc:
+        acc = self.layers.get(key)
+        if acc is None:
+            acc = self.layers[key] = _LayerAcc(decision=decision)
+        return acc
+
+    def add_resident(self, delta: int) -> None:
+        self.resident_bytes += delta
+        if self.resident_bytes > self.peak_resident_bytes:
+            self.peak_resident_bytes = self.resident_bytes
+
+    def freeze(self, step: int, write: Tuple[int, float], read: Tuple[int, float], bytes_on_disk: int,
+               step_time_s: float) -> StepStats:
+        rows = tuple(LayerStats(layer=str(k), bytes=a.bytes, bytes_offloaded=a.bytes_offloaded,
+                                tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s)
+                     for k, a in sorted(self.layers.items(), key=lambda kv: _sort_key(kv[0])))
+        return StepStats(
+            step=step, bytes_offloaded=self.bytes_offloaded, bytes_read=self.bytes_read,
+            bytes_deduplicated=self.bytes_deduplicated, tensors_offloaded=self.tensors_offloaded,
+            tensors_passed_through=self.tensors_passed_through, tensors_kept=self.tensors_kept,
+            tensors_forwarded=self.tensors_forwarded, io_wait_s=self.io_wait_s,
+            peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
+            bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _sort_key(k: Hashable):
+    """Layers sort in forward order: ints, then tuples (e.g. (vp_stage, layer)), then the rest."""
+    if isinstance(k, int):
+        return (0, k, ())
+    if isinstance(k, tuple):
+        return (1, 0, tuple(str(x) for x in k) if not all(isinstance(x, int) for x in k) else k)
+    return (2, 0, (str(k),))
+
+
+def append_jsonl(path: str, stats: StepStats, extra: Optional[dict] = None) -> None:
+    """Append one step to a JSONL file (created if missing)."""
+    record = stats.as_dict()
+    if extra:
+        record.update(extra)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")

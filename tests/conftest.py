@@ -1,0 +1,22 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long runs (minutes); excluded from `make test`")
+    config.addinivalue_line("markers", "aio: needs DeepSpeed's aio op (libaio-dev and a JIT build)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device")
+
+
+@pytest.fixture
+def offload_dir(tmp_path):
+    """A real directory on the same filesystem as the tests (O_DIRECT capable on ext4)."""
+    d = tmp_path / "ssd"
+    d.mkdir()
+    return d

@@ -1,0 +1,274 @@
+"""ActivationOffloader on CPU with the real posix engine and real files."""
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+from torch import nn
+
+from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from tests.models import assert_bitwise_equal, mlp, run_steps, tiny_gpt
+
+
+def cfg(d, **kw):
+    kw.setdefault("min_tensor_bytes", 1024)
+    return OffloadConfig(dirs=[str(d)], **kw)
+
+
+def gpt_batches(n=3, b=2, s=64, vocab=256, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (b, s), generator=g) for _ in range(n)]
+
+
+def files_under(d):
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs)
+
+
+def test_mlp_offload_is_bitwise_equal(offload_dir):
+    model = mlp()
+    batches = [torch.randn(32, 256, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref = run_steps(model, batches)
+    with ActivationOffloader(cfg(offload_dir)) as off:
+        got = run_steps(model, batches, off)
+    assert_bitwise_equal(ref, got)
+    st = got[2][-1]
+    assert st.bytes_offloaded > 0 and st.bytes_read > 0
+    assert st.bytes_on_disk == 0
+
+
+@pytest.mark.parametrize("chunk_kb", [4, 8192])
+def test_transformer_with_split_qkv_views_is_bitwise_equal(offload_dir, chunk_kb):
+    model = tiny_gpt()
+    batches = gpt_batches()
+    ref = run_steps(model, batches)
+    with ActivationOffloader(cfg(offload_dir, chunk_bytes=chunk_kb * 1024)) as off:
+        got = run_steps(model, batches, off)
+    assert_bitwise_equal(ref, got)
+    st = got[2][-1]
+    assert st.tensors_offloaded > 0 and st.bytes_read > 0
+
+
+def test_split_views_are_not_deduplicated(offload_dir):
+    """q, k, v split from one fused projection share a storage but are three tensors."""
+    lin = nn.Linear(64, 3 * 64)
+    x = torch.randn(128, 64)
+    with ActivationOffloader(cfg(offload_dir, min_tensor_bytes=0, keep_last_layers=0)) as off:
+        with off.microbatch(0):
+            q, k, v = lin(x).split(64, dim=-1)
+            out = q.sin() + k.cos() + v.exp()  # each op saves its own view
+        ref_grad = torch.autograd.grad(out.sum(), lin.weight, retain_graph=False)[0]
+        st = off.end_step()
+    assert st.bytes_deduplicated == 0
+    assert st.tensors_offloaded == 3 + 1  # three views, plus x saved by the linear
+    q0, k0, v0 = lin(x).split(64, dim=-1)
+    expected = torch.autograd.grad((q0.sin() + k0.cos() + v0.exp()).sum(), lin.weight)[0]
+    assert torch.equal(ref_grad, expected)
+
+
+def test_same_tensor_saved_by_two_ops_is_written_once(offload_dir):
+    lin = nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        with off.microbatch(0):
+            h = lin(x)
+            out = h.sin() + h.cos()  # sin and cos both save h
+        g = torch.autograd.grad(out.sum(), lin.weight)[0]
+        st = off.end_step()
+    nbytes = 64 * 256 * 4
+    assert st.bytes_deduplicated == nbytes
+    assert st.bytes_offloaded == 2 * nbytes  # h once, plus x saved by the linear
+    h0 = lin(x)
+    assert torch.equal(g, torch.autograd.grad((h0.sin() + h0.cos()).sum(), lin.weight)[0])
+
+
+def test_reallocated_memory_is_not_deduplicated(offload_dir):
+    """A tensor freed in forward and a new one of the same size (often at the same address)
+    are two tensors: the second must come back with its own bytes."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(256, 256), nn.Linear(256, 256)
+    x, x2 = torch.randn(256, 256), torch.randn(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        with off.microbatch(0):
+            h1 = lin1(x)
+            dead = h1.sin()  # saves h1
+            ptr = h1.data_ptr()
+            del dead, h1  # graph and h1 are gone: its record is released
+            h2 = lin2(x2)
+            reused = h2.data_ptr() == ptr
+            out = h2.sin()
+        out.sum().backward()
+        st = off.end_step()
+    assert st.bytes_deduplicated == 0
+    g = lin2.weight.grad.clone()
+    lin2.weight.grad = None
+    lin2(x2).sin().sum().backward()
+    assert torch.equal(g, lin2.weight.grad)
+    print("address reused:", reused)
+
+
+def test_1f1b_interleaved_microbatches_accumulate_bitwise_equal(offload_dir):
+    model = tiny_gpt()
+    batches = gpt_batches(n=4)
+    schedule = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    ref = run_steps(model, batches, schedule=schedule)
+    with ActivationOffloader(cfg(offload_dir, prefetch_layers=1)) as off:
+        got = run_steps(model, batches, off, schedule=schedule)
+    assert_bitwise_equal(ref, got)
+    # Micro-batches 0-2 had another forward before their backward: their last layer was written.
+    st = got[2][-1]
+    assert st.tensors_kept > 0  # micro-batch 3's last layer stayed in memory
+
+
+def test_backward_in_reverse_microbatch_order(offload_dir):
+    model = mlp()
+    batches = [torch.randn(32, 256, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    schedule = [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 0), ("B", 1)]
+    ref = run_steps(model, batches, schedule=schedule)
+    with ActivationOffloader(cfg(offload_dir)) as off:
+        got = run_steps(model, batches, off, schedule=schedule, annotate=False)
+    assert_bitwise_equal(ref, got)
+
+
+def test_parameters_never_hit_the_disk(offload_dir):
+    lin = nn.Linear(512, 512)  # 1 MiB weight, saved by the matmul
+    leaf = torch.randn(8, 512, requires_grad=True)
+    with ActivationOffloader(cfg(offload_dir, min_tensor_bytes=0, keep_last_layers=0)) as off:
+        with off.microbatch(0):
+            x = leaf * 1.0  # an activation that needs grad, so the weights are saved too
+            out = (x @ lin.weight.t()).relu() + torch.nn.functional.linear(x, lin.weight)
+        out.sum().backward()
+        st = off.end_step()
+    # Saved: x (twice: dedup), the matmul output (for relu); never the weight or weight.t().
+    act = 8 * 512 * 4
+    assert st.bytes_offloaded == 2 * act
+    assert st.bytes_deduplicated == act
+    assert st.tensors_passed_through >= 2  # lin.weight.t() and lin.weight
+
+
+def test_no_file_remains_after_end_step_and_close(offload_dir):
+    model = tiny_gpt()
+    off = ActivationOffloader(cfg(offload_dir))
+    rank_dirs = off.rank_dirs
+    run_steps(model, gpt_batches(), off, steps=1)
+    assert files_under(offload_dir) == [os.path.join(rank_dirs[0], "owner.json")]
+    off.close()
+    assert files_under(offload_dir) == []
+    assert not os.path.exists(rank_dirs[0])
+
+
+def test_directory_and_file_modes(offload_dir):
+    lin = nn.Linear(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        with off.microbatch(0):
+            out = lin(torch.randn(64, 256)).sin()
+        (rank_dir,) = off.rank_dirs
+        assert os.path.dirname(rank_dir) == str(offload_dir)
+        assert stat.S_IMODE(os.stat(rank_dir).st_mode) == 0o700
+        names = os.listdir(rank_dir)
+        assert "slab.bin" in names
+        for name in names:
+            assert stat.S_IMODE(os.stat(os.path.join(rank_dir, name)).st_mode) == 0o600
+        out.sum().backward()
+        off.end_step()
+
+
+def test_in_place_change_after_save_raises_with_shape_and_dtype(offload_dir):
+    lin = nn.Linear(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        with off.microbatch(0):
+            h = lin(torch.randn(64, 256))
+            out = h.sin()
+            h.add_(1.0)
+        with pytest.raises(RuntimeError, match=r"shape \[64, 256\] and dtype torch.float32.*modified in place"):
+            out.sum().backward()
+        off.end_step()
+
+
+def test_keep_policy_offloads_nothing_and_creates_no_directory(offload_dir):
+    model = tiny_gpt()
+    batches = gpt_batches()
+    ref = run_steps(model, batches)
+    with ActivationOffloader(cfg(offload_dir, policy="keep")) as off:
+        got = run_steps(model, batches, off)
+        assert off.rank_dirs == []
+    assert_bitwise_equal(ref, got)
+    st = got[2][-1]
+    assert st.bytes_offloaded == 0 and st.tensors_kept > 0
+    assert files_under(offload_dir) == []
+
+
+def test_offload_peak_resident_is_under_half_of_keep(offload_dir):
+    model = tiny_gpt(layers=6, hidden=128)
+    batches = gpt_batches(n=2, b=4)
+    peaks = {}
+    for policy in ("keep", "offload"):
+        with ActivationOffloader(cfg(offload_dir, policy=policy, max_inflight_bytes=1 << 20)) as off:
+            _, _, stats = run_steps(model, batches, off, steps=1)
+        peaks[policy] = stats[-1].peak_resident_bytes
+    assert peaks["offload"] < 0.5 * peaks["keep"], peaks
+
+
+def test_stats_are_appended_to_jsonl(offload_dir, tmp_path):
+    path = tmp_path / "stats" / "steps.jsonl"
+    with ActivationOffloader(cfg(offload_dir, stats_path=str(path))) as off:
+        run_steps(mlp(), [torch.randn(16, 256)], off, steps=2)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["bytes_offloaded"] > 0 and r["bytes_on_disk"] == 0 for r in rows)
+    assert {"layer", "bytes", "decision", "io_wait_s"} <= set(rows[0]["layers"][0])
+
+
+def test_write_error_falls_back_to_memory_and_stays_bitwise_equal(offload_dir):
+    model = tiny_gpt()
+    batches = gpt_batches()
+    ref = run_steps(model, batches)
+    with ActivationOffloader(cfg(offload_dir)) as off:
+        off.engine.fault = lambda op, path, offset: OSError(5, "Input/output error") if op == "write" else None
+        got = run_steps(model, batches, off)
+    assert_bitwise_equal(ref, got)
+    st = got[2][-1]
+    assert st.fallbacks > 0 and st.bytes_offloaded == 0 and st.bytes_on_disk == 0
+
+
+def test_read_error_raises_naming_file_offset_and_cause(offload_dir):
+    lin = nn.Linear(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        off.engine.fault = lambda op, path, offset: OSError(5, "Input/output error") if op == "read" else None
+        with off.microbatch(0):
+            h = lin(torch.randn(64, 256))
+            out = h.sin()
+            del h  # nothing else holds it: backward must read it
+        with pytest.raises(RuntimeError, match=r"read of \d+ bytes from .*slab.bin at offset \d+ failed: Input/output error"):
+            out.sum().backward()
+        off.end_step()
+
+
+def test_checksum_detects_a_flipped_byte(offload_dir):
+    lin = nn.Linear(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, checksum=True)) as off:
+        with off.microbatch(0):
+            h = lin(torch.randn(64, 256))
+            out = h.sin()
+            del h
+        off.wait_writes()
+        slab = os.path.join(off.rank_dirs[0], "slab.bin")
+        with open(slab, "r+b") as fh:
+            fh.seek(100)
+            byte = fh.read(1)
+            fh.seek(100)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(RuntimeError, match="checksum mismatch"):
+            out.sum().backward()
+        off.end_step()
+
+
+def test_unannotated_microbatches_offload_and_match(offload_dir):
+    model = tiny_gpt()
+    batches = gpt_batches()
+    ref = run_steps(model, batches)
+    with ActivationOffloader(cfg(offload_dir, max_inflight_bytes=256 * 1024)) as off:
+        got = run_steps(model, batches, off, annotate=False)
+    assert_bitwise_equal(ref, got)
+    assert got[2][-1].bytes_read > 0
