@@ -1,0 +1,324 @@
+"""``ssdtrain lifespan`` and ``ssdtrain plan``: the analytic model from the command line.
+
+Each ``add_*_parser(subparsers)`` registers one subcommand whose ``func`` default takes the
+parsed arguments and returns an exit code; the ``ssdtrain`` entry point dispatches to it.
+Flag values are checked by argparse (``argument --flag: ...``); preset contents are checked
+here and reported in one line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from .lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
+from .model import (ModelShape, SaveProfile, estimate_step_time_s, forward_flops_per_layer,
+                    head_activation_terms, largest_micro_batch, layer_activation_bytes,
+                    layer_activation_terms, peak_activation_bytes, required_write_gbps)
+from .policy import KEEP, LayerMeasurement, LayerPlan, plan_layers
+
+DEFAULT_GPU_TFLOPS = 150.0
+DEFAULT_MEMORY_BUDGET_GB = 80.0
+PRESET_SECTIONS = ("model", "parallel", "offload")
+
+
+# -- argument types (argparse names the flag in its error) -----------------------------------
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _error(command: str, message: str) -> int:
+    print(f"ssdtrain {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _bytes(n: float) -> str:
+    """Exact byte count, then the same in the largest decimal unit that keeps it >= 1."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{round(n):,} B ({n / scale:.3f} {unit})"
+    return f"{round(n):,} B"
+
+
+# -- ssdtrain lifespan ------------------------------------------------------------------------
+
+
+def add_lifespan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``ssdtrain lifespan``."""
+    parser = subparsers.add_parser(
+        "lifespan", help="SSD lifespan for a write rate (decimal units: TB = 1e12, GB = 1e9)",
+        description="Lifespan of a set of SSDs written at a given rate: endurance = drives x "
+                    "TBW x (waf-rated / waf) x retention-factor; lifespan = endurance / "
+                    "(write-gbps x write-fraction). Decimal units: 1 TB = 1e12 B, 1 GB = 1e9 B.")
+    parser.add_argument("--drives", type=_int_at_least(1), required=True,
+                        help="number of drives sharing the writes")
+    parser.add_argument("--tbw-per-drive", type=_positive_float, required=True, metavar="TB",
+                        help="rated endurance of each drive, TB written")
+    parser.add_argument("--write-gbps", type=_positive_float, required=True, metavar="GB/S",
+                        help="write bandwidth while writing, GB/s")
+    parser.add_argument("--write-fraction", type=_fraction, required=True, metavar="F",
+                        help="fraction of the time spent writing, in (0, 1] (0.5: half the step)")
+    parser.add_argument("--waf-rated", type=_positive_float, default=WAF_RATED,
+                        help=f"write amplification the TBW rating assumes (default {WAF_RATED})")
+    parser.add_argument("--waf", type=_positive_float, default=WAF,
+                        help=f"write amplification of the offload writes (default {WAF})")
+    parser.add_argument("--retention-factor", type=_positive_float, default=RETENTION_FACTOR,
+                        help="endurance gain from relaxed retention (default "
+                             f"{RETENTION_FACTOR:g})")
+    parser.add_argument("--json", action="store_true",
+                        help="print {lifespan_years, endurance_bytes, bytes_per_day} as JSON")
+    parser.set_defaults(func=run_lifespan)
+    return parser
+
+
+def run_lifespan(args: argparse.Namespace) -> int:
+    result = ssd_lifespan(args.drives, args.tbw_per_drive, args.write_gbps, args.write_fraction,
+                          waf_rated=args.waf_rated, waf=args.waf,
+                          retention_factor=args.retention_factor)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    rows = [
+        ("drives", f"{args.drives} x {args.tbw_per_drive:g} TBW"),
+        ("WAF correction", f"{args.waf_rated:g} / {args.waf:g} = {args.waf_rated / args.waf:g}x"),
+        ("retention factor", f"{args.retention_factor:g}x"),
+        ("endurance", _bytes(result.endurance_bytes)),
+        ("write rate", f"{args.write_gbps:g} GB/s x {args.write_fraction:g}"),
+        ("bytes per day", _bytes(result.bytes_per_day)),
+        ("lifespan", f"{result.lifespan_years:.4f} years ({result.lifespan_years * 365.25:,.1f} days)"),
+    ]
+    for name, value in rows:
+        print(f"{name:<18} {value}")
+    return 0
+
+
+# -- ssdtrain plan ----------------------------------------------------------------------------
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``ssdtrain plan``."""
+    parser = subparsers.add_parser(
+        "plan", help="activation bytes per layer, decisions, required bandwidth, SSD lifespan",
+        description="Analytic plan for a preset before a run: activation bytes per layer "
+                    "(Korthikanti et al.), keep/offload/recompute per layer, required write "
+                    "bandwidth, SSD lifespan and the largest micro-batch within a memory "
+                    "budget. Decimal units: 1 GB = 1e9 B.")
+    parser.add_argument("--config", required=True, metavar="PRESET",
+                        help="YAML preset with model:, parallel: and offload: sections")
+    parser.add_argument("--micro-batch", type=_int_at_least(1), default=None, metavar="N",
+                        help="micro-batch size (default: the preset's model.micro_batch)")
+    parser.add_argument("--num-micro-batches", type=_int_at_least(1), default=1, metavar="M",
+                        help="micro-batches per step, for the per-step totals (default 1)")
+    parser.add_argument("--gpu-tflops", type=_positive_float, default=DEFAULT_GPU_TFLOPS,
+                        metavar="X", help="sustained TFLOP/s per GPU for the step-time estimate "
+                                          f"(default {DEFAULT_GPU_TFLOPS:g})")
+    parser.add_argument("--ssd-gbps", type=_positive_float, default=None, metavar="Y",
+                        help="SSD read and write bandwidth per GPU, GB/s; when given, layers "
+                             "whose IO cannot hide behind compute are kept (default: offload "
+                             "all but the last keep_last_layers)")
+    parser.add_argument("--recompute-fallback", action="store_true",
+                        help="with --ssd-gbps, recompute layers that cannot be offloaded")
+    parser.add_argument("--ssd-tbw", type=_positive_float, default=None, metavar="Z",
+                        help="rated TBW per drive, TB; enables the lifespan estimate")
+    parser.add_argument("--drives", type=_int_at_least(1), default=1, metavar="K",
+                        help="drives per GPU sharing the writes (default 1)")
+    parser.add_argument("--memory-budget-gb", type=_positive_float,
+                        default=DEFAULT_MEMORY_BUDGET_GB, metavar="GB",
+                        help="activation memory per GPU for the largest-micro-batch search "
+                             f"(default {DEFAULT_MEMORY_BUDGET_GB:g})")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run_plan)
+    return parser
+
+
+def load_preset(path: str) -> Tuple[ModelShape, int]:
+    """(shape, keep_last_layers) from a preset file.
+
+    Raises:
+        ValueError: unreadable file, unknown section or key, invalid value; one line that
+            names the file and the key.
+    """
+    import yaml
+
+    from ..config import OffloadConfig
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ValueError(f"--config: cannot read {path!r}: {exc.strerror or exc}")
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config: {path!r} is not valid YAML: "
+                         + " ".join(str(exc).split()))
+    if not isinstance(data, dict) or "model" not in data:
+        raise ValueError(f"{path}: expected a mapping with a model: section")
+    unknown = sorted(str(k) for k in data if k not in PRESET_SECTIONS)
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {', '.join(unknown)}; allowed: "
+                         + ", ".join(PRESET_SECTIONS))
+    try:
+        shape = ModelShape.from_preset(data["model"], data.get("parallel"))
+        offload = OffloadConfig.from_dict(data.get("offload") or {}, source="offload")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}")
+    return shape, offload.keep_last_layers
+
+
+def _layer_measurements(shape: ModelShape, profile: SaveProfile,
+                        tflops: float) -> Tuple[LayerMeasurement, ...]:
+    forward_s = forward_flops_per_layer(shape) / shape.tp / (tflops * 1e12)
+    layer = LayerMeasurement(
+        forward_s=forward_s,
+        activation_bytes=layer_activation_bytes(shape, profile),
+        checkpoint_bytes=layer_activation_bytes(shape.replace(recompute="full"), profile,
+                                                include_shared=False))
+    return (layer,) * shape.layers_per_stage
+
+
+def _plan_for(shape: ModelShape, profile: SaveProfile, args: argparse.Namespace,
+              keep_last_layers: int) -> LayerPlan:
+    bandwidth = math.inf if args.ssd_gbps is None else args.ssd_gbps * 1e9
+    return plan_layers(_layer_measurements(shape, profile, args.gpu_tflops),
+                       write_bps=bandwidth, read_bps=bandwidth,
+                       num_micro_batches=args.num_micro_batches,
+                       keep_last_layers=keep_last_layers,
+                       recompute_fallback=args.recompute_fallback and args.ssd_gbps is not None)
+
+
+def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespace,
+               profile: SaveProfile = SaveProfile.paper()) -> Dict[str, Any]:
+    """The whole plan as a JSON-ready dict (what ``ssdtrain plan --json`` prints)."""
+    plan = _plan_for(shape, profile, args, keep_last_layers)
+    layer_bytes = layer_activation_bytes(shape, profile)
+    step_s = estimate_step_time_s(shape, args.gpu_tflops, args.num_micro_batches)
+    write_gbps = required_write_gbps(plan.offloaded_bytes, step_s)
+    lifespan: Optional[Dict[str, float]] = None
+    if args.ssd_tbw is not None and plan.offloaded_bytes > 0:
+        # Writing offloaded_bytes per step on average: the required rate for half the step.
+        lifespan = ssd_lifespan(args.drives, args.ssd_tbw, write_gbps, 0.5).to_dict()
+    budget = round(args.memory_budget_gb * 1e9)
+
+    def fits(mode: str) -> Callable[[int], bool]:
+        def check(b: int) -> bool:
+            sized = shape.replace(micro_batch=b)
+            resident = None
+            if mode == "offload":
+                resident = _plan_for(sized, profile, args, keep_last_layers).resident_bytes
+            return peak_activation_bytes(sized, mode, profile,
+                                         resident_bytes=resident) <= budget
+        return check
+
+    return {
+        "config": args.config,
+        "model": {name: getattr(shape, name) for name in shape.__dataclass_fields__},
+        "layers_per_stage": shape.layers_per_stage,
+        "keep_last_layers": keep_last_layers,
+        "layers": [{"layer": i, "bytes": layer_bytes, "decision": d}
+                   for i, d in enumerate(plan.decisions)],
+        "terms_per_layer": layer_activation_terms(shape, profile),
+        "activation_bytes_per_layer": layer_bytes,
+        "activation_bytes_per_micro_batch": layer_bytes * shape.layers_per_stage
+        + sum(head_activation_terms(shape, profile).values()),
+        "offloaded_bytes_per_step": plan.offloaded_bytes,
+        "resident_bytes_per_micro_batch": plan.resident_bytes,
+        "gpu_tflops": args.gpu_tflops,
+        "num_micro_batches": args.num_micro_batches,
+        "step_time_s": step_s,
+        "required_write_gbps": write_gbps,
+        "ssd_gbps": args.ssd_gbps,
+        "predicted_io_stall_s": plan.io_stall_s,
+        "recompute_s": plan.recompute_s,
+        "lifespan": lifespan,
+        "memory_budget_bytes": budget,
+        "largest_micro_batch": {mode: largest_micro_batch(fits(mode))
+                                for mode in ("keep", "offload", "recompute")},
+    }
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        shape, keep_last_layers = load_preset(args.config)
+        if args.micro_batch is not None:
+            shape = shape.replace(micro_batch=args.micro_batch)
+    except ValueError as exc:
+        return _error("plan", str(exc))
+    result = build_plan(shape, keep_last_layers, args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_plan(shape, result)
+    return 0
+
+
+def _print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
+    dtype = {2: "16-bit", 4: "fp32"}[shape.dtype_bytes]
+    print(f"plan for {r['config']}: {shape.num_layers} layers ({shape.layers_per_stage} per "
+          f"stage), h={shape.hidden}, heads={shape.heads}, kv_groups={shape.groups}, "
+          f"ffn={shape.ffn_hidden}, s={shape.seq_len}, b={shape.micro_batch}, {dtype}, "
+          f"tp={shape.tp}, pp={shape.pp}, sp={shape.sequence_parallel}, "
+          f"flash={shape.flash_attention}, recompute={shape.recompute}")
+    print(f"{'layer':>5}  {'bytes':>18}  decision")
+    for row in r["layers"]:
+        print(f"{row['layer']:>5}  {row['bytes']:>18,}  {row['decision']}")
+    kept = sum(1 for row in r["layers"] if row["decision"] == KEEP)
+    rows = [
+        ("activations per layer", _bytes(r["activation_bytes_per_layer"])),
+        ("activations per micro-batch", _bytes(r["activation_bytes_per_micro_batch"])),
+        ("offloaded per step", _bytes(r["offloaded_bytes_per_step"])),
+        ("resident per micro-batch", f"{_bytes(r['resident_bytes_per_micro_batch'])}, "
+                                     f"{kept} layer(s) kept"),
+        ("step time (estimate)", f"{r['step_time_s']:.4f} s at {r['gpu_tflops']:g} TFLOP/s "
+                                 f"per GPU, {r['num_micro_batches']} micro-batch(es)"),
+        ("required write bandwidth", f"{r['required_write_gbps']:.3f} GB/s"),
+    ]
+    if r["ssd_gbps"] is None:
+        rows.append(("SSD bandwidth", "not given (--ssd-gbps): every layer but the last "
+                                      f"{r['keep_last_layers']} offloaded"))
+    else:
+        rows.append(("SSD bandwidth", f"{r['ssd_gbps']:g} GB/s: predicted IO stall "
+                                      f"{r['predicted_io_stall_s']:.4f} s, recompute "
+                                      f"{r['recompute_s']:.4f} s per step"))
+    if r["lifespan"] is None:
+        rows.append(("SSD lifespan", "not computed (needs --ssd-tbw and offloaded bytes)"))
+    else:
+        life = r["lifespan"]
+        rows.append(("SSD lifespan", f"{life['lifespan_years']:.4f} years "
+                                     f"({_bytes(life['bytes_per_day'])} per day)"))
+    best = r["largest_micro_batch"]
+    rows.append((f"largest micro-batch in {r['memory_budget_bytes'] / 1e9:g} GB",
+                 f"keep {best['keep']}, offload {best['offload']}, recompute {best['recompute']}"))
+    for name, value in rows:
+        print(f"{name:<28} {value}")

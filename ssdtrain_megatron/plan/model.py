@@ -1,0 +1,492 @@
+"""Analytic model: activation bytes per transformer layer, training FLOPs, required bandwidth.
+
+The byte counts follow what the layers actually hand to autograd (the tensors a
+``saved_tensors_hooks`` pack hook sees), one named term per saved tensor, so that the model can
+be checked term by term against what the offloader measures. With the paper's assumptions
+(:meth:`SaveProfile.paper`: 16-bit activations, 1-byte dropout masks, FFN = 4h, no
+recomputation) the terms add up to Korthikanti et al.'s ``s*b*h*(34 + 5*a*s/h)`` bytes per layer:
+
+=========================  ==========  ============================================
+term                       16-bit      divided by (TP t, sequence parallel)
+=========================  ==========  ============================================
+attn_norm_input            2sbh        t only with sequence parallel
+qkv_input                  2sbh        t only with sequence parallel
+query, key                 4sbh        t
+softmax_output             2as^2b      t   (gone with flash attention)
+attention_dropout_mask     as^2b       t   (gone with flash attention)
+attention_probs            2as^2b      t   (gone with flash attention)
+value                      2sbh        t
+proj_input                 2sbh        t
+attn_residual_dropout_mask sbh         t only with sequence parallel
+mlp_norm_input             2sbh        t only with sequence parallel
+fc1_input                  2sbh        t only with sequence parallel
+activation_input           8sbh        t   (2sbf; SwiGLU saves three sbf tensors)
+fc2_input                  8sbh        t   (2sbf)
+mlp_residual_dropout_mask  sbh         t only with sequence parallel
+=========================  ==========  ============================================
+
+Selective recomputation drops the three attention-score terms (megatron's checkpoint of the
+core attention saves query, key and value instead; key and value unexpanded under GQA); full
+recomputation keeps only the layer input ``2sbh`` (``/t`` with sequence parallel).
+
+Units: bytes and FLOPs are exact integers; bandwidths are decimal (1 GB/s = 1e9 bytes/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+PEAK_MODES = ("keep", "offload", "recompute")
+
+#: Bytes per element of the small fp32 statistics (LayerNorm mean/rstd, flash-attention LSE).
+_FP32 = 4
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"ModelShape.{name}={value!r} is invalid: {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of a GPT/Llama-style transformer and its parallel layout, as the planner sees it.
+
+    Example:
+        >>> shape = ModelShape(num_layers=24, hidden=2048, heads=16, ffn_hidden=8192,
+        ...                    seq_len=2048, micro_batch=4)
+        >>> shape.head_dim
+        128
+    """
+
+    num_layers: int
+    """Transformer layers of the whole model (all pipeline stages)."""
+
+    hidden: int
+    """Hidden size h."""
+
+    heads: int
+    """Attention heads a (query heads)."""
+
+    ffn_hidden: int
+    """FFN intermediate size f (with SwiGLU: the width of each of the two fc1 halves)."""
+
+    seq_len: int
+    """Sequence length s."""
+
+    micro_batch: int
+    """Micro-batch size b."""
+
+    kv_groups: Optional[int] = None
+    """Key/value head groups for grouped-query attention; None means multi-head (= heads)."""
+
+    dtype_bytes: int = 2
+    """Bytes per activation element: 2 for bf16/fp16, 4 for fp32."""
+
+    tp: int = 1
+    """Tensor-parallel degree t."""
+
+    pp: int = 1
+    """Pipeline-parallel degree; each stage holds num_layers / pp layers."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms, dropouts and linear inputs are split over t."""
+
+    flash_attention: bool = False
+    """Fused (flash) attention: no s x s score tensors are saved."""
+
+    swiglu: bool = False
+    """Gated linear unit with SiLU (Llama) instead of GELU."""
+
+    recompute: str = "none"
+    """Activation recomputation: 'none', 'selective' (core attention) or 'full' (whole layer)."""
+
+    vocab: Optional[int] = None
+    """Vocabulary size; when set, the output layer and loss are counted (FLOPs and memory)."""
+
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (megatron's default 0.1); 0 saves no mask."""
+
+    hidden_dropout: float = 0.1
+    """Dropout before each residual add (megatron's default 0.1); 0 saves no mask."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
+                     "tp", "pp"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                _fail(name, value, "expected an integer >= 1")
+        if self.kv_groups is not None and (not _is_int(self.kv_groups) or self.kv_groups < 1):
+            _fail("kv_groups", self.kv_groups, "expected an integer >= 1 or null (multi-head)")
+        if self.dtype_bytes not in (2, 4) or isinstance(self.dtype_bytes, bool):
+            _fail("dtype_bytes", self.dtype_bytes, "expected 2 (bf16/fp16) or 4 (fp32)")
+        for name in ("sequence_parallel", "flash_attention", "swiglu"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "expected true or false")
+        if self.recompute not in RECOMPUTE_GRANULARITIES:
+            _fail("recompute", self.recompute, "allowed: " + ", ".join(RECOMPUTE_GRANULARITIES))
+        if self.vocab is not None and (not _is_int(self.vocab) or self.vocab < 1):
+            _fail("vocab", self.vocab, "expected an integer >= 1 or null")
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                _fail(name, value, "expected a probability in [0, 1)")
+        if self.hidden % self.heads:
+            _fail("hidden", self.hidden, f"expected a multiple of heads ({self.heads})")
+        if self.heads % self.groups:
+            _fail("kv_groups", self.kv_groups, f"expected a divisor of heads ({self.heads})")
+        # Megatron replicates key/value heads when groups < tp; that layout is not modelled.
+        for name, value in (("heads", self.heads), ("kv_groups", self.groups),
+                            ("ffn_hidden", self.ffn_hidden)):
+            if value % self.tp:
+                _fail(name, value, f"expected a multiple of tp ({self.tp})")
+        if self.sequence_parallel and self.seq_len % self.tp:
+            _fail("seq_len", self.seq_len,
+                  f"expected a multiple of tp ({self.tp}) with sequence_parallel")
+        if self.sequence_parallel and self.tp == 1:
+            _fail("sequence_parallel", True, "needs tp > 1")
+        if self.num_layers % self.pp:
+            _fail("num_layers", self.num_layers, f"expected a multiple of pp ({self.pp})")
+
+    # -- derived sizes ------------------------------------------------------------------------
+
+    @property
+    def groups(self) -> int:
+        """Key/value head groups (heads for multi-head attention)."""
+        return self.kv_groups if self.kv_groups is not None else self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.num_layers // self.pp
+
+    def replace(self, **changes: Any) -> "ModelShape":
+        return dataclasses.replace(self, **changes)
+
+    # -- presets ------------------------------------------------------------------------------
+
+    PRESET_MODEL_KEYS = ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
+                         "kv_groups", "dtype", "swiglu", "flash_attention", "recompute", "vocab",
+                         "attention_dropout", "hidden_dropout")
+    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel")
+
+    @classmethod
+    def from_preset(cls, model: Mapping, parallel: Optional[Mapping] = None) -> "ModelShape":
+        """Build a shape from a preset's ``model:`` and ``parallel:`` mappings.
+
+        ``model.dtype`` is 'bf16', 'fp16' or 'fp32'; every other key is a field of this class.
+
+        Raises:
+            ValueError: an unknown key, a missing key or an invalid value, named in one line.
+        """
+        if not isinstance(model, Mapping):
+            raise ValueError(f"model: expected a mapping of model fields, got {type(model).__name__}")
+        parallel = {} if parallel is None else parallel
+        if not isinstance(parallel, Mapping):
+            raise ValueError(f"parallel: expected a mapping, got {type(parallel).__name__}")
+        for section, data, allowed in (("model", model, cls.PRESET_MODEL_KEYS),
+                                       ("parallel", parallel, cls.PRESET_PARALLEL_KEYS)):
+            unknown = sorted(str(k) for k in data if k not in allowed)
+            if unknown:
+                raise ValueError(f"{section}: unknown key(s) {', '.join(unknown)}; allowed: "
+                                 + ", ".join(allowed))
+        required = ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch")
+        missing = [k for k in required if k not in model]
+        if missing:
+            raise ValueError(f"model: missing key(s) {', '.join(missing)}")
+        fields = {k: v for k, v in model.items() if k != "dtype"}
+        if "dtype" in model:
+            if model["dtype"] not in DTYPE_BYTES:
+                raise ValueError(f"model.dtype={model['dtype']!r} is invalid: allowed: "
+                                 + ", ".join(DTYPE_BYTES))
+            fields["dtype_bytes"] = DTYPE_BYTES[model["dtype"]]
+        fields.update(parallel)
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class SaveProfile:
+    """How an implementation saves tensors for backward: the knobs that differ between the
+    paper's accounting and what a given megatron-core layer spec really hands to autograd.
+
+    Use :meth:`paper` for Korthikanti et al.'s figures and :meth:`megatron_local_cpu` for
+    megatron-core's local (unfused torch) spec as it runs on CPU in the tests.
+    """
+
+    dropout_mask_bytes: Optional[int] = 1
+    """Bytes per element of a saved dropout mask. 1: the bool mask of CUDA's fused dropout.
+    None: the activation dtype; CPU dropout multiplies by a noise tensor of the input's dtype
+    and saves that tensor instead of a bool mask."""
+
+    softmax_bytes: Optional[int] = None
+    """Bytes per element of the saved softmax output; None: the activation dtype (4 when the
+    softmax runs in fp32 on 16-bit activations)."""
+
+    small_fp32_stats: bool = False
+    """Count the small fp32 statistics: LayerNorm mean and rstd (s*b each), flash attention's
+    log-sum-exp (b*a*s). Usually below the offloader's min_tensor_bytes."""
+
+    attention_mask: bool = False
+    """Count the [1, 1, s, s] bool causal mask that unfused attention (masked_fill) and megatron's
+    recompute checkpoints save. One tensor for all layers: see ``include_shared``."""
+
+    expand_kv: bool = False
+    """Unfused attention saves key and value repeated to all query heads under GQA
+    (repeat_interleave before baddbmm/bmm); flash attention keeps them grouped."""
+
+    count_aliased_views: bool = False
+    """Count a saved view of an already-saved tensor again. With attention dropout 0 the bmm
+    saves a reshaped view of the softmax output; an offloader that keys records by
+    (storage, offset, shape, strides) writes it a second time."""
+
+    def __post_init__(self) -> None:
+        for name in ("dropout_mask_bytes", "softmax_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"SaveProfile.{name}={value!r} is invalid: "
+                                 "expected an integer >= 1 or None (activation dtype)")
+
+    @classmethod
+    def paper(cls) -> "SaveProfile":
+        """Korthikanti et al. (and the SSDTrain paper): bool dropout masks, softmax output in
+        the activation dtype, no small statistics, no attention mask."""
+        return cls()
+
+    @classmethod
+    def megatron_local_cpu(cls) -> "SaveProfile":
+        """megatron-core's ``get_gpt_layer_local_spec`` on CPU: dropout noise tensors in the
+        activation dtype, LayerNorm statistics, the causal mask, expanded GQA key/value and
+        every distinct view counted (as an identity-keyed offloader records them)."""
+        return cls(dropout_mask_bytes=None, softmax_bytes=None, small_fp32_stats=True,
+                   attention_mask=True, expand_kv=True, count_aliased_views=True)
+
+
+PAPER = SaveProfile.paper()
+
+
+def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
+                           include_shared: bool = True) -> Dict[str, int]:
+    """Bytes saved for backward by one transformer layer for one micro-batch on one rank.
+
+    One entry per saved tensor, in forward save order; tensors the configuration does not
+    save are absent. ``include_shared`` counts tensors every layer saves by reference to one
+    object (the causal attention mask); an offloader that deduplicates writes it once, in the
+    first layer.
+    """
+    d = shape.dtype_bytes
+    t = shape.tp
+    s, b, h = shape.seq_len, shape.micro_batch, shape.hidden
+    a, f = shape.heads, shape.ffn_hidden
+    mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
+    soft_b = d if profile.softmax_bytes is None else profile.softmax_bytes
+    # Norms, dropouts and linear inputs see the whole sequence unless sequence parallel
+    # splits it; everything between the column- and row-parallel linears is split by heads.
+    sp_tokens = (s // t if shape.sequence_parallel else s) * b
+    tokens = s * b
+    kv_width = shape.groups * shape.head_dim
+    unfused = not shape.flash_attention
+    shared_mask = include_shared and profile.attention_mask and unfused
+    terms: Dict[str, int] = {}
+
+    if shape.recompute == "full":
+        # megatron's checkpoint saves the layer's arguments: hidden states (and the mask).
+        terms["layer_input"] = d * sp_tokens * h
+        if shared_mask:
+            terms["attention_mask"] = s * s
+        return terms
+
+    def norm(prefix: str) -> None:
+        terms[f"{prefix}_input"] = d * sp_tokens * h
+        if profile.small_fp32_stats:
+            terms[f"{prefix}_mean"] = _FP32 * sp_tokens
+            terms[f"{prefix}_rstd"] = _FP32 * sp_tokens
+
+    norm("attn_norm")
+    terms["qkv_input"] = d * sp_tokens * h
+    if shape.recompute == "selective":
+        # The checkpoint of the core attention saves its inputs, before any GQA expansion.
+        terms["query"] = d * tokens * h // t
+        terms["key"] = d * tokens * kv_width // t
+        terms["value"] = d * tokens * kv_width // t
+        if shared_mask:
+            terms["attention_mask"] = s * s
+    elif unfused:
+        kv_saved = h if profile.expand_kv else kv_width
+        scores = a * s * s * b // t
+        terms["query"] = d * tokens * h // t
+        terms["key"] = d * tokens * kv_saved // t
+        if shared_mask:
+            terms["attention_mask"] = s * s
+        terms["softmax_output"] = soft_b * scores
+        if shape.attention_dropout > 0:
+            terms["attention_dropout_mask"] = mask_b * scores
+            terms["attention_probs"] = d * scores
+        elif soft_b != d:
+            terms["attention_probs"] = d * scores  # the cast back to the activation dtype
+        elif profile.count_aliased_views:
+            terms["attention_probs"] = d * scores  # a view of softmax_output
+        terms["value"] = d * tokens * kv_saved // t
+    else:
+        # Flash attention saves q, k, v, its output (the proj input below, one tensor) and
+        # the log-sum-exp of each row.
+        terms["query"] = d * tokens * h // t
+        terms["key"] = d * tokens * kv_width // t
+        terms["value"] = d * tokens * kv_width // t
+        if profile.small_fp32_stats:
+            terms["attention_lse"] = _FP32 * b * a * s // t
+    terms["proj_input"] = d * tokens * h // t
+    if shape.hidden_dropout > 0:
+        terms["attn_residual_dropout_mask"] = mask_b * sp_tokens * h
+    norm("mlp_norm")
+    terms["fc1_input"] = d * sp_tokens * h
+    if shape.swiglu:
+        # silu(gate) * up: silu saves its input, the product saves both of its operands.
+        terms["swiglu_gate_input"] = d * tokens * f // t
+        terms["swiglu_gate_output"] = d * tokens * f // t
+        terms["swiglu_up"] = d * tokens * f // t
+    else:
+        terms["activation_input"] = d * tokens * f // t
+    terms["fc2_input"] = d * tokens * f // t
+    if shape.hidden_dropout > 0:
+        terms["mlp_residual_dropout_mask"] = mask_b * sp_tokens * h
+    return terms
+
+
+def layer_activation_bytes(shape: ModelShape, profile: SaveProfile = PAPER, *,
+                           min_tensor_bytes: int = 0, include_shared: bool = True) -> int:
+    """Sum of :func:`layer_activation_terms`, counting only tensors of at least
+    ``min_tensor_bytes`` (the offloader passes smaller ones through)."""
+    terms = layer_activation_terms(shape, profile, include_shared=include_shared)
+    return sum(v for v in terms.values() if v >= min_tensor_bytes)
+
+
+def head_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER) -> Dict[str, int]:
+    """Bytes saved outside the transformer layers for one micro-batch (embedding dropout,
+    final norm, output layer, loss); empty unless ``vocab`` is set. The loss term assumes
+    megatron's vocab-parallel cross entropy, which keeps fp32 softmax logits (vocab padded
+    up to a multiple of tp)."""
+    if shape.vocab is None:
+        return {}
+    d, t = shape.dtype_bytes, shape.tp
+    s, b, h = shape.seq_len, shape.micro_batch, shape.hidden
+    mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
+    sp_tokens = (s // t if shape.sequence_parallel else s) * b
+    terms: Dict[str, int] = {}
+    if shape.hidden_dropout > 0:
+        terms["embedding_dropout_mask"] = mask_b * sp_tokens * h
+    terms["final_norm_input"] = d * sp_tokens * h
+    if profile.small_fp32_stats:
+        terms["final_norm_mean"] = _FP32 * sp_tokens
+        terms["final_norm_rstd"] = _FP32 * sp_tokens
+    terms["output_layer_input"] = d * sp_tokens * h
+    terms["loss_softmax"] = _FP32 * s * b * (-(-shape.vocab // t))
+    return terms
+
+
+# -- compute -----------------------------------------------------------------------------------
+
+
+def forward_flops_per_layer(shape: ModelShape) -> int:
+    """Matmul FLOPs of one layer's forward for one micro-batch, summed over the TP ranks.
+
+    QKV 2sbh(h + 2*g*hd), scores and attention over values 4bs^2h (the full square, as
+    megatron's own formula counts it), output projection 2sbh^2, MLP 4sbhf (6sbhf with SwiGLU).
+    """
+    s, b, h, f = shape.seq_len, shape.micro_batch, shape.hidden, shape.ffn_hidden
+    kv_width = shape.groups * shape.head_dim
+    qkv = 2 * s * b * h * (h + 2 * kv_width)
+    attention = 4 * b * s * s * h
+    proj = 2 * s * b * h * h
+    mlp = 2 * s * b * h * f * (3 if shape.swiglu else 2)
+    return qkv + attention + proj + mlp
+
+
+def training_flops_per_micro_batch(shape: ModelShape) -> int:
+    """FLOPs of forward + backward (2x forward) for one micro-batch of the whole model, plus
+    the recomputed forward (full: every layer; selective: the attention core). For a GPT with
+    f = 4h, MHA and GELU this equals megatron's ``72 B s L h^2 (1 + s/6h + V/12hL)``."""
+    layer = forward_flops_per_layer(shape)
+    head = 2 * shape.seq_len * shape.micro_batch * shape.hidden * (shape.vocab or 0)
+    total = 3 * (shape.num_layers * layer + head)
+    if shape.recompute == "full":
+        total += shape.num_layers * layer
+    elif shape.recompute == "selective":
+        total += shape.num_layers * 4 * shape.micro_batch * shape.seq_len ** 2 * shape.hidden
+    return total
+
+
+def estimate_step_time_s(shape: ModelShape, sustained_tflops: float,
+                         num_micro_batches: int = 1) -> float:
+    """Seconds per training step on one GPU: the step's FLOPs split over tp * pp GPUs at a
+    sustained ``sustained_tflops`` (1e12 FLOP/s); pipeline bubbles are not counted."""
+    if not sustained_tflops > 0:
+        raise ValueError(f"sustained_tflops={sustained_tflops!r} is invalid: expected > 0")
+    flops = training_flops_per_micro_batch(shape) * num_micro_batches
+    return flops / (shape.tp * shape.pp) / (sustained_tflops * 1e12)
+
+
+def required_write_gbps(offloaded_bytes_per_step: float, step_time_s: float) -> float:
+    """Write bandwidth (GB/s, 1e9 bytes/s) that hides the offload: the step's offloaded bytes
+    must be written while half the step runs (the paper's Sec. III-D)."""
+    if not step_time_s > 0:
+        raise ValueError(f"step_time_s={step_time_s!r} is invalid: expected > 0")
+    return offloaded_bytes_per_step / (step_time_s / 2) / 1e9
+
+
+# -- memory per mode ---------------------------------------------------------------------------
+
+
+def peak_activation_bytes(shape: ModelShape, mode: str, profile: SaveProfile = PAPER, *,
+                          kept_layers: int = 1, resident_bytes: Optional[int] = None) -> int:
+    """Peak activation bytes on one GPU of the first pipeline stage (which holds pp
+    micro-batches in flight under 1F1B).
+
+    keep:      every layer of every in-flight micro-batch, with ``shape.recompute`` as given.
+    offload:   ``kept_layers`` layers of the micro-batch in backward (or, when given, its
+               ``resident_bytes`` from a plan), plus one layer being written or read back;
+               other micro-batches are entirely on disk.
+    recompute: full recomputation: each layer's input for every in-flight micro-batch, plus
+               one layer re-created during its backward.
+    Layers outside the transformer (``vocab``) are added in every mode.
+    """
+    if mode not in PEAK_MODES:
+        raise ValueError(f"mode={mode!r} is invalid: allowed: " + ", ".join(PEAK_MODES))
+    head = sum(head_activation_terms(shape, profile).values())
+    layer = layer_activation_bytes(shape, profile)
+    if mode == "keep":
+        return shape.pp * shape.layers_per_stage * layer + head
+    if mode == "offload":
+        if resident_bytes is None:
+            resident_bytes = min(kept_layers, shape.layers_per_stage) * layer
+        return resident_bytes + layer + head
+    full = shape.replace(recompute="full")
+    unrecomputed = layer_activation_bytes(shape.replace(recompute="none"), profile)
+    return shape.pp * shape.layers_per_stage * layer_activation_bytes(full, profile) \
+        + unrecomputed + head
+
+
+def largest_micro_batch(fits: Callable[[int], bool], limit: int = 1 << 16) -> int:
+    """Largest b in [1, limit] with ``fits(b)`` true, for a ``fits`` that is true up to some
+    b and false beyond it; 0 when even b = 1 does not fit."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:  # fits(low) holds, fits(high) does not (or high is past the limit)
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low

@@ -1,0 +1,373 @@
+"""Analytic model of activation bytes, FLOPs and bandwidth, and `ssdtrain plan`."""
+
+import argparse
+import json
+
+import pytest
+
+from ssdtrain_megatron.plan.cli import add_lifespan_parser, add_plan_parser
+from ssdtrain_megatron.plan.lifespan import ssd_lifespan
+from ssdtrain_megatron.plan.model import (ModelShape, SaveProfile, estimate_step_time_s,
+                                          forward_flops_per_layer, head_activation_terms,
+                                          largest_micro_batch, layer_activation_bytes,
+                                          layer_activation_terms, peak_activation_bytes,
+                                          required_write_gbps, training_flops_per_micro_batch)
+
+# A GPT shape in the paper's range: s=2048, b=4, h=4096, a=32, f=4h, 16-bit.
+S, B, H, A = 2048, 4, 4096, 32
+GPT = ModelShape(num_layers=32, hidden=H, heads=A, ffn_hidden=4 * H, seq_len=S, micro_batch=B)
+SBH = S * B * H
+AS2B = A * S * S * B
+
+
+# -- Korthikanti et al. -----------------------------------------------------------------------
+
+
+def test_no_recompute_matches_korthikanti():
+    assert layer_activation_bytes(GPT) == 34 * SBH + 5 * AS2B
+
+
+def test_flash_attention_drops_the_score_term():
+    assert layer_activation_bytes(GPT.replace(flash_attention=True)) == 34 * SBH
+
+
+def test_tensor_parallel_splits_all_but_norms_dropouts_and_linear_inputs():
+    shape = GPT.replace(tp=8)
+    assert layer_activation_bytes(shape) == 10 * SBH + 24 * SBH // 8 + 5 * AS2B // 8
+
+
+def test_sequence_parallel_splits_the_rest():
+    shape = GPT.replace(tp=8, sequence_parallel=True)
+    assert layer_activation_bytes(shape) == (34 * SBH + 5 * AS2B) // 8
+
+
+def test_selective_recompute_drops_the_attention_core():
+    shape = GPT.replace(tp=8, sequence_parallel=True, recompute="selective")
+    assert layer_activation_bytes(shape) == 34 * SBH // 8
+
+
+def test_full_recompute_keeps_only_the_layer_input():
+    assert layer_activation_terms(GPT.replace(recompute="full")) == {"layer_input": 2 * SBH}
+    shape = GPT.replace(tp=4, sequence_parallel=True, recompute="full")
+    assert layer_activation_bytes(shape) == 2 * SBH // 4
+
+
+def test_paper_terms_by_name():
+    sbh = SBH
+    assert layer_activation_terms(GPT) == {
+        "attn_norm_input": 2 * sbh, "qkv_input": 2 * sbh, "query": 2 * sbh, "key": 2 * sbh,
+        "softmax_output": 2 * AS2B, "attention_dropout_mask": AS2B,
+        "attention_probs": 2 * AS2B, "value": 2 * sbh, "proj_input": 2 * sbh,
+        "attn_residual_dropout_mask": sbh, "mlp_norm_input": 2 * sbh, "fc1_input": 2 * sbh,
+        "activation_input": 8 * sbh, "fc2_input": 8 * sbh, "mlp_residual_dropout_mask": sbh,
+    }
+
+
+def test_gqa_with_flash_attention_saves_grouped_key_and_value():
+    shape = GPT.replace(kv_groups=8, flash_attention=True)
+    terms = layer_activation_terms(shape)
+    assert terms["key"] == terms["value"] == 2 * S * B * 8 * (H // A)
+    assert layer_activation_bytes(shape) == 34 * SBH - 2 * (2 * SBH - 2 * S * B * 1024)
+
+
+def test_swiglu_saves_gate_input_gate_output_and_up_projection():
+    shape = GPT.replace(swiglu=True, ffn_hidden=11008, flash_attention=True)
+    terms = layer_activation_terms(shape)
+    sbf = S * B * 11008
+    assert [terms[k] for k in ("swiglu_gate_input", "swiglu_gate_output", "swiglu_up",
+                               "fc2_input")] == [2 * sbf] * 4
+    assert layer_activation_bytes(shape) == 18 * SBH + 8 * sbf
+
+
+def test_no_dropout_saves_no_masks_and_one_softmax_output():
+    shape = GPT.replace(attention_dropout=0.0, hidden_dropout=0.0)
+    assert layer_activation_bytes(shape) == 32 * SBH + 2 * AS2B
+
+
+# -- megatron-core local spec, fp32 on CPU ------------------------------------------------------
+# Reference bytes were measured with a saved_tensors_hooks pack hook around one TransformerLayer
+# built from get_gpt_layer_local_spec() (megatron-core 0.16.1, torch CPU, fp32, dropout 0.1),
+# counting every saved tensor that is not a parameter, each distinct (storage, offset, shape,
+# stride) once. CPU dropout saves an fp32 noise tensor, not a bool mask.
+
+LOCAL = SaveProfile.megatron_local_cpu()
+TINY = ModelShape(num_layers=1, hidden=64, heads=4, ffn_hidden=256, seq_len=32, micro_batch=2,
+                  dtype_bytes=4)
+
+
+@pytest.mark.parametrize("changes, measured", [
+    ({}, 395264),
+    ({"kv_groups": 2}, 395264),  # key and value are repeat_interleave'd to all heads
+    ({"swiglu": True}, 526336),
+    ({"attention_dropout": 0.0, "hidden_dropout": 0.0}, 329728),
+    ({"recompute": "selective"}, 296960),  # + a 4-byte int32 the checkpoint saves, not modelled
+    ({"recompute": "selective", "kv_groups": 2}, 280576),
+    ({"hidden": 96, "heads": 6, "ffn_hidden": 200, "seq_len": 48, "micro_batch": 3,
+      "kv_groups": 3, "swiglu": True}, 1516032),
+])
+def test_local_spec_profile_matches_bytes_measured_on_megatron_core(changes, measured):
+    assert layer_activation_bytes(TINY.replace(**changes), LOCAL) == measured
+
+
+def test_local_spec_terms_by_name():
+    assert layer_activation_terms(TINY, LOCAL) == {
+        "attn_norm_input": 16384, "attn_norm_mean": 256, "attn_norm_rstd": 256,
+        "qkv_input": 16384, "query": 16384, "key": 16384, "attention_mask": 1024,
+        "softmax_output": 32768, "attention_dropout_mask": 32768, "attention_probs": 32768,
+        "value": 16384, "proj_input": 16384, "attn_residual_dropout_mask": 16384,
+        "mlp_norm_input": 16384, "mlp_norm_mean": 256, "mlp_norm_rstd": 256,
+        "fc1_input": 16384, "activation_input": 65536, "fc2_input": 65536,
+        "mlp_residual_dropout_mask": 16384,
+    }
+
+
+def test_small_tensors_and_the_shared_mask_can_be_left_out():
+    assert layer_activation_bytes(TINY, LOCAL, min_tensor_bytes=512) == 395264 - 4 * 256
+    assert layer_activation_bytes(TINY, LOCAL, include_shared=False) == 395264 - 1024
+
+
+def test_softmax_in_fp32_on_16_bit_activations_saves_a_cast_copy_without_dropout():
+    shape = GPT.replace(attention_dropout=0.0)
+    terms = layer_activation_terms(shape, SaveProfile(softmax_bytes=4))
+    assert terms["softmax_output"] == 4 * AS2B
+    assert terms["attention_probs"] == 2 * AS2B
+
+
+def test_head_terms_count_the_output_layer_and_fp32_loss():
+    shape = GPT.replace(vocab=50304, tp=2)
+    assert head_activation_terms(shape) == {
+        "embedding_dropout_mask": SBH, "final_norm_input": 2 * SBH,
+        "output_layer_input": 2 * SBH, "loss_softmax": 4 * S * B * 25152,
+    }
+    assert head_activation_terms(GPT) == {}
+
+
+# -- FLOPs, step time, bandwidth ---------------------------------------------------------------
+
+
+def test_training_flops_match_megatrons_formula():
+    shape = GPT.replace(vocab=51200)
+    L, V = shape.num_layers, 51200
+    # 72 B s L h^2 (1 + s/(6h) + V/(12 h L)), multiplied out.
+    assert training_flops_per_micro_batch(shape) == \
+        72 * B * S * L * H * H + 12 * B * S * S * L * H + 6 * B * S * H * V
+
+
+def test_recompute_adds_the_recomputed_forward():
+    base = training_flops_per_micro_batch(GPT)
+    assert training_flops_per_micro_batch(GPT.replace(recompute="full")) == \
+        base + 32 * forward_flops_per_layer(GPT)
+    assert training_flops_per_micro_batch(GPT.replace(recompute="selective")) == \
+        base + 32 * 4 * B * S * S * H
+
+
+def test_gqa_and_swiglu_flops():
+    shape = ModelShape(num_layers=1, hidden=4096, heads=32, ffn_hidden=11008, seq_len=4096,
+                       micro_batch=1, kv_groups=8, swiglu=True)
+    s, h = 4096, 4096
+    assert forward_flops_per_layer(shape) == \
+        2 * s * h * (h + 2 * 1024) + 4 * s * s * h + 2 * s * h * h + 6 * s * h * 11008
+
+
+def test_step_time_splits_flops_over_tp_and_pp():
+    shape = GPT.replace(tp=2, pp=4)
+    flops = training_flops_per_micro_batch(shape)
+    assert estimate_step_time_s(shape, 200.0, num_micro_batches=8) == \
+        flops * 8 / 8 / (200.0 * 1e12)
+
+
+def test_required_write_bandwidth_is_bytes_over_half_the_step():
+    assert required_write_gbps(1.8e12, 10.0) == 360.0
+    with pytest.raises(ValueError):
+        required_write_gbps(1.0, 0.0)
+
+
+# -- memory per mode --------------------------------------------------------------------------
+
+
+def test_peak_activation_bytes_per_mode():
+    shape = GPT.replace(pp=4)  # 8 layers per stage, 4 micro-batches in flight
+    layer = 34 * SBH + 5 * AS2B
+    assert peak_activation_bytes(shape, "keep") == 4 * 8 * layer
+    assert peak_activation_bytes(shape, "offload", kept_layers=1) == 2 * layer
+    assert peak_activation_bytes(shape, "offload", resident_bytes=7) == 7 + layer
+    assert peak_activation_bytes(shape, "recompute") == 4 * 8 * 2 * SBH + layer
+
+
+def test_largest_micro_batch_searches_the_boundary():
+    assert largest_micro_batch(lambda b: 7 * b <= 100) == 14
+    assert largest_micro_batch(lambda b: False) == 0
+    assert largest_micro_batch(lambda b: True, limit=1000) == 1000
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"hidden": 100}, "ModelShape.hidden=100 is invalid: expected a multiple of heads (32)"),
+    ({"kv_groups": 5}, "ModelShape.kv_groups=5 is invalid: expected a divisor of heads (32)"),
+    ({"tp": 3}, "ModelShape.heads=32 is invalid: expected a multiple of tp (3)"),
+    ({"recompute": "some"}, "ModelShape.recompute='some' is invalid: allowed: none, selective, full"),
+    ({"dtype_bytes": 3}, "ModelShape.dtype_bytes=3 is invalid: expected 2 (bf16/fp16) or 4 (fp32)"),
+    ({"micro_batch": 0}, "ModelShape.micro_batch=0 is invalid: expected an integer >= 1"),
+    ({"sequence_parallel": True}, "ModelShape.sequence_parallel=True is invalid: needs tp > 1"),
+    ({"pp": 5}, "ModelShape.num_layers=32 is invalid: expected a multiple of pp (5)"),
+])
+def test_invalid_shapes_name_the_field(changes, message):
+    with pytest.raises(ValueError) as err:
+        GPT.replace(**changes)
+    assert str(err.value) == message
+
+
+def test_preset_rejects_unknown_keys_and_dtypes():
+    model = {"num_layers": 2, "hidden": 64, "heads": 4, "ffn_hidden": 256, "seq_len": 32,
+             "micro_batch": 2}
+    with pytest.raises(ValueError, match=r"^model: unknown key\(s\) hiden; allowed: "):
+        ModelShape.from_preset({**model, "hiden": 64})
+    with pytest.raises(ValueError, match=r"^model.dtype='int8' is invalid: allowed: bf16, fp16, fp32$"):
+        ModelShape.from_preset({**model, "dtype": "int8"})
+    with pytest.raises(ValueError, match=r"^parallel: unknown key\(s\) dp"):
+        ModelShape.from_preset(model, {"dp": 2})
+    assert ModelShape.from_preset({**model, "dtype": "fp32"}, {"tp": 2}).dtype_bytes == 4
+
+
+# -- ssdtrain plan ----------------------------------------------------------------------------
+
+PRESET = """\
+model:
+  num_layers: 4
+  hidden: 64
+  heads: 4
+  ffn_hidden: 256
+  seq_len: 32
+  micro_batch: 2
+  dtype: bf16
+parallel:
+  tp: 1
+  pp: 1
+  sequence_parallel: false
+offload:
+  keep_last_layers: 1
+  dirs: [/tmp/ssdtrain]
+"""
+# One layer at b=2: 34 sbh + 5 as^2 b = 139264 + 40960 bytes; forward 6815744 FLOPs.
+LAYER_BYTES = 180224
+STEP_FLOPS = 3 * 4 * 6815744
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(prog="ssdtrain")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_lifespan_parser(sub)
+    add_plan_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+@pytest.fixture
+def preset(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(PRESET)
+    return str(path)
+
+
+def plan_json(capsys, preset, *extra):
+    assert main(["plan", "--config", preset, "--gpu-tflops", "0.001", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_without_ssd_bandwidth_offloads_all_but_the_last_layer(capsys, preset):
+    out = plan_json(capsys, preset, "--memory-budget-gb", "0.01")
+    assert [row["decision"] for row in out["layers"]] == ["offload"] * 3 + ["keep"]
+    assert [row["bytes"] for row in out["layers"]] == [LAYER_BYTES] * 4
+    assert out["activation_bytes_per_layer"] == LAYER_BYTES
+    assert out["offloaded_bytes_per_step"] == 3 * LAYER_BYTES
+    assert out["resident_bytes_per_micro_batch"] == LAYER_BYTES
+    step = STEP_FLOPS / 1 / 1 / (0.001 * 1e12)
+    assert out["step_time_s"] == step
+    assert out["required_write_gbps"] == 3 * LAYER_BYTES / (step / 2) / 1e9
+    assert out["lifespan"] is None
+    # 1e7 bytes: keep 4 layers (27 x 4 x 90112 fits), offload 2 layers' worth,
+    # recompute 4 layer inputs (2sbh = 4096 per sample) plus one full layer.
+    assert out["largest_micro_batch"] == {"keep": 27, "offload": 55, "recompute": 93}
+
+
+def test_plan_micro_batch_flag_overrides_the_preset(capsys, preset):
+    out = plan_json(capsys, preset, "--micro-batch", "8")
+    assert out["activation_bytes_per_layer"] == 4 * LAYER_BYTES
+    assert out["model"]["micro_batch"] == 8
+
+
+def test_plan_with_a_slow_ssd_keeps_or_recomputes(capsys, preset):
+    out = plan_json(capsys, preset, "--ssd-gbps", "0.0001")
+    assert [row["decision"] for row in out["layers"]] == ["keep"] * 4
+    assert out["offloaded_bytes_per_step"] == 0
+    assert out["predicted_io_stall_s"] == 0.0
+    out = plan_json(capsys, preset, "--ssd-gbps", "0.0001", "--recompute-fallback")
+    assert [row["decision"] for row in out["layers"]] == ["recompute"] * 3 + ["keep"]
+    assert out["resident_bytes_per_micro_batch"] == LAYER_BYTES + 3 * 2 * 32 * 2 * 64
+
+
+def test_plan_with_a_fast_ssd_reports_the_lifespan(capsys, preset):
+    out = plan_json(capsys, preset, "--ssd-gbps", "1000", "--ssd-tbw", "600", "--drives", "4",
+                    "--num-micro-batches", "8")
+    assert [row["decision"] for row in out["layers"]] == ["offload"] * 3 + ["keep"]
+    assert out["offloaded_bytes_per_step"] == 8 * 3 * LAYER_BYTES
+    assert out["predicted_io_stall_s"] == 0.0
+    step = STEP_FLOPS * 8 / 1 / (0.001 * 1e12)
+    assert out["required_write_gbps"] == 8 * 3 * LAYER_BYTES / (step / 2) / 1e9
+    assert out["lifespan"] == ssd_lifespan(4, 600.0, out["required_write_gbps"], 0.5).to_dict()
+
+
+def test_plan_prints_a_table(capsys, preset):
+    assert main(["plan", "--config", preset, "--gpu-tflops", "0.001",
+                 "--memory-budget-gb", "0.01"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:6] == [
+        "layer               bytes  decision",
+        "    0             180,224  offload",
+        "    1             180,224  offload",
+        "    2             180,224  offload",
+        "    3             180,224  keep",
+    ]
+    assert "offloaded per step           540,672 B (540.672 kB)" in lines
+    assert "largest micro-batch in 0.01 GB keep 27, offload 55, recompute 93" in lines
+
+
+def test_plan_rejects_a_bad_preset_in_one_line(capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(PRESET.replace("hidden: 64", "hiden: 64"))
+    assert main(["plan", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1
+    assert err[0].startswith(f"ssdtrain plan: error: {path}: model: unknown key(s) hiden; ")
+
+
+def test_plan_rejects_a_bad_offload_section(capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(PRESET.replace("keep_last_layers: 1", "keep_last_layers: -1"))
+    assert main(["plan", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"ssdtrain plan: error: {path}: OffloadConfig.keep_last_layers=-1 is invalid: "
+        "expected an integer >= 0\n")
+
+
+def test_plan_rejects_a_missing_preset(capsys, tmp_path):
+    missing = str(tmp_path / "none.yaml")
+    assert main(["plan", "--config", missing]) == 2
+    assert capsys.readouterr().err == (
+        f"ssdtrain plan: error: --config: cannot read {missing!r}: No such file or directory\n")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--micro-batch", "0", "argument --micro-batch: expected an integer >= 1, got '0'"),
+    ("--gpu-tflops", "-1", "argument --gpu-tflops: expected a number > 0, got '-1'"),
+    ("--ssd-gbps", "fast", "argument --ssd-gbps: expected a number > 0, got 'fast'"),
+    ("--drives", "0", "argument --drives: expected an integer >= 1, got '0'"),
+    ("--memory-budget-gb", "inf", "argument --memory-budget-gb: expected a number > 0, got 'inf'"),
+])
+def test_plan_rejects_bad_flags_naming_the_flag(capsys, preset, flag, value, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", preset, flag, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"ssdtrain plan: error: {message}"
