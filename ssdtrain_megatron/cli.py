@@ -18,12 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ssdtrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from .corebench import add_core_bench_parser
     from .demo import add_demo_parser
     from .plan.cli import add_lifespan_parser, add_plan_parser
 
     add_demo_parser(sub)
     add_plan_parser(sub)
     add_lifespan_parser(sub)
+    add_core_bench_parser(sub)
     return parser
 
 

@@ -99,6 +99,25 @@ class OffloadConfig:
     io_timeout_s: float = 300.0
     """Every wait on IO raises after this many seconds, naming what was pending."""
 
+    memory_budget_bytes: Optional[int] = None
+    """Adaptive policy: activation bytes of one micro-batch allowed to stay in memory. None:
+    as little as possible without stalling on IO."""
+
+    recompute_fallback: bool = False
+    """Layers that cannot be offloaded without stalling are recomputed instead (Megatron
+    integration: they run under megatron's own tensor_parallel.checkpoint)."""
+
+    recompute_layers: list = field(default_factory=list)
+    """Static recompute plan: layer numbers (1-based, as Megatron numbers them) run under
+    checkpointing instead of being offloaded, when recompute_fallback is on."""
+
+    replan_io_wait_fraction: float = 0.05
+    """Adaptive policy: re-plan when a step waits on IO for more than this fraction of it."""
+
+    bandwidth_cap_gbps: Optional[float] = None
+    """Cap on the engine's bandwidth in GB/s (reads and writes share it), emulating a slower
+    drive: for tests and what-if runs. None: no cap."""
+
     job: Optional[str] = None
     """Job id for the {job} placeholder and directory names; default: SLURM_JOB_ID,
     TORCHELASTIC_RUN_ID, or 'local'."""
@@ -146,6 +165,21 @@ class OffloadConfig:
                 or not self.io_timeout_s > 0:
             _fail("io_timeout_s", self.io_timeout_s, "expected a number of seconds > 0")
         self.io_timeout_s = float(self.io_timeout_s)
+        if self.memory_budget_bytes is not None and (isinstance(self.memory_budget_bytes, bool) or not isinstance(
+                self.memory_budget_bytes, int) or self.memory_budget_bytes < 0):
+            _fail("memory_budget_bytes", self.memory_budget_bytes, "expected an integer >= 0 or null")
+        if not isinstance(self.recompute_fallback, bool):
+            _fail("recompute_fallback", self.recompute_fallback, "expected true or false")
+        if not isinstance(self.recompute_layers, (list, tuple)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.recompute_layers):
+            _fail("recompute_layers", self.recompute_layers, "expected a list of layer numbers >= 1")
+        self.recompute_layers = list(self.recompute_layers)
+        if isinstance(self.replan_io_wait_fraction, bool) or not isinstance(self.replan_io_wait_fraction, (int, float)) \
+                or not 0 < self.replan_io_wait_fraction < 1:
+            _fail("replan_io_wait_fraction", self.replan_io_wait_fraction, "expected a number in (0, 1)")
+        if self.bandwidth_cap_gbps is not None and (isinstance(self.bandwidth_cap_gbps, bool) or not isinstance(
+                self.bandwidth_cap_gbps, (int, float)) or not self.bandwidth_cap_gbps > 0):
+            _fail("bandwidth_cap_gbps", self.bandwidth_cap_gbps, "expected GB/s > 0 or null")
         if self.job is not None and (not isinstance(self.job, str) or not self.job
                                      or "/" in self.job or self.job in (".", "..")):
             _fail("job", self.job, "expected a non-empty name without '/'")

@@ -18,12 +18,14 @@ def tiny_gpt(seed=0, **kw):
     return TinyGPT(**kw)
 
 
-def run_steps(model, batches, offloader=None, steps=2, schedule=None, annotate=True, lr=0.01):
+def run_steps(model, batches, offloader=None, steps=2, schedule=None, annotate=True, lr=0.01,
+              wait_writes=False):
     """Train a deepcopy of ``model``; returns (losses, grads of the last step, stats list).
 
     ``batches[mb]`` is one micro-batch; ``schedule`` is a list of ("F", mb) / ("B", mb) in
     execution order (default: forward then backward per micro-batch). Gradients accumulate
-    over micro-batches, SGD steps once per step.
+    over micro-batches, SGD steps once per step. ``wait_writes``: let every write finish
+    before each backward, so that backward reads from the drive instead of forwarding.
     """
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -38,6 +40,8 @@ def run_steps(model, batches, offloader=None, steps=2, schedule=None, annotate=T
                 losses.append(pending[mb].detach().clone())
             else:
                 if offloader is not None:
+                    if wait_writes:
+                        offloader.wait_writes()
                     offloader.begin_backward(mb)
                 (pending.pop(mb) / len(batches)).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -16,6 +16,7 @@ from ..config import OffloadConfig
 from ..io import IOEngine, make_engine
 from ..io import cleanup
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
+from .adaptive import AdaptivePlanner
 from .identity import dedup_key, pass_reason, storage_ref
 from .microbatch import MicroBatch
 from .record import State, TensorRecord
@@ -90,7 +91,7 @@ class ActivationOffloader:
         self._param_storages: Set[int] = set()
         self._current: Optional[MicroBatch] = None
         self._layer: Optional[Hashable] = None
-        self._decision: str = "keep" if config.policy == "keep" else "offload"
+        self._planner = AdaptivePlanner(config) if config.policy == "adaptive" else None
         self._layer_decisions: Dict[Hashable, str] = {}
         self._inflight_bytes = 0
         self._c = StepCounters()
@@ -151,19 +152,29 @@ class ActivationOffloader:
         """Forward of one layer (an int, or a tuple that sorts in forward order)."""
         if decision is not None:
             self.set_layer_decision(key, decision)
+        forward = torch._C._current_graph_task_id() == -1  # not a recompute inside backward
         with self._lock:
             prev = self._layer
             self._layer = key
             mb = self._current
-            if mb is not None:
+            if mb is not None and forward:
                 idx = mb.enter_layer(key)
                 keep = self.config.keep_last_layers
                 self._submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
+        t0 = time.perf_counter()
         try:
             yield
         finally:
             with self._lock:
                 self._layer = prev
+                if mb is not None and forward:
+                    self._c.layer(key, self.decision_for(key)).forward_s += time.perf_counter() - t0
+
+    def decision_for(self, layer: Hashable) -> str:
+        """What the plan says for a layer: 'offload', 'keep' or 'recompute'."""
+        if self.config.policy == "keep":
+            return "keep"
+        return self._layer_decisions.get(layer, "offload")
 
     def begin_backward(self, key: Hashable) -> None:
         """Hint: the backward of micro-batch ``key`` is next. Its deferred last layers stay in
@@ -200,6 +211,12 @@ class ActivationOffloader:
             stats = self._c.freeze(self._step, write, read,
                                    self._engine.bytes_on_disk if self._engine else 0,
                                    now - self._step_started)
+            if self._planner is not None:
+                order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
+                new = self._planner.update(stats, order, {r.layer: r for r in stats.layers},
+                                           len(self._microbatches))
+                if new:
+                    self._layer_decisions.update(new)
             self._c = StepCounters()
             self._dedup.clear()
             self._microbatches.clear()
@@ -261,7 +278,7 @@ class ActivationOffloader:
             layer = self._layer
             rec = TensorRecord(next(self._ids), t, mb.key if mb else None, layer)
             rec.handles = 1
-            rec.decision = self._layer_decisions.get(layer, self._decision) if self._decision != "keep" else "keep"
+            rec.decision = self.decision_for(layer)
             self._records[rec.id] = rec
             self._dedup[key] = (rec, storage_ref(t))
             self._c.add_resident(rec.nbytes)

@@ -43,4 +43,9 @@ def make_engine(config: OffloadConfig, ident: Optional[Identity] = None) -> IOEn
     ok, why = cls.is_available()
     if not ok:
         raise EngineUnavailable(f"engine {config.engine!r} cannot run here: {why}")
-    return cls(config, ident)
+    engine = cls(config, ident)
+    if config.bandwidth_cap_gbps is not None:
+        from .throttle import ThrottledEngine
+
+        engine = ThrottledEngine(engine, config.bandwidth_cap_gbps)
+    return engine

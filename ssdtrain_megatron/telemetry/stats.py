@@ -21,6 +21,8 @@ class LayerStats:
     decision: str
     """'offload', 'keep' or 'recompute' (what the plan asked for this layer)."""
     io_wait_s: float
+    forward_s: float = 0.0
+    """Forward compute time of the layer, all micro-batches together."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class _LayerAcc:
     tensors: int = 0
     decision: str = "offload"
     io_wait_s: float = 0.0
+    forward_s: float = 0.0
 
 
 @dataclass
@@ -107,7 +110,8 @@ class StepCounters:
     def freeze(self, step: int, write: Tuple[int, float], read: Tuple[int, float], bytes_on_disk: int,
                step_time_s: float) -> StepStats:
         rows = tuple(LayerStats(layer=str(k), bytes=a.bytes, bytes_offloaded=a.bytes_offloaded,
-                                tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s)
+                                tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s,
+                                forward_s=a.forward_s)
                      for k, a in sorted(self.layers.items(), key=lambda kv: _sort_key(kv[0])))
         return StepStats(
             step=step, bytes_offloaded=self.bytes_offloaded, bytes_read=self.bytes_read,

@@ -1,0 +1,87 @@
+"""A bandwidth cap around any engine: emulates a slower drive (tests, what-if runs).
+
+Every request is given a slot on one emulated device timeline (reads and writes share it, as
+they share a real drive): it completes no earlier than ``max(submit, device free) + bytes /
+cap``. The real IO still happens underneath; only completion is held back, and the meters
+measure the emulated device.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+from .base import BusyMeter, IOEngine
+
+
+class ThrottledEngine(IOEngine):
+    def __init__(self, inner: IOEngine, gbps: float) -> None:
+        self.inner = inner
+        self.name = f"{inner.name}@{gbps:g}GB/s"
+        self._bps = gbps * 1e9
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+        # One thread completes requests in submission order; finish times are monotonic.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ssdtrain-throttle")
+        self.write_meter = BusyMeter()
+        self.read_meter = BusyMeter()
+
+    def __getattr__(self, name):  # rank_dirs, page_cache_bypassed, fault, ...
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name == "fault":
+            setattr(self.inner, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def _slot(self, inner: Future, nbytes: int, meter: BusyMeter) -> Future:
+        out: Future = Future()
+        with self._lock:
+            start = max(time.perf_counter(), self._free_at)
+            finish = self._free_at = start + nbytes / self._bps
+        meter.begin()
+
+        def complete() -> None:
+            try:
+                result = inner.result()
+            except BaseException as exc:  # the real IO failed: report it, at once
+                meter.end(0)
+                out.set_exception(exc)
+                return
+            delay = finish - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            meter.end(nbytes)
+            out.set_result(result)
+
+        self._pool.submit(complete)
+        return out
+
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+        return self._slot(self.inner.write(key, data, ready_event), data.numel(), self.write_meter)
+
+    def read(self, key: int, out: torch.Tensor) -> Future:
+        return self._slot(self.inner.read(key, out), out.numel(), self.read_meter)
+
+    def release(self, key: int) -> None:
+        self.inner.release(key)
+
+    def end_step(self) -> None:
+        self.inner.end_step()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.inner.close()
+
+    def remove_files(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.inner.remove_files()
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return self.inner.bytes_on_disk
