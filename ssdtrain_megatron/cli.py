@@ -21,11 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .corebench import add_core_bench_parser
     from .demo import add_demo_parser
     from .plan.cli import add_lifespan_parser, add_plan_parser
+    from .telemetry.report import add_report_parser
 
     add_demo_parser(sub)
     add_plan_parser(sub)
     add_lifespan_parser(sub)
     add_core_bench_parser(sub)
+    add_report_parser(sub)
     return parser
 
 
