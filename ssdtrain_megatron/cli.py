@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from .corebench import add_core_bench_parser
     from .demo import add_demo_parser
+    from .io.clean import add_clean_parser
     from .plan.cli import add_lifespan_parser, add_plan_parser
     from .telemetry.report import add_report_parser
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lifespan_parser(sub)
     add_core_bench_parser(sub)
     add_report_parser(sub)
+    add_clean_parser(sub)
     return parser
 
 

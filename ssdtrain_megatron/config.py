@@ -26,8 +26,8 @@ def _fail(name: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid: {allowed}")
 
 
-def _check_template(index: int, template: Any) -> None:
-    name = f"dirs[{index}]"
+def _check_template(index: int, template: Any, name: Optional[str] = None) -> None:
+    name = name or f"dirs[{index}]"
     if not isinstance(template, str) or not template.strip():
         _fail(name, template, "expected a non-empty path string")
     try:
@@ -39,7 +39,7 @@ def _check_template(index: int, template: Any) -> None:
             _fail(name, template, f"unknown placeholder {{{f}}}; allowed: "
                   + ", ".join("{%s}" % k for k in TEMPLATE_KEYS))
     if ".." in template.replace("\\", "/").split("/"):
-        _fail(name, template, "'..' is not allowed in an offload root")
+        _fail(name, template, "'..' is not allowed in the path")
     if "\x00" in template:
         _fail(name, template, "NUL byte in path")
 
@@ -87,7 +87,8 @@ class OffloadConfig:
     """Store a CRC32 of every written chunk and verify it on read."""
 
     stats_path: Optional[str] = None
-    """When set, each step's StepStats is appended to this file as one JSON line."""
+    """When set, each step's StepStats is appended to this file as one JSON line. A path
+    template like ``dirs`` ({rank}, ...): give each rank its own file."""
 
     io_threads: int = 4
     """Worker threads of the IO engine (each keeps one request in flight)."""
@@ -98,6 +99,11 @@ class OffloadConfig:
 
     io_timeout_s: float = 300.0
     """Every wait on IO raises after this many seconds, naming what was pending."""
+
+    trace_path: Optional[str] = None
+    """Opt-in IO trace: one JSON line per IO request (time, rank, micro-batch, layer, phase, op,
+    bytes, file offset, latency, queue depth), for `ssdtrain report`. A path template like
+    ``dirs`` ({rank}, ...); give each rank its own file."""
 
     memory_budget_bytes: Optional[int] = None
     """Adaptive policy: activation bytes of one micro-batch allowed to stay in memory. None:
@@ -159,12 +165,18 @@ class OffloadConfig:
             _fail("chunk_bytes", self.chunk_bytes, "expected a multiple of 4096")
         if not isinstance(self.checksum, bool):
             _fail("checksum", self.checksum, "expected true or false")
-        if self.stats_path is not None and (not isinstance(self.stats_path, str) or not self.stats_path):
-            _fail("stats_path", self.stats_path, "expected a file path or null")
+        if self.stats_path is not None:
+            if not isinstance(self.stats_path, str) or not self.stats_path:
+                _fail("stats_path", self.stats_path, "expected a file path or null")
+            _check_template(0, self.stats_path, "stats_path")
         if isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float)) \
                 or not self.io_timeout_s > 0:
             _fail("io_timeout_s", self.io_timeout_s, "expected a number of seconds > 0")
         self.io_timeout_s = float(self.io_timeout_s)
+        if self.trace_path is not None:
+            if not isinstance(self.trace_path, str) or not self.trace_path:
+                _fail("trace_path", self.trace_path, "expected a file path template or null")
+            _check_template(0, self.trace_path, "trace_path")
         if self.memory_budget_bytes is not None and (isinstance(self.memory_budget_bytes, bool) or not isinstance(
                 self.memory_budget_bytes, int) or self.memory_budget_bytes < 0):
             _fail("memory_budget_bytes", self.memory_budget_bytes, "expected an integer >= 0 or null")
@@ -205,7 +217,10 @@ class OffloadConfig:
 
     def job_id(self) -> str:
         """The job id used in directory names and the {job} placeholder."""
-        return self.job or os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if run_id == "none":  # what torchrun sets without --rdzv-id
+            run_id = None
+        return self.job or os.environ.get("SLURM_JOB_ID") or run_id or "local"
 
     # -- YAML -------------------------------------------------------------------------------
 

@@ -286,3 +286,21 @@ def test_backward_during_slow_writes_forwards_from_memory(offload_dir):
     st = got[2][-1]
     assert st.tensors_forwarded > 0
     assert st.write_gbps <= 0.05 * 1.05
+
+
+def test_io_trace_has_one_record_per_request_with_context(offload_dir, tmp_path):
+    trace = tmp_path / "trace-{rank}.jsonl"
+    with ActivationOffloader(cfg(offload_dir, trace_path=str(trace), chunk_bytes=64 * 1024)) as off:
+        _, _, stats = run_steps(tiny_gpt(), gpt_batches(n=2), off, steps=2, wait_writes=True)
+    rows = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
+    assert set(rows[0]) == {"t", "rank", "step", "microbatch", "layer", "phase", "op", "bytes", "file",
+                            "offset", "latency_s", "queue_depth"}
+    for step, st in enumerate(stats):
+        mine = [r for r in rows if r["step"] == step]
+        assert sum(r["bytes"] for r in mine if r["op"] == "write") == st.bytes_offloaded
+        assert sum(r["bytes"] for r in mine if r["op"] == "read") == st.bytes_read
+    assert {r["phase"] for r in rows if r["op"] == "write"} == {"forward"}
+    assert {r["phase"] for r in rows if r["op"] == "read"} == {"backward"}
+    assert max(r["bytes"] for r in rows) <= 64 * 1024
+    assert all(r["offset"] % 4096 == 0 and r["queue_depth"] >= 1 and r["latency_s"] >= 0 for r in rows)
+    assert {r["microbatch"] for r in rows} == {"0", "1"}

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import threading
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Set
 
 import torch
 
 from ..config import OffloadConfig
 from ..io import IOEngine, make_engine
+from ..io.layout import Identity, expand_root, free_bytes
 from ..io import cleanup
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
+from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
 from .identity import dedup_key, pass_reason, storage_ref
 from .microbatch import MicroBatch
@@ -24,6 +26,14 @@ from .record import State, TensorRecord
 log = logging.getLogger(__name__)
 
 DECISIONS = ("offload", "keep", "recompute")
+
+
+def _is_disk_full(exc: Optional[BaseException]) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        exc = exc.__cause__
+    return False
 
 
 class IOTimeout(RuntimeError):
@@ -100,6 +110,13 @@ class ActivationOffloader:
         self._warned: Set[str] = set()
         self._closed = False
         self.last_step_stats: Optional[StepStats] = None
+        self._phase = "forward"
+        self._tracer: Optional[IOTracer] = None
+        ident = getattr(self._engine, "ident", None) or Identity.detect(config.job_id())
+        self._stats_path = expand_root(config.stats_path, ident) if config.stats_path else None
+        if config.trace_path and self._engine is not None:
+            self._tracer = IOTracer(expand_root(config.trace_path, ident), ident.rank)
+            self._engine.tracer = self._tracer.on_io
         cleanup.register(id(self), self._emergency_close)
 
     # -- public API -------------------------------------------------------------------------
@@ -140,6 +157,7 @@ class ActivationOffloader:
                     self._submit_all(other.take_all_deferred())
             prev, prev_layer = self._current, self._layer
             self._current, self._layer = mb, None
+            self._phase = "forward"
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
@@ -194,6 +212,7 @@ class ActivationOffloader:
         """Finish the step: wait for IO, release what is left, emit and return StepStats."""
         self._check_open()
         with self._lock:
+            self._phase = "step_end"
             self._wait_all_io()
             leftovers = list(self._records.values())
             if leftovers:
@@ -205,6 +224,7 @@ class ActivationOffloader:
                     self._release(r)
             if self._engine is not None:
                 self._engine.end_step()
+                self.check_free_space()
             write = self._engine.write_meter.take() if hasattr(self._engine, "write_meter") else (0, 0.0)
             read = self._engine.read_meter.take() if hasattr(self._engine, "read_meter") else (0, 0.0)
             now = time.perf_counter()
@@ -223,10 +243,31 @@ class ActivationOffloader:
             self._step += 1
             self._step_started = now
             self.last_step_stats = stats
-        if self.config.stats_path:
-            append_jsonl(self.config.stats_path, stats)
+        if self._stats_path:
+            append_jsonl(self._stats_path, stats)
+        if self._tracer is not None:
+            self._tracer.flush()
         log.debug("ssdtrain step %d: %s", stats.step, stats.summary())
         return stats
+
+    def check_free_space(self, plan_bytes: Optional[List[int]] = None) -> List[str]:
+        """Before a step: compare the free space of each root with what the step will need,
+        ``plan_bytes`` (one number per root) or, by default, what the last step needed there.
+        Warns once per directory, saying how much is missing; returns the warnings."""
+        need = plan_bytes if plan_bytes is not None else getattr(self._engine, "step_peak_bytes", None)
+        dirs = self.rank_dirs
+        if not need or len(need) != len(dirs):
+            return []
+        short = []
+        for d, n in zip(dirs, need):
+            free = free_bytes(d)
+            if n > free:
+                msg = (f"the next step needs about {n / 2**20:.1f} MiB in {d} but only "
+                       f"{free / 2**20:.1f} MiB are free: {(n - free) / 2**20:.1f} MiB missing; writes "
+                       f"that do not fit will stay in memory (counted in StepStats.fallbacks)")
+                short.append(msg)
+                self._warn_once(f"space:{d}", msg)
+        return short
 
     def close(self) -> None:
         """Release everything and remove every file and directory this offloader created."""
@@ -335,7 +376,7 @@ class ActivationOffloader:
             while self._inflight_bytes and self._inflight_bytes + rec.nbytes > cap:
                 left = deadline - time.perf_counter()
                 if left <= 0:
-                    raise IOTimeout(f"waited {self.config.io_timeout_s:.0f}s for {self._inflight_bytes} "
+                    raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} "
                                     f"bytes of writes to finish before writing a {rec.describe()}")
                 self._io_done.wait(left)
             self._count_wait(rec, time.perf_counter() - t0)
@@ -345,6 +386,8 @@ class ActivationOffloader:
             event.record(torch.cuda.current_stream(rec.device))
         self._move(rec, State.WRITING)
         self._inflight_bytes += rec.nbytes
+        if self._tracer is not None:
+            self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
         try:
             fut = self._engine.write(rec.id, rec.bytes_view(), event)
         except Exception as exc:  # could not even start (e.g. no space to reserve): keep it
@@ -359,6 +402,10 @@ class ActivationOffloader:
         with self._lock:
             self._inflight_bytes -= rec.nbytes
             exc = fut.exception()
+            rec.future = None  # before any release below: _release defers while a future is set
+            if rec.state is State.RELEASED:  # close() stopped waiting for this (hung) IO
+                self._io_done.notify_all()
+                return
             if exc is not None:
                 self._engine.release(rec.id)
                 self._fallback(rec, exc)
@@ -378,12 +425,13 @@ class ActivationOffloader:
                     self._c.tensors_forwarded += 1
                 else:
                     rec.tensor = None  # our copy is on disk; the memory goes when the model drops it
-            rec.future = None
             self._io_done.notify_all()
 
     def _fallback(self, rec: TensorRecord, exc: BaseException) -> None:
         self._c.fallbacks += 1
-        self._warn_once("fallback", f"offload write failed, keeping tensors in memory instead "
+        # A full disk is warned on its own, even after an IO error was: the user acts on it.
+        self._warn_once("disk-full" if _is_disk_full(exc) else "fallback",
+                        f"offload write failed, keeping tensors in memory instead "
                         f"(counted in StepStats.fallbacks): {exc}")
         self._move(rec, State.KEPT)
         self._c.tensors_kept += 1
@@ -392,6 +440,7 @@ class ActivationOffloader:
 
     def _enter_backward(self, mb: MicroBatch) -> None:
         mb.in_backward = True
+        self._phase = "backward"
         for rec in mb.take_all_deferred():  # its last layers: backward needs them right away
             if rec.state is State.SAVED:
                 self._move(rec, State.KEPT)
@@ -417,12 +466,18 @@ class ActivationOffloader:
         restored, target = rec.allocate_restore()
         rec.tensor = restored
         self._move(rec, State.READING)
+        if self._tracer is not None:
+            self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
         rec.future = self._engine.read(rec.id, target)
         rec.future.add_done_callback(lambda f, rec=rec: self._read_done(rec, f))
 
     def _read_done(self, rec: TensorRecord, fut) -> None:
         with self._lock:
             exc = fut.exception()
+            if rec.state is State.RELEASED:  # close() stopped waiting for this (hung) IO
+                rec.future = None
+                self._io_done.notify_all()
+                return
             if exc is not None:
                 rec.corrupt = f"reading back a {rec.describe()} failed: {exc}"
                 rec.tensor = None
@@ -462,7 +517,7 @@ class ActivationOffloader:
         while rec.future is not None:
             left = deadline - time.perf_counter()
             if left <= 0:
-                raise IOTimeout(f"waited {self.config.io_timeout_s:.0f}s for the "
+                raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for the "
                                 f"{rec.state.value} of a {rec.describe()} (record {rec.id})")
             self._io_done.wait(left)
         if count:
@@ -473,7 +528,7 @@ class ActivationOffloader:
         while self._inflight_bytes:
             left = deadline - time.perf_counter()
             if left <= 0:
-                raise IOTimeout(f"waited {self.config.io_timeout_s:.0f}s for {self._inflight_bytes} "
+                raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} "
                                 "bytes of pending writes")
             self._io_done.wait(left)
 
@@ -502,6 +557,8 @@ class ActivationOffloader:
         self._move(rec, State.RELEASED)
         if self._engine is not None:
             self._engine.release(rec.id)  # frees its extent at once (no-op if never written)
+        if self._tracer is not None:
+            self._tracer.forget(rec.id)
         rec.tensor = None
         self._records.pop(rec.id, None)
         mb = self._microbatches.get(rec.microbatch)

@@ -15,7 +15,7 @@ from typing import Callable, Dict
 
 log = logging.getLogger(__name__)
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a signal may arrive while this thread holds it
 _cleaners: Dict[int, Callable[[], None]] = {}
 _installed = False
 _previous: Dict[int, object] = {}

@@ -15,7 +15,6 @@ import os
 import socket
 import stat
 import threading
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -59,9 +58,54 @@ class Identity:
 
 
 def expand_root(template: str, ident: Identity) -> str:
-    root = template.format(rank=ident.rank, local_rank=ident.local_rank,
-                           hostname=ident.hostname, job=ident.job)
-    return os.path.abspath(os.path.expanduser(root))
+    """The root a path template names for this process.
+
+    Raises LayoutError when a placeholder's value is not one plain path component (it would
+    move the root elsewhere: ``..``, ``/``, empty), or when a directory named by a placeholder
+    (a job or rank directory) already exists as a symlink, world-writable without the sticky
+    bit, or owned by another user: someone else could then redirect our files. The fixed part
+    of the template is the user's choice and may hold symlinks."""
+    values = {"rank": ident.rank, "local_rank": ident.local_rank, "hostname": ident.hostname, "job": ident.job}
+    for key, value in values.items():
+        text = str(value)
+        if text in ("", ".", "..") or "/" in text or "\x00" in text:
+            raise LayoutError(f"{{{key}}}={text!r} cannot be used in the offload path {template!r}: "
+                              "a placeholder must expand to one plain path component")
+    path, templated = "/", False
+    for part in os.path.abspath(os.path.expanduser(template)).split("/")[1:]:
+        templated = templated or "{" in part
+        path = os.path.join(path, part.format(**values))
+        if templated:
+            _check_templated_dir(path, template)
+    return path
+
+
+def _check_templated_dir(path: str, template: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return  # created later by make_rank_dir, as a plain 0700 directory
+    what = f"{path!r} (from the template {template!r})"
+    if stat.S_ISLNK(st.st_mode):
+        raise LayoutError(f"{what} is a symlink where a job directory should be; refusing to follow it. "
+                          "Remove it, or put the link's target in dirs")
+    if not stat.S_ISDIR(st.st_mode):
+        raise LayoutError(f"{what} is not a directory")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise LayoutError(f"{what} is world-writable without the sticky bit; chmod 700 it")
+    if st.st_uid not in (os.getuid(), 0):
+        raise LayoutError(f"{what} belongs to uid {st.st_uid}, not to us; refusing to write under it")
+
+
+def rank_dir_name(job: str, hostname: str, rank: int, pid: int) -> str:
+    """``ssdtrain.<job>.<host>.rank<r>.pid<pid>``: one directory per rank and process."""
+    return f"{DIR_PREFIX}{job}.{hostname}.rank{rank}.pid{pid}"
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer can still allocate on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def _check_root(root: str) -> None:
@@ -80,20 +124,24 @@ def _check_root(root: str) -> None:
 
 def make_rank_dir(root: str, ident: Identity) -> str:
     """Create this process's 0700 directory under ``root`` (creating ``root`` if missing)."""
+    # Imported here: clean.py builds on this module (names, owner file).
+    from .clean import owner_record, remove_stale
+
     os.makedirs(root, mode=0o700, exist_ok=True)
     _check_root(root)
-    name = f"{DIR_PREFIX}{ident.job}.{ident.hostname}.rank{ident.rank}.pid{os.getpid()}"
+    remove_stale(root, ident.hostname)  # leftovers of dead jobs (SIGKILL, crash, reboot)
+    name = rank_dir_name(ident.job, ident.hostname, ident.rank, os.getpid())
     path = os.path.join(root, name)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
-        raise LayoutError(f"{path!r} already exists: another offloader of this process uses the same "
-                          f"root, or a stale directory was left; run `ssdtrain clean {root}`") from None
+        kind = "a symlink" if os.path.islink(path) else "in use"
+        raise LayoutError(f"{path!r} already exists ({kind}): another offloader of this process uses the "
+                          f"same root, or something was put there; run `ssdtrain clean {root}`") from None
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         raise LayoutError(f"{path!r} is not a directory owned by us")
-    owner = {"pid": os.getpid(), "hostname": ident.hostname, "job": ident.job,
-             "rank": ident.rank, "started": time.time()}
+    owner = owner_record(ident.job, ident.hostname, ident.rank)
     fd = open_private(os.path.join(path, OWNER_FILE), os.O_WRONLY)
     try:
         os.write(fd, json.dumps(owner).encode())

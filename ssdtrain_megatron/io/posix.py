@@ -23,6 +23,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional
@@ -31,8 +32,8 @@ import torch
 
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine
-from .layout import (ALIGN, Extent, ExtentAllocator, Identity, align_up, expand_root, make_rank_dir,
-                     open_private, plan_chunks, remove_rank_dir)
+from .layout import (Extent, ExtentAllocator, Identity, align_up, expand_root, free_bytes,
+                     make_rank_dir, open_private, plan_chunks, remove_rank_dir)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class _Slab:
         self.fd: Optional[int] = None
         self.direct = True
         self.reserved = 0
+        self.tight = False  # the disk was full this step: reserve exactly, not GROW_BYTES ahead
 
     def ensure_open(self) -> int:
         if self.fd is None:
@@ -72,15 +74,23 @@ class _Slab:
         if end <= self.reserved:
             return
         fd = self.ensure_open()
-        new = max(end, self.reserved + GROW_BYTES)
+        new = end if self.tight else max(end, self.reserved + GROW_BYTES)
         try:
             os.posix_fallocate(fd, self.reserved, new - self.reserved)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC and new > end:
-                os.posix_fallocate(fd, self.reserved, end - self.reserved)  # exactly what is needed
-                new = end
-            else:
+            # A failed fallocate may keep the blocks it got (ext4 does: the slab would take
+            # every free byte of the disk from other users): give them back, then reserve
+            # exactly what is needed, and only that for the rest of the step.
+            os.ftruncate(fd, self.reserved)
+            if exc.errno != errno.ENOSPC or new == end:
                 raise
+            self.tight = True
+            try:
+                os.posix_fallocate(fd, self.reserved, end - self.reserved)
+            except OSError:
+                os.ftruncate(fd, self.reserved)
+                raise
+            new = end
         self.reserved = new
 
     def drop(self) -> None:
@@ -90,6 +100,7 @@ class _Slab:
             os.unlink(self.path)
         self.alloc.reset()
         self.reserved = 0
+        self.tight = False
 
 
 class _Gather:
@@ -150,6 +161,11 @@ class PosixEngine(IOEngine):
         self._closed = False
         self.write_meter = BusyMeter()
         self.read_meter = BusyMeter()
+        self.step_peak_bytes: List[int] = [0] * len(self._slabs)
+        self.tracer: Optional[Callable[..., None]] = None
+        """Optional IO trace sink: tracer(op, key, path, offset, nbytes, t_submit, t_done,
+        queue_depth), called from the worker when each request completes."""
+        self._queued = 0  # requests submitted and not completed (queue depth)
         self.fault: Optional[Callable[[str, str, int], Optional[OSError]]] = None
         """Test-only fault injection: called as fault(op, path, offset) before each request;
         a returned OSError is raised as if the system call had failed."""
@@ -186,15 +202,15 @@ class PosixEngine(IOEngine):
         except OSError as exc:
             for e in extents:
                 self._slabs[e.root].alloc.free(e.offset, e.length)
-            raise EngineError(f"cannot reserve {nbytes} bytes in {self._slabs[chunks[len(extents) - 1][0]].path}: "
-                              f"{exc.strerror or exc}") from exc
+            failed = self._slabs[chunks[len(extents) - 1][0]]
+            raise EngineError(f"cannot reserve {nbytes} bytes in {failed.path}: {exc.strerror or exc} "
+                              f"({_free_text(failed.dir)} free in {failed.dir})") from exc
         with self._lock:
             self._extents[key] = extents
         self.write_meter.begin()
         gather = _Gather(len(chunks), nbytes, lambda: self.write_meter.end(nbytes))
         for (root, start, length), ext in zip(chunks, extents):
-            fut = self._pool.submit(self._write_chunk, data, start, ext, ready_event)
-            fut.add_done_callback(gather.chunk_done)
+            self._submit("write", key, ext, gather, self._write_chunk, data, start, ext, ready_event)
         return gather.future
 
     def read(self, key: int, out: torch.Tensor) -> Future:
@@ -208,10 +224,26 @@ class PosixEngine(IOEngine):
         gather = _Gather(len(extents), nbytes, lambda: self.read_meter.end(nbytes))
         start = 0
         for ext in extents:
-            fut = self._pool.submit(self._read_chunk, out, start, ext)
-            fut.add_done_callback(gather.chunk_done)
+            self._submit("read", key, ext, gather, self._read_chunk, out, start, ext)
             start += ext.length
         return gather.future
+
+    def _submit(self, op: str, key: int, ext: Extent, gather: _Gather, fn, *args) -> None:
+        with self._lock:
+            self._queued += 1
+            depth = self._queued
+        t_submit = time.perf_counter()
+
+        def done(fut: Future) -> None:
+            with self._lock:
+                self._queued -= 1
+            tracer = self.tracer
+            if tracer is not None and fut.exception() is None:
+                tracer(op, key, self._slabs[ext.root].path, ext.offset, ext.length, t_submit,
+                       time.perf_counter(), depth)
+            gather.chunk_done(fut)
+
+        self._pool.submit(fn, *args).add_done_callback(done)
 
     def release(self, key: int) -> None:
         with self._lock:
@@ -224,6 +256,9 @@ class PosixEngine(IOEngine):
         with self._lock:
             if self._extents:
                 return
+        # What this step needed per root (its slabs' high-water marks): the plan the
+        # offloader checks free space against before the next step.
+        self.step_peak_bytes = [s.alloc.size for s in self._slabs]
         for s in self._slabs:
             with s.lock:
                 s.drop()
@@ -232,14 +267,26 @@ class PosixEngine(IOEngine):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        # Let queued and running requests finish, but a request may hang on a dead drive:
+        # wait for them at most io_timeout_s.
+        self._pool.shutdown(wait=False)
+        deadline = time.monotonic() + self.config.io_timeout_s
+        while self._queued and time.monotonic() < deadline:
+            time.sleep(0.005)
         with self._lock:
             self._extents.clear()
-        for s in self._slabs:
-            s.drop()
+            stuck = self._queued
+        if stuck:
+            # Workers still use the slab fds and their buffers: leave both to the process's
+            # exit, but take the files out of the namespace now.
+            log.error("ssdtrain: closing with %d IO requests still running after %gs; removing "
+                      "the files, leaving their descriptors open", stuck, self.config.io_timeout_s)
+        else:
+            for s in self._slabs:
+                s.drop()
         for d in self.rank_dirs:
             remove_rank_dir(d)
-        while not self._buffers.empty():
+        while not stuck and not self._buffers.empty():
             self._buffers.get_nowait().close()
 
     def remove_files(self) -> None:
@@ -318,6 +365,13 @@ class PosixEngine(IOEngine):
                 out[start:start + n].copy_(torch.frombuffer(buf, dtype=torch.uint8, count=n))
         finally:
             self._buffers.put(buf)
+
+
+def _free_text(directory: str) -> str:
+    try:
+        return f"{free_bytes(directory) / 2**20:.1f} MiB"
+    except OSError:
+        return "unknown space"
 
 
 def _crc(buf: mmap.mmap, n: int) -> int:
