@@ -1,0 +1,29 @@
+"""Megatron integration: ``install(config)`` patches megatron-core 0.16.x so its training steps
+offload activations; ``uninstall()`` restores it. The only part of the package that imports
+megatron (lazily: importing this package does not).
+
+Example:
+    >>> from ssdtrain_megatron import OffloadConfig
+    >>> from ssdtrain_megatron.megatron import install, uninstall
+    >>> offloader = install(OffloadConfig(dirs=["/mnt/nvme0/ssdtrain/{job}"]))
+    >>> ...  # the usual megatron training loop, unchanged
+    >>> uninstall()
+"""
+
+from .install import (
+    SUPPORTED_MEGATRON_CORE,
+    UnsupportedMegatronVersion,
+    check_megatron_version,
+    install,
+    installed,
+    uninstall,
+)
+
+__all__ = [
+    "SUPPORTED_MEGATRON_CORE",
+    "UnsupportedMegatronVersion",
+    "check_megatron_version",
+    "install",
+    "installed",
+    "uninstall",
+]

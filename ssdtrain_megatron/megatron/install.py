@@ -1,0 +1,211 @@
+"""install() / uninstall(): the monkey-patches that connect the offloader to megatron-core.
+
+Patched (megatron-core 0.16.x), and restored exactly by ``uninstall()``:
+
+- ``TransformerLayer.forward``: layer scope; recompute fallback.
+- ``TransformerBlock._checkpointed_forward``: which block's layers a full-recompute checkpoint
+  covers.
+- ``tensor_parallel.checkpoint`` (``tensor_parallel.random.checkpoint``): the layer scope of a
+  full-recompute checkpoint's saved inputs.
+- ``pipeline_parallel.schedules.forward_step``: micro-batch scope.
+- ``pipeline_parallel.schedules.backward_step``: backward hint.
+- ``pipeline_parallel.schedules.get_forward_backward_func``: step end (StepStats).
+
+The free functions are replaced under every module-level name a loaded module holds them by
+(``megatron.core.pipeline_parallel.get_forward_backward_func`` re-exports one; a module that did
+``from megatron.core.pipeline_parallel.schedules import forward_step`` holds another). A
+reference stored elsewhere before ``install()`` keeps megatron's own function.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Optional
+
+from ..config import OffloadConfig
+from .patching import Patcher
+from .pipeline import INTERLEAVED, NO_PIPELINING, ONE_F_ONE_B, PipelineHooks
+from .scopes import LayerScopes
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MEGATRON_CORE = ("0.16",)
+"""megatron-core minor versions the patches were written against (tested: 0.16.1)."""
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    """The installed megatron-core is not one the patches were written and tested against."""
+
+
+class Installation:
+    """One install(): the offloader, the patches, and the hooks' state."""
+
+    def __init__(self, offloader, patcher: Patcher, scopes: LayerScopes,
+                 pipeline: PipelineHooks) -> None:
+        self.offloader = offloader
+        self.patcher = patcher
+        self.scopes = scopes
+        self.pipeline = pipeline
+
+
+_INSTALLED: Optional[Installation] = None
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core version, read without importing megatron.core when the
+    distribution metadata has it (a wrong version may not even import cleanly)."""
+    from importlib import metadata
+
+    for dist in ("megatron-core", "megatron_core"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:  # a source checkout on sys.path, without distribution metadata
+        from megatron.core import package_info
+    except ImportError as exc:
+        raise UnsupportedMegatronVersion(
+            f"ssdtrain_megatron.megatron needs megatron-core 0.16.x (pip install "
+            f"'megatron-core>=0.16,<0.17'); importing it failed: {exc}") from exc
+    return str(package_info.__version__)
+
+
+def check_megatron_version(version: Optional[str] = None) -> str:
+    """Raise UnsupportedMegatronVersion unless ``version`` (default: the installed one) is a
+    supported megatron-core release. Returns the version."""
+    version = megatron_core_version() if version is None else version
+    minor = ".".join(version.split(".")[:2])
+    if minor not in SUPPORTED_MEGATRON_CORE:
+        raise UnsupportedMegatronVersion(
+            f"megatron-core {version} is not supported by ssdtrain_megatron.megatron: its patches "
+            f"were written and tested against megatron-core "
+            f"{', '.join(v + '.x' for v in SUPPORTED_MEGATRON_CORE)} (tested: 0.16.1). Install "
+            f"'megatron-core>=0.16,<0.17', or run without --ssd-offload.")
+    return version
+
+
+def installed() -> Optional[Installation]:
+    """The current installation, or None."""
+    return _INSTALLED
+
+
+def install(config: OffloadConfig):
+    """Patch megatron-core so every training step run through ``get_forward_backward_func()``
+    offloads its activations.
+
+    Args:
+        config: the offloader settings. With ``recompute_fallback`` on, the layers in
+            ``recompute_layers`` (megatron's global, 1-based ``layer_number``) run under
+            megatron's ``tensor_parallel.checkpoint`` instead of being offloaded.
+
+    Returns:
+        The ActivationOffloader; ``uninstall()`` closes it.
+
+    Raises:
+        UnsupportedMegatronVersion: megatron-core is missing or not 0.16.x.
+        RuntimeError: already installed.
+        ConfigError: from building the offloader.
+
+    Example:
+        >>> offloader = install(OffloadConfig(dirs=["/mnt/nvme0/ssdtrain"]))
+        >>> forward_backward = get_forward_backward_func()  # after install()
+        >>> forward_backward(forward_step_func=..., ...)
+        >>> offloader.last_step_stats.bytes_offloaded
+    """
+    global _INSTALLED
+    check_megatron_version()
+    if _INSTALLED is not None:
+        raise RuntimeError("ssdtrain_megatron.megatron.install() was already called; call "
+                           "uninstall() before installing again")
+    layers = frozenset(config.recompute_layers) if config.recompute_fallback else frozenset()
+
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from ..cache import ActivationOffloader
+
+    offloader = ActivationOffloader(config)
+    patcher = Patcher()
+    try:
+        scopes = LayerScopes(
+            offloader, layers,
+            layer_forward=vars(TransformerLayer)["forward"],
+            block_checkpointed_forward=vars(TransformerBlock)["_checkpointed_forward"],
+            checkpoint=vars(tp_random)["checkpoint"])
+        kinds = {
+            schedules.forward_backward_no_pipelining: NO_PIPELINING,
+            schedules.forward_backward_pipelining_without_interleaving: ONE_F_ONE_B,
+            schedules.forward_backward_pipelining_with_interleaving: INTERLEAVED,
+        }
+        pipeline = PipelineHooks(offloader, scopes, vars(schedules)["forward_step"],
+                                 vars(schedules)["backward_step"], kinds)
+
+        patcher.replace_attribute(TransformerLayer, "forward",
+                                  _method(scopes.layer_forward, TransformerLayer.forward))
+        patcher.replace_attribute(
+            TransformerBlock, "_checkpointed_forward",
+            _method(scopes.block_checkpointed_forward, TransformerBlock._checkpointed_forward))
+        # tensor_parallel re-exports random.checkpoint: replace_function finds both names.
+        patcher.replace_function(tp_random, "checkpoint",
+                                 lambda orig: _function(scopes.checkpoint, orig))
+        patcher.replace_function(schedules, "forward_step",
+                                 lambda orig: _function(pipeline.forward_step, orig))
+        patcher.replace_function(schedules, "backward_step",
+                                 lambda orig: _function(pipeline.backward_step, orig))
+        patcher.replace_function(schedules, "get_forward_backward_func",
+                                 lambda orig: _get_forward_backward_func(pipeline, orig))
+    except BaseException:
+        patcher.restore()
+        offloader.close()
+        raise
+    _INSTALLED = Installation(offloader, patcher, scopes, pipeline)
+    log.info("ssdtrain: installed into megatron-core %s (%d patches; recompute fallback "
+             "layers: %s)", megatron_core_version(), len(patcher), sorted(layers) or "none")
+    return offloader
+
+
+def uninstall(close: bool = True) -> None:
+    """Restore every patched megatron-core attribute; close the offloader unless ``close`` is
+    False (closing removes every file it wrote). A no-op when nothing is installed."""
+    global _INSTALLED
+    inst = _INSTALLED
+    if inst is None:
+        return
+    _INSTALLED = None
+    inst.pipeline.active = False
+    inst.scopes.recording = False
+    inst.patcher.restore()
+    if close:
+        inst.offloader.close()
+
+
+def _function(hook: Callable, original: Callable) -> Callable:
+    """A module-level replacement for ``original`` that calls ``hook``."""
+
+    @functools.wraps(original)
+    def patched(*args, **kwargs):
+        return hook(*args, **kwargs)
+
+    return patched
+
+
+def _method(hook: Callable, original: Callable) -> Callable:
+    """A replacement method (binds like ``original``) that calls ``hook(self, ...)``."""
+
+    @functools.wraps(original)
+    def patched(self, *args, **kwargs):
+        return hook(self, *args, **kwargs)
+
+    return patched
+
+
+def _get_forward_backward_func(pipeline: PipelineHooks, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        fb = original(*args, **kwargs)
+        return pipeline.wrap_forward_backward(fb) if pipeline.active else fb
+
+    return get_forward_backward_func

@@ -1,0 +1,144 @@
+"""Layer scopes: which transformer layer a saved activation belongs to, and recompute fallback.
+
+``TransformerLayer.forward`` runs inside ``offloader.layer(layer.layer_number)``; the layer
+number is megatron's global one (it already includes the pipeline and virtual-pipeline offset),
+so keys sort in forward order on every rank and per-layer statistics name real layers.
+
+Scopes are entered only while a micro-batch's forward is being recorded (inside the patched
+``forward_step`` of an offloaded step) and autograd records the graph. Two cases therefore get
+no layer scope of their own, on purpose:
+
+* layers run by megatron's full recomputation inside ``CheckpointFunction.forward`` (under
+  ``no_grad``: they save nothing). What that checkpoint saves are its inputs; the
+  ``tensor_parallel.checkpoint`` wrapper puts them in the scope of the first layer the
+  checkpoint covers, found through the block's own layer list (``TransformerBlock.
+  _checkpointed_forward`` is wrapped to say which block is running and how many of its layers
+  ran so far);
+* the recompute pass during backward (outside any forward_step): the offloader keeps what it
+  saves in memory.
+
+Recompute fallback: a layer the plan marks ``recompute`` runs under megatron's own
+``tensor_parallel.checkpoint``, inside a scope with decision ``recompute``, so only its inputs
+are saved (and offloaded) and the rest is recomputed in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+
+import torch
+
+
+class LayerScopes:
+    """Per-install state and logic behind the patched layer, block and checkpoint functions.
+
+    Args:
+        offloader: the installed ActivationOffloader.
+        recompute_layers: layer numbers run under checkpoint (recompute fallback); empty: none.
+        layer_forward: the original ``TransformerLayer.forward``.
+        block_checkpointed_forward: the original ``TransformerBlock._checkpointed_forward``.
+        checkpoint: the original ``tensor_parallel.checkpoint``.
+    """
+
+    def __init__(self, offloader, recompute_layers: FrozenSet[int], layer_forward: Callable,
+                 block_checkpointed_forward: Callable, checkpoint: Callable) -> None:
+        self.offloader = offloader
+        self.recompute_layers = recompute_layers
+        self._layer_forward = layer_forward
+        self._block_checkpointed_forward = block_checkpointed_forward
+        self._checkpoint = checkpoint
+        self.recording = False
+        """True while a micro-batch forward of an offloaded step runs (set by the pipeline)."""
+        self._layer_depth = 0
+        self._block: Optional[Any] = None  # TransformerBlock inside _checkpointed_forward
+        self._block_layers_run = 0
+        self.fallback_layers_run = 0
+        """Layer forwards run under checkpoint by the recompute fallback (all steps)."""
+
+    def _scoped(self) -> bool:
+        return self.recording and torch.is_grad_enabled()
+
+    # -- TransformerLayer.forward --------------------------------------------------------------
+
+    def layer_forward(self, layer, *args, **kwargs):
+        if self._block is not None and self.recording:
+            self._block_layers_run += 1
+        if not self._scoped() or self._layer_depth:
+            return self._layer_forward(layer, *args, **kwargs)
+        key = layer.layer_number
+        recompute = key in self.recompute_layers and self._block is None
+        self._layer_depth += 1
+        try:
+            with self.offloader.layer(key, decision="recompute" if recompute else None):
+                if recompute:
+                    self.fallback_layers_run += 1
+                    return self._checkpointed_layer(layer, args, kwargs)
+                return self._layer_forward(layer, *args, **kwargs)
+        finally:
+            self._layer_depth -= 1
+
+    def _checkpointed_layer(self, layer, args: tuple, kwargs: Dict[str, Any]):
+        """Run ``layer`` under megatron's ``tensor_parallel.checkpoint``.
+
+        CheckpointFunction takes positional tensors only, so every tensor argument (positional
+        or keyword) travels through it (they are what it saves, and gradients reach the ones
+        that need them); everything else is bound in the run function.
+        """
+        values: List[Any] = list(args) + list(kwargs.values())
+        names = list(kwargs.keys())
+        n_args = len(args)
+        tensor_slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        tensors = [values[i] for i in tensor_slots]
+        for i in tensor_slots:
+            values[i] = None  # ctx.run_function lives until backward: hold no activations
+        run = _LayerCall(self._layer_forward, layer, values, names, n_args, tensor_slots)
+        # distribute_saved_activations=False: the input stays whole on every TP rank (it is
+        # what gets offloaded, per rank, to that rank's own directory).
+        return self._checkpoint(run, False, *tensors)
+
+    # -- TransformerBlock._checkpointed_forward (megatron's full recomputation) ---------------
+
+    def block_checkpointed_forward(self, block, *args, **kwargs):
+        if not self.recording:
+            return self._block_checkpointed_forward(block, *args, **kwargs)
+        outer = (self._block, self._block_layers_run)
+        self._block, self._block_layers_run = block, 0
+        try:
+            return self._block_checkpointed_forward(block, *args, **kwargs)
+        finally:
+            self._block, self._block_layers_run = outer
+
+    # -- tensor_parallel.checkpoint -------------------------------------------------------------
+
+    def checkpoint(self, function, distribute_saved_activations, *args):
+        block = self._block
+        if (not self._scoped() or self._layer_depth or block is None
+                or self._block_layers_run >= len(block.layers)):
+            # Inside a layer (selective recompute: its scope already applies), or not
+            # recording: nothing to attribute.
+            return self._checkpoint(function, distribute_saved_activations, *args)
+        first_layer = block.layers[self._block_layers_run]
+        with self.offloader.layer(first_layer.layer_number):
+            return self._checkpoint(function, distribute_saved_activations, *args)
+
+
+class _LayerCall:
+    """The run function of a fallback checkpoint: rebuilds the layer's call from the tensors
+    CheckpointFunction passes (the originals in forward, detached copies in recompute)."""
+
+    def __init__(self, forward: Callable, layer, values: List[Any], names: List[str],
+                 n_args: int, tensor_slots: List[int]) -> None:
+        self.forward = forward
+        self.layer = layer
+        self.values = values
+        self.names = names
+        self.n_args = n_args
+        self.tensor_slots = tensor_slots
+
+    def __call__(self, *tensors: torch.Tensor) -> Tuple[Any, ...]:
+        values = list(self.values)
+        for slot, t in zip(self.tensor_slots, tensors):
+            values[slot] = t
+        args = values[:self.n_args]
+        kwargs = dict(zip(self.names, values[self.n_args:]))
+        return self.forward(self.layer, *args, **kwargs)

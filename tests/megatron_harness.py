@@ -1,0 +1,580 @@
+"""Train a tiny megatron-core GPTModel on CPU, in one process or in several (gloo), for tests.
+
+``run_layout(spec, workdir)`` builds a GPTModel with the local layer spec for the parallel layout
+in ``spec`` (TP, PP, virtual PP, recomputation), runs ``spec.iterations`` training iterations
+through megatron's own ``get_forward_backward_func()`` with several micro-batches and an
+optimizer step, and returns one :class:`RankResult` per rank with the losses of every
+iteration and every gradient (CPU tensors keyed by parameter name), so tests can compare runs
+bitwise.
+
+A spec holds a list of *phases*: each phase rebuilds the model from the same seed and trains it
+again, in the same processes. A phase may install the SSD offloader first (``offload``: the
+OffloadConfig keyword arguments) and uninstall it after, so a test compares "plain",
+"offloaded" and "plain again after uninstall()" runs without paying for process start-up three
+times.
+
+Multi-process layouts start ``world_size`` real processes the way torchrun does (MASTER_ADDR,
+MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK in the environment), with the gloo backend; each
+writes its result to a file in ``workdir`` and the parent reads them back. Single-process
+layouts run in the calling process by default (faster; the process group and megatron's
+parallel state are torn down afterwards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_HERE)
+
+
+@dataclass
+class Phase:
+    """One training run inside a layout's processes."""
+
+    name: str
+    offload: Optional[Dict[str, Any]] = None
+    """OffloadConfig keyword arguments; when set, ssdtrain_megatron.megatron.install() runs
+    before the model is built and uninstall() after the last iteration. A "dirs" entry may use
+    "{root}" for the run's offload root (a per-layout directory the parent creates)."""
+
+    recompute_layers: Optional[List[int]] = None
+    """Offload-phase only: layer numbers the recompute fallback runs under checkpoint."""
+
+
+@dataclass
+class LayoutSpec:
+    """A model, a parallel layout and a training schedule, all tiny."""
+
+    tp: int = 1
+    pp: int = 1
+    vp: Optional[int] = None
+    num_layers: int = 4
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 128
+    vocab_size: int = 64
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    num_microbatches: int = 4
+    iterations: int = 3
+    seed: int = 1234
+    dropout: float = 0.1
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[List[str]] = None
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    eval_iterations: int = 0
+    """forward_only steps after training (grad left enabled, to show they are not recorded)."""
+    device: str = "cpu"
+    """"cpu" (gloo, megatron_cpu_compat) or "cuda" (nccl, one device per rank)."""
+    layer_spec: str = "local"
+    """"local" (get_gpt_layer_local_spec) or "transformer_engine" (needs CUDA and TE)."""
+    sequence_parallel: bool = False
+    add_bias_linear: bool = True
+    phases: List[Phase] = field(default_factory=lambda: [Phase("plain")])
+    timeout_s: float = 240.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "LayoutSpec":
+        data = json.loads(text)
+        data["phases"] = [Phase(**p) for p in data["phases"]]
+        return cls(**data)
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    losses: List[List[float]]
+    """Per iteration, the loss of each micro-batch (last pipeline stage only; else empty)."""
+    loss_tensors: List[List[torch.Tensor]]
+    """Same as losses, as the exact float32 tensors (for bitwise comparison)."""
+    grads: List[Dict[str, torch.Tensor]]
+    """Per iteration, every parameter's gradient before the optimizer step."""
+    params: Dict[str, torch.Tensor]
+    """Parameters after the last optimizer step."""
+    eval_losses: List[List[torch.Tensor]] = field(default_factory=list)
+    """Per forward_only iteration, the loss of each micro-batch (last pipeline stage)."""
+    offload: Dict[str, Any] = field(default_factory=dict)
+    """Offload phases: per-step statistics ("steps", StepStats as dicts), "rank_dirs", files
+    seen under the offload root during forward ("files_seen") and after each step
+    ("files_after_step": (path, size, allocated bytes) of this rank's files), "files_after_close", and the integration's
+    counters ("mispredictions", "steps_predicted", "fallback_layers_run")."""
+
+
+@dataclass
+class RankResult:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    phases: Dict[str, PhaseResult]
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent side
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layout(spec: LayoutSpec, workdir: str, in_process: Optional[bool] = None
+               ) -> List[RankResult]:
+    """Run every phase of ``spec``; return the results of all ranks, ordered by rank."""
+    os.makedirs(workdir, exist_ok=True)
+    if in_process is None:
+        in_process = spec.world_size == 1
+    if in_process:
+        if spec.world_size != 1:
+            raise ValueError("in_process runs need world_size 1")
+        return [_run_in_this_process(spec, workdir)]
+    return _run_processes(spec, workdir)
+
+
+def _run_in_this_process(spec: LayoutSpec, workdir: str) -> RankResult:
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return _train_all_phases(spec, workdir)
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def _run_processes(spec: LayoutSpec, workdir: str) -> List[RankResult]:
+    spec_path = os.path.join(workdir, "spec.json")
+    with open(spec_path, "w") as f:
+        f.write(spec.to_json())
+    port = _free_port()
+    procs = []
+    logs = []
+    for rank in range(spec.world_size):
+        env = dict(os.environ)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank),
+                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_REPO, _HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", "import megatron_harness as h; h._worker_main()",
+             spec_path, workdir],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO))
+    deadline = time.monotonic() + spec.timeout_s
+    failed = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if failed is None:
+                for rank, p in enumerate(procs):
+                    if p.poll() not in (None, 0):
+                        failed = rank
+            if failed is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for rank, p in enumerate(procs):
+            if p.poll() not in (None, 0) and failed is None:
+                failed = rank
+    finally:
+        timed_out = any(p.poll() is None for p in procs)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+    if failed is not None or timed_out:
+        which = failed if failed is not None else 0
+        with open(os.path.join(workdir, f"rank{which}.log")) as f:
+            tail = f.read()[-6000:]
+        reason = "timed out" if failed is None else f"rank {which} exited {procs[which].returncode}"
+        raise RuntimeError(f"megatron harness run {reason}; log of rank {which}:\n{tail}")
+    return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False)
+            for r in range(spec.world_size)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side
+
+
+def _worker_main() -> None:
+    import torch.distributed as dist
+
+    spec_path, workdir = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = LayoutSpec.from_json(f.read())
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if spec.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", rank=rank,
+                            world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        result = _train_all_phases(spec, workdir)
+        tmp = os.path.join(workdir, f"result{rank}.pt.tmp")
+        torch.save(result, tmp)
+        os.replace(tmp, os.path.join(workdir, f"result{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_all_phases(spec: LayoutSpec, workdir: str) -> RankResult:
+    import megatron_cpu_compat
+    from megatron.core import parallel_state
+
+    if spec.device == "cpu":
+        megatron_cpu_compat.enable()
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=spec.tp,
+            pipeline_model_parallel_size=spec.pp,
+            virtual_pipeline_model_parallel_size=spec.vp,
+        )
+        try:
+            result = RankResult(
+                rank=torch.distributed.get_rank(),
+                tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                phases={},
+            )
+            for phase in spec.phases:
+                result.phases[phase.name] = _train_phase(spec, phase, workdir)
+            return result
+        finally:
+            parallel_state.destroy_model_parallel()
+    finally:
+        if spec.device == "cpu":
+            megatron_cpu_compat.disable()
+
+
+def make_config(spec: LayoutSpec):
+    """The TransformerConfig of ``spec`` (fp32, no fusions, CPU initialisation)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs: Dict[str, Any] = {}
+    if spec.recompute_granularity is not None:
+        kwargs["recompute_granularity"] = spec.recompute_granularity
+    if spec.recompute_method is not None:
+        kwargs["recompute_method"] = spec.recompute_method
+    if spec.recompute_num_layers is not None:
+        kwargs["recompute_num_layers"] = spec.recompute_num_layers
+    if spec.recompute_modules is not None:
+        kwargs["recompute_modules"] = list(spec.recompute_modules)
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        sequence_parallel=spec.sequence_parallel,
+        add_bias_linear=spec.add_bias_linear,
+        hidden_dropout=spec.dropout,
+        attention_dropout=spec.dropout,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **kwargs,
+    )
+
+
+def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage on this rank (a list of one without VP)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if spec.layer_spec == "transformer_engine":
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec()
+    chunks = []
+    for vp_stage in range(spec.vp or 1):
+        vp = vp_stage if spec.vp is not None else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            vp_stage=vp,
+        )
+        if spec.device == "cuda":
+            model.cuda(torch.cuda.current_device())
+        model.train()
+        chunks.append(model)
+    return chunks
+
+
+def make_batches(spec: LayoutSpec, iteration: int) -> List[Dict[str, torch.Tensor]]:
+    """The micro-batches of one iteration: random tokens, next-token labels, a loss mask."""
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + iteration)
+    batches = []
+    s, b = spec.seq_length, spec.micro_batch_size
+    for _ in range(spec.num_microbatches):
+        tokens = torch.randint(0, spec.vocab_size, (b, s + 1), generator=gen)
+        mask = (torch.rand(b, s, generator=gen) > 0.1).float()
+        batches.append({
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": mask,
+            "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
+        })
+    return batches
+
+
+def _causal_mask(s: int) -> torch.Tensor:
+    # megatron convention: True marks a position that must NOT be attended to.
+    return torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+
+
+def _param_name_map(chunks: List[torch.nn.Module]) -> List[tuple]:
+    named = []
+    for i, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            named.append((f"chunk{i}.{name}", p))
+    return named
+
+
+class _OffloadPhase:
+    """Install/uninstall of ssdtrain_megatron around one phase, and what it observed."""
+
+    def __init__(self, phase: Phase, workdir: str):
+        from ssdtrain_megatron import OffloadConfig
+        from ssdtrain_megatron.megatron import install
+
+        kwargs = dict(phase.offload)
+        self.root = os.path.join(workdir, "offload_root")
+        kwargs["dirs"] = [d.replace("{root}", self.root) for d in kwargs.get("dirs", ["{root}"])]
+        if phase.recompute_layers is not None:
+            kwargs.update(recompute_fallback=True, recompute_layers=list(phase.recompute_layers))
+        self.offloader = install(OffloadConfig(**kwargs))
+        self.rank_dirs = [os.path.realpath(d) for d in self.offloader.rank_dirs]
+        self.steps: List[Dict[str, Any]] = []
+        self.files_seen: set = set()
+        self.files_after_step: List[List[str]] = []
+        self.disk_bytes_after_step: List[int] = []
+        self.last_step_after_eval: Optional[int] = None
+
+    def observe_files(self) -> None:
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                self.files_seen.add(os.path.realpath(os.path.join(dirpath, f)))
+
+    def end_of_iteration(self) -> None:
+        stats = self.offloader.last_step_stats
+        row = dataclasses.asdict(stats) if stats is not None else None
+        self.steps.append(row)
+        files, allocated = [], 0
+        for d in self.rank_dirs:  # other ranks may still be inside their step
+            for dirpath, _, names in os.walk(d):
+                for n in names:
+                    path = os.path.realpath(os.path.join(dirpath, n))
+                    st = os.stat(path)
+                    files.append((path, st.st_size, st.st_blocks * 512))
+                    allocated += st.st_blocks * 512
+        self.files_after_step.append(sorted(files))
+        self.disk_bytes_after_step.append(allocated)
+
+    def after_eval(self) -> None:
+        stats = self.offloader.last_step_stats
+        self.last_step_after_eval = stats.step if stats is not None else None
+
+    def finish(self) -> Dict[str, Any]:
+        from ssdtrain_megatron.megatron import installed, uninstall
+
+        inst = installed()
+        hooks = {
+            "mispredictions": inst.pipeline.mispredictions,
+            "steps_predicted": inst.pipeline.steps_predicted,
+            "fallback_layers_run": inst.scopes.fallback_layers_run,
+        }
+        uninstall()
+        self.offloader.close()
+        left = []
+        for d in self.rank_dirs:  # other ranks may not have closed yet
+            for dirpath, _, names in os.walk(d):
+                left.extend(os.path.join(dirpath, n) for n in names)
+        return {
+            "root": os.path.realpath(self.root),
+            "rank_dirs": self.rank_dirs,
+            "steps": self.steps,
+            "files_seen": sorted(self.files_seen),
+            "files_after_step": self.files_after_step,
+            "disk_bytes_after_step": self.disk_bytes_after_step,
+            "files_after_close": sorted(left),
+            "last_step_after_eval": self.last_step_after_eval,
+            **hooks,
+        }
+
+
+def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
+    # install() first: the training loop looks get_forward_backward_func up afterwards, as a
+    # Megatron-LM training script that imports it at module level would see the patched one.
+    offload = _OffloadPhase(phase, workdir) if phase.offload is not None else None
+    try:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(spec.seed)
+        model_parallel_cuda_manual_seed(spec.seed, force_reset_rng=True)
+        config = make_config(spec)
+        chunks = build_model(spec, config)
+        named = _param_name_map(chunks)
+        params = [p for _, p in named]
+        if offload is not None:
+            offload.offloader.register_parameters(params)
+        if spec.optimizer == "adam":
+            opt = torch.optim.Adam(params, lr=spec.lr)
+        elif spec.optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=spec.lr)
+        else:
+            raise ValueError(f"optimizer {spec.optimizer!r}: expected 'adam' or 'sgd'")
+        device = torch.device(spec.device, torch.cuda.current_device()) \
+            if spec.device == "cuda" else torch.device("cpu")
+        mask = _causal_mask(spec.seq_length).to(device)
+        losses: List[List[float]] = []
+        loss_tensors: List[List[torch.Tensor]] = []
+        grads: List[Dict[str, torch.Tensor]] = []
+        eval_losses: List[List[torch.Tensor]] = []
+
+        def run_step(iteration: int, forward_only: bool) -> List[torch.Tensor]:
+            batches = [{k: v.to(device) for k, v in b.items()}
+                       for b in make_batches(spec, iteration)]
+            iterators = [iter(batches) for _ in chunks]
+            step_losses: List[torch.Tensor] = []
+
+            def loss_func(loss_mask, output_tensor):
+                per_token = output_tensor.float()
+                loss = torch.sum(per_token.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+                step_losses.append(loss.detach().cpu().clone())
+                return loss, {"lm loss": loss.detach()}
+
+            def forward_step_func(data_iterator, model):
+                batch = next(data_iterator)
+                if offload is not None:
+                    offload.observe_files()
+                output = model(batch["tokens"], batch["position_ids"], mask,
+                               labels=batch["labels"])
+                return output, lambda out: loss_func(batch["loss_mask"], out)
+
+            forward_backward = get_forward_backward_func()
+            forward_backward(
+                forward_step_func=forward_step_func,
+                data_iterator=iterators if spec.vp is not None else iterators[0],
+                model=chunks if spec.vp is not None else chunks[0],
+                num_microbatches=spec.num_microbatches,
+                seq_length=spec.seq_length,
+                micro_batch_size=spec.micro_batch_size,
+                forward_only=forward_only,
+            )
+            return step_losses
+
+        for it in range(spec.iterations):
+            opt.zero_grad(set_to_none=True)
+            step_losses = run_step(it, forward_only=False)
+            if offload is not None:
+                offload.end_of_iteration()
+            grads.append({n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+                          for n, p in named})
+            opt.step()
+            losses.append([float(x) for x in step_losses])
+            loss_tensors.append(step_losses)
+        for it in range(spec.eval_iterations):
+            # Grad stays enabled on purpose: forward_only steps must not be recorded even then.
+            eval_losses.append(run_step(spec.iterations + it, forward_only=True))
+        if offload is not None:
+            offload.after_eval()
+
+        return PhaseResult(
+            name=phase.name,
+            losses=losses,
+            loss_tensors=loss_tensors,
+            grads=grads,
+            params={n: p.detach().cpu().clone() for n, p in named},
+            eval_losses=eval_losses,
+            offload=offload.finish() if offload is not None else {},
+        )
+    except BaseException:
+        if offload is not None:
+            from ssdtrain_megatron.megatron import uninstall
+
+            uninstall()
+            offload.offloader.close()
+        raise
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparisons
+
+
+def phase_differences(a: PhaseResult, b: PhaseResult) -> List[str]:
+    """Every way two phase results differ bitwise (losses, gradients, final parameters)."""
+    diffs: List[str] = []
+    if len(a.loss_tensors) != len(b.loss_tensors):
+        return [f"{a.name} ran {len(a.loss_tensors)} iterations, {b.name} {len(b.loss_tensors)}"]
+    for it, (la, lb) in enumerate(zip(a.loss_tensors, b.loss_tensors)):
+        if len(la) != len(lb) or not all(torch.equal(x, y) for x, y in zip(la, lb)):
+            diffs.append(f"iteration {it}: losses {a.losses[it]} != {b.losses[it]}")
+    for it, (ga, gb) in enumerate(zip(a.grads, b.grads)):
+        if ga.keys() != gb.keys():
+            diffs.append(f"iteration {it}: parameter names differ")
+            continue
+        for name in ga:
+            x, y = ga[name], gb[name]
+            if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+                delta = "one is None" if x is None or y is None else \
+                    f"max |diff| {float((x - y).abs().max()):.3g}"
+                diffs.append(f"iteration {it}: grad of {name} differs ({delta})")
+    for name in a.params:
+        if not torch.equal(a.params[name], b.params[name]):
+            diffs.append(f"final parameter {name} differs")
+    if len(a.eval_losses) != len(b.eval_losses) or not all(
+            len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+            for x, y in zip(a.eval_losses, b.eval_losses)):
+        diffs.append("forward_only losses differ")
+    return diffs
+
+
+def all_finite(result: PhaseResult) -> bool:
+    return all(torch.isfinite(x).all() for step in result.loss_tensors for x in step) and all(
+        g is None or bool(torch.isfinite(g).all()) for step in result.grads for g in step.values())
+
+
+if __name__ == "__main__":
+    _worker_main()

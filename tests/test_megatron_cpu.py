@@ -1,0 +1,143 @@
+"""megatron-core trains on CPU (tests/megatron_cpu_compat.py) in every layout the integration
+tests use, and training is deterministic: two identical runs give bitwise identical losses and
+gradients. The offload tests rely on both."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+pytest.importorskip("megatron.core")
+
+# megatron-core's own deprecation notes (tp_group=None, ...) and "Apex is not installed".
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"),
+              pytest.mark.filterwarnings("ignore::UserWarning:megatron.*")]
+
+import megatron_cpu_compat  # noqa: E402
+import megatron_harness as harness  # noqa: E402
+from megatron_harness import LayoutSpec, Phase  # noqa: E402
+
+TWICE = [Phase("first"), Phase("second")]
+
+LAYOUTS = {
+    "tp1_pp1": LayoutSpec(),
+    "tp2": LayoutSpec(tp=2),
+    "pp2_1f1b": LayoutSpec(pp=2),
+    "pp2_interleaved_vp2": LayoutSpec(pp=2, vp=2),
+    "recompute_full_uniform": LayoutSpec(recompute_granularity="full",
+                                         recompute_method="uniform", recompute_num_layers=2),
+    "recompute_full_block": LayoutSpec(recompute_granularity="full",
+                                       recompute_method="block", recompute_num_layers=2),
+    "recompute_selective": LayoutSpec(recompute_granularity="selective"),
+    # megatron-core 0.16.1 recurses forever in backward when "mlp" recompute meets linear
+    # biases (the MLP returns the fc2 bias Parameter through CheckpointFunction): no biases.
+    "recompute_selective_mlp": LayoutSpec(recompute_granularity="selective",
+                                          recompute_modules=["core_attn", "mlp"],
+                                          add_bias_linear=False),
+    "pp2_recompute_full": LayoutSpec(pp=2, recompute_granularity="full",
+                                     recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def _with_phases(spec: LayoutSpec, phases) -> LayoutSpec:
+    return dataclasses.replace(spec, phases=list(phases))
+
+
+@pytest.fixture(scope="module")
+def layout_results(tmp_path_factory):
+    """Each layout run once (two phases in the same processes), shared by the tests below."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            spec = _with_phases(LAYOUTS[name], TWICE)
+            cache[name] = harness.run_layout(spec, str(tmp_path_factory.mktemp(name)))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_trains_with_finite_losses_and_is_deterministic(layout, layout_results):
+    spec = LAYOUTS[layout]
+    results = layout_results(layout)
+    assert len(results) == spec.world_size
+    assert sorted(r.rank for r in results) == list(range(spec.world_size))
+    last_stage = [r for r in results if r.pp_rank == spec.pp - 1]
+    for r in results:
+        first, second = r.phases["first"], r.phases["second"]
+        assert harness.all_finite(first)
+        assert len(first.grads) == spec.iterations
+        assert all(g is not None for g in first.grads[0].values()), "a parameter got no gradient"
+        if r in last_stage:
+            assert [len(step) for step in first.losses] == [spec.num_microbatches] * spec.iterations
+        else:
+            assert first.losses == [[]] * spec.iterations
+        assert harness.phase_differences(first, second) == []
+    # Training moves: the last iteration's parameters differ from a fresh model's (the loss
+    # changes between iterations even on identical data would be a weaker check).
+    assert any(r.phases["first"].losses[0] != r.phases["first"].losses[-1] for r in last_stage)
+
+
+def test_tensor_parallel_ranks_agree_on_the_loss(layout_results):
+    r0, r1 = layout_results("tp2")
+    for a, b in zip(r0.phases["first"].loss_tensors, r1.phases["first"].loss_tensors):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # Each TP rank holds its own shard of the column-parallel weights.
+    name = "chunk0.decoder.layers.0.mlp.linear_fc1.weight"
+    g0, g1 = r0.phases["first"].grads[0][name], r1.phases["first"].grads[0][name]
+    assert g0.shape == g1.shape and not torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("layout,reference", [
+    ("recompute_full_uniform", "tp1_pp1"),
+    ("recompute_full_block", "tp1_pp1"),
+    ("recompute_selective", "tp1_pp1"),
+    ("pp2_recompute_full", "pp2_1f1b"),
+])
+def test_recomputation_reproduces_dropout_bitwise(layout, reference, layout_results):
+    """Recompute restores the RNG states through the CPU-backed tracker, so the recomputed
+    forward (with dropout) equals the original and gradients are bitwise those of no recompute."""
+    for r, ref in zip(layout_results(layout), layout_results(reference)):
+        assert harness.phase_differences(r.phases["first"], ref.phases["first"]) == []
+
+
+def test_a_fresh_process_reproduces_an_in_process_run(tmp_path, layout_results):
+    spec = _with_phases(LAYOUTS["tp1_pp1"], [Phase("first")])
+    (sub,) = harness.run_layout(spec, str(tmp_path), in_process=False)
+    (here,) = layout_results("tp1_pp1")
+    assert harness.phase_differences(sub.phases["first"], here.phases["first"]) == []
+
+
+def test_compat_disable_restores_every_patched_attribute():
+    from megatron.core import utils as mcore_utils
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    watched = [
+        (torch.cuda, "current_device"), (torch.cuda, "synchronize"),
+        (torch.cuda, "manual_seed"), (torch.cuda, "get_rng_state"),
+        (torch.cuda, "set_rng_state"), (mcore_random, "_get_cuda_rng_state"),
+        (mcore_random, "_set_cuda_rng_state"), (mcore_random.CudaRNGStatesTracker, "add"),
+        (mcore_random.CudaRNGStatesTracker, "fork"),
+        (mcore_utils.GlobalMemoryBuffer, "get_tensor"),
+    ]
+    before = [getattr(owner, name) for owner, name in watched]
+    assert not megatron_cpu_compat.is_enabled()
+    megatron_cpu_compat.enable()
+    try:
+        assert torch.empty(2, device="cuda").device.type == "cpu"
+        assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
+        assert torch.ones(1).cuda().device.type == "cpu"
+        assert all(getattr(o, n) is not b for (o, n), b in zip(watched, before))
+    finally:
+        megatron_cpu_compat.disable()
+    assert [getattr(owner, name) for owner, name in watched] == before
+    assert not torch.overrides._is_torch_function_mode_enabled()
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.empty(1, device="cuda")

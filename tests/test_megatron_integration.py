@@ -1,0 +1,287 @@
+"""ssdtrain_megatron.megatron on real megatron-core (CPU, gloo, real processes).
+
+Every layout trains three iterations (several micro-batches, Adam step) three times in the same
+processes: plain, with install() (offload to two roots), and plain again after uninstall().
+Offloaded training must be bitwise identical to plain training, every rank must offload, files
+must stay in each rank's own directories and be gone after each step and after close, and
+uninstall() must leave megatron as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+pytest.importorskip("megatron.core")
+
+# megatron-core's own deprecation notes (tp_group=None, ...) and "Apex is not installed".
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"),
+              pytest.mark.filterwarnings("ignore::UserWarning:megatron.*")]
+
+import megatron_harness as harness  # noqa: E402
+from megatron_harness import LayoutSpec, Phase  # noqa: E402
+
+from ssdtrain_megatron import OffloadConfig  # noqa: E402
+from ssdtrain_megatron import megatron as integration  # noqa: E402
+
+OFFLOAD = dict(dirs=["{root}/a", "{root}/b"], policy="offload", min_tensor_bytes=0)
+PHASES = [Phase("plain"), Phase("offload", offload=OFFLOAD), Phase("after_uninstall")]
+
+LAYOUTS = {
+    "tp1_pp1": LayoutSpec(),
+    "tp2": LayoutSpec(tp=2),
+    "pp2_1f1b": LayoutSpec(pp=2),
+    "pp2_interleaved_vp2": LayoutSpec(pp=2, vp=2),
+    "recompute_full_uniform": LayoutSpec(recompute_granularity="full",
+                                         recompute_method="uniform", recompute_num_layers=2),
+    "recompute_full_block": LayoutSpec(recompute_granularity="full",
+                                       recompute_method="block", recompute_num_layers=2),
+    "recompute_selective": LayoutSpec(recompute_granularity="selective"),
+    # megatron-core 0.16.1 recurses forever in backward when "mlp" recompute meets linear
+    # biases (the MLP returns the fc2 bias Parameter through CheckpointFunction): no biases.
+    "recompute_selective_mlp": LayoutSpec(recompute_granularity="selective",
+                                          recompute_modules=["core_attn", "mlp"],
+                                          add_bias_linear=False),
+    "pp2_recompute_full": LayoutSpec(pp=2, recompute_granularity="full",
+                                     recompute_method="uniform", recompute_num_layers=1),
+}
+
+# Layers each rank runs (megatron's global, 1-based layer numbers), in forward order.
+EXPECTED_LAYERS = {
+    "tp1_pp1": [[1, 2, 3, 4]],
+    "tp2": [[1, 2, 3, 4], [1, 2, 3, 4]],
+    "pp2_1f1b": [[1, 2], [3, 4]],
+    "pp2_interleaved_vp2": [[1, 3], [2, 4]],
+    "recompute_full_uniform": [[1, 3]],  # one checkpoint per 2 layers, named by its first
+    "recompute_full_block": [[1, 2, 3, 4]],
+    "recompute_selective": [[1, 2, 3, 4]],
+    "recompute_selective_mlp": [[1, 2, 3, 4]],
+    "pp2_recompute_full": [[1, 2], [3, 4]],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cache = {}
+
+    def get(layout):
+        if layout not in cache:
+            spec = dataclasses.replace(LAYOUTS[layout], phases=list(PHASES))
+            workdir = str(tmp_path_factory.mktemp(layout))
+            results = harness.run_layout(spec, workdir)
+            leftovers = [os.path.join(d, f)
+                         for d, _, files in os.walk(os.path.join(workdir, "offload_root"))
+                         for f in files]
+            cache[layout] = (results, leftovers)
+        return cache[layout][0]
+
+    get.leftovers = lambda layout: cache[layout][1]
+    return get
+
+
+def _under(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_offloaded_training_is_bitwise_equal_to_plain_training(layout, runs):
+    for r in runs(layout):
+        assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == [], r.rank
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_training_after_uninstall_matches_a_never_patched_run(layout, runs):
+    for r in runs(layout):
+        assert harness.phase_differences(r.phases["plain"], r.phases["after_uninstall"]) == []
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_offloads_in_every_step_and_names_its_real_layers(layout, runs):
+    spec = LAYOUTS[layout]
+    for r in runs(layout):
+        steps = r.phases["offload"].offload["steps"]
+        assert len(steps) == spec.iterations
+        for s in steps:
+            assert s["bytes_offloaded"] > 0 and s["tensors_offloaded"] > 0, (r.rank, s)
+            assert s["fallbacks"] == 0
+            layers = [int(row["layer"]) for row in s["layers"] if row["layer"] != "None"]
+            assert sorted(layers) == EXPECTED_LAYERS[layout][r.rank]
+            assert sum(row["bytes"] for row in s["layers"]) > 0
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_backward_order_prediction_matches_megatrons_schedule(layout, runs):
+    spec = LAYOUTS[layout]
+    for r in runs(layout):
+        info = r.phases["offload"].offload
+        assert info["steps_predicted"] == spec.iterations
+        assert info["mispredictions"] == 0
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_files_stay_in_each_ranks_own_directories(layout, runs):
+    results = runs(layout)
+    dirs = {r.rank: r.phases["offload"].offload["rank_dirs"] for r in results}
+    for rank, own in dirs.items():
+        assert len(own) == len(OFFLOAD["dirs"])  # one per root
+        for other_rank, other in dirs.items():
+            if other_rank != rank:
+                assert not any(_under(a, b) or _under(b, a) for a in own for b in other)
+    seen = set()
+    for r in results:
+        seen.update(r.phases["offload"].offload["files_seen"])
+    owners = {path: [rank for rank, own in dirs.items() if any(_under(path, d) for d in own)]
+              for path in seen}
+    assert all(len(o) == 1 for o in owners.values()), owners
+    for rank in dirs:
+        assert any(o == [rank] for o in owners.values()), f"rank {rank} wrote no file"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_nothing_is_left_on_disk_after_each_step_or_after_close(layout, runs):
+    for r in runs(layout):
+        info = r.phases["offload"].offload
+        for s in info["steps"]:
+            assert s["bytes_on_disk"] == 0
+        for files in info["files_after_step"]:
+            # Bookkeeping (an owner marker) and an emptied, sparse slab may stay until close;
+            # no block of activation data may.
+            assert all(size <= 4096 or allocated == 0 for _, size, allocated in files), files
+        assert info["files_after_close"] == []
+        assert not any(os.path.exists(d) for d in info["rank_dirs"])
+    assert runs.leftovers(layout) == []  # all ranks done: nothing anywhere under the roots
+
+
+def test_recompute_fallback_runs_chosen_layers_under_checkpoint_bitwise(tmp_path):
+    spec = LayoutSpec(phases=[
+        Phase("plain"),
+        Phase("fallback", offload=OFFLOAD, recompute_layers=[2, 3]),
+    ])
+    (r,) = harness.run_layout(spec, str(tmp_path))
+    assert harness.phase_differences(r.phases["plain"], r.phases["fallback"]) == []
+    info = r.phases["fallback"].offload
+    assert info["fallback_layers_run"] == spec.iterations * spec.num_microbatches * 2
+    for s in info["steps"]:
+        decisions = {row["layer"]: row["decision"] for row in s["layers"]}
+        assert decisions["2"] == decisions["3"] == "recompute"
+        assert decisions["1"] == decisions["4"] == "offload"
+        rows = {row["layer"]: row for row in s["layers"]}
+        # A recomputed layer saves only its checkpoint inputs: far less than a stored layer.
+        assert 0 < rows["2"]["bytes"] < rows["1"]["bytes"] / 4
+
+
+# -- install() / uninstall() in this process ---------------------------------------------------
+
+
+def _patch_points():
+    from megatron.core import pipeline_parallel, tensor_parallel
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [
+        (TransformerLayer, "forward"), (TransformerBlock, "_checkpointed_forward"),
+        (tp_random, "checkpoint"), (tensor_parallel, "checkpoint"),
+        (schedules, "forward_step"), (schedules, "backward_step"),
+        (schedules, "get_forward_backward_func"),
+        (pipeline_parallel, "get_forward_backward_func"),
+    ]
+
+
+def test_uninstall_restores_every_patched_attribute_exactly(tmp_path):
+    from megatron.core.pipeline_parallel import schedules
+
+    # A module that imported the functions by name before install() holds its own references.
+    user = types.ModuleType("user_training_script")
+    user.forward_step = schedules.forward_step
+    user.get_forward_backward_func = schedules.get_forward_backward_func
+    sys.modules[user.__name__] = user
+    try:
+        points = _patch_points()
+        before = [vars(owner)[name] for owner, name in points]
+        offloader = integration.install(OffloadConfig(dirs=[str(tmp_path)], min_tensor_bytes=0))
+        try:
+            during = [vars(owner)[name] for owner, name in points]
+            assert all(a is not b for a, b in zip(before, during))
+            assert user.forward_step is schedules.forward_step is not before[4]
+            assert user.get_forward_backward_func is schedules.get_forward_backward_func
+            assert integration.installed().offloader is offloader
+        finally:
+            integration.uninstall()
+        assert [vars(owner)[name] for owner, name in points] == before
+        assert all(vars(owner)[name] is b for (owner, name), b in zip(points, before))
+        assert user.forward_step is before[4] and user.get_forward_backward_func is before[6]
+        assert integration.installed() is None
+        assert os.listdir(tmp_path) == []  # uninstall() closed the offloader
+        integration.uninstall()  # a second uninstall is a no-op
+    finally:
+        del sys.modules[user.__name__]
+
+
+def test_install_twice_is_refused(tmp_path):
+    integration.install(OffloadConfig(dirs=[str(tmp_path)]))
+    try:
+        with pytest.raises(RuntimeError, match="already"):
+            integration.install(OffloadConfig(dirs=[str(tmp_path)]))
+    finally:
+        integration.uninstall()
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.17.0", "1.0.0"])
+def test_unsupported_megatron_core_versions_fail_with_a_clear_message(version, monkeypatch):
+    with pytest.raises(integration.UnsupportedMegatronVersion, match=r"0\.16\.x"):
+        integration.check_megatron_version(version)
+    # The package's `install` attribute is the function; the module is only in sys.modules.
+    install_module = importlib.import_module("ssdtrain_megatron.megatron.install")
+    monkeypatch.setattr(install_module, "megatron_core_version", lambda: version)
+    with pytest.raises(integration.UnsupportedMegatronVersion, match=version):
+        integration.install(OffloadConfig(dirs=["/nonexistent-never-created"]))
+    assert integration.installed() is None
+
+
+def test_supported_version_is_accepted():
+    assert integration.check_megatron_version("0.16.1") == "0.16.1"
+    assert integration.check_megatron_version().startswith("0.16.")
+
+
+def test_forward_only_steps_are_not_recorded(tmp_path):
+    spec = LayoutSpec(iterations=1, eval_iterations=2,
+                      phases=[Phase("plain"), Phase("offload", offload=OFFLOAD)])
+    (r,) = harness.run_layout(spec, str(tmp_path))
+    assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == []
+    assert len(r.phases["offload"].eval_losses) == 2
+    # Evaluation ended no offloader step: the last StepStats is still the training step's.
+    assert r.phases["offload"].offload["last_step_after_eval"] == 0
+
+
+# -- Transformer Engine spec and sequence parallel (CUDA only) --------------------------------
+
+
+def _te_skip_reason():
+    if not torch.cuda.is_available():
+        return "needs CUDA: the local spec's torch LayerNorm refuses sequence parallel, so the " \
+               "sequence-parallel test uses the Transformer Engine spec, which needs CUDA"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "needs transformer-engine (the TE layer spec)"
+    if torch.cuda.device_count() < 2:
+        return "needs 2 CUDA devices (TP=2 with sequence parallel)"
+    return None
+
+
+@pytest.mark.skipif(_te_skip_reason() is not None, reason=str(_te_skip_reason()))
+def test_sequence_parallel_with_transformer_engine_spec_is_bitwise_equal(tmp_path):
+    spec = LayoutSpec(tp=2, phases=list(PHASES), device="cuda", layer_spec="transformer_engine",
+                      sequence_parallel=True)
+    for r in harness.run_layout(spec, str(tmp_path)):
+        assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == []
+        assert all(s["bytes_offloaded"] > 0 for s in r.phases["offload"].offload["steps"])
