@@ -25,6 +25,7 @@ setup(
     entry_points={
         "console_scripts": [
             "ssdtrain=ssdtrain_megatron.cli:main",
+            "ssdtrain-pretrain=ssdtrain_megatron.launch:main",
         ],
     },
 )

@@ -1,0 +1,442 @@
+"""The ``--ssd-offload`` flags: one argument group in Megatron's style, and the OffloadConfig
+they describe.
+
+``add_ssd_offload_args(parser)`` adds the group "ssd offload" to any argparse parser (it is a
+Megatron ``extra_args_provider``: it returns the parser). Besides the named flags
+(``--ssd-offload``, ``--ssd-offload-dir``, ``--ssd-offload-engine``, ``--ssd-offload-config``,
+``--ssd-offload-policy``, ``--ssd-offload-recompute-fallback``) there is one flag per remaining
+OffloadConfig field, generated from the dataclass so the flags cannot fall out of step with it:
+``keep_last_layers`` becomes ``--ssd-offload-keep-last-layers``, a boolean field gets a
+``--no-`` form as well.
+
+Every knob defaults to None, meaning "not given": ``config_from_args`` starts from the
+OffloadConfig defaults, applies the preset named by ``--ssd-offload-config`` (its ``offload:``
+section), then the flags given explicitly. Each value is checked by OffloadConfig's own
+validation as it is parsed, and the combination right after parsing, so a bad value stops the
+program before Megatron starts, in one line that names the flag.
+
+Nothing here imports megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import typing
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..config import ConfigError, OffloadConfig
+
+GROUP_TITLE = "ssd offload"
+FLAG_PREFIX = "--ssd-offload"
+
+NAMED_FIELD_FLAGS = {"dirs": "--ssd-offload-dir", "engine": "--ssd-offload-engine",
+                     "policy": "--ssd-offload-policy"}
+"""OffloadConfig fields whose flag is not simply ``--ssd-offload-<field>``."""
+
+LIST_ITEM_TYPES = {"dirs": str, "recompute_layers": int}
+"""Element type of each ``list`` field (the annotation says only ``list``): a flag takes the
+items comma-separated."""
+
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_FIELD_IN_MESSAGE = re.compile(r"OffloadConfig\.([a-z_]+)")
+_INVALID = re.compile(r"OffloadConfig\.[\w\[\]]+=(.*?) is invalid: (.*)", re.S)
+
+
+# -- the flag of each field ----------------------------------------------------------------
+
+
+def flag_for(field_name: str) -> str:
+    """The command-line flag that sets OffloadConfig field ``field_name``."""
+    return NAMED_FIELD_FLAGS.get(field_name, f"{FLAG_PREFIX}-{field_name.replace('_', '-')}")
+
+
+def dest_for(field_name: str) -> str:
+    """The attribute of the parsed namespace that holds ``field_name``'s flag."""
+    return flag_for(field_name)[2:].replace("-", "_")
+
+
+def field_flags() -> Dict[str, str]:
+    """{OffloadConfig field: flag}, in the dataclass's field order."""
+    return {f.name: flag_for(f.name) for f in dataclasses.fields(OffloadConfig)}
+
+
+def _field_docs() -> Dict[str, str]:
+    """The docstring under each OffloadConfig field (first sentence), for the flags' help."""
+    import inspect
+
+    try:
+        source = inspect.getsource(OffloadConfig)
+    except (OSError, TypeError):
+        return {}
+    docs = {}
+    pattern = re.compile(r'^    (\w+): [^\n]*\n    """(.*?)"""', re.S | re.M)
+    for name, text in pattern.findall(source):
+        text = " ".join(text.split())
+        first = re.split(r"(?<=[a-z0-9)'])\. ", text, maxsplit=1)[0].rstrip(".")
+        docs[name] = first
+    return docs
+
+
+# -- parsing one value ----------------------------------------------------------------------
+
+
+def _reason(exc: ConfigError) -> str:
+    """"'v' is invalid: expected ..." out of "OffloadConfig.x='v' is invalid: expected ..."."""
+    match = _INVALID.fullmatch(str(exc))
+    return f"{match.group(1)} is invalid: {match.group(2)}" if match else str(exc)
+
+
+def _check_field(name: str, value: Any) -> Any:
+    """``value`` if OffloadConfig accepts it for ``name`` (with the other fields at their
+    defaults), else ArgumentTypeError with OffloadConfig's reason."""
+    try:
+        OffloadConfig(**{name: value})
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(_reason(exc)) from None
+    return value
+
+
+def _parse_int(text: str, allow_units: bool) -> int:
+    match = re.fullmatch(r"\s*(-?\d+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or (unit and not allow_units) or unit not in _BYTE_UNITS:
+        expected = "an integer, optionally with a unit KiB, MiB, GiB or TiB" if allow_units \
+            else "an integer"
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {expected}")
+    return int(match.group(1)) * _BYTE_UNITS[unit]
+
+
+def _parse_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a finite number")
+    return value
+
+
+def _parse_str_list(text: str) -> List[str]:
+    items = [d.strip() for d in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: expected comma-separated items, none of them empty")
+    return items
+
+
+def _parse_int_list(text: str) -> List[int]:
+    """'1,2,5-7' -> [1, 2, 5, 6, 7]."""
+    values: List[int] = []
+    for item in _parse_str_list(text):
+        match = re.fullmatch(r"(-?\d+)(?:-(\d+))?", item)
+        if not match:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is invalid: expected comma-separated integers or ranges like 5-8")
+        first = int(match.group(1))
+        last = int(match.group(2)) if match.group(2) else first
+        values.extend(range(first, last + 1))
+    return values
+
+
+def _list_item_type(name: str) -> type:
+    if name in LIST_ITEM_TYPES:
+        return LIST_ITEM_TYPES[name]
+    default = getattr(OffloadConfig(), name)
+    if default:
+        return type(default[0])
+    raise TypeError(f"OffloadConfig.{name}: list field of unknown item type; add it to "
+                    "ssdtrain_megatron.megatron.args.LIST_ITEM_TYPES")
+
+
+def _field_type(name: str) -> Tuple[Callable[[str], Any], bool]:
+    """(parser of one flag value, is_boolean) for OffloadConfig field ``name``, from its
+    annotation. ``Optional[X]`` parses as X: a flag cannot set a field back to None."""
+    hint = typing.get_type_hints(OffloadConfig)[name]
+    if typing.get_origin(hint) is typing.Union:
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(inner) == 1:
+            hint = inner[0]
+    if hint is bool:
+        return (lambda text: text), True
+    if hint is int:
+        return (lambda text: _parse_int(text, allow_units=name.endswith("_bytes"))), False
+    if hint is float:
+        return _parse_float, False
+    if hint is list or typing.get_origin(hint) is list:
+        item = _list_item_type(name)
+        if item is int:
+            return _parse_int_list, False
+        if item is str:
+            return _parse_str_list, False
+        raise TypeError(f"OffloadConfig.{name}: no command-line flag for lists of {item!r}")
+    if hint is str:
+        return (lambda text: text), False
+    raise TypeError(f"OffloadConfig.{name}: no command-line flag for type {hint!r}; teach "
+                    "ssdtrain_megatron.megatron.args._field_type how to parse it")
+
+
+def _validated(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse_and_check(text: str) -> Any:
+        return _check_field(name, parse(text))
+
+    parse_and_check.__name__ = flag_for(name)  # argparse names the type in some messages
+    return parse_and_check
+
+
+def _preset(path: str) -> str:
+    """``--ssd-offload-config``: the path, once its offload section has loaded and validated."""
+    import yaml
+
+    try:
+        OffloadConfig.from_yaml(path)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {path!r}: {exc.strerror or exc}") from None
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    except yaml.YAMLError as exc:  # several lines from the YAML parser: make it one
+        raise argparse.ArgumentTypeError(
+            f"{path!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+    return path
+
+
+# -- the group ------------------------------------------------------------------------------
+
+
+def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the "ssd offload" argument group to ``parser`` and return the parser.
+
+    Usable as Megatron's ``extra_args_provider``. After ``parser.parse_args()`` the namespace
+    has ``ssd_offload`` (bool) and one attribute per flag (None when not given); pass it to
+    :func:`config_from_args`. Parsing also checks that the preset and the flags together make
+    a valid OffloadConfig when ``--ssd-offload`` is given, and stops with ``parser.error``
+    naming the flag otherwise.
+
+    Example:
+        >>> parser = add_ssd_offload_args(argparse.ArgumentParser())
+        >>> args = parser.parse_args(["--ssd-offload", "--ssd-offload-dir", "/mnt/nvme0/x"])
+        >>> config_from_args(args).dirs
+        ['/mnt/nvme0/x']
+    """
+    if "--ssd-offload" in parser._option_string_actions:
+        return parser  # already added (a patched script run by the launcher)
+    docs = _field_docs()
+    defaults = OffloadConfig()
+    group = parser.add_argument_group(title=GROUP_TITLE)
+    group.add_argument("--ssd-offload", action="store_true",
+                       help="Offload activations to local SSDs during training "
+                            "(ssdtrain-megatron). Without it the other --ssd-offload-* flags "
+                            "have no effect.")
+    group.add_argument("--ssd-offload-config", type=_preset, default=None, metavar="PRESET",
+                       help="YAML preset (configs/*.yaml); its offload: section sets the "
+                            "defaults that the other --ssd-offload-* flags override.")
+    for name in (f.name for f in dataclasses.fields(OffloadConfig)):
+        parse, is_bool = _field_type(name)
+        kwargs: Dict[str, Any] = {"dest": dest_for(name), "default": None,
+                                  "help": _help(name, docs.get(name), getattr(defaults, name))}
+        if is_bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _validated(name, parse)
+            kwargs["metavar"] = _metavar(name)
+        group.add_argument(flag_for(name), **kwargs)
+    _check_after_parsing(parser)
+    return parser
+
+
+def _help(name: str, doc: Optional[str], default: Any) -> str:
+    if name == "dirs":
+        doc = ("Comma-separated offload roots, one per drive; path templates may use {rank}, "
+               "{local_rank}, {hostname}, {job}")
+    text = doc or f"OffloadConfig.{name}"
+    if "default" in text.lower():
+        return text
+    if isinstance(default, bool):
+        shown = str(default).lower()
+    elif isinstance(default, list):
+        shown = ",".join(map(str, default)) or "none"
+    else:
+        shown = "unset" if default is None else str(default)
+    return f"{text} (default: {shown})".replace("%", "%%")
+
+
+def _metavar(name: str) -> str:
+    from ..config import ENGINES, POLICIES
+
+    choices = {"engine": ENGINES, "policy": POLICIES}
+    if name in choices:
+        return "{" + ",".join(choices[name]) + "}"
+    if name == "dirs":
+        return "DIR[,DIR...]"
+    if name in LIST_ITEM_TYPES:
+        return "N[,N...]" if LIST_ITEM_TYPES[name] is int else "ITEM[,ITEM...]"
+    for suffix, metavar in (("_bytes", "BYTES"), ("_path", "PATH"), ("_s", "SECONDS"),
+                            ("_gbps", "GB/S"), ("_fraction", "F")):
+        if name.endswith(suffix):
+            return metavar
+    return "N" if typing.get_type_hints(OffloadConfig)[name] is int else "VALUE"
+
+
+def _check_after_parsing(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` validate the combined OffloadConfig right after it parses.
+
+    Wraps this one parser object's ``parse_known_args`` (``parse_args`` goes through it);
+    nothing else is touched. Cross-field errors (e.g. engine 'memory' with
+    ``host_memory_bytes`` 0, from the preset and a flag together) then stop the program at
+    parse time, like a bad single value."""
+    if getattr(parser, "_ssd_offload_checked", False):
+        return
+    original = parser.parse_known_args
+
+    def parse_known_args(args: Optional[Sequence[str]] = None, namespace: Any = None):
+        namespace, extras = original(args, namespace)
+        if getattr(namespace, "ssd_offload", False):
+            try:
+                config_from_args(namespace)
+            except ConfigError as exc:
+                parser.error(_flag_message(namespace, exc))
+        return namespace, extras
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    parser._ssd_offload_checked = True  # type: ignore[attr-defined]
+
+
+def _flag_message(args: argparse.Namespace, exc: ConfigError) -> str:
+    """Name the flag (or the preset) a combined-config error comes from."""
+    match = _FIELD_IN_MESSAGE.search(str(exc))
+    if match and getattr(args, dest_for(match.group(1)), None) is not None:
+        return f"argument {flag_for(match.group(1))}: {_reason(exc)}"
+    preset = getattr(args, "ssd_offload_config", None)
+    if preset:
+        return f"argument --ssd-offload-config: {preset}: {exc}"
+    return str(exc)
+
+
+# -- from parsed flags to OffloadConfig -----------------------------------------------------
+
+
+def explicit_fields(args: argparse.Namespace) -> Dict[str, Any]:
+    """{OffloadConfig field: value} for every field flag given on the command line."""
+    given = {}
+    for name in field_flags():
+        value = getattr(args, dest_for(name), None)
+        if value is not None:
+            given[name] = value
+    return given
+
+
+def given_flags(args: argparse.Namespace) -> List[str]:
+    """Every --ssd-offload-* knob given on the command line (not --ssd-offload itself)."""
+    flags = [flag_for(name) for name in explicit_fields(args)]
+    if getattr(args, "ssd_offload_config", None) is not None:
+        flags.insert(0, "--ssd-offload-config")
+    return flags
+
+
+def config_from_args(args: argparse.Namespace) -> OffloadConfig:
+    """The OffloadConfig the parsed flags describe: defaults < preset < explicit flags.
+
+    Raises:
+        ConfigError: the preset or the combination is invalid (the message names the field).
+        OSError: the preset cannot be read.
+    """
+    preset = getattr(args, "ssd_offload_config", None)
+    base = OffloadConfig.from_yaml(preset) if preset else OffloadConfig()
+    changes = explicit_fields(args)
+    # dataclasses.replace runs __post_init__ again: the combination is validated as a whole.
+    return base.replace(**changes) if changes else base
+
+
+def with_ssd_offload_args(extra_args_provider: Optional[Callable] = None) -> Callable:
+    """An ``extra_args_provider`` that runs ``extra_args_provider`` (if any), then adds the
+    ssd offload group. For scripts that already pass their own provider to ``pretrain()``."""
+    if extra_args_provider is None:
+        return add_ssd_offload_args
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        result = extra_args_provider(parser)
+        return add_ssd_offload_args(result if result is not None else parser)
+
+    return provider
+
+
+# -- a preset's model and layout as Megatron flags ------------------------------------------
+
+
+def megatron_args_from_preset(path: str) -> List[str]:
+    """The Megatron-LM flags for a preset's ``model:`` and ``parallel:`` sections, so that a
+    launch script trains exactly the shape that ``ssdtrain plan --config`` planned for.
+
+    Covers the shape, the micro-batch, dtype, grouped-query attention, SwiGLU, dropout,
+    recomputation and the TP / PP / sequence-parallel layout. Everything else about the model
+    (position embeddings, normalization, tokenizer, data) stays in the launch script.
+
+    Raises:
+        ValueError: the preset is unreadable or invalid (one line naming the file and key).
+    """
+    import yaml
+
+    from ..plan.model import ModelShape
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ValueError(f"cannot read preset {path!r}: {exc.strerror or exc}") from None
+    if not isinstance(data, dict) or "model" not in data:
+        raise ValueError(f"{path}: expected a mapping with a model: section")
+    try:
+        shape = ModelShape.from_preset(data["model"], data.get("parallel"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    flags = ["--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden),
+             "--num-attention-heads", str(shape.heads), "--ffn-hidden-size", str(shape.ffn_hidden),
+             "--seq-length", str(shape.seq_len),
+             "--max-position-embeddings", str(shape.seq_len),
+             "--micro-batch-size", str(shape.micro_batch),
+             "--attention-dropout", f"{shape.attention_dropout:g}",
+             "--hidden-dropout", f"{shape.hidden_dropout:g}",
+             "--tensor-model-parallel-size", str(shape.tp),
+             "--pipeline-model-parallel-size", str(shape.pp)]
+    if shape.kv_groups is not None and shape.kv_groups != shape.heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(shape.kv_groups)]
+    dtype = data["model"].get("dtype")
+    if dtype in ("bf16", "fp16"):
+        flags.append(f"--{dtype}")
+    if shape.swiglu:
+        flags.append("--swiglu")
+    if shape.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if shape.recompute == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    elif shape.recompute == "full":
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+    return flags
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m ssdtrain_megatron.megatron.args PRESET``: print the preset's Megatron flags
+    on one line (for launch scripts: ``MODEL_ARGS=$(python -m ... PRESET)``)."""
+    import shlex
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m ssdtrain_megatron.megatron.args",
+        description="Print the Megatron-LM flags (shape, micro-batch, dtype, layout) of a "
+                    "preset's model: and parallel: sections.")
+    parser.add_argument("preset", metavar="PRESET", help="YAML preset, e.g. configs/llama2-13b.yaml")
+    args = parser.parse_args(argv)
+    try:
+        print(shlex.join(megatron_args_from_preset(args.preset)))
+    except ValueError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,415 @@
+"""The --ssd-offload flag group: generated from OffloadConfig, defaults < preset < flags, bad
+values stop parsing with one line that names the flag; and the launcher's hooks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from ssdtrain_megatron.config import OffloadConfig
+from ssdtrain_megatron.megatron.args import (add_ssd_offload_args, config_from_args, dest_for,
+                                             explicit_fields, flag_for, given_flags,
+                                             megatron_args_from_preset, with_ssd_offload_args)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _parser() -> argparse.ArgumentParser:
+    return add_ssd_offload_args(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+
+
+def _fails(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _preset(tmp_path, offload: str) -> str:
+    path = tmp_path / "preset.yaml"
+    path.write_text("model:\n  num_layers: 2\n  hidden: 64\n  heads: 4\n  ffn_hidden: 256\n"
+                    "  seq_len: 32\n  micro_batch: 2\nparallel:\n  tp: 1\n  pp: 1\n"
+                    "offload:\n" + offload)
+    return str(path)
+
+
+# -- the group -------------------------------------------------------------------------------
+
+
+def test_group_has_the_named_flags_and_one_flag_per_remaining_field():
+    parser = _parser()
+    group = next(g for g in parser._action_groups if g.title == "ssd offload")
+    flags = {s for a in group._group_actions for s in a.option_strings}
+    named = {"--ssd-offload", "--ssd-offload-dir", "--ssd-offload-engine", "--ssd-offload-config",
+             "--ssd-offload-policy", "--ssd-offload-recompute-fallback"}
+    assert named <= flags
+    for f in dataclasses.fields(OffloadConfig):
+        assert flag_for(f.name) in flags, f.name
+    # Exactly: --ssd-offload, --ssd-offload-config, one per field, and --no- forms of booleans.
+    booleans = [f.name for f in dataclasses.fields(OffloadConfig) if f.type in (bool, "bool")]
+    assert len(flags) == 2 + len(dataclasses.fields(OffloadConfig)) + len(booleans)
+
+
+def test_flag_names_follow_the_fields():
+    assert flag_for("dirs") == "--ssd-offload-dir"
+    assert flag_for("keep_last_layers") == "--ssd-offload-keep-last-layers"
+    assert dest_for("keep_last_layers") == "ssd_offload_keep_last_layers"
+    assert dest_for("dirs") == "ssd_offload_dir"
+
+
+def test_nothing_given_is_the_default_config_and_offload_is_off():
+    args = _parser().parse_args([])
+    assert args.ssd_offload is False
+    assert explicit_fields(args) == {}
+    assert given_flags(args) == []
+    assert config_from_args(args) == OffloadConfig()
+
+
+def test_flags_set_their_fields():
+    args = _parser().parse_args([
+        "--ssd-offload", "--ssd-offload-dir", "/mnt/nvme{local_rank}/a/{job}, /mnt/b",
+        "--ssd-offload-engine", "memory", "--ssd-offload-policy", "keep",
+        "--ssd-offload-io-threads", "8", "--ssd-offload-chunk-bytes", "4MiB",
+        "--ssd-offload-checksum", "--ssd-offload-io-timeout-s", "12.5",
+        "--ssd-offload-recompute-fallback", "--ssd-offload-recompute-layers", "1,3-5",
+        "--ssd-offload-job", "j42"])
+    cfg = config_from_args(args)
+    assert cfg.dirs == ["/mnt/nvme{local_rank}/a/{job}", "/mnt/b"]
+    assert (cfg.engine, cfg.policy, cfg.io_threads) == ("memory", "keep", 8)
+    assert cfg.chunk_bytes == 4 << 20
+    assert cfg.checksum is True and cfg.io_timeout_s == 12.5
+    assert cfg.recompute_fallback is True and cfg.recompute_layers == [1, 3, 4, 5]
+    assert cfg.job == "j42"
+    assert cfg.min_tensor_bytes == OffloadConfig().min_tensor_bytes
+
+
+def test_no_form_of_a_boolean_sets_false():
+    args = _parser().parse_args(["--no-ssd-offload-checksum"])
+    assert explicit_fields(args) == {"checksum": False}
+
+
+def test_preset_overrides_defaults_and_flags_override_preset(tmp_path):
+    preset = _preset(tmp_path, "  dirs: ['/mnt/nvme{local_rank}/p/{job}']\n  io_threads: 6\n"
+                               "  policy: adaptive\n  checksum: true\n")
+    args = _parser().parse_args(["--ssd-offload", "--ssd-offload-config", preset,
+                                 "--ssd-offload-io-threads", "2", "--no-ssd-offload-checksum"])
+    cfg = config_from_args(args)
+    assert cfg.dirs == ["/mnt/nvme{local_rank}/p/{job}"]  # preset
+    assert cfg.policy == "adaptive"                       # preset
+    assert cfg.io_threads == 2                            # flag over preset
+    assert cfg.checksum is False                          # flag over preset
+    assert cfg.prefetch_layers == OffloadConfig().prefetch_layers  # default
+    assert given_flags(args) == ["--ssd-offload-config", "--ssd-offload-checksum",
+                                 "--ssd-offload-io-threads"]  # in OffloadConfig's field order
+
+
+def test_every_shipped_preset_composes_with_flags():
+    for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
+        if name.endswith(".yaml"):
+            path = os.path.join(REPO, "configs", name)
+            args = _parser().parse_args(["--ssd-offload", "--ssd-offload-config", path,
+                                         "--ssd-offload-dir", "/tmp/x"])
+            cfg = config_from_args(args)
+            assert cfg.dirs == ["/tmp/x"]
+            assert cfg.policy == OffloadConfig.from_yaml(path).policy
+
+
+# -- bad values fail at parse time, in one line naming the flag ------------------------------
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--ssd-offload-io-threads", "0"],
+     "pretrain_gpt.py: error: argument --ssd-offload-io-threads: 0 is invalid: "
+     "expected an integer >= 1"),
+    (["--ssd-offload-io-threads", "four"],
+     "pretrain_gpt.py: error: argument --ssd-offload-io-threads: 'four' is invalid: "
+     "expected an integer"),
+    (["--ssd-offload-chunk-bytes", "5000"],
+     "pretrain_gpt.py: error: argument --ssd-offload-chunk-bytes: 5000 is invalid: "
+     "expected a multiple of 4096"),
+    (["--ssd-offload-chunk-bytes", "3PB"],
+     "pretrain_gpt.py: error: argument --ssd-offload-chunk-bytes: '3PB' is invalid: "
+     "expected an integer, optionally with a unit KiB, MiB, GiB or TiB"),
+    (["--ssd-offload-engine", "nvme"],
+     "pretrain_gpt.py: error: argument --ssd-offload-engine: 'nvme' is invalid: "
+     "allowed: posix, aio, gds, memory, tiered"),
+    (["--ssd-offload-policy", "sometimes"],
+     "pretrain_gpt.py: error: argument --ssd-offload-policy: 'sometimes' is invalid: "
+     "allowed: offload, adaptive, keep"),
+    (["--ssd-offload-dir", "/mnt/{drive}"],
+     "pretrain_gpt.py: error: argument --ssd-offload-dir: '/mnt/{drive}' is invalid: unknown "
+     "placeholder {drive}; allowed: {rank}, {local_rank}, {hostname}, {job}"),
+    (["--ssd-offload-dir", "/a,,/b"],
+     "pretrain_gpt.py: error: argument --ssd-offload-dir: '/a,,/b' is invalid: expected "
+     "comma-separated items, none of them empty"),
+    (["--ssd-offload-io-timeout-s", "inf"],
+     "pretrain_gpt.py: error: argument --ssd-offload-io-timeout-s: 'inf' is invalid: "
+     "expected a finite number"),
+    (["--ssd-offload-recompute-layers", "0,1"],
+     "pretrain_gpt.py: error: argument --ssd-offload-recompute-layers: [0, 1] is invalid: "
+     "expected a list of layer numbers >= 1"),
+    (["--ssd-offload-config", "/nonexistent/preset.yaml"],
+     "pretrain_gpt.py: error: argument --ssd-offload-config: cannot read "
+     "'/nonexistent/preset.yaml': No such file or directory"),
+])
+def test_bad_value_fails_at_parse_time_naming_the_flag(argv, line, capsys):
+    assert _fails(argv, capsys) == line
+
+
+def test_bad_combination_fails_at_parse_time_naming_the_flag(capsys):
+    line = _fails(["--ssd-offload", "--ssd-offload-engine", "memory",
+                   "--ssd-offload-host-memory-bytes", "0"], capsys)
+    assert line == ("pretrain_gpt.py: error: argument --ssd-offload-host-memory-bytes: 0 is "
+                    "invalid: engine='memory' needs a pool; expected an integer > 0")
+
+
+def test_bad_combination_from_the_preset_names_the_preset(tmp_path, capsys):
+    preset = _preset(tmp_path, "  host_memory_bytes: 0\n")
+    line = _fails(["--ssd-offload", "--ssd-offload-config", preset,
+                   "--ssd-offload-engine", "memory"], capsys)
+    assert line.startswith(f"pretrain_gpt.py: error: argument --ssd-offload-config: {preset}: ")
+    assert "host_memory_bytes=0" in line
+
+
+def test_invalid_preset_fails_at_parse_time(tmp_path, capsys):
+    preset = _preset(tmp_path, "  io_threads: 0\n")
+    line = _fails(["--ssd-offload-config", preset], capsys)
+    assert line == ("pretrain_gpt.py: error: argument --ssd-offload-config: "
+                    "OffloadConfig.io_threads=0 is invalid: expected an integer >= 1")
+    preset = _preset(tmp_path, "  drives: 3\n")
+    assert "unknown key(s) drives" in _fails(["--ssd-offload-config", preset], capsys)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("offload: [unclosed\n")
+    line = _fails(["--ssd-offload-config", str(broken)], capsys)
+    assert line.startswith(f"pretrain_gpt.py: error: argument --ssd-offload-config: "
+                           f"'{broken}' is not valid YAML: ")
+
+
+def test_combination_is_checked_only_with_offload_on():
+    # Without --ssd-offload the knobs are inert; nothing may stop the run.
+    args = _parser().parse_args(["--ssd-offload-engine", "memory",
+                                 "--ssd-offload-host-memory-bytes", "0"])
+    assert args.ssd_offload is False
+
+
+# -- composition with Megatron's parser ------------------------------------------------------
+
+
+def test_adding_the_group_twice_is_harmless():
+    parser = _parser()
+    assert add_ssd_offload_args(parser) is parser
+    assert parser.parse_args(["--ssd-offload"]).ssd_offload is True
+
+
+def test_with_ssd_offload_args_runs_the_scripts_own_provider_first():
+    def modelopt(parser):
+        parser.add_argument("--modelopt-flag", type=int, default=0)
+        return parser
+
+    parser = with_ssd_offload_args(modelopt)(argparse.ArgumentParser())
+    args = parser.parse_args(["--modelopt-flag", "3", "--ssd-offload"])
+    assert (args.modelopt_flag, args.ssd_offload) == (3, True)
+    assert with_ssd_offload_args(None) is add_ssd_offload_args
+
+
+def test_module_does_not_import_megatron():
+    code = ("import sys, ssdtrain_megatron.megatron.args, ssdtrain_megatron.megatron.launch; "
+            "print([m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- presets as Megatron flags ---------------------------------------------------------------
+
+
+def test_megatron_args_from_preset_carry_shape_layout_and_precision():
+    flags = megatron_args_from_preset(os.path.join(REPO, "configs", "llama3-70b.yaml"))
+    assert flags == [
+        "--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+        "--ffn-hidden-size", "28672", "--seq-length", "8192", "--max-position-embeddings", "8192",
+        "--micro-batch-size", "1", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
+        "--group-query-attention", "--num-query-groups", "8", "--bf16", "--swiglu",
+        "--sequence-parallel"]
+
+
+def test_megatron_args_command_prints_one_line_and_rejects_bad_presets(tmp_path):
+    run = [sys.executable, "-m", "ssdtrain_megatron.megatron.args"]
+    out = subprocess.run(run + [os.path.join(REPO, "configs", "gpt3-1.3b.yaml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0
+    assert out.stdout.startswith("--num-layers 24 --hidden-size 2048 ")
+    assert out.stdout.count("\n") == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  num_layers: 2\n")
+    out = subprocess.run(run + [str(bad)], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"python -m ssdtrain_megatron.megatron.args: error: {bad}: "
+                                  "model: missing key(s) hidden, heads, ffn_hidden, seq_len, "
+                                  "micro_batch")
+
+
+# -- the launcher's hooks, on a stand-in Megatron --------------------------------------------
+
+
+def _fake_megatron(monkeypatch, calls):
+    """Modules shaped like megatron.training.{arguments,initialize,global_vars,training}."""
+    state = {}
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--num-layers", type=int)
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        state["args"] = parser.parse_args(state["argv"])
+        return state["args"]
+
+    def initialize_megatron(extra_args_provider=None, args_defaults={}):
+        # As megatron's initialize.py does: the module-level name, looked up at call time.
+        sys.modules["megatron.training.initialize"].parse_args(extra_args_provider)
+        calls.append("initialized")
+
+    arguments = types.ModuleType("megatron.training.arguments")
+    arguments.parse_args = parse_args
+    initialize = types.ModuleType("megatron.training.initialize")
+    initialize.initialize_megatron = initialize_megatron
+    initialize.parse_args = parse_args
+    training = types.ModuleType("megatron.training.training")
+    training.initialize_megatron = initialize_megatron
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars.get_args = lambda: state["args"]
+    installer = types.ModuleType("fake_installer")
+    installer.installed = lambda: state.get("installed")
+    installer.install = lambda config: (calls.append(("install", config)),
+                                        state.__setitem__("installed", "OFFLOADER"))[1] or "OFFLOADER"
+    installer.uninstall = lambda: (calls.append("uninstall"), state.pop("installed", None))
+    for name, module in (("megatron.training.arguments", arguments),
+                         ("megatron.training.initialize", initialize),
+                         ("megatron.training.training", training),
+                         ("megatron.training.global_vars", global_vars),
+                         ("fake_installer", installer)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return state, training, initialize
+
+
+def test_hooks_add_the_flags_install_after_initialise_and_restore(monkeypatch, tmp_path):
+    from ssdtrain_megatron.megatron import launch
+
+    calls = []
+    state, training, initialize = _fake_megatron(monkeypatch, calls)
+    original = training.initialize_megatron
+    target = dataclasses.replace(launch.MEGATRON_LM, installer="fake_installer")
+    state["argv"] = ["--num-layers", "2", "--ssd-offload", "--ssd-offload-dir", str(tmp_path)]
+    with launch.TrainingHooks(target):
+        training.initialize_megatron()  # the name megatron.training.training holds
+        assert training.initialize_megatron is not original
+    assert calls[0] == "initialized"
+    assert calls[1][0] == "install" and calls[1][1].dirs == [str(tmp_path)]
+    assert calls[2:] == ["uninstall"]
+    assert training.initialize_megatron is original
+    assert initialize.initialize_megatron is original
+
+
+def test_hooks_install_nothing_without_the_flag_and_warn_about_knobs(monkeypatch, caplog):
+    from ssdtrain_megatron.megatron import launch
+
+    calls = []
+    state, training, _ = _fake_megatron(monkeypatch, calls)
+    target = dataclasses.replace(launch.MEGATRON_LM, installer="fake_installer")
+    state["argv"] = ["--ssd-offload-io-threads", "2"]
+    with caplog.at_level("WARNING"), launch.TrainingHooks(target):
+        training.initialize_megatron()
+    assert calls == ["initialized"]
+    assert "--ssd-offload-io-threads given without --ssd-offload" in caplog.text
+
+
+def test_install_from_args_is_idempotent(monkeypatch):
+    from ssdtrain_megatron.megatron import launch
+
+    calls = []
+    state, _, _ = _fake_megatron(monkeypatch, calls)
+    target = dataclasses.replace(launch.MEGATRON_LM, installer="fake_installer")
+    args = _parser().parse_args(["--ssd-offload", "--ssd-offload-dir", "/tmp/x"])
+    assert launch.install_from_args(args, target) == "OFFLOADER"
+    assert launch.install_from_args(args, target) == "OFFLOADER"
+    assert [c[0] for c in calls] == ["install"]
+
+
+def test_detect_target_tells_the_layouts_apart(tmp_path):
+    from ssdtrain_megatron.megatron import launch
+
+    lm, ds, none = tmp_path / "lm", tmp_path / "ds", tmp_path / "none"
+    (lm / "megatron" / "training").mkdir(parents=True)
+    (lm / "megatron" / "training" / "initialize.py").write_text("")
+    (ds / "megatron").mkdir(parents=True)
+    (ds / "megatron" / "initialize.py").write_text("")
+    (none / "megatron").mkdir(parents=True)
+    assert launch.detect_target([str(lm)]) is launch.MEGATRON_LM
+    assert launch.detect_target([str(ds)]) is launch.MEGATRON_DEEPSPEED
+    with pytest.raises(launch.LaunchError, match="neither"):
+        launch.detect_target([str(none)])
+    with pytest.raises(launch.LaunchError, match="no 'megatron' package"):
+        launch.detect_target([str(tmp_path)])
+
+
+def test_launcher_usage_and_missing_script():
+    run = [sys.executable, "-m", "ssdtrain_megatron.launch"]
+    out = subprocess.run(run, capture_output=True, text=True)
+    assert out.returncode == 2 and "-m ssdtrain_megatron.launch SCRIPT" in out.stderr
+    out = subprocess.run(run + ["--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--ssd-offload-dir" in out.stdout
+    out = subprocess.run(run + ["/nonexistent/pretrain_gpt.py"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "ssdtrain-pretrain: error: /nonexistent/pretrain_gpt.py: no such file (expected a "
+        "Megatron training script such as Megatron-LM/pretrain_gpt.py)")
+
+
+def test_launcher_runs_a_script_as_main_with_its_folder_first_on_the_path(tmp_path):
+    # A script whose folder has a megatron package of the Megatron-LM layout, stubbed: the
+    # launcher wraps its parse_args and initialize_megatron and runs the script as __main__.
+    pkg = tmp_path / "megatron" / "training"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "arguments.py").write_text(
+        "import argparse, sys\n"
+        "def parse_args(extra_args_provider=None, ignore_unknown_args=False):\n"
+        "    p = argparse.ArgumentParser()\n"
+        "    p.add_argument('--num-layers', type=int)\n"
+        "    p = extra_args_provider(p) if extra_args_provider else p\n"
+        "    return p.parse_args()\n")
+    (pkg / "initialize.py").write_text(
+        "from megatron.training.arguments import parse_args\n"
+        "ARGS = None\n"
+        "def initialize_megatron(extra_args_provider=None):\n"
+        "    global ARGS\n"
+        "    ARGS = parse_args(extra_args_provider)\n")
+    (pkg / "global_vars.py").write_text(
+        "def get_args():\n"
+        "    from megatron.training import initialize\n"
+        "    return initialize.ARGS\n")
+    (tmp_path / "helper.py").write_text("VALUE = 'sibling'\n")
+    (tmp_path / "train.py").write_text(
+        "import helper\n"
+        "from megatron.training.initialize import initialize_megatron\n"
+        "from megatron.training.global_vars import get_args\n"
+        "if __name__ == '__main__':\n"
+        "    initialize_megatron()\n"
+        "    print('main', helper.VALUE, get_args().num_layers, get_args().ssd_offload)\n")
+    out = subprocess.run([sys.executable, "-m", "ssdtrain_megatron.launch",
+                          str(tmp_path / "train.py"), "--num-layers", "3"],
+                         capture_output=True, text=True, cwd=str(tmp_path.parent))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "main sibling 3 False"
+    out = subprocess.run([sys.executable, "-m", "ssdtrain_megatron.launch",
+                          str(tmp_path / "train.py"), "--ssd-offload-io-threads", "0"],
+                         capture_output=True, text=True, cwd=str(tmp_path.parent))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        "error: argument --ssd-offload-io-threads: 0 is invalid: expected an integer >= 1")

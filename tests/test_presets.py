@@ -1,0 +1,104 @@
+"""Every preset in configs/ loads and validates where it is used: OffloadConfig.from_yaml, the
+planner (ModelShape.from_preset, `ssdtrain plan --config`) and the Megatron flags."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from ssdtrain_megatron import cli
+from ssdtrain_megatron.cache import ActivationOffloader
+from ssdtrain_megatron.config import OffloadConfig
+from ssdtrain_megatron.megatron.args import megatron_args_from_preset
+from ssdtrain_megatron.plan.cli import PRESET_SECTIONS, load_preset
+from ssdtrain_megatron.plan.model import ModelShape
+
+from models import mlp, run_steps
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+LAYOUTS = {  # preset: (tp, pp)
+    "gpt3-1.3b": (1, 1),
+    "llama2-7b": (2, 1),
+    "llama2-13b": (4, 2),
+    "llama3-8b": (2, 2),
+    "llama3-70b": (8, 4),
+    "cpu-tiny": (1, 1),
+}
+GPU_PRESETS = [name for name in LAYOUTS if name != "cpu-tiny"]
+
+
+def _path(name: str) -> str:
+    return os.path.join(CONFIGS, f"{name}.yaml")
+
+
+def _load(name: str) -> dict:
+    with open(_path(name), encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def test_configs_holds_exactly_the_listed_presets():
+    shipped = {f[:-len(".yaml")] for f in os.listdir(CONFIGS) if f.endswith(".yaml")}
+    assert shipped == set(LAYOUTS)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_preset_has_model_parallel_and_offload_sections(name):
+    assert list(_load(name)) == list(PRESET_SECTIONS)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_preset_validates_as_offload_config_and_model_shape(name):
+    data = _load(name)
+    cfg = OffloadConfig.from_yaml(_path(name))
+    assert cfg == OffloadConfig.from_dict(data["offload"])
+    shape = ModelShape.from_preset(data["model"], data["parallel"])
+    assert (shape.tp, shape.pp) == LAYOUTS[name]
+    assert "micro_batch" in data["model"] and "policy" in data["offload"]
+    assert load_preset(_path(name)) == (shape, cfg.keep_last_layers)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_ssdtrain_plan_accepts_preset(name, capsys):
+    assert cli.main(["plan", "--config", _path(name), "--num-micro-batches", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    tp, pp = LAYOUTS[name]
+    assert (plan["model"]["tp"], plan["model"]["pp"]) == (tp, pp)
+    assert plan["offloaded_bytes_per_step"] > 0
+
+
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_gpu_preset_writes_to_one_node_local_drive_per_local_rank_per_job(name):
+    for template in OffloadConfig.from_yaml(_path(name)).dirs:
+        assert template.startswith("/mnt/nvme{local_rank}/"), template
+        assert template.endswith("/{job}"), template
+
+
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_gpu_preset_becomes_megatron_flags_for_its_layout(name):
+    flags = megatron_args_from_preset(_path(name))
+    tp, pp = LAYOUTS[name]
+    assert flags[flags.index("--tensor-model-parallel-size") + 1] == str(tp)
+    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == str(pp)
+    assert "--bf16" in flags
+
+
+def test_cpu_tiny_offloads_under_the_current_folder(tmp_path, monkeypatch):
+    cfg = OffloadConfig.from_yaml(_path("cpu-tiny"))
+    assert all(not os.path.isabs(d) or d.startswith("/tmp/") for d in cfg.dirs)
+    monkeypatch.chdir(tmp_path)
+    model = mlp(width=256, depth=3)
+    batches = [torch.randn(128, 256) for _ in range(2)]  # 128 KiB activations: offloaded
+    plain_losses, plain_grads, _ = run_steps(model, batches, steps=1)
+    with ActivationOffloader(cfg) as off:
+        losses, grads, stats = run_steps(model, batches, off, steps=1)
+        assert all(d.startswith(str(tmp_path)) for d in off.rank_dirs)
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
+    assert all(torch.equal(grads[k], plain_grads[k]) for k in plain_grads)
+    assert stats[0].bytes_offloaded > 0
+    leftovers = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
+    assert leftovers == []

@@ -1,0 +1,179 @@
+"""The real client: Megatron-LM's own pretrain_gpt.py, on CPU, with and without --ssd-offload.
+
+Needs a Megatron-LM checkout at the release that matches megatron-core 0.16 (tag core_v0.16.1)
+named by ``MEGATRON_LM_DIR``; skipped without it. Megatron-LM's training code also imports
+``six`` and ``regex`` (``pip install six regex``). Each run trains 3 iterations of a tiny GPT
+(``--mock-data``, gloo, ``--transformer-impl local``) under torchrun, with
+``tests/megatron_lm_cpu_compat.py`` loaded into every worker through a generated
+``sitecustomize.py``; a run takes about 20-30 s on 2 cores, the whole file about 4 minutes.
+
+For TP=1, TP=2 and PP=2 (1F1B, 4 micro-batches):
+* the launcher (``python -m ssdtrain_megatron.launch pretrain_gpt.py ... --ssd-offload``)
+  logs the same losses and grad norms as ``pretrain_gpt.py`` without the flag, every rank
+  wrote bytes to its offload directory in every step, and nothing is left on disk;
+* a copy of pretrain_gpt.py patched by ``scripts/apply_patches.sh`` does the same.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+CHECKOUT = os.environ.get("MEGATRON_LM_DIR")
+
+pytestmark = pytest.mark.skipif(
+    not CHECKOUT, reason="MEGATRON_LM_DIR is not set: it names a Megatron-LM checkout at tag "
+                         "core_v0.16.1, whose pretrain_gpt.py these tests train on CPU")
+
+ITERATIONS = 3
+RUN_TIMEOUT_S = 420
+
+# A tiny GPT that Megatron-LM trains on the CPU in seconds. --clip-grad 0: Megatron's gradient
+# clipping asserts that gradients are CUDA tensors; clipping is not what these tests compare.
+TINY_GPT = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", str(ITERATIONS), "--lr", "1e-4", "--min-lr", "1e-5",
+    "--lr-decay-style", "constant", "--clip-grad", "0", "--seed", "1234",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+    "--distributed-backend", "gloo", "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+]
+
+LAYOUTS = {
+    "tp1": (1, []),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+}
+
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
+
+
+def _checkout_version() -> str:
+    info = os.path.join(CHECKOUT, "megatron", "core", "package_info.py")
+    fields: Dict[str, str] = {}
+    with open(info, encoding="utf-8") as fh:
+        for line in fh:
+            match = re.match(r"(MAJOR|MINOR|PATCH)\s*=\s*(\d+)", line)
+            if match:
+                fields[match.group(1)] = match.group(2)
+    return ".".join(fields.get(k, "?") for k in ("MAJOR", "MINOR", "PATCH"))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> str:
+    """A folder with the sitecustomize.py that loads the CPU shims into every torchrun worker."""
+    if not os.path.isfile(os.path.join(CHECKOUT, "pretrain_gpt.py")):
+        pytest.fail(f"MEGATRON_LM_DIR={CHECKOUT} has no pretrain_gpt.py")
+    version = _checkout_version()
+    if not version.startswith("0.16."):
+        pytest.skip(f"MEGATRON_LM_DIR is megatron-core {version}; these tests need the release "
+                    "matching megatron-core 0.16 (tag core_v0.16.1)")
+    missing = [m for m in ("six", "regex") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's training code imports {', '.join(missing)}: "
+                    f"pip install {' '.join(missing)}")
+    import megatron_lm_cpu_compat
+
+    folder = str(tmp_path_factory.mktemp("site"))
+    megatron_lm_cpu_compat.write_sitecustomize(folder, CHECKOUT)
+    return folder
+
+
+def _torchrun(nproc: int, program: List[str], site: str, cwd: str) -> str:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([site] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron asserts it for TP > 1
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), *program]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return proc.stdout
+
+
+def _logged(output: str) -> List[Tuple[int, str, str]]:
+    """(iteration, lm loss, grad norm) as Megatron logged them."""
+    rows = [(int(i), loss, norm) for i, loss, norm in _ITERATION.findall(output)]
+    assert [r[0] for r in rows] == list(range(1, ITERATIONS + 1)), output[-4000:]
+    return rows
+
+
+def _offload_flags(root: str, stats: str) -> List[str]:
+    # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default.
+    return ["--ssd-offload", "--ssd-offload-dir", root, "--ssd-offload-stats-path", stats,
+            "--ssd-offload-min-tensor-bytes", "0"]
+
+
+def _check_offloaded(stats: str, root: str, nproc: int) -> None:
+    with open(stats, encoding="utf-8") as fh:
+        steps = [json.loads(line) for line in fh if line.strip()]
+    assert len(steps) == nproc * ITERATIONS, steps
+    assert all(s["bytes_offloaded"] > 0 for s in steps), [s["bytes_offloaded"] for s in steps]
+    assert all(s["bytes_on_disk"] == 0 for s in steps)
+    assert os.listdir(root) == [], "offload files were left behind"
+
+
+_PLAIN: Dict[str, List[Tuple[int, str, str]]] = {}
+
+
+def _plain(layout: str, site: str, tmp_path) -> List[Tuple[int, str, str]]:
+    """Losses of pretrain_gpt.py without --ssd-offload (one run per layout per session)."""
+    if layout not in _PLAIN:
+        nproc, extra = LAYOUTS[layout]
+        script = os.path.join(CHECKOUT, "pretrain_gpt.py")
+        _PLAIN[layout] = _logged(_torchrun(nproc, [script, *TINY_GPT, *extra], site,
+                                           str(tmp_path)))
+    return _PLAIN[layout]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_launcher_offloads_without_changing_megatron_losses(layout, site, tmp_path):
+    nproc, extra = LAYOUTS[layout]
+    root, stats = tmp_path / "ssd", tmp_path / "stats.jsonl"
+    root.mkdir()
+    script = os.path.join(CHECKOUT, "pretrain_gpt.py")
+    output = _torchrun(nproc, ["-m", "ssdtrain_megatron.launch", script, *TINY_GPT, *extra,
+                               *_offload_flags(str(root), str(stats))], site, str(tmp_path))
+    assert "ssdtrain: rank 0 offloads activations to" in output
+    assert _logged(output) == _plain(layout, site, tmp_path)
+    _check_offloaded(str(stats), str(root), nproc)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_patched_checkout_offloads_without_changing_megatron_losses(layout, site, tmp_path):
+    nproc, extra = LAYOUTS[layout]
+    fork = tmp_path / "fork"  # the checkout itself stays untouched: patch a copy of the script
+    fork.mkdir()
+    shutil.copy(os.path.join(CHECKOUT, "pretrain_gpt.py"), fork)
+    applied = subprocess.run(["bash", os.path.join(REPO, "scripts", "apply_patches.sh"),
+                              str(fork)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    assert applied.returncode == 0, applied.stdout
+    assert "applied megatron-lm-core_v0.16.patch" in applied.stdout
+    root, stats = tmp_path / "ssd", tmp_path / "stats.jsonl"
+    root.mkdir()
+    # The copy imports gpt_builders, model_provider and megatron from the checkout, which the
+    # sitecustomize puts on sys.path.
+    output = _torchrun(nproc, [str(fork / "pretrain_gpt.py"), *TINY_GPT, *extra,
+                               *_offload_flags(str(root), str(stats))], site, str(tmp_path))
+    assert "ssdtrain: rank 0 offloads activations to" in output
+    assert _logged(output) == _plain(layout, site, tmp_path)
+    _check_offloaded(str(stats), str(root), nproc)

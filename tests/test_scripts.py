@@ -1,0 +1,182 @@
+"""scripts/: every script parses (`bash -n`), marks the lines a user edits, and the per-node
+runner passes the preset through, fills in the offload roots and removes the job's offload
+directories on exit, on failure and on SIGTERM (scancel). `python` and `srun` are stand-ins
+here: they record their arguments instead of training."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "scripts")
+NODE = os.path.join(SCRIPTS, "ssdtrain_node.sh")
+SBATCH = os.path.join(SCRIPTS, "slurm_pretrain_gpt.sbatch")
+SINGLE = os.path.join(SCRIPTS, "pretrain_gpt_single_node.sh")
+PRESET = os.path.join(REPO, "configs", "llama3-70b.yaml")
+
+SHELL_SCRIPTS = sorted(f for f in os.listdir(SCRIPTS) if f.endswith((".sh", ".sbatch")))
+
+
+def test_scripts_folder_has_the_launch_scripts():
+    assert {"slurm_pretrain_gpt.sbatch", "pretrain_gpt_single_node.sh", "ssdtrain_node.sh",
+            "demo.sh", "apply_patches.sh"} <= set(SHELL_SCRIPTS)
+
+
+@pytest.mark.parametrize("name", SHELL_SCRIPTS)
+def test_script_parses_and_is_executable(name):
+    path = os.path.join(SCRIPTS, name)
+    out = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert os.stat(path).st_mode & stat.S_IXUSR
+
+
+@pytest.mark.parametrize("path, edited", [
+    (SBATCH, ["#SBATCH --nodes=", "#SBATCH --gpus-per-node=", "#SBATCH --time=", "SSDTRAIN=",
+              "MEGATRON_LM=", "PRESET=", "SSD_DIRS=", "PYTHON=", "GPUS_PER_NODE=",
+              "MEGATRON_ARGS=("]),
+    (SINGLE, ["#SBATCH --gpus-per-node=", "MEGATRON_LM=", "PRESET=", "SSD_DIRS=", "PYTHON=",
+              "GPUS_PER_NODE=", "MEGATRON_ARGS=("]),
+    (os.path.join(SCRIPTS, "demo.sh"), ["DEMO_DIR="]),
+])
+def test_lines_a_user_edits_are_marked(path, edited):
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    for start in edited:
+        i = next(n for n, line in enumerate(lines) if line.lstrip().startswith(start)
+                 or line.startswith("[[ -n \"${" + start.rstrip("=")))
+        # The EDIT mark is on the line itself or on the comment line right above it.
+        assert "EDIT" in lines[i] or "EDIT" in lines[i - 1], (path, lines[i])
+
+
+# -- the per-node runner, with a stand-in python ---------------------------------------------
+
+
+@pytest.fixture
+def stand_ins(tmp_path):
+    """A `python` that records its arguments (and delegates `-m ...megatron.args`), a
+    `srun` that runs its command once, a `scontrol` that names one node."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(
+        "#!/bin/bash\n"
+        "if [[ \"$1 $2\" == '-m ssdtrain_megatron.megatron.args' ]]; then\n"
+        f"    exec {sys.executable} \"$@\"\n"
+        "fi\n"
+        "printf '%s\\n' \"$@\" > \"$STUB_LOG\"\n"
+        "mkdir -p \"$STUB_WRITES/rank0\" && touch \"$STUB_WRITES/rank0/slab.bin\"\n"
+        "[[ -n \"${STUB_SLEEP:-}\" ]] && exec sleep \"$STUB_SLEEP\"\n"
+        "exit \"${STUB_EXIT:-0}\"\n")
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\n"
+        "while [[ \"$1\" == --* ]]; do shift; done\n"
+        "exec \"$@\"\n")
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node-a\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    nvme = tmp_path / "mnt"
+    env = dict(os.environ)
+    env.update({
+        "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}", "PYTHON": str(bin_dir / "python"),
+        "MEGATRON_LM": str(tmp_path / "Megatron-LM"), "PRESET": PRESET,
+        "SSD_DIRS": f"{nvme}/nvme{{local_rank}}/ssdtrain/{{job}}", "GPUS_PER_NODE": "2",
+        "JOB_ID": "4242", "STUB_LOG": str(tmp_path / "argv.txt"),
+        "STUB_WRITES": f"{nvme}/nvme1/ssdtrain/4242"})
+    # Another job's directory on the same drive: must survive.
+    (nvme / "nvme0" / "ssdtrain" / "1111").mkdir(parents=True)
+    return env, tmp_path
+
+
+def _argv(tmp_path) -> list:
+    return (tmp_path / "argv.txt").read_text().splitlines()
+
+
+def _job_dirs(tmp_path) -> list:
+    root = tmp_path / "mnt"
+    return sorted(str(p.relative_to(root)) for p in root.glob("nvme*/ssdtrain/*"))
+
+
+def test_node_runner_passes_preset_and_roots_through_and_cleans_up(stand_ins):
+    env, tmp_path = stand_ins
+    out = subprocess.run(["bash", NODE, "--data-path", "/data/x"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argv = _argv(tmp_path)
+    assert argv[:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m"]
+    assert argv[6:8] == ["ssdtrain_megatron.launch", f"{tmp_path}/Megatron-LM/pretrain_gpt.py"]
+    assert argv[argv.index("--tensor-model-parallel-size") + 1] == "8"  # from the preset
+    assert argv[argv.index("--data-path") + 1] == "/data/x"               # passed through
+    assert argv[-7:] == ["--ssd-offload", "--ssd-offload-config", PRESET, "--ssd-offload-dir",
+                         env["SSD_DIRS"], "--ssd-offload-job", "4242"]
+    assert _job_dirs(tmp_path) == ["nvme0/ssdtrain/1111"]
+
+
+def test_node_runner_cleans_up_after_a_failure_and_keeps_its_status(stand_ins):
+    env, tmp_path = stand_ins
+    env["STUB_EXIT"] = "3"
+    out = subprocess.run(["bash", NODE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3
+    assert _job_dirs(tmp_path) == ["nvme0/ssdtrain/1111"]
+
+
+def test_node_runner_cleans_up_when_cancelled(stand_ins):
+    env, tmp_path = stand_ins
+    env["STUB_SLEEP"] = "60"
+    proc = subprocess.Popen(["bash", NODE], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        slab = tmp_path / "mnt" / "nvme1" / "ssdtrain" / "4242" / "rank0" / "slab.bin"
+        while not slab.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert slab.exists()
+        time.sleep(0.2)  # let the stand-in reach its sleep
+        proc.send_signal(signal.SIGTERM)  # what scancel and the time limit send
+        assert proc.wait(timeout=30) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _job_dirs(tmp_path) == ["nvme0/ssdtrain/1111"]
+
+
+def test_node_runner_refuses_roots_without_the_job(stand_ins):
+    env, tmp_path = stand_ins
+    env["SSD_DIRS"] = f"{tmp_path}/mnt/nvme{{local_rank}}"
+    out = subprocess.run(["bash", NODE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "must be an absolute path containing {job}" in out.stderr
+    assert not (tmp_path / "argv.txt").exists()
+
+
+def test_sbatch_script_runs_the_node_runner_on_every_node(stand_ins):
+    env, tmp_path = stand_ins
+    env.update({"SLURM_NNODES": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-a",
+                "SSDTRAIN": REPO})
+    del env["JOB_ID"]
+    out = subprocess.run(["bash", SBATCH], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argv = _argv(tmp_path)
+    assert argv[argv.index("--ssd-offload-job") + 1] == "4242"
+    assert argv[argv.index("--ssd-offload-config") + 1] == PRESET
+    assert "--tokenizer-model" in argv  # the script's MEGATRON_ARGS
+    assert _job_dirs(tmp_path) == ["nvme0/ssdtrain/1111"]
+
+
+def test_single_node_script_runs_the_node_runner(stand_ins):
+    env, tmp_path = stand_ins
+    del env["JOB_ID"]
+    env.pop("SLURM_JOB_ID", None)
+    out = subprocess.run(["bash", SINGLE, "--train-iters", "5"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argv = _argv(tmp_path)
+    assert argv[argv.index("--ssd-offload-job") + 1].startswith("local-")
+    assert argv[argv.index("--train-iters", argv.index("--train-iters") + 1) + 1] == "5"
