@@ -106,10 +106,12 @@ class ActivationOffloader:
         self._inflight_bytes = 0
         self._c = StepCounters()
         self._step = 0
-        self._step_started = time.perf_counter()
+        self._step_started = self._step_first = time.perf_counter()
         self._warned: Set[str] = set()
         self._closed = False
         self.last_step_stats: Optional[StepStats] = None
+        self.record_memory_timeline = False
+        self.last_memory_timeline: List[tuple] = []
         self._phase = "forward"
         self._tracer: Optional[IOTracer] = None
         ident = getattr(self._engine, "ident", None) or Identity.detect(config.job_id())
@@ -147,6 +149,8 @@ class ActivationOffloader:
         """Forward of micro-batch ``key``: saved tensors inside are recorded under it."""
         self._check_open()
         with self._lock:
+            if not self._microbatches:
+                self._step_first = time.perf_counter()  # the step's first forward starts
             mb = self._microbatches.get(key)
             if mb is None:
                 mb = self._microbatches[key] = MicroBatch(key)
@@ -203,6 +207,14 @@ class ActivationOffloader:
                 return
             self._enter_backward(mb)
 
+    def enable_memory_timeline(self) -> None:
+        """From the current step on, ``last_memory_timeline`` holds (seconds into the step,
+        resident bytes) at every change of the last step (for plots; a list append per change)."""
+        with self._lock:
+            self.record_memory_timeline = True
+            if self._c.timeline is None:
+                self._c.timeline = []
+
     def wait_writes(self) -> None:
         """Block until every write handed to the engine has completed (or failed)."""
         with self._lock:
@@ -237,7 +249,9 @@ class ActivationOffloader:
                                            len(self._microbatches))
                 if new:
                     self._layer_decisions.update(new)
-            self._c = StepCounters()
+            if self._c.timeline is not None:
+                self.last_memory_timeline = [(t - self._step_first, b) for t, b in self._c.timeline]
+            self._c = StepCounters(timeline=[] if self.record_memory_timeline else None)
             self._dedup.clear()
             self._microbatches.clear()
             self._step += 1

@@ -90,7 +90,7 @@ def installed() -> Optional[Installation]:
     return _INSTALLED
 
 
-def install(config: OffloadConfig):
+def install(config: OffloadConfig, offloader=None):
     """Patch megatron-core so every training step run through ``get_forward_backward_func()``
     offloads its activations.
 
@@ -98,6 +98,8 @@ def install(config: OffloadConfig):
         config: the offloader settings. With ``recompute_fallback`` on, the layers in
             ``recompute_layers`` (megatron's global, 1-based ``layer_number``) run under
             megatron's ``tensor_parallel.checkpoint`` instead of being offloaded.
+        offloader: an ActivationOffloader built from ``config`` to use instead of a new one
+            (e.g. to switch between two offloaders step by step with ``uninstall(close=False)``).
 
     Returns:
         The ActivationOffloader; ``uninstall()`` closes it.
@@ -127,7 +129,8 @@ def install(config: OffloadConfig):
 
     from ..cache import ActivationOffloader
 
-    offloader = ActivationOffloader(config)
+    if offloader is None:
+        offloader = ActivationOffloader(config)
     patcher = Patcher()
     try:
         scopes = LayerScopes(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, Optional, Tuple
 
@@ -95,6 +96,8 @@ class StepCounters:
     peak_resident_bytes: int = 0
     fallbacks: int = 0
     layers: Dict[Hashable, _LayerAcc] = field(default_factory=dict)
+    timeline: Optional[list] = None
+    """When a list: (perf_counter time, resident bytes) at every change (plots)."""
 
     def layer(self, key: Hashable, decision: str) -> _LayerAcc:
         acc = self.layers.get(key)
@@ -106,6 +109,8 @@ class StepCounters:
         self.resident_bytes += delta
         if self.resident_bytes > self.peak_resident_bytes:
             self.peak_resident_bytes = self.resident_bytes
+        if self.timeline is not None:
+            self.timeline.append((time.perf_counter(), self.resident_bytes))
 
     def freeze(self, step: int, write: Tuple[int, float], read: Tuple[int, float], bytes_on_disk: int,
                step_time_s: float) -> StepStats:

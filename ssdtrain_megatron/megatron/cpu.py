@@ -1,0 +1,211 @@
+"""Run megatron-core 0.16.x on a CPU-only torch build: for the demo, the benchmarks and tests.
+
+This is not part of the offload path: ``install()`` never calls it, and on a machine with CUDA
+nothing here is needed. It exists so that ``ssdtrain demo`` and ``ssdtrain bench`` (and the test
+suite) can build and train a real megatron-core GPTModel on a laptop or a CI machine.
+
+megatron-core assumes CUDA in a handful of places that have nothing to do with the numerics:
+buffers and factory calls with ``device=torch.cuda.current_device()``, ``.cuda()`` calls,
+``torch.cuda.synchronize()``, and an RNG tracker that stores CUDA generator states. While
+enabled, this module redirects all of them to the CPU:
+
+* a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"``, ``device=<int>`` and
+  ``torch.device("cuda", i)`` arguments to ``"cpu"`` and turns ``Tensor.cuda()`` into a no-op;
+* ``torch.cuda.current_device`` returns 0 (an integer device the mode maps to the CPU),
+  ``torch.cuda.synchronize`` does nothing, ``torch.cuda.manual_seed`` / ``get_rng_state`` /
+  ``set_rng_state`` act on the default CPU generator;
+* megatron's "CUDA" RNG state is the default CPU generator's state: dropout on CPU draws from that
+  generator, so forking the tracker (tensor-parallel regions) and restoring states for
+  recomputation (``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) act on
+  exactly the numbers the kernels use, and recomputed dropout masks equal the original ones;
+* ``GlobalMemoryBuffer.get_tensor`` allocates on the CPU.
+
+``enable()`` is idempotent; ``disable()`` puts back every attribute it replaced, the same objects
+as before. It refuses to enable where CUDA is available: there, megatron runs as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable", "disable", "is_enabled", "enabled", "CpuDeviceMode"]
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec (str, int, torch.device) to "cpu"; leave anything else alone."""
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str):
+        if device.startswith("cuda"):
+            return torch.device("cpu")
+        return device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class CpuDeviceMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of every torch call to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            # Tensor.cuda(device=None, non_blocking=False, ...) -> the tensor itself.
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func in (torch.Tensor.to,) and len(args) > 1:
+            # Tensor.to(device, ...) or Tensor.to(tensor) or Tensor.to(dtype).
+            first = args[1]
+            if isinstance(first, (str, int, torch.device)) and not isinstance(first, bool):
+                args = (args[0], _to_cpu_device(first)) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+def _tracker_add(self, name: str, seed: int) -> None:
+    """CudaRNGStatesTracker.add backed by the default CPU generator."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception("seed {} already exists".format(seed))
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception("cuda rng state {} already exists".format(name))
+    orig = torch.get_rng_state()
+    torch.default_generator.manual_seed(seed)
+    self.states_[name] = torch.get_rng_state()
+    torch.set_rng_state(orig)
+
+
+def _make_tracker_fork(default_name: str) -> Callable:
+    @contextlib.contextmanager
+    def fork(self, name: str = default_name):
+        """CudaRNGStatesTracker.fork backed by the default CPU generator.
+
+        megatron's own fork warns when the CPU generator moved inside the context; here the
+        "CUDA" generator *is* the CPU generator, so that warning would fire on every dropout.
+        """
+        if name not in self.states_:
+            raise Exception("cuda rng state {} is not added".format(name))
+        orig_state = torch.get_rng_state()
+        orig_name = getattr(self, "_current_state_name", "default-rng")
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if orig_name != "default-rng":
+                orig_state = self.states_[orig_name]
+            torch.set_rng_state(orig_state)
+            self._current_state_name = orig_name
+
+    return fork
+
+
+def _buffer_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    """GlobalMemoryBuffer.get_tensor allocating on the CPU."""
+    required_len = functools.reduce(operator.mul, tensor_shape, 1)
+    buf = self.buffer.get((name, dtype), None)
+    if buf is None or buf.numel() < required_len:
+        buf = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
+        self.buffer[(name, dtype)] = buf
+    return buf[0:required_len].view(*tensor_shape)
+
+
+class _State:
+    """What enable() replaced: (owner, attribute name, original value), in patch order."""
+
+    def __init__(self) -> None:
+        self.saved: List[Tuple[Any, str, Any]] = []
+        self.mode: Optional[CpuDeviceMode] = None
+
+    def patch(self, owner: Any, name: str, value: Any) -> None:
+        self.saved.append((owner, name, owner.__dict__.get(name, _MISSING)
+                           if isinstance(owner, type) else getattr(owner, name, _MISSING)))
+        setattr(owner, name, value)
+
+
+_MISSING = object()
+_STATE: Optional[_State] = None
+
+
+def is_enabled() -> bool:
+    return _STATE is not None
+
+
+def enable() -> None:
+    """Install the CPU shims (idempotent). Import megatron.core only after torch is importable."""
+    global _STATE
+    if _STATE is not None:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("ssdtrain_megatron.megatron.cpu is for CPU-only machines; with CUDA, "
+                           "megatron-core runs as it is")
+    from megatron.core import utils as mcore_utils
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    state = _State()
+    state.patch(torch.cuda, "current_device", lambda: 0)
+    state.patch(torch.cuda, "synchronize", lambda device=None: None)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all (a lazy no-op without CUDA), so
+    # seed the CPU generator directly rather than through torch.manual_seed.
+    state.patch(torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(seed))
+    state.patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    state.patch(torch.cuda, "set_rng_state",
+                lambda new_state, device="cuda": torch.set_rng_state(new_state))
+    state.patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
+    state.patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+    tracker_cls = mcore_random.CudaRNGStatesTracker
+    state.patch(tracker_cls, "add", _tracker_add)
+    state.patch(tracker_cls, "fork",
+                _make_tracker_fork(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME))
+    state.patch(mcore_utils.GlobalMemoryBuffer, "get_tensor", _buffer_get_tensor)
+    state.mode = CpuDeviceMode()
+    state.mode.__enter__()
+    _STATE = state
+
+
+def disable() -> None:
+    """Undo enable(): every replaced attribute gets its original object back."""
+    global _STATE
+    state = _STATE
+    if state is None:
+        return
+    _STATE = None
+    if state.mode is not None:
+        state.mode.__exit__(None, None, None)
+    for owner, name, original in reversed(state.saved):
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def enabled():
+    """Context manager form: enable() on entry, disable() on exit (if it enabled)."""
+    was = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was:
+            disable()
