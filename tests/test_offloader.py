@@ -304,3 +304,29 @@ def test_io_trace_has_one_record_per_request_with_context(offload_dir, tmp_path)
     assert max(r["bytes"] for r in rows) <= 64 * 1024
     assert all(r["offset"] % 4096 == 0 and r["queue_depth"] >= 1 and r["latency_s"] >= 0 for r in rows)
     assert {r["microbatch"] for r in rows} == {"0", "1"}
+
+
+def test_a_sparse_view_is_stored_compactly_and_restored_with_its_strides(offload_dir):
+    """V split out of a fused QKV output touches a third of its storage span: store its own
+    bytes only, and give backward a tensor with the original strides."""
+    lin = nn.Linear(256, 3 * 256)
+    x = torch.randn(64, 256)
+    seen = {}
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        with off.microbatch(0):
+            qkv = lin(x)
+            v = qkv[:, 512:]
+            seen["stride"] = v.stride()
+            out = v.exp()  # exp saves its output (contiguous); sin saves v itself
+            out2 = v.sin()
+            del qkv, v
+        off.wait_writes()
+        (out.sum() + out2.sum()).backward()
+        st = off.end_step()
+    assert st.bytes_offloaded == 2 * 64 * 256 * 4 + 64 * 256 * 4  # x, exp output, v (compact)
+    g = lin.weight.grad.clone()
+    lin.weight.grad = None
+    qkv = lin(x)
+    (qkv[:, 512:].exp().sum() + qkv[:, 512:].sin().sum()).backward()
+    assert torch.equal(g, lin.weight.grad)
+    assert seen["stride"] == (768, 1)

@@ -496,6 +496,7 @@ class ActivationOffloader:
                 rec.corrupt = f"reading back a {rec.describe()} failed: {exc}"
                 rec.tensor = None
             else:
+                rec.finish_read()
                 self._c.bytes_read += rec.nbytes
             self._move(rec, State.READY)
             rec.future = None

@@ -49,7 +49,7 @@ class TensorRecord:
     """A saved tensor, the handle autograd holds for it, and where its bytes are."""
 
     __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "version", "shape", "stride",
-                 "dtype", "device", "span", "nbytes", "residue", "handles", "future", "want_read",
+                 "dtype", "device", "span", "nbytes", "residue", "compact", "staging", "handles", "future", "want_read",
                  "release_pending", "corrupt", "prefetched", "readahead", "decision", "pos", "__weakref__")
 
     def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable) -> None:
@@ -68,7 +68,11 @@ class TensorRecord:
         self.dtype = t.dtype
         self.device = t.device
         self.span = span_elements(t)
-        self.nbytes = self.span * t.element_size()
+        # A view that touches less than half of the storage span it lies in (V split out of a
+        # fused QKV projection) is stored compactly, so we move its bytes and not its span.
+        self.compact = self.span > 2 * t.numel()
+        self.nbytes = (t.numel() if self.compact else self.span) * t.element_size()
+        self.staging: Optional[torch.Tensor] = None  # compact bytes in flight (write or read)
         self.residue = t.data_ptr() % ALIGN_RESIDUE
         self.handles = 0
         self.future: Optional[Future] = None
@@ -90,8 +94,11 @@ class TensorRecord:
         return before, new in RESIDENT
 
     def bytes_view(self) -> torch.Tensor:
-        """The stored span of the tensor as contiguous uint8 (a view, no copy)."""
+        """The bytes to store as contiguous uint8: a view of the span (no copy), or for a
+        compact record a packed copy of its elements."""
         t = self.tensor
+        if self.compact:
+            return t.contiguous().view(-1).view(torch.uint8)
         return t.as_strided((self.span,), (1,), t.storage_offset()).view(torch.uint8)
 
     def allocate_restore(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +114,16 @@ class TensorRecord:
         delta = (self.residue - storage.data_ptr() % ALIGN_RESIDUE) % ALIGN_RESIDUE
         pad = delta // itemsize if delta % itemsize == 0 else 0
         restored = storage.as_strided(self.shape, self.stride, pad)
+        if self.compact:  # read packed elements, scatter them into the strided view after
+            self.staging = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            return restored, self.staging.view(-1).view(torch.uint8)
         return restored, storage[pad:pad + self.span].view(torch.uint8)
+
+    def finish_read(self) -> None:
+        """After the read: a compact record's packed bytes go to their strided places."""
+        if self.staging is not None:
+            self.tensor.copy_(self.staging)
+            self.staging = None
 
     def describe(self) -> str:
         return f"tensor of shape {list(self.shape)} and dtype {self.dtype}"
