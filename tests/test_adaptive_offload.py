@@ -43,3 +43,36 @@ def test_adaptive_on_a_fast_drive_offloads_layers(offload_dir):
     with ActivationOffloader(c) as off:
         _, _, stats = run_steps(model, batches(), off, steps=3)
     assert stats[-1].bytes_offloaded > 0
+
+
+def test_adaptive_on_megatron_core_stops_stalling_under_a_slow_drive(offload_dir):
+    pytest.importorskip("megatron.core")
+    from ssdtrain_megatron.megatron import install, uninstall
+    from ssdtrain_megatron.megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT
+
+    spec = GPTSpec(layers=4, hidden=128, heads=4, seq=128, micro_batch=2, num_microbatches=2)
+    waits, losses, layers = {}, {}, {}
+    with MegatronRuntime() as rt:
+        models = {p: MiniGPT(spec, rt.device) for p in ("offload", "adaptive")}
+        offs = {p: ActivationOffloader(OffloadConfig(dirs=[str(offload_dir / p)], policy=p, min_tensor_bytes=1024,
+                                                     bandwidth_cap_gbps=0.02))
+                for p in models}
+        try:
+            for step in range(4):
+                for p, off in offs.items():
+                    install(off.config, offloader=off)
+                    try:
+                        losses.setdefault(p, []).append(models[p].step())
+                    finally:
+                        uninstall(close=False)
+                    if step:  # after the warm-up step
+                        waits[p] = waits.get(p, 0.0) + off.last_step_stats.io_wait_s
+                    layers[p] = [r.decision for r in off.last_step_stats.layers if r.layer != "None"]
+        finally:
+            for off in offs.values():
+                off.close()
+    print("io wait after warm-up:", waits, layers)
+    assert losses["offload"] == losses["adaptive"]
+    assert waits["offload"] > 0.5
+    assert waits["adaptive"] <= 0.1 * waits["offload"], waits
+    assert "keep" in layers["adaptive"]
