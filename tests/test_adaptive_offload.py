@@ -76,3 +76,29 @@ def test_adaptive_on_megatron_core_stops_stalling_under_a_slow_drive(offload_dir
     assert waits["offload"] > 0.5
     assert waits["adaptive"] <= 0.1 * waits["offload"], waits
     assert "keep" in layers["adaptive"]
+
+
+def test_adaptive_recompute_fallback_runs_layers_under_checkpoint(offload_dir):
+    """With recompute_fallback, a slow drive and a tight memory budget, the planner picks
+    recompute for some layers, and the integration runs them under megatron's checkpoint."""
+    pytest.importorskip("megatron.core")
+    from ssdtrain_megatron.megatron import install, installed, uninstall
+    from ssdtrain_megatron.megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT
+
+    spec = GPTSpec(layers=4, hidden=128, heads=4, seq=128, micro_batch=2, num_microbatches=2)
+    cfg = OffloadConfig(dirs=[str(offload_dir)], policy="adaptive", min_tensor_bytes=1024,
+                        bandwidth_cap_gbps=0.02, recompute_fallback=True, memory_budget_bytes=0)
+    with MegatronRuntime() as rt:
+        plain = MiniGPT(spec, rt.device)
+        model = MiniGPT(spec, rt.device)
+        ref = [plain.step() for _ in range(3)]
+        off = install(cfg)
+        try:
+            got = [model.step() for _ in range(3)]
+            decisions = [r.decision for r in off.last_step_stats.layers if r.layer != "None"]
+            ran = installed().scopes.fallback_layers_run
+        finally:
+            uninstall()
+    assert got == ref
+    assert "recompute" in decisions, decisions
+    assert ran > 0

@@ -17,7 +17,8 @@ no layer scope of their own, on purpose:
 * the recompute pass during backward (outside any forward_step): the offloader keeps what it
   saves in memory.
 
-Recompute fallback: a layer the plan marks ``recompute`` runs under megatron's own
+Recompute fallback: a layer the plan marks ``recompute`` (the static ``recompute_layers``, or
+the adaptive planner with ``recompute_fallback`` on) runs under megatron's own
 ``tensor_parallel.checkpoint``, inside a scope with decision ``recompute``, so only its inputs
 are saved (and offloaded) and the rest is recomputed in backward.
 """
@@ -66,7 +67,10 @@ class LayerScopes:
         if not self._scoped() or self._layer_depth:
             return self._layer_forward(layer, *args, **kwargs)
         key = layer.layer_number
-        recompute = key in self.recompute_layers and self._block is None
+        # The static plan (recompute_layers) or the adaptive planner's decision for this layer.
+        recompute = self._block is None and (
+            key in self.recompute_layers
+            or (self.offloader.config.recompute_fallback and self.offloader.decision_for(key) == "recompute"))
         self._layer_depth += 1
         try:
             with self.offloader.layer(key, decision="recompute" if recompute else None):
