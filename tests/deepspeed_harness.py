@@ -1,0 +1,457 @@
+"""Train tiny models with DeepSpeed's engines on CPU in real gloo processes, for the tests.
+
+``run(spec, workdir)`` starts ``spec.world_size`` processes the way a launcher does (MASTER_ADDR,
+MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK), each calls ``deepspeed.init_distributed("gloo")``
+and trains every phase of ``spec`` in turn, rebuilding model and engine from the same seed:
+
+* ``spec.engine == "pipeline"``: a ``PipelineModule`` of ``num_layers`` small transformer layers
+  over ``world_size`` stages, trained with ``PipelineEngine.train_batch`` (``gas`` micro-batches
+  per step), then ``eval_batch`` once;
+* ``spec.engine == "engine"``: a plain module (input projection, transformer layers, MSE loss)
+  trained with ``DeepSpeedEngine`` forward / backward / step per micro-batch; with
+  ``Phase.checkpoint`` the layers run under ``deepspeed.checkpointing.checkpoint``, configured
+  per phase (partition_activations / cpu_checkpointing / contiguous memory), with all ranks as
+  one tensor-parallel group (each rank holds the same activations, as TP ranks do, so
+  partitioned checkpoints are gathered back across the group).
+
+A phase with ``offload`` installs ``ssdtrain_megatron.megatron.deepspeed`` first and uninstalls it
+after. Each rank returns its losses, the gradients of every step (taken right before the
+optimizer step), the final parameters and, for offload phases, what the offloader saw.
+
+The layer class is named ``ParallelTransformerLayer``, like Megatron-DeepSpeed's, so the
+integration's default (match by class name) applies to it.
+
+DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op
+(``deepspeed_shm_comm``) in ``init_distributed`` (about 2 minutes on 2 cores, once per
+machine); these runs use gloo collectives only, so the workers skip that build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_HERE)
+
+
+@dataclass
+class Phase:
+    name: str
+    offload: Optional[Dict[str, Any]] = None
+    """OffloadConfig keyword arguments ("{root}" in dirs: the run's offload root); None: plain."""
+    checkpoint: int = 0
+    """Layers per activation checkpoint (PipelineModule's activation_checkpoint_interval, or
+    layers per deepspeed.checkpointing.checkpoint call); 0: none."""
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous: bool = False
+    layer_classes: Optional[List[str]] = None
+    """install(layer_classes=...); None: the default."""
+
+
+@dataclass
+class Spec:
+    engine: str = "pipeline"
+    world_size: int = 2
+    num_layers: int = 6
+    hidden: int = 32
+    heads: int = 4
+    seq: int = 16
+    micro_batch_size: int = 2
+    gas: int = 4
+    steps: int = 3
+    seed: int = 1234
+    dropout: float = 0.1
+    lr: float = 0.01
+    device: str = "cpu"
+    """"cpu" (DeepSpeed's CPU accelerator, gloo) or "cuda" (one GPU per rank, nccl)."""
+    phases: List[Phase] = field(default_factory=lambda: [Phase("plain")])
+    timeout_s: float = 240.0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Spec":
+        data = json.loads(text)
+        data["phases"] = [Phase(**p) for p in data["phases"]]
+        return cls(**data)
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+class ParallelTransformerLayer(nn.Module):
+    """A small pre-LayerNorm transformer layer on [batch, seq, hidden] (causal attention,
+    GELU MLP, dropout), named like Megatron-DeepSpeed's layer."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float, layer_number: Optional[int] = None):
+        super().__init__()
+        if layer_number is not None:
+            self.layer_number = layer_number
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
+        q, k, v = (t.reshape(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(h // self.heads)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        attn = self.drop(scores.masked_fill(mask, float("-inf")).softmax(-1))
+        x = x + self.drop(self.proj((attn @ v).transpose(1, 2).reshape(b, s, h)))
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)))))
+
+
+def mse(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return ((output - labels) ** 2).mean()
+
+
+class Net(nn.Module):
+    """Input projection, transformer layers (optionally under deepspeed.checkpointing), loss."""
+
+    def __init__(self, spec: Spec, checkpoint: int):
+        super().__init__()
+        self.embed = nn.Linear(spec.hidden, spec.hidden)
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(spec.hidden, spec.heads, spec.dropout, layer_number=i + 1)
+            for i in range(spec.num_layers))
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import deepspeed
+
+        h = self.embed(x)
+        if not self.checkpoint:
+            for layer in self.layers:
+                h = layer(h)
+        else:
+            for start in range(0, len(self.layers), self.checkpoint):
+                run = self._chunk(start, start + self.checkpoint)
+                h = deepspeed.checkpointing.checkpoint(run, h)
+        return mse(h, labels)
+
+    def _chunk(self, start: int, end: int):
+        def run(h):
+            for layer in self.layers[start:end]:
+                h = layer(h)
+            return h
+
+        return run
+
+
+def make_batches(spec: Spec, step: int) -> List[tuple]:
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + step)
+    shape = (spec.micro_batch_size, spec.seq, spec.hidden)
+    return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+            for _ in range(spec.gas)]
+
+
+class TensorParallelGroup:
+    """The few mpu methods deepspeed.checkpointing.configure() reads: all ranks, one group."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.group = dist.new_group(list(range(dist.get_world_size())))
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def get_tensor_model_parallel_rank(self):
+        return self.rank
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.size
+
+    def get_tensor_model_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_rank(self):
+        return 0
+
+
+# -- parent side --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(spec: Spec, workdir: str) -> List[Dict[str, Any]]:
+    """Run every phase of ``spec``; the result of each rank, ordered by rank."""
+    os.makedirs(workdir, exist_ok=True)
+    spec_path = os.path.join(workdir, "spec.json")
+    with open(spec_path, "w") as f:
+        f.write(spec.to_json())
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(spec.world_size):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                   DS_ACCELERATOR=spec.device, PYTHONWARNINGS="ignore")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_REPO, _HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", "import deepspeed_harness as h; h._worker_main()", spec_path,
+             workdir], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO))
+    deadline = time.monotonic() + spec.timeout_s
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        failed = [r for r in bad if procs[r].returncode > 0] or bad  # not the ones we killed
+        with open(os.path.join(workdir, f"rank{failed[0]}.log")) as f:
+            tail = f.read()[-6000:]
+        raise RuntimeError(f"deepspeed harness: rank {failed[0]} exited "
+                           f"{procs[failed[0]].returncode}; its log:\n{tail}")
+    return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False)
+            for r in range(spec.world_size)]
+
+
+# -- worker side --------------------------------------------------------------------------------
+
+
+def _worker_main() -> None:
+    spec_path, workdir = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = Spec.from_json(f.read())
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    import importlib
+
+    import deepspeed
+    import torch.distributed as dist
+
+    # gloo only: skip the JIT build (see the module docstring). deepspeed.comm's namespace has
+    # a `torch` attribute of its own, hence import_module rather than `import ... as`.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    if spec.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if spec.device == "cuda" else "gloo")
+    rank = dist.get_rank()
+    tp = TensorParallelGroup() if spec.engine == "engine" else None
+    result = {"rank": rank, "phases": {}}
+    for phase in spec.phases:
+        result["phases"][phase.name] = _train_phase(spec, phase, workdir, tp)
+        dist.barrier()
+    tmp = os.path.join(workdir, f"result{rank}.pt.tmp")
+    torch.save(_to_cpu(result), tmp)
+    os.replace(tmp, os.path.join(workdir, f"result{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _Offload:
+    """install() / uninstall() around one phase, and what the offloader did."""
+
+    def __init__(self, phase: Phase, workdir: str) -> None:
+        from ssdtrain_megatron import OffloadConfig
+        from ssdtrain_megatron.megatron import deepspeed as integration
+
+        self.integration = integration
+        self.root = os.path.join(workdir, "offload_root")
+        kwargs = dict(phase.offload)
+        kwargs["dirs"] = [d.replace("{root}", self.root) for d in kwargs.get("dirs", ["{root}"])]
+        self.offloader = integration.install(OffloadConfig(**kwargs),
+                                             layer_classes=phase.layer_classes)
+        self.rank_dirs = [os.path.realpath(d) for d in self.offloader.rank_dirs]
+        self.steps: List[Dict[str, Any]] = []
+        self.hints: List[list] = []
+        self.files_after_step: List[list] = []
+
+    def end_of_step(self) -> None:
+        stats = self.offloader.last_step_stats
+        self.steps.append(stats.as_dict() if stats is not None else None)
+        self.hints.append(list(self.integration.installed().pipeline.hints))
+        files = []  # (path, size, allocated bytes) of this rank's files
+        for d in self.rank_dirs:
+            for dirpath, _, names in os.walk(d):
+                for n in names:
+                    st = os.stat(os.path.join(dirpath, n))
+                    files.append((os.path.join(dirpath, n), st.st_size, st.st_blocks * 512))
+        self.files_after_step.append(sorted(files))
+
+    def finish(self) -> Dict[str, Any]:
+        inst = self.integration.installed()
+        info = {
+            "rank_dirs": self.rank_dirs,
+            "steps": self.steps,
+            "hints": self.hints,
+            "files_after_step": self.files_after_step,
+            "mispredictions": inst.pipeline.mispredictions,
+            "steps_planned": inst.pipeline.steps_planned,
+            "checkpoints_routed": inst.scopes.checkpoints_routed,
+            "patched_classes": [c.__name__ for c in inst.scopes.patched],
+            "last_step": getattr(self.offloader.last_step_stats, "step", None),
+        }
+        self.integration.uninstall()
+        left = []
+        for d in self.rank_dirs:
+            for dirpath, _, names in os.walk(d):
+                left.extend(os.path.join(dirpath, n) for n in names)
+        info["files_after_close"] = left
+        info["dirs_after_close"] = [d for d in self.rank_dirs if os.path.exists(d)]
+        return info
+
+
+def _train_phase(spec: Spec, phase: Phase, workdir: str, tp) -> Dict[str, Any]:
+    import deepspeed
+
+    offload = _Offload(phase, workdir) if phase.offload is not None else None
+    try:
+        torch.manual_seed(spec.seed)
+        if spec.engine in ("pipeline", "dualpipev"):
+            out = _train_pipeline(spec, phase, offload)
+        else:
+            deepspeed.checkpointing.configure(
+                tp, partition_activations=phase.partition_activations,
+                checkpoint_in_cpu=phase.cpu_checkpointing,
+                contiguous_checkpointing=phase.contiguous,
+                num_checkpoints=spec.num_layers // max(phase.checkpoint, 1))
+            out = _train_engine(spec, phase, offload)
+        out["offload"] = offload.finish() if offload is not None else {}
+        return out
+    except BaseException:
+        if offload is not None:
+            offload.integration.uninstall()
+        raise
+
+
+def _ds_config(spec: Spec, data_parallel: int) -> Dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": spec.micro_batch_size,
+            "gradient_accumulation_steps": spec.gas,
+            "train_batch_size": spec.micro_batch_size * spec.gas * data_parallel,
+            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+
+
+def _grad_capture(optimizer: torch.optim.Optimizer, named, grads: List[Dict[str, torch.Tensor]]):
+    def capture(opt, args, kwargs):
+        grads.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+
+    optimizer.register_step_pre_hook(capture)
+
+
+def _train_pipeline(spec: Spec, phase: Phase, offload: Optional[_Offload]) -> Dict[str, Any]:
+    import deepspeed
+    from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule
+
+    layers = [LayerSpec(ParallelTransformerLayer, spec.hidden, spec.heads, spec.dropout)
+              for _ in range(spec.num_layers)]
+    module_cls = DualPipeVModule if spec.engine == "dualpipev" else PipelineModule
+    model = module_cls(layers=layers, num_stages=spec.world_size, loss_fn=mse,
+                           partition_method="uniform",
+                           activation_checkpoint_interval=phase.checkpoint)
+    named = list(model.named_parameters())
+    optimizer = torch.optim.SGD([p for _, p in named], lr=spec.lr)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           config=_ds_config(spec, 1))
+    grads: List[Dict[str, torch.Tensor]] = []
+    _grad_capture(optimizer, named, grads)
+    losses, mb_losses = [], []
+    for step in range(spec.steps):
+        losses.append(engine.train_batch(iter(make_batches(spec, step))).detach().clone())
+        mb_losses.append([t.clone() for t in engine.fwd_outputs])  # empty but on the loss stage
+        if offload is not None:
+            offload.end_of_step()
+    eval_loss = engine.eval_batch(iter(make_batches(spec, spec.steps)))
+    return {"losses": losses, "microbatch_losses": mb_losses, "grads": grads,
+            "eval_loss": eval_loss.detach().clone(),
+            "params": {n: p.detach().clone() for n, p in named}}
+
+
+def _train_engine(spec: Spec, phase: Phase, offload: Optional[_Offload]) -> Dict[str, Any]:
+    import deepspeed
+
+    model = Net(spec, phase.checkpoint)
+    named = list(model.named_parameters())
+    optimizer = torch.optim.SGD([p for _, p in named], lr=spec.lr)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           config=_ds_config(spec, spec.world_size))
+    grads: List[Dict[str, torch.Tensor]] = []
+    _grad_capture(optimizer, named, grads)
+    losses = []
+    for step in range(spec.steps):
+        step_losses = []
+        for x, y in make_batches(spec, step):
+            loss = engine(x.to(engine.device), y.to(engine.device))
+            step_losses.append(loss.detach().clone())
+            engine.backward(loss)
+            engine.step()
+        losses.append(step_losses)
+        if offload is not None:
+            offload.end_of_step()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named}}
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+# -- comparisons --------------------------------------------------------------------------------
+
+
+def differences(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
+    """Every way two phase results differ bitwise (losses, gradients, parameters)."""
+    diffs: List[str] = []
+
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, (list, tuple)):
+            return isinstance(y, (list, tuple)) and len(x) == len(y) and all(map(same, x, y))
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        return x == y
+
+    for what in ("losses", "microbatch_losses", "eval_loss", "params"):
+        if what in a and not same(a[what], b.get(what)):
+            diffs.append(f"{what} differ")
+    if len(a["grads"]) != len(b["grads"]):
+        diffs.append(f"{len(a['grads'])} optimizer steps != {len(b['grads'])}")
+    for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
+        for name in sorted(set(ga) | set(gb)):
+            if name not in ga or name not in gb or not torch.equal(ga[name], gb[name]):
+                diffs.append(f"step {step}: gradient of {name} differs")
+    return diffs
+
+
+if __name__ == "__main__":
+    _worker_main()
