@@ -5,8 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # Pinned: the CPU build on this kind of machine. A plain `torch` pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
-# Extras that work on a CPU-only machine (aio, gds and te need a GPU or a JIT build).
-EXTRAS ?= test,megatron
+# Extras that work on a CPU-only machine (gds and te need CUDA; aio installs DeepSpeed, whose
+# aio op builds on first use where libaio-dev is installed).
+EXTRAS ?= test,megatron,aio
 DEMO_DIR ?= ./ssd-offload-demo
 PYTEST_ARGS ?=
 

@@ -17,3 +17,13 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     png = d / "memory.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [f for _, _, fs in os.walk(d) for f in fs] == ["memory.png"]
+
+
+def test_core_bench_measures_the_pack_hook(tmp_path):
+    from ssdtrain_megatron.config import OffloadConfig
+    from ssdtrain_megatron.corebench import hook_cost_us
+
+    cfg = OffloadConfig(dirs=[str(tmp_path)])
+    costs = {p: hook_cost_us(cfg, p, 200, 16 * 1024) for p in ("pass-through", "keep", "offload")}
+    assert all(0 < us < 100_000 for us in costs.values()), costs
+    assert os.listdir(tmp_path) == []
