@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ssdtrain {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from .bench import add_bench_parser
     from .corebench import add_core_bench_parser
     from .demo import add_demo_parser
     from .io.clean import add_clean_parser
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_plan_parser(sub)
     add_lifespan_parser(sub)
+    add_bench_parser(sub)
     add_core_bench_parser(sub)
     add_report_parser(sub)
     add_clean_parser(sub)

@@ -240,6 +240,7 @@ def test_read_error_raises_naming_file_offset_and_cause(offload_dir):
             h = lin(torch.randn(64, 256))
             out = h.sin()
             del h  # nothing else holds it: backward must read it
+        off.wait_writes()  # or backward would be served from memory while the write runs
         with pytest.raises(RuntimeError, match=r"read of \d+ bytes from .*slab.bin at offset \d+ failed: Input/output error"):
             out.sum().backward()
         off.end_step()
@@ -330,3 +331,43 @@ def test_a_sparse_view_is_stored_compactly_and_restored_with_its_strides(offload
     (qkv[:, 512:].exp().sum() + qkv[:, 512:].sin().sum()).backward()
     assert torch.equal(g, lin.weight.grad)
     assert seen["stride"] == (768, 1)
+
+
+def test_a_tensor_shared_by_every_layer_does_not_open_the_prefetch_window(offload_dir):
+    """A causal mask or RoPE table is saved by every layer of every micro-batch and recorded
+    once, under the first layer. Unpacking it in the last layer's backward must not make the
+    offloader read every layer back at once."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(128, 128) for _ in range(8)]
+    shared = torch.rand(64, 128) > 0.5  # saved by every layer's masked_fill
+    reads_at_first_unpack = []
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, prefetch_layers=1)) as off:
+        for mb in range(2):
+            with off.microbatch(mb):
+                h = torch.randn(64, 128)
+                outs = []
+                for i, lin in enumerate(layers):
+                    with off.layer(i):
+                        h = lin(h).masked_fill(shared, 0.0).sin()
+                    outs.append(h)
+            off.wait_writes()
+            issued = []
+            engine_read = off.engine.read
+
+            def counting_read(key, out, issued=issued, engine_read=engine_read):
+                issued.append(key)
+                return engine_read(key, out)
+
+            off.engine.read = counting_read
+            first = []
+            # Layer 7's backward is done (its mask unpacked) when layer 6's output gets its grad.
+            outs[6].register_hook(lambda g: first.append(len(issued)))
+            del outs
+            h.sum().backward()
+            off.engine.read = engine_read
+            reads_at_first_unpack.append(first[0])
+        st = off.end_step()
+    assert st.bytes_deduplicated > 0
+    # Window of 1 layer below the last: at most 2 layers' records (each layer saves 2-3
+    # tensors here), never all 8 layers.
+    assert all(n <= 6 for n in reads_at_first_unpack), reads_at_first_unpack

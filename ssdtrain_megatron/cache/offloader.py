@@ -327,6 +327,11 @@ class ActivationOffloader:
                 if rec.state is not State.RELEASED and not sref.expired():
                     rec.handles += 1
                     rec.release_pending = False  # it has a user again
+                    cur = self._current
+                    if cur is None or cur.key != rec.microbatch:
+                        rec.shared = True
+                    else:
+                        rec.last_pos = max(rec.last_pos, cur.position)
                     self._c.bytes_deduplicated += rec.nbytes
                     return _Handle(rec, self)
             mb = self._current
@@ -341,7 +346,7 @@ class ActivationOffloader:
             acc.bytes += rec.nbytes
             acc.tensors += 1
             if mb is not None:
-                rec.pos = mb.position
+                rec.pos = rec.last_pos = mb.position
                 mb.records.append(rec)
             if rec.decision == "keep":
                 self._move(rec, State.KEPT)
@@ -357,13 +362,15 @@ class ActivationOffloader:
             return handle
         rec: TensorRecord = handle.record
         with self._lock:
-            mb = self._microbatches.get(rec.microbatch)
+            # A tensor shared by several micro-batches says nothing about where any one of
+            # their backwards is; one saved again by later layers is needed until the latest.
+            mb = None if rec.shared else self._microbatches.get(rec.microbatch)
             if mb is not None and not mb.in_backward:
                 self._enter_backward(mb)
             out = self._materialize(rec)
             if mb is not None:
                 mb.consumed(rec)
-                idx = mb.index_of(rec)
+                idx = rec.last_pos
                 if mb.backward_layer is None or idx < mb.backward_layer:
                     mb.backward_layer = idx
                 self._prefetch(mb)

@@ -50,7 +50,7 @@ class TensorRecord:
 
     __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "version", "shape", "stride",
                  "dtype", "device", "span", "nbytes", "residue", "compact", "staging", "handles", "future", "want_read",
-                 "release_pending", "corrupt", "prefetched", "readahead", "decision", "pos", "__weakref__")
+                 "release_pending", "corrupt", "prefetched", "readahead", "decision", "pos", "last_pos", "shared", "__weakref__")
 
     def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable) -> None:
         self.id = rid
@@ -83,6 +83,8 @@ class TensorRecord:
         self.readahead = False  # counted in its micro-batch's read-ahead bytes
         self.decision = "offload"
         self.pos = -1  # forward position in its micro-batch (see MicroBatch.index_of)
+        self.last_pos = -1  # position of its latest save (dedup hits in later layers)
+        self.shared = False  # also saved by another micro-batch (a shared mask, RoPE table)
 
     def move(self, new: State) -> Tuple[bool, bool]:
         """Change state; returns (was resident, is resident) for the caller's accounting."""
