@@ -52,8 +52,7 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .megatron import install, uninstall
-    from .megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT, timed
+    from .megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT, installed_step
 
     base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
     root = os.path.abspath(args.dir)
@@ -76,11 +75,7 @@ def run_demo(args: argparse.Namespace) -> int:
             for step in range(args.steps):
                 for policy in ("keep", "offload"):  # alternate, so machine noise hits both alike
                     off = offs[policy]
-                    install(off.config, offloader=off)
-                    try:
-                        loss, dt = timed(models[policy].step)
-                    finally:
-                        uninstall(close=False)
+                    loss, dt = installed_step(models[policy], off)
                     rows[policy].append((loss, off.last_step_stats, dt))
                     timelines[policy] = off.last_memory_timeline
                 st = rows["offload"][-1][1]

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequ
 import torch
 
 from .ds_checkpoint import LayerScopes
+from .telemetry import publish_step
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class EngineHooks:
             # its next end_step() or close().
             self.step = None
             self.scopes.recording = False
-        self.offloader.end_step()
+        publish_step(self.offloader.end_step())
         return result
 
     def exec_schedule(self, original: Callable, engine, pipe_schedule, *args, **kwargs):
@@ -291,7 +292,7 @@ class EngineHooks:
         result = original(engine, *args, **kwargs)
         if getattr(engine, "global_steps", None) != before and engine in self._engine_steps:
             del self._engine_steps[engine]
-            self.offloader.end_step()
+            publish_step(self.offloader.end_step())
         return result
 
     # -- both ------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -163,3 +163,16 @@ def timed(fn) -> tuple:
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+def installed_step(model: MiniGPT, offloader) -> Tuple[float, float]:
+    """One training step of ``model`` with ``offloader`` installed into megatron-core for just
+    that step: (mean loss, seconds). Several offloaders can take turns this way, step by step,
+    each with its own model; ``uninstall(close=False)`` leaves each open for its next turn."""
+    from .install import install, uninstall
+
+    install(offloader.config, offloader=offloader)
+    try:
+        return timed(model.step)
+    finally:
+        uninstall(close=False)

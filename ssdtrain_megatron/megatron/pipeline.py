@@ -12,7 +12,8 @@ training loop gets the schedule from ``get_forward_backward_func()``. The wrappe
 * after each forward and backward, :class:`~.schedule.BackwardOrder` predicts whose backward
   follows, so reads start while the pipeline communicates;
 * the function ``get_forward_backward_func()`` returns ends the step (``offloader.end_step()``)
-  once every micro-batch is done; ``offloader.last_step_stats`` then holds its StepStats.
+  once every micro-batch is done; ``offloader.last_step_stats`` then holds its StepStats, and
+  :func:`~.telemetry.publish_step` sends them to Megatron's TensorBoard writer and log.
 
 Only steps started through that function are recorded; ``forward_only`` steps (evaluation)
 are not, and neither is anything outside ``forward_step``.
@@ -31,6 +32,7 @@ import torch
 
 from .schedule import BackwardOrder
 from .scopes import LayerScopes
+from .telemetry import publish_step
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ class PipelineHooks:
             # its next end_step() or close().
             self.step = None
             self.scopes.recording = False
-        self.offloader.end_step()
+        publish_step(self.offloader.end_step())  # TensorBoard and log, where Megatron has them
         return result
 
     def _backward_order(self, kind: Optional[str], kwargs: Dict[str, Any]) -> Optional[BackwardOrder]:

@@ -1,0 +1,464 @@
+"""`ssdtrain bench`: the ROK comparison (Recompute / Offload / Keep) on megatron-core GPT.
+
+One run trains the same megatron-core GPT (CUDA when there is one, else the CPU) under four
+strategies, at each micro-batch size of ``--micro-batches``:
+
+  keep       the offloader installed with policy="keep": nothing leaves memory (the baseline)
+  offload    policy="offload": every eligible activation goes to SSD under --dir
+  adaptive   policy="adaptive": the planner decides per layer from the measured steps
+  recompute  megatron's full recompute (uniform, one layer per checkpoint), the keep offloader
+             installed for its accounting
+
+At each micro-batch size the four take turns step by step (the order rotating), so machine
+noise hits all of them alike. Per point: the median step time after the warm-up steps, model
+throughput (tokens per step / step time: the recompute pass is not useful work), the peak
+resident activation bytes by the offloader's own accounting, and the peak process memory (the
+RSS high-water mark, reset before every step; CUDA max allocated on a GPU). Losses of keep,
+offload and adaptive must be bitwise equal, step by step.
+
+Prints a table, the ratios offload/keep and recompute/keep at the largest micro-batch all
+strategies ran, and the largest micro-batch each strategy fits under --memory-budget; writes
+OUT/rok.png (x: peak activation memory, y: throughput, one line per strategy) and
+OUT/points.json (the object --json prints). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .config import OffloadConfig
+from .demo import _bar, _positive
+from .megatron.args import _parse_int
+from .telemetry.peak_memory import PeakMemory
+
+TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
+           "offload_vs_keep_peak_activation": ("<=", 0.5, 0.5),
+           "recompute_vs_keep_step_time": (">=", 1.2, 1.2)}
+"""Issue targets: (comparison, CPU bound, GPU bound)."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    policy: str
+    """OffloadConfig.policy of the offloader installed for it."""
+    recompute: Optional[str] = None
+    """GPTSpec.recompute: megatron's activation recomputation."""
+
+
+STRATEGIES = (Strategy("keep", "keep"), Strategy("offload", "offload"),
+              Strategy("adaptive", "adaptive"), Strategy("recompute", "keep", "full"))
+SAME_LOSSES = ("keep", "offload", "adaptive")
+"""Strategies whose losses must be bitwise equal (recompute's are compared and reported)."""
+
+SHAPES = {
+    "default": dict(layers=8, hidden=512, heads=8, seq=512, vocab=1024, num_microbatches=2,
+                    steps=4, warmup=1),
+    "quick": dict(layers=4, hidden=256, heads=4, seq=256, vocab=1024, num_microbatches=2,
+                  steps=3, warmup=1),
+}
+
+
+@dataclass
+class Point:
+    """One (strategy, micro-batch) of the curve: what --json prints per point."""
+
+    strategy: str
+    micro_batch: int
+    step_s: float
+    tokens_per_s: float
+    peak_activation_bytes: int
+    peak_memory_bytes: Optional[int]
+
+
+@dataclass
+class _Series:
+    """Everything measured for one (strategy, micro-batch), warm-up steps included."""
+
+    losses: List[float] = field(default_factory=list)
+    times: List[float] = field(default_factory=list)
+    activation: List[int] = field(default_factory=list)
+    memory: List[Optional[int]] = field(default_factory=list)
+    io_wait: List[float] = field(default_factory=list)
+    offloaded: List[int] = field(default_factory=list)
+    cpu: List[float] = field(default_factory=list)
+    """Process CPU seconds (user + system, all threads) of each step: unlike the wall time,
+    hardly touched by other processes on the machine; the IO threads' work shows here."""
+    layer_bytes: int = 0
+    """Largest one layer's saved activations of one micro-batch (the most a recompute pass
+    re-creates at once)."""
+
+    def point(self, strategy: str, micro_batch: int, tokens: int, warmup: int) -> Point:
+        t = statistics.median(self.times[warmup:])
+        mem = [m for m in self.memory[warmup:] if m is not None]
+        return Point(strategy, micro_batch, t, tokens / t, max(self.activation[warmup:]),
+                     max(mem) if mem else None)
+
+
+# -- command line -----------------------------------------------------------------------------
+
+
+def add_bench_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="ROK curve: recompute vs offload vs keep on megatron-core GPT",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--micro-batches", type=_sizes, default=[1, 2, 4], metavar="N[,N...]",
+                   help="micro-batch sizes (default: 1,2,4)")
+    p.add_argument("--memory-budget", type=_budget, default=None, metavar="BYTES",
+                   help="activation memory budget for 'largest micro-batch that fits', e.g. 512MiB "
+                        "(default: what keep needs at the middle micro-batch size)")
+    p.add_argument("--quick", action="store_true",
+                   help="CI-sized shape, fewer steps (about 3 minutes on 2 cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--out", default="./bench-results", help="rok.png and points.json go here "
+                                                            "(default: %(default)s)")
+    p.add_argument("--dir", default="./ssd-offload-bench", help="offload root (default: %(default)s)")
+    p.add_argument("--config", help="YAML preset: its offload: section (--dir replaces its dirs)")
+    p.add_argument("--engine", help="IO engine (default: the preset's, else posix)")
+    p.add_argument("--min-tensor-bytes", type=lambda t: _parse_int(t, allow_units=True),
+                   help="smaller saved tensors stay in memory (default: the preset's, else 256KiB)")
+    shape = p.add_argument_group("shape (default: 8 layers, hidden 512, seq 512; --quick: 4, 256, 256)")
+    for name in ("layers", "hidden", "heads", "seq", "vocab", "num-microbatches", "steps"):
+        shape.add_argument(f"--{name}", type=_positive, default=None)
+    shape.add_argument("--warmup", type=_non_negative, default=None, help="unmeasured steps first")
+    p.set_defaults(func=run_bench)
+
+
+def _sizes(text: str) -> List[int]:
+    try:
+        sizes = sorted({_positive(t.strip()) for t in text.split(",")})
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, "
+                                         f"got {text!r}") from None
+    return sizes
+
+
+def _budget(text: str) -> int:
+    value = _parse_int(text, allow_units=True)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a byte count > 0, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive(text)
+
+
+def _shape(args: argparse.Namespace) -> dict:
+    base = SHAPES["quick" if args.quick else "default"]
+    return {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from .megatron.minigpt import GPTSpec
+
+    shape = _shape(args)
+    base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
+    changes = {"dirs": [os.path.abspath(args.dir)]}
+    if args.engine:
+        changes["engine"] = args.engine
+    if args.min_tensor_bytes is not None:
+        changes["min_tensor_bytes"] = args.min_tensor_bytes
+    cfg = base.replace(**changes)
+    spec = GPTSpec(layers=shape["layers"], hidden=shape["hidden"], heads=shape["heads"], seq=shape["seq"],
+                   vocab=shape["vocab"], num_microbatches=shape["num_microbatches"])
+    result = measure(spec, cfg, args.micro_batches, shape["steps"], shape["warmup"])
+    summary = summarize(result, args.memory_budget)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "points.json"), "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=1)
+    png = os.path.join(args.out, "rok.png")
+    plotted = plot_rok(summary, png)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(render(summary))
+        print(f"raw points: {os.path.join(args.out, 'points.json')}" + (f"; ROK plot: {png}" if plotted else ""))
+    return 0 if summary["losses_bitwise_equal"] and not summary["offload_files_left"] else 1
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchRun:
+    """What measure() saw: the series per (strategy, micro-batch) and how the run went."""
+
+    spec: object
+    steps: int
+    warmup: int
+    device: str
+    memory_kind: Optional[str]
+    series: Dict[tuple, _Series] = field(default_factory=dict)
+    out_of_memory: List[tuple] = field(default_factory=list)
+    files_left: List[str] = field(default_factory=list)
+
+
+def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, warmup: int,
+            strategies: Sequence[Strategy] = STRATEGIES) -> BenchRun:
+    """Train ``warmup + steps`` steps of every strategy at every micro-batch size, the strategies
+    taking turns step by step; one model and one offloader per strategy and size. A strategy
+    that runs out of device memory at a size is not tried at larger ones."""
+    from .megatron.minigpt import MegatronRuntime
+
+    with MegatronRuntime() as rt:
+        peak = PeakMemory(rt.device)
+        run = BenchRun(spec, steps, warmup, str(rt.device), peak.kind)
+        print(f"ssdtrain bench: megatron-core GPT, {spec.layers} layers, hidden {spec.hidden}, "
+              f"seq {spec.seq}, {spec.num_microbatches} micro-batches per step, on {rt.device}; "
+              f"micro-batch sizes {', '.join(map(str, micro_batches))}; {warmup} warm-up + {steps} "
+              f"measured steps per point; offload root {cfg.dirs[0]} (engine {cfg.engine})",
+              file=sys.stderr)
+        alive = list(strategies)
+        for mb in micro_batches:
+            contenders = [_Contender(s, dataclasses.replace(spec, micro_batch=mb), cfg, rt.device)
+                          for s in alive]
+            try:
+                for c in contenders:
+                    run.series[(c.strategy.name, mb)] = c.series
+                for i in range(warmup + steps):
+                    k = i % len(contenders)
+                    for c in contenders[k:] + contenders[:k]:  # nobody always goes first
+                        if not c.step(peak):
+                            run.out_of_memory.append((c.strategy.name, mb))
+                            run.series.pop((c.strategy.name, mb))
+                            print(f"micro-batch {mb}: {c.strategy.name} ran out of device memory",
+                                  file=sys.stderr)
+                    times = ", ".join(f"{c.strategy.name} {c.series.times[-1]:.2f}s"
+                                      for c in contenders[k:] + contenders[:k] if c.model is not None)
+                    print(f"{_bar(i + 1, warmup + steps)} micro-batch {mb}, step {i + 1}"
+                          f"{' (warm-up)' if i < warmup else ''}: {times}", file=sys.stderr)
+            finally:
+                for c in contenders:
+                    run.files_left += c.close()
+                del contenders
+                gc.collect()
+            alive = [s for s in alive if (s.name, mb) not in run.out_of_memory]
+    return run
+
+
+class _Contender:
+    """One strategy at one micro-batch size: its model, its offloader and what they measured."""
+
+    def __init__(self, strategy: Strategy, spec, cfg: OffloadConfig, device: torch.device) -> None:
+        from .cache import ActivationOffloader
+        from .megatron.minigpt import MiniGPT
+
+        self.strategy = strategy
+        self.spec = dataclasses.replace(spec, recompute=strategy.recompute)
+        self.model: Optional[MiniGPT] = MiniGPT(self.spec, device)
+        # A job name per strategy: each offloader gets its own directory in the root.
+        self.offloader = ActivationOffloader(cfg.replace(policy=strategy.policy, job=f"bench-{strategy.name}"),
+                                             device=device)
+        self.series = _Series()
+
+    def step(self, peak: PeakMemory) -> bool:
+        """One measured step; False when it ran out of device memory (the model is dropped)."""
+        from .megatron.minigpt import installed_step
+
+        if self.model is None:
+            return True
+        peak.reset()
+        cpu0 = os.times()
+        try:
+            loss, dt = installed_step(self.model, self.offloader)
+        except torch.cuda.OutOfMemoryError:
+            self.model = None
+            self.offloader.close()
+            torch.cuda.empty_cache()
+            return False
+        cpu1 = os.times()
+        st = self.offloader.last_step_stats
+        ser = self.series
+        ser.losses.append(loss)
+        ser.times.append(dt)
+        ser.activation.append(st.peak_resident_bytes)
+        ser.memory.append(peak.peak())
+        ser.io_wait.append(st.io_wait_s)
+        ser.offloaded.append(st.bytes_offloaded)
+        ser.cpu.append(cpu1.user - cpu0.user + cpu1.system - cpu0.system)
+        layers = [r.bytes // self.spec.num_microbatches for r in st.layers if r.layer != "None"]
+        ser.layer_bytes = max(layers + [ser.layer_bytes])
+        return True
+
+    def close(self) -> List[str]:
+        """Close the offloader; the files it left behind (none, unless something leaked)."""
+        dirs = self.offloader.rank_dirs
+        self.offloader.close()
+        self.model = None
+        return [os.path.join(d, f) for d in dirs if os.path.isdir(d) for f in os.listdir(d)]
+
+
+# -- figures ----------------------------------------------------------------------------------
+
+
+def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
+    """The object --json prints: points, ratios, budget fit, loss equality."""
+    spec = run.spec
+    points: List[Point] = []
+    for (name, mb), ser in run.series.items():
+        tokens = spec.seq * mb * spec.num_microbatches
+        points.append(ser.point(name, mb, tokens, run.warmup))
+    at = {(p.strategy, p.micro_batch): p for p in points}
+    names = sorted({p.strategy for p in points}, key=[s.name for s in STRATEGIES].index)
+    sizes = sorted({p.micro_batch for p in points})
+    common = [mb for mb in sizes if all((n, mb) in at for n in names)]
+    ratio_mb = common[-1] if common else None
+    ratios: Dict[str, Optional[float]] = {}
+    for other in ("offload", "adaptive", "recompute"):
+        for key, attr in (("step_time", "step_s"), ("peak_activation", "peak_activation_bytes")):
+            a, k = at.get((other, ratio_mb)), at.get(("keep", ratio_mb))
+            if a is not None and k is not None:
+                ratios[f"{other}_vs_keep_{key}"] = getattr(a, attr) / max(getattr(k, attr), 1e-12)
+        if (other, ratio_mb) in run.series and ("keep", ratio_mb) in run.series:
+            cpu = [statistics.median(run.series[(n, ratio_mb)].cpu[run.warmup:]) for n in (other, "keep")]
+            ratios[f"{other}_vs_keep_cpu_time"] = cpu[0] / max(cpu[1], 1e-12)
+    if memory_budget is None and ("keep", sizes[len(sizes) // 2] if sizes else None) in at:
+        budget_from = sizes[len(sizes) // 2]
+        memory_budget = at[("keep", budget_from)].peak_activation_bytes
+    else:
+        budget_from = None
+    fits = {n: max((mb for mb in sizes if (n, mb) in at and at[(n, mb)].peak_activation_bytes
+                    <= (memory_budget or 0)), default=None) for n in names}
+    same = all(run.series[(n, mb)].losses == run.series[("keep", mb)].losses
+               for (n, mb) in run.series if n in SAME_LOSSES and ("keep", mb) in run.series)
+    recompute_same = all(run.series[(n, mb)].losses == run.series[("keep", mb)].losses
+                         for (n, mb) in run.series if n == "recompute" and ("keep", mb) in run.series)
+    gpu = run.device.startswith("cuda")
+    return {
+        "points": [dataclasses.asdict(p) for p in sorted(points, key=lambda p: (names.index(p.strategy),
+                                                                                 p.micro_batch))],
+        "ratios": ratios,
+        "ratios_micro_batch": ratio_mb,
+        "targets": _targets(ratios, gpu),
+        "memory_budget_bytes": memory_budget,
+        "memory_budget_from_keep_micro_batch": budget_from,
+        "largest_micro_batch_under_budget": fits,
+        "losses_bitwise_equal": same,
+        "recompute_losses_bitwise_equal": recompute_same,
+        "recompute_pass_bytes": {str(mb): s.layer_bytes for (n, mb), s in run.series.items() if n == "keep"},
+        "diagnostics": {f"{n}@{mb}": {"io_wait_s": statistics.median(s.io_wait[run.warmup:]),
+                                      "cpu_s": statistics.median(s.cpu[run.warmup:]),
+                                      "bytes_offloaded": statistics.median(s.offloaded[run.warmup:])}
+                        for (n, mb), s in run.series.items()},
+        "out_of_memory": [{"strategy": n, "micro_batch": mb} for n, mb in run.out_of_memory],
+        "offload_files_left": len(run.files_left),
+        "device": run.device,
+        "peak_memory_kind": run.memory_kind,
+        "shape": {"layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "seq": spec.seq,
+                  "vocab": spec.vocab, "num_microbatches": spec.num_microbatches},
+        "steps": run.steps,
+        "warmup": run.warmup,
+    }
+
+
+def _targets(ratios: Dict[str, float], gpu: bool) -> dict:
+    out = {}
+    for key, (op, cpu_bound, gpu_bound) in TARGETS.items():
+        bound = gpu_bound if gpu else cpu_bound
+        value = ratios.get(key)
+        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
+        out[key] = {"target": f"{op} {bound}", "met": met}
+    return out
+
+
+def _mb(n: Optional[int]) -> str:
+    return "n/a" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+def render(summary: dict) -> str:
+    """The table and the ratios, as printed without --json."""
+    sh = summary["shape"]
+    lines = [f"megatron-core GPT, {sh['layers']} layers, hidden {sh['hidden']}, seq {sh['seq']}, "
+             f"{sh['num_microbatches']} micro-batches per step, on {summary['device']}; median of "
+             f"{summary['steps']} steps after {summary['warmup']} warm-up", ""]
+    head = ("strategy", "micro-batch", "step (s)", "tokens/s", "peak activations", "peak memory",
+            "CPU (s)", "io wait (ms)")
+    diag = summary["diagnostics"]
+    rows = [(p["strategy"], p["micro_batch"], f"{p['step_s']:.3f}", f"{p['tokens_per_s']:,.0f}",
+             _mb(p["peak_activation_bytes"]), _mb(p["peak_memory_bytes"]),
+             f"{diag[p['strategy'] + '@' + str(p['micro_batch'])]['cpu_s']:.2f}",
+             f"{diag[p['strategy'] + '@' + str(p['micro_batch'])]['io_wait_s'] * 1e3:.0f}")
+            for p in summary["points"]]
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
+    for r in rows:
+        lines.append("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))))
+    uncounted = ", ".join(f"{_mb(b)} at micro-batch {mb}" for mb, b in summary["recompute_pass_bytes"].items())
+    lines += [f"peak memory: {summary['peak_memory_kind'] or 'not measurable here'}, all four models "
+              "of a micro-batch size resident. CPU: process CPU seconds per step (median), all threads.",
+              "recompute's peak activations: the checkpoint inputs the offloader sees; the tensors "
+              "re-created in backward, one layer at a time, are not counted"
+              + (f" (keep's largest layer: {uncounted})." if uncounted else "."), ""]
+    for o in summary["out_of_memory"]:
+        lines.append(f"{o['strategy']} at micro-batch {o['micro_batch']}: out of device memory")
+    r = summary["ratios"]
+    lines.append(f"at micro-batch {summary['ratios_micro_batch']} (the largest all strategies ran):")
+    labels = (("offload_vs_keep_step_time", "offload / keep step time"),
+              ("offload_vs_keep_peak_activation", "offload / keep peak activations"),
+              ("recompute_vs_keep_step_time", "recompute / keep step time"),
+              ("adaptive_vs_keep_step_time", "adaptive / keep step time"),
+              ("adaptive_vs_keep_peak_activation", "adaptive / keep peak activations"),
+              ("offload_vs_keep_cpu_time", "offload / keep CPU time"),
+              ("adaptive_vs_keep_cpu_time", "adaptive / keep CPU time"),
+              ("recompute_vs_keep_cpu_time", "recompute / keep CPU time"))
+    for key, label in labels:
+        if key in r:
+            t = summary["targets"].get(key)
+            note = f"   (target {t['target']}: {'met' if t['met'] else 'MISSED'})" if t else ""
+            lines.append(f"  {label:<34} {r[key]:6.2f}{note}")
+    budget = summary["memory_budget_bytes"]
+    src = summary["memory_budget_from_keep_micro_batch"]
+    top = max(p["micro_batch"] for p in summary["points"])
+    fits = ", ".join(f"{n} {'none' if mb is None else mb}{'+' if mb == top else ''}"
+                     for n, mb in summary["largest_micro_batch_under_budget"].items())
+    lines.append(f"largest micro-batch within {_mb(budget)} of activations"
+                 f"{f' (keep at micro-batch {src})' if src else ''}: {fits}"
+                 f"{'  (+: the largest measured)' if '+' in fits else ''}")
+    lines.append(f"losses bitwise equal (keep, offload, adaptive): {summary['losses_bitwise_equal']}; "
+                 f"recompute equal to keep: {summary['recompute_losses_bitwise_equal']}")
+    lines.append(f"offload files left: {summary['offload_files_left']}")
+    return "\n".join(lines)
+
+
+def plot_rok(summary: dict, path: str) -> bool:
+    """The ROK plot as a PNG; False (and a note on stderr) without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("matplotlib is not installed: no ROK plot (pip install 'ssdtrain-megatron[plot]')",
+              file=sys.stderr)
+        return False
+    fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for s in STRATEGIES:
+        pts = [p for p in summary["points"] if p["strategy"] == s.name]
+        if not pts:
+            continue
+        xs = [p["peak_activation_bytes"] / 1e6 for p in pts]
+        ys = [p["tokens_per_s"] for p in pts]
+        ax.plot(xs, ys, marker="o", label=s.name)
+        for p, x, y in zip(pts, xs, ys):
+            ax.annotate(f"mb {p['micro_batch']}", (x, y), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
+    if summary["memory_budget_bytes"]:
+        ax.axvline(summary["memory_budget_bytes"] / 1e6, color="grey", linestyle="--", linewidth=1,
+                   label="memory budget")
+    ax.set_xlabel("peak resident activations (MB)")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title("ROK: recompute / offload / keep")
+    ax.legend()
+    fig.savefig(path)
+    return True

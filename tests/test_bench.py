@@ -1,0 +1,274 @@
+"""`ssdtrain bench` (the ROK comparison) and the Megatron telemetry of StepStats, small and on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+# megatron-core's own deprecation notes and "Apex is not installed".
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"),
+              pytest.mark.filterwarnings("ignore::UserWarning:megatron.*")]
+
+from ssdtrain_megatron import OffloadConfig  # noqa: E402
+from ssdtrain_megatron.bench import BenchRun, _Series, add_bench_parser, summarize  # noqa: E402
+from ssdtrain_megatron.megatron import telemetry  # noqa: E402
+from ssdtrain_megatron.megatron.minigpt import GPTSpec  # noqa: E402
+from ssdtrain_megatron.telemetry.peak_memory import PeakMemory  # noqa: E402
+from ssdtrain_megatron.telemetry.stats import StepStats  # noqa: E402
+
+TINY = ["--layers", "4", "--hidden", "64", "--heads", "2", "--seq", "64", "--vocab", "128",
+        "--micro-batches", "1,2", "--steps", "2", "--warmup", "1", "--min-tensor-bytes", "4096"]
+
+
+def _bench(argv):
+    parser = argparse.ArgumentParser(prog="ssdtrain")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+# -- ssdtrain bench ---------------------------------------------------------------------------
+
+
+def test_quick_json_has_every_strategy_positive_figures_equal_losses_and_a_plot(tmp_path, capsys):
+    out, ssd = tmp_path / "out", tmp_path / "ssd"
+    rc = _bench(["--quick", "--json", "--out", str(out), "--dir", str(ssd), *TINY])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    result = json.loads(captured.out)  # stdout is exactly one JSON object
+    points = result["points"]
+    assert {(p["strategy"], p["micro_batch"]) for p in points} == {
+        (s, mb) for s in ("keep", "offload", "adaptive", "recompute") for mb in (1, 2)}
+    for p in points:
+        assert set(p) == {"strategy", "micro_batch", "step_s", "tokens_per_s",
+                          "peak_activation_bytes", "peak_memory_bytes"}
+        assert p["step_s"] > 0 and p["peak_activation_bytes"] > 0 and p["peak_memory_bytes"] > 0
+        assert p["tokens_per_s"] == pytest.approx(64 * p["micro_batch"] * 2 / p["step_s"])
+    assert {"offload_vs_keep_step_time", "offload_vs_keep_peak_activation",
+            "recompute_vs_keep_step_time"} <= set(result["ratios"])
+    assert all(v > 0 for v in result["ratios"].values())
+    assert result["ratios_micro_batch"] == 2
+    assert result["losses_bitwise_equal"] is True
+    # Offload really wrote activations (bitwise-equal losses would prove nothing otherwise).
+    diag = result["diagnostics"]
+    assert diag["offload@1"]["bytes_offloaded"] > 0 and diag["offload@2"]["bytes_offloaded"] > 0
+    assert diag["keep@2"]["bytes_offloaded"] == diag["recompute@2"]["bytes_offloaded"] == 0
+    assert (out / "rok.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "points.json").read_text()) == result
+    assert result["offload_files_left"] == 0
+    assert [f for _, _, fs in os.walk(ssd) for f in fs] == []
+    assert "micro-batch 2, step 3" in captured.err  # progress on stderr
+
+
+def test_a_strategy_out_of_device_memory_is_dropped_for_larger_micro_batches(tmp_path, monkeypatch):
+    from ssdtrain_megatron.bench import measure
+    from ssdtrain_megatron.megatron import minigpt
+
+    real_step = minigpt.installed_step
+
+    def step(model, offloader):
+        if offloader.config.policy == "keep" and model.spec.recompute is None and model.spec.micro_batch >= 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_step(model, offloader)
+
+    monkeypatch.setattr(minigpt, "installed_step", step)
+    spec = GPTSpec(layers=2, hidden=64, heads=2, seq=64, vocab=128, num_microbatches=1)
+    cfg = OffloadConfig(dirs=[str(tmp_path / "ssd")], min_tensor_bytes=4096)
+    run = measure(spec, cfg, [1, 2, 4], steps=1, warmup=0)
+    assert run.out_of_memory == [("keep", 2)]
+    assert sorted(run.series) == sorted([(s, mb) for s in ("offload", "adaptive", "recompute") for mb in (1, 2, 4)]
+                                        + [("keep", 1)])
+    s = summarize(run)
+    assert s["ratios_micro_batch"] == 1
+    assert s["out_of_memory"] == [{"strategy": "keep", "micro_batch": 2}]
+    assert s["offload_files_left"] == 0
+
+
+def _run(series, warmup=0):
+    spec = GPTSpec(layers=2, hidden=64, heads=2, seq=100, vocab=128, num_microbatches=1)
+    run = BenchRun(spec, steps=2, warmup=warmup, device="cpu", memory_kind="RSS high-water mark")
+    for (name, mb), (times, act, losses) in series.items():
+        run.series[(name, mb)] = _Series(losses=losses, times=times, activation=act,
+                                         memory=[1000] * len(times), io_wait=[0.0] * len(times),
+                                         offloaded=[0] * len(times), cpu=[1.0] * len(times))
+    return run
+
+
+def test_ratios_are_taken_at_the_largest_micro_batch_every_strategy_ran():
+    same = [1.0, 0.9, 0.8]
+    run = _run({("keep", 1): ([9.0, 1.0, 1.0], [50, 100, 100], same),
+                ("keep", 2): ([9.0, 2.0, 2.0], [200, 200, 200], same),
+                ("offload", 1): ([9.0, 1.5, 1.5], [10, 40, 40], same),
+                ("offload", 2): ([9.0, 2.2, 2.2], [80, 80, 80], same),
+                ("offload", 4): ([9.0, 4.0, 4.0], [160, 160, 160], same),
+                ("recompute", 2): ([9.0, 3.0, 3.0], [20, 20, 20], [1.0, 0.9, 0.7])}, warmup=1)
+    s = summarize(run)
+    assert s["ratios_micro_batch"] == 2
+    assert s["ratios"]["offload_vs_keep_step_time"] == 2.2 / 2.0
+    assert s["ratios"]["offload_vs_keep_peak_activation"] == 80 / 200
+    assert s["ratios"]["recompute_vs_keep_step_time"] == 3.0 / 2.0
+    assert s["ratios"]["offload_vs_keep_cpu_time"] == 1.0  # every step 1 CPU second here
+    assert s["targets"]["recompute_vs_keep_step_time"] == {"target": ">= 1.2", "met": True}
+    assert s["targets"]["offload_vs_keep_step_time"] == {"target": "<= 1.05", "met": False}
+    points = {(p["strategy"], p["micro_batch"]): p for p in s["points"]}
+    assert points[("offload", 4)]["tokens_per_s"] == 100 * 4 / 4.0
+    # Default budget: keep's peak at the middle micro-batch size (of 1, 2, 4: 2) = 200 bytes.
+    assert (s["memory_budget_bytes"], s["memory_budget_from_keep_micro_batch"]) == (200, 2)
+    assert s["largest_micro_batch_under_budget"] == {"keep": 2, "offload": 4, "recompute": 2}
+    assert s["losses_bitwise_equal"] is True
+    assert s["recompute_losses_bitwise_equal"] is False
+    assert summarize(run, memory_budget=90)["largest_micro_batch_under_budget"] == {
+        "keep": None, "offload": 2, "recompute": 2}
+
+
+def test_losses_that_differ_in_the_last_bit_are_reported_unequal():
+    a = [1.0, 0.5]
+    b = [1.0, float(np.nextafter(0.5, 1.0))]
+    s = summarize(_run({("keep", 1): ([1.0, 1.0], [1, 1], a), ("offload", 1): ([1.0, 1.0], [1, 1], b)}))
+    assert s["losses_bitwise_equal"] is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batches", "1,0"], "expected positive integers separated by commas"),
+    (["--memory-budget", "12parsecs"], "expected an integer, optionally with a unit"),
+    (["--memory-budget", "0"], "expected a byte count > 0"),
+])
+def test_bad_flags_are_refused_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _bench(argv)
+    err = capsys.readouterr().err
+    assert f"argument {argv[0]}" in err and message in err
+
+
+def test_memory_budget_takes_binary_units():
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--memory-budget", "512MiB", "--micro-batches", "4,1,2,2"])
+    assert args.memory_budget == 512 << 20
+    assert args.micro_batches == [1, 2, 4]
+
+
+def test_peak_memory_is_the_rss_high_water_mark_since_the_last_reset():
+    peak = PeakMemory(torch.device("cpu"))
+    if peak.kind is None:
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    big = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, every page touched
+    high = peak.peak()
+    del big
+    peak.reset()
+    assert peak.peak() <= high - (48 << 20)
+
+
+# -- telemetry ----------------------------------------------------------------------------------
+
+
+def _stats(step=0, **changes):
+    fields = dict(step=step, bytes_offloaded=3 << 20, bytes_read=2 << 20, bytes_deduplicated=4096,
+                  tensors_offloaded=12, tensors_passed_through=5, tensors_kept=1, tensors_forwarded=2,
+                  io_wait_s=0.25, peak_resident_bytes=1 << 20, write_gbps=1.5, read_gbps=0.75,
+                  bytes_on_disk=0, fallbacks=0, step_time_s=2.0)
+    fields.update(changes)
+    return StepStats(**fields)
+
+
+class _Recorder:
+    """Anything with add_scalar(tag, value, step) is a TensorBoard writer to publish_step."""
+
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+
+def test_every_numeric_field_is_a_scalar_at_megatrons_iteration_and_interval():
+    w = _Recorder()
+    args = argparse.Namespace(tensorboard_log_interval=2, log_interval=100, curr_iteration=0)
+    assert telemetry.publish_step(_stats(), writer=w, args=args, lookup=False) is None  # iteration 1
+    args.curr_iteration = 1
+    assert telemetry.publish_step(_stats(step=1), writer=w, args=args, lookup=False) == 2
+    assert w.scalars == [
+        ("ssd_offload/bytes_offloaded", 3 << 20, 2), ("ssd_offload/bytes_read", 2 << 20, 2),
+        ("ssd_offload/bytes_deduplicated", 4096, 2), ("ssd_offload/tensors_offloaded", 12, 2),
+        ("ssd_offload/tensors_passed_through", 5, 2), ("ssd_offload/tensors_kept", 1, 2),
+        ("ssd_offload/tensors_forwarded", 2, 2), ("ssd_offload/io_wait_s", 0.25, 2),
+        ("ssd_offload/peak_resident_bytes", 1 << 20, 2), ("ssd_offload/write_gbps", 1.5, 2),
+        ("ssd_offload/read_gbps", 0.75, 2), ("ssd_offload/bytes_on_disk", 0, 2),
+        ("ssd_offload/fallbacks", 0, 2), ("ssd_offload/step_time_s", 2.0, 2)]
+
+
+def test_without_a_megatron_training_loop_nothing_is_published(monkeypatch):
+    for name in telemetry.GLOBAL_VARS_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert telemetry.megatron_training_globals() == (None, None)
+    assert telemetry.publish_step(_stats()) is None
+
+
+def test_args_not_yet_initialised_still_use_the_writer(monkeypatch):
+    def get_args():
+        raise AssertionError("args is not initialized.")
+
+    w = _Recorder()
+    gv = types.SimpleNamespace(get_tensorboard_writer=lambda: w, get_args=get_args)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
+    assert telemetry.publish_step(_stats(step=6)) == 7  # the offloader's count, plus one
+    assert len(w.scalars) == 14
+
+
+def test_megatron_training_steps_reach_the_writer_and_the_log(monkeypatch, tmp_path, caplog):
+    """Through install(): a megatron-core step ends in pipeline.py, which publishes its StepStats
+    to the writer and arguments a Megatron-LM training loop keeps in global_vars."""
+    from ssdtrain_megatron.megatron import install, uninstall
+    from ssdtrain_megatron.megatron.minigpt import MegatronRuntime, MiniGPT
+
+    writer = _Recorder()
+    args = argparse.Namespace(log_interval=2, tensorboard_log_interval=1, curr_iteration=None)
+    gv = types.ModuleType("megatron.training.global_vars")
+    gv.get_tensorboard_writer = lambda: writer
+    gv.get_args = lambda: args
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
+    cfg = OffloadConfig(dirs=[str(tmp_path / "ssd")], min_tensor_bytes=4096)
+    stats = []
+    with caplog.at_level(logging.INFO, logger=telemetry.__name__), MegatronRuntime() as rt:
+        model = MiniGPT(GPTSpec(layers=2, hidden=64, heads=2, seq=64, vocab=128, micro_batch=1,
+                                num_microbatches=2), rt.device)
+        off = install(cfg)
+        try:
+            for it in range(10, 13):  # resumed at iteration 10, as Megatron counts
+                args.curr_iteration = it
+                model.step()
+                stats.append(off.last_step_stats)
+        finally:
+            uninstall()
+    assert stats[0].bytes_offloaded > 0
+    assert writer.scalars == [(tag, value, 11 + i) for i, s in enumerate(stats)
+                              for tag, value in telemetry.step_scalars(s).items()]
+    assert [r.getMessage() for r in caplog.records if r.name == telemetry.__name__] == [
+        f"ssdtrain iteration 12: {stats[1].summary()}"]
+
+
+def test_scalars_are_readable_from_a_tensorboard_event_file(tmp_path):
+    SummaryWriter = pytest.importorskip("torch.utils.tensorboard").SummaryWriter
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    stats = _stats(step=3, bytes_offloaded=123_456_789)
+    assert telemetry.publish_step(stats, writer=writer, args=argparse.Namespace(curr_iteration=41),
+                                  lookup=False) == 42
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == sorted(telemetry.step_scalars(stats))
+    for tag, value in telemetry.step_scalars(stats).items():
+        # TensorBoard stores scalars as float32.
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [(42, float(np.float32(value)))]
