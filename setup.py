@@ -17,7 +17,7 @@ setup(
     extras_require={
         "test": ["pytest>=7", "matplotlib"],
         "megatron": ["megatron-core>=0.16,<0.17"],
-        "aio": ["deepspeed>=0.19"],
+        "aio": ["deepspeed>=0.19.8,<0.20"],
         "gds": ["kvikio-cu12"],
         "te": ["transformer-engine[pytorch]"],
         "plot": ["matplotlib"],

@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_parser
     from .corebench import add_core_bench_parser
     from .demo import add_demo_parser
+    from .io.bench import add_io_bench_parser
     from .io.clean import add_clean_parser
     from .plan.cli import add_lifespan_parser, add_plan_parser
     from .telemetry.report import add_report_parser
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_core_bench_parser(sub)
     add_report_parser(sub)
+    add_io_bench_parser(sub)
     add_clean_parser(sub)
     return parser
 

@@ -1,0 +1,192 @@
+"""The 'memory' engine: a host-memory pool (the paper's CPU offloader) and the spill-over tier.
+
+Why these choices:
+- One pool of ``host_memory_bytes``, allocated once, carved into extents by the same
+  :class:`ExtentAllocator` the slab files use: no allocation (and, on CUDA machines, no
+  ``cudaHostAlloc``, which synchronises the device) in the hot path.
+- The pool is pinned only where CUDA exists: pinning is what makes GPU<->host copies
+  asynchronous DMA; on a CPU-only machine it would only lock memory for nothing. Either way
+  every page is committed at construction (pinning does it; on CPU the pool is zero-filled):
+  a pool that does not fit in RAM fails at start-up, not in the middle of a step, and the
+  first step does not pay a page fault per 4 KiB.
+- The copies run on worker threads, never on the training thread: handing over a tensor costs
+  an extent allocation and a queue push.
+- A full pool is a :class:`PoolFull` error raised in the caller's thread, before anything is in
+  flight; the 'tiered' engine catches it and sends the tensor to SSD instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from ..config import OffloadConfig
+from .base import BusyMeter, EngineError, IOEngine
+from .layout import ExtentAllocator, Identity
+
+log = logging.getLogger(__name__)
+
+POOL_ALIGN = 512  # extents start on 512-byte boundaries (DMA-friendly, little waste)
+TRACE_PATH = "<host memory>"  # the 'file' of this engine's rows in the IO trace
+
+
+class PoolFull(EngineError):
+    """The host-memory pool has no room for a tensor; nothing was started."""
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class MemoryEngine(IOEngine):
+    """Keeps byte ranges in one host-memory pool of ``config.host_memory_bytes``.
+
+    ``bytes_on_disk`` (the interface's name for "bytes held for live keys") counts the pool
+    bytes held; nothing of this engine ever touches a disk.
+
+    Raises:
+        PoolFull: from ``write`` when the tensor does not fit in what is left of the pool.
+    """
+
+    name = "memory"
+
+    def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None,
+                 capacity: Optional[int] = None) -> None:
+        self.config = config
+        self.capacity = config.host_memory_bytes if capacity is None else capacity
+        self.pinned = _cuda_available()
+        # A zero-capacity pool is legal for 'tiered' (everything goes to SSD).
+        if self.pinned:
+            self._pool = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+        else:
+            self._pool = torch.zeros(self.capacity, dtype=torch.uint8)
+        self._alloc = ExtentAllocator(POOL_ALIGN)
+        self._lock = threading.Lock()
+        self._extents: Dict[int, Tuple[int, int]] = {}  # key -> (offset, nbytes)
+        self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-mem")
+        self._closed = False
+        self._queued = 0
+        self.write_meter = BusyMeter()
+        self.read_meter = BusyMeter()
+        self.tracer: Optional[Callable[..., None]] = None
+        """Optional IO trace sink: tracer(op, key, path, offset, nbytes, t_submit, t_done,
+        queue_depth), called from a worker when each copy completes."""
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return self._alloc.allocated
+
+    @property
+    def bytes_in_memory(self) -> int:
+        """Pool bytes held for live keys (extents are rounded up to 512 bytes)."""
+        return self._alloc.allocated
+
+    @property
+    def page_cache_bypassed(self) -> bool:
+        return True  # no file, no page cache
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+        self._check_open()
+        nbytes = data.numel()
+        with self._lock:
+            if key in self._extents:
+                raise EngineError(f"key {key} written twice")
+            offset = self._alloc.allocate(nbytes)
+            # The allocator grows without bound; the pool does not. An extent past the end is
+            # given back (its bookkeeping beyond the pool stays free, never handed out whole).
+            if offset + _padded(nbytes) > self.capacity:
+                self._alloc.free(offset, nbytes)
+                raise PoolFull(
+                    f"host memory pool full: {nbytes} bytes requested, "
+                    f"{self.capacity - self._alloc.allocated} of host_memory_bytes={self.capacity} free "
+                    f"(possibly fragmented); raise host_memory_bytes, or use engine='tiered' to spill "
+                    f"to SSD")
+            self._extents[key] = (offset, nbytes)
+        return self._start("write", key, offset, nbytes, self.write_meter,
+                           self._copy_in, data, offset, nbytes, ready_event)
+
+    def read(self, key: int, out: torch.Tensor) -> Future:
+        self._check_open()
+        with self._lock:
+            where = self._extents.get(key)
+        if where is None:
+            raise EngineError(f"read of unknown key {key}")
+        offset, nbytes = where
+        if out.numel() != nbytes:
+            raise EngineError(f"read of key {key} into {out.numel()} bytes; {nbytes} were written")
+        return self._start("read", key, offset, nbytes, self.read_meter,
+                           self._copy_out, out, offset, nbytes)
+
+    def _start(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, fn, *args) -> Future:
+        with self._lock:
+            self._queued += 1
+            depth = self._queued
+        meter.begin()
+        return self._workers.submit(self._run, op, key, offset, nbytes, meter, depth,
+                                    time.perf_counter(), fn, args)
+
+    def _run(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, depth: int,
+             t_submit: float, fn, args) -> int:
+        """Worker: the copy, then the bookkeeping, all before the Future completes."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            raise EngineError(f"host-memory {op} of {nbytes} bytes (key {key}) failed: {exc}") from exc
+        finally:
+            with self._lock:
+                self._queued -= 1
+            meter.end(nbytes)
+        tracer = self.tracer
+        if tracer is not None:
+            tracer(op, key, TRACE_PATH, offset, nbytes, t_submit, time.perf_counter(), depth)
+        return nbytes
+
+    def release(self, key: int) -> None:
+        with self._lock:
+            where = self._extents.pop(key, None)
+            if where is not None:
+                self._alloc.free(*where)
+
+    def end_step(self) -> None:
+        with self._lock:
+            if not self._extents:
+                self._alloc.reset()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._workers.shutdown(wait=True)
+        with self._lock:
+            self._extents.clear()
+            self._alloc.reset()
+        self._pool = torch.empty(0, dtype=torch.uint8)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("engine is closed")
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def _copy_in(self, data: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
+        if ready_event is not None:
+            ready_event.synchronize()
+        if nbytes:
+            self._pool[offset:offset + nbytes].copy_(data)
+
+    def _copy_out(self, out: torch.Tensor, offset: int, nbytes: int) -> None:
+        if nbytes:
+            out.copy_(self._pool[offset:offset + nbytes])
+
+
+def _padded(nbytes: int) -> int:
+    return (max(nbytes, 1) + POOL_ALIGN - 1) // POOL_ALIGN * POOL_ALIGN

@@ -1,0 +1,156 @@
+"""The 'tiered' engine: host memory first, up to ``host_memory_bytes``; SSD beyond it.
+
+Why: host RAM is the fastest place for an activation, but there is rarely enough of it for a
+whole step; the SSD takes what does not fit. The tier is chosen once, at ``write``, and
+remembered per key, so reads come from whichever tier holds the tensor and no tensor ever
+migrates (a migration would be IO competing with the step's own).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..config import OffloadConfig
+from .base import BusyMeter, EngineError, IOEngine
+from .layout import Identity
+from .memory import MemoryEngine, PoolFull
+from .posix import PosixEngine
+
+
+class TieredEngine(IOEngine):
+    """A :class:`MemoryEngine` of ``host_memory_bytes`` in front of a :class:`PosixEngine`.
+
+    ``bytes_on_disk`` counts both tiers (bytes held for live keys); ``bytes_in_memory`` and
+    ``bytes_on_ssd`` split it. ``tensors_spilled`` counts writes that went to SSD because the
+    memory tier was full.
+    """
+
+    name = "tiered"
+
+    def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None) -> None:
+        self.config = config
+        self.memory = MemoryEngine(config, ident)
+        try:
+            self.ssd = PosixEngine(config, ident)
+        except BaseException:
+            self.memory.close()
+            raise
+        self.ident = self.ssd.ident
+        self.rank_dirs: List[str] = self.ssd.rank_dirs
+        self._tier: Dict[int, IOEngine] = {}
+        self._lock = threading.Lock()
+        self.tensors_spilled = 0
+        # Both tiers' traffic, as one device would show it to the offloader's telemetry.
+        self.write_meter = BusyMeter()
+        self.read_meter = BusyMeter()
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return self.memory.bytes_in_memory + self.ssd.bytes_on_disk
+
+    @property
+    def bytes_in_memory(self) -> int:
+        return self.memory.bytes_in_memory
+
+    @property
+    def bytes_on_ssd(self) -> int:
+        return self.ssd.bytes_on_disk
+
+    @property
+    def page_cache_bypassed(self) -> bool:
+        return self.ssd.page_cache_bypassed
+
+    @property
+    def step_peak_bytes(self) -> List[int]:
+        """Per root, the SSD bytes the last step reached (the memory tier needs no disk)."""
+        return self.ssd.step_peak_bytes
+
+    @property
+    def tracer(self) -> Optional[Callable[..., None]]:
+        return self.ssd.tracer
+
+    @tracer.setter
+    def tracer(self, sink: Optional[Callable[..., None]]) -> None:
+        self.memory.tracer = sink
+        self.ssd.tracer = sink
+
+    @property
+    def fault(self):
+        return self.ssd.fault
+
+    @fault.setter
+    def fault(self, hook) -> None:
+        self.ssd.fault = hook
+
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+        with self._lock:
+            if key in self._tier:
+                raise EngineError(f"key {key} written twice")
+        try:
+            fut = self.memory.write(key, data, ready_event)
+            tier: IOEngine = self.memory
+        except PoolFull:
+            fut = self.ssd.write(key, data, ready_event)
+            tier = self.ssd
+            with self._lock:
+                self.tensors_spilled += 1
+        with self._lock:
+            self._tier[key] = tier
+        return self._metered(fut, self.write_meter, data.numel())
+
+    @staticmethod
+    def _metered(fut: Future, meter: BusyMeter, nbytes: int) -> Future:
+        """A Future that completes after ``meter`` has counted ``fut``."""
+        out: Future = Future()
+        meter.begin()
+
+        def done(f: Future) -> None:
+            meter.end(nbytes)
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(f.result())
+
+        fut.add_done_callback(done)
+        return out
+
+    def read(self, key: int, out: torch.Tensor) -> Future:
+        with self._lock:
+            tier = self._tier.get(key)
+        if tier is None:
+            raise EngineError(f"read of unknown key {key}")
+        return self._metered(tier.read(key, out), self.read_meter, out.numel())
+
+    def tier_of(self, key: int) -> str:
+        """'memory' or 'posix': where ``key`` is stored."""
+        with self._lock:
+            tier = self._tier.get(key)
+        if tier is None:
+            raise EngineError(f"unknown key {key}")
+        return tier.name
+
+    def release(self, key: int) -> None:
+        with self._lock:
+            tier = self._tier.pop(key, None)
+        if tier is not None:
+            tier.release(key)
+
+    def end_step(self) -> None:
+        self.memory.end_step()
+        self.ssd.end_step()
+
+    def close(self) -> None:
+        with self._lock:
+            self._tier.clear()
+        try:
+            self.memory.close()
+        finally:
+            self.ssd.close()
+
+    def remove_files(self) -> None:
+        self.ssd.remove_files()
