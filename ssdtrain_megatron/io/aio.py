@@ -61,9 +61,9 @@ import torch
 
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, EngineUnavailable, IOEngine
-from .layout import (ALIGN, Extent, Identity, align_up, expand_root, free_bytes, make_rank_dir,
+from .layout import (ALIGN, Extent, Identity, align_up, expand_roots, free_bytes, make_rank_dirs,
                      open_private, plan_chunks, remove_rank_dir)
-from .posix import _Slab, reserve_ahead_bytes
+from .posix import SlabKeys, _Slab, reserve_ahead_bytes
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ class _InFlight:
         self.writing = parts[0][0].writing
 
 
-class AioEngine(IOEngine):
+class AioEngine(SlabKeys, IOEngine):  # its own release(): merged requests
     """libaio through DeepNVMe's ``aio_handle`` on O_DIRECT slab files. See the module docstring.
 
     Raises:
@@ -394,10 +394,7 @@ class AioEngine(IOEngine):
             if not ok:
                 raise EngineError(why)
 
-        roots = [expand_root(t, self.ident) for t in config.dirs]
-        for i, r in enumerate(roots):
-            if r in roots[:i]:
-                raise EngineError(f"dirs[{i}] expands to {r!r}, the same root as dirs[{roots.index(r)}]")
+        roots = expand_roots(config.dirs, self.ident)
         self.roots = roots
         self.rank_dirs: List[str] = []
         self._write_lanes: List[_Lane] = []
@@ -425,8 +422,7 @@ class AioEngine(IOEngine):
         self._reserver = ThreadPoolExecutor(1, thread_name_prefix="ssdtrain-aio-reserve")
         self._reserver.submit(int)  # start its thread now, not in the first write()
         try:
-            for r in roots:
-                self.rank_dirs.append(make_rank_dir(r, self.ident))
+            self.rank_dirs = make_rank_dirs(roots, self.ident)
             self._slabs = [_DirectSlab(d) for d in self.rank_dirs]
             for s in self._slabs:
                 s.ahead_bytes = reserve_ahead_bytes(config, len(self._slabs))
@@ -574,16 +570,6 @@ class AioEngine(IOEngine):
             allocs = self._allocs.pop(key, ())
         for root, offset, size in allocs:
             self._slabs[root].alloc.free(offset, size)
-
-    def end_step(self) -> None:
-        """No key is live: remove the slab files, so nothing stays on disk between steps."""
-        with self._lock:
-            if self._extents:
-                return
-        self.step_peak_bytes = [s.alloc.size for s in self._slabs]
-        for s in self._slabs:
-            with s.lock:
-                s.drop()
 
     def close(self) -> None:
         if self._closed:

@@ -26,8 +26,9 @@ import torch
 
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, EngineUnavailable, IOEngine
-from .layout import (ALIGN, Extent, ExtentAllocator, Identity, align_up, expand_root, make_rank_dir,
+from .layout import (ALIGN, Extent, ExtentAllocator, Identity, align_up, expand_roots, make_rank_dirs,
                      open_private, plan_chunks, remove_rank_dir)
+from .posix import SlabKeys
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class _Slab:
         self.reserved = 0
 
 
-class GdsEngine(IOEngine):
+class GdsEngine(SlabKeys, IOEngine):
     """kvikio ``CuFile.pwrite/pread`` on slab files, striped over the roots. CUDA only."""
 
     name = "gds"
@@ -114,17 +115,8 @@ class GdsEngine(IOEngine):
         self._kvikio = kvikio
         self.config = config
         self.ident = ident or Identity.detect(config.job_id())
-        self.roots = [expand_root(t, self.ident) for t in config.dirs]
-        if len(set(self.roots)) != len(self.roots):
-            raise EngineError(f"dirs expand to repeated roots: {self.roots}")
-        self.rank_dirs: List[str] = []
-        try:
-            for r in self.roots:
-                self.rank_dirs.append(make_rank_dir(r, self.ident))
-        except Exception:
-            for d in self.rank_dirs:
-                remove_rank_dir(d)
-            raise
+        self.roots = expand_roots(config.dirs, self.ident)
+        self.rank_dirs: List[str] = make_rank_dirs(self.roots, self.ident)
         self._slabs = [_Slab(d) for d in self.rank_dirs]
         self._chunk = config.chunk_bytes
         self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-gds")
@@ -195,21 +187,6 @@ class GdsEngine(IOEngine):
         fut = self._workers.submit(self._io, "read", key, out, extents, starts, None)
         fut.add_done_callback(lambda f: self.read_meter.end(nbytes))
         return fut
-
-    def release(self, key: int) -> None:
-        with self._lock:
-            extents = self._extents.pop(key, None)
-        for e in extents or ():
-            self._slabs[e.root].alloc.free(e.offset, e.length)
-
-    def end_step(self) -> None:
-        with self._lock:
-            if self._extents:
-                return
-        self.step_peak_bytes = [s.alloc.size for s in self._slabs]
-        for s in self._slabs:
-            with s.lock:
-                s.drop()
 
     def close(self) -> None:
         if self._closed:

@@ -108,6 +108,29 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def expand_roots(templates: List[str], ident: Identity) -> List[str]:
+    """The roots ``templates`` name for this process; two templates naming one root are refused
+    (two slabs of one rank in one directory would collide)."""
+    roots = [expand_root(t, ident) for t in templates]
+    for i, r in enumerate(roots):
+        if r in roots[:i]:
+            raise LayoutError(f"dirs[{i}] expands to {r!r}, the same root as dirs[{roots.index(r)}]")
+    return roots
+
+
+def make_rank_dirs(roots: List[str], ident: Identity) -> List[str]:
+    """This process's directory under every root; on a failure, the ones made are removed."""
+    made: List[str] = []
+    try:
+        for r in roots:
+            made.append(make_rank_dir(r, ident))
+    except Exception:
+        for d in made:
+            remove_rank_dir(d)
+        raise
+    return made
+
+
 def _check_root(root: str) -> None:
     """Refuse roots that another user could swap under us."""
     st = os.lstat(root)

@@ -37,8 +37,8 @@ import torch
 
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine
-from .layout import (Extent, ExtentAllocator, Identity, align_up, expand_root, free_bytes,
-                     make_rank_dir, open_private, plan_chunks, remove_rank_dir)
+from .layout import (Extent, ExtentAllocator, Identity, align_up, expand_roots, free_bytes,
+                     make_rank_dirs, open_private, plan_chunks, remove_rank_dir)
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,32 @@ class _Gather:
                 self.future.set_result(self._nbytes)
 
 
-class PosixEngine(IOEngine):
+class SlabKeys:
+    """Key bookkeeping shared by the engines that keep tensors in per-root slabs.
+
+    Needs ``_lock``, ``_extents`` (key -> its Extents) and ``_slabs`` (objects with ``alloc``,
+    ``lock`` and ``drop()``) on the engine."""
+
+    def release(self, key: int) -> None:
+        with self._lock:
+            extents = self._extents.pop(key, None)
+        for e in extents or ():
+            self._slabs[e.root].alloc.free(e.offset, e.length)
+
+    def end_step(self) -> None:
+        """No key is live: remove the slab files, so nothing stays on disk between steps."""
+        with self._lock:
+            if self._extents:
+                return
+        # What this step needed per root (its slabs' high-water marks): the plan the
+        # offloader checks free space against before the next step.
+        self.step_peak_bytes = [s.alloc.size for s in self._slabs]
+        for s in self._slabs:
+            with s.lock:
+                s.drop()
+
+
+class PosixEngine(SlabKeys, IOEngine):
     """pwrite/pread on O_DIRECT slab files from a thread pool. See the module docstring."""
 
     name = "posix"
@@ -194,19 +219,8 @@ class PosixEngine(IOEngine):
     def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None) -> None:
         self.config = config
         self.ident = ident or Identity.detect(config.job_id())
-        roots = [expand_root(t, self.ident) for t in config.dirs]
-        for i, r in enumerate(roots):
-            if r in roots[:i]:
-                raise EngineError(f"dirs[{i}] expands to {r!r}, the same root as dirs[{roots.index(r)}]")
-        self.roots = roots
-        self.rank_dirs: List[str] = []
-        try:
-            for r in roots:
-                self.rank_dirs.append(make_rank_dir(r, self.ident))
-        except Exception:
-            for d in self.rank_dirs:
-                remove_rank_dir(d)
-            raise
+        self.roots = expand_roots(config.dirs, self.ident)
+        self.rank_dirs: List[str] = make_rank_dirs(self.roots, self.ident)
         self._slabs = [_Slab(d) for d in self.rank_dirs]
         for s in self._slabs:
             s.ahead_bytes = reserve_ahead_bytes(config, len(self._slabs))
@@ -330,24 +344,6 @@ class PosixEngine(IOEngine):
                 tracer(op, key, self._slabs[ext.root].path, ext.offset, ext.length, t_submit,
                        time.perf_counter(), depth)
             gather.chunk_done(exc)
-
-    def release(self, key: int) -> None:
-        with self._lock:
-            extents = self._extents.pop(key, None)
-        for e in extents or ():
-            self._slabs[e.root].alloc.free(e.offset, e.length)
-
-    def end_step(self) -> None:
-        """No key is live: remove the slab files, so nothing stays on disk between steps."""
-        with self._lock:
-            if self._extents:
-                return
-        # What this step needed per root (its slabs' high-water marks): the plan the
-        # offloader checks free space against before the next step.
-        self.step_peak_bytes = [s.alloc.size for s in self._slabs]
-        for s in self._slabs:
-            with s.lock:
-                s.drop()
 
     def close(self) -> None:
         if self._closed:
