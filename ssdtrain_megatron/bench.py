@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .config import OffloadConfig
-from .demo import _bar, _positive
+from .cli_types import positive_int, progress_bar
 from .megatron.args import _parse_int
 from .telemetry.peak_memory import PeakMemory
 
@@ -128,14 +128,14 @@ def add_bench_parser(subparsers) -> None:
                    help="smaller saved tensors stay in memory (default: the preset's, else 256KiB)")
     shape = p.add_argument_group("shape (default: 8 layers, hidden 512, seq 512; --quick: 4, 256, 256)")
     for name in ("layers", "hidden", "heads", "seq", "vocab", "num-microbatches", "steps"):
-        shape.add_argument(f"--{name}", type=_positive, default=None)
+        shape.add_argument(f"--{name}", type=positive_int, default=None)
     shape.add_argument("--warmup", type=_non_negative, default=None, help="unmeasured steps first")
     p.set_defaults(func=run_bench)
 
 
 def _sizes(text: str) -> List[int]:
     try:
-        sizes = sorted({_positive(t.strip()) for t in text.split(",")})
+        sizes = sorted({positive_int(t.strip()) for t in text.split(",")})
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, "
                                          f"got {text!r}") from None
@@ -150,7 +150,7 @@ def _budget(text: str) -> int:
 
 
 def _non_negative(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive(text)
+    return 0 if text.strip() == "0" else positive_int(text)
 
 
 def _shape(args: argparse.Namespace) -> dict:
@@ -235,7 +235,7 @@ def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, 
                                   file=sys.stderr)
                     times = ", ".join(f"{c.strategy.name} {c.series.times[-1]:.2f}s"
                                       for c in contenders[k:] + contenders[:k] if c.model is not None)
-                    print(f"{_bar(i + 1, warmup + steps)} micro-batch {mb}, step {i + 1}"
+                    print(f"{progress_bar(i + 1, warmup + steps)} micro-batch {mb}, step {i + 1}"
                           f"{' (warm-up)' if i < warmup else ''}: {times}", file=sys.stderr)
             finally:
                 for c in contenders:

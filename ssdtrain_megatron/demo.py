@@ -16,6 +16,7 @@ import sys
 from typing import Dict, List
 
 from .cache import ActivationOffloader
+from .cli_types import positive_int, progress_bar
 from .config import OffloadConfig
 
 
@@ -25,30 +26,15 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--dir", default="./ssd-offload-demo", help="offload root (default: %(default)s)")
     p.add_argument("--config", help="YAML preset (e.g. configs/cpu-tiny.yaml): its offload: section; "
                                     "--dir replaces its dirs")
-    p.add_argument("--steps", type=_positive, default=4, help="training steps (default: %(default)s)")
-    p.add_argument("--layers", type=_positive, default=8)
-    p.add_argument("--hidden", type=_positive, default=256)
-    p.add_argument("--heads", type=_positive, default=4)
-    p.add_argument("--seq", type=_positive, default=256)
-    p.add_argument("--micro-batch-size", type=_positive, default=4)
-    p.add_argument("--micro-batches", type=_positive, default=4, help="micro-batches per step")
+    p.add_argument("--steps", type=positive_int, default=4, help="training steps (default: %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=8)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--seq", type=positive_int, default=256)
+    p.add_argument("--micro-batch-size", type=positive_int, default=4)
+    p.add_argument("--micro-batches", type=positive_int, default=4, help="micro-batches per step")
     p.add_argument("--plot", default=None, help="PNG of memory over a step (default: DIR/memory.png)")
     p.set_defaults(func=run_demo)
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _bar(done: int, total: int, width: int = 24) -> str:
-    n = width * done // total
-    return "[" + "#" * n + "-" * (width - n) + f"] {done}/{total}"
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -79,7 +65,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     rows[policy].append((loss, off.last_step_stats, dt))
                     timelines[policy] = off.last_memory_timeline
                 st = rows["offload"][-1][1]
-                print(f"{_bar(step + 1, args.steps)} step {step + 1}: loss {rows['offload'][-1][0]:.4f}, "
+                print(f"{progress_bar(step + 1, args.steps)} step {step + 1}: loss {rows['offload'][-1][0]:.4f}, "
                       f"offloaded {st.bytes_offloaded / 1e6:.1f} MB, read {st.bytes_read / 1e6:.1f} MB, "
                       f"write {st.write_gbps:.2f} GB/s, read {st.read_gbps:.2f} GB/s, "
                       f"io wait {st.io_wait_s * 1e3:.0f} ms, peak resident {st.peak_resident_bytes / 1e6:.1f} MB "

@@ -14,6 +14,7 @@ import math
 import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from ..cli_types import positive_float
 from .lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
 from .model import (ModelShape, SaveProfile, estimate_step_time_s, forward_flops_per_layer,
                     head_activation_terms, largest_micro_batch, layer_activation_bytes,
@@ -38,16 +39,6 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
         return value
     return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
 
 
 def _fraction(text: str) -> float:
@@ -85,17 +76,17 @@ def add_lifespan_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "(write-gbps x write-fraction). Decimal units: 1 TB = 1e12 B, 1 GB = 1e9 B.")
     parser.add_argument("--drives", type=_int_at_least(1), required=True,
                         help="number of drives sharing the writes")
-    parser.add_argument("--tbw-per-drive", type=_positive_float, required=True, metavar="TB",
+    parser.add_argument("--tbw-per-drive", type=positive_float, required=True, metavar="TB",
                         help="rated endurance of each drive, TB written")
-    parser.add_argument("--write-gbps", type=_positive_float, required=True, metavar="GB/S",
+    parser.add_argument("--write-gbps", type=positive_float, required=True, metavar="GB/S",
                         help="write bandwidth while writing, GB/s")
     parser.add_argument("--write-fraction", type=_fraction, required=True, metavar="F",
                         help="fraction of the time spent writing, in (0, 1] (0.5: half the step)")
-    parser.add_argument("--waf-rated", type=_positive_float, default=WAF_RATED,
+    parser.add_argument("--waf-rated", type=positive_float, default=WAF_RATED,
                         help=f"write amplification the TBW rating assumes (default {WAF_RATED})")
-    parser.add_argument("--waf", type=_positive_float, default=WAF,
+    parser.add_argument("--waf", type=positive_float, default=WAF,
                         help=f"write amplification of the offload writes (default {WAF})")
-    parser.add_argument("--retention-factor", type=_positive_float, default=RETENTION_FACTOR,
+    parser.add_argument("--retention-factor", type=positive_float, default=RETENTION_FACTOR,
                         help="endurance gain from relaxed retention (default "
                              f"{RETENTION_FACTOR:g})")
     parser.add_argument("--json", action="store_true",
@@ -142,20 +133,20 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="micro-batch size (default: the preset's model.micro_batch)")
     parser.add_argument("--num-micro-batches", type=_int_at_least(1), default=1, metavar="M",
                         help="micro-batches per step, for the per-step totals (default 1)")
-    parser.add_argument("--gpu-tflops", type=_positive_float, default=DEFAULT_GPU_TFLOPS,
+    parser.add_argument("--gpu-tflops", type=positive_float, default=DEFAULT_GPU_TFLOPS,
                         metavar="X", help="sustained TFLOP/s per GPU for the step-time estimate "
                                           f"(default {DEFAULT_GPU_TFLOPS:g})")
-    parser.add_argument("--ssd-gbps", type=_positive_float, default=None, metavar="Y",
+    parser.add_argument("--ssd-gbps", type=positive_float, default=None, metavar="Y",
                         help="SSD read and write bandwidth per GPU, GB/s; when given, layers "
                              "whose IO cannot hide behind compute are kept (default: offload "
                              "all but the last keep_last_layers)")
     parser.add_argument("--recompute-fallback", action="store_true",
                         help="with --ssd-gbps, recompute layers that cannot be offloaded")
-    parser.add_argument("--ssd-tbw", type=_positive_float, default=None, metavar="Z",
+    parser.add_argument("--ssd-tbw", type=positive_float, default=None, metavar="Z",
                         help="rated TBW per drive, TB; enables the lifespan estimate")
     parser.add_argument("--drives", type=_int_at_least(1), default=1, metavar="K",
                         help="drives per GPU sharing the writes (default 1)")
-    parser.add_argument("--memory-budget-gb", type=_positive_float,
+    parser.add_argument("--memory-budget-gb", type=positive_float,
                         default=DEFAULT_MEMORY_BUDGET_GB, metavar="GB",
                         help="activation memory per GPU for the largest-micro-batch search "
                              f"(default {DEFAULT_MEMORY_BUDGET_GB:g})")

@@ -31,6 +31,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..cli_types import positive_float
+
 PHASES = ("forward", "backward", "step_end")
 OPS = ("write", "read")
 DEFAULT_DRIVE_TB = 3.84
@@ -352,16 +354,6 @@ def analyze(records: Sequence[IORecord], drive_tb: float = DEFAULT_DRIVE_TB,
 # -- ssdtrain report --------------------------------------------------------------------------
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
 def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ssdtrain report``."""
     parser = subparsers.add_parser(
@@ -376,10 +368,10 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="write report.md and the plots (request_sizes.png, "
                              "queue_depth.png, bandwidth.png) to DIR, created if missing")
-    parser.add_argument("--drive-tb", type=_positive_float, default=DEFAULT_DRIVE_TB,
+    parser.add_argument("--drive-tb", type=positive_float, default=DEFAULT_DRIVE_TB,
                         metavar="TB", help="drive size for drive writes per day, decimal TB "
                                            f"(default {DEFAULT_DRIVE_TB:g})")
-    parser.add_argument("--bucket-s", type=_positive_float, default=None, metavar="S",
+    parser.add_argument("--bucket-s", type=positive_float, default=None, metavar="S",
                         help="timeline bucket width in seconds (default: a 1-2-5 width giving "
                              f"at most {TIMELINE_BUCKETS} buckets)")
     parser.add_argument("--json", action="store_true",
