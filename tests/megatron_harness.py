@@ -133,6 +133,27 @@ class RankResult:
 # Parent side
 
 
+# The parallel layouts the megatron tests train (test_megatron_cpu, test_megatron_integration).
+LAYOUTS = {
+    "tp1_pp1": LayoutSpec(),
+    "tp2": LayoutSpec(tp=2),
+    "pp2_1f1b": LayoutSpec(pp=2),
+    "pp2_interleaved_vp2": LayoutSpec(pp=2, vp=2),
+    "recompute_full_uniform": LayoutSpec(recompute_granularity="full",
+                                         recompute_method="uniform", recompute_num_layers=2),
+    "recompute_full_block": LayoutSpec(recompute_granularity="full",
+                                       recompute_method="block", recompute_num_layers=2),
+    "recompute_selective": LayoutSpec(recompute_granularity="selective"),
+    # megatron-core 0.16.1 recurses forever in backward when "mlp" recompute meets linear
+    # biases (the MLP returns the fc2 bias Parameter through CheckpointFunction): no biases.
+    "recompute_selective_mlp": LayoutSpec(recompute_granularity="selective",
+                                          recompute_modules=["core_attn", "mlp"],
+                                          add_bias_linear=False),
+    "pp2_recompute_full": LayoutSpec(pp=2, recompute_granularity="full",
+                                     recompute_method="uniform", recompute_num_layers=1),
+}
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

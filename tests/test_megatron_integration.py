@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"
               pytest.mark.filterwarnings("ignore::UserWarning:megatron.*")]
 
 import megatron_harness as harness  # noqa: E402
-from megatron_harness import LayoutSpec, Phase  # noqa: E402
+from megatron_harness import LAYOUTS, LayoutSpec, Phase  # noqa: E402
 
 from ssdtrain_megatron import OffloadConfig  # noqa: E402
 from ssdtrain_megatron import megatron as integration  # noqa: E402
@@ -36,24 +36,6 @@ from ssdtrain_megatron import megatron as integration  # noqa: E402
 OFFLOAD = dict(dirs=["{root}/a", "{root}/b"], policy="offload", min_tensor_bytes=0)
 PHASES = [Phase("plain"), Phase("offload", offload=OFFLOAD), Phase("after_uninstall")]
 
-LAYOUTS = {
-    "tp1_pp1": LayoutSpec(),
-    "tp2": LayoutSpec(tp=2),
-    "pp2_1f1b": LayoutSpec(pp=2),
-    "pp2_interleaved_vp2": LayoutSpec(pp=2, vp=2),
-    "recompute_full_uniform": LayoutSpec(recompute_granularity="full",
-                                         recompute_method="uniform", recompute_num_layers=2),
-    "recompute_full_block": LayoutSpec(recompute_granularity="full",
-                                       recompute_method="block", recompute_num_layers=2),
-    "recompute_selective": LayoutSpec(recompute_granularity="selective"),
-    # megatron-core 0.16.1 recurses forever in backward when "mlp" recompute meets linear
-    # biases (the MLP returns the fc2 bias Parameter through CheckpointFunction): no biases.
-    "recompute_selective_mlp": LayoutSpec(recompute_granularity="selective",
-                                          recompute_modules=["core_attn", "mlp"],
-                                          add_bias_linear=False),
-    "pp2_recompute_full": LayoutSpec(pp=2, recompute_granularity="full",
-                                     recompute_method="uniform", recompute_num_layers=1),
-}
 
 # Layers each rank runs (megatron's global, 1-based layer numbers), in forward order.
 EXPECTED_LAYERS = {
