@@ -84,7 +84,8 @@ class OffloadConfig:
     pending writes cannot pin unbounded memory."""
 
     checksum: bool = False
-    """Store a CRC32 of every written chunk and verify it on read."""
+    """Store a CRC32 of every written chunk and verify it on read (posix, aio and the SSD
+    tier of tiered; refused with gds, which keeps no host copy to check)."""
 
     stats_path: Optional[str] = None
     """When set, each step's StepStats is appended to this file as one JSON line. A path
@@ -205,6 +206,9 @@ class OffloadConfig:
         if self.engine == "memory" and self.host_memory_bytes == 0:
             _fail("host_memory_bytes", self.host_memory_bytes,
                   "engine='memory' needs a pool; expected an integer > 0")
+        if self.engine == "gds" and self.checksum:
+            _fail("checksum", self.checksum, "engine='gds' moves bytes between the GPU and the file "
+                  "without a host copy to check them on; use engine='posix' or 'aio' for checksums")
         if self.engine == "gds":
             # Imported here, not at the top: the check needs torch, and kvikio is never imported.
             from .io.gds import gds_unavailable_reason

@@ -3,14 +3,19 @@
 Engines that cannot run here skip with the reason their ``is_available()`` gives: 'aio' needs
 DeepSpeed, libaio-dev and a C++ toolchain (its tests carry the ``aio`` mark, so CI can select
 them with ``-m aio``), 'gds' needs CUDA and kvikio (``cuda`` mark).
+
+'gds-fake' is the gds engine on ``tests/fake_kvikio.py``, a stand-in for kvikio (which cannot
+do IO without CUDA): it runs everywhere and covers the engine's own logic, not kvikio or GDS.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import List
 
@@ -22,9 +27,10 @@ from ssdtrain_megatron.io import EngineError, EngineUnavailable, Identity, engin
 from ssdtrain_megatron.io.layout import OWNER_FILE
 
 CHUNK = 64 * 1024
-ALL = ["posix", "aio", "memory", "tiered", "gds"]
-ON_DISK = ["posix", "aio", "gds", "tiered"]
-WITH_FAULT_HOOK = ["posix", "aio"]
+ALL = ["posix", "aio", "memory", "tiered", "gds", "gds-fake"]
+ON_DISK = ["posix", "aio", "gds", "gds-fake", "tiered"]
+WITH_FAULT_HOOK = ["posix", "aio", "gds-fake"]
+STAGED = ["posix", "aio"]  # engines that stage chunks in bounce buffers (and merge them)
 
 
 def _param(name: str):
@@ -48,11 +54,16 @@ def _config(name: str, roots: List[Path], **overrides) -> OffloadConfig:
 
 
 @pytest.fixture
-def open_engine(tmp_path):
+def open_engine(tmp_path, monkeypatch):
     """open_engine(name, n_roots=1, rank=0, **config) -> an engine, closed after the test."""
     engines = []
 
     def make(name: str, n_roots: int = 1, rank: int = 0, **overrides):
+        if name == "gds-fake":
+            from tests import fake_kvikio
+
+            fake_kvikio.install(monkeypatch)
+            name = "gds"
         _skip_unless_available(name)
         roots = [tmp_path / f"root{i}" for i in range(n_roots)]
         engine = make_engine(_config(name, roots, **overrides),
@@ -187,6 +198,29 @@ def test_chunks_are_striped_over_every_root(open_engine, name):
         slabs = [p for p in root.rglob("slab.bin")]
         assert len(slabs) == 1, root
         assert slabs[0].stat().st_blocks * 512 >= 2 * CHUNK, f"{root} holds too little of the tensor"
+
+
+@pytest.mark.parametrize("n_roots", [1, 2, 3])
+def test_chunks_are_placed_round_robin_without_overlap(open_engine, n_roots):
+    engine = open_engine("posix", n_roots=n_roots)
+    sizes = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 5 * CHUNK + 3, 7 * CHUNK]
+    spans = {r: [] for r in range(n_roots)}
+    for key, n in enumerate(sizes):
+        engine.write(key, torch.zeros(n, dtype=torch.uint8)).result(30)
+        extents = engine._placed[key].extents
+        assert [e.length for e in extents] == [CHUNK] * (len(extents) - 1) + [n - CHUNK * (len(extents) - 1)]
+        assert len(extents) == max(1, -(-n // CHUNK))
+        first = extents[0].root
+        assert [e.root for e in extents] == [(first + i) % n_roots for i in range(len(extents))]
+        for e in extents:
+            assert e.offset % 4096 == 0
+            spans[e.root].append((e.offset, e.offset + max(e.length, 1)))
+    assert len({engine._placed[k].extents[0].root for k in range(len(sizes))}) == n_roots  # first roots take turns
+    for root_spans in spans.values():
+        root_spans.sort()
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(root_spans, root_spans[1:]))
+    padded = sum(-(-max(e.length, 1) // 4096) * 4096 for k in range(len(sizes)) for e in engine._placed[k].extents)
+    assert engine.bytes_on_disk == padded
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in ON_DISK])
@@ -324,8 +358,6 @@ def test_meters_count_every_byte_moved(open_engine, name):
 @pytest.mark.parametrize("name", [_param(n) for n in WITH_FAULT_HOOK])
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_an_io_error_fails_the_future_naming_file_and_offset(open_engine, name, op):
-    import errno
-
     engine = open_engine(name)
     data = torch.randint(0, 256, (3 * CHUNK,), dtype=torch.uint8)
     if op == "read":
@@ -342,27 +374,55 @@ def test_an_io_error_fails_the_future_naming_file_and_offset(open_engine, name, 
         fut.result(30)
 
 
-@pytest.mark.parametrize("name", [_param(n) for n in ["posix", "aio", "tiered"]])
-def test_a_full_disk_fails_write_in_the_callers_thread_and_keeps_nothing(open_engine, name, monkeypatch):
-    import errno
+@pytest.mark.parametrize("name", [_param(n) for n in ["posix", "aio", "tiered", "gds-fake"]])
+def test_a_full_disk_fails_the_write_future_and_keeps_nothing_once_released(open_engine, name, monkeypatch):
+    from ssdtrain_megatron.io import slab
 
-    from ssdtrain_megatron.io import posix
-
-    monkeypatch.setattr(posix, "GROW_BYTES", CHUNK)  # reserve little ahead, so the next write must
-    engine = open_engine(name, max_inflight_bytes=CHUNK)
+    monkeypatch.setattr(slab, "GROW_BYTES", CHUNK)  # reserve little ahead, so the next write must
+    engine = open_engine(name)
     engine.write(0, torch.ones(CHUNK, dtype=torch.uint8)).result(30)  # the slab exists
+    held = engine.bytes_on_disk
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    held = engine.bytes_on_disk
+    fut = engine.write(1, torch.ones(8 * CHUNK, dtype=torch.uint8))  # the caller is not held up
     with pytest.raises(EngineError, match=r"cannot reserve .* No space left on device \(.* MiB free in ") as info:
-        engine.write(1, torch.ones(8 * CHUNK, dtype=torch.uint8))
+        fut.result(30)
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    engine.release(1)  # what the offloader does with a failed write
     assert engine.bytes_on_disk == held
     with pytest.raises(EngineError, match="unknown key 1"):
         engine.read(1, torch.empty(1, dtype=torch.uint8))
+    got = torch.empty(CHUNK, dtype=torch.uint8)
+    engine.read(0, got).result(30)
+    assert torch.equal(got, torch.ones(CHUNK, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in STAGED])  # chunks on several threads
+def test_a_failed_chunk_fails_the_future_only_once_no_chunk_is_in_flight(open_engine, name):
+    # The caller frees the extents of a failed write at once: a chunk still being written
+    # there would land in space handed to the next tensor.
+    engine = open_engine(name, io_threads=2)
+    gate, second_started = threading.Event(), threading.Event()
+
+    def fault(op, path, offset):
+        if offset == 0:
+            second_started.wait(30)
+            return OSError(errno.EIO, os.strerror(errno.EIO))
+        second_started.set()
+        gate.wait(30)
+        return None
+
+    engine.fault = fault
+    fut = engine.write(0, torch.ones(2 * CHUNK, dtype=torch.uint8))
+    assert second_started.wait(30)
+    time.sleep(0.2)
+    assert not fut.done()  # chunk 0 failed, chunk 1 is still being written
+    gate.set()
+    with pytest.raises(EngineError, match="Input/output error"):
+        fut.result(30)
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in ["posix", "aio"]])
@@ -448,22 +508,25 @@ e.close()
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.mark.aio
-def test_aio_merges_small_chunks_queued_together_into_one_request(open_engine):
-    engine = open_engine("aio", io_threads=1)
+@pytest.mark.parametrize("name", [_param(n) for n in STAGED])
+@pytest.mark.parametrize("read_order", ["forward", "reverse"])
+def test_small_chunks_queued_together_merge_into_one_request(open_engine, name, read_order):
+    engine = open_engine(name, io_threads=1)
     gen = torch.Generator().manual_seed(4)
     tensors = [torch.randint(0, 256, (1 + 997 * k % 9000,), dtype=torch.uint8, generator=gen) for k in range(40)]
     parts_per_request = []
-    submit = engine._submit
+    fill, drain = engine._fill, engine._drain
 
-    def counting_submit(lane, op):
-        parts_per_request.append((op.writing, len(op.parts)))
-        return submit(lane, op)
+    def counting(step):
+        def run(op):
+            parts_per_request.append((op.writing, len(op.parts)))
+            return step(op)
+        return run
 
-    engine._submit = counting_submit
+    engine._fill, engine._drain = counting(fill), counting(drain)
     write_gate, read_gate = threading.Event(), threading.Event()
 
-    class HeldBack:  # the one write lane waits here while the other writes queue up
+    class HeldBack:  # the one write thread waits here while the other writes queue up
         def synchronize(self):
             write_gate.wait(30)
 
@@ -472,26 +535,29 @@ def test_aio_merges_small_chunks_queued_together_into_one_request(open_engine):
     write_gate.set()
     assert [f.result(30) for f in futs] == [t.numel() for t in tensors]
 
-    engine.fault = lambda op, path, offset: read_gate.wait(30) and None  # holds the read lane
+    engine.fault = lambda op, path, offset: read_gate.wait(30) and None  # holds the read thread
     outs = [torch.empty_like(t) for t in tensors]
-    futs = [engine.read(k, o) for k, o in enumerate(outs)]
+    keys = list(range(len(tensors)))
+    if read_order == "reverse":  # backward reads a layer's tensors in reverse save order
+        keys.reverse()
+    futs = {k: engine.read(k, outs[k]) for k in keys}
     read_gate.set()
-    assert [f.result(30) for f in futs] == [t.numel() for t in tensors]
+    assert [futs[k].result(30) for k in range(len(tensors))] == [t.numel() for t in tensors]
     assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
     for writing in (True, False):
         sizes = [n for w, n in parts_per_request if w == writing]
         assert sum(sizes) == len(tensors) and max(sizes) > 1, (writing, sizes)
 
 
-@pytest.mark.aio
-def test_aio_a_bad_chunk_in_a_merged_read_fails_only_its_own_tensor(open_engine):
-    engine = open_engine("aio", io_threads=1, checksum=True)
+@pytest.mark.parametrize("name", [_param(n) for n in STAGED])
+def test_a_bad_chunk_in_a_merged_read_fails_only_its_own_tensor(open_engine, name):
+    engine = open_engine(name, io_threads=1, checksum=True)
     tensors = [torch.full((3000,), k, dtype=torch.uint8) for k in range(6)]
     _round_trip(engine, tensors)
     slab = next(engine.test_roots[0].rglob("slab.bin"))
     fd = os.open(slab, os.O_RDWR)
     try:
-        os.pwrite(fd, b"\xee" * 8, engine._extents[3][0].offset + 10)  # tensor 3's bytes
+        os.pwrite(fd, b"\xee" * 8, engine._placed[3].extents[0].offset + 10)  # tensor 3's bytes
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -517,16 +583,16 @@ def test_aio_read_with_the_wrong_size_is_refused(open_engine):
 
 
 def test_aio_availability_names_every_missing_piece(monkeypatch):
-    from ssdtrain_megatron.io import aio
+    from ssdtrain_megatron.io import aio, aio_support
 
-    monkeypatch.setattr(aio, "_prebuilt_op", lambda ds_dir: False)
-    monkeypatch.setattr(aio, "_has_libaio_dev", lambda: False)
-    monkeypatch.setattr(aio.shutil, "which", lambda name: None)
-    if aio.importlib.util.find_spec("deepspeed") is not None:
-        why = aio.aio_unavailable_reason()
+    monkeypatch.setattr(aio_support, "_prebuilt_op", lambda ds_dir: False)
+    monkeypatch.setattr(aio_support, "_has_libaio_dev", lambda: False)
+    monkeypatch.setattr(aio_support.shutil, "which", lambda name: None)
+    if aio_support.importlib.util.find_spec("deepspeed") is not None:
+        why = aio_support.aio_unavailable_reason()
         assert "libaio-dev" in why and "C++ compiler" in why and "ninja" in why
-    real_find_spec = aio.importlib.util.find_spec
-    monkeypatch.setattr(aio.importlib.util, "find_spec",
+    real_find_spec = aio_support.importlib.util.find_spec
+    monkeypatch.setattr(aio_support.importlib.util, "find_spec",
                         lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
     ok, why = aio.AioEngine.is_available()
     assert not ok and "pip install deepspeed==0.19.8" in why
@@ -553,6 +619,15 @@ def test_every_configurable_engine_has_a_class_named_after_it():
         assert engine_class(name).name == name
     with pytest.raises(EngineUnavailable, match="unknown engine 'nvme'"):
         engine_class("nvme")
+
+
+def test_gds_refuses_checksums_it_could_not_compute(monkeypatch):
+    from tests import fake_kvikio
+
+    fake_kvikio.install(monkeypatch)  # so the refusal is about checksums, not about CUDA
+    assert OffloadConfig(engine="gds").engine == "gds"
+    with pytest.raises(ConfigError, match=r"OffloadConfig.checksum=True.*engine='gds'.*'posix' or 'aio'"):
+        OffloadConfig(engine="gds", checksum=True)
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -9,7 +9,7 @@ import torch
 
 from ssdtrain_megatron.config import OffloadConfig
 from ssdtrain_megatron.io.layout import (ExtentAllocator, Identity, LayoutError, expand_root, make_rank_dir,
-                                         plan_chunks, remove_rank_dir)
+                                         remove_rank_dir)
 from ssdtrain_megatron.io.posix import PosixEngine
 
 IDENT = Identity(rank=3, local_rank=1, hostname="node7", job="j42")
@@ -87,11 +87,6 @@ def test_extent_allocator_random_workload_never_overlaps():
         spans = sorted((s, s + (n + 4095) // 4096 * 4096) for s, n in live.items())
         assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
         assert a.allocated == sum(e - s for s, e in spans)
-
-
-def test_chunks_stripe_round_robin():
-    assert plan_chunks(20, 8, 3, 1) == [(1, 0, 8), (2, 8, 8), (0, 16, 4)]
-    assert plan_chunks(0, 8, 2, 0) == [(0, 0, 0)]
 
 
 def test_striping_puts_chunks_on_every_root(tmp_path):

@@ -411,7 +411,7 @@ class ActivationOffloader:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
         try:
             fut = self._engine.write(rec.id, rec.bytes_view(), event)
-        except Exception as exc:  # could not even start (e.g. no space to reserve): keep it
+        except Exception as exc:  # could not even start (e.g. the memory pool is full): keep it
             self._inflight_bytes -= rec.nbytes
             self._fallback(rec, exc)
             return

@@ -7,33 +7,28 @@ Why these choices:
 - kvikio needs libcuda: on a machine without CUDA it cannot even be imported usefully, so
   ``OffloadConfig`` refuses ``engine='gds'`` there (via :func:`gds_unavailable_reason`, which
   imports neither kvikio nor CUDA state) instead of failing at the first write.
-- Extents start on 4 KiB boundaries (GDS's alignment); kvikio handles unaligned tails.
-- kvikio's own thread pool does the IO; our workers only wait for ``ready_event`` (a tensor's
-  producer kernel) before handing the buffer over, so the training thread never blocks.
+- The slab, placement and striping are the posix engine's (``slab.py``): extents start on
+  4 KiB boundaries (GDS's alignment); kvikio handles unaligned tails.
+- kvikio's own thread pool does the IO; our worker threads wait for ``ready_event`` (a tensor's
+  producer kernel), reserve the slab space and hand the buffer over, so the training thread
+  only places the chunks and queues the request.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Tuple
 
 import torch
 
 from ..config import OffloadConfig
-from .base import BusyMeter, EngineError, EngineUnavailable, IOEngine
-from .layout import (ALIGN, Extent, ExtentAllocator, Identity, align_up, expand_roots, make_rank_dirs,
-                     open_private, plan_chunks, remove_rank_dir)
-from .posix import SlabKeys
+from .base import EngineError, EngineUnavailable
+from .layout import Identity, remove_rank_dir
+from .slab import Request, Slab, SlabEngine
 
 log = logging.getLogger(__name__)
-
-SLAB_NAME = "slab.bin"
-GROW_BYTES = 256 << 20
 
 
 def gds_unavailable_reason() -> str:
@@ -58,45 +53,7 @@ def gds_unavailable_reason() -> str:
     return ""
 
 
-class _Slab:
-    def __init__(self, directory: str) -> None:
-        self.dir = directory
-        self.path = os.path.join(directory, SLAB_NAME)
-        self.alloc = ExtentAllocator(ALIGN)
-        self.lock = threading.Lock()
-        self.fd: Optional[int] = None
-        self.file = None  # kvikio.CuFile
-        self.reserved = 0
-
-    def ensure_open(self, kvikio) -> None:
-        if self.file is None:
-            try:
-                self.fd = open_private(self.path, os.O_RDWR)
-            except OSError as exc:
-                raise EngineError(f"cannot create {self.path}: {exc.strerror}") from exc
-            self.file = kvikio.CuFile(self.path, "r+")
-
-    def reserve(self, kvikio, end: int) -> None:
-        if end <= self.reserved:
-            return
-        self.ensure_open(kvikio)
-        new = max(end, self.reserved + GROW_BYTES)
-        os.posix_fallocate(self.fd, self.reserved, new - self.reserved)
-        self.reserved = new
-
-    def drop(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-            os.unlink(self.path)
-        self.alloc.reset()
-        self.reserved = 0
-
-
-class GdsEngine(SlabKeys, IOEngine):
+class GdsEngine(SlabEngine):
     """kvikio ``CuFile.pwrite/pread`` on slab files, striped over the roots. CUDA only."""
 
     name = "gds"
@@ -113,88 +70,29 @@ class GdsEngine(SlabKeys, IOEngine):
         import kvikio
 
         self._kvikio = kvikio
-        self.config = config
-        self.ident = ident or Identity.detect(config.job_id())
-        self.roots = expand_roots(config.dirs, self.ident)
-        self.rank_dirs: List[str] = make_rank_dirs(self.roots, self.ident)
-        self._slabs = [_Slab(d) for d in self.rank_dirs]
-        self._chunk = config.chunk_bytes
+        self._init_common(config, ident)
+        # kvikio opens the file itself (O_DIRECT where GDS or the filesystem allows it); our
+        # descriptor only reserves space.
+        self._open_slabs("off", on_open=self._open_cufile)
         self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-gds")
-        self._extents: Dict[int, List[Extent]] = {}
-        self._lock = threading.Lock()
-        self._next_root = 0
-        self._closed = False
-        self.write_meter = BusyMeter()
-        self.read_meter = BusyMeter()
-        self.step_peak_bytes: List[int] = [0] * len(self._slabs)
-        self.tracer: Optional[Callable[..., None]] = None
-        """Optional IO trace sink: tracer(op, key, path, offset, nbytes, t_submit, t_done,
-        queue_depth), called from a worker when each chunk completes."""
 
-    @property
-    def bytes_on_disk(self) -> int:
-        return sum(s.alloc.allocated for s in self._slabs)
+    def _open_cufile(self, slab: Slab) -> None:
+        slab.handle = self._kvikio.CuFile(slab.path, "r+")
 
     @property
     def page_cache_bypassed(self) -> bool:
         # GDS is direct; compat mode opens with O_DIRECT where the filesystem allows it.
         return True
 
-    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
-        self._check_open()
-        nbytes = data.numel()
-        with self._lock:
-            if key in self._extents:
-                raise EngineError(f"key {key} written twice")
-            first = self._next_root
-            self._next_root = (first + 1) % len(self._slabs)
-        chunks = plan_chunks(nbytes, self._chunk, len(self._slabs), first)
-        extents: List[Extent] = []
-        try:
-            for root, _start, length in chunks:
-                slab = self._slabs[root]
-                with slab.lock:
-                    offset = slab.alloc.allocate(length)
-                    extents.append(Extent(root, offset, length))
-                    slab.reserve(self._kvikio, offset + align_up(max(length, 1)))
-        except OSError as exc:
-            for e in extents:
-                self._slabs[e.root].alloc.free(e.offset, e.length)
-            raise EngineError(f"cannot reserve {nbytes} bytes: {exc.strerror or exc}") from exc
-        with self._lock:
-            self._extents[key] = extents
-        starts = [c[1] for c in chunks]
-        self.write_meter.begin()
-        fut = self._workers.submit(self._io, "write", key, data, extents, starts, ready_event)
-        fut.add_done_callback(lambda f: self.write_meter.end(nbytes))
-        return fut
-
-    def read(self, key: int, out: torch.Tensor) -> Future:
-        self._check_open()
-        with self._lock:
-            extents = self._extents.get(key)
-        if extents is None:
-            raise EngineError(f"read of unknown key {key}")
-        if out.numel() != sum(e.length for e in extents):
-            raise EngineError(f"read of key {key} into {out.numel()} bytes; "
-                              f"{sum(e.length for e in extents)} were written")
-        starts, pos = [], 0
-        for e in extents:
-            starts.append(pos)
-            pos += e.length
-        nbytes = out.numel()
-        self.read_meter.begin()
-        fut = self._workers.submit(self._io, "read", key, out, extents, starts, None)
-        fut.add_done_callback(lambda f: self.read_meter.end(nbytes))
-        return fut
+    def _enqueue(self, req: Request) -> None:
+        self._workers.submit(self._io, req)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._workers.shutdown(wait=True)
-        with self._lock:
-            self._extents.clear()
+        self._forget_all()
         for s in self._slabs:
             s.drop()
         for d in self.rank_dirs:
@@ -208,37 +106,58 @@ class GdsEngine(SlabKeys, IOEngine):
             remove_rank_dir(d)
         self.rank_dirs = []
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineError("engine is closed")
-
-    def _io(self, op: str, key: int, tensor: torch.Tensor, extents: List[Extent], starts: List[int],
-            ready_event) -> int:
-        t_submit = time.perf_counter()
-        if ready_event is not None:
-            ready_event.synchronize()
-        # kvikio takes CUDA tensors through __cuda_array_interface__, host ones as numpy.
-        buf = tensor if tensor.is_cuda else tensor.numpy()
+    def _io(self, req: Request) -> None:
+        """Worker thread: every chunk of ``req`` through kvikio at once, then wait for each."""
+        op = "write" if req.writing else "read"
+        try:
+            if req.ready_event is not None:
+                req.ready_event.synchronize()
+            # kvikio takes CUDA tensors through __cuda_array_interface__, host ones as numpy.
+            buf = req.tensor if req.tensor.is_cuda else req.tensor.numpy()
+        except BaseException as exc:  # noqa: BLE001 - surfaced through the Future
+            for i in range(len(req.extents)):
+                self._finish_chunk(req, i, EngineError(f"gds {op} of key {req.key} failed: {exc!r}"))
+            return
         pending = []
-        for ext, start in zip(extents, starts):
-            if not ext.length:
-                continue
+        for i, ext in enumerate(req.extents):
+            start = i * self._chunk
             slab = self._slabs[ext.root]
-            part = buf[start:start + ext.length]
-            call = slab.file.pwrite if op == "write" else slab.file.pread
-            pending.append((ext, slab, call(part, ext.length, ext.offset)))
-        total = 0
-        for ext, slab, fut in pending:
             try:
-                done = fut.get()
-            except Exception as exc:
-                raise EngineError(f"gds {op} of {ext.length} bytes at offset {ext.offset} of {slab.path} "
-                                  f"failed: {exc}") from exc
-            if done != ext.length:
-                raise EngineError(f"short gds {op} at offset {ext.offset} of {slab.path}: {done} of "
-                                  f"{ext.length} bytes")
-            total += done
-            if self.tracer is not None:
-                self.tracer(op, key, slab.path, ext.offset, ext.length, t_submit, time.perf_counter(),
-                            len(pending))
-        return total
+                if req.writing:
+                    slab.ensure_reserved(ext.offset + self._padded(ext.length))
+                elif slab.handle is None or ext.offset + ext.length > slab.reserved:
+                    raise EngineError(f"gds read of {ext.length} bytes from {slab.path} at offset "
+                                      f"{ext.offset}: past the reserved end of the slab")
+                if self.fault is not None:
+                    err = self.fault(op, slab.path, ext.offset)
+                    if err is not None:
+                        raise err
+                if not ext.length:
+                    pending.append((i, None))
+                    continue
+                call = slab.handle.pwrite if req.writing else slab.handle.pread
+                pending.append((i, call(buf[start:start + ext.length], ext.length, ext.offset)))
+            except BaseException as exc:  # noqa: BLE001 - surfaced through the Future
+                self._finish_chunk(req, i, _gds_error(op, ext.length, ext.offset, slab.path, exc))
+        for i, handle in pending:
+            ext = req.extents[i]
+            path = self._slabs[ext.root].path
+            exc: Optional[BaseException] = None
+            try:
+                done = handle.get() if handle is not None else 0
+                if done != ext.length:
+                    exc = EngineError(f"short gds {op} {'to' if req.writing else 'from'} {path} at offset "
+                                      f"{ext.offset}: {done} of {ext.length} bytes")
+            except BaseException as e:  # noqa: BLE001 - surfaced through the Future
+                exc = _gds_error(op, ext.length, ext.offset, path, e)
+            self._finish_chunk(req, i, exc)
+
+
+def _gds_error(op: str, length: int, offset: int, path: str, exc: BaseException) -> BaseException:
+    if isinstance(exc, EngineError):
+        return exc
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+    wrapped = EngineError(f"gds {op} of {length} bytes {'to' if op == 'write' else 'from'} {path} at offset "
+                          f"{offset} failed: {text}")
+    wrapped.__cause__ = exc
+    return wrapped

@@ -16,7 +16,7 @@ import socket
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 DIR_PREFIX = "ssdtrain."
 OWNER_FILE = "owner.json"
@@ -258,7 +258,7 @@ class ExtentAllocator:
             self.allocated = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Extent:
     """One chunk of a stored tensor: which root's slab, where, how long (unpadded)."""
 
@@ -266,17 +266,3 @@ class Extent:
     offset: int
     length: int
     crc: Optional[int] = None
-
-
-def plan_chunks(nbytes: int, chunk_bytes: int, n_roots: int, first_root: int) -> List[Tuple[int, int, int]]:
-    """Split ``nbytes`` into (root, start_in_tensor, length) chunks striped round-robin."""
-    chunks = []
-    pos, i = 0, 0
-    while pos < nbytes or (nbytes == 0 and not chunks):
-        length = min(chunk_bytes, nbytes - pos)
-        chunks.append(((first_root + i) % n_roots, pos, length))
-        pos += length
-        i += 1
-        if nbytes == 0:
-            break
-    return chunks
