@@ -18,9 +18,10 @@ Why these choices:
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -68,7 +69,13 @@ class MemoryEngine(IOEngine):
         self._alloc = ExtentAllocator(POOL_ALIGN)
         self._lock = threading.Lock()
         self._extents: Dict[int, Tuple[int, int]] = {}  # key -> (offset, nbytes)
-        self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-mem")
+        # Own threads, started now and fed through a SimpleQueue: a ThreadPoolExecutor would
+        # start its threads inside the first submit() calls, on the training thread.
+        self._requests: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"ssdtrain-mem-{i}", daemon=True)
+                         for i in range(config.io_threads)]
+        for t in self._workers:
+            t.start()
         self._closed = False
         self._queued = 0
         self.write_meter = BusyMeter()
@@ -131,8 +138,21 @@ class MemoryEngine(IOEngine):
             self._queued += 1
             depth = self._queued
         meter.begin()
-        return self._workers.submit(self._run, op, key, offset, nbytes, meter, depth,
-                                    time.perf_counter(), fn, args)
+        fut: Future = Future()
+        self._requests.put((fut, op, key, offset, nbytes, meter, depth, time.perf_counter(), fn, args))
+        return fut
+
+    def _work(self) -> None:
+        """Worker thread: run requests in order until the None that close() queues."""
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            fut, *rest = request
+            try:
+                fut.set_result(self._run(*rest))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's Future
+                fut.set_exception(exc)
 
     def _run(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, depth: int,
              t_submit: float, fn, args) -> int:
@@ -165,7 +185,10 @@ class MemoryEngine(IOEngine):
         if self._closed:
             return
         self._closed = True
-        self._workers.shutdown(wait=True)
+        for _ in self._workers:
+            self._requests.put(None)
+        for t in self._workers:
+            t.join()
         with self._lock:
             self._extents.clear()
             self._alloc.reset()
