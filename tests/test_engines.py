@@ -400,6 +400,31 @@ def test_a_full_disk_fails_the_write_future_and_keeps_nothing_once_released(open
     assert torch.equal(got, torch.ones(CHUNK, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("name", [_param(n) for n in ["posix", "aio", "gds-fake"]])
+def test_the_callers_thread_never_reserves_space_or_does_io(open_engine, name, monkeypatch):
+    """Handing a tensor over must not block the training thread on the disk: fallocate, the
+    writes and the reads all happen on the engine's threads."""
+    from ssdtrain_megatron.io import slab
+
+    monkeypatch.setattr(slab, "GROW_BYTES", CHUNK)  # so that every write needs a reservation
+    engine = open_engine(name)
+    caller = threading.get_ident()
+    calls = []
+    for mod, fn in ((os, "posix_fallocate"), (os, "pwrite"), (os, "preadv")):
+        real = getattr(mod, fn)
+
+        def spy(*args, _real=real, _fn=fn):
+            calls.append((_fn, threading.get_ident()))
+            return _real(*args)
+
+        monkeypatch.setattr(mod, fn, spy)
+    tensors = [torch.full((3 * CHUNK + k,), k, dtype=torch.uint8) for k in range(8)]
+    outs = _round_trip(engine, tensors)
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
+    assert ("posix_fallocate", caller) not in calls and any(c[0] == "posix_fallocate" for c in calls)
+    assert not [c for c in calls if c[1] == caller], calls
+
+
 @pytest.mark.parametrize("name", [_param(n) for n in STAGED])  # chunks on several threads
 def test_a_failed_chunk_fails_the_future_only_once_no_chunk_is_in_flight(open_engine, name):
     # The caller frees the extents of a failed write at once: a chunk still being written
