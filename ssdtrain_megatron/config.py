@@ -85,7 +85,8 @@ class OffloadConfig:
 
     checksum: bool = False
     """Store a CRC32 of every written chunk and verify it on read (posix, aio and the SSD
-    tier of tiered; refused with gds, which keeps no host copy to check)."""
+    tier of tiered; refused with gds, which keeps no host copy to check, and with memory,
+    which writes no file)."""
 
     stats_path: Optional[str] = None
     """When set, each step's StepStats is appended to this file as one JSON line. A path
@@ -209,6 +210,9 @@ class OffloadConfig:
         if self.engine == "gds" and self.checksum:
             _fail("checksum", self.checksum, "engine='gds' moves bytes between the GPU and the file "
                   "without a host copy to check them on; use engine='posix' or 'aio' for checksums")
+        if self.engine == "memory" and self.checksum:
+            _fail("checksum", self.checksum, "engine='memory' keeps tensors in host RAM and writes "
+                  "no file to check; drop checksum, or use engine='tiered' to check what spills to SSD")
         if self.engine == "gds":
             # Imported here, not at the top: the check needs torch, and kvikio is never imported.
             from .io.gds import gds_unavailable_reason

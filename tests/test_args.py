@@ -74,14 +74,14 @@ def test_nothing_given_is_the_default_config_and_offload_is_off():
 def test_flags_set_their_fields():
     args = _parser().parse_args([
         "--ssd-offload", "--ssd-offload-dir", "/mnt/nvme{local_rank}/a/{job}, /mnt/b",
-        "--ssd-offload-engine", "memory", "--ssd-offload-policy", "keep",
+        "--ssd-offload-engine", "tiered", "--ssd-offload-policy", "keep",
         "--ssd-offload-io-threads", "8", "--ssd-offload-chunk-bytes", "4MiB",
         "--ssd-offload-checksum", "--ssd-offload-io-timeout-s", "12.5",
         "--ssd-offload-recompute-fallback", "--ssd-offload-recompute-layers", "1,3-5",
         "--ssd-offload-job", "j42"])
     cfg = config_from_args(args)
     assert cfg.dirs == ["/mnt/nvme{local_rank}/a/{job}", "/mnt/b"]
-    assert (cfg.engine, cfg.policy, cfg.io_threads) == ("memory", "keep", 8)
+    assert (cfg.engine, cfg.policy, cfg.io_threads) == ("tiered", "keep", 8)
     assert cfg.chunk_bytes == 4 << 20
     assert cfg.checksum is True and cfg.io_timeout_s == 12.5
     assert cfg.recompute_fallback is True and cfg.recompute_layers == [1, 3, 4, 5]

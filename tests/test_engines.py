@@ -655,6 +655,12 @@ def test_gds_refuses_checksums_it_could_not_compute(monkeypatch):
         OffloadConfig(engine="gds", checksum=True)
 
 
+def test_memory_refuses_checksums_it_would_not_compute():
+    with pytest.raises(ConfigError, match=r"OffloadConfig.checksum=True.*engine='memory'.*engine='tiered'"):
+        OffloadConfig(engine="memory", host_memory_bytes=1 << 20, checksum=True)
+    assert OffloadConfig(engine="tiered", checksum=True).checksum
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("aio_block_bytes", 5000, "multiple of 4096"),
     ("aio_block_bytes", 0, "integer >= 4096"),
