@@ -623,6 +623,27 @@ def test_aio_availability_names_every_missing_piece(monkeypatch):
     assert not ok and "pip install deepspeed==0.19.8" in why
 
 
+def test_a_build_lock_left_by_a_killed_build_is_refused_not_waited_on(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from ssdtrain_megatron.io import aio_support
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = aio_support.build_lock_path()
+    assert lock == str(tmp_path / "async_io" / "lock")
+    aio_support.check_build_lock(lock)  # no lock: nothing to say
+    (tmp_path / "async_io" / "lock").touch()
+    caplog.set_level(logging.WARNING, logger="ssdtrain_megatron")
+    aio_support.check_build_lock(lock)  # a build is running: wait for it, and say so
+    assert any("another process is building" in r.getMessage() for r in caplog.records)
+    old = time.time() - 3600
+    for entry in (tmp_path / "async_io").iterdir():
+        os.utime(entry, (old, old))
+    os.utime(tmp_path / "async_io", (old, old))
+    with pytest.raises(EngineUnavailable, match=r"nothing in its directory has changed for 60 min.*rm .*async_io/lock"):
+        aio_support.check_build_lock(lock)
+
+
 def test_asking_whether_aio_can_run_neither_imports_deepspeed_nor_builds():
     code = ("import sys; from ssdtrain_megatron.io import engine_class; "
             "engine_class('aio').is_available(); engine_class('gds').is_available(); "

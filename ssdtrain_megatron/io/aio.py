@@ -1,7 +1,7 @@
 """The 'aio' engine: DeepSpeed DeepNVMe's ``aio_handle`` (libaio, O_DIRECT) on one slab per root.
 
 Why these choices:
-- The slab, placement, striping and request path are the posix engine's (``slab.py``): one
+- The slab, placement, striping and request path are the posix engine's (``slab_engine.py``): one
   preallocated O_DIRECT file per root, tensors cut into ``chunk_bytes`` chunks striped
   round-robin, space reserved by the IO threads. Only the system calls differ: each run of
   chunks is one ``aio_handle`` operation that DeepNVMe splits into ``aio_block_bytes`` libaio
@@ -47,7 +47,8 @@ from ..config import OffloadConfig
 from .base import EngineError
 from .layout import ALIGN, Identity, align_up, remove_rank_dir
 from .aio_support import aio_unavailable_reason, can_lock, check_aio_events, load_aio_op
-from .slab import ChunkQueue, Request, Run, SlabEngine, aligned_buffer
+from .requests import ChunkQueue, Request, Run
+from .slab_engine import SlabEngine, aligned_buffer
 
 __all__ = ["AioEngine", "aio_unavailable_reason", "load_aio_op"]
 

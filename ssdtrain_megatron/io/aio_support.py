@@ -6,7 +6,9 @@ these problems itself: it asserts (aborting the process) or fails silently inste
   and library, a C++ compiler, ninja, Python headers): it neither imports DeepSpeed nor starts
   the JIT build, so config validation and ``is_available()`` stay cheap.
 - :func:`load_aio_op` imports and, on first use on a machine, builds the op (minutes, cached
-  under ``TORCH_EXTENSIONS_DIR``).
+  under ``TORCH_EXTENSIONS_DIR``). torch serialises builds with a lock file that a killed
+  build leaves behind, after which every load waits forever: a lock whose directory has been
+  idle for ``STALE_BUILD_S`` is refused with the command that removes it.
 - :func:`can_lock` and :func:`check_aio_events` check the memlock limit and ``fs.aio-max-nr``,
   which DeepNVMe would otherwise meet with an ``assert``.
 """
@@ -24,7 +26,9 @@ import shlex
 import shutil
 import sys
 import sysconfig
-from typing import List, Tuple
+import threading
+import time
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -107,8 +111,13 @@ def load_aio_op():
     if why:
         raise EngineUnavailable(f"engine 'aio' cannot run here: {why}")
     log.info("loading DeepSpeed's async_io op (the first use on a machine compiles it: minutes)")
+    lock = build_lock_path()
+    check_build_lock(lock)
     from deepspeed.ops.op_builder import AsyncIOBuilder  # imports deepspeed: only here
 
+    done = threading.Event()
+    watch = threading.Thread(target=_watch_build_lock, args=(lock, done), daemon=True)
+    watch.start()
     try:
         # DeepSpeed keeps the loaded op per process, and checks the compiler and libaio (by
         # compiling a test program) only before the first load.
@@ -117,6 +126,67 @@ def load_aio_op():
     except Exception as exc:
         raise EngineUnavailable(f"engine 'aio' cannot run here: loading DeepSpeed's async_io op "
                                 f"failed: {exc}") from exc
+    finally:
+        done.set()
+
+
+# -- torch's build lock: a killed build leaves it behind, and every later load waits forever ---
+
+STALE_BUILD_S = 600.0  # no file of the build directory touched for this long: nobody is building
+
+
+def build_lock_path(name: str = "async_io") -> Optional[str]:
+    """The lock file torch's JIT build of ``name`` takes (None if torch's layout is unknown)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return os.path.join(_get_build_directory(name, False), "lock")
+    except Exception:  # noqa: BLE001 - a private torch helper; without it, no check
+        return None
+
+
+def _idle_seconds(directory: str) -> float:
+    """Seconds since anything in ``directory`` (the build's objects, logs, the lock) changed."""
+    newest = os.stat(directory).st_mtime
+    for entry in os.scandir(directory):
+        try:
+            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            continue
+    return time.time() - newest
+
+
+def _stale_text(lock: str, idle: float) -> str:
+    return (f"torch's build lock {lock} is held but nothing in its directory has changed for "
+            f"{idle / 60:.0f} min: a build of DeepSpeed's aio op was killed and left it behind, "
+            f"and every load waits for it forever. If no process is building it, remove it "
+            f"(rm {shlex.quote(lock)}) and retry")
+
+
+def check_build_lock(lock: Optional[str], stale_s: float = STALE_BUILD_S) -> None:
+    """Refuse to wait on a lock no build holds any more; say so when another build runs.
+
+    Raises:
+        EngineUnavailable: the lock exists and its directory has been idle for ``stale_s``.
+    """
+    if lock is None or not os.path.exists(lock):
+        return
+    idle = _idle_seconds(os.path.dirname(lock))
+    if idle >= stale_s:
+        raise EngineUnavailable(f"engine 'aio' cannot start: {_stale_text(lock, idle)}")
+    log.warning("another process is building DeepSpeed's aio op (lock %s); waiting for it", lock)
+
+
+def _watch_build_lock(lock: Optional[str], done: threading.Event, every_s: float = 60.0) -> None:
+    """While a load waits, say once a minute if the lock it waits on has gone stale."""
+    while lock is not None and not done.wait(every_s):
+        try:
+            if os.path.exists(lock):
+                idle = _idle_seconds(os.path.dirname(lock))
+                if idle >= STALE_BUILD_S:
+                    log.error("ssdtrain: still waiting: %s", _stale_text(lock, idle))
+        except OSError:
+            continue
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ Why these choices:
 - kvikio needs libcuda: on a machine without CUDA it cannot even be imported usefully, so
   ``OffloadConfig`` refuses ``engine='gds'`` there (via :func:`gds_unavailable_reason`, which
   imports neither kvikio nor CUDA state) instead of failing at the first write.
-- The slab, placement and striping are the posix engine's (``slab.py``): extents start on
+- The slab, placement and striping are the posix engine's (``slab_engine.py``): extents start on
   4 KiB boundaries (GDS's alignment); kvikio handles unaligned tails.
 - kvikio's own thread pool does the IO; our worker threads wait for ``ready_event`` (a tensor's
   producer kernel), reserve the slab space and hand the buffer over, so the training thread
@@ -26,7 +26,9 @@ import torch
 from ..config import OffloadConfig
 from .base import EngineError, EngineUnavailable
 from .layout import Identity, remove_rank_dir
-from .slab import Request, Slab, SlabEngine
+from .requests import Request
+from .slab import Slab
+from .slab_engine import SlabEngine
 
 log = logging.getLogger(__name__)
 

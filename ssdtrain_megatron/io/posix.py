@@ -5,7 +5,7 @@ Why these choices:
   read bandwidth a lie and would double the memory the activations occupy). Where a filesystem
   refuses O_DIRECT (tmpfs, some network filesystems) we fall back to buffered IO with
   ``POSIX_FADV_DONTNEED`` and say so once.
-- The slab, placement and request path are shared with the aio engine (see ``slab.py``): the
+- The slab, placement and request path are shared with the aio engine (see ``slab_engine.py``): the
   training thread only places chunks and queues one request per tensor; reserving space and
   all IO happen on ``io_threads`` worker threads.
 - Tensors are cut into ``chunk_bytes`` chunks striped round-robin over the roots; each worker
@@ -28,7 +28,8 @@ import torch
 from ..config import OffloadConfig
 from .base import EngineError
 from .layout import Identity, remove_rank_dir
-from .slab import ChunkQueue, Request, Run, SlabEngine, aligned_buffer
+from .requests import ChunkQueue, Request, Run
+from .slab_engine import SlabEngine, aligned_buffer
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,171 @@
+"""The path of a request through a disk engine's IO threads.
+
+Why these choices:
+- A request is one tensor. Its chunks are placed (``Placement``) by the first IO thread that
+  reaches it, in queue order, so tensors written one after another are contiguous in the slab
+  and the training thread pays for no arithmetic.
+- IO threads take a request a chunk at a time (``ChunkQueue``), so one large tensor keeps every
+  thread busy; chunks queued right behind each other that continue each other in a slab (small
+  tensors written one after another, or read back in reverse order, as backward does) become
+  one ``Run``: one system call.
+- A request's Future completes only when none of its chunks is in flight, even when one
+  failed: the caller may then free its extents or reuse its tensor at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+from .base import BusyMeter
+from .layout import Extent
+
+if TYPE_CHECKING:
+    from .slab_engine import SlabEngine
+
+class Placement:
+    """Where one stored tensor's chunks live: one extent per root (``allocs``: root, offset,
+    bytes) and the chunks in tensor order (``extents``). An IO thread fills it in when it
+    reaches the write, so the training thread does not pay for the arithmetic."""
+
+    __slots__ = ("nbytes", "allocs", "extents")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.allocs: List[Tuple[int, int, int]] = []
+        self.extents: Optional[List[Extent]] = None
+
+
+class Request:
+    """One tensor's write or read: its placement, and a Future completed when the last chunk is
+    done. The Future fails with the first chunk error, but only once no chunk is in flight.
+    Chunk i starts at byte ``i * chunk_bytes`` of the tensor."""
+
+    __slots__ = ("future", "key", "t_submit", "depth", "writing", "tensor", "placement", "owner",
+                 "ready_event", "meter", "next_chunk", "error", "_left", "_lock")
+
+    def __init__(self, owner: "SlabEngine", key: int, writing: bool, tensor: torch.Tensor,
+                 placement: Placement, n_chunks: int, ready_event: Optional[object], meter: BusyMeter,
+                 depth: int) -> None:
+        self.future: Future = Future()
+        self.owner = owner
+        self.key = key
+        self.t_submit = time.perf_counter()
+        self.depth = depth  # chunks queued or in flight when this request was made (for the trace)
+        self.writing = writing
+        self.tensor = tensor
+        self.placement = placement
+        self.ready_event = ready_event
+        self.meter = meter
+        self.next_chunk = 0  # guarded by the queue's lock
+        self.error: Optional[BaseException] = None
+        self._left = n_chunks
+        self._lock = threading.Lock()
+
+    @property
+    def extents(self) -> List[Extent]:
+        """The chunks, placing them first if no IO thread has yet (call from an IO thread)."""
+        if self.placement.extents is None:
+            self.owner._place(self.placement)
+        return self.placement.extents
+
+    def chunk_done(self, exc: Optional[BaseException]) -> None:
+        with self._lock:
+            if exc is not None and self.error is None:
+                self.error = exc
+            self._left -= 1
+            finished = self._left == 0
+        if finished:
+            nbytes = self.tensor.numel()
+            self.meter.end(nbytes)
+            if self.error is not None:
+                self.future.set_exception(self.error)
+            else:
+                self.future.set_result(nbytes)
+
+
+class ChunkQueue:
+    """Requests waiting for IO threads, which take one chunk (or a run of them) at a time.
+    One lock and one notify per tensor: cheap for the training thread."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._items: Deque[Request] = collections.deque()
+        self._closed = False
+
+    def put(self, req: Request) -> None:
+        # Wake one thread; each thread that takes a chunk wakes the next while chunks are
+        # left, so the futex wake-ups are not all paid by the training thread.
+        with self._cv:
+            self._items.append(req)
+            self._cv.notify()
+
+    def get_run(self, wait: bool, limit: int, padded: Callable[[int], int]
+                ) -> Optional[List[Tuple[Request, int]]]:
+        """The next chunk, plus the chunks queued right behind it that continue it in the same
+        slab (after its end, or before its start: reads come back in reverse order), in the
+        same direction, up to ``limit`` padded bytes. The run is in file order. None when
+        closed and drained, or, with ``wait=False``, when nothing is queued right now."""
+        with self._cv:
+            while wait and not self._items and not self._closed:
+                self._cv.wait()
+            if not self._items:
+                return None
+            run = collections.deque([self._pop()])
+            req0, i0 = run[0]
+            first = req0.extents[i0]
+            lo, hi = first.offset, first.offset + padded(first.length)
+            while self._items:
+                req = self._items[0]
+                ext = req.extents[req.next_chunk]
+                step = padded(ext.length)
+                if req.writing != req0.writing or ext.root != first.root or hi - lo + step > limit:
+                    break
+                if ext.offset == hi:
+                    run.append(self._pop())
+                    hi += step
+                elif ext.offset + step == lo:
+                    run.appendleft(self._pop())
+                    lo -= step
+                else:
+                    break
+            if self._items:
+                self._cv.notify()
+            return list(run)
+
+    def _pop(self) -> Tuple[Request, int]:
+        req = self._items[0]
+        i = req.next_chunk
+        req.next_chunk += 1
+        if req.next_chunk == len(req.extents):
+            self._items.popleft()
+        return req, i
+
+    def close(self) -> None:
+        """IO threads finish what is queued, then exit."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
+class Run:
+    """One system call's worth of IO: chunks contiguous in one slab, staged back to back in
+    ``buf`` (usually one chunk; several small ones when they were queued together)."""
+
+    __slots__ = ("parts", "buf", "root", "offset", "nbytes", "writing", "failed")
+
+    def __init__(self, parts: List[Tuple[Request, int]], buf: torch.Tensor, padded: Callable[[int], int]) -> None:
+        first = parts[0][0].extents[parts[0][1]]
+        last = parts[-1][0].extents[parts[-1][1]]
+        self.parts = parts
+        self.buf = buf
+        self.root = first.root
+        self.offset = first.offset
+        self.nbytes = last.offset + padded(last.length) - first.offset
+        self.writing = parts[0][0].writing
+        self.failed: Dict[int, BaseException] = {}  # part index -> its injected error (tests)

@@ -1,0 +1,281 @@
+"""What the disk engines (posix, aio, gds) share: keys, placement, staging and completion.
+
+Why these choices:
+- The training thread does only bookkeeping: ``write`` registers the key and queues one
+  request (``requests.py``). Everything else runs on the IO threads: placing the chunks, and
+  reserving disk space (``slab.py``) just before writing past a slab's reserved end. A full
+  disk therefore fails the write's Future (ENOSPC, naming the directory and its free space)
+  and the offloader keeps that tensor in memory, counted as a fallback.
+- Chunks are ``chunk_bytes`` long and striped round-robin over the roots (one per drive), a
+  tensor's first chunk on the next root in turn; each root holds its chunks of a tensor back
+  to back in one extent.
+- Staged engines (posix, aio) copy through page-aligned bounce buffers on the IO threads,
+  zero the padding that reaches the disk, and keep a CRC32 per chunk when ``checksum`` is on.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import threading
+import time
+import zlib
+from concurrent.futures import Future
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..config import OffloadConfig
+from .base import BusyMeter, EngineError, IOEngine
+from .layout import ALIGN, Extent, Identity, align_up, expand_roots, make_rank_dirs
+from .requests import Placement, Request, Run
+from .slab import Slab
+
+class SlabEngine(IOEngine):
+    """An engine that keeps tensors in per-root slabs: placement, keys, completion, staging.
+
+    Subclasses set up ``_slabs`` with :meth:`_open_slabs`, move :class:`Run` s with their own
+    system calls, and implement ``_enqueue`` (hand a request to their IO threads)."""
+
+    _align = ALIGN  # padding and offset alignment of every chunk
+
+    def _init_common(self, config: OffloadConfig, ident: Optional[Identity]) -> None:
+        self.config = config
+        self.ident = ident or Identity.detect(config.job_id())
+        self.roots = expand_roots(config.dirs, self.ident)
+        self.rank_dirs: List[str] = []
+        self._slabs: List[Slab] = []
+        self._chunk = config.chunk_bytes
+        self._checksum = config.checksum
+        self._placed: Dict[int, Placement] = {}  # key -> where its chunks are
+        self._lock = threading.Lock()
+        self._turn = itertools.count()  # which root a tensor's first chunk goes to
+        self._closed = False
+        self._queued = 0  # chunks queued or in flight (the trace's queue depth)
+        self.write_meter = BusyMeter()
+        self.read_meter = BusyMeter()
+        self.step_peak_bytes: List[int] = [0] * len(self.roots)
+        """Per root, the slab size the last step reached (the offloader checks free space
+        against it before the next step)."""
+        self.tracer: Optional[Callable[..., None]] = None
+        """Optional IO trace sink: tracer(op, key, path, offset, nbytes, t_submit, t_done,
+        queue_depth), called from an IO thread when each chunk completes."""
+        self.fault: Optional[Callable[[str, str, int], Optional[OSError]]] = None
+        """Test-only fault injection: called as fault(op, path, offset) before each request;
+        a returned OSError is raised as if the system call had failed."""
+
+    def _open_slabs(self, direct: str, on_open: Optional[Callable[[Slab], None]] = None) -> None:
+        self.rank_dirs = make_rank_dirs(self.roots, self.ident)
+        self._slabs = [Slab(d, direct, on_open) for d in self.rank_dirs]
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return sum(s.alloc.allocated for s in self._slabs)
+
+    @property
+    def page_cache_bypassed(self) -> bool:
+        return all(s.direct for s in self._slabs if s.fd is not None)
+
+    # -- the training thread's side ---------------------------------------------------------
+
+    def _padded(self, length: int) -> int:
+        return align_up(max(length, 1), self._align)
+
+    @abc.abstractmethod
+    def _enqueue(self, req: Request) -> None:
+        """Hand ``req`` to the IO threads."""
+
+    def _n_chunks(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self._chunk))
+
+    def _place(self, placement: Placement) -> None:
+        """IO thread (under the queue's lock, in queue order): cut the tensor into
+        ``chunk_bytes`` chunks striped round-robin over the roots, the first on the next root
+        in turn, and allocate one extent per root holding that root's chunks back to back."""
+        n_roots, chunk, nbytes = len(self._slabs), self._chunk, placement.nbytes
+        first = next(self._turn) % n_roots
+        n = self._n_chunks(nbytes)
+        last = nbytes - (n - 1) * chunk
+        full, tail = self._padded(chunk), self._padded(last)
+        allocs = []
+        for k in range(min(n_roots, n)):  # the k-th root in turn holds chunks k, k + n_roots, ...
+            count = (n - 1 - k) // n_roots + 1
+            size = (count - 1) * full + (tail if (n - 1) % n_roots == k else full)
+            root = (first + k) % n_roots
+            allocs.append((root, self._slabs[root].alloc.allocate(size), size))
+        extents = []
+        for i in range(n):
+            root, offset, _size = allocs[i % n_roots]
+            extents.append(Extent(root, offset + i // n_roots * full, chunk if i < n - 1 else last))
+        placement.allocs = allocs
+        placement.extents = extents
+
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+        """Register ``key`` and queue the request: all the training thread does."""
+        self._check_open()
+        placement = Placement(data.numel())
+        n = self._n_chunks(placement.nbytes)
+        with self._lock:
+            if key in self._placed:
+                raise EngineError(f"key {key} written twice")
+            self._placed[key] = placement
+            self._queued += n
+            depth = self._queued
+        self.write_meter.begin()
+        req = Request(self, key, True, data, placement, n, ready_event, self.write_meter, depth)
+        self._enqueue(req)
+        return req.future
+
+    def read(self, key: int, out: torch.Tensor) -> Future:
+        self._check_open()
+        with self._lock:
+            placement = self._placed.get(key)
+        if placement is None or placement.extents is None:
+            raise EngineError(f"read of unknown key {key}" if placement is None else
+                              f"read of key {key} before its write completed")
+        if out.numel() != placement.nbytes:
+            raise EngineError(f"read of key {key} into {out.numel()} bytes; {placement.nbytes} were written")
+        n = len(placement.extents)
+        with self._lock:
+            self._queued += n
+            depth = self._queued
+        self.read_meter.begin()
+        req = Request(self, key, False, out, placement, n, None, self.read_meter, depth)
+        self._enqueue(req)
+        return req.future
+
+    def release(self, key: int) -> None:
+        with self._lock:
+            placement = self._placed.pop(key, None)
+        for root, offset, size in placement.allocs if placement is not None else ():
+            self._slabs[root].alloc.free(offset, size)
+
+    def end_step(self) -> None:
+        """No key is live: remove the slab files, so nothing stays on disk between steps."""
+        with self._lock:
+            if self._placed:
+                return
+        # What this step needed per root (its slabs' high-water marks): the plan the
+        # offloader checks free space against before the next step.
+        self.step_peak_bytes = [s.alloc.size for s in self._slabs]
+        for s in self._slabs:
+            s.drop()
+
+    def _forget_all(self) -> None:
+        with self._lock:
+            self._placed.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("engine is closed")
+
+    # -- the IO threads' side ---------------------------------------------------------------
+
+    def _finished(self, op: Run, exc: Optional[BaseException]) -> None:
+        for j, (req, i) in enumerate(op.parts):
+            self._finish_chunk(req, i, exc or op.failed.get(j))
+
+    def _finish_chunk(self, req: Request, i: int, exc: Optional[BaseException]) -> None:
+        """A chunk is done (or failed): trace it, then count it towards its tensor's Future."""
+        with self._lock:
+            self._queued -= 1
+        tracer = self.tracer
+        if tracer is not None and exc is None and req.error is None:
+            ext = req.extents[i]
+            tracer("write" if req.writing else "read", req.key, self._slabs[ext.root].path,
+                   ext.offset, ext.length, req.t_submit, time.perf_counter(), req.depth)
+        req.chunk_done(exc)
+
+    def _guard(self, op: Run, step, *args) -> Optional[Run]:
+        """Run one step of ``op``; on failure complete its chunks with the error and return
+        None (the error reaches the caller through the tensors' Futures, never a log)."""
+        try:
+            step(*args)
+            return op
+        except BaseException as exc:  # noqa: BLE001 - surfaced through the Future
+            self._finished(op, as_engine_error(exc, f"{self.name} {step.__name__.strip('_')}"))
+            return None
+
+    def _inject(self, op: Run) -> None:
+        """Test hook (see ``fault``): a chunk whose call returns an error fails as if its own
+        system call had (the other chunks of a merged run go on)."""
+        if self.fault is None:
+            return
+        slab = self._slabs[op.root]
+        kind = "write" if op.writing else "read"
+        for j, (req, i) in enumerate(op.parts):
+            ext = req.extents[i]
+            err = self.fault(kind, slab.path, ext.offset)
+            if err is not None:
+                failed = EngineError(f"{self.name} {kind} of {self._padded(ext.length)} bytes "
+                                     f"{'to' if op.writing else 'from'} {slab.path} at offset "
+                                     f"{ext.offset} failed: {err.strerror or err}")
+                failed.__cause__ = err
+                op.failed[j] = failed
+
+    def _describe(self, op: Run) -> str:
+        slab = self._slabs[op.root]
+        return (f"{self.name} {'write' if op.writing else 'read'} of {op.nbytes} bytes "
+                f"{'to' if op.writing else 'from'} {slab.path} at offset {op.offset}")
+
+    def _fill(self, op: Run) -> None:
+        """Write side, before the IO: each chunk's bytes (and zeroed padding) into place."""
+        for req, i in op.parts:
+            ext = req.extents[i]
+            n, start = ext.length, i * self._chunk
+            stage = op.buf[ext.offset - op.offset:ext.offset - op.offset + self._padded(n)]
+            if req.error is not None:  # another chunk of this tensor failed: write zeros
+                stage.zero_()
+                continue
+            if req.ready_event is not None:
+                req.ready_event.synchronize()
+            if n:
+                stage[:n].copy_(req.tensor[start:start + n])
+            if stage.numel() > n:
+                stage[n:].zero_()  # the padding reaches the disk: never stale memory
+            if self._checksum:
+                ext.crc = zlib.crc32(stage[:n].numpy()) if n else 0
+
+    def _check_inside(self, op: Run) -> None:
+        """Read side, before the IO: the run lies inside the reserved (written) file."""
+        slab = self._slabs[op.root]
+        if slab.fd is None or op.offset + op.nbytes > slab.reserved:
+            raise EngineError(f"{self._describe(op)}: past the reserved end of the slab ({slab.reserved} bytes)")
+
+    def _drain(self, op: Run) -> None:
+        """Read side, after the IO: per chunk, verify the checksum, copy the bytes out, and
+        complete it (a bad chunk fails its own tensor only)."""
+        for j, (req, i) in enumerate(op.parts):
+            exc: Optional[BaseException] = op.failed.get(j)
+            try:
+                ext = req.extents[i]
+                n, start = ext.length, i * self._chunk
+                stage = op.buf[ext.offset - op.offset:ext.offset - op.offset + n]
+                if exc is None and req.error is None and self._checksum and n:
+                    crc = zlib.crc32(stage.numpy())
+                    if crc != ext.crc:
+                        raise EngineError(f"checksum mismatch reading {n} bytes from "
+                                          f"{self._slabs[ext.root].path} at offset {ext.offset}: "
+                                          f"stored crc32 {ext.crc:#010x}, read {crc:#010x}")
+                if exc is None and req.error is None and n:
+                    req.tensor[start:start + n].copy_(stage)
+            except BaseException as e:  # noqa: BLE001 - surfaced through the Future
+                exc = as_engine_error(e, f"{self.name} read")
+            self._finish_chunk(req, i, exc)
+
+
+def as_engine_error(exc: BaseException, what: str) -> BaseException:
+    if isinstance(exc, EngineError):
+        return exc
+    wrapped = EngineError(f"{what} failed: {exc!r}")
+    wrapped.__cause__ = exc
+    return wrapped
+
+
+def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` starting on a page boundary (O_DIRECT needs it)."""
+    raw = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes]
