@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import mmap
 import threading
 import time
 import zlib
@@ -275,7 +276,13 @@ def as_engine_error(exc: BaseException, what: str) -> BaseException:
 
 
 def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` starting on a page boundary (O_DIRECT needs it)."""
-    raw = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    """A uint8 tensor of ``nbytes`` starting on a page boundary (O_DIRECT needs it).
+
+    Host buffers are anonymous mmaps (the tensor keeps the mapping alive): in side-by-side runs
+    of 64 MiB reads, O_DIRECT into them was a few percent faster than into torch's allocator's
+    memory. ``pin`` (CUDA) takes page-locked memory from torch and aligns a view of it."""
+    if not pin:
+        return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+    raw = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip:skip + nbytes]
