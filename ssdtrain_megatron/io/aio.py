@@ -45,7 +45,7 @@ import torch
 
 from ..config import OffloadConfig
 from .base import EngineError
-from .layout import ALIGN, Identity, align_up, remove_rank_dir
+from .layout import ALIGN, Identity, align_up
 from .aio_support import aio_unavailable_reason, can_lock, check_aio_events, load_aio_op
 from .requests import ChunkQueue, Request, Run
 from .slab_engine import SlabEngine, aligned_buffer
@@ -172,9 +172,7 @@ class AioEngine(SlabEngine):
         self._closed = True
         self._writes.close()
         self._reads.close()
-        for d in self.rank_dirs:
-            remove_rank_dir(d)
-        self.rank_dirs = []
+        self._remove_files(drop_slabs=False)
 
     def _shutdown(self) -> None:
         self._closed = True
@@ -204,11 +202,7 @@ class AioEngine(SlabEngine):
             lane.handle = None  # destroys the handle: its threads stop (no op is pending)
         self._write_lanes, self._read_lanes = [], []
         self._forget_all()
-        for s in self._slabs:
-            s.drop()
-        for d in self.rank_dirs:
-            remove_rank_dir(d)
-        self.rank_dirs = []
+        self._remove_files(drop_slabs=True)
 
     # -- lanes ------------------------------------------------------------------------------
 

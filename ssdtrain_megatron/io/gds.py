@@ -25,7 +25,7 @@ import torch
 
 from ..config import OffloadConfig
 from .base import EngineError, EngineUnavailable
-from .layout import Identity, remove_rank_dir
+from .layout import Identity
 from .requests import Request
 from .slab import Slab
 from .slab_engine import SlabEngine
@@ -95,18 +95,13 @@ class GdsEngine(SlabEngine):
         self._closed = True
         self._workers.shutdown(wait=True)
         self._forget_all()
-        for s in self._slabs:
-            s.drop()
-        for d in self.rank_dirs:
-            remove_rank_dir(d)
+        self._remove_files(drop_slabs=True)
 
     def remove_files(self) -> None:
         """Signal/exit path: take the files out of the namespace now, wait for nothing."""
         self._closed = True
         self._workers.shutdown(wait=False, cancel_futures=True)
-        for d in self.rank_dirs:
-            remove_rank_dir(d)
-        self.rank_dirs = []
+        self._remove_files(drop_slabs=False)
 
     def _io(self, req: Request) -> None:
         """Worker thread: every chunk of ``req`` through kvikio at once, then wait for each."""

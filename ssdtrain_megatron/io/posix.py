@@ -27,7 +27,7 @@ import torch
 
 from ..config import OffloadConfig
 from .base import EngineError
-from .layout import Identity, remove_rank_dir
+from .layout import Identity
 from .requests import ChunkQueue, Request, Run
 from .slab_engine import SlabEngine, aligned_buffer
 
@@ -67,24 +67,19 @@ class PosixEngine(SlabEngine):
         for t in self._workers:
             t.join(max(0.0, deadline - time.monotonic()))
         stuck = sum(t.is_alive() for t in self._workers)
-        self._forget_all()
         if stuck:
             # Those workers still use the slab fds and their buffers: leave both to the
             # process's exit, but take the files out of the namespace now.
             log.error("ssdtrain: closing with %d IO threads still running a request after %gs; removing "
                       "the files, leaving their descriptors open", stuck, self.config.io_timeout_s)
-        else:
-            for s in self._slabs:
-                s.drop()
-        for d in self.rank_dirs:
-            remove_rank_dir(d)
+        self._forget_all()
+        self._remove_files(drop_slabs=not stuck)
 
     def remove_files(self) -> None:
         self._closed = True
         self._cancelled = True
         self._queue.close()
-        for d in self.rank_dirs:
-            remove_rank_dir(d)
+        self._remove_files(drop_slabs=False)
 
     # -- workers ----------------------------------------------------------------------------
 

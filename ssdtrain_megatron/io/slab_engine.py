@@ -28,7 +28,7 @@ import torch
 
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine
-from .layout import ALIGN, Extent, Identity, align_up, expand_roots, make_rank_dirs
+from .layout import ALIGN, Extent, Identity, align_up, expand_roots, make_rank_dirs, remove_rank_dir
 from .requests import Placement, Request, Run
 from .slab import Slab
 
@@ -167,6 +167,15 @@ class SlabEngine(IOEngine):
     def _forget_all(self) -> None:
         with self._lock:
             self._placed.clear()
+
+    def _remove_files(self, drop_slabs: bool) -> None:
+        """Take this engine's files away: the slabs (only when no IO thread may still use
+        their descriptors) and the rank directories."""
+        if drop_slabs:
+            for s in self._slabs:
+                s.drop()
+        for d in self.rank_dirs:
+            remove_rank_dir(d)  # a no-op for a directory already gone
 
     def _check_open(self) -> None:
         if self._closed:
