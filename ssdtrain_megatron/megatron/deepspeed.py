@@ -40,6 +40,7 @@ from ..config import ConfigError, OffloadConfig
 from .ds_checkpoint import (DEFAULT_LAYER_CLASSES, DeepSpeedCheckpointSettings, LayerScopes,
                             offloading_checkpoint_function)
 from .ds_pipeline import EngineHooks
+from . import patching
 from .patching import Patcher
 
 log = logging.getLogger(__name__)
@@ -54,15 +55,13 @@ class UnsupportedDeepSpeedVersion(RuntimeError):
     """DeepSpeed is missing, or lacks a function or attribute the patches need."""
 
 
-class Installation:
-    """One install(): the offloader, the patches, and the hooks' state."""
+class Installation(patching.Installation):
+    """One install(): the offloader, the patches, the hooks' state, and the engines'
+    instruction maps wrapped so far."""
 
     def __init__(self, offloader, patcher: Patcher, scopes: LayerScopes, hooks: EngineHooks,
                  settings: DeepSpeedCheckpointSettings) -> None:
-        self.offloader = offloader
-        self.patcher = patcher
-        self.scopes = scopes
-        self.pipeline = hooks
+        super().__init__(offloader, patcher, scopes, hooks)
         self.checkpoint_settings = settings
         self._maps: List[type] = []
 
@@ -230,15 +229,9 @@ def uninstall(close: bool = True) -> None:
     """Restore every patched DeepSpeed attribute (and layer class); close the offloader unless
     ``close`` is False (closing removes every file it wrote). A no-op when nothing is installed."""
     global _INSTALLED
-    inst = _INSTALLED
-    if inst is None:
-        return
-    _INSTALLED = None
-    inst.pipeline.active = False
-    inst.scopes.recording = False
-    inst.patcher.restore()
-    if close:
-        inst.offloader.close()
+    inst, _INSTALLED = _INSTALLED, None
+    if inst is not None:
+        inst.undo(close)
 
 
 # -- helpers ---------------------------------------------------------------------------------

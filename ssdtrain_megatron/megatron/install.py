@@ -24,7 +24,7 @@ import logging
 from typing import Callable, Optional
 
 from ..config import OffloadConfig
-from .patching import Patcher
+from .patching import Installation, Patcher
 from .pipeline import INTERLEAVED, NO_PIPELINING, ONE_F_ONE_B, PipelineHooks
 from .scopes import LayerScopes
 
@@ -36,17 +36,6 @@ SUPPORTED_MEGATRON_CORE = ("0.16",)
 
 class UnsupportedMegatronVersion(RuntimeError):
     """The installed megatron-core is not one the patches were written and tested against."""
-
-
-class Installation:
-    """One install(): the offloader, the patches, and the hooks' state."""
-
-    def __init__(self, offloader, patcher: Patcher, scopes: LayerScopes,
-                 pipeline: PipelineHooks) -> None:
-        self.offloader = offloader
-        self.patcher = patcher
-        self.scopes = scopes
-        self.pipeline = pipeline
 
 
 _INSTALLED: Optional[Installation] = None
@@ -174,15 +163,9 @@ def uninstall(close: bool = True) -> None:
     """Restore every patched megatron-core attribute; close the offloader unless ``close`` is
     False (closing removes every file it wrote). A no-op when nothing is installed."""
     global _INSTALLED
-    inst = _INSTALLED
-    if inst is None:
-        return
-    _INSTALLED = None
-    inst.pipeline.active = False
-    inst.scopes.recording = False
-    inst.patcher.restore()
-    if close:
-        inst.offloader.close()
+    inst, _INSTALLED = _INSTALLED, None
+    if inst is not None:
+        inst.undo(close)
 
 
 def _function(hook: Callable, original: Callable) -> Callable:

@@ -29,6 +29,26 @@ class _Patch:
     replacement: Any
 
 
+class Installation:
+    """One install(): the offloader, the patches, and the hooks' state (``scopes`` with a
+    ``recording`` flag, ``pipeline`` with an ``active`` flag)."""
+
+    def __init__(self, offloader, patcher: "Patcher", scopes: Any, pipeline: Any) -> None:
+        self.offloader = offloader
+        self.patcher = patcher
+        self.scopes = scopes
+        self.pipeline = pipeline
+
+    def undo(self, close: bool) -> None:
+        """Stop the hooks (anything still holding a wrapper runs the original), put every
+        patched attribute back, and close the offloader unless ``close`` is False."""
+        self.pipeline.active = False
+        self.scopes.recording = False
+        self.patcher.restore()
+        if close:
+            self.offloader.close()
+
+
 class Patcher:
     """Applies attribute patches and restores them in reverse order."""
 
