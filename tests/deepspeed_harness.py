@@ -33,18 +33,14 @@ import json
 import logging
 import math
 import os
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_HERE)
+from ranks import run_ranks
 
 
 @dataclass
@@ -191,53 +187,10 @@ class TensorParallelGroup:
 # -- parent side --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(spec: Spec, workdir: str) -> List[Dict[str, Any]]:
     """Run every phase of ``spec``; the result of each rank, ordered by rank."""
-    os.makedirs(workdir, exist_ok=True)
-    spec_path = os.path.join(workdir, "spec.json")
-    with open(spec_path, "w") as f:
-        f.write(spec.to_json())
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(spec.world_size):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                   DS_ACCELERATOR=spec.device, PYTHONWARNINGS="ignore")
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_REPO, _HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", "import deepspeed_harness as h; h._worker_main()", spec_path,
-             workdir], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO))
-    deadline = time.monotonic() + spec.timeout_s
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for log in logs:
-            log.close()
-    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        failed = [r for r in bad if procs[r].returncode > 0] or bad  # not the ones we killed
-        with open(os.path.join(workdir, f"rank{failed[0]}.log")) as f:
-            tail = f.read()[-6000:]
-        raise RuntimeError(f"deepspeed harness: rank {failed[0]} exited "
-                           f"{procs[failed[0]].returncode}; its log:\n{tail}")
-    return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False)
-            for r in range(spec.world_size)]
+    return run_ranks("deepspeed_harness", spec.to_json(), spec.world_size, spec.timeout_s, workdir,
+                     extra_env={"DS_ACCELERATOR": spec.device})
 
 
 # -- worker side --------------------------------------------------------------------------------

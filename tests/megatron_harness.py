@@ -25,17 +25,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_HERE)
+from ranks import run_ranks
 
 
 @dataclass
@@ -154,12 +150,6 @@ LAYOUTS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_layout(spec: LayoutSpec, workdir: str, in_process: Optional[bool] = None
                ) -> List[RankResult]:
     """Run every phase of ``spec``; return the results of all ranks, ordered by rank."""
@@ -188,55 +178,7 @@ def _run_in_this_process(spec: LayoutSpec, workdir: str) -> RankResult:
 
 
 def _run_processes(spec: LayoutSpec, workdir: str) -> List[RankResult]:
-    spec_path = os.path.join(workdir, "spec.json")
-    with open(spec_path, "w") as f:
-        f.write(spec.to_json())
-    port = _free_port()
-    procs = []
-    logs = []
-    for rank in range(spec.world_size):
-        env = dict(os.environ)
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(rank),
-                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_REPO, _HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", "import megatron_harness as h; h._worker_main()",
-             spec_path, workdir],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=_REPO))
-    deadline = time.monotonic() + spec.timeout_s
-    failed = None
-    try:
-        while any(p.poll() is None for p in procs):
-            if failed is None:
-                for rank, p in enumerate(procs):
-                    if p.poll() not in (None, 0):
-                        failed = rank
-            if failed is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        for rank, p in enumerate(procs):
-            if p.poll() not in (None, 0) and failed is None:
-                failed = rank
-    finally:
-        timed_out = any(p.poll() is None for p in procs)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for log in logs:
-            log.close()
-    if failed is not None or timed_out:
-        which = failed if failed is not None else 0
-        with open(os.path.join(workdir, f"rank{which}.log")) as f:
-            tail = f.read()[-6000:]
-        reason = "timed out" if failed is None else f"rank {which} exited {procs[which].returncode}"
-        raise RuntimeError(f"megatron harness run {reason}; log of rank {which}:\n{tail}")
-    return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False)
-            for r in range(spec.world_size)]
+    return run_ranks("megatron_harness", spec.to_json(), spec.world_size, spec.timeout_s, workdir)
 
 
 # ----------------------------------------------------------------------------------------------
