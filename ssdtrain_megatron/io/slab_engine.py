@@ -124,26 +124,25 @@ class SlabEngine(IOEngine):
             self._placed[key] = placement
             self._queued += n
             depth = self._queued
-        self.write_meter.begin()
-        req = Request(self, key, True, data, placement, n, ready_event, self.write_meter, depth)
-        self._enqueue(req)
-        return req.future
+        return self._start(Request(self, key, True, data, placement, n, ready_event, self.write_meter, depth))
 
     def read(self, key: int, out: torch.Tensor) -> Future:
         self._check_open()
         with self._lock:
             placement = self._placed.get(key)
-        if placement is None or placement.extents is None:
-            raise EngineError(f"read of unknown key {key}" if placement is None else
-                              f"read of key {key} before its write completed")
-        if out.numel() != placement.nbytes:
-            raise EngineError(f"read of key {key} into {out.numel()} bytes; {placement.nbytes} were written")
-        n = len(placement.extents)
-        with self._lock:
+            if placement is None or placement.extents is None:
+                raise EngineError(f"read of unknown key {key}" if placement is None else
+                                  f"read of key {key} before its write completed")
+            if out.numel() != placement.nbytes:
+                raise EngineError(f"read of key {key} into {out.numel()} bytes; "
+                                  f"{placement.nbytes} were written")
+            n = len(placement.extents)
             self._queued += n
             depth = self._queued
-        self.read_meter.begin()
-        req = Request(self, key, False, out, placement, n, None, self.read_meter, depth)
+        return self._start(Request(self, key, False, out, placement, n, None, self.read_meter, depth))
+
+    def _start(self, req: Request) -> Future:
+        req.meter.begin()
         self._enqueue(req)
         return req.future
 
