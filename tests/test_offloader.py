@@ -163,6 +163,7 @@ def test_directory_and_file_modes(offload_dir):
     with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
         with off.microbatch(0):
             out = lin(torch.randn(64, 256)).sin()
+        off.wait_writes()  # the IO threads create the slab when they write to it
         (rank_dir,) = off.rank_dirs
         assert os.path.dirname(rank_dir) == str(offload_dir)
         assert stat.S_IMODE(os.stat(rank_dir).st_mode) == 0o700
