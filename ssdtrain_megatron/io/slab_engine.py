@@ -32,6 +32,7 @@ from .layout import ALIGN, Extent, Identity, align_up, expand_roots, make_rank_d
 from .requests import Placement, Request, Run
 from .slab import Slab
 
+
 class SlabEngine(IOEngine):
     """An engine that keeps tensors in per-root slabs: placement, keys, completion, staging.
 
