@@ -223,6 +223,7 @@ class AioEngine(SlabEngine):
                 continue
             buf = lane.buffers[1] if inflight is not None and inflight.buf is lane.buffers[0] else lane.buffers[0]
             nxt: Optional[Run] = Run(parts, buf, self._padded)
+            parts = buf = None  # nothing of a finished run may stay bound while the lane waits
             if writing:
                 nxt = self._guard(nxt, self._fill, nxt)
                 if inflight is not None:
@@ -235,6 +236,7 @@ class AioEngine(SlabEngine):
                 if inflight is not None:
                     self._drain(inflight)
                 inflight = nxt
+            nxt = None
 
     def _settle(self, lane: _Lane, op: Run) -> None:
         """Wait for ``op``; finish it (copy out for a read); complete its chunks."""

@@ -84,13 +84,16 @@ class PosixEngine(SlabEngine):
     # -- workers ----------------------------------------------------------------------------
 
     def _work(self, buf: torch.Tensor) -> None:
-        """Worker thread: take runs of chunks until the queue is closed and drained."""
+        """Worker thread: take runs of chunks until the queue is closed and drained. Nothing of
+        a finished run stays bound while the thread waits for the next one (a worker must not
+        keep the last tensor it handled alive)."""
         view = memoryview(buf.numpy())
         while True:
             parts = self._queue.get_run(True, self._chunk, self._padded)
             if parts is None:
                 return
             op = Run(parts, buf, self._padded)
+            parts = None
             if self._cancelled:
                 self._finished(op, EngineError(f"{self._describe(op)} cancelled: the engine's files were removed"))
             elif op.writing:
@@ -98,6 +101,7 @@ class PosixEngine(SlabEngine):
                     self._finished(op, None)
             elif self._guard(op, self._pread, op, view):
                 self._drain(op)
+            op = None
 
     def _pwrite(self, op: Run, view: memoryview) -> None:
         slab = self._slabs[op.root]

@@ -42,23 +42,26 @@ class Placement:
 
 
 class Request:
-    """One tensor's write or read: its placement, and a Future completed when the last chunk is
-    done. The Future fails with the first chunk error, but only once no chunk is in flight.
-    Chunk i starts at byte ``i * chunk_bytes`` of the tensor."""
+    """One tensor's write or read: its placement, and its completion once the last chunk is
+    done: a Future, or an item on the engine's ``completions`` queue. It fails with the first
+    chunk error, but only once no chunk is in flight. Chunk i starts at byte
+    ``i * chunk_bytes`` of the tensor."""
 
-    __slots__ = ("future", "key", "t_submit", "depth", "writing", "tensor", "placement", "owner",
-                 "ready_event", "meter", "next_chunk", "error", "_left", "_lock")
+    __slots__ = ("future", "key", "t_submit", "depth", "writing", "tensor", "nbytes", "placement",
+                 "owner", "ready_event", "meter", "next_chunk", "error", "completions", "_left", "_lock")
 
     def __init__(self, owner: "SlabEngine", key: int, writing: bool, tensor: torch.Tensor,
                  placement: Placement, n_chunks: int, ready_event: Optional[object], meter: BusyMeter,
                  depth: int) -> None:
-        self.future: Future = Future()
+        self.completions = owner.completions
+        self.future: Optional[Future] = Future() if self.completions is None else None
         self.owner = owner
         self.key = key
         self.t_submit = time.perf_counter()
         self.depth = depth  # chunks queued or in flight when this request was made (for the trace)
         self.writing = writing
-        self.tensor = tensor
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.nbytes = tensor.numel()
         self.placement = placement
         self.ready_event = ready_event
         self.meter = meter
@@ -81,12 +84,16 @@ class Request:
             self._left -= 1
             finished = self._left == 0
         if finished:
-            nbytes = self.tensor.numel()
-            self.meter.end(nbytes)
-            if self.error is not None:
+            # Drop the tensor (and the event) before anyone learns the request is done: the
+            # caller may free the tensor at once, and an IO thread must not keep it alive.
+            self.tensor = self.ready_event = None
+            self.meter.end(self.nbytes)
+            if self.completions is not None:
+                self.completions.put((self.key, self.error))
+            elif self.error is not None:
                 self.future.set_exception(self.error)
             else:
-                self.future.set_result(nbytes)
+                self.future.set_result(self.nbytes)
 
 
 class ChunkQueue:

@@ -114,7 +114,7 @@ class SlabEngine(IOEngine):
         placement.allocs = allocs
         placement.extents = extents
 
-    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         """Register ``key`` and queue the request: all the training thread does."""
         self._check_open()
         placement = Placement(data.numel())
@@ -127,7 +127,7 @@ class SlabEngine(IOEngine):
             depth = self._queued
         return self._start(Request(self, key, True, data, placement, n, ready_event, self.write_meter, depth))
 
-    def read(self, key: int, out: torch.Tensor) -> Future:
+    def read(self, key: int, out: torch.Tensor) -> Optional[Future]:
         self._check_open()
         with self._lock:
             placement = self._placed.get(key)
@@ -142,7 +142,7 @@ class SlabEngine(IOEngine):
             depth = self._queued
         return self._start(Request(self, key, False, out, placement, n, None, self.read_meter, depth))
 
-    def _start(self, req: Request) -> Future:
+    def _start(self, req: Request) -> Optional[Future]:
         req.meter.begin()
         self._enqueue(req)
         return req.future
