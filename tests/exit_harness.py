@@ -24,7 +24,7 @@ def _worker_main() -> None:
     from megatron_harness import LayoutSpec, build_model, make_batches, make_config, _causal_mask
 
     mode, workdir = sys.argv[1], sys.argv[2]
-    spec = LayoutSpec(pp=2, iterations=3)
+    spec = LayoutSpec(pp=2, iterations=3, hidden_size=64, ffn_hidden_size=256, seq_length=64)
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
@@ -34,7 +34,7 @@ def _worker_main() -> None:
     from ssdtrain_megatron import OffloadConfig
     from ssdtrain_megatron.megatron import install, uninstall
 
-    offloader = install(OffloadConfig(dirs=[os.path.join(workdir, "offload")], io_threads=2))
+    offloader = install(OffloadConfig(dirs=[os.path.join(workdir, "offload")], min_tensor_bytes=4096))
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

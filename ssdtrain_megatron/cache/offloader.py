@@ -499,6 +499,10 @@ class ActivationOffloader:
             self._inflight_bytes -= rec.nbytes
             self._fallback(rec, exc)
             return
+        except BaseException:  # an engine bug: the caller sees it; the tensor stays usable
+            self._inflight_bytes -= rec.nbytes
+            self._move(rec, State.KEPT)
+            raise
         if fut is not None:  # an engine without ``completions``
             fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
 

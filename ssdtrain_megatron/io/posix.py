@@ -29,7 +29,7 @@ from ..config import OffloadConfig
 from .base import EngineError
 from .layout import Identity
 from .requests import ChunkQueue, Request, Run
-from .slab_engine import SlabEngine, aligned_buffer
+from .slab_engine import SlabEngine, aligned_buffer, join_before_exit
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class PosixEngine(SlabEngine):
         self._cancelled = True
         self._queue.close()
         self._remove_files(drop_slabs=False)
+        join_before_exit(self._workers, self.config.io_timeout_s)
 
     # -- workers ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import logging
 import mmap
 import threading
 import time
@@ -282,6 +283,30 @@ def as_engine_error(exc: BaseException, what: str) -> BaseException:
     wrapped = EngineError(f"{what} failed: {exc!r}")
     wrapped.__cause__ = exc
     return wrapped
+
+
+EXIT_JOIN_S = 10.0
+"""At most this long (and at most io_timeout_s) the exit path waits for IO threads to leave."""
+
+
+def join_before_exit(threads: List[threading.Thread], io_timeout_s: float) -> None:
+    """Exit/signal path, after the engine's queues were closed: wait (briefly) for its IO
+    threads to leave.
+
+    Why: a daemon thread that is still running, or still inside torch (a copy releases the
+    GIL), when the interpreter finalizes is stopped with ``pthread_exit`` as it takes the GIL
+    back; unwinding through torch's C++ frames that way ends in ``std::terminate``
+    ("terminate called without an active exception", SIGABRT) instead of the job's own exit
+    status. Threads that are done when finalization starts cannot do that. A thread stuck on a
+    dead drive is left behind after the deadline (and logged)."""
+    deadline = time.monotonic() + min(EXIT_JOIN_S, io_timeout_s)
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+    stuck = sum(t.is_alive() for t in threads)
+    if stuck:
+        logging.getLogger(__name__).error(
+            "ssdtrain: exiting with %d IO threads still inside a request", stuck)
 
 
 def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
