@@ -16,10 +16,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ssdtrain_megatron import ActivationOffloader
 from ssdtrain_megatron.cache.record import TensorRecord
 from ssdtrain_megatron.io.memory import PoolFull
-from tests.test_engines import ALL, _param, open_engine  # noqa: F401 - the fixture
+import tests.test_engines as engine_suite
+from tests.test_engines import ALL, _param
 from tests.test_offloader import cfg, files_under
 
 MIB16 = 16 << 20
+open_engine = engine_suite.open_engine  # the engine suite's fixture
 
 
 def _gone(ref: StorageWeakRef, poll=None) -> bool:
