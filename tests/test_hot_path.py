@@ -178,3 +178,60 @@ def test_a_tensor_forwarded_while_its_write_is_in_flight_counts_once(offload_dir
     assert st.tensors_offloaded >= 2
     assert st.tensors_forwarded == st.tensors_offloaded, st
     assert st.bytes_read == 0
+
+
+# -- reads before writes; writes of released tensors are cancelled ----------------------------
+
+
+class HeldWrites:
+    """Holds the IO thread inside the first write after ``hold()`` until ``release()``."""
+
+    def __init__(self) -> None:
+        self.held, self.entered, self.go = False, threading.Event(), threading.Event()
+
+    def __call__(self, op, path, offset):
+        if op == "write" and self.held and not self.go.is_set():
+            self.entered.set()
+            self.go.wait(60)
+        return None
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in ("posix", "aio")])
+def test_a_read_never_waits_behind_queued_writes(open_engine, name):
+    import queue
+
+    engine = open_engine(name, io_threads=1)
+    done = engine.completions = queue.SimpleQueue()
+    gate = engine.fault = HeldWrites()
+    data = torch.randint(0, 256, (4 * 4096,), dtype=torch.uint8)
+    engine.write(0, data)
+    assert done.get(timeout=30) == (0, None)
+    gate.held = True
+    for key in (1, 2, 3):  # 1 holds the only write thread; 2 and 3 wait in the queue
+        engine.write(key, data.clone())
+    assert gate.entered.wait(30)
+    out = torch.empty_like(data)
+    engine.read(0, out)
+    gate.go.set()
+    order = [done.get(timeout=30) for _ in range(4)]
+    assert all(exc is None for _, exc in order), order
+    keys = [k for k, _ in order]
+    assert keys.index(0) < keys.index(2) and keys.index(0) < keys.index(3), keys
+    assert torch.equal(out, data)
+
+
+def test_a_queued_write_of_a_released_tensor_is_cancelled(offload_dir):
+    lin = nn.Linear(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, io_threads=1)) as off:
+        gate = off.engine.fault = HeldWrites()
+        gate.held = True
+        with off.microbatch(0):
+            outs = [lin(torch.randn(64, 256)).sin() for _ in range(3)]  # 6 saved tensors
+        assert gate.entered.wait(30)  # the first write holds the only IO thread
+        del outs  # no backward: every record is released, most writes still queued
+        off.poll()
+        gate.go.set()
+        st = off.end_step()
+    assert st.tensors_offloaded == 1, st  # the write that had started; the others cancelled
+    assert st.bytes_offloaded == 64 * 256 * 4 and st.bytes_on_disk == 0 and st.fallbacks == 0
+    assert files_under(offload_dir) == []

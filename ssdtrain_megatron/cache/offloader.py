@@ -642,13 +642,18 @@ class ActivationOffloader:
         if s == State.RELEASED:
             return
         if s in IN_FLIGHT and not force:
-            # IO in flight on its extent and memory: free both when it completes.
+            # IO in flight on its extent and memory: free both when it completes, unless it
+            # is a write no IO thread has started, which is taken back now.
             if s in WRITES:
                 if s != State.WRITE_DROPPED:
                     self._move(rec, State.WRITE_DROPPED)
-            elif s != State.READ_DROPPED:
-                self._move(rec, State.READ_DROPPED)
-            return
+                if not self._engine.cancel(rec.id):
+                    return
+                self._inflight_bytes -= rec.nbytes
+            else:
+                if s != State.READ_DROPPED:
+                    self._move(rec, State.READ_DROPPED)
+                return
         self._move(rec, State.RELEASED)
         if self._engine is not None:
             self._engine.release(rec.id)  # frees its extent at once (no-op if never written)

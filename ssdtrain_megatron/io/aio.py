@@ -97,7 +97,7 @@ class AioEngine(SlabEngine):
         self._write_lanes: List[_Lane] = []
         self._read_lanes: List[_Lane] = []
         self._pending_lane: Optional[_Lane] = None
-        self._writes = ChunkQueue()
+        self._writes = self._write_queue = ChunkQueue()
         self._reads = ChunkQueue()
         try:
             self._open_slabs("require")

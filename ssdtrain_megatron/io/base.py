@@ -63,6 +63,12 @@ class IOEngine(abc.ABC):
     def release(self, key: int) -> None:
         """Forget ``key`` and free its space at once."""
 
+    def cancel(self, key: int) -> bool:
+        """Take back the write of ``key`` if no IO thread has started it: True when it was
+        (no completion will be reported; ``release(key)`` still follows), False when it runs
+        to completion as usual. Default: never."""
+        return False
+
     def end_step(self) -> None:
         """Called when no key is live: engines drop per-step files and state here."""
 

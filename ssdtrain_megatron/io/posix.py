@@ -42,7 +42,7 @@ class PosixEngine(SlabEngine):
     def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None) -> None:
         self._init_common(config, ident)
         self._open_slabs("prefer")
-        self._queue = ChunkQueue()
+        self._queue = self._write_queue = ChunkQueue()  # reads first (see ChunkQueue)
         self._cancelled = False  # remove_files(): queued requests fail instead of running
         # Allocated here, not in the threads: a thread still inside torch when the interpreter
         # exits aborts the process.

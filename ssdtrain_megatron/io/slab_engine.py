@@ -30,7 +30,7 @@ import torch
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine
 from .layout import ALIGN, Extent, Identity, align_up, expand_roots, make_rank_dirs, remove_rank_dir
-from .requests import Placement, Request, Run
+from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 
 
@@ -51,6 +51,8 @@ class SlabEngine(IOEngine):
         self._chunk = config.chunk_bytes
         self._checksum = config.checksum
         self._placed: Dict[int, Placement] = {}  # key -> where its chunks are
+        self._write_requests: Dict[int, Request] = {}  # key -> its write (until release)
+        self._write_queue: Optional[ChunkQueue] = None  # where cancel() takes writes back from
         self._lock = threading.Lock()
         self._turn = itertools.count()  # which root a tensor's first chunk goes to
         self._closed = False
@@ -126,7 +128,20 @@ class SlabEngine(IOEngine):
             self._placed[key] = placement
             self._queued += n
             depth = self._queued
-        return self._start(Request(self, key, True, data, placement, n, ready_event, self.write_meter, depth))
+            req = self._write_requests[key] = Request(self, key, True, data, placement, n, ready_event,
+                                                      self.write_meter, depth)
+        return self._start(req)
+
+    def cancel(self, key: int) -> bool:
+        with self._lock:
+            req = self._write_requests.get(key)
+        if req is None or self._write_queue is None or not self._write_queue.cancel(req):
+            return False
+        with self._lock:
+            self._queued -= req._left
+        req.tensor = req.ready_event = None
+        req.meter.end(0)
+        return True
 
     def read(self, key: int, out: torch.Tensor) -> Optional[Future]:
         self._check_open()
@@ -151,6 +166,7 @@ class SlabEngine(IOEngine):
     def release(self, key: int) -> None:
         with self._lock:
             placement = self._placed.pop(key, None)
+            self._write_requests.pop(key, None)
         for root, offset, size in placement.allocs if placement is not None else ():
             self._slabs[root].alloc.free(offset, size)
 
@@ -168,6 +184,7 @@ class SlabEngine(IOEngine):
     def _forget_all(self) -> None:
         with self._lock:
             self._placed.clear()
+            self._write_requests.clear()
 
     def _remove_files(self, drop_slabs: bool) -> None:
         """Take this engine's files away: the slabs (only when no IO thread may still use

@@ -168,6 +168,15 @@ class TieredEngine(IOEngine):
             raise
         return None
 
+    def cancel(self, key: int) -> bool:
+        with self._lock:
+            tier = self._tier.get(key)
+        if tier is None or not tier.cancel(key):
+            return False
+        if self._completions is not None:
+            self._end(key)
+        return True
+
     def tier_of(self, key: int) -> str:
         """'memory' or 'posix': where ``key`` is stored."""
         with self._lock:
