@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from bitwise import bitwise_equal
 from ranks import run_ranks
 
 
@@ -512,7 +513,7 @@ def phase_differences(a: PhaseResult, b: PhaseResult) -> List[str]:
     if len(a.loss_tensors) != len(b.loss_tensors):
         return [f"{a.name} ran {len(a.loss_tensors)} iterations, {b.name} {len(b.loss_tensors)}"]
     for it, (la, lb) in enumerate(zip(a.loss_tensors, b.loss_tensors)):
-        if len(la) != len(lb) or not all(torch.equal(x, y) for x, y in zip(la, lb)):
+        if len(la) != len(lb) or not all(bitwise_equal(x, y) for x, y in zip(la, lb)):
             diffs.append(f"iteration {it}: losses {a.losses[it]} != {b.losses[it]}")
     for it, (ga, gb) in enumerate(zip(a.grads, b.grads)):
         if ga.keys() != gb.keys():
@@ -520,15 +521,15 @@ def phase_differences(a: PhaseResult, b: PhaseResult) -> List[str]:
             continue
         for name in ga:
             x, y = ga[name], gb[name]
-            if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+            if (x is None) != (y is None) or (x is not None and not bitwise_equal(x, y)):
                 delta = "one is None" if x is None or y is None else \
                     f"max |diff| {float((x - y).abs().max()):.3g}"
                 diffs.append(f"iteration {it}: grad of {name} differs ({delta})")
     for name in a.params:
-        if not torch.equal(a.params[name], b.params[name]):
+        if not bitwise_equal(a.params[name], b.params[name]):
             diffs.append(f"final parameter {name} differs")
     if len(a.eval_losses) != len(b.eval_losses) or not all(
-            len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+            len(x) == len(y) and all(bitwise_equal(u, v) for u, v in zip(x, y))
             for x, y in zip(a.eval_losses, b.eval_losses)):
         diffs.append("forward_only losses differ")
     return diffs

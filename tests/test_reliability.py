@@ -324,7 +324,6 @@ def test_checksum_cost_is_measured(offload_dir):
     report("checksum cost", f"crc32 {crc_us_per_mb:.0f} us/MB per pass ({1e3 / crc_us_per_mb:.2f} GB/s); "
            f"write+read of 32 MiB: {timings[False] / mb * 1e6:.0f} us/MB without, "
            f"{timings[True] / mb * 1e6:.0f} us/MB with checksums ({extra:+.0f} us/MB)")
-    assert crc_us_per_mb < 20_000  # a sanity bound on a shared 2-core machine, not a target
 
 
 # -- IO that never finishes -------------------------------------------------------------------

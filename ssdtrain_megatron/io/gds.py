@@ -136,7 +136,9 @@ class GdsEngine(SlabEngine):
                 pending.append((i, call(buf[start:start + ext.length], ext.length, ext.offset)))
             except BaseException as exc:  # noqa: BLE001 - surfaced through the Future
                 self._finish_chunk(req, i, _gds_error(op, ext.length, ext.offset, slab.path, exc))
-        for i, handle in pending:
+        buf = None  # kvikio holds what it still reads or writes; we hold nothing past completion
+        while pending:
+            i, handle = pending.pop(0)
             ext = req.extents[i]
             path = self._slabs[ext.root].path
             exc: Optional[BaseException] = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import logging
 import mmap
 import threading
 import time
@@ -29,7 +30,7 @@ import torch
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine
 from .layout import ALIGN, Extent, Identity, align_up, expand_roots, make_rank_dirs, remove_rank_dir
-from .requests import Placement, Request, Run
+from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 
 
@@ -50,6 +51,8 @@ class SlabEngine(IOEngine):
         self._chunk = config.chunk_bytes
         self._checksum = config.checksum
         self._placed: Dict[int, Placement] = {}  # key -> where its chunks are
+        self._write_requests: Dict[int, Request] = {}  # key -> its write (until release)
+        self._write_queue: Optional[ChunkQueue] = None  # where cancel() takes writes back from
         self._lock = threading.Lock()
         self._turn = itertools.count()  # which root a tensor's first chunk goes to
         self._closed = False
@@ -114,7 +117,7 @@ class SlabEngine(IOEngine):
         placement.allocs = allocs
         placement.extents = extents
 
-    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         """Register ``key`` and queue the request: all the training thread does."""
         self._check_open()
         placement = Placement(data.numel())
@@ -125,9 +128,22 @@ class SlabEngine(IOEngine):
             self._placed[key] = placement
             self._queued += n
             depth = self._queued
-        return self._start(Request(self, key, True, data, placement, n, ready_event, self.write_meter, depth))
+            req = self._write_requests[key] = Request(self, key, True, data, placement, n, ready_event,
+                                                      self.write_meter, depth)
+        return self._start(req)
 
-    def read(self, key: int, out: torch.Tensor) -> Future:
+    def cancel(self, key: int) -> bool:
+        with self._lock:
+            req = self._write_requests.get(key)
+        if req is None or self._write_queue is None or not self._write_queue.cancel(req):
+            return False
+        with self._lock:
+            self._queued -= req._left
+        req.tensor = req.ready_event = None
+        req.meter.end(0)
+        return True
+
+    def read(self, key: int, out: torch.Tensor) -> Optional[Future]:
         self._check_open()
         with self._lock:
             placement = self._placed.get(key)
@@ -142,7 +158,7 @@ class SlabEngine(IOEngine):
             depth = self._queued
         return self._start(Request(self, key, False, out, placement, n, None, self.read_meter, depth))
 
-    def _start(self, req: Request) -> Future:
+    def _start(self, req: Request) -> Optional[Future]:
         req.meter.begin()
         self._enqueue(req)
         return req.future
@@ -150,6 +166,7 @@ class SlabEngine(IOEngine):
     def release(self, key: int) -> None:
         with self._lock:
             placement = self._placed.pop(key, None)
+            self._write_requests.pop(key, None)
         for root, offset, size in placement.allocs if placement is not None else ():
             self._slabs[root].alloc.free(offset, size)
 
@@ -167,6 +184,7 @@ class SlabEngine(IOEngine):
     def _forget_all(self) -> None:
         with self._lock:
             self._placed.clear()
+            self._write_requests.clear()
 
     def _remove_files(self, drop_slabs: bool) -> None:
         """Take this engine's files away: the slabs (only when no IO thread may still use
@@ -282,6 +300,30 @@ def as_engine_error(exc: BaseException, what: str) -> BaseException:
     wrapped = EngineError(f"{what} failed: {exc!r}")
     wrapped.__cause__ = exc
     return wrapped
+
+
+EXIT_JOIN_S = 10.0
+"""At most this long (and at most io_timeout_s) the exit path waits for IO threads to leave."""
+
+
+def join_before_exit(threads: List[threading.Thread], io_timeout_s: float) -> None:
+    """Exit/signal path, after the engine's queues were closed: wait (briefly) for its IO
+    threads to leave.
+
+    Why: a daemon thread that is still running, or still inside torch (a copy releases the
+    GIL), when the interpreter finalizes is stopped with ``pthread_exit`` as it takes the GIL
+    back; unwinding through torch's C++ frames that way ends in ``std::terminate``
+    ("terminate called without an active exception", SIGABRT) instead of the job's own exit
+    status. Threads that are done when finalization starts cannot do that. A thread stuck on a
+    dead drive is left behind after the deadline (and logged)."""
+    deadline = time.monotonic() + min(EXIT_JOIN_S, io_timeout_s)
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+    stuck = sum(t.is_alive() for t in threads)
+    if stuck:
+        logging.getLogger(__name__).error(
+            "ssdtrain: exiting with %d IO threads still inside a request", stuck)
 
 
 def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
