@@ -8,6 +8,7 @@ run as a process.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -170,6 +171,28 @@ def test_a_failure_anywhere_in_construction_leaves_nothing_on_disk(tmp_path, mon
     assert tree(tmp_path) == before, "a failed start left files or folders behind"
     time.sleep(0.1)
     assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("ssdtrain")]
+
+
+def test_a_failure_inside_megatron_install_leaves_nothing_on_disk_and_megatron_as_it_was(tmp_path, monkeypatch):
+    pytest.importorskip("megatron.core")
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    inst = importlib.import_module("ssdtrain_megatron.megatron.install")  # the module, not the function
+
+    def boom(*a, **k):
+        raise RuntimeError("injected: a patch point is missing")
+
+    monkeypatch.setattr(inst, "PipelineHooks", boom)
+    (tmp_path / "ssd").mkdir()
+    before = tree(tmp_path)
+    forward, step = vars(TransformerLayer)["forward"], vars(schedules)["forward_step"]
+    with pytest.raises(RuntimeError, match="injected"):
+        inst.install(small([tmp_path / "ssd" / "{job}"], job="j3",
+                           stats_path=str(tmp_path / "ssd" / "{job}-stats.jsonl")))
+    assert tree(tmp_path) == before
+    assert inst.installed() is None
+    assert vars(TransformerLayer)["forward"] is forward and vars(schedules)["forward_step"] is step
 
 
 def test_a_normal_close_removes_the_job_folders_it_made_and_not_the_shared_ones(tmp_path):
