@@ -163,7 +163,7 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         """Cancel every job, stop the daemons (slurmd first) and remove the folder. Returns the
         job processes that were still running afterwards (killed with SIGKILL)."""
         if "slurmctld" in self._procs and self._procs["slurmctld"].poll() is None:
-            self.run("scancel", "--full", f"--partition=test", check=False)
+            self.run("scancel", "--full", "--partition=test", check=False)
             deadline = time.monotonic() + 60
             while self.job_processes() and time.monotonic() < deadline:
                 time.sleep(0.2)
