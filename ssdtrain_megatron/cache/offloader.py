@@ -16,7 +16,7 @@ import torch
 from ..config import OffloadConfig
 from ..io import IOEngine, make_engine
 from ..io.memory import PoolFull
-from ..io.layout import Identity, expand_root, free_bytes
+from ..io.layout import Identity, expand_file, free_bytes
 from ..io import cleanup
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
@@ -109,8 +109,22 @@ class ActivationOffloader:
                 else torch.device("cpu")
         self.device = torch.device(device)
         self._engine: Optional[IOEngine] = engine
+        self._closed = False
         if self._engine is None and config.policy != "keep":
             self._engine = make_engine(config)
+        try:
+            self._init_state(config)
+        except BaseException:
+            # A failed start leaves nothing on disk: the engine we built removes its rank
+            # directories (and the job folders they leave empty). An engine handed in is the
+            # caller's to close.
+            self._closed = True
+            if engine is None and self._engine is not None:
+                self._engine.close()
+            raise
+
+    def _init_state(self, config: OffloadConfig) -> None:
+        """Everything of ``__init__`` after the engine (which is already on disk)."""
         # The training thread owns every field below. IO threads report completions as
         # (record id, None or the exception) on this queue, and dropped handles arrive as
         # (record, _DROP); the owner drains it in pack, unpack, end_step and while it waits.
@@ -131,16 +145,16 @@ class ActivationOffloader:
         self._step = 0
         self._step_started = self._step_first = time.perf_counter()
         self._warned: Set[str] = set()
-        self._closed = False
         self.last_step_stats: Optional[StepStats] = None
         self.record_memory_timeline = False
         self.last_memory_timeline: List[tuple] = []
         self._phase = "forward"
         self._tracer: Optional[IOTracer] = None
         ident = getattr(self._engine, "ident", None) or Identity.detect(config.job_id())
-        self._stats_path = expand_root(config.stats_path, ident) if config.stats_path else None
+        # Files, not directories: a restarted job (same command line) appends to them.
+        self._stats_path = expand_file(config.stats_path, ident) if config.stats_path else None
         if config.trace_path and self._engine is not None:
-            self._tracer = IOTracer(expand_root(config.trace_path, ident), ident.rank)
+            self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank)
             self._engine.tracer = self._tracer.on_io
         cleanup.register(id(self), self._emergency_close)
 

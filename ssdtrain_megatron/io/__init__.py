@@ -47,5 +47,9 @@ def make_engine(config: OffloadConfig, ident: Optional[Identity] = None) -> IOEn
     if config.bandwidth_cap_gbps is not None:
         from .throttle import ThrottledEngine
 
-        engine = ThrottledEngine(engine, config.bandwidth_cap_gbps)
+        try:
+            engine = ThrottledEngine(engine, config.bandwidth_cap_gbps)
+        except BaseException:
+            engine.close()  # a failed start leaves nothing on disk
+            raise
     return engine

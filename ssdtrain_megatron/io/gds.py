@@ -75,8 +75,12 @@ class GdsEngine(SlabEngine):
         self._init_common(config, ident)
         # kvikio opens the file itself (O_DIRECT where GDS or the filesystem allows it); our
         # descriptor only reserves space.
-        self._open_slabs("off", on_open=self._open_cufile)
-        self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-gds")
+        try:
+            self._open_slabs("off", on_open=self._open_cufile)
+            self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-gds")
+        except BaseException:
+            self._remove_files(drop_slabs=True)  # a failed start leaves nothing on disk
+            raise
 
     def _open_cufile(self, slab: Slab) -> None:
         slab.handle = self._kvikio.CuFile(slab.path, "r+")

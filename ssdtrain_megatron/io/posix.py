@@ -41,17 +41,23 @@ class PosixEngine(SlabEngine):
 
     def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None) -> None:
         self._init_common(config, ident)
-        self._open_slabs("prefer")
         self._queue = self._write_queue = ChunkQueue()  # reads first (see ChunkQueue)
         self._cancelled = False  # remove_files(): queued requests fail instead of running
-        # Allocated here, not in the threads: a thread still inside torch when the interpreter
-        # exits aborts the process.
-        self._workers: List[threading.Thread] = [
-            threading.Thread(target=self._work, args=(aligned_buffer(self._chunk),),
-                             name=f"ssdtrain-io-{i}", daemon=True)
-            for i in range(config.io_threads)]
-        for t in self._workers:
-            t.start()
+        self._workers: List[threading.Thread] = []
+        self._open_slabs("prefer")
+        try:
+            # Allocated here, not in the threads: a thread still inside torch when the
+            # interpreter exits aborts the process.
+            self._workers = [
+                threading.Thread(target=self._work, args=(aligned_buffer(self._chunk),),
+                                 name=f"ssdtrain-io-{i}", daemon=True)
+                for i in range(config.io_threads)]
+            for t in self._workers:
+                t.start()
+        except BaseException:
+            self._workers = [t for t in self._workers if t.ident is not None]  # the started ones
+            self.close()  # a failed start leaves nothing on disk (and no thread running)
+            raise
 
     def _enqueue(self, req: Request) -> None:
         self._queue.put(req)

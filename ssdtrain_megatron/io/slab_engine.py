@@ -29,7 +29,7 @@ import torch
 
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine
-from .layout import ALIGN, Extent, Identity, align_up, expand_roots, make_rank_dirs, remove_rank_dir
+from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 
@@ -70,7 +70,7 @@ class SlabEngine(IOEngine):
         a returned OSError is raised as if the system call had failed."""
 
     def _open_slabs(self, direct: str, on_open: Optional[Callable[[Slab], None]] = None) -> None:
-        self.rank_dirs = make_rank_dirs(self.roots, self.ident)
+        self.rank_dirs = make_rank_dirs(self.roots, self.ident, self.config.dirs)
         self._slabs = [Slab(d, direct, on_open) for d in self.rank_dirs]
 
     # -- properties -------------------------------------------------------------------------
@@ -192,8 +192,9 @@ class SlabEngine(IOEngine):
         if drop_slabs:
             for s in self._slabs:
                 s.drop()
-        for d in self.rank_dirs:
-            remove_rank_dir(d)  # a no-op for a directory already gone
+        for d, template in zip(self.rank_dirs, self.config.dirs):
+            # A no-op for a directory already gone; the job folders it leaves empty go too.
+            remove_rank_dir(d, job_levels(template))
 
     def _check_open(self) -> None:
         if self._closed:
