@@ -19,11 +19,10 @@ import sys
 import time
 from typing import Dict
 
-import torch
-
-from .cache import ActivationOffloader
 from .config import OffloadConfig
-from .demo_model import TinyGPT, lm_loss
+
+# torch, the offloader and the model are imported inside the functions: `ssdtrain --help`
+# builds this command's parser and must not pay for torch.
 
 
 def add_core_bench_parser(subparsers) -> None:
@@ -44,6 +43,10 @@ def hook_cost_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> float:
     hook is timed (thread CPU time: other processes on the machine do not count). For
     ``offload`` that includes handing the tensor to the engine, not the IO itself, which runs
     on the engine's threads."""
+    import torch
+
+    from .cache import ActivationOffloader
+
     min_bytes = nbytes + 1 if policy == "pass-through" else 0
     c = cfg.replace(policy="keep" if policy != "offload" else "offload", min_tensor_bytes=min_bytes,
                     keep_last_layers=0, max_inflight_bytes=max(cfg.max_inflight_bytes, 2 * n * nbytes))
@@ -61,6 +64,11 @@ def hook_cost_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> float:
 
 
 def peak_memory(cfg: OffloadConfig, steps: int) -> Dict[str, dict]:
+    import torch
+
+    from .cache import ActivationOffloader
+    from .demo_model import TinyGPT, lm_loss
+
     torch.manual_seed(0)
     model = TinyGPT(vocab=512, hidden=256, heads=4, layers=8, seq=256)
     g = torch.Generator().manual_seed(1)

@@ -242,7 +242,10 @@ class ActivationOffloader:
             now = time.perf_counter()
             stats = self._c.freeze(self._step, write, read,
                                    self._engine.bytes_on_disk if self._engine else 0,
-                                   now - self._step_started)
+                                   # from the step's first forward, not the last end_step():
+                                   # what ran between steps (another model, the optimizer,
+                                   # start-up) is not this step's time
+                                   now - max(self._step_first, self._step_started))
             if self._planner is not None:
                 order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
                 new = self._planner.update(stats, order, {r.layer: r for r in stats.layers},
@@ -258,7 +261,7 @@ class ActivationOffloader:
             self._step_started = now
             self.last_step_stats = stats
         if self._stats_path:
-            append_jsonl(self._stats_path, stats)
+            append_jsonl(self._stats_path, stats, {"policy": self.config.policy})
         if self._tracer is not None:
             self._tracer.flush()
         log.debug("ssdtrain step %d: %s", stats.step, stats.summary())

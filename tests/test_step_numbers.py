@@ -1,0 +1,72 @@
+"""The numbers a user reads: StepStats.summary(), the stats JSONL, step_time_s, trace times."""
+
+import json
+import time
+
+import torch
+
+from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from tests.models import mlp, run_steps
+
+
+def cfg(d, **kw):
+    kw.setdefault("min_tensor_bytes", 1024)
+    return OffloadConfig(dirs=[str(d)], **kw)
+
+
+def test_summary_names_fallbacks_when_writes_failed(offload_dir):
+    with ActivationOffloader(cfg(offload_dir)) as off:
+        off.engine.fault = lambda op, path, offset: OSError(28, "No space left on device") if op == "write" else None
+        _, _, stats = run_steps(mlp(), [torch.randn(16, 256)], off, steps=1)
+    st = stats[-1]
+    assert st.fallbacks > 0 and st.bytes_offloaded == 0
+    assert f"{st.fallbacks} FALLBACKS (writes that failed and stayed in memory)" in st.summary()
+
+
+def test_summary_is_silent_about_fallbacks_when_there_are_none(offload_dir):
+    with ActivationOffloader(cfg(offload_dir)) as off:
+        _, _, stats = run_steps(mlp(), [torch.randn(16, 256)], off, steps=1)
+    assert stats[-1].fallbacks == 0 and stats[-1].bytes_read > 0
+    assert "FALLBACK" not in stats[-1].summary()
+
+
+def test_two_offloaders_sharing_a_stats_file_are_told_apart(offload_dir, tmp_path):
+    """The demo's keep and offload write one file: each line says its policy and iteration."""
+    path = tmp_path / "steps.jsonl"
+    offs = {p: ActivationOffloader(cfg(offload_dir, policy=p, stats_path=str(path))) for p in ("keep", "offload")}
+    try:
+        for _ in range(2):
+            for off in offs.values():
+                run_steps(mlp(), [torch.randn(16, 256)], off, steps=1)
+    finally:
+        for off in offs.values():
+            off.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["policy"], r["step"], r["iteration"]) for r in rows] == [
+        ("keep", 0, 1), ("offload", 0, 1), ("keep", 1, 2), ("offload", 1, 2)]
+    assert all(r["bytes_offloaded"] == 0 for r in rows if r["policy"] == "keep")
+    assert all(r["bytes_offloaded"] > 0 for r in rows if r["policy"] == "offload")
+
+
+def test_step_time_starts_at_the_first_forward_not_at_the_last_end_step(offload_dir):
+    """Time spent between steps (another model's step, the optimizer, start-up) is not counted."""
+    model, x = mlp(), torch.randn(16, 256)
+    with ActivationOffloader(cfg(offload_dir)) as off:
+        time.sleep(0.6)  # between construction and the first step
+        run_steps(model, [x], off, steps=1)
+        first = off.last_step_stats.step_time_s
+        time.sleep(0.6)  # between steps
+        run_steps(model, [x], off, steps=1)
+        second = off.last_step_stats.step_time_s
+    assert 0 < first < 0.6 and 0 < second < 0.6, (first, second)
+
+
+def test_trace_records_carry_a_wall_clock_time(offload_dir, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    before = time.time()
+    with ActivationOffloader(cfg(offload_dir, trace_path=str(trace))) as off:
+        run_steps(mlp(), [torch.randn(16, 256)], off, steps=1, wait_writes=True)
+    after = time.time()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert rows and all(before <= r["wall"] <= after for r in rows)
+    assert all(abs((r["wall"] - rows[0]["wall"]) - (r["t"] - rows[0]["t"])) < 1e-3 for r in rows)
