@@ -12,10 +12,9 @@ import errno
 import math
 import os
 import re
-import shutil
 import sys
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 
 class CommandError(Exception):
@@ -139,6 +138,33 @@ def _probe_file(directory: str):
     return tempfile.mkstemp(prefix=".ssdtrain-probe-", dir=directory)
 
 
+def expand_templates(paths: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(directories, templates that matched none) for paths that may hold OffloadConfig.dirs
+    placeholders ({job}, {rank}, {local_rank}, {hostname}): each placeholder matches any one
+    path component, so ``/mnt/nvme0/ssdtrain/{job}`` names every job's root there."""
+    import glob
+    import string
+
+    found: List[str] = []
+    unmatched: List[str] = []
+    for path in paths:
+        try:
+            parts = list(string.Formatter().parse(path))
+        except ValueError:
+            parts = [(path, None, None, None)]
+        if all(field is None for _, field, _, _ in parts):
+            found.append(path)
+            continue
+        pattern = "".join(glob.escape(text) + ("*" if field is not None else "")
+                          for text, field, _, _ in parts)
+        matches = sorted(m for m in glob.glob(pattern) if os.path.isdir(m))
+        if matches:
+            found += [m for m in matches if m not in found]
+        else:
+            unmatched.append(path)
+    return found, unmatched
+
+
 def check_engine(flag: str, name: str) -> None:
     """Fail at once, in one line, when IO engine ``name`` cannot run here (before a model is
     built or a baseline measured).
@@ -175,39 +201,22 @@ def describe_os_error(exc: OSError) -> str:
 
 def free_space_line(path: str) -> str:
     """'<free> free of <total> on <filesystem type> (<device>)' for the drive holding ``path``."""
-    try:
-        usage = shutil.disk_usage(path)
-    except OSError as exc:
-        return f"cannot tell its free space: {exc.strerror or exc}"
-    fs, dev = filesystem_of(path)
-    return f"{gib(usage.free)} free of {gib(usage.total)} on {fs} ({dev})"
+    from .io.where import describe
+
+    return describe(path)
 
 
-def filesystem_of(path: str):
-    """(filesystem type, device) of the mount holding ``path``, from /proc/mounts (Linux);
-    ('unknown', '?') elsewhere."""
-    path = os.path.realpath(path)
-    best = ("", "unknown", "?")
-    try:
-        with open("/proc/mounts", encoding="utf-8") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                dev, mnt, fs = parts[0], parts[1].replace("\\040", " "), parts[2]
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
-                    best = (mnt, fs, dev)
-    except OSError:
-        pass
-    return best[1], best[2]
+def filesystem_of(path: str) -> Tuple[str, str]:
+    from .io.where import filesystem_of as fs_of
+
+    return fs_of(path)
 
 
 def gib(n: float) -> str:
     """Bytes in binary units (KiB, MiB, GiB, TiB), one decimal."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
+    from .io.where import binary
+
+    return binary(n)
 
 
 # -- progress ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Dict
 
+from .cli_types import deprecated_alias
 from .config import OffloadConfig
 
 # torch, the offloader and the model are imported inside the functions: `ssdtrain --help`
@@ -30,7 +31,9 @@ def add_core_bench_parser(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="./ssd-offload-bench", help="offload root (default: %(default)s)")
     p.add_argument("--tensors", type=int, default=2000, help="saved tensors per hook measurement")
-    p.add_argument("--tensor-kb", type=int, default=256, help="size of each saved tensor, KiB")
+    p.add_argument("--tensor-kib", dest="tensor_kb", type=int, default=256,
+                   help="size of each saved tensor, KiB (default 256)")
+    deprecated_alias(p, "--tensor-kb", "--tensor-kib", "tensor_kb", int)
     p.add_argument("--steps", type=int, default=3, help="steps per policy for the memory comparison")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_core_bench)

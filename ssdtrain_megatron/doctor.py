@@ -120,13 +120,9 @@ def root_report(root: str) -> Dict[str, Any]:
 
 
 def _root_notes(out: Dict[str, Any]) -> Dict[str, Any]:
-    notes = []
-    if out["filesystem"] in ("tmpfs", "ramfs"):
-        notes.append("in RAM (tmpfs), not on an SSD: offloading there saves no host memory")
-    elif out["filesystem"] in ("overlay", "aufs"):
-        notes.append("a container's overlay filesystem: mount a host NVMe directory instead")
-    elif out["filesystem"] in ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs"):
-        notes.append("a network filesystem: use node-local NVMe")
+    from .io.where import filesystem_notes
+
+    notes = filesystem_notes(out["filesystem"])
     if out["writable"] and not out["o_direct"]:
         notes.append("refuses O_DIRECT: reads may come from the page cache")
     out["notes"] = notes

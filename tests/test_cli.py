@@ -302,3 +302,40 @@ def test_ctrl_c_says_how_many_offload_files_it_removed(tmp_path):
     n = int(last.split("removed ")[1].split()[0])
     assert n >= 1 and last.endswith(f"offload file{'s' if n != 1 else ''} under {root}"), last
     assert [p.name for p in root.iterdir() if p.name.startswith("ssdtrain.")] == []
+
+
+# -- clean ------------------------------------------------------------------------------------
+
+
+def _dead_rank_dir(root, job):
+    """A rank directory whose owner (a process that has exited) left it behind."""
+    from ssdtrain_megatron.io.layout import Identity, rank_dir_name
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                           text=True, check=True)
+    pid = int(child.stdout)
+    host = Identity.detect("x").hostname
+    d = os.path.join(root, rank_dir_name(job, host, 0, pid))
+    os.makedirs(d, mode=0o700)
+    with open(os.path.join(d, "owner.json"), "w") as fh:
+        json.dump({"pid": pid, "hostname": host, "job": job, "rank": 0}, fh)
+    with open(os.path.join(d, "slab.bin"), "wb") as fh:
+        fh.write(b"x" * 8192)
+    return d
+
+
+def test_clean_expands_templates_like_the_config_does(tmp_path, capsys):
+    """`ssdtrain clean /mnt/nvme0/ssdtrain/{job}` (the dirs entry as written) cleans every job."""
+    a = _dead_rank_dir(tmp_path / "nvme0" / "job1", "job1")
+    b = _dead_rank_dir(tmp_path / "nvme0" / "job2", "job2")
+    rc, out, err = run_cli(["clean", str(tmp_path / "nvme0" / "{job}")], capsys)
+    assert rc == 0, err
+    assert out.count("removed") == 2 and a in out and b in out
+    assert not os.path.exists(a) and not os.path.exists(b)
+    assert out.splitlines()[-1].startswith("2 stale directories, freed ")
+
+
+def test_clean_says_when_a_template_matches_nothing(tmp_path, capsys):
+    rc, out, err = run_cli(["clean", str(tmp_path / "{job}")], capsys)
+    assert rc == 0
+    assert err == f"ssdtrain clean: {tmp_path / '{job}'}: no directory matches\n"

@@ -70,3 +70,28 @@ def test_trace_records_carry_a_wall_clock_time(offload_dir, tmp_path):
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert rows and all(before <= r["wall"] <= after for r in rows)
     assert all(abs((r["wall"] - rows[0]["wall"]) - (r["t"] - rows[0]["t"])) < 1e-3 for r in rows)
+
+
+def test_an_offloader_says_where_its_bytes_go_and_warns_about_ram(tmp_path, caplog):
+    """/tmp/ssdtrain (the default) may be tmpfs: the offloader says so when it starts."""
+    import logging
+    import os
+
+    from ssdtrain_megatron.io.where import filesystem_of
+
+    with caplog.at_level(logging.INFO, logger="ssdtrain_megatron.io.where"):
+        with ActivationOffloader(cfg(tmp_path)) as off:
+            d = off.rank_dirs[0]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(m.startswith(f"ssdtrain: offload files in {d}: ") and " free of " in m for m in infos), infos
+    if filesystem_of(str(tmp_path))[0] not in ("tmpfs", "ramfs"):
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    if os.path.isdir("/dev/shm") and filesystem_of("/dev/shm")[0] == "tmpfs":
+        caplog.clear()
+        root = f"/dev/shm/ssdtrain-test-{os.getpid()}"
+        try:
+            with caplog.at_level(logging.WARNING, logger="ssdtrain_megatron.io.where"):
+                ActivationOffloader(cfg(root)).close()
+        finally:
+            os.rmdir(root)
+        assert any("is in RAM (tmpfs), not on an SSD" in r.getMessage() for r in caplog.records)

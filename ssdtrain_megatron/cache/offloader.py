@@ -16,6 +16,7 @@ from ..config import OffloadConfig
 from ..io import IOEngine, make_engine
 from ..io.layout import Identity, expand_root, free_bytes
 from ..io import cleanup
+from ..io.where import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
@@ -120,6 +121,7 @@ class ActivationOffloader:
             self._tracer = IOTracer(expand_root(config.trace_path, ident), ident.rank)
             self._engine.tracer = self._tracer.on_io
         cleanup.register(id(self), self._emergency_close)
+        log_roots(self.rank_dirs)  # where the bytes go; a warning for a root in RAM (/tmp)
 
     # -- public API -------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 The baseline is what fio would report for the device: one preallocated O_DIRECT file, several
 threads each keeping one large (8 MiB) pwrite/pread in flight, no copies. Each engine then
-writes and reads the same amount of data as tensors of ``--tensor-mb``, through its public
+writes and reads the same amount of data as tensors of ``--tensor-mib``, through its public
 interface, with at most ``max_inflight_bytes`` (1 GiB) in flight as the offloader would, and
 the report gives, for write and read: GB/s (10^9 bytes per second), the ratio to the baseline,
 and the CPU time the calling (training) thread spent per GB; plus ``cpu_us_per_tensor``, the

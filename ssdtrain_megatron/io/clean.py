@@ -306,16 +306,23 @@ def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     "left alone. The exit code is 1 when a root could not be read or a stale "
                     "directory could not be removed.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
-    p.add_argument("roots", nargs="+", metavar="ROOT", help="offload root (a directory from OffloadConfig.dirs, expanded)")
+    p.add_argument("roots", nargs="+", metavar="ROOT",
+                   help="offload root: a directory, or a template from OffloadConfig.dirs "
+                        "({job}, {rank}, ... match any directory there)")
     p.set_defaults(func=run_clean)
     return p
 
 
 def run_clean(args: argparse.Namespace) -> int:
     """Print one line per rank directory found; returns the exit code."""
+    from ..cli_types import expand_templates
+
     status = 0
     totals: Dict[str, int] = {"dirs": 0, "bytes": 0}
-    for root in args.roots:
+    roots, unmatched = expand_templates(args.roots)  # /mnt/nvme0/ssdtrain/{job}: every job's root
+    for template in unmatched:
+        print(f"ssdtrain clean: {template}: no directory matches", file=sys.stderr)
+    for root in roots:
         try:
             found = clean_root(root, dry_run=args.dry_run)
         except OSError as exc:
