@@ -32,11 +32,14 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
-from .cli_types import (byte_count, check_engine, deprecated_alias, plural, positive_int, progress,
+from .cli_types import (byte_count, check_engine, deprecated_alias, positive_int, progress,
                         quiet_megatron_warnings, say, writable_dir)
 from .config import OffloadConfig
+
+if TYPE_CHECKING:
+    from .telemetry.peak_memory import PeakMemory
 
 TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
            "offload_vs_keep_peak_activation": ("<=", 0.5, 0.5),

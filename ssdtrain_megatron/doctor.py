@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import resource
-import sys
 from typing import Any, Dict, List, Optional
 
 from .cli_types import filesystem_of, gib

@@ -95,3 +95,29 @@ def test_an_offloader_says_where_its_bytes_go_and_warns_about_ram(tmp_path, capl
         finally:
             os.rmdir(root)
         assert any("is in RAM (tmpfs), not on an SSD" in r.getMessage() for r in caplog.records)
+
+
+def _need_after_full_disk(offload_dir, limit):
+    """What the free-space check says the next step needs, after a step on a 'disk' where every
+    write past ``limit`` bytes fails with ENOSPC (None: no limit)."""
+    from tests.models import tiny_gpt
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 256, (2, 64), generator=g) for _ in range(3)]
+    with ActivationOffloader(cfg(offload_dir, chunk_bytes=64 * 1024)) as off:
+        if limit is not None:
+            off.engine.fault = (lambda op, path, offset: OSError(28, "No space left on device")
+                                if op == "write" and offset >= limit else None)
+        _, _, stats = run_steps(tiny_gpt(), batches, off, steps=1)
+        return list(off.engine.step_peak_bytes), stats[-1].fallbacks
+
+
+def test_the_space_the_next_step_needs_does_not_depend_on_how_full_the_disk_was(offload_dir):
+    """A write that failed keeps its extent until its tensor is released, as a successful one
+    does: the slab's high-water mark is the step's demand, the same on any disk."""
+    need, fallbacks = _need_after_full_disk(offload_dir, None)
+    assert fallbacks == 0 and need[0] > 0
+    for limit in (64 * 1024, need[0] // 2):
+        got, fell = _need_after_full_disk(offload_dir, limit)
+        assert fell > 0
+        assert got == need, (limit, got, need)

@@ -433,7 +433,9 @@ class ActivationOffloader:
                 self._io_done.notify_all()
                 return
             if exc is not None:
-                self._engine.release(rec.id)
+                # Its extent stays allocated until the record is released (_release), as a
+                # written one's would: the slab's high-water mark, which the next step's
+                # free-space check goes by, is then the step's demand whatever the disk held.
                 self._fallback(rec, exc)
             else:
                 self._c.bytes_offloaded += rec.nbytes
