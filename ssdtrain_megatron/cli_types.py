@@ -259,10 +259,3 @@ def quiet_megatron_warnings() -> None:
 def plural(n: int, word: str, many: Optional[str] = None) -> str:
     return f"{n} {word if n == 1 else (many or word + 's')}"
 
-
-def first_command(argv: Sequence[str]) -> Optional[str]:
-    """The subcommand on a command line: the first word that is not an option."""
-    for word in argv:
-        if not word.startswith("-"):
-            return word
-    return None

@@ -67,17 +67,11 @@ def _config(args: argparse.Namespace, root: str):
 
 def header_lines(cfg, root: str) -> List[str]:
     """The settings of a run that change its numbers, each with its value."""
-    from .io.checksum import ALGORITHM
+    from .io.where import settings
 
-    return [
-        f"offload root {root}: {free_space_line(root)}",
-        f"engine {cfg.engine}, io_threads {cfg.io_threads}, chunk_bytes {gib(cfg.chunk_bytes)}, "
-        f"max_inflight_bytes {gib(cfg.max_inflight_bytes)}, checksum "
-        f"{ALGORITHM if cfg.checksum else 'off'}",
-        f"min_tensor_bytes {gib(cfg.min_tensor_bytes)} (smaller saved tensors stay in memory), "
-        f"keep_last_layers {cfg.keep_last_layers}, prefetch_layers {cfg.prefetch_layers}"
-        + (f", stats_path {cfg.stats_path}" if cfg.stats_path else ""),
-    ]
+    return [f"offload root {root}: {free_space_line(root)}",
+            settings(cfg, policy=False) + " (min_tensor_bytes: smaller saved tensors "
+            "stay in memory)" + (f", stats_path {cfg.stats_path}" if cfg.stats_path else "")]
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -209,17 +209,17 @@ def render(r: Dict[str, Any]) -> str:
     cuda = (f"CUDA {t['cuda_build']} build, " if t["cuda_build"] else "CPU build, ") + \
         (f"{len(t['gpus'])} GPU(s): " + ", ".join(f"{g['name']} {gib(g['memory_bytes'])}" for g in t["gpus"])
          if t["cuda_available"] else "no GPU visible (the demo and bench run on the CPU)")
-    lines.append(f"torch            {t['version']}, {cuda}")
+    lines.append(f"{'torch':<18} {t['version']}, {cuda}")
     mc = pk["megatron-core"]
-    lines.append("megatron-core    " + (f"{mc}" + ("" if mc.startswith("0.16") else
+    lines.append(f"{'megatron-core':<18} " + (f"{mc}" + ("" if mc.startswith("0.16") else
                                                    " (this release is tested with 0.16.x)")
                                       if mc else "not installed (pip install 'ssdtrain-megatron[megatron]')"))
     for name in ("transformer-engine", "apex", "deepspeed", "kvikio"):
-        lines.append(f"{name:<16} {pk[name] or 'not installed'}")
+        lines.append(f"{name:<18} {pk[name] or 'not installed'}")
     lines.append("engines:")
     for name, e in r["engines"].items():
         lines.append(f"  {name:<8} " + ("available" if e["available"] else f"unavailable: {e['why_not']}"))
-    lines.append(f"checksum         {r['checksum']}")
+    lines.append(f"{'checksum':<18} {r['checksum']}")
     lines.append("offload roots:")
     for root in r["roots"]:
         where = root["root"] + ("" if root["exists"] else f" (missing; checked {root['checked']})")
@@ -231,13 +231,13 @@ def render(r: Dict[str, Any]) -> str:
         for note in root["notes"]:
             lines.append(f"    note: {note}")
     drives = r["nvme_drives"]
-    lines.append("NVMe drives      " + (", ".join(f"{d['device']} {gib(d['bytes']) if d['bytes'] else '?'}"
+    lines.append(f"{'NVMe drives':<18} " + (", ".join(f"{d['device']} {gib(d['bytes']) if d['bytes'] else '?'}"
                                                  + (f" {d['model']}" if d["model"] else "") for d in drives)
                                       if drives else "none listed in /sys/block"))
     m = r["memory"]
-    lines.append(f"host memory      {gib(m['host_memory_bytes']) if m['host_memory_bytes'] else '?'}, "
+    lines.append(f"{'host memory':<18} {gib(m['host_memory_bytes']) if m['host_memory_bytes'] else '?'}, "
                  f"{m['cpus']} CPUs")
-    lines.append(f"pinned memory    ulimit -l {_limit(m['memlock_soft'])} (hard {_limit(m['memlock_hard'])})"
+    lines.append(f"{'pinned memory':<18} ulimit -l {_limit(m['memlock_soft'])} (hard {_limit(m['memlock_hard'])})"
                  + ("" if m["memlock_soft"] is None else
                     "; the aio engine and pinned host pools need more: ulimit -l unlimited"))
     return "\n".join(lines)

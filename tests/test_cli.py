@@ -254,7 +254,7 @@ def test_doctor_table_names_each_part(tmp_path, capsys):
     rc, out, _ = run_cli(["doctor", "--dir", str(tmp_path)], capsys)
     assert rc == 0
     for label in ("torch ", "megatron-core ", "engines:", "  posix    available", "checksum ",
-                  "offload roots:", f"  {tmp_path}: ", "pinned memory    ulimit -l "):
+                  "offload roots:", f"  {tmp_path}: ", "pinned memory      ulimit -l "):
         assert label in out, label
 
 

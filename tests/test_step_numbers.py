@@ -26,7 +26,7 @@ def test_summary_names_fallbacks_when_writes_failed(offload_dir):
 def test_summary_is_silent_about_fallbacks_when_there_are_none(offload_dir):
     with ActivationOffloader(cfg(offload_dir)) as off:
         _, _, stats = run_steps(mlp(), [torch.randn(16, 256)], off, steps=1)
-    assert stats[-1].fallbacks == 0 and stats[-1].bytes_read > 0
+    assert stats[-1].fallbacks == 0 and stats[-1].bytes_offloaded > 0
     assert "FALLBACK" not in stats[-1].summary()
 
 
@@ -84,6 +84,9 @@ def test_an_offloader_says_where_its_bytes_go_and_warns_about_ram(tmp_path, capl
             d = off.rank_dirs[0]
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert any(m.startswith(f"ssdtrain: offload files in {d}: ") and " free of " in m for m in infos), infos
+    assert ("ssdtrain: engine posix, policy offload, min_tensor_bytes 1.0 KiB, keep_last_layers 1, "
+            "prefetch_layers 2, io_threads 4, chunk_bytes 8.0 MiB, max_inflight_bytes 1.0 GiB, "
+            "checksum off") in infos, infos
     if filesystem_of(str(tmp_path))[0] not in ("tmpfs", "ramfs"):
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     if os.path.isdir("/dev/shm") and filesystem_of("/dev/shm")[0] == "tmpfs":

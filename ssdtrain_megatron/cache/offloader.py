@@ -121,7 +121,7 @@ class ActivationOffloader:
             self._tracer = IOTracer(expand_root(config.trace_path, ident), ident.rank)
             self._engine.tracer = self._tracer.on_io
         cleanup.register(id(self), self._emergency_close)
-        log_roots(self.rank_dirs)  # where the bytes go; a warning for a root in RAM (/tmp)
+        log_roots(self.rank_dirs, config)  # settings, where the bytes go; a warning for RAM (/tmp)
 
     # -- public API -------------------------------------------------------------------------
 

@@ -69,10 +69,25 @@ def describe(path: str) -> str:
     return f"{binary(usage.free)} free of {binary(usage.total)} on {fs} ({dev})"
 
 
-def log_roots(directories: List[str]) -> List[str]:
-    """When an offloader starts: one INFO line per directory saying where it writes, and a
-    WARNING for one that is not on an SSD. Returns the warnings."""
+def settings(config, policy: bool = True) -> str:
+    """The OffloadConfig fields that change what a run measures, with their values, in one line
+    (``policy=False``: without the policy, for runs that try several)."""
+    from .checksum import ALGORITHM
+
+    return (f"engine {config.engine}, " + (f"policy {config.policy}, " if policy else "") +
+            f"min_tensor_bytes "
+            f"{binary(config.min_tensor_bytes)}, keep_last_layers {config.keep_last_layers}, "
+            f"prefetch_layers {config.prefetch_layers}, io_threads {config.io_threads}, chunk_bytes "
+            f"{binary(config.chunk_bytes)}, max_inflight_bytes {binary(config.max_inflight_bytes)}, "
+            f"checksum {ALGORITHM if config.checksum else 'off'}")
+
+
+def log_roots(directories: List[str], config=None) -> List[str]:
+    """When an offloader starts: its settings (INFO), one INFO line per directory saying where
+    it writes, and a WARNING for one that is not on an SSD. Returns the warnings."""
     warnings = []
+    if config is not None:
+        log.info("ssdtrain: %s", settings(config))
     for d in directories:
         log.info("ssdtrain: offload files in %s: %s", d, describe(d))
         for note in filesystem_notes(filesystem_of(d)[0]):
