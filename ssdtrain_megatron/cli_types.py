@@ -206,12 +206,6 @@ def free_space_line(path: str) -> str:
     return describe(path)
 
 
-def filesystem_of(path: str) -> Tuple[str, str]:
-    from .io.where import filesystem_of as fs_of
-
-    return fs_of(path)
-
-
 def gib(n: float) -> str:
     """Bytes in binary units (KiB, MiB, GiB, TiB), one decimal."""
     from .io.where import binary

@@ -20,7 +20,8 @@ import platform
 import resource
 from typing import Any, Dict, List, Optional
 
-from .cli_types import filesystem_of, gib
+from .io.where import binary as gib
+from .io.where import filesystem_of
 
 ENGINES = ("posix", "aio", "gds", "memory", "tiered")
 

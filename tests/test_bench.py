@@ -224,7 +224,8 @@ def test_every_numeric_field_is_a_scalar_at_megatrons_iteration_and_interval():
         ("ssd_offload/tensors_forwarded", 2, 2), ("ssd_offload/io_wait_s", 0.25, 2),
         ("ssd_offload/peak_resident_bytes", 1 << 20, 2), ("ssd_offload/write_gbps", 1.5, 2),
         ("ssd_offload/read_gbps", 0.75, 2), ("ssd_offload/bytes_on_disk", 0, 2),
-        ("ssd_offload/fallbacks", 0, 2), ("ssd_offload/step_time_s", 2.0, 2)]
+        ("ssd_offload/fallbacks", 0, 2), ("ssd_offload/step_time_s", 2.0, 2),
+        ("ssd_offload/iteration_time_s", 0.0, 2)]
 
 
 def test_without_a_megatron_training_loop_nothing_is_published(monkeypatch):

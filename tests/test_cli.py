@@ -259,7 +259,9 @@ def test_doctor_table_names_each_part(tmp_path, capsys):
 
 
 def test_doctor_flags_a_root_in_ram(capsys):
-    if not os.path.isdir("/dev/shm") or cli_types.filesystem_of("/dev/shm")[0] != "tmpfs":
+    from ssdtrain_megatron.io.where import filesystem_of
+
+    if not os.path.isdir("/dev/shm") or filesystem_of("/dev/shm")[0] != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm")
     rc, out, _ = run_cli(["doctor", "--dir", "/dev/shm/ssdtrain-doctor-test"], capsys)
     assert "in RAM (tmpfs), not on an SSD" in out

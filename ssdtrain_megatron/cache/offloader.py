@@ -242,12 +242,12 @@ class ActivationOffloader:
             write = self._engine.write_meter.take() if hasattr(self._engine, "write_meter") else (0, 0.0)
             read = self._engine.read_meter.take() if hasattr(self._engine, "read_meter") else (0, 0.0)
             now = time.perf_counter()
+            # step_time_s from the step's first forward (what ran before it, e.g. another
+            # model's step, is not this step's); iteration_time_s from the last end_step().
+            first = max(self._step_first, self._step_started)
             stats = self._c.freeze(self._step, write, read,
-                                   self._engine.bytes_on_disk if self._engine else 0,
-                                   # from the step's first forward, not the last end_step():
-                                   # what ran between steps (another model, the optimizer,
-                                   # start-up) is not this step's time
-                                   now - max(self._step_first, self._step_started))
+                                   self._engine.bytes_on_disk if self._engine else 0, now - first,
+                                   now - (first if self._step == 0 else self._step_started))
             if self._planner is not None:
                 order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
                 new = self._planner.update(stats, order, {r.layer: r for r in stats.layers},

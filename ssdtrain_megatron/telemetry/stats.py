@@ -63,8 +63,13 @@ class StepStats:
     fallbacks: int
     """Writes that failed (a full disk, an IO error) and were kept in memory instead."""
     step_time_s: float
-    """Seconds from the step's first forward to end_step()."""
+    """Seconds from the step's first forward to end_step(): forward and backward of all its
+    micro-batches."""
     layers: Tuple[LayerStats, ...] = ()
+    iteration_time_s: float = 0.0
+    """Seconds since the previous end_step() (the first step: since its first forward): the
+    whole iteration, optimizer and data loading included. The adaptive planner weighs
+    io_wait_s against it."""
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -126,7 +131,7 @@ class StepCounters:
             self.timeline.append((time.perf_counter(), self.resident_bytes))
 
     def freeze(self, step: int, write: Tuple[int, float], read: Tuple[int, float], bytes_on_disk: int,
-               step_time_s: float) -> StepStats:
+               step_time_s: float, iteration_time_s: float = 0.0) -> StepStats:
         rows = tuple(LayerStats(layer=str(k), bytes=a.bytes, bytes_offloaded=a.bytes_offloaded,
                                 tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s,
                                 forward_s=a.forward_s)
@@ -137,7 +142,8 @@ class StepCounters:
             tensors_passed_through=self.tensors_passed_through, tensors_kept=self.tensors_kept,
             tensors_forwarded=self.tensors_forwarded, io_wait_s=self.io_wait_s,
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
-            bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows)
+            bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,
+            iteration_time_s=iteration_time_s)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
