@@ -13,7 +13,9 @@ setup(
     packages=find_packages(include=["ssdtrain_megatron", "ssdtrain_megatron.*"]),
     # torch: an open lower bound, so users keep their own CUDA build. On a CPU machine the
     # Makefile installs torch==2.13.0 first, so nothing here pulls a multi-GB CUDA wheel.
-    install_requires=["torch>=2.3", "pyyaml>=6", "numpy"],
+    # tqdm: progress of the long commands; crc32c: the hardware CRC32C of `checksum: true`
+    # (without it, zlib's CRC32 and a warning). Both small, pure wheels on every platform.
+    install_requires=["torch>=2.3", "pyyaml>=6", "numpy", "tqdm>=4.60", "crc32c>=2.3"],
     extras_require={
         "test": ["pytest>=7", "matplotlib"],
         "megatron": ["megatron-core>=0.16,<0.17"],

@@ -85,9 +85,9 @@ class OffloadConfig:
     pending writes cannot pin unbounded memory."""
 
     checksum: bool = False
-    """Store a CRC32 of every written chunk and verify it on read (posix, aio and the SSD
-    tier of tiered; refused with gds, which keeps no host copy to check, and with memory,
-    which writes no file)."""
+    """Store a CRC32C (io/checksum.py) of every written chunk and verify it on read (posix,
+    aio and the SSD tier of tiered; refused with gds, which keeps no host copy to check, and
+    with memory, which writes no file)."""
 
     stats_path: Optional[str] = None
     """When set, each step's StepStats is appended to this file as one JSON line. A path

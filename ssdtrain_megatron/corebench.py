@@ -23,11 +23,11 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
-from .cache import ActivationOffloader
+from .cli_types import deprecated_alias
 from .config import OffloadConfig
-from .demo_model import TinyGPT, lm_loss
+
+# torch, the offloader and the model are imported inside the functions: `ssdtrain --help`
+# builds this command's parser and must not pay for torch.
 
 
 def add_core_bench_parser(subparsers) -> None:
@@ -35,7 +35,9 @@ def add_core_bench_parser(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="./ssd-offload-bench", help="offload root (default: %(default)s)")
     p.add_argument("--tensors", type=int, default=2000, help="saved tensors per hook measurement")
-    p.add_argument("--tensor-kb", type=int, default=256, help="size of each saved tensor, KiB")
+    p.add_argument("--tensor-kib", dest="tensor_kb", type=int, default=256,
+                   help="size of each saved tensor, KiB (default 256)")
+    deprecated_alias(p, "--tensor-kb", "--tensor-kib", "tensor_kb", int)
     p.add_argument("--steps", type=int, default=3, help="steps per policy for the memory comparison")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_core_bench)
@@ -63,6 +65,10 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple
     IO itself, which runs on the engine's threads; before unpacking, every write is waited for
     and the activations are dropped, so unpack gets the bytes back from the engine (in reverse
     order, as backward does; reads start ahead of the unpacks, as prefetch does)."""
+    import torch
+
+    from .cache import ActivationOffloader
+
     min_bytes = nbytes + 1 if policy == "pass-through" else 0
     c = cfg.replace(policy="keep" if policy != "offload" else "offload", min_tensor_bytes=min_bytes,
                     keep_last_layers=0, max_inflight_bytes=max(cfg.max_inflight_bytes, 2 * n * nbytes))
@@ -95,6 +101,11 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple
 
 
 def peak_memory(cfg: OffloadConfig, steps: int) -> Dict[str, dict]:
+    import torch
+
+    from .cache import ActivationOffloader
+    from .demo_model import TinyGPT, lm_loss
+
     torch.manual_seed(0)
     model = TinyGPT(vocab=512, hidden=256, heads=4, layers=8, seq=256)
     g = torch.Generator().manual_seed(1)

@@ -8,13 +8,27 @@ from ssdtrain_megatron.cli import main
 
 def test_demo_runs_end_to_end(tmp_path, capsys):
     d = tmp_path / "demo"
-    rc = main(["demo", "--dir", str(d), "--steps", "2", "--layers", "2", "--hidden", "64",
-               "--seq", "64", "--micro-batch-size", "2", "--micro-batches", "2"])
+    rc = main(["demo", "--dir", str(d), "--steps", "2", "--num-layers", "2", "--hidden-size", "64",
+               "--seq-length", "64", "--micro-batch-size", "2", "--num-microbatches", "2",
+               "--min-tensor-bytes", "4KiB"])
     out = capsys.readouterr()
     assert rc == 0, out
-    assert "losses bitwise equal to keep: True" in out.out
-    assert "peak resident activations: offload" in out.out
-    assert "[########################] 2/2 step 2" in out.err
+    lines = out.out.splitlines()
+    assert "losses bitwise equal to keep: True" in lines
+    # Offload really happened: bytes went to the drive and came back.
+    saved = next(ln for ln in lines if ln.startswith("saved to SSD: "))
+    written, read = (float(saved.split()[i]) for i in (3, 6))
+    assert written > 0 and read > 0, saved
+    assert any(ln.startswith("peak resident activations, last step (the plot): offload ") for ln in lines)
+    assert any(ln.startswith("where the time went: CPU time per step") for ln in lines)
+    # The header names every setting that changes the numbers.
+    header = out.out.split("\n\n")[0]
+    for setting in ("engine posix", "io_threads 4", "chunk_bytes 8.0 MiB", "checksum off",
+                    "min_tensor_bytes 4.0 KiB", "keep_last_layers 1", "prefetch_layers 2", " free of "):
+        assert setting in header, setting
+    # Per-step lines on stderr; no progress bar (not a terminal), no megatron-core noise.
+    assert "step 1/2 (warm-up): loss " in out.err and "step 2/2: loss " in out.err
+    assert "it/s" not in out.err and "Apex" not in out.err and "Transformer Engine" not in out.err
     png = d / "memory.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [f for _, _, fs in os.walk(d) for f in fs] == ["memory.png"]

@@ -305,7 +305,7 @@ def test_io_trace_has_one_record_per_request_with_context(offload_dir, tmp_path)
     with ActivationOffloader(cfg(offload_dir, trace_path=str(trace), chunk_bytes=64 * 1024)) as off:
         _, _, stats = run_steps(tiny_gpt(), gpt_batches(n=2), off, steps=2, wait_writes=True)
     rows = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
-    assert set(rows[0]) == {"t", "rank", "step", "microbatch", "layer", "phase", "op", "bytes", "file",
+    assert set(rows[0]) == {"t", "wall", "rank", "step", "microbatch", "layer", "phase", "op", "bytes", "file",
                             "offset", "latency_s", "queue_depth"}
     for step, st in enumerate(stats):
         mine = [r for r in rows if r["step"] == step]

@@ -65,7 +65,7 @@ def test_preset_validates_as_offload_config_and_model_shape(name):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_ssdtrain_plan_accepts_preset(name, capsys):
-    assert cli.main(["plan", "--config", _path(name), "--num-micro-batches", "4", "--json"]) == 0
+    assert cli.main(["plan", "--config", _path(name), "--num-microbatches", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     tp, pp = LAYOUTS[name]
     assert (plan["model"]["tp"], plan["model"]["pp"]) == (tp, pp)

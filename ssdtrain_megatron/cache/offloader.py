@@ -18,6 +18,7 @@ from ..io import IOEngine, make_engine
 from ..io.memory import PoolFull
 from ..io.layout import Identity, expand_file, free_bytes
 from ..io import cleanup
+from ..io.where import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
@@ -157,6 +158,7 @@ class ActivationOffloader:
             self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank)
             self._engine.tracer = self._tracer.on_io
         cleanup.register(id(self), self._emergency_close)
+        log_roots(self.rank_dirs, config)  # settings, where the bytes go; a warning for RAM (/tmp)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -278,9 +280,12 @@ class ActivationOffloader:
         write = self._engine.write_meter.take() if hasattr(self._engine, "write_meter") else (0, 0.0)
         read = self._engine.read_meter.take() if hasattr(self._engine, "read_meter") else (0, 0.0)
         now = time.perf_counter()
+        # step_time_s from the step's first forward (what ran before it, e.g. another
+        # model's step, is not this step's); iteration_time_s from the last end_step().
+        first = max(self._step_first, self._step_started)
         stats = self._c.freeze(self._step, write, read,
-                               self._engine.bytes_on_disk if self._engine else 0,
-                               now - self._step_started)
+                               self._engine.bytes_on_disk if self._engine else 0, now - first,
+                               now - (first if self._step == 0 else self._step_started))
         if self._planner is not None:
             order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
             new = self._planner.update(stats, order, {r.layer: r for r in stats.layers},
@@ -296,7 +301,7 @@ class ActivationOffloader:
         self._step_started = now
         self.last_step_stats = stats
         if self._stats_path:
-            append_jsonl(self._stats_path, stats)
+            append_jsonl(self._stats_path, stats, {"policy": self.config.policy})
         if self._tracer is not None:
             self._tracer.flush()
         log.debug("ssdtrain step %d: %s", stats.step, stats.summary())
@@ -524,7 +529,9 @@ class ActivationOffloader:
         """A write finished (or failed)."""
         self._inflight_bytes -= rec.nbytes
         if exc is not None:
-            self._engine.release(rec.id)
+            # Its extent stays allocated until the record is released (_release), as a
+            # written one's would: the slab's high-water mark, which the next step's
+            # free-space check goes by, is then the step's demand whatever the disk held.
             self._fallback(rec, exc)
             return
         dropped = rec.state == State.WRITE_DROPPED

@@ -419,7 +419,8 @@ def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "on this host")
     p.add_argument("roots", nargs="*", metavar="ROOT",
                    help="a folder holding offload directories at any depth (a drive, an offload "
-                        "root, the folder above the job ids)")
+                        "root, the folder above the job ids), or a template from OffloadConfig.dirs "
+                        "({job}, {rank}, ... match any directory there)")
     p.set_defaults(func=run_clean)
     return p
 
@@ -444,7 +445,16 @@ def run_clean(args: argparse.Namespace) -> int:
         return 2
     status = 0
     totals: Dict[str, int] = {"dirs": 0, "bytes": 0, "folders": 0}
-    batches: List[Tuple[str, object]] = [(root, None) for root in args.roots]
+    # A ROOT written as a template (/mnt/nvme0/ssdtrain/{job}, as in the config) names every
+    # directory it matches on this host.
+    batches: List[Tuple[str, object]] = []
+    for root in args.roots:
+        if "{" not in root:
+            batches.append((root, None))
+        elif template_roots(root):
+            templates.append(root)
+        else:
+            print(f"ssdtrain clean: {root}: no directory matches", file=sys.stderr)
     if templates:
         batches.append((", ".join(templates), templates))
     for name, batch_templates in batches:

@@ -10,7 +10,7 @@ Why these choices:
   tensor's first chunk on the next root in turn; each root holds its chunks of a tensor back
   to back in one extent.
 - Staged engines (posix, aio) copy through page-aligned bounce buffers on the IO threads,
-  zero the padding that reaches the disk, and keep a CRC32 per chunk when ``checksum`` is on.
+  zero the padding that reaches the disk, and keep a CRC32C per chunk when ``checksum`` is on (io/checksum.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import logging
 import mmap
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional
 
@@ -29,6 +28,7 @@ import torch
 
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine
+from .checksum import ALGORITHM, checksum
 from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
@@ -265,7 +265,7 @@ class SlabEngine(IOEngine):
             if stage.numel() > n:
                 stage[n:].zero_()  # the padding reaches the disk: never stale memory
             if self._checksum:
-                ext.crc = zlib.crc32(stage[:n].numpy()) if n else 0
+                ext.crc = checksum(stage[:n].numpy()) if n else 0
 
     def _check_inside(self, op: Run) -> None:
         """Read side, before the IO: the run lies inside the reserved (written) file."""
@@ -283,11 +283,11 @@ class SlabEngine(IOEngine):
                 n, start = ext.length, i * self._chunk
                 stage = op.buf[ext.offset - op.offset:ext.offset - op.offset + n]
                 if exc is None and req.error is None and self._checksum and n:
-                    crc = zlib.crc32(stage.numpy())
+                    crc = checksum(stage.numpy())
                     if crc != ext.crc:
                         raise EngineError(f"checksum mismatch reading {n} bytes from "
                                           f"{self._slabs[ext.root].path} at offset {ext.offset}: "
-                                          f"stored crc32 {ext.crc:#010x}, read {crc:#010x}")
+                                          f"stored {ALGORITHM} {ext.crc:#010x}, read {crc:#010x}")
                 if exc is None and req.error is None and n:
                     req.tensor[start:start + n].copy_(stage)
             except BaseException as e:  # noqa: BLE001 - surfaced through the Future
