@@ -12,13 +12,15 @@ DEMO_DIR ?= ./ssd-offload-demo
 PYTEST_ARGS ?=
 
 # One virtualenv per supported megatron-core minor version, for the megatron integration tests
-# (`make venv-mcore-0.19`, `make test-mcore-0.19`). The 0.17+ wheels declare Requires-Python
-# >=3.12 but install and import on 3.11: hence --ignore-requires-python. 0.18+ import triton
-# (CPU wheel, no CUDA) at module level from their pipeline schedules. six and regex: what the
-# shipped megatron.training (0.17+) imports. Each venv is reused until setup.py or this file
-# changes (CI on one machine keeps them between runs). Only megatron-core itself is installed
-# past its Requires-Python: its dependencies resolve normally, so pip picks releases that have
-# 3.11 wheels (with --ignore-requires-python everywhere it would build numpy 2.5 from source).
+# (`make venv-mcore-0.19`, `make test-mcore-0.19`). It holds torch, megatron-core and what the
+# tests import, not this package: the tests import it from this source tree (PYTHONPATH), so a
+# venv can live outside the work tree and outlive it (CI: MCORE_VENVS=~/.cache/...), and it is
+# rebuilt only when what it should hold (MCORE_SPEC, kept in its .installed) changes.
+# The 0.17+ wheels declare Requires-Python >=3.12 but install and import on 3.11: only
+# megatron-core itself is installed with --ignore-requires-python; its dependencies resolve
+# normally, so pip picks releases with 3.11 wheels (ignoring it everywhere builds numpy 2.5 from
+# source and fails). 0.18+ import triton (CPU wheel, no CUDA) at module level from their
+# pipeline schedules. six and regex: what Megatron-LM's training code imports.
 MCORE_MINORS := 0.16 0.17 0.18 0.19
 MCORE_PIN_0.16 := 0.16.1
 MCORE_PIN_0.17 := 0.17.1
@@ -26,8 +28,11 @@ MCORE_PIN_0.18 := 0.18.2
 MCORE_PIN_0.19 := 0.19.2
 MCORE_EXTRA_0.18 := triton
 MCORE_EXTRA_0.19 := triton
-# The megatron tests that need no checkout: install(), the CPU training runs, and Megatron-LM's
-# own training loop from the wheel (0.17+).
+MCORE_VENVS ?= .
+MCORE_VENV = $(MCORE_VENVS)/.venv-mcore-$*
+MCORE_SPEC = $(strip $(TORCH) megatron-core==$(MCORE_PIN_$*) pytest pyyaml numpy six regex $(MCORE_EXTRA_$*))
+# The megatron tests that need no checkout: install() on every layout, the CPU runtime, the
+# release table, and Megatron-LM's own training loop from the wheel (0.17+).
 MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
 	tests/test_megatron_versions.py tests/test_megatron_training_loop.py
 
@@ -60,27 +65,27 @@ lint: install
 	$(PIP) install -q pyflakes
 	$(PY) -m pyflakes ssdtrain_megatron tests
 
-# The stamp holds the pin: a venv of another patch release is rebuilt.
 venv-mcore-%:
 	@test -n "$(MCORE_PIN_$*)" || { echo "no megatron-core pin for '$*' (have: $(MCORE_MINORS))"; exit 2; }
-	@grep -qx "$(MCORE_PIN_$*)" .venv-mcore-$*/.installed 2>/dev/null || rm -f .venv-mcore-$*/.installed
-	@$(MAKE) --no-print-directory .venv-mcore-$*/.installed
-
-.venv-mcore-%/.installed: setup.py
-	$(PYTHON) -m venv .venv-mcore-$*
-	.venv-mcore-$*/bin/python -m pip install -q "$(TORCH)"
-	.venv-mcore-$*/bin/python -m pip install -q --ignore-requires-python --no-deps \
-		"megatron-core==$(MCORE_PIN_$*)"
-	.venv-mcore-$*/bin/python -c "from importlib.metadata import requires; \
-		print('\n'.join(r for r in requires('megatron-core') or [] if 'extra ==' not in r))" \
-		> .venv-mcore-$*/megatron-core-requires.txt
-	.venv-mcore-$*/bin/python -m pip install -q -r .venv-mcore-$*/megatron-core-requires.txt \
-		six regex $(MCORE_EXTRA_$*)
-	.venv-mcore-$*/bin/python -m pip install -q -e ".[test]"
-	echo "$(MCORE_PIN_$*)" > $@
+	@if grep -qxF "$(MCORE_SPEC)" "$(MCORE_VENV)/.installed" 2>/dev/null; then \
+		echo "$(MCORE_VENV): megatron-core $(MCORE_PIN_$*) ready"; \
+	else \
+		set -e; rm -rf "$(MCORE_VENV)"; \
+		echo "$(MCORE_VENV): installing $(MCORE_SPEC)"; \
+		$(PYTHON) -m venv "$(MCORE_VENV)"; \
+		"$(MCORE_VENV)/bin/python" -m pip install -q "$(TORCH)"; \
+		"$(MCORE_VENV)/bin/python" -m pip install -q --ignore-requires-python --no-deps \
+			"megatron-core==$(MCORE_PIN_$*)"; \
+		"$(MCORE_VENV)/bin/python" -c "from importlib.metadata import requires; \
+			print('\n'.join(r for r in requires('megatron-core') or [] if 'extra ==' not in r))" \
+			> "$(MCORE_VENV)/megatron-core-requires.txt"; \
+		"$(MCORE_VENV)/bin/python" -m pip install -q -r "$(MCORE_VENV)/megatron-core-requires.txt" \
+			$(filter-out $(TORCH) megatron-core==%,$(MCORE_SPEC)); \
+		echo "$(MCORE_SPEC)" > "$(MCORE_VENV)/.installed"; \
+	fi
 
 test-mcore-%: venv-mcore-%
-	.venv-mcore-$*/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS) $(MCORE_TESTS)
+	PYTHONPATH="$(CURDIR)" "$(MCORE_VENV)/bin/python" -m pytest -q -m "not slow" $(PYTEST_ARGS) $(MCORE_TESTS)
 
 clean:
 	rm -rf $(VENV) $(addprefix .venv-mcore-,$(MCORE_MINORS)) build *.egg-info $(DEMO_DIR)

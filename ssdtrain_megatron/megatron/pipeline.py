@@ -8,8 +8,9 @@ three schedules (no pipelining, 1F1B, interleaved), and the training loop gets t
 * ``forward_step``: records the micro-batch's forward under ``offloader.microbatch((chunk,
   micro-batch))`` (chunk: the virtual pipeline stage, 0 without one) and remembers which output
   tensor belongs to which micro-batch;
-* ``backward_step`` (each backward function of the release): finds the micro-batch from that output tensor and tells the offloader its
-  backward is next (``begin_backward``), unless a prediction already did;
+* ``backward_step`` (each backward function of the release): finds the micro-batch from that
+  output tensor and tells the offloader its backward is next (``begin_backward``), unless a
+  prediction already did;
 * after each forward and backward, :class:`~.schedule.BackwardOrder` predicts whose backward
   follows, so reads start while the pipeline communicates;
 * the function ``get_forward_backward_func()`` returns ends the step (``offloader.end_step()``)
