@@ -37,7 +37,7 @@ MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
 	tests/test_megatron_versions.py tests/test_megatron_training_loop.py
 
 # (venv-mcore-% and test-mcore-% are pattern rules: make skips implicit rules for .PHONY names.)
-.PHONY: install demo test test-all bench lint clean
+.PHONY: install demo test test-all bench lint clean venv-megatron-deepspeed test-megatron-deepspeed
 
 install: $(VENV)/.installed
 
@@ -87,5 +87,29 @@ venv-mcore-%:
 test-mcore-%: venv-mcore-%
 	PYTHONPATH="$(CURDIR)" "$(MCORE_VENV)/bin/python" -m pytest -q -m "not slow" $(PYTEST_ARGS) $(MCORE_TESTS)
 
+# Megatron-DeepSpeed (deepspeedai/Megatron-DeepSpeed master, 4efb479d) imports
+# deepspeed.compression.compress, which DeepSpeed 0.19.8 removed: its opt-in test
+# (MEGATRON_DEEPSPEED_DIR) runs in a venv with DeepSpeed 0.19.0. pybind11: the checkout builds
+# its C++ dataset helpers with it on first use.
+MDS_DEEPSPEED ?= deepspeed==0.19.0
+MDS_VENV ?= .venv-megatron-deepspeed
+MDS_SPEC = $(strip $(TORCH) $(MDS_DEEPSPEED) pybind11 pytest pyyaml numpy six regex)
+
+venv-megatron-deepspeed:
+	@if grep -qxF "$(MDS_SPEC)" "$(MDS_VENV)/.installed" 2>/dev/null; then \
+		echo "$(MDS_VENV): $(MDS_DEEPSPEED) ready"; \
+	else \
+		set -e; rm -rf "$(MDS_VENV)"; \
+		$(PYTHON) -m venv "$(MDS_VENV)"; \
+		"$(MDS_VENV)/bin/python" -m pip install -q "$(TORCH)"; \
+		"$(MDS_VENV)/bin/python" -m pip install -q $(filter-out $(TORCH),$(MDS_SPEC)); \
+		echo "$(MDS_SPEC)" > "$(MDS_VENV)/.installed"; \
+	fi
+
+test-megatron-deepspeed: venv-megatron-deepspeed
+	@test -n "$(MEGATRON_DEEPSPEED_DIR)" || { echo "set MEGATRON_DEEPSPEED_DIR to a Megatron-DeepSpeed checkout"; exit 2; }
+	PYTHONPATH="$(CURDIR)" "$(MDS_VENV)/bin/python" -m pytest -q $(PYTEST_ARGS) \
+		tests/test_megatron_deepspeed_pretrain.py tests/test_patches.py
+
 clean:
-	rm -rf $(VENV) $(addprefix .venv-mcore-,$(MCORE_MINORS)) build *.egg-info $(DEMO_DIR)
+	rm -rf $(VENV) $(MDS_VENV) $(addprefix .venv-mcore-,$(MCORE_MINORS)) build *.egg-info $(DEMO_DIR)
