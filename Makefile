@@ -90,10 +90,10 @@ test-mcore-%: venv-mcore-%
 # Megatron-DeepSpeed (deepspeedai/Megatron-DeepSpeed master, 4efb479d) imports
 # deepspeed.compression.compress, which DeepSpeed 0.19.8 removed: its opt-in test
 # (MEGATRON_DEEPSPEED_DIR) runs in a venv with DeepSpeed 0.19.0. pybind11: the checkout builds
-# its C++ dataset helpers with it on first use.
+# its C++ dataset helpers with it on first use; its tokenizer module imports transformers.
 MDS_DEEPSPEED ?= deepspeed==0.19.0
 MDS_VENV ?= .venv-megatron-deepspeed
-MDS_SPEC = $(strip $(TORCH) $(MDS_DEEPSPEED) pybind11 pytest pyyaml numpy six regex)
+MDS_SPEC = $(strip $(TORCH) $(MDS_DEEPSPEED) pybind11 transformers pytest pyyaml numpy six regex)
 
 venv-megatron-deepspeed:
 	@if grep -qxF "$(MDS_SPEC)" "$(MDS_VENV)/.installed" 2>/dev/null; then \

@@ -28,8 +28,8 @@ and adds what Megatron-LM's training loop (``megatron.training``) assumes about 
   ship imports it; those wheels declare Requires-Python >=3.12 but run on 3.11 otherwise. On
   3.11 it is set to a decorator that does what 3.12's does at run time (marks the function
   with ``__override__ = True``, nothing else).
-* ``megatron.legacy`` (the fused-kernel loader) is only in a Megatron-LM checkout, not in the
-  wheels' ``megatron.training`` (0.17+): it is stubbed only where it exists.
+* ``megatron.legacy.fused_kernels`` (the nvcc kernel loader) is in Megatron-LM checkouts up to
+  core_v0.16, not in core_v0.17+ nor in the wheels: it is stubbed only where it exists.
 
 ``enable(checkout)`` puts ``checkout`` first on ``sys.path`` (so ``megatron`` is the checkout's,
 as when its scripts run), then installs everything; ``enable(None)`` uses the installed wheel's
@@ -242,7 +242,8 @@ def enable(checkout: Optional[str] = None) -> None:
     if _HELPERS in sys.modules:
         _patch(dataset_utils, "compile_helpers", lambda: None)
 
-    if importlib.util.find_spec("megatron.legacy") is not None:
+    if importlib.util.find_spec("megatron.legacy") is not None and \
+            importlib.util.find_spec("megatron.legacy.fused_kernels") is not None:
         from megatron.legacy import fused_kernels
 
         # Megatron's fused kernels are CUDA sources built with nvcc; the CPU runs the unfused
