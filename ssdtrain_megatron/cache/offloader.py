@@ -19,6 +19,7 @@ from ..io import cleanup
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
+from .device_copy import DeviceCopy, StreamOps
 from .identity import dedup_key, pass_reason, storage_ref
 from .microbatch import MicroBatch
 from .record import State, TensorRecord
@@ -67,9 +68,14 @@ class ActivationOffloader:
         config: the settings (see OffloadConfig).
         device: the training device; default: the current CUDA device, else the CPU.
         engine: an IO engine to use instead of building ``config.engine`` (tests, benchmarks).
+        streams: the streams/events/copies of the GPU data path (``cache/device_copy.py``);
+            default: torch.cuda's on a CUDA device, none on the CPU. Tests pass a recording
+            stand-in to check the ordering on a CPU device.
 
     Raises:
         ConfigError, EngineUnavailable, LayoutError: at construction, on bad settings or roots.
+        StagingUnavailable: at construction on a GPU, when the pinned staging pool
+            (``pinned_staging_bytes``) cannot be allocated.
         RuntimeError: at unpack, when a saved tensor was modified in place, or its read failed
             (the message names the file, offset and cause).
 
@@ -83,7 +89,7 @@ class ActivationOffloader:
     """
 
     def __init__(self, config: OffloadConfig, device: Optional[torch.device] = None,
-                 engine: Optional[IOEngine] = None) -> None:
+                 engine: Optional[IOEngine] = None, streams: Optional[StreamOps] = None) -> None:
         self.config = config
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -92,6 +98,17 @@ class ActivationOffloader:
         self._engine: Optional[IOEngine] = engine
         if self._engine is None and config.policy != "keep":
             self._engine = make_engine(config)
+        # The GPU data path: copies on their own streams through pinned staging (or, for an
+        # engine that moves device memory itself, gds, only the events that order it).
+        self._copy: Optional[DeviceCopy] = None
+        if self._engine is not None and (self.device.type == "cuda" or streams is not None):
+            try:
+                self._copy = DeviceCopy(self.device, config.staging_bytes(), streams,
+                                        direct=getattr(self._engine, "device_direct", False))
+            except BaseException:
+                if engine is None:
+                    self._engine.close()
+                raise
         self._lock = threading.RLock()
         self._io_done = threading.Condition(self._lock)
         self._ids = itertools.count()
@@ -401,21 +418,26 @@ class ActivationOffloader:
                                     f"bytes of writes to finish before writing a {rec.describe()}")
                 self._io_done.wait(left)
             self._count_wait(rec, time.perf_counter() - t0)
-        event = None
-        if rec.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(rec.device))
         self._move(rec, State.WRITING)
         self._inflight_bytes += rec.nbytes
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
+        xfer = None
         try:
-            fut = self._engine.write(rec.id, rec.bytes_view(), event)
+            if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
+                data, event, xfer = self._copy.stage_out(rec)
+            else:
+                data, event = rec.bytes_view(), None
+            fut = self._engine.write(rec.id, data, event)
         except Exception as exc:  # could not even start (e.g. the memory pool is full): keep it
+            if xfer is not None:
+                self._copy.written(xfer)
             self._inflight_bytes -= rec.nbytes
             self._fallback(rec, exc)
             return
         rec.future = fut
+        if xfer is not None:  # first: frees the staging without the offloader's lock
+            fut.add_done_callback(lambda f, xfer=xfer: self._copy.written(xfer))
         fut.add_done_callback(lambda f, rec=rec: self._write_done(rec, f))
 
     def _write_done(self, rec: TensorRecord, fut) -> None:
@@ -484,12 +506,17 @@ class ActivationOffloader:
             self._move(rec, State.READY)
             self._c.tensors_forwarded += 1
             return
-        restored, target = rec.allocate_restore()
+        event = None
+        if self._copy is not None:  # GPU: the engine reads into pinned staging (gds: in place)
+            restored, target, event = self._copy.stage_in(rec)
+        else:
+            restored, target = rec.allocate_restore()
         rec.tensor = restored
         self._move(rec, State.READING)
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
-        rec.future = self._engine.read(rec.id, target)
+        rec.future = self._engine.read(rec.id, target, event) if event is not None \
+            else self._engine.read(rec.id, target)
         rec.future.add_done_callback(lambda f, rec=rec: self._read_done(rec, f))
 
     def _read_done(self, rec: TensorRecord, fut) -> None:
@@ -502,8 +529,13 @@ class ActivationOffloader:
             if exc is not None:
                 rec.corrupt = f"reading back a {rec.describe()} failed: {exc}"
                 rec.tensor = None
+                if self._copy is not None:
+                    self._copy.read_failed(rec)
             else:
-                rec.finish_read()
+                if self._copy is not None:
+                    self._copy.finish_in(rec)  # host->device on the reload stream
+                else:
+                    rec.finish_read()
                 self._c.bytes_read += rec.nbytes
             self._move(rec, State.READY)
             rec.future = None
@@ -528,6 +560,8 @@ class ActivationOffloader:
             if rec.corrupt:
                 raise RuntimeError(rec.corrupt)
             out = rec.tensor
+            if self._copy is not None:
+                self._copy.consume(rec, out)  # the current stream waits for the reload
         rec.check_version(rec.ref())
         return out
 
@@ -582,6 +616,7 @@ class ActivationOffloader:
         if self._tracer is not None:
             self._tracer.forget(rec.id)
         rec.tensor = None
+        rec.transfer = None
         self._records.pop(rec.id, None)
         mb = self._microbatches.get(rec.microbatch)
         if mb is not None:

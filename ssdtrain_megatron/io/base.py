@@ -33,6 +33,10 @@ class IOEngine(abc.ABC):
 
     name: str = "base"
 
+    device_direct: bool = False
+    """True when the engine moves GPU memory itself (gds): the offloader then hands it device
+    tensors and events instead of pinned host copies (see cache/device_copy.py)."""
+
     @classmethod
     def is_available(cls) -> Tuple[bool, str]:
         """(True, '') when the engine can run here, else (False, what is missing)."""
@@ -44,9 +48,10 @@ class IOEngine(abc.ABC):
         None) must complete before the bytes are read from ``data``."""
 
     @abc.abstractmethod
-    def read(self, key: int, out: torch.Tensor) -> Future:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
         """Start reading the bytes stored under ``key`` into ``out`` (contiguous 1-D uint8 of
-        the written length)."""
+        the written length). ``ready_event`` (a CUDA event or None) must complete before bytes
+        are written into ``out`` (kernels that used its memory before may still run)."""
 
     @abc.abstractmethod
     def release(self, key: int) -> None:

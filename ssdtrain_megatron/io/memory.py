@@ -121,7 +121,7 @@ class MemoryEngine(IOEngine):
         return self._start("write", key, offset, nbytes, self.write_meter,
                            self._copy_in, data, offset, nbytes, ready_event)
 
-    def read(self, key: int, out: torch.Tensor) -> Future:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
         self._check_open()
         with self._lock:
             where = self._extents.get(key)
@@ -131,7 +131,7 @@ class MemoryEngine(IOEngine):
         if out.numel() != nbytes:
             raise EngineError(f"read of key {key} into {out.numel()} bytes; {nbytes} were written")
         return self._start("read", key, offset, nbytes, self.read_meter,
-                           self._copy_out, out, offset, nbytes)
+                           self._copy_out, out, offset, nbytes, ready_event)
 
     def _start(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, fn, *args) -> Future:
         with self._lock:
@@ -206,7 +206,9 @@ class MemoryEngine(IOEngine):
         if nbytes:
             self._pool[offset:offset + nbytes].copy_(data)
 
-    def _copy_out(self, out: torch.Tensor, offset: int, nbytes: int) -> None:
+    def _copy_out(self, out: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
+        if ready_event is not None:
+            ready_event.synchronize()
         if nbytes:
             out.copy_(self._pool[offset:offset + nbytes])
 

@@ -127,7 +127,7 @@ class SlabEngine(IOEngine):
             depth = self._queued
         return self._start(Request(self, key, True, data, placement, n, ready_event, self.write_meter, depth))
 
-    def read(self, key: int, out: torch.Tensor) -> Future:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
         self._check_open()
         with self._lock:
             placement = self._placed.get(key)
@@ -140,7 +140,7 @@ class SlabEngine(IOEngine):
             n = len(placement.extents)
             self._queued += n
             depth = self._queued
-        return self._start(Request(self, key, False, out, placement, n, None, self.read_meter, depth))
+        return self._start(Request(self, key, False, out, placement, n, ready_event, self.read_meter, depth))
 
     def _start(self, req: Request) -> Future:
         req.meter.begin()
@@ -270,6 +270,8 @@ class SlabEngine(IOEngine):
                                           f"{self._slabs[ext.root].path} at offset {ext.offset}: "
                                           f"stored crc32 {ext.crc:#010x}, read {crc:#010x}")
                 if exc is None and req.error is None and n:
+                    if req.ready_event is not None:
+                        req.ready_event.synchronize()
                     req.tensor[start:start + n].copy_(stage)
             except BaseException as e:  # noqa: BLE001 - surfaced through the Future
                 exc = as_engine_error(e, f"{self.name} read")

@@ -119,12 +119,12 @@ class TieredEngine(IOEngine):
         fut.add_done_callback(done)
         return out
 
-    def read(self, key: int, out: torch.Tensor) -> Future:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
         with self._lock:
             tier = self._tier.get(key)
         if tier is None:
             raise EngineError(f"read of unknown key {key}")
-        return self._metered(tier.read(key, out), self.read_meter, out.numel())
+        return self._metered(tier.read(key, out, ready_event), self.read_meter, out.numel())
 
     def tier_of(self, key: int) -> str:
         """'memory' or 'posix': where ``key`` is stored."""
