@@ -11,7 +11,7 @@ EXTRAS ?= test,megatron,aio
 DEMO_DIR ?= ./ssd-offload-demo
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all bench lint clean
+.PHONY: install demo test test-all bench lint clean gpu-check
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,12 @@ test-all: install
 
 bench: install
 	$(VENV)/bin/ssdtrain bench
+
+# The GPU check runs on a bare GPU box: no venv, no network (see README "gpu-check").
+# GPU_CHECK_DRY=1 runs only what needs no GPU. Options: GPU_CHECK_ARGS="--out DIR ...".
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHON=$(PYTHON) scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 lint: install
 	$(PY) -m compileall -q ssdtrain_megatron tests

@@ -295,8 +295,10 @@ class DeviceCopy:
                 ops.copy(rec.tensor, xfer.packed)  # scatter into the strided places
             xfer.ready_event = ops.new_event()
             xfer.ready_event.record(stream)
-        for t in (xfer.dest, xfer.packed):
-            if t is not None:  # allocated on the compute stream, last used on this one
+        # Allocated on the compute stream, written on this one: if the record is released
+        # before a consumer ran (its backward never came), the allocator must still wait.
+        for t in (rec.tensor, xfer.packed):
+            if t is not None:
                 ops.record_stream(t, stream)
         xfer.dest = xfer.packed = None
         if xfer.block is not None:
