@@ -19,9 +19,10 @@ others still run), writing results as it goes:
                steady state, offload with the memory engine vs keep
   io-bench     the drive's bandwidth through the posix engine (ssdtrain io-bench)
   measure      16 layers, hidden 4096, seq 2048 (--layers/--hidden/--seq): peak
-               max_memory_allocated, step time, tokens/s for keep, offload (memory, posix),
-               adaptive and full recompute, at micro-batch 1 and at 2 under a memory budget
-               that keep cannot fit
+               max_memory_allocated, step time, tokens/s for keep, offload (memory, posix)
+               and full recompute at micro-batch K (--micro-batch, 2), and for keep, full
+               recompute, adaptive and offload at K+1 inside a memory budget that fits keep
+               at K but not at K+1
 
 It writes ``gpu-check.json`` (everything) and ``table.txt`` (the target rows, PASS/FAIL) into
 --out, after every step. ``GPU_CHECK_DRY=1`` (or --dry-run) runs what needs no GPU: argument
@@ -85,6 +86,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--heads", type=_positive_int, default=32, help="measure: attention heads (default: %(default)s)")
     p.add_argument("--seq", type=_positive_int, default=2048, help="measure: sequence length (default: %(default)s)")
     p.add_argument("--vocab", type=_positive_int, default=8192, help="measure: vocabulary (default: %(default)s)")
+    p.add_argument("--micro-batch", type=_positive_int, default=2,
+                   help="measure: micro-batch K compared side by side; K+1 then runs in a budget keep "
+                        "cannot fit (default: %(default)s)")
     p.add_argument("--steps", type=_positive_int, default=2, help="measure: timed steps per point (default: %(default)s)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -156,7 +160,7 @@ def run_parent(args: argparse.Namespace) -> int:
     header = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
               "dry_run": args.dry_run, "out": args.out, "scratch": args.scratch, "wheels": wheels,
               "plan": steps, "total_s": args.total_s,
-              "measure_shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "steps")}}
+              "measure_shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")}}
     res = Results(args.out, header)
     say = lambda msg: print(f"gpu-check: {msg}", flush=True)  # noqa: E731
     for name, w in wheels.items():
@@ -248,7 +252,7 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
         os.unlink(result_path)
     log_path = os.path.join(args.out, "logs", f"{name}.log")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out,
-           "--scratch", args.scratch] + [f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "heads", "seq", "vocab", "steps")]
+           "--scratch", args.scratch] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")]
     child_env = dict(env, GPU_CHECK_DEADLINE=str(time.time() + limit - 3))
     with open(log_path, "w") as log:
         try:
@@ -316,29 +320,38 @@ def targets(steps: Dict[str, dict]) -> List[dict]:
         row("no host sync added (memory engine, steady state)", sy["offload_syncs"] <= sy["keep_syncs"],
             f"syncs per step: offload {sy['offload_syncs']}, keep {sy['keep_syncs']}")
     me = steps.get("measure", {})
+    k = me.get("micro_batch", 1)
     pts = {p["name"]: p for p in me.get("points", []) if p.get("ok")}
-    keep1 = pts.get("keep@1")
+    keep = pts.get(f"keep@{k}")
     for eng in ("memory", "posix"):
-        off1 = pts.get(f"offload-{eng}@1")
-        if keep1 and off1:
-            ratio = off1["peak_bytes"] / keep1["peak_bytes"]
-            row(f"peak offload-{eng} <= 0.5x keep (micro-batch 1)", ratio <= 0.5, f"{ratio:.2f}x")
+        off = pts.get(f"offload-{eng}@{k}")
+        if keep and off:
+            ratio = off["peak_bytes"] / keep["peak_bytes"]
+            row(f"peak offload-{eng} <= 0.5x keep (micro-batch {k})", ratio <= 0.5,
+                f"{ratio:.2f}x ({off['peak_bytes'] / 2**30:.1f} vs {keep['peak_bytes'] / 2**30:.1f} GiB; "
+                f"activations alone {_activation_ratio(off, keep):.2f}x)")
             bw = me.get("bandwidth", {}).get(eng)
             if bw:
-                link = off1["bytes_written"] / bw["write"] + off1["bytes_read"] / bw["read"]
-                bound = max(keep1["step_s"], link)
-                r = off1["step_s"] / bound
+                link = off["bytes_written"] / bw["write"] + off["bytes_read"] / bw["read"]
+                bound = max(keep["step_s"], link)
+                r = off["step_s"] / bound
                 row(f"overlap offload-{eng} <= 1.05x max(keep, bytes/bw)", r <= 1.05,
-                    f"{off1['step_s']:.3f}s vs bound {bound:.3f}s (keep {keep1['step_s']:.3f}s, link {link:.3f}s) = {r:.2f}x")
-    ad, rc2 = pts.get("adaptive@2"), pts.get("recompute@2")
-    keep2 = next((p for p in me.get("points", []) if p["name"] == "keep@2"), None)
-    if ad and keep1 and rc2:
-        premise = keep2 is not None and keep2.get("oom")
-        ok = ad["tokens_per_s"] >= keep1["tokens_per_s"] and ad["tokens_per_s"] > rc2["tokens_per_s"]
-        row("ROK: adaptive@2 >= keep's best and > recompute (in budget)", ok if premise else None,
-            f"tokens/s adaptive {ad['tokens_per_s']:.0f}, keep@1 {keep1['tokens_per_s']:.0f}, recompute@2 "
-            f"{rc2['tokens_per_s']:.0f}" + ("" if premise else "; keep fit at 2 in the budget: not the ROK regime"))
+                    f"{off['step_s']:.3f}s vs bound {bound:.3f}s (keep {keep['step_s']:.3f}s, link {link:.3f}s) = {r:.2f}x")
+    ad, rc = pts.get(f"adaptive@{k + 1}"), pts.get(f"recompute@{k + 1}")
+    keep_more = next((p for p in me.get("points", []) if p["name"] == f"keep@{k + 1}"), None)
+    if ad and keep and rc:
+        premise = keep_more is not None and keep_more.get("oom")
+        ok = ad["tokens_per_s"] >= keep["tokens_per_s"] and ad["tokens_per_s"] > rc["tokens_per_s"]
+        row(f"ROK: adaptive@{k + 1} >= keep's best and > recompute (in budget)", ok if premise else None,
+            f"tokens/s adaptive {ad['tokens_per_s']:.0f}, keep@{k} {keep['tokens_per_s']:.0f}, recompute@{k + 1} "
+            f"{rc['tokens_per_s']:.0f}" + ("" if premise else f"; keep fit at {k + 1} in the budget: not the ROK regime"))
     return rows
+
+
+def _activation_ratio(off: dict, keep: dict) -> float:
+    """Peak above what stays resident between steps, offload over keep."""
+    base = keep.get("resident_after_step", 0)
+    return max(off["peak_bytes"] - base, 0) / max(keep["peak_bytes"] - base, 1)
 
 
 def render(data: dict) -> str:

@@ -14,6 +14,7 @@ import gc
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,7 +56,7 @@ class GpuGPT(MiniGPT):
             use_cpu_initialization=False, hidden_dropout=0.0, attention_dropout=0.0,
             bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False)
-        with torch.cuda.device(device):
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             self.model = GPTModel(config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(),
                                   vocab_size=spec.vocab, max_sequence_length=spec.seq,
                                   share_embeddings_and_output_weights=False, position_embedding_type="rope")
@@ -311,19 +312,24 @@ def _pinned_bandwidth(device: torch.device, nbytes: int = GiB) -> dict:
 
 
 def step_measure(args, save) -> dict:
+    """Side by side at micro-batch K (--micro-batch): keep, offload (memory, posix), full
+    recompute. Then a budget that fits keep at K and not at K+1 (resident + (K + 0.5) x one
+    sample's activations, measured from keep), and at K+1 inside it: keep (expected out of
+    memory), full recompute, adaptive, offload. A point that needs more drive space or host
+    memory than the box has is skipped with the reason; partial results are saved per point."""
     result: Dict[str, object] = {"points": [], "bandwidth": {}}
-    steps_dir = os.path.join(args.out, "steps")
     bench = None
     try:
-        with open(os.path.join(steps_dir, "io-bench.json")) as f:
+        with open(os.path.join(args.out, "steps", "io-bench.json")) as f:
             bench = json.load(f)
     except (OSError, ValueError):
         pass
     if bench and bench.get("posix"):
         result["bandwidth"]["posix"] = {"write": bench["posix"]["write_gbps"] * 1e9, "read": bench["posix"]["read_gbps"] * 1e9}
+    k = args.micro_batch
     spec = GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
-                   micro_batch=1, num_microbatches=1)
-    result["spec"] = dataclasses.asdict(spec)
+                   micro_batch=k, num_microbatches=1)
+    result.update(spec=dataclasses.asdict(spec), micro_batch=k)
     with MegatronRuntime() as rt:
         dev = rt.device
         result["bandwidth"]["memory"] = _pinned_bandwidth(dev)
@@ -332,13 +338,23 @@ def step_measure(args, save) -> dict:
         total = torch.cuda.get_device_properties(dev).total_memory
         host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         base_cfg = OffloadConfig(dirs=[args.scratch], engine="posix")
+        per_sample = {"bytes": None}  # one sample's activations, once keep has run
 
         def point(name: str, mb: int, policy: str, engine: str = "posix", recompute: bool = False,
                   budget: Optional[int] = None, warmup: int = 1, **cfg_kw) -> dict:
             p: Dict[str, object] = {"name": f"{name}@{mb}", "micro_batch": mb, "policy": policy, "engine": engine,
                                     "budget_bytes": budget}
+            need = per_sample["bytes"] * mb * 1.1 if per_sample["bytes"] else 0
+            why = None
             if deadline_left() < 20:
-                p.update(ok=False, error="not run: out of time")
+                why = "not run: out of time"
+            elif policy != "keep" and engine == "posix" and need > shutil.disk_usage(args.scratch).free:
+                why = (f"not run: needs about {need / 1e9:.0f} GB on the drive, "
+                       f"{shutil.disk_usage(args.scratch).free / 1e9:.0f} GB free")
+            elif cfg_kw.get("host_memory_bytes", 0) > 0.75 * host_ram:
+                why = f"not run: a {cfg_kw['host_memory_bytes'] / 1e9:.0f} GB pinned pool, {host_ram / 1e9:.0f} GB of RAM"
+            if why:
+                p.update(ok=False, error=why)
                 result["points"].append(p)
                 save(dict(result, status="running"))
                 return p
@@ -369,7 +385,7 @@ def step_measure(args, save) -> dict:
                 p.update(ok=True, step_s=step_s, times=times, peak_bytes=torch.cuda.max_memory_allocated(dev),
                          resident_after_step=torch.cuda.memory_allocated(dev),
                          tokens_per_s=mb * spec.seq / step_s, bytes_written=written / n, bytes_read=read / n,
-                         io_wait_s=waits / n)
+                         io_wait_s=waits / n, fallbacks=st.fallbacks)
             except torch.cuda.OutOfMemoryError as exc:
                 p.update(ok=False, oom=True, error=str(exc).splitlines()[0][:300])
             except Exception as exc:  # noqa: BLE001 - one point failing does not end the step
@@ -385,26 +401,29 @@ def step_measure(args, save) -> dict:
             print(f"measure: {p}", flush=True)
             return p
 
-        # Keep at micro-batch 1 first: its peak, minus what is resident between steps, is one
-        # sample's activations A. The budget then fits keep at 1 and not at 2 (1.5 A).
+        # Keep first: its peak minus what stays resident after a step (weights, gradients,
+        # optimizer state) is K samples' activations.
         gc.collect()
         torch.cuda.empty_cache()
-        keep1 = point("keep", 1, "keep")
-        if not keep1.get("ok"):
-            return dict(result, status="fail", why=f"keep at micro-batch 1 failed: {keep1.get('error')}")
-        resident = keep1["resident_after_step"]  # weights, gradients, optimizer state
-        activation = max(keep1["peak_bytes"] - resident, 1)
-        budget = int(resident + 1.5 * activation)
+        keep = point("keep", k, "keep")
+        if not keep.get("ok"):
+            return dict(result, status="fail", why=f"keep at micro-batch {k} failed: {keep.get('error')}")
+        resident = keep["resident_after_step"]
+        activation = max(keep["peak_bytes"] - resident, 1) / k
+        per_sample["bytes"] = activation
+        budget = int(resident + (k + 0.5) * activation)
         result.update(resident_bytes=resident, activation_bytes_per_sample=activation, budget_bytes=budget)
-        pool = int(min(2.5 * activation + GiB, 0.5 * host_ram))
-        point("offload-memory", 1, "offload", "memory", host_memory_bytes=pool)
-        point("offload-posix", 1, "offload", "posix")
-        point("keep", 2, "keep", budget=budget)
-        point("recompute", 2, "keep", recompute=True, budget=budget)
-        point("offload-memory", 2, "offload", "memory", budget=budget, host_memory_bytes=pool)
-        point("adaptive", 2, "adaptive", "posix", budget=budget, warmup=2,
+        save(dict(result, status="running"))
+        pool = lambda mb: int((mb + 0.25) * activation + GiB)  # noqa: E731
+        point("offload-memory", k, "offload", "memory", host_memory_bytes=pool(k))
+        point("offload-posix", k, "offload", "posix")
+        point("recompute", k, "keep", recompute=True)
+        point("keep", k + 1, "keep", budget=budget)
+        point("recompute", k + 1, "keep", recompute=True, budget=budget)
+        point("adaptive", k + 1, "adaptive", "posix", budget=budget, warmup=2,
               memory_budget_bytes=int(0.5 * activation), recompute_fallback=True)
-        point("offload-posix", 2, "offload", "posix", budget=budget)
+        point("offload-memory", k + 1, "offload", "memory", budget=budget, host_memory_bytes=pool(k + 1))
+        point("offload-posix", k + 1, "offload", "posix", budget=budget)
     return dict(result, status="pass")
 
 

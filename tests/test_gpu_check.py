@@ -82,7 +82,7 @@ def _point(name, step_s, peak, written=0.0, read=0.0, mb=1, seq=2048, **kw):
 
 
 def test_targets_compute_pass_and_fail_from_the_measurements():
-    measure = {"status": "pass", "bandwidth": {"memory": {"write": 50e9, "read": 50e9},
+    measure = {"status": "pass", "micro_batch": 1, "bandwidth": {"memory": {"write": 50e9, "read": 50e9},
                                                "posix": {"write": 5e9, "read": 5e9}},
                "points": [
                    _point("keep@1", 1.0, 100),
@@ -111,3 +111,39 @@ def test_targets_compute_pass_and_fail_from_the_measurements():
     rows = {r["target"]: r for r in gpu_check.targets(steps)}
     assert rows["ROK: adaptive@2 >= keep's best and > recompute (in budget)"]["result"] == "n/a"
     assert "recompute@2" in gpu_check.render({"targets": [], "steps": steps})
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["equal", "one-element-changed"])
+def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch, corrupt):
+    """The gpu-check's keep-vs-offload comparison, run here on the CPU (megatron-core GPT in
+    bf16 through the CPU runtime): it passes when offload is exact, and fails, naming the step,
+    when one element of one restored activation differs."""
+    import argparse
+
+    import torch
+
+    import gpu_check_steps as steps
+    from ssdtrain_megatron.cache.offloader import ActivationOffloader
+    from ssdtrain_megatron.megatron.minigpt import GPTSpec
+
+    if corrupt:
+        real = ActivationOffloader._materialize
+
+        def materialize(self, rec):
+            out = real(self, rec)
+            if self.config.policy == "offload" and rec.state.value == "ready" and out.is_floating_point():
+                out = out.clone()
+                out[(0,) * out.dim()] += 1
+            return out
+        monkeypatch.setattr(ActivationOffloader, "_materialize", materialize)
+    args = argparse.Namespace(scratch=str(tmp_path / "scratch"), out=str(tmp_path))
+    spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=2, num_microbatches=2)
+    cfg = steps._config(args, "posix", min_tensor_bytes=1024, max_inflight_bytes=1 << 20)
+    result = steps._compare(args, lambda r: None, spec, cfg, steps=2, stream=None)
+    assert result["init_same"] and result["bytes_read"] > 0
+    assert not result["baseline_steps_differing"]
+    if corrupt:
+        assert result["status"] == "fail" and "offload differs from keep at steps [0" in result["why"]
+    else:
+        assert result["status"] == "pass", result
+    assert torch.is_grad_enabled()
