@@ -240,11 +240,15 @@ class DeviceCopy:
             return view, produced, xfer
         xfer.block = self._take(view.numel())
         stream = self.offload_stream
-        stream.wait_event(produced)
-        with ops.use(stream):
-            ops.copy(xfer.block.tensor, view)
-            copied = ops.new_event()
-            copied.record(stream)
+        try:
+            stream.wait_event(produced)
+            with ops.use(stream):
+                ops.copy(xfer.block.tensor, view)
+                copied = ops.new_event()
+                copied.record(stream)
+        except BaseException:
+            self.written(xfer)  # the caller keeps the tensor in memory; the block is free
+            raise
         # Whoever drops the last reference, the allocator waits for this copy first.
         ops.record_stream(view, stream)
         return xfer.block.tensor, copied, xfer
