@@ -3,7 +3,8 @@
 
 The box: its own python3 (3.12) and a CUDA 13 build of torch (2.11 or newer), cupy,
 nvidia-cufile and pytest; no network. Everything else comes as wheels in ``.whl/`` (gitignored):
-megatron-core 0.16.1 (cp312), kvikio-cu13 and libkvikio-cu13 26.10. Within about 8 minutes the
+megatron-core 0.16.1 (cp312), kvikio-cu13 and libkvikio-cu13 26.10 (required), and whatever
+else is there (rapids-logger, cuda-pathfinder: libkvikio imports them). Within about 8 minutes the
 check runs, each step in its own process under its own timeout (a hung step is reported, the
 others still run), writing results as it goes:
 

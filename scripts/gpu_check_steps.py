@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib
 import io
 import json
 import os
@@ -148,6 +149,10 @@ def step_bitwise(args, save, engine: str) -> dict:
         why = gds_unavailable_reason()
         if why:
             return {"status": "skip", "why": why}
+        try:
+            importlib.import_module("kvikio")  # libkvikio needs rapids-logger and cuFile
+        except Exception as exc:  # noqa: BLE001 - reported as the reason
+            return {"status": "skip", "why": f"kvikio is installed but does not import: {exc!r}"[:500]}
     if engine == "aio":
         from ssdtrain_megatron.io.aio import aio_unavailable_reason
 
