@@ -131,7 +131,7 @@ class MemoryEngine(IOEngine):
         if out.numel() != nbytes:
             raise EngineError(f"read of key {key} into {out.numel()} bytes; {nbytes} were written")
         return self._start("read", key, offset, nbytes, self.read_meter,
-                           self._copy_out, out, offset, nbytes, ready_event)
+                           self._wait_then_copy_out, out, offset, nbytes, ready_event)
 
     def _start(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, fn, *args) -> Future:
         with self._lock:
@@ -206,9 +206,12 @@ class MemoryEngine(IOEngine):
         if nbytes:
             self._pool[offset:offset + nbytes].copy_(data)
 
-    def _copy_out(self, out: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
-        if ready_event is not None:
+    def _wait_then_copy_out(self, out: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
+        if ready_event is not None:  # kernels that used out's memory before must be done
             ready_event.synchronize()
+        self._copy_out(out, offset, nbytes)
+
+    def _copy_out(self, out: torch.Tensor, offset: int, nbytes: int) -> None:
         if nbytes:
             out.copy_(self._pool[offset:offset + nbytes])
 
