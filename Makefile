@@ -37,7 +37,7 @@ MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
 	tests/test_megatron_versions.py tests/test_megatron_training_loop.py
 
 # (venv-mcore-% and test-mcore-% are pattern rules: make skips implicit rules for .PHONY names.)
-.PHONY: install demo test test-all bench lint clean venv-megatron-deepspeed test-megatron-deepspeed
+.PHONY: install demo test test-all bench lint clean gpu-check venv-megatron-deepspeed test-megatron-deepspeed
 
 install: $(VENV)/.installed
 
@@ -59,6 +59,12 @@ test-all: install
 
 bench: install
 	$(VENV)/bin/ssdtrain bench
+
+# The GPU check runs on a bare GPU box: no venv, no network (see README "gpu-check").
+# GPU_CHECK_DRY=1 runs only what needs no GPU. Options: GPU_CHECK_ARGS="--out DIR ...".
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHON=$(PYTHON) scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 lint: install
 	$(PY) -m compileall -q ssdtrain_megatron tests

@@ -84,6 +84,11 @@ class OffloadConfig:
     """Cap on bytes being written at once; pack waits (and counts the wait) beyond it, so
     pending writes cannot pin unbounded memory."""
 
+    pinned_staging_bytes: Optional[int] = None
+    """GPU only: page-locked host memory allocated once, through which activations are copied
+    between the GPU and the engine (writes and reads in flight share it). None: twice
+    max_inflight_bytes. A copy that does not fit uses torch's pinned allocator (warned)."""
+
     checksum: bool = False
     """Store a CRC32C (io/checksum.py) of every written chunk and verify it on read (posix,
     aio and the SSD tier of tiered; refused with gds, which keeps no host copy to check, and
@@ -165,6 +170,9 @@ class OffloadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 _fail(name, value, f"expected an integer >= {minimum}")
+        if self.pinned_staging_bytes is not None and (isinstance(self.pinned_staging_bytes, bool) or not isinstance(
+                self.pinned_staging_bytes, int) or self.pinned_staging_bytes < 1):
+            _fail("pinned_staging_bytes", self.pinned_staging_bytes, "expected an integer >= 1 or null")
         if self.chunk_bytes % 4096:
             _fail("chunk_bytes", self.chunk_bytes, "expected a multiple of 4096")
         if not isinstance(self.checksum, bool):
@@ -224,6 +232,13 @@ class OffloadConfig:
                 _fail("engine", self.engine, why)
 
     # -- derived values ---------------------------------------------------------------------
+
+    def staging_bytes(self) -> int:
+        """The pinned staging pool's size: ``pinned_staging_bytes``, or twice
+        ``max_inflight_bytes`` (the writes in flight, and as much again for reads)."""
+        if self.pinned_staging_bytes is not None:
+            return self.pinned_staging_bytes
+        return 2 * self.max_inflight_bytes
 
     def job_id(self) -> str:
         """The job id used in directory names and the {job} placeholder."""

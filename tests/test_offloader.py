@@ -62,7 +62,9 @@ def test_split_views_are_not_deduplicated(offload_dir):
         ref_grad = torch.autograd.grad(out.sum(), lin.weight, retain_graph=False)[0]
         st = off.end_step()
     assert st.bytes_deduplicated == 0
-    assert st.tensors_offloaded == 3 + 1  # three views, plus x saved by the linear
+    # Three views, plus x saved by the linear: four records. (How many of their writes ran
+    # depends on timing: a write still queued when backward released its tensor is cancelled.)
+    assert sum(layer.tensors for layer in st.layers) == 3 + 1
     q0, k0, v0 = lin(x).split(64, dim=-1)
     expected = torch.autograd.grad((q0.sin() + k0.cos() + v0.exp()).sum(), lin.weight)[0]
     assert bitwise_equal(ref_grad, expected)
@@ -365,9 +367,9 @@ def test_a_tensor_shared_by_every_layer_does_not_open_the_prefetch_window(offloa
             issued = []
             engine_read = off.engine.read
 
-            def counting_read(key, out, issued=issued, engine_read=engine_read):
+            def counting_read(key, out, ready_event=None, *, issued=issued, engine_read=engine_read):
                 issued.append(key)
-                return engine_read(key, out)
+                return engine_read(key, out, ready_event)
 
             off.engine.read = counting_read
             first = []

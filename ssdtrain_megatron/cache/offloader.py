@@ -22,6 +22,7 @@ from ..io.where import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
+from .device_copy import DeviceCopy, StreamOps
 from .identity import dedup_key, pass_reason, storage_ref
 from .microbatch import MicroBatch
 from .record import IN_FLIGHT, READS, RESIDENT, WRITES, State, TensorRecord
@@ -87,9 +88,14 @@ class ActivationOffloader:
         config: the settings (see OffloadConfig).
         device: the training device; default: the current CUDA device, else the CPU.
         engine: an IO engine to use instead of building ``config.engine`` (tests, benchmarks).
+        streams: the streams/events/copies of the GPU data path (``cache/device_copy.py``);
+            default: torch.cuda's on a CUDA device, none on the CPU. Tests pass a recording
+            stand-in to check the ordering on a CPU device.
 
     Raises:
         ConfigError, EngineUnavailable, LayoutError: at construction, on bad settings or roots.
+        StagingUnavailable: at construction on a GPU, when the pinned staging pool
+            (``pinned_staging_bytes``) cannot be allocated.
         RuntimeError: at unpack, when a saved tensor was modified in place, or its read failed
             (the message names the file, offset and cause).
 
@@ -103,13 +109,14 @@ class ActivationOffloader:
     """
 
     def __init__(self, config: OffloadConfig, device: Optional[torch.device] = None,
-                 engine: Optional[IOEngine] = None) -> None:
+                 engine: Optional[IOEngine] = None, streams: Optional[StreamOps] = None) -> None:
         self.config = config
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
         self.device = torch.device(device)
         self._engine: Optional[IOEngine] = engine
+        self._streams = streams
         self._closed = False
         if self._engine is None and config.policy != "keep":
             self._engine = make_engine(config)
@@ -132,6 +139,12 @@ class ActivationOffloader:
         self._events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         if self._engine is not None:
             self._engine.completions = self._events
+        # The GPU data path: copies on their own streams through pinned staging (or, for an
+        # engine that moves device memory itself, gds, only the events that order it).
+        self._copy: Optional[DeviceCopy] = None
+        if self._engine is not None and (self.device.type == "cuda" or self._streams is not None):
+            self._copy = DeviceCopy(self.device, config.staging_bytes(), self._streams,
+                                    direct=getattr(self._engine, "device_direct", False))
         self._ids = itertools.count()
         self._records: Dict[int, TensorRecord] = {}
         self._dedup: Dict[tuple, tuple] = {}
@@ -504,21 +517,23 @@ class ActivationOffloader:
                     raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} "
                                     f"bytes of writes to finish before writing a {rec.describe()}")
             self._count_wait(rec, time.perf_counter() - t0)
-        event = None
-        if rec.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(rec.device))
         self._move(rec, State.WRITING)
         self._inflight_bytes += rec.nbytes
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
         try:
-            fut = self._engine.write(rec.id, rec.bytes_view(), event)
+            if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
+                data, event, rec.transfer = self._copy.stage_out(rec)
+            else:
+                data, event = rec.bytes_view(), None
+            fut = self._engine.write(rec.id, data, event)
         except EXPECTED_WRITE_REFUSALS as exc:  # nothing started (the memory pool is full): keep it
+            self._written(rec)
             self._inflight_bytes -= rec.nbytes
             self._fallback(rec, exc)
             return
         except BaseException:  # an engine bug: the caller sees it; the tensor stays usable
+            self._written(rec)
             self._inflight_bytes -= rec.nbytes
             self._move(rec, State.KEPT)
             raise
@@ -527,6 +542,7 @@ class ActivationOffloader:
 
     def _write_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
         """A write finished (or failed)."""
+        self._written(rec)
         self._inflight_bytes -= rec.nbytes
         if exc is not None:
             # Its extent stays allocated until the record is released (_release), as a
@@ -548,6 +564,13 @@ class ActivationOffloader:
             rec.tensor = None  # our copy is on disk; the memory goes when the model drops it
         if dropped:
             self._release(rec)
+
+    def _written(self, rec: TensorRecord) -> None:
+        """The engine is done with a write's bytes (written, failed, refused or cancelled): a
+        GPU record's pinned staging block goes back to the pool."""
+        if rec.transfer is not None:
+            self._copy.written(rec.transfer)
+            rec.transfer = None
 
     def _fallback(self, rec: TensorRecord, exc: BaseException) -> None:
         # A full disk is warned on its own, even after an IO error was: the user acts on it.
@@ -582,12 +605,16 @@ class ActivationOffloader:
             rec.tensor = alive.detach()
             self._move(rec, State.READY)
             return
-        restored, target = rec.allocate_restore()
+        event = None
+        if self._copy is not None:  # GPU: the engine reads into pinned staging (gds: in place)
+            restored, target, event = self._copy.stage_in(rec)
+        else:
+            restored, target = rec.allocate_restore()
         rec.tensor = restored
         self._move(rec, State.READING)
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
-        fut = self._engine.read(rec.id, target)
+        fut = self._engine.read(rec.id, target, event)
         if fut is not None:  # an engine without ``completions``
             fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
 
@@ -598,10 +625,15 @@ class ActivationOffloader:
         if exc is not None:
             rec.error = f"reading back a {rec.describe()} failed: {exc}"
             rec.tensor = None
+            if self._copy is not None:
+                self._copy.read_failed(rec)  # its staging is free
             self._move(rec, State.BROKEN)
         else:
             try:
-                rec.finish_read()
+                if self._copy is not None:
+                    self._copy.finish_in(rec)  # host->device on the reload stream
+                else:
+                    rec.finish_read()
             except BaseException:
                 rec.error = f"finishing the read of a {rec.describe()} failed"
                 rec.tensor = None
@@ -626,6 +658,8 @@ class ActivationOffloader:
         if rec.state == State.BROKEN:
             raise RuntimeError(rec.error)
         out = rec.tensor
+        if self._copy is not None:
+            self._copy.consume(rec, out)  # the current stream waits for the reload
         rec.check_version(rec.ref())
         return out
 
@@ -670,6 +704,7 @@ class ActivationOffloader:
                     self._move(rec, State.WRITE_DROPPED)
                 if not self._engine.cancel(rec.id):
                     return
+                self._written(rec)  # never started: its staging is free
                 self._inflight_bytes -= rec.nbytes
             else:
                 if s != State.READ_DROPPED:
@@ -681,6 +716,7 @@ class ActivationOffloader:
         if self._tracer is not None:
             self._tracer.forget(rec.id)
         rec.tensor = None
+        rec.transfer = None
         self._records.pop(rec.id, None)
         mb = self._microbatches.get(rec.microbatch)
         if mb is not None:

@@ -19,7 +19,7 @@ same table, so a tensor is counted once per thing that happened to it.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -100,7 +100,7 @@ class TensorRecord:
 
     __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "version", "shape", "stride",
                  "dtype", "device", "span", "nbytes", "residue", "compact", "staging", "handles",
-                 "error", "readahead", "decision", "pos", "last_pos", "shared", "__weakref__")
+                 "error", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "__weakref__")
 
     def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable) -> None:
         self.id = rid
@@ -131,6 +131,7 @@ class TensorRecord:
         self.pos = -1  # forward position in its micro-batch (see MicroBatch.index_of)
         self.last_pos = -1  # position of its latest save (dedup hits in later layers)
         self.shared = False  # also saved by another micro-batch (a shared mask, RoPE table)
+        self.transfer = None  # its GPU copy in flight (cache/device_copy.py), if any
 
     def move(self, new: int) -> Tuple[str, ...]:
         """Change state; returns what the step's counters record for this transition."""
@@ -145,12 +146,15 @@ class TensorRecord:
     def state_name(self) -> str:
         return S.NAMES[self.state]
 
-    def bytes_view(self) -> torch.Tensor:
+    def bytes_view(self, contiguous: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """The bytes to store as contiguous uint8: a view of the span (no copy), or for a
-        compact record a packed copy of its elements."""
+        compact record a packed copy of its elements, made by ``contiguous`` (default
+        ``Tensor.contiguous``; on a GPU a kernel on the current stream: whoever reads the bytes
+        must wait for an event recorded *after* this call)."""
         t = self.tensor
         if self.compact:
-            return t.contiguous().view(-1).view(torch.uint8)
+            packed = contiguous(t) if contiguous is not None else t.contiguous()
+            return packed.view(-1).view(torch.uint8)
         return t.as_strided((self.span,), (1,), t.storage_offset()).view(torch.uint8)
 
     def allocate_restore(self) -> Tuple[torch.Tensor, torch.Tensor]:

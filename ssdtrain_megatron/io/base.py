@@ -43,6 +43,10 @@ class IOEngine(abc.ABC):
     completions: Optional[Any] = None
     """Where to report completions instead of Futures (see the module docstring)."""
 
+    device_direct: bool = False
+    """True when the engine moves GPU memory itself (gds): the offloader then hands it device
+    tensors and events instead of pinned host copies (see cache/device_copy.py)."""
+
     @classmethod
     def is_available(cls) -> Tuple[bool, str]:
         """(True, '') when the engine can run here, else (False, what is missing)."""
@@ -55,9 +59,11 @@ class IOEngine(abc.ABC):
         when ``completions`` is set."""
 
     @abc.abstractmethod
-    def read(self, key: int, out: torch.Tensor) -> Optional[Future]:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         """Start reading the bytes stored under ``key`` into ``out`` (contiguous 1-D uint8 of
-        the written length). Returns a Future, or None when ``completions`` is set."""
+        the written length). ``ready_event`` (a CUDA event or None) must complete before bytes
+        are written into ``out`` (kernels that used its memory before may still run). Returns
+        a Future, or None when ``completions`` is set."""
 
     @abc.abstractmethod
     def release(self, key: int) -> None:

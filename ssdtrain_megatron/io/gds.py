@@ -9,9 +9,12 @@ Why these choices:
   imports neither kvikio nor CUDA state) instead of failing at the first write.
 - The slab, placement and striping are the posix engine's (``slab_engine.py``): extents start on
   4 KiB boundaries (GDS's alignment); kvikio handles unaligned tails.
-- kvikio's own thread pool does the IO; our worker threads wait for ``ready_event`` (a tensor's
-  producer kernel), reserve the slab space and hand the buffer over, so the training thread
-  only places the chunks and queues the request.
+- kvikio's own thread pool does the IO; our worker threads wait for ``ready_event``, reserve
+  the slab space and hand the buffer over, so the training thread only places the chunks and
+  queues the request. cuFile reads and writes device memory outside any CUDA stream, so the
+  event is what orders it: on a write, the producer's event (recorded after any compaction);
+  on a read, the event recorded where the destination was allocated (kernels that used that
+  memory before may still run). See cache/device_copy.py.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class GdsEngine(SlabEngine):
     """kvikio ``CuFile.pwrite/pread`` on slab files, striped over the roots. CUDA only."""
 
     name = "gds"
+    device_direct = True  # cuFile DMAs device memory: no pinned staging on the way
 
     @classmethod
     def is_available(cls) -> Tuple[bool, str]:

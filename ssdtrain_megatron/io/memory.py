@@ -121,7 +121,7 @@ class MemoryEngine(IOEngine):
         return self._start("write", key, offset, nbytes, self.write_meter,
                            self._copy_in, data, offset, nbytes, ready_event)
 
-    def read(self, key: int, out: torch.Tensor) -> Optional[Future]:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         self._check_open()
         with self._lock:
             where = self._extents.get(key)
@@ -131,7 +131,7 @@ class MemoryEngine(IOEngine):
         if out.numel() != nbytes:
             raise EngineError(f"read of key {key} into {out.numel()} bytes; {nbytes} were written")
         return self._start("read", key, offset, nbytes, self.read_meter,
-                           self._copy_out, out, offset, nbytes)
+                           self._wait_then_copy_out, out, offset, nbytes, ready_event)
 
     def _start(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, fn, *args
                ) -> Optional[Future]:
@@ -214,6 +214,11 @@ class MemoryEngine(IOEngine):
             ready_event.synchronize()
         if nbytes:
             self._pool[offset:offset + nbytes].copy_(data)
+
+    def _wait_then_copy_out(self, out: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
+        if ready_event is not None:  # kernels that used out's memory before must be done
+            ready_event.synchronize()
+        self._copy_out(out, offset, nbytes)
 
     def _copy_out(self, out: torch.Tensor, offset: int, nbytes: int) -> None:
         if nbytes:

@@ -143,7 +143,7 @@ class SlabEngine(IOEngine):
         req.meter.end(0)
         return True
 
-    def read(self, key: int, out: torch.Tensor) -> Optional[Future]:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         self._check_open()
         with self._lock:
             placement = self._placed.get(key)
@@ -156,7 +156,7 @@ class SlabEngine(IOEngine):
             n = len(placement.extents)
             self._queued += n
             depth = self._queued
-        return self._start(Request(self, key, False, out, placement, n, None, self.read_meter, depth))
+        return self._start(Request(self, key, False, out, placement, n, ready_event, self.read_meter, depth))
 
     def _start(self, req: Request) -> Optional[Future]:
         req.meter.begin()
@@ -289,6 +289,8 @@ class SlabEngine(IOEngine):
                                           f"{self._slabs[ext.root].path} at offset {ext.offset}: "
                                           f"stored {ALGORITHM} {ext.crc:#010x}, read {crc:#010x}")
                 if exc is None and req.error is None and n:
+                    if req.ready_event is not None:
+                        req.ready_event.synchronize()
                     req.tensor[start:start + n].copy_(stage)
             except BaseException as e:  # noqa: BLE001 - surfaced through the Future
                 exc = as_engine_error(e, f"{self.name} read")

@@ -65,8 +65,12 @@ class ThrottledEngine(IOEngine):
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
         return self._slot(self.inner.write(key, data, ready_event), data.numel(), self.write_meter)
 
-    def read(self, key: int, out: torch.Tensor) -> Future:
-        return self._slot(self.inner.read(key, out), out.numel(), self.read_meter)
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+        return self._slot(self.inner.read(key, out, ready_event), out.numel(), self.read_meter)
+
+    @property
+    def device_direct(self) -> bool:
+        return self.inner.device_direct
 
     def release(self, key: int) -> None:
         self.inner.release(key)

@@ -153,16 +153,16 @@ class TieredEngine(IOEngine):
         fut.add_done_callback(done)
         return out
 
-    def read(self, key: int, out: torch.Tensor) -> Optional[Future]:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         with self._lock:
             tier = self._tier.get(key)
         if tier is None:
             raise EngineError(f"read of unknown key {key}")
         if self._completions is None:
-            return self._metered(tier.read(key, out), self.read_meter, out.numel())
+            return self._metered(tier.read(key, out, ready_event), self.read_meter, out.numel())
         self._begin(key, self.read_meter, out.numel())
         try:
-            tier.read(key, out)
+            tier.read(key, out, ready_event)
         except BaseException:
             self._end(key)
             raise

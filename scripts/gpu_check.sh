@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# `make gpu-check`: the prepared check of the GPU data path for a bare single-GPU box (no
+# network; python3 with a CUDA build of torch; wheels in .whl/). See scripts/gpu_check.py, or
+# run with --help. GPU_CHECK_DRY=1 runs only what needs no GPU (arguments, wheels, the plan).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "gpu-check: $PYTHON not found; set PYTHON=/path/to/python3" >&2
+    exit 2
+fi
+exec "$PYTHON" scripts/gpu_check.py "$@"

@@ -1,0 +1,447 @@
+"""The steps of `make gpu-check` that need torch and the GPU (see scripts/gpu_check.py).
+
+Each step runs in its own process and returns one dict (``status``: pass, fail, skip); long
+steps also ``save`` partial results as they go, so a step killed by its timeout still leaves
+what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import importlib
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from ssdtrain_megatron.megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT, installed_step
+
+GiB = 1 << 30
+BITWISE_SPEC = GPTSpec(layers=4, hidden=1024, heads=16, seq=512, vocab=4096, micro_batch=2, num_microbatches=2)
+STRESS_SPEC = GPTSpec(layers=2, hidden=512, heads=8, seq=256, vocab=2048, micro_batch=2, num_microbatches=2)
+
+
+def deadline_left() -> float:
+    return float(os.environ.get("GPU_CHECK_DEADLINE", time.time() + 1e9)) - time.time()
+
+
+class GpuGPT(MiniGPT):
+    """MiniGPT in bf16 with its weights initialised on the GPU (CPU init of billions of
+    parameters takes minutes)."""
+
+    def __init__(self, spec: GPTSpec, device: torch.device) -> None:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        self.spec = spec
+        self.device = device
+        torch.manual_seed(spec.seed)
+        model_parallel_cuda_manual_seed(spec.seed, force_reset_rng=True)
+        self.config = TransformerConfig(
+            num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+            bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+            use_cpu_initialization=False, hidden_dropout=0.0, attention_dropout=0.0,
+            bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+            gradient_accumulation_fusion=False, persist_layer_norm=False)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            self.model = GPTModel(config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                                  vocab_size=spec.vocab, max_sequence_length=spec.seq,
+                                  share_embeddings_and_output_weights=False, position_embedding_type="rope")
+        self.model.to(device)
+        self.model.train()
+        self.params = list(self.model.parameters())
+        self.optimizer = torch.optim.Adam(self.params, lr=spec.lr)
+        self.iteration = 0
+        self.set_micro_batch(spec.micro_batch)
+
+    def set_micro_batch(self, mb: int) -> None:
+        self.spec = dataclasses.replace(self.spec, micro_batch=mb)
+        s = self.spec.seq
+        self._mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=self.device).triu(1)
+        self._positions = torch.arange(s, device=self.device).unsqueeze(0).expand(mb, s).contiguous()
+
+    def set_recompute(self, full: bool) -> None:
+        """Megatron's full recompute (uniform, one layer per checkpoint) on or off; the
+        modules share this one TransformerConfig."""
+        self.config.recompute_granularity = "full" if full else None
+        self.config.recompute_method = "uniform" if full else None
+        self.config.recompute_num_layers = 1 if full else None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _grads(m: GpuGPT) -> List[Optional[torch.Tensor]]:
+    return [None if p.grad is None else _bits(p.grad).clone() for p in m.params]
+
+
+def _same(a: List[Optional[torch.Tensor]], b: List[Optional[torch.Tensor]]) -> bool:
+    return len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+                                    for x, y in zip(a, b))
+
+
+def _config(args, engine: str, **kw) -> OffloadConfig:
+    kw.setdefault("host_memory_bytes", 8 * GiB)
+    return OffloadConfig(dirs=[args.scratch], engine=engine, **kw)
+
+
+def _deterministic() -> None:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+# -- steps ----------------------------------------------------------------------------------
+
+def step_env(args, save) -> dict:
+    out: Dict[str, object] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                              "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    problems = []
+    major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if major_minor < (2, 11):
+        problems.append(f"torch {torch.__version__} < 2.11")
+    if torch.version.cuda is None or not torch.version.cuda.startswith("13"):
+        out["note"] = f"torch built for CUDA {torch.version.cuda}, the wheels carried are cu13"
+    if not torch.cuda.is_available():
+        problems.append("torch.cuda.is_available() is False")
+    else:
+        p = torch.cuda.get_device_properties(0)
+        out.update(gpu=p.name, gpu_memory_bytes=p.total_memory, gpus=torch.cuda.device_count())
+    os.makedirs(args.scratch, exist_ok=True)
+    st = os.statvfs(args.scratch)
+    out["scratch_free_bytes"] = st.f_bavail * st.f_frsize
+    try:
+        out["host_memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    try:
+        import kvikio  # noqa: F401
+
+        out["kvikio"] = getattr(kvikio, "__version__", "?")
+    except Exception as exc:  # noqa: BLE001 - reported
+        out["kvikio"] = f"not importable: {exc}"
+    out["status"] = "fail" if problems else "pass"
+    if problems:
+        out["why"] = "; ".join(problems)
+    return out
+
+
+def step_bitwise(args, save, engine: str) -> dict:
+    if engine == "gds":
+        from ssdtrain_megatron.io.gds import gds_unavailable_reason
+
+        why = gds_unavailable_reason()
+        if why:
+            return {"status": "skip", "why": why}
+        try:
+            importlib.import_module("kvikio")  # libkvikio needs rapids-logger and cuFile
+        except Exception as exc:  # noqa: BLE001 - reported as the reason
+            return {"status": "skip", "why": f"kvikio is installed but does not import: {exc!r}"[:500]}
+    if engine == "aio":
+        from ssdtrain_megatron.io.aio import aio_unavailable_reason
+
+        why = aio_unavailable_reason()
+        if why:
+            return {"status": "skip", "why": why}
+    _deterministic()
+    kw = {"host_memory_bytes": 64 << 20} if engine == "tiered" else {}
+    cfg = _config(args, engine, min_tensor_bytes=64 * 1024, max_inflight_bytes=256 << 20, **kw)
+    return _compare(args, save, BITWISE_SPEC, cfg, steps=3, stream=None)
+
+
+def step_stress(args, save) -> dict:
+    _deterministic()
+    cfg = _config(args, "posix", min_tensor_bytes=16 * 1024, max_inflight_bytes=64 << 20, keep_last_layers=0)
+    return _compare(args, save, STRESS_SPEC, cfg, steps=100, stream="side")
+
+
+def _compare(args, save, spec: GPTSpec, cfg: OffloadConfig, steps: int, stream: Optional[str]) -> dict:
+    """keep, keep again (is the baseline itself deterministic?) and offload, step by step."""
+    from ssdtrain_megatron.cache import device_copy
+
+    compact = {"n": 0, "all": 0}
+    real_stage_out = device_copy.DeviceCopy.stage_out
+
+    def counting_stage_out(self, rec):
+        compact["all"] += 1
+        compact["n"] += bool(rec.compact)
+        return real_stage_out(self, rec)
+
+    device_copy.DeviceCopy.stage_out = counting_stage_out
+    result: Dict[str, object] = {"engine": cfg.engine, "steps": steps, "spec": dataclasses.asdict(spec)}
+    with MegatronRuntime() as rt:
+        models = {n: GpuGPT(spec, rt.device) for n in ("keep", "keep2", "offload")}
+        init_same = all(_same([_bits(p) for p in models["keep"].params], [_bits(p) for p in m.params])
+                        for m in models.values())
+        offs = {"keep": ActivationOffloader(cfg.replace(policy="keep", job="gc-keep"), device=rt.device),
+                "keep2": ActivationOffloader(cfg.replace(policy="keep", job="gc-keep2"), device=rt.device),
+                "offload": ActivationOffloader(cfg.replace(job="gc-offload"), device=rt.device)}
+        side = torch.cuda.Stream(rt.device) if stream else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(rt.device))  # the weights' initialisation
+        mismatch, baseline_mismatch = [], []
+        read = written = 0
+        try:
+            for i in range(steps):
+                got = {}
+                for n in models:
+                    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                        loss, _ = installed_step(models[n], offs[n])
+                    got[n] = (torch.tensor([loss], dtype=torch.float64).view(torch.int64).item(), _grads(models[n]))
+                st = offs["offload"].last_step_stats
+                read += st.bytes_read
+                written += st.bytes_offloaded
+                if got["keep"][0] != got["keep2"][0] or not _same(got["keep"][1], got["keep2"][1]):
+                    baseline_mismatch.append(i)
+                if got["keep"][0] != got["offload"][0] or not _same(got["keep"][1], got["offload"][1]):
+                    mismatch.append(i)
+                if deadline_left() < 5:
+                    result["stopped_early_at_step"] = i + 1
+                    break
+        finally:
+            for o in offs.values():
+                o.close()
+            device_copy.DeviceCopy.stage_out = real_stage_out
+    result.update(init_same=init_same, steps_differing=mismatch[:20], baseline_steps_differing=baseline_mismatch[:20],
+                  bytes_written=written, bytes_read=read, tensors_staged=compact["all"], compact_tensors=compact["n"])
+    if not init_same:
+        result.update(status="fail", why="models built with one seed differ: no comparison possible")
+    elif baseline_mismatch:
+        result.update(status="fail", why=f"keep vs keep already differs at steps {baseline_mismatch[:5]}: "
+                      "the baseline is not deterministic here, so bitwise checks are inconclusive")
+    elif mismatch:
+        result.update(status="fail", why=f"offload differs from keep at steps {mismatch[:5]}")
+    elif read == 0:
+        result.update(status="fail", why="nothing was read back from the engine: offload did not happen")
+    elif stream and compact["n"] == 0:
+        result.update(status="fail", why="no compact view was offloaded (the stress needs some)")
+    else:
+        result.update(status="pass", summary=f"{result.get('stopped_early_at_step', steps)} steps, "
+                      f"{read / 1e9:.2f} GB read back, {compact['n']}/{compact['all']} compact")
+    return result
+
+
+def step_cuda_tests(args, save) -> dict:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rs",
+           "tests/test_device_copy.py", "tests/test_engines.py"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True,
+                          timeout=max(10, deadline_left() - 3))
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    summary = tail[-1] if tail else ""
+    ran = "passed" in summary or "failed" in summary
+    return {"status": "pass" if proc.returncode == 0 and ran else ("skip" if proc.returncode == 5 else "fail"),
+            "summary": summary, "tail": tail, "rc": proc.returncode}
+
+
+def step_syncs(args, save) -> dict:
+    """Synchronisations flagged by torch.cuda.set_sync_debug_mode('warn') on the training
+    thread (backward's warnings are re-raised there), per step, after two warm-up steps."""
+    _deterministic()
+    cfg = _config(args, "memory", min_tensor_bytes=64 * 1024, max_inflight_bytes=256 << 20, host_memory_bytes=4 * GiB)
+    counts, examples = {}, {}
+    with MegatronRuntime() as rt:
+        for name, policy in (("keep", "keep"), ("offload", "offload")):
+            model = GpuGPT(BITWISE_SPEC, rt.device)
+            off = ActivationOffloader(cfg.replace(policy=policy, job=f"gc-sync-{name}"), device=rt.device)
+            try:
+                for _ in range(2):
+                    installed_step(model, off)
+                n_steps = 3
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        for _ in range(n_steps):
+                            installed_step(model, off)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+                counts[name] = len(syncs) / n_steps
+                examples[name] = sorted(set(syncs))[:5]
+            finally:
+                off.close()
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    ok = counts["offload"] <= counts["keep"]
+    return {"status": "pass" if ok else "fail", "keep_syncs": counts["keep"], "offload_syncs": counts["offload"],
+            "examples": examples,
+            **({} if ok else {"why": f"offload adds {counts['offload'] - counts['keep']:.1f} syncs per step"})}
+
+
+def step_io_bench(args, save) -> dict:
+    from ssdtrain_megatron.cli import main as cli
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli(["io-bench", "--dir", args.scratch, "--engine", "posix", "--total-gb", "4", "--rounds", "1",
+                  "--json", "--quiet"])
+    if rc != 0:
+        return {"status": "fail", "why": f"io-bench exit status {rc}"}
+    report = json.loads(buf.getvalue().strip().splitlines()[-1])
+    eng = report.get("engines", {}).get("posix", {})
+    return {"status": "pass", "baseline": report.get("baseline"), "posix": eng, "report": report}
+
+
+def _pinned_bandwidth(device: torch.device, nbytes: int = GiB) -> dict:
+    """GB/s of one pinned host<->device copy (what the memory engine's link allows)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, (dst, src) in (("write", (host, dev)), ("read", (dev, host))):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out[name] = 3 * nbytes / (time.perf_counter() - t0)
+    return out
+
+
+def step_measure(args, save) -> dict:
+    """Side by side at micro-batch K (--micro-batch): keep, offload (memory, posix), full
+    recompute. Then a budget that fits keep at K and not at K+1 (resident + (K + 0.5) x one
+    sample's activations, measured from keep), and at K+1 inside it: keep (expected out of
+    memory), full recompute, adaptive, offload. A point that needs more drive space or host
+    memory than the box has is skipped with the reason; partial results are saved per point."""
+    result: Dict[str, object] = {"points": [], "bandwidth": {}}
+    bench = None
+    try:
+        with open(os.path.join(args.out, "steps", "io-bench.json")) as f:
+            bench = json.load(f)
+    except (OSError, ValueError):
+        pass
+    if bench and bench.get("posix"):
+        result["bandwidth"]["posix"] = {"write": bench["posix"]["write_gbps"] * 1e9, "read": bench["posix"]["read_gbps"] * 1e9}
+    k = args.micro_batch
+    spec = GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
+                   micro_batch=k, num_microbatches=1)
+    result.update(spec=dataclasses.asdict(spec), micro_batch=k)
+    with MegatronRuntime() as rt:
+        dev = rt.device
+        result["bandwidth"]["memory"] = _pinned_bandwidth(dev)
+        save(dict(result, status="running"))
+        model = GpuGPT(spec, dev)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        base_cfg = OffloadConfig(dirs=[args.scratch], engine="posix")
+        per_sample = {"bytes": None}  # one sample's activations, once keep has run
+
+        def point(name: str, mb: int, policy: str, engine: str = "posix", recompute: bool = False,
+                  budget: Optional[int] = None, warmup: int = 1, **cfg_kw) -> dict:
+            p: Dict[str, object] = {"name": f"{name}@{mb}", "micro_batch": mb, "policy": policy, "engine": engine,
+                                    "budget_bytes": budget}
+            need = per_sample["bytes"] * mb * 1.1 if per_sample["bytes"] else 0
+            why = None
+            if deadline_left() < 20:
+                why = "not run: out of time"
+            elif policy != "keep" and engine == "posix" and need > shutil.disk_usage(args.scratch).free:
+                why = (f"not run: needs about {need / 1e9:.0f} GB on the drive, "
+                       f"{shutil.disk_usage(args.scratch).free / 1e9:.0f} GB free")
+            elif cfg_kw.get("host_memory_bytes", 0) > 0.75 * host_ram:
+                why = f"not run: a {cfg_kw['host_memory_bytes'] / 1e9:.0f} GB pinned pool, {host_ram / 1e9:.0f} GB of RAM"
+            if why:
+                p.update(ok=False, error=why)
+                result["points"].append(p)
+                save(dict(result, status="running"))
+                return p
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total) if budget else 1.0, dev)
+            model.set_micro_batch(mb)
+            model.set_recompute(recompute)
+            off = None
+            try:
+                off = ActivationOffloader(base_cfg.replace(policy=policy, engine=engine, job=f"gc-{name}-{mb}", **cfg_kw),
+                                          device=dev)
+                for _ in range(warmup):
+                    installed_step(model, off)
+                torch.cuda.reset_peak_memory_stats(dev)
+                times, written, read, waits = [], 0, 0, 0.0
+                for _ in range(args.steps):
+                    _, dt = installed_step(model, off)
+                    st = off.last_step_stats
+                    times.append(dt)
+                    written += st.bytes_offloaded
+                    read += st.bytes_read
+                    waits += st.io_wait_s
+                    if deadline_left() < 10:
+                        break
+                n = len(times)
+                step_s = statistics.median(times)
+                p.update(ok=True, step_s=step_s, times=times, peak_bytes=torch.cuda.max_memory_allocated(dev),
+                         resident_after_step=torch.cuda.memory_allocated(dev),
+                         tokens_per_s=mb * spec.seq / step_s, bytes_written=written / n, bytes_read=read / n,
+                         io_wait_s=waits / n, fallbacks=st.fallbacks)
+            except torch.cuda.OutOfMemoryError as exc:
+                p.update(ok=False, oom=True, error=str(exc).splitlines()[0][:300])
+            except Exception as exc:  # noqa: BLE001 - one point failing does not end the step
+                p.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+            finally:
+                if off is not None:
+                    off.close()
+                model.optimizer.zero_grad(set_to_none=True)
+                model.set_recompute(False)
+                torch.cuda.set_per_process_memory_fraction(1.0, dev)
+            result["points"].append(p)
+            save(dict(result, status="running"))
+            print(f"measure: {p}", flush=True)
+            return p
+
+        # Keep first: its peak minus what stays resident after a step (weights, gradients,
+        # optimizer state) is K samples' activations.
+        gc.collect()
+        torch.cuda.empty_cache()
+        keep = point("keep", k, "keep")
+        if not keep.get("ok"):
+            return dict(result, status="fail", why=f"keep at micro-batch {k} failed: {keep.get('error')}")
+        resident = keep["resident_after_step"]
+        activation = max(keep["peak_bytes"] - resident, 1) / k
+        per_sample["bytes"] = activation
+        budget = int(resident + (k + 0.5) * activation)
+        result.update(resident_bytes=resident, activation_bytes_per_sample=activation, budget_bytes=budget)
+        save(dict(result, status="running"))
+        pool = lambda mb: int((mb + 0.25) * activation + GiB)  # noqa: E731
+        point("offload-memory", k, "offload", "memory", host_memory_bytes=pool(k))
+        point("offload-posix", k, "offload", "posix")
+        point("recompute", k, "keep", recompute=True)
+        point("keep", k + 1, "keep", budget=budget)
+        point("recompute", k + 1, "keep", recompute=True, budget=budget)
+        point("adaptive", k + 1, "adaptive", "posix", budget=budget, warmup=2,
+              memory_budget_bytes=int(0.5 * activation), recompute_fallback=True)
+        point("offload-memory", k + 1, "offload", "memory", budget=budget, host_memory_bytes=pool(k + 1))
+        point("offload-posix", k + 1, "offload", "posix", budget=budget)
+    return dict(result, status="pass")
+
+
+def run_step(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
+    name = args.child
+    if name == "env":
+        return step_env(args, save)
+    if not torch.cuda.is_available():
+        return {"status": "skip", "why": "no CUDA device"}
+    if name.startswith("bitwise-"):
+        return step_bitwise(args, save, name.split("-", 1)[1])
+    fn = {"stress": step_stress, "cuda-tests": step_cuda_tests, "syncs": step_syncs,
+          "io-bench": step_io_bench, "measure": step_measure}.get(name)
+    if fn is None:
+        raise ValueError(f"unknown step {name!r}")
+    return fn(args, save)

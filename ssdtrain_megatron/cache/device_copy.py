@@ -1,0 +1,345 @@
+"""The GPU data path: device<->host copies on their own streams, ordered by events.
+
+Contract (what the offloader, the IO engines and CUDA may each assume):
+
+- Per device, one *offload* stream and one *reload* stream, created once. The training
+  (compute) stream never carries one of our copies, and no IO thread issues a copy on it.
+- A pinned *staging pool* of ``OffloadConfig.pinned_staging_bytes`` is allocated once, at
+  construction (``cudaHostAlloc`` synchronises the device: never in the hot path). A request
+  that does not fit in what is free takes page-locked memory from torch's caching host
+  allocator instead, counted in ``staging_overflows`` and warned about once. Pinned memory
+  that cannot be had at all is a :class:`StagingUnavailable` error at construction.
+- Offload (``stage_out``, training thread): the bytes to store are taken first (a compact
+  record's ``.contiguous()`` runs on the current stream), *then* a producer event is recorded
+  on the current stream, so it covers the compaction as well as the kernel that wrote the
+  tensor. The offload stream waits on that event and copies device->staging
+  ``non_blocking``; a copy event is recorded after the copy. The engine gets the staging
+  tensor and the copy event: its IO thread waits for that event only, then reads the host
+  bytes. The device memory the copy reads is marked used by the offload stream
+  (``record_stream``), so the allocator cannot hand it out again before the copy ran, whoever
+  drops the last reference. The staging block goes back to the pool when the engine's write
+  completed (the IO thread has consumed it).
+- Reload (``stage_in``, the thread that starts the read): the restored tensor is allocated on
+  the current stream, and an *allocation event* is recorded there: memory freed on that
+  stream may still be in use by kernels queued before, and the reload stream must not write
+  into it before they ran. The engine reads into a staging block. ``finish_in`` (after the
+  engine's read completed, on whatever thread observes that) makes the reload stream wait
+  on the allocation event and copies staging->device ``non_blocking`` (and, for a compact
+  record, scatters the packed bytes into their strided places, still on the reload stream);
+  a *ready* event follows. The staging block is reused only once that event has completed
+  (checked with ``query``, never by blocking).
+- Unpack (``consume``, the consumer's thread and stream): the current stream waits on the
+  ready event; the host does not block. If the consumer stream is not the one the tensor was
+  allocated on, the tensor is marked used by it (``record_stream``).
+- ``direct`` engines (gds: cuFile DMAs device memory outside any stream) get device memory,
+  no staging: on writes the engine's IO thread waits for the producer event (recorded after
+  compaction) before cuFile reads the bytes; on reads it waits for the allocation event
+  before cuFile writes them, and the read's completion is observed by the host before the
+  consumer is launched (a compact record's scatter runs on the reload stream, ordered
+  before the consumer by the ready event).
+
+``ops`` (a :class:`StreamOps`) is how this module reaches streams, events and copies:
+:class:`CudaStreams` on a GPU; tests pass a recording stand-in that logs every record, wait,
+synchronisation and copy with its stream, and check the happens-before chain of each tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any, ContextManager, Deque, Optional, Tuple
+
+import torch
+
+from ..io.layout import ExtentAllocator
+
+log = logging.getLogger(__name__)
+
+STAGING_ALIGN = 512  # staging blocks start on 512-byte boundaries
+
+
+class StagingUnavailable(RuntimeError):
+    """The pinned staging pool could not be allocated; the message says what to change."""
+
+
+class StreamOps:
+    """Streams, events and copies as the device-copy layer uses them (torch.cuda's API shape:
+    a stream has ``wait_event(event)``; an event has ``record(stream)``, ``synchronize()`` and
+    ``query()``). Subclasses: :class:`CudaStreams`, and the tests' recording stand-in."""
+
+    def current_stream(self, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def new_stream(self, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def new_event(self) -> Any:
+        raise NotImplementedError
+
+    def use(self, stream: Any) -> ContextManager:
+        """Make ``stream`` current for the calling thread inside the block."""
+        raise NotImplementedError
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src, non_blocking=True)`` on the current stream."""
+        dst.copy_(src, non_blocking=True)
+
+    def compact(self, t: torch.Tensor) -> torch.Tensor:
+        """``t.contiguous()`` on the current stream."""
+        return t.contiguous()
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """Page-locked host memory (uint8)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class CudaStreams(StreamOps):
+    """The real thing: torch.cuda streams and events."""
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def use(self, stream: Any) -> ContextManager:
+        return torch.cuda.stream(stream)
+
+
+class _Block:
+    """A staging block: ``tensor`` (uint8 host memory), and where it lies in the pool
+    (``offset`` is None for an overflow block from torch's caching host allocator)."""
+
+    __slots__ = ("tensor", "offset", "size")
+
+    def __init__(self, tensor: torch.Tensor, offset: Optional[int], size: int) -> None:
+        self.tensor = tensor
+        self.offset = offset
+        self.size = size
+
+
+class StagingPool:
+    """Pinned host memory allocated once, carved into blocks; never blocks the caller.
+
+    A block given back with an event (a copy that may still read it) is reusable once that
+    event has completed: ``take`` reclaims such blocks with ``query()``, never ``synchronize()``.
+    """
+
+    def __init__(self, nbytes: int, ops: StreamOps) -> None:
+        try:
+            self._mem = ops.pinned_empty(nbytes)
+        except (RuntimeError, MemoryError) as exc:
+            raise StagingUnavailable(
+                f"could not allocate pinned_staging_bytes={nbytes} ({nbytes / 2**20:.0f} MiB) of "
+                f"page-locked host memory for GPU<->host copies: {exc}; lower pinned_staging_bytes "
+                f"(or max_inflight_bytes, which sizes its default), or raise the locked-memory limit "
+                f"(ulimit -l)") from exc
+        self.capacity = nbytes
+        self._ops = ops
+        self._alloc = ExtentAllocator(STAGING_ALIGN)
+        self._lock = threading.Lock()
+        self._pending: Deque[Tuple[_Block, Any]] = deque()  # (block, event it waits for)
+        self.overflows = 0
+        self.overflow_bytes = 0
+
+    def take(self, nbytes: int) -> _Block:
+        with self._lock:
+            self._reclaim()
+            offset = self._alloc.allocate(nbytes)
+            size = _aligned(nbytes)
+            if offset + size <= self.capacity:
+                return _Block(self._mem[offset:offset + nbytes], offset, size)
+            self._alloc.free(offset, size)
+            self.overflows += 1
+            self.overflow_bytes += nbytes
+        # Outside the lock: the caching host allocator may call cudaHostAlloc the first time.
+        return _Block(self._ops.pinned_empty(nbytes), None, nbytes)
+
+    def give(self, block: _Block, after: Any = None) -> None:
+        """Return ``block``; with ``after``, only once that event has completed."""
+        if block.offset is None:
+            return  # torch's caching host allocator tracks its own copies' events
+        with self._lock:
+            if after is None:
+                self._alloc.free(block.offset, block.size)
+            else:
+                self._pending.append((block, after))
+
+    @property
+    def bytes_in_use(self) -> int:
+        with self._lock:
+            return self._alloc.allocated
+
+    def _reclaim(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            block, _ = self._pending.popleft()
+            self._alloc.free(block.offset, block.size)
+
+
+def _aligned(n: int) -> int:
+    return (max(n, 1) + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
+
+
+class Transfer:
+    """One record's copy in flight: what must stay alive, and the events that order it."""
+
+    __slots__ = ("block", "source", "dest", "packed", "alloc_stream", "alloc_event", "ready_event")
+
+    def __init__(self) -> None:
+        self.block: Optional[_Block] = None  # staging, until the engine (write) or the copy (read) is done
+        self.source: Optional[torch.Tensor] = None  # direct write: the bytes cuFile reads
+        self.dest: Optional[torch.Tensor] = None  # read: device bytes the engine or the copy fills
+        self.packed: Optional[torch.Tensor] = None  # read of a compact record: packed elements
+        self.alloc_stream: Any = None  # read: the stream the restored tensor belongs to
+        self.alloc_event: Any = None  # read: recorded on alloc_stream after the allocation
+        self.ready_event: Any = None  # read: recorded on the reload stream after the copy
+
+
+class DeviceCopy:
+    """The offloader's GPU data path (see the module docstring for the contract).
+
+    Args:
+        device: the training device.
+        staging_bytes: size of the pinned staging pool (unused when ``direct``).
+        ops: streams/events/copies; default :class:`CudaStreams`.
+        direct: the engine reads and writes device memory itself (gds): no staging.
+
+    Raises:
+        StagingUnavailable: the staging pool's pinned memory cannot be had.
+    """
+
+    def __init__(self, device: torch.device, staging_bytes: int, ops: Optional[StreamOps] = None,
+                 direct: bool = False) -> None:
+        self.device = torch.device(device)
+        self.ops = ops if ops is not None else CudaStreams()
+        self.direct = direct
+        self.offload_stream = self.ops.new_stream(self.device)
+        self.reload_stream = self.ops.new_stream(self.device)
+        self.pool = None if direct else StagingPool(staging_bytes, self.ops)
+        self._warned = False
+
+    # -- offload ----------------------------------------------------------------------------
+
+    def stage_out(self, rec) -> Tuple[torch.Tensor, Any, Transfer]:
+        """Training thread: (bytes for the engine, the event the engine waits for before it
+        reads them, the transfer to pass to :meth:`written` once the engine is done)."""
+        ops = self.ops
+        view = rec.bytes_view(ops.compact)  # compaction first: the event below must cover it
+        produced = ops.new_event()
+        produced.record(ops.current_stream(self.device))
+        xfer = Transfer()
+        if self.direct:
+            xfer.source = view  # cuFile reads it once `produced` completed; alive until then
+            return view, produced, xfer
+        xfer.block = self._take(view.numel())
+        stream = self.offload_stream
+        try:
+            stream.wait_event(produced)
+            with ops.use(stream):
+                ops.copy(xfer.block.tensor, view)
+                copied = ops.new_event()
+                copied.record(stream)
+        except BaseException:
+            self.written(xfer)  # the caller keeps the tensor in memory; the block is free
+            raise
+        # Whoever drops the last reference, the allocator waits for this copy first.
+        ops.record_stream(view, stream)
+        return xfer.block.tensor, copied, xfer
+
+    def written(self, xfer: Transfer) -> None:
+        """The engine's write finished, failed, or never started: its staging is free (any
+        thread; takes only the pool's lock)."""
+        block, xfer.block, xfer.source = xfer.block, None, None
+        if block is not None:
+            self.pool.give(block)
+
+    # -- reload -----------------------------------------------------------------------------
+
+    def stage_in(self, rec) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+        """The thread that starts the read: (restored tensor, where the engine reads the bytes
+        into, the event the engine waits for before it writes there, or None). Sets
+        ``rec.transfer``."""
+        ops = self.ops
+        alloc_stream = ops.current_stream(self.device)
+        restored, dest = rec.allocate_restore()  # on the current stream
+        xfer = Transfer()
+        xfer.dest = dest
+        xfer.packed = rec.staging  # a compact record's packed elements (device), else None
+        rec.staging = None
+        xfer.alloc_stream = alloc_stream
+        xfer.alloc_event = ops.new_event()
+        xfer.alloc_event.record(alloc_stream)
+        rec.transfer = xfer
+        if self.direct:
+            return restored, dest, xfer.alloc_event
+        xfer.block = self._take(rec.nbytes)
+        return restored, xfer.block.tensor, None
+
+    def finish_in(self, rec) -> None:
+        """After the engine's read completed (any thread): the bytes go to the device on the
+        reload stream, after the allocation event; the consumer will wait on ``ready_event``."""
+        xfer = rec.transfer
+        if self.direct and xfer.packed is None:
+            xfer.dest = None
+            return  # cuFile wrote the bytes in place, and the host saw it finish
+        ops = self.ops
+        stream = self.reload_stream
+        stream.wait_event(xfer.alloc_event)
+        with ops.use(stream):
+            if xfer.block is not None:
+                ops.copy(xfer.dest, xfer.block.tensor)
+            if xfer.packed is not None:
+                ops.copy(rec.tensor, xfer.packed)  # scatter into the strided places
+            xfer.ready_event = ops.new_event()
+            xfer.ready_event.record(stream)
+        # Allocated on the compute stream, written on this one: if the record is released
+        # before a consumer ran (its backward never came), the allocator must still wait.
+        for t in (rec.tensor, xfer.packed):
+            if t is not None:
+                ops.record_stream(t, stream)
+        xfer.dest = xfer.packed = None
+        if xfer.block is not None:
+            self.pool.give(xfer.block, after=xfer.ready_event)
+            xfer.block = None
+
+    def read_failed(self, rec) -> None:
+        """The engine's read failed: nothing was copied; the staging block is free."""
+        xfer, rec.transfer = rec.transfer, None
+        if xfer is not None and xfer.block is not None:
+            self.pool.give(xfer.block)
+            xfer.block = None
+
+    def consume(self, rec, out: torch.Tensor) -> None:
+        """Unpack, on the consumer's thread: its stream waits for the reload; the host does
+        not."""
+        xfer = rec.transfer
+        if xfer is None:
+            return  # forwarded from memory: no copy to wait for
+        ops = self.ops
+        current = ops.current_stream(self.device)
+        if xfer.ready_event is not None:
+            current.wait_event(xfer.ready_event)
+        if current != xfer.alloc_stream:
+            ops.record_stream(out, current)
+
+    @property
+    def staging_overflows(self) -> int:
+        return self.pool.overflows if self.pool is not None else 0
+
+    def _take(self, nbytes: int) -> _Block:
+        block = self.pool.take(nbytes)
+        if block.offset is None and not self._warned:
+            self._warned = True
+            log.warning("ssdtrain: the pinned staging pool (pinned_staging_bytes=%d) has no room for %d "
+                        "bytes; using torch's pinned host allocator for the overflow (counted in "
+                        "DeviceCopy.staging_overflows). Raise pinned_staging_bytes.",
+                        self.pool.capacity, nbytes)
+        return block
+

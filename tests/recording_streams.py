@@ -1,0 +1,242 @@
+"""A recording stand-in for CUDA streams, events and copies, and a happens-before checker.
+
+What it checks is OUR ordering logic (cache/device_copy.py and the offloader's calls into it),
+not CUDA: the stand-in models a GPU the way the CUDA programming model defines one and logs
+every operation, and the checker asks whether, by those rules alone, one operation is
+guaranteed to happen before another:
+
+- operations on one stream run in issue order, and each runs after the host issued it;
+- ``stream.wait_event(e)`` orders the stream's later operations after ``e``'s record point;
+- ``e.synchronize()`` (or a ``query()`` that returned True) orders the host's later
+  operations after ``e``'s record point;
+- host operations are ordered by real time (the log's order, taken under one lock): our
+  threads hand work to each other through futures and locks, and the hazard this checks is
+  the GPU's asynchrony, not the host's.
+
+Nothing else orders a stream operation: a copy on the offload stream is *not* after a kernel
+on the compute stream unless an event says so, even though the stand-in (on a CPU device)
+performs every copy at once when it is issued.
+
+``Recorder(inner=CudaStreams())`` wraps the real torch.cuda streams and events: the same log
+and checks, while the copies really run asynchronously on the GPU (the tests marked ``cuda``;
+there, ``delay_s`` puts a ``torch.cuda._sleep`` in front of each copy and producer so that a
+missing wait shows up as wrong bytes too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ssdtrain_megatron.cache.device_copy import StreamOps
+
+HOST = "host"
+
+
+def _join(a: Dict[str, int], b: Dict[str, int]) -> Dict[str, int]:
+    out = dict(a)
+    for k, v in b.items():
+        if out.get(k, 0) < v:
+            out[k] = v
+    return out
+
+
+class Node:
+    """One logged operation: ``kind``, where it ran (``agent``: a stream's name or 'host'),
+    the issuing thread, tags (pointers, keys), and its vector clock."""
+
+    __slots__ = ("idx", "kind", "agent", "thread", "tags", "vc")
+
+    def __init__(self, idx: int, kind: str, agent: str, thread: str, tags: dict, vc: Dict[str, int]) -> None:
+        self.idx, self.kind, self.agent, self.thread, self.tags, self.vc = idx, kind, agent, thread, tags, vc
+
+    def __repr__(self) -> str:
+        return f"#{self.idx} {self.kind}@{self.agent}({self.thread}) {self.tags}"
+
+
+class RecStream:
+    def __init__(self, rec: "Recorder", name: str, real: Any = None) -> None:
+        self.rec, self.name, self.real, self.vc = rec, name, real, {}
+
+    def wait_event(self, event: "RecEvent") -> None:
+        if self.real is not None:
+            self.real.wait_event(event.real)
+        self.rec._stream_op(self, "wait", event=event.name, joins=event.vc)
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name}>"
+
+
+class RecEvent:
+    def __init__(self, rec: "Recorder", name: str, real: Any = None) -> None:
+        self.rec, self.name, self.real = rec, name, real
+        self.vc: Dict[str, int] = {}  # empty until recorded: waiting on it orders nothing
+        self.node: Optional[Node] = None
+
+    def record(self, stream: RecStream) -> None:
+        if self.real is not None:
+            self.real.record(stream.real)
+        self.node = self.rec._stream_op(stream, "record", event=self.name)
+        self.vc = self.node.vc
+
+    def synchronize(self) -> None:
+        if self.real is not None:
+            self.real.synchronize()
+        self.rec._host_op("synchronize", joins=self.vc, event=self.name)
+
+    def query(self) -> bool:
+        done = self.real.query() if self.real is not None else self.node is not None
+        if done:
+            self.rec._host_op("query_done", joins=self.vc, event=self.name)
+        return done
+
+
+class Recorder(StreamOps):
+    """The stand-in (``inner=None``: a CPU device, copies done at once) or a logging wrapper
+    around real streams (``inner=CudaStreams()``). See the module docstring."""
+
+    def __init__(self, inner: Optional[StreamOps] = None, delay_s: float = 0.0,
+                 pin_fails: bool = False) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.pin_fails = pin_fails
+        self.log: List[Node] = []
+        self._lock = threading.RLock()
+        self._host_vc: Dict[str, int] = {}
+        self._local = threading.local()
+        self._streams: Dict[Any, RecStream] = {}
+        self._n_events = 0
+        self.default = self._wrap_stream(None, "default")
+
+    # -- the StreamOps the layer calls ------------------------------------------------------
+
+    def current_stream(self, device: torch.device) -> RecStream:
+        if self.inner is not None:
+            return self._wrap_stream(self.inner.current_stream(device))
+        return getattr(self._local, "stream", None) or self.default
+
+    def new_stream(self, device: torch.device, name: Optional[str] = None) -> RecStream:
+        real = self.inner.new_stream(device) if self.inner is not None else None
+        return self._wrap_stream(real, name or f"s{len(self._streams)}")
+
+    def new_event(self) -> RecEvent:
+        with self._lock:
+            self._n_events += 1
+            name = f"e{self._n_events}"
+        return RecEvent(self, name, self.inner.new_event() if self.inner is not None else None)
+
+    @contextlib.contextmanager
+    def use(self, stream: RecStream):
+        prev = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            if self.inner is not None:
+                with self.inner.use(stream.real):
+                    yield
+            else:
+                yield
+        finally:
+            self._local.stream = prev
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        stream = self.current_stream(dst.device if dst.device.type != "cpu" else src.device)
+        self._delay()
+        dst.copy_(src, non_blocking=self.inner is not None)
+        self._stream_op(stream, "copy", dst=_range(dst), src=_range(src))
+
+    def compact(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.contiguous()
+        self._stream_op(self.current_stream(t.device), "compact", dst=_range(out), src=_range(t))
+        return out
+
+    def record_stream(self, t: torch.Tensor, stream: RecStream) -> None:
+        if self.inner is not None:
+            t.record_stream(stream.real)
+        self._host_op("record_stream", ptr=_range(t), stream=stream.name)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        if self.pin_fails:
+            raise RuntimeError("CUDA error: out of memory (stand-in: pinning refused)")
+        if self.inner is not None:
+            return self.inner.pinned_empty(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    # -- what tests log ---------------------------------------------------------------------
+
+    def kernel(self, kind: str, t: torch.Tensor) -> Node:
+        """A kernel of the model (``produce``/``consume``) on the current stream, touching
+        ``t``'s bytes."""
+        if kind == "produce":
+            self._delay()
+        return self._stream_op(self.current_stream(t.device), kind, ptr=_range(t))
+
+    def host(self, kind: str, **tags) -> Node:
+        return self._host_op(kind, **tags)
+
+    def tracer(self, op, key, path, offset, nbytes, t_submit, t_done, depth) -> None:
+        """An IO engine's trace sink: one host node per chunk that reached (or left) the file."""
+        self._host_op("disk_" + op, key=key, offset=offset, nbytes=nbytes)
+
+    # -- the model --------------------------------------------------------------------------
+
+    def happens_before(self, a: Node, b: Node) -> bool:
+        return a is not b and a.vc.get(a.agent, 0) <= b.vc.get(a.agent, 0)
+
+    def nodes(self, kind: str, **tags) -> List[Node]:
+        return [n for n in self.log if n.kind == kind and all(n.tags.get(k) == v for k, v in tags.items())]
+
+    def _wrap_stream(self, real: Any, name: Optional[str] = None) -> RecStream:
+        with self._lock:
+            key = id(real) if real is None else (real.device, real.cuda_stream)
+            s = self._streams.get(key) if real is not None else None
+            if s is None:
+                s = RecStream(self, name or f"s{len(self._streams)}", real)
+                if real is not None:
+                    self._streams[key] = s
+                else:
+                    self._streams[("fake", len(self._streams))] = s
+            return s
+
+    def _stream_op(self, stream: RecStream, kind: str, joins: Optional[Dict[str, int]] = None, **tags) -> Node:
+        with self._lock:
+            vc = _join(stream.vc, self._host_vc)  # runs after the host issued it
+            if joins:
+                vc = _join(vc, joins)
+            vc[stream.name] = vc.get(stream.name, 0) + 1
+            stream.vc = vc
+            node = Node(len(self.log), kind, stream.name, threading.current_thread().name, tags, dict(vc))
+            self.log.append(node)
+            return node
+
+    def _host_op(self, kind: str, joins: Optional[Dict[str, int]] = None, **tags) -> Node:
+        with self._lock:
+            vc = _join(self._host_vc, joins or {})
+            vc[HOST] = vc.get(HOST, 0) + 1
+            self._host_vc = vc
+            node = Node(len(self.log), kind, HOST, threading.current_thread().name, tags, dict(vc))
+            self.log.append(node)
+            return node
+
+    def _delay(self) -> None:
+        if self.inner is not None and self.delay_s > 0:
+            torch.cuda._sleep(int(self.delay_s * 1e9))  # about a cycle per ns on current GPUs
+
+
+def _range(t: torch.Tensor) -> tuple:
+    """(first byte, one past the last byte) that ``t`` spans."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return (start, start)
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return (start, start + span * t.element_size())
+
+
+def overlaps(a: tuple, b: tuple) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def contains(outer: tuple, inner: tuple) -> bool:
+    return outer[0] <= inner[0] and inner[1] <= outer[1]

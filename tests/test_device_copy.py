@@ -1,0 +1,447 @@
+"""The GPU data path (cache/device_copy.py): the happens-before chain of every offloaded tensor.
+
+On this CPU-only machine the streams, events and copies are a recording stand-in
+(tests/recording_streams.py): it checks OUR ordering logic (which event is recorded where,
+which stream waits on what, which thread synchronises on what) against the rules of the CUDA
+programming model, not CUDA itself. The engines, files, offloader and autograd are real. The
+tests marked ``cuda`` run the same checks with the recorder wrapped around real torch.cuda
+streams and events (copies really asynchronous, with ``torch.cuda._sleep`` in front of every
+producer and copy so that a missing wait also shows up as wrong bytes).
+
+For each tensor the offloader hands to the engine, the chain asserted is:
+  write: producer kernel -> compaction (compact views) -> device->host copy -> every disk
+         write of its key (gds: producer -> compaction -> disk write, no copy);
+  read:  what ran on the allocating stream before the read started -> host->device copy
+         (gds: -> cuFile read) and disk read -> host->device copy -> scatter (compact)
+         -> the consumer kernel in backward.
+"""
+
+from __future__ import annotations
+
+import types
+from concurrent.futures import Future
+from typing import List, Optional
+
+import pytest
+import torch
+
+from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from ssdtrain_megatron.cache.device_copy import DeviceCopy, StagingPool, StagingUnavailable
+from ssdtrain_megatron.config import ConfigError
+from ssdtrain_megatron.io import IOEngine, make_engine
+from tests import fake_kvikio
+from tests.recording_streams import Node, Recorder, _range, contains, overlaps
+
+CUDA = torch.cuda.is_available()
+ENGINES = ["posix", "memory", "tiered", "gds"]
+
+
+# -- an engine wrapper that logs what the offloader hands over ------------------------------
+
+class LoggedEngine(IOEngine):
+    """Delegates to a real engine; logs each write/read submission (key, the bytes handed
+    over, the event) and each chunk that reached or left the file (the engine's tracer)."""
+
+    def __init__(self, inner: IOEngine, rec: Recorder) -> None:
+        self.inner, self.rec = inner, rec
+        self.name = inner.name
+        inner.tracer = rec.tracer
+        if hasattr(inner, "memory"):  # tiered: both tiers trace
+            inner.memory.tracer = inner.ssd.tracer = rec.tracer
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def device_direct(self) -> bool:
+        return self.inner.device_direct
+
+    def write(self, key: int, data: torch.Tensor, ready_event=None) -> Future:
+        self.rec.host("submit_write", key=key, ptr=_range(data), event=getattr(ready_event, "name", None))
+        return self.inner.write(key, data, ready_event)
+
+    def read(self, key: int, out: torch.Tensor, ready_event=None) -> Future:
+        self.rec.host("submit_read", key=key, ptr=_range(out), event=getattr(ready_event, "name", None))
+        return self.inner.read(key, out, ready_event)
+
+    def release(self, key: int) -> None:
+        self.inner.release(key)
+
+    def end_step(self) -> None:
+        self.inner.end_step()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return self.inner.bytes_on_disk
+
+
+# -- the chain checks -----------------------------------------------------------------------
+
+def _last_before(log: List[Node], idx: int, pred) -> Optional[Node]:
+    for n in reversed(log[:idx]):
+        if pred(n):
+            return n
+    return None
+
+
+def _first_after(log: List[Node], idx: int, pred) -> Optional[Node]:
+    for n in log[idx + 1:]:
+        if pred(n):
+            return n
+    return None
+
+
+def _hb(rec: Recorder, a: Node, b: Node, what: str) -> None:
+    assert rec.happens_before(a, b), f"{what}: {a} is not ordered before {b}"
+
+
+def check_write_chains(rec: Recorder, direct: bool, compute: str = "compute") -> int:
+    """Every submitted write: producer -> compaction -> D2H -> disk. Returns how many."""
+    log = rec.log
+    writes = rec.nodes("submit_write")
+    for w in writes:
+        key = w.tags["key"]
+        disk = rec.nodes("disk_write", key=key)
+        assert disk, f"key {key}: no chunk reached the engine's file or pool"
+        if direct:
+            src, last = w.tags["ptr"], None
+        else:
+            ready = [n for n in log if n.kind == "record" and n.tags["event"] == w.tags["event"]]
+            assert len(ready) == 1, f"key {key}: the engine got event {w.tags['event']}, recorded {len(ready)} times"
+            d2h = _last_before(log, ready[0].idx, lambda n: n.kind == "copy" and n.agent == ready[0].agent
+                               and contains(n.tags["dst"], w.tags["ptr"]))
+            assert d2h is not None, f"key {key}: no device->host copy into the staging before its event"
+            assert d2h.agent != compute, f"key {key}: the copy ran on the compute stream"
+            src, last = d2h.tags["src"], d2h
+        compact = _last_before(log, (last or w).idx, lambda n: n.kind == "compact" and contains(n.tags["dst"], src))
+        producer = _last_before(log, (compact or last or w).idx,
+                                lambda n: n.kind == "produce" and contains(n.tags["ptr"],
+                                                                           compact.tags["src"] if compact else src))
+        assert producer is not None, f"key {key}: no producer kernel wrote the bytes it stores"
+        chain = [producer] + ([compact] if compact else []) + ([last] if last else [])
+        for a, b in zip(chain, chain[1:]):
+            _hb(rec, a, b, f"key {key} write")
+        for d in disk:
+            _hb(rec, chain[-1], d, f"key {key} write reaches the disk")
+    return len(writes)
+
+
+def check_read_chains(rec: Recorder, direct: bool, alloc_stream: str) -> int:
+    """Every submitted read: allocating stream's past -> (disk read ->) H2D -> scatter ->
+    consumer. Returns how many."""
+    log = rec.log
+    reads = rec.nodes("submit_read")
+    for r in reads:
+        key = r.tags["key"]
+        disk = [n for n in rec.nodes("disk_read", key=key) if n.idx > r.idx]
+        assert disk, f"key {key}: nothing was read back from the engine"
+        past = _last_before(log, r.idx, lambda n: n.agent == alloc_stream and n.kind != "record")
+        if direct:
+            first_write = disk
+            dst = r.tags["ptr"]
+            final = None
+        else:
+            h2d = _first_after(log, r.idx, lambda n: n.kind == "copy" and contains(r.tags["ptr"], n.tags["src"]))
+            assert h2d is not None, f"key {key}: no host->device copy out of its staging"
+            assert h2d.agent != alloc_stream, f"key {key}: the reload ran on the compute stream"
+            for d in disk:
+                _hb(rec, d, h2d, f"key {key}: disk read before the host->device copy")
+            first_write = [h2d]
+            dst, final = h2d.tags["dst"], h2d
+        # A compact record's scatter follows at once (finish_in runs under the offloader's lock,
+        # before any other submission): look no further than the next submission.
+        anchor = (final or disk[-1]).idx
+        bound = _first_after(log, anchor, lambda n: n.kind.startswith("submit_"))
+        scatter = _first_after(log[:bound.idx] if bound else log, anchor,
+                               lambda n: n.kind == "copy" and n.tags["src"] == dst
+                               and (final is None or n.agent == final.agent))
+        if scatter is not None:
+            if final is not None:
+                _hb(rec, final, scatter, f"key {key}: copy before scatter")
+            else:
+                for d in disk:
+                    _hb(rec, d, scatter, f"key {key}: cuFile read before scatter")
+            final, dst = scatter, scatter.tags["dst"]
+        if past is not None:
+            for n in first_write:
+                _hb(rec, past, n, f"key {key}: memory reused before the allocating stream's earlier work")
+        consumer = _first_after(log, (final or disk[-1]).idx,
+                                lambda n: n.kind == "consume" and overlaps(n.tags["ptr"], dst))
+        assert consumer is not None, f"key {key}: no consumer read the restored tensor"
+        for n in ([final] if final is not None else disk):
+            _hb(rec, n, consumer, f"key {key}: restored bytes before their consumer")
+    return len(reads)
+
+
+# -- a model whose kernels the recorder sees ------------------------------------------------
+
+class Saves(torch.autograd.Function):
+    """y = tanh(x); saves y (or, ``compact``, the middle third of its columns: a view that
+    touches a third of its storage span) and uses it in backward. The producing and the
+    consuming kernels are logged on the current stream."""
+
+    @staticmethod
+    def forward(ctx, x, compact, rec):
+        rec._delay()
+        y = torch.tanh(x)
+        rec.kernel("produce", y)
+        k = x.shape[1] // 3
+        ctx.compact, ctx.rec, ctx.k = compact, rec, k
+        if compact:
+            mid = y[:, k:2 * k]
+            ctx.save_for_backward(mid)
+            return mid.repeat(1, 3)
+        ctx.save_for_backward(y)
+        return y * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        (s,) = ctx.saved_tensors
+        ctx.rec.kernel("consume", s)
+        if ctx.compact:
+            k = ctx.k
+            gx = torch.zeros_like(g)
+            gx[:, k:2 * k] = (g[:, :k] + g[:, k:2 * k] + g[:, 2 * k:]) * (1 - s * s)
+            return gx, None, None
+        return g * (1 - s * s), None, None
+
+
+def _run(off: Optional[ActivationOffloader], rec: Recorder, device, compact: bool, stream, n_layers=4, n_mb=2):
+    grads = []
+    ctx = rec.use(stream) if stream is not None else _null()
+    with ctx:
+        for mb in range(n_mb):
+            g = torch.Generator().manual_seed(mb)
+            x = torch.randn(64, 3 * 128, generator=g).to(device).requires_grad_()
+            outer = off.microbatch(mb) if off is not None else _null()
+            with outer:
+                h = x
+                for i in range(n_layers):
+                    with (off.layer(i) if off is not None else _null()):
+                        h = Saves.apply(h, compact, rec)
+                loss = h.sum()
+            if off is not None:
+                off.wait_writes()  # every tensor goes to the engine and comes back by a read
+            loss.backward()
+            grads.append(x.grad)
+    stats = off.end_step() if off is not None else None
+    return grads, stats
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _config(d, engine: str, **kw) -> OffloadConfig:
+    kw.setdefault("host_memory_bytes", 96 * 1024 if engine == "tiered" else 64 << 20)
+    return OffloadConfig(dirs=[str(d)], engine="posix" if engine == "gds" else engine, min_tensor_bytes=0,
+                         keep_last_layers=0, prefetch_layers=1, chunk_bytes=64 * 1024,
+                         max_inflight_bytes=1 << 20, **kw)
+
+
+def _engine(engine: str, config: OffloadConfig, monkeypatch):
+    if engine == "gds":
+        if not CUDA:
+            fake_kvikio.install(monkeypatch)
+        from ssdtrain_megatron.io.gds import GdsEngine
+
+        return GdsEngine(config)
+    return make_engine(config)
+
+
+def _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, device, patch=None):
+    config = _config(tmp_path, engine)
+    logged = LoggedEngine(_engine(engine, config, monkeypatch), rec)
+    stream = rec.new_stream(device, "compute") if stream_name == "compute" else None
+    with ActivationOffloader(config, device=device, engine=logged, streams=rec) as off:
+        if patch is not None:
+            patch(off._copy)
+        grads, stats = _run(off, rec, device, compact, stream)
+        direct = off._copy.direct
+    logged.close()
+    return grads, stats, direct, ("compute" if stream is not None else "default")
+
+
+def _check_all(rec, stats, direct, alloc_stream):
+    n_w = check_write_chains(rec, direct, alloc_stream)
+    n_r = check_read_chains(rec, direct, alloc_stream)
+    assert n_w == stats.tensors_offloaded > 0
+    assert n_r == n_w, "every offloaded tensor came back by a read"
+    assert stats.bytes_read > 0
+
+
+def _bitwise(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+
+
+def _reference(device, compact):
+    grads, _ = _run(None, Recorder(), device, compact, None)
+    return grads
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("compact", [False, True], ids=["span", "compact"])
+@pytest.mark.parametrize("stream_name", ["default", "compute"])
+def test_every_offloaded_tensor_is_ordered_producer_to_disk_to_consumer(tmp_path, monkeypatch, engine,
+                                                                        compact, stream_name):
+    rec = Recorder()
+    cpu = torch.device("cpu")
+    grads, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, cpu)
+    assert direct == (engine == "gds")
+    _check_all(rec, stats, direct, alloc)
+    _bitwise(_reference(cpu, compact), grads)
+    if not direct:  # the source of every device->host copy is marked used by the offload stream
+        assert len(rec.nodes("record_stream")) >= stats.tensors_offloaded
+
+
+def test_the_checks_fail_when_the_event_is_recorded_before_compaction(tmp_path, monkeypatch):
+    """The bug this layer fixes: the producer event recorded before ``.contiguous()``."""
+    rec = Recorder()
+
+    def patch(copy: DeviceCopy) -> None:
+        def stage_out(self, r):
+            produced = self.ops.new_event()
+            produced.record(self.ops.current_stream(self.device))
+            view = r.bytes_view(self.ops.compact)
+            xfer_block = self.pool.take(view.numel())
+            self.offload_stream.wait_event(produced)
+            with self.ops.use(self.offload_stream):
+                self.ops.copy(xfer_block.tensor, view)
+                copied = self.ops.new_event()
+                copied.record(self.offload_stream)
+            from ssdtrain_megatron.cache.device_copy import Transfer
+            x = Transfer()
+            x.block = xfer_block
+            return xfer_block.tensor, copied, x
+        copy.stage_out = types.MethodType(stage_out, copy)
+
+    _, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, "posix", True, "compute", rec,
+                                             torch.device("cpu"), patch)
+    with pytest.raises(AssertionError, match="write"):
+        check_write_chains(rec, direct)
+
+
+@pytest.mark.parametrize("missing", ["alloc", "consumer"])
+def test_the_checks_fail_without_the_reload_waits(tmp_path, monkeypatch, missing):
+    rec = Recorder()
+
+    def patch(copy: DeviceCopy) -> None:
+        if missing == "alloc":
+            real = copy.reload_stream.wait_event
+            copy.reload_stream.wait_event = lambda ev: None
+            copy._keep = real
+        else:
+            copy.consume = types.MethodType(lambda self, r, out: None, copy)
+
+    _, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, "posix", False, "compute", rec,
+                                             torch.device("cpu"), patch)
+    check_write_chains(rec, direct)
+    with pytest.raises(AssertionError, match="memory reused" if missing == "alloc" else "before their consumer"):
+        check_read_chains(rec, direct, alloc)
+
+
+def test_gds_checks_fail_when_cufile_does_not_wait_for_the_producer(tmp_path, monkeypatch):
+    rec = Recorder()
+
+    def patch(copy: DeviceCopy) -> None:
+        real = copy.stage_out
+
+        def stage_out(r):
+            data, _event, xfer = real(r)
+            return data, None, xfer  # the engine is not told what to wait for
+        copy.stage_out = stage_out
+
+    _, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, "gds", False, "compute", rec,
+                                             torch.device("cpu"), patch)
+    assert direct
+    with pytest.raises(AssertionError):
+        check_write_chains(rec, direct)
+
+
+def test_staging_pool_is_allocated_once_and_overflows_without_blocking(caplog):
+    rec = Recorder()
+    pool = StagingPool(4096, rec)
+    a = pool.take(3000)
+    assert a.offset == 0 and pool.bytes_in_use == 3072
+    b = pool.take(3000)  # does not fit: an overflow block, not a wait
+    assert b.offset is None and pool.overflows == 1 and b.tensor.numel() == 3000
+    ev = rec.new_event()
+    pool.give(a, after=ev)  # the copy out of it has not been recorded yet: not reusable
+    c = pool.take(1500)
+    assert c.offset is None and pool.overflows == 2
+    ev.record(rec.default)
+    d = pool.take(3000)  # the event completed: the block is reclaimed (by query, never a wait)
+    assert d.offset == 0
+    assert not rec.nodes("synchronize") and rec.nodes("query_done")
+
+
+def test_pinned_memory_that_cannot_be_had_is_a_clear_error(tmp_path):
+    config = _config(tmp_path, "posix", pinned_staging_bytes=1 << 20)
+    engine = make_engine(config)
+    with pytest.raises(StagingUnavailable, match=r"pinned_staging_bytes=1048576 .*ulimit -l"):
+        ActivationOffloader(config, device=torch.device("cpu"), engine=engine,
+                            streams=Recorder(pin_fails=True))
+    engine.close()
+
+
+def test_pinned_staging_bytes_is_validated_and_defaults_from_max_inflight_bytes(tmp_path):
+    assert OffloadConfig(dirs=[str(tmp_path)], max_inflight_bytes=3 << 20).staging_bytes() == 6 << 20
+    assert OffloadConfig(dirs=[str(tmp_path)], pinned_staging_bytes=5000).staging_bytes() == 5000
+    for bad in (0, -1, True, "1G", 1.5):
+        with pytest.raises(ConfigError, match=r"OffloadConfig.pinned_staging_bytes=.* expected an integer >= 1"):
+            OffloadConfig(dirs=[str(tmp_path)], pinned_staging_bytes=bad)
+
+
+def test_pinned_staging_bytes_has_a_flag():
+    import argparse
+
+    from ssdtrain_megatron.megatron.args import add_ssd_offload_args, config_from_args
+
+    parser = add_ssd_offload_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--ssd-offload", "--ssd-offload-pinned-staging-bytes", "65536"])
+    assert config_from_args(ns).pinned_staging_bytes == 65536
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ssd-offload", "--ssd-offload-pinned-staging-bytes", "0"])
+
+
+def test_cpu_device_without_streams_keeps_the_direct_path(tmp_path):
+    with ActivationOffloader(_config(tmp_path, "posix"), device=torch.device("cpu")) as off:
+        assert off._copy is None
+
+
+# -- the same, for real ---------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("compact", [False, True], ids=["span", "compact"])
+@pytest.mark.parametrize("stream_name", ["default", "compute"])
+def test_cuda_every_offloaded_tensor_is_ordered_and_bitwise(tmp_path, monkeypatch, engine, compact, stream_name):
+    """Real torch.cuda streams and events under the recorder; 2 ms of sleep in front of every
+    producer and copy, so that a missing wait also corrupts bytes."""
+    if engine == "gds":
+        from ssdtrain_megatron.io.gds import gds_unavailable_reason
+
+        if gds_unavailable_reason():
+            pytest.skip(gds_unavailable_reason())
+    from ssdtrain_megatron.cache.device_copy import CudaStreams
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rec = Recorder(inner=CudaStreams(), delay_s=0.002)
+    grads, stats, direct, _ = _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, dev)
+    torch.cuda.synchronize()
+    alloc = "compute" if stream_name == "compute" else rec.current_stream(dev).name
+    _check_all(rec, stats, direct, alloc)
+    ref = _reference(dev, compact)
+    torch.cuda.synchronize()
+    _bitwise(ref, grads)
