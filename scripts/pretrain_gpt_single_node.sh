@@ -31,13 +31,17 @@
 set -euo pipefail
 
 # This repository: $SSDTRAIN, else the folder above this script. sbatch runs a copy of the
-# script from its spool folder, so under Slurm the path it was submitted as comes from the job.
-script="${BASH_SOURCE[0]}"
-if [[ -n "${SLURM_JOB_ID:-}" ]] && command -v scontrol >/dev/null; then
-    submitted="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')"
-    [[ -f "$submitted" ]] && script="$submitted"
+# script from its spool folder: then the path it was submitted as comes from the job.
+if [[ -z "${SSDTRAIN:-}" ]]; then
+    SSDTRAIN="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    if [[ ! -f "$SSDTRAIN/scripts/ssdtrain_node.sh" && -n "${SLURM_JOB_ID:-}" ]] \
+            && command -v scontrol >/dev/null; then
+        submitted="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')"
+        if [[ -f "$submitted" ]]; then
+            SSDTRAIN="$(cd "$(dirname "$submitted")/.." && pwd)"
+        fi
+    fi
 fi
-SSDTRAIN="${SSDTRAIN:-$(cd "$(dirname "$script")/.." && pwd)}"
 if [[ ! -f "$SSDTRAIN/scripts/ssdtrain_node.sh" ]]; then
     echo "pretrain_gpt_single_node: no scripts/ssdtrain_node.sh in SSDTRAIN=$SSDTRAIN; set" \
          "SSDTRAIN to the ssdtrain-megatron checkout" >&2

@@ -175,6 +175,7 @@ def _slurm_env(env):
 def test_sbatch_script_runs_the_node_runner_on_every_node(stand_ins):
     env, tmp_path = stand_ins
     env = _slurm_env(env)
+    env["STUB_SUBMITTED"] = "/bin/bash"  # as in an salloc allocation: the script's own folder wins
     out = subprocess.run(["bash", SBATCH, "--data-path", "/data/x", "--train-iters", "7"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
