@@ -36,7 +36,7 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
 
 def test_core_bench_json_has_pack_and_unpack_medians_per_policy(tmp_path, capsys):
     d = tmp_path / "bench"
-    rc = main(["core-bench", "--dir", str(d), "--tensors", "60", "--tensor-kb", "16", "--steps", "1",
+    rc = main(["core-bench", "--dir", str(d), "--tensors", "60", "--tensor-kib", "16", "--steps", "1",
                "--json"])
     out = capsys.readouterr()
     assert rc == 0, out.err
