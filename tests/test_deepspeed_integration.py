@@ -205,8 +205,13 @@ def test_engine_checkpoint_inputs_are_offloaded_as_deepspeed_keeps_them(mode, ro
         for s in info["steps"]:
             rows = _layer_rows(s)
             assert sorted(k for k in rows if k != "None") == ["1", "3", "5"]  # first layer of each
-            assert rows["1"]["bytes"] == rows["1"]["bytes_offloaded"] == ENGINE.gas * routed_bytes
+            assert rows["1"]["bytes"] == ENGINE.gas * routed_bytes
+            # Written unless backward released the input before an IO thread started its write
+            # (a queued write of a released tensor is cancelled): on a loaded machine, some are.
+            assert rows["1"]["bytes_offloaded"] <= rows["1"]["bytes"]
             assert rows["5"]["bytes_offloaded"] == 0  # the last layer: kept for its backward
+        if routed_bytes:
+            assert sum(_layer_rows(s)["1"]["bytes_offloaded"] for s in info["steps"]) > 0
     if mode == "contiguous":
         with open(os.path.join(runs.workdir("engine"), "rank0.log")) as f:
             assert "contiguous_memory_optimization" in f.read()
