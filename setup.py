@@ -23,6 +23,9 @@ setup(
         # `pip install --ignore-requires-python --no-deps megatron-core==X` (README).
         "megatron": ["megatron-core>=0.16,<0.20"],
         "aio": ["deepspeed>=0.19.8,<0.20"],
+        # Megatron-DeepSpeed (master 4efb479d) imports deepspeed.compression.compress, which
+        # DeepSpeed 0.19.8 removed; 0.19.0 still has it.
+        "megatron-deepspeed": ["deepspeed==0.19.0"],
         "gds": ["kvikio-cu12"],
         "te": ["transformer-engine[pytorch]"],
         "plot": ["matplotlib"],
