@@ -11,7 +11,33 @@ EXTRAS ?= test,megatron,aio
 DEMO_DIR ?= ./ssd-offload-demo
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-all bench lint clean gpu-check
+# One virtualenv per supported megatron-core minor version, for the megatron integration tests
+# (`make venv-mcore-0.19`, `make test-mcore-0.19`). It holds torch, megatron-core and what the
+# tests import, not this package: the tests import it from this source tree (PYTHONPATH), so a
+# venv can live outside the work tree and outlive it (CI: MCORE_VENVS=~/.cache/...), and it is
+# rebuilt only when what it should hold (MCORE_SPEC, kept in its .installed) changes.
+# The 0.17+ wheels declare Requires-Python >=3.12 but install and import on 3.11: only
+# megatron-core itself is installed with --ignore-requires-python; its dependencies resolve
+# normally, so pip picks releases with 3.11 wheels (ignoring it everywhere builds numpy 2.5 from
+# source and fails). 0.18+ import triton (CPU wheel, no CUDA) at module level from their
+# pipeline schedules. six and regex: what Megatron-LM's training code imports.
+MCORE_MINORS := 0.16 0.17 0.18 0.19
+MCORE_PIN_0.16 := 0.16.1
+MCORE_PIN_0.17 := 0.17.1
+MCORE_PIN_0.18 := 0.18.2
+MCORE_PIN_0.19 := 0.19.2
+MCORE_EXTRA_0.18 := triton
+MCORE_EXTRA_0.19 := triton
+MCORE_VENVS ?= .
+MCORE_VENV = $(MCORE_VENVS)/.venv-mcore-$*
+MCORE_SPEC = $(strip $(TORCH) megatron-core==$(MCORE_PIN_$*) pytest pyyaml numpy six regex $(MCORE_EXTRA_$*))
+# The megatron tests that need no checkout: install() on every layout, the CPU runtime, the
+# release table, and Megatron-LM's own training loop from the wheel (0.17+).
+MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
+	tests/test_megatron_versions.py tests/test_megatron_training_loop.py
+
+# (venv-mcore-% and test-mcore-% are pattern rules: make skips implicit rules for .PHONY names.)
+.PHONY: install demo test test-all bench lint clean gpu-check venv-megatron-deepspeed test-megatron-deepspeed
 
 install: $(VENV)/.installed
 
@@ -45,5 +71,51 @@ lint: install
 	$(PIP) install -q pyflakes
 	$(PY) -m pyflakes ssdtrain_megatron tests
 
+venv-mcore-%:
+	@test -n "$(MCORE_PIN_$*)" || { echo "no megatron-core pin for '$*' (have: $(MCORE_MINORS))"; exit 2; }
+	@if grep -qxF "$(MCORE_SPEC)" "$(MCORE_VENV)/.installed" 2>/dev/null; then \
+		echo "$(MCORE_VENV): megatron-core $(MCORE_PIN_$*) ready"; \
+	else \
+		set -e; rm -rf "$(MCORE_VENV)"; \
+		echo "$(MCORE_VENV): installing $(MCORE_SPEC)"; \
+		$(PYTHON) -m venv "$(MCORE_VENV)"; \
+		"$(MCORE_VENV)/bin/python" -m pip install -q "$(TORCH)"; \
+		"$(MCORE_VENV)/bin/python" -m pip install -q --ignore-requires-python --no-deps \
+			"megatron-core==$(MCORE_PIN_$*)"; \
+		"$(MCORE_VENV)/bin/python" -c "from importlib.metadata import requires; \
+			print('\n'.join(r for r in requires('megatron-core') or [] if 'extra ==' not in r))" \
+			> "$(MCORE_VENV)/megatron-core-requires.txt"; \
+		"$(MCORE_VENV)/bin/python" -m pip install -q -r "$(MCORE_VENV)/megatron-core-requires.txt" \
+			$(filter-out $(TORCH) megatron-core==%,$(MCORE_SPEC)); \
+		echo "$(MCORE_SPEC)" > "$(MCORE_VENV)/.installed"; \
+	fi
+
+test-mcore-%: venv-mcore-%
+	PYTHONPATH="$(CURDIR)" "$(MCORE_VENV)/bin/python" -m pytest -q -m "not slow" $(PYTEST_ARGS) $(MCORE_TESTS)
+
+# Megatron-DeepSpeed (deepspeedai/Megatron-DeepSpeed master, 4efb479d) imports
+# deepspeed.compression.compress, which DeepSpeed 0.19.8 removed: its opt-in test
+# (MEGATRON_DEEPSPEED_DIR) runs in a venv with DeepSpeed 0.19.0. pybind11: the checkout builds
+# its C++ dataset helpers with it on first use; its tokenizer module imports transformers.
+MDS_DEEPSPEED ?= deepspeed==0.19.0
+MDS_VENV ?= .venv-megatron-deepspeed
+MDS_SPEC = $(strip $(TORCH) $(MDS_DEEPSPEED) pybind11 transformers pytest pyyaml numpy six regex)
+
+venv-megatron-deepspeed:
+	@if grep -qxF "$(MDS_SPEC)" "$(MDS_VENV)/.installed" 2>/dev/null; then \
+		echo "$(MDS_VENV): $(MDS_DEEPSPEED) ready"; \
+	else \
+		set -e; rm -rf "$(MDS_VENV)"; \
+		$(PYTHON) -m venv "$(MDS_VENV)"; \
+		"$(MDS_VENV)/bin/python" -m pip install -q "$(TORCH)"; \
+		"$(MDS_VENV)/bin/python" -m pip install -q $(filter-out $(TORCH),$(MDS_SPEC)); \
+		echo "$(MDS_SPEC)" > "$(MDS_VENV)/.installed"; \
+	fi
+
+test-megatron-deepspeed: venv-megatron-deepspeed
+	@test -n "$(MEGATRON_DEEPSPEED_DIR)" || { echo "set MEGATRON_DEEPSPEED_DIR to a Megatron-DeepSpeed checkout"; exit 2; }
+	PYTHONPATH="$(CURDIR)" "$(MDS_VENV)/bin/python" -m pytest -q $(PYTEST_ARGS) \
+		tests/test_megatron_deepspeed_pretrain.py tests/test_patches.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info $(DEMO_DIR)
+	rm -rf $(VENV) $(MDS_VENV) $(addprefix .venv-mcore-,$(MCORE_MINORS)) build *.egg-info $(DEMO_DIR)

@@ -13,10 +13,15 @@ setup(
     packages=find_packages(include=["ssdtrain_megatron", "ssdtrain_megatron.*"]),
     # torch: an open lower bound, so users keep their own CUDA build. On a CPU machine the
     # Makefile installs torch==2.13.0 first, so nothing here pulls a multi-GB CUDA wheel.
-    install_requires=["torch>=2.3", "pyyaml>=6", "numpy"],
+    # tqdm: progress of the long commands; crc32c: the hardware CRC32C of `checksum: true`
+    # (without it, zlib's CRC32 and a warning). Both small, pure wheels on every platform.
+    install_requires=["torch>=2.3", "pyyaml>=6", "numpy", "tqdm>=4.60", "crc32c>=2.3"],
     extras_require={
         "test": ["pytest>=7", "matplotlib"],
-        "megatron": ["megatron-core>=0.16,<0.17"],
+        # 0.16-0.19 (ssdtrain_megatron/megatron/compat.py). The 0.17+ wheels declare
+        # Requires-Python >=3.12: on 3.11 pip picks 0.16.1 here; a newer one installs with
+        # `pip install --ignore-requires-python --no-deps megatron-core==X` (README).
+        "megatron": ["megatron-core>=0.16,<0.20"],
         "aio": ["deepspeed>=0.19.8,<0.20"],
         "gds": ["kvikio-cu12"],
         "te": ["transformer-engine[pytorch]"],

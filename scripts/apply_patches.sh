@@ -14,7 +14,10 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 patches_dir="${SSDTRAIN_PATCHES_DIR:-$here/../patches}"
 # Most specific first: a release patch before main's, Megatron-LM before Megatron-DeepSpeed.
-patches=(megatron-lm-core_v0.16.patch megatron-lm-main.patch megatron-deepspeed.patch)
+# core_v0.16: Megatron-LM core_v0.16.1 and core_v0.17.1; core_v0.18: core_v0.18.2; main: main
+# and core_v0.19.0.
+patches=(megatron-lm-core_v0.16.patch megatron-lm-core_v0.18.patch megatron-lm-main.patch
+         megatron-deepspeed.patch)
 
 usage() { echo "usage: $0 [--check] CHECKOUT" >&2; exit 2; }
 
@@ -63,9 +66,9 @@ done
 {
     echo "apply_patches: no patch fits $checkout/pretrain_gpt.py; tried:"
     printf '%s\n' "${reasons[@]}"
-    echo "apply_patches: the patches were written against Megatron-LM core_v0.16.1, Megatron-LM"
-    echo "  main (2026-08) and Megatron-DeepSpeed master (2025-07). For other versions use the"
-    echo "  launcher, which needs no patch:"
+    echo "apply_patches: the patches were written against Megatron-LM core_v0.16.1, core_v0.17.1,"
+    echo "  core_v0.18.2, core_v0.19.0, main (2026-08) and Megatron-DeepSpeed master (2025-07)."
+    echo "  For other versions use the launcher, which needs no patch:"
     echo "  torchrun ... -m ssdtrain_megatron.launch $checkout/pretrain_gpt.py [args] --ssd-offload"
 } >&2
 exit 1

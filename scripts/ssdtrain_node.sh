@@ -8,7 +8,8 @@
 # scripts/pretrain_gpt_single_node.sh; not edited by users. Settings come from the environment:
 #   MEGATRON_LM    Megatron-LM checkout whose pretrain_gpt.py runs
 #   PRESET         YAML preset (configs/*.yaml): --ssd-offload-config, and its model: and
-#                  parallel: sections become Megatron flags
+#                  parallel: sections become Megatron flags (a missing or bad preset stops
+#                  here, exit 2, before torchrun starts)
 #   SSD_DIRS       offload roots, comma-separated path templates ({local_rank}, {rank},
 #                  {hostname}, {job}); each must contain {job}, the directory removed at the end
 #   JOB_ID         the {job} value (the Slurm job id)
@@ -70,8 +71,22 @@ if [[ "${1:-}" == "--cleanup" ]]; then
     exit 0
 fi
 
+# Stop here, in one line, on what would only fail later inside every worker.
+if [[ ! -f "$PRESET" ]]; then
+    echo "ssdtrain_node: PRESET=$PRESET: no such file (a preset: configs/*.yaml)" >&2
+    exit 2
+fi
+if [[ ! -f "$MEGATRON_LM/pretrain_gpt.py" ]]; then
+    echo "ssdtrain_node: MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py (a Megatron-LM checkout," \
+         "tag core_v0.16.1)" >&2
+    exit 2
+fi
 # The preset's shape, micro-batch, dtype and TP/PP layout as Megatron flags.
-read -r -a model_args <<< "$("$PYTHON" -m ssdtrain_megatron.megatron.args "$PRESET")"
+if ! preset_flags="$("$PYTHON" -m ssdtrain_megatron.megatron.args "$PRESET")"; then
+    echo "ssdtrain_node: cannot turn PRESET=$PRESET into Megatron flags (the error is above)" >&2
+    exit 2
+fi
+read -r -a model_args <<< "$preset_flags"
 
 if (( NNODES == 1 )); then
     rendezvous=(--standalone)

@@ -1,9 +1,44 @@
-"""Argument types and progress output shared by the `ssdtrain` subcommands."""
+"""What the `ssdtrain` subcommands share: argument types, the errors they report in one line,
+checks of the paths users give, progress bars, and deprecated flag spellings.
+
+Nothing here imports torch: every subcommand's parser is built from these, and ``--help`` must
+not pay for torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
+import re
+import sys
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple
+
+
+class CommandError(Exception):
+    """A mistake the user can fix, reported as one line on stderr, without a traceback.
+
+    ``exit_code``: 2 for usage (a flag's value), 1 for the environment (the machine refuses)."""
+
+    exit_code = 1
+
+
+class UsageError(CommandError):
+    """A flag's value cannot be used as given; the message names the flag."""
+
+    exit_code = 2
+
+
+class EnvironmentProblem(CommandError):
+    """The machine cannot do what was asked (read-only disk, missing library); the message
+    says what to do."""
+
+    exit_code = 1
+
+
+# -- argument types (argparse names the flag in its one-line error) ---------------------------
 
 
 def positive_int(text: str) -> int:
@@ -26,6 +61,195 @@ def positive_float(text: str) -> float:
     return value
 
 
-def progress_bar(done: int, total: int, width: int = 24) -> str:
-    n = width * done // total
-    return "[" + "#" * n + "-" * (width - n) + f"] {done}/{total}"
+_BINARY = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def byte_count(text: str) -> int:
+    """A byte count > 0: an integer, optionally with a binary unit (512KiB, 64MiB, 1GiB)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _BINARY or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"expected a byte count > 0, optionally with a unit "
+                                         f"KiB, MiB, GiB or TiB (e.g. 512MiB), got {text!r}")
+    return int(match.group(1)) * _BINARY[unit]
+
+
+# -- deprecated spellings ---------------------------------------------------------------------
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling of a flag: stores into the new one's ``dest``, warns once on stderr,
+    and is hidden from ``--help``."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated, use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, dest: str,
+                     type: Any = None) -> None:
+    """Accept ``old`` as a hidden, deprecated spelling of ``new`` (stored in ``dest``)."""
+    parser.add_argument(old, dest=dest, type=type, action=_Deprecated, new=new,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+# -- paths the user gives ---------------------------------------------------------------------
+
+
+def writable_dir(flag: str, path: str, create: bool = True) -> str:
+    """Make sure ``path`` (the value of ``flag``) is a directory this process can write into,
+    creating it (and its parents) when ``create``; return its absolute path.
+
+    Raises:
+        UsageError: the path names a file, or lies under one.
+        EnvironmentProblem: the filesystem is read-only, permission is denied, or the disk is
+            full; the message names the flag, the path and what to do.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    # Walk up to the first part that exists: a file there is a usage mistake, whatever the rest.
+    probe = path
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if os.path.lexists(probe) and not os.path.isdir(probe):
+        what = "is a file" if probe == path else f"lies under {probe}, which is a file"
+        raise UsageError(f"{flag} {path}: {what}, not a directory; give a directory "
+                         "(it is created if missing)")
+    try:
+        if create:
+            os.makedirs(path, exist_ok=True)
+        fd, name = _probe_file(path)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise EnvironmentProblem(f"{flag} {path}: {describe_os_error(exc)}") from exc
+    return path
+
+
+def _probe_file(directory: str):
+    import tempfile
+
+    return tempfile.mkstemp(prefix=".ssdtrain-probe-", dir=directory)
+
+
+def expand_templates(paths: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(directories, templates that matched none) for paths that may hold OffloadConfig.dirs
+    placeholders ({job}, {rank}, {local_rank}, {hostname}): each placeholder matches any one
+    path component, so ``/mnt/nvme0/ssdtrain/{job}`` names every job's root there."""
+    import glob
+    import string
+
+    found: List[str] = []
+    unmatched: List[str] = []
+    for path in paths:
+        try:
+            parts = list(string.Formatter().parse(path))
+        except ValueError:
+            parts = [(path, None, None, None)]
+        if all(field is None for _, field, _, _ in parts):
+            found.append(path)
+            continue
+        pattern = "".join(glob.escape(text) + ("*" if field is not None else "")
+                          for text, field, _, _ in parts)
+        matches = sorted(m for m in glob.glob(pattern) if os.path.isdir(m))
+        if matches:
+            found += [m for m in matches if m not in found]
+        else:
+            unmatched.append(path)
+    return found, unmatched
+
+
+def check_engine(flag: str, name: str) -> None:
+    """Fail at once, in one line, when IO engine ``name`` cannot run here (before a model is
+    built or a baseline measured).
+
+    Raises:
+        EnvironmentProblem: what the engine is missing, and where to look.
+    """
+    from .io import engine_class
+
+    try:
+        ok, why = engine_class(name).is_available()
+    except RuntimeError as exc:  # EngineUnavailable: an unknown name
+        raise UsageError(f"{flag} {name}: {exc}") from None
+    if not ok:
+        raise EnvironmentProblem(f"{flag} {name}: cannot run here: {why} "
+                                 "(ssdtrain doctor lists what runs here)")
+
+
+def describe_os_error(exc: OSError) -> str:
+    """What went wrong and what to do, in a few words, for the errors users meet."""
+    hint = {
+        errno.EROFS: "the filesystem is read-only; choose a directory on a writable drive",
+        errno.EACCES: "permission denied; choose a directory you can write to",
+        errno.EPERM: "operation not permitted; choose a directory you can write to",
+        errno.ENOSPC: "no space left on the drive; free some space or choose another drive",
+        errno.EDQUOT: "disk quota exceeded; free some space or choose another drive",
+        errno.ENOTDIR: "a part of the path is a file, not a directory",
+        errno.EEXIST: "a file is in the way where a directory should be",
+        errno.ENOENT: "no such file or directory",
+    }.get(exc.errno)
+    where = f"{exc.filename}: " if exc.filename else ""
+    return where + (hint or (exc.strerror or str(exc)))
+
+
+def free_space_line(path: str) -> str:
+    """'<free> free of <total> on <filesystem type> (<device>)' for the drive holding ``path``."""
+    from .io.where import describe
+
+    return describe(path)
+
+
+def gib(n: float) -> str:
+    """Bytes in binary units (KiB, MiB, GiB, TiB), one decimal."""
+    from .io.where import binary
+
+    return binary(n)
+
+
+# -- progress ---------------------------------------------------------------------------------
+
+
+def progress(total: Optional[float] = None, desc: str = "", unit: str = "it",
+             enabled: bool = True, **kwargs: Any):
+    """A tqdm bar on stderr (rate and time left), silent when stderr is not a terminal or
+    ``enabled`` is False. Print other lines with ``bar.write(text)`` so they do not tear it."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
+                disable=None if enabled else True, leave=True, **kwargs)
+
+
+def say(bar: Any, text: str) -> None:
+    """A line on stderr above the progress bar (plain print when the bar is silent)."""
+    if bar is not None and not getattr(bar, "disable", True):
+        bar.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+# -- megatron-core's import-time noise --------------------------------------------------------
+
+MEGATRON_NOISE = (r"(Transformer Engine and Apex|Apex) (are|is) not installed",
+                  r"full scope is deprecated")
+"""megatron-core's warnings on a machine without Transformer Engine and Apex (it then uses its
+torch fallbacks, which the demo and the benchmarks are built for) and about a default of its
+own config: one header line says it instead."""
+
+
+def quiet_megatron_warnings() -> None:
+    """Silence :data:`MEGATRON_NOISE` for the rest of this command (CLI only: the library
+    never touches the warning filters of a training job)."""
+    for pattern in MEGATRON_NOISE:
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+
+
+def plural(n: int, word: str, many: Optional[str] = None) -> str:
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+

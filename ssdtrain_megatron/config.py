@@ -57,7 +57,8 @@ class OffloadConfig:
     dirs: list = field(default_factory=lambda: ["/tmp/ssdtrain"])
     """Offload roots, one per drive; tensors are striped across them. Path templates may use
     {rank}, {local_rank}, {hostname} and {job}. Each rank creates its own 0700 directory under
-    every root and removes it when it closes."""
+    every root and removes it when it closes, with the job folders (from the first component
+    holding {job} on) that this leaves empty."""
 
     engine: str = "posix"
     """IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed
@@ -89,13 +90,14 @@ class OffloadConfig:
     max_inflight_bytes. A copy that does not fit uses torch's pinned allocator (warned)."""
 
     checksum: bool = False
-    """Store a CRC32 of every written chunk and verify it on read (posix, aio and the SSD
-    tier of tiered; refused with gds, which keeps no host copy to check, and with memory,
-    which writes no file)."""
+    """Store a CRC32C (io/checksum.py) of every written chunk and verify it on read (posix,
+    aio and the SSD tier of tiered; refused with gds, which keeps no host copy to check, and
+    with memory, which writes no file)."""
 
     stats_path: Optional[str] = None
     """When set, each step's StepStats is appended to this file as one JSON line. A path
-    template like ``dirs`` ({rank}, ...): give each rank its own file."""
+    template like ``dirs`` ({rank}, ...): give each rank its own file. A restarted job (the
+    same command line) appends to the same file; a directory there is refused at start."""
 
     io_threads: int = 4
     """Worker threads of the IO engine (each keeps one request in flight)."""
@@ -110,7 +112,7 @@ class OffloadConfig:
     trace_path: Optional[str] = None
     """Opt-in IO trace: one JSON line per IO request (time, rank, micro-batch, layer, phase, op,
     bytes, file offset, latency, queue depth), for `ssdtrain report`. A path template like
-    ``dirs`` ({rank}, ...); give each rank its own file."""
+    ``dirs`` ({rank}, ...); give each rank its own file. Appended to, like ``stats_path``."""
 
     memory_budget_bytes: Optional[int] = None
     """Adaptive policy: activation bytes of one micro-batch allowed to stay in memory. None:

@@ -1,9 +1,12 @@
 """`ssdtrain core-bench`: what the offloader costs the training thread, and what it saves.
 
 Prints, from one run:
-- pack-hook CPU time per saved tensor on the calling thread (thread CPU time, so other
-  processes on the machine do not inflate it), for tensors passed through, kept, and
-  offloaded (hook + hand-off to the engine; the IO itself runs on the engine's threads);
+- pack- and unpack-hook CPU time per saved tensor on the calling thread, the median over every
+  tensor of ``time.thread_time_ns()`` around each call (thread CPU time, so other processes on
+  the machine do not inflate it, and time spent blocked waiting for a read does not count),
+  for tensors passed through, kept, and offloaded (hook + hand-off to the engine; the IO
+  itself runs on the engine's threads). Offloaded tensors are dropped before they are
+  unpacked, so every unpack gets its bytes back from the engine;
 - peak resident activation bytes of the small GPT with ``policy="offload"`` vs ``"keep"``,
   steps of the two policies alternating so that machine noise hits both alike.
 """
@@ -15,15 +18,16 @@ import copy
 import gc
 import json
 import os
+import statistics
 import sys
 import time
-from typing import Dict
+from typing import Dict, List, Optional, Tuple
 
-import torch
-
-from .cache import ActivationOffloader
+from .cli_types import deprecated_alias
 from .config import OffloadConfig
-from .demo_model import TinyGPT, lm_loss
+
+# torch, the offloader and the model are imported inside the functions: `ssdtrain --help`
+# builds this command's parser and must not pay for torch.
 
 
 def add_core_bench_parser(subparsers) -> None:
@@ -31,36 +35,77 @@ def add_core_bench_parser(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="./ssd-offload-bench", help="offload root (default: %(default)s)")
     p.add_argument("--tensors", type=int, default=2000, help="saved tensors per hook measurement")
-    p.add_argument("--tensor-kb", type=int, default=256, help="size of each saved tensor, KiB")
+    p.add_argument("--tensor-kib", dest="tensor_kb", type=int, default=256,
+                   help="size of each saved tensor, KiB (default 256)")
+    deprecated_alias(p, "--tensor-kb", "--tensor-kib", "tensor_kb", int)
     p.add_argument("--steps", type=int, default=3, help="steps per policy for the memory comparison")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_core_bench)
 
 
-def hook_cost_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> float:
-    """Thread CPU µs per saved tensor spent in the pack hook under ``policy``.
+def _median(values: List[int]) -> float:
+    return float(statistics.median(values)) if values else 0.0
 
-    The hook is called directly on ``n`` distinct activations made beforehand, so only the
-    hook is timed (thread CPU time: other processes on the machine do not count). For
-    ``offload`` that includes handing the tensor to the engine, not the IO itself, which runs
-    on the engine's threads."""
+
+def timer_overhead_ns(n: int = 2001) -> float:
+    """Median cost of one ``thread_time_ns()`` pair with nothing between (part of every figure)."""
+    out = []
+    for _ in range(n):
+        t0 = time.thread_time_ns()
+        out.append(time.thread_time_ns() - t0)
+    return _median(out)
+
+
+def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple[float, Optional[float], int]:
+    """(median pack µs, median unpack µs or None for pass-through, bytes read back) per saved
+    tensor under ``policy``, thread CPU time of the calling thread.
+
+    The hooks are called directly on ``n`` distinct activations made beforehand, so only the
+    hooks are timed. For ``offload``, pack includes handing the tensor to the engine, not the
+    IO itself, which runs on the engine's threads; before unpacking, every write is waited for
+    and the activations are dropped, so unpack gets the bytes back from the engine (in reverse
+    order, as backward does; reads start ahead of the unpacks, as prefetch does)."""
+    import torch
+
+    from .cache import ActivationOffloader
+
     min_bytes = nbytes + 1 if policy == "pass-through" else 0
     c = cfg.replace(policy="keep" if policy != "offload" else "offload", min_tensor_bytes=min_bytes,
                     keep_last_layers=0, max_inflight_bytes=max(cfg.max_inflight_bytes, 2 * n * nbytes))
     src = torch.randn(nbytes // 4, requires_grad=True)
     tensors = [src.mul(1.0) for _ in range(n)]  # activations: distinct storages, with grad_fn
+    pack_ns: List[int] = []
+    unpack_ns: List[int] = []
+    clock = time.thread_time_ns
     with ActivationOffloader(c) as off:
         with off.microbatch(0):
             handles = [off._pack(tensors[0])]  # warm up the engine threads
-            t0 = time.thread_time()
-            handles += [off._pack(t) for t in tensors[1:]]
-            spent = time.thread_time() - t0
-        del handles, tensors
-        off.end_step()
-    return spent / max(n - 1, 1) * 1e6
+            for t in tensors[1:]:
+                t0 = clock()
+                h = off._pack(t)
+                pack_ns.append(clock() - t0)
+                handles.append(h)
+        off.wait_writes()
+        del tensors, t, h
+        if policy != "pass-through":
+            for i in range(len(handles) - 1, 0, -1):
+                h = handles[i]
+                handles[i] = None
+                t0 = clock()
+                off._unpack(h)  # backward is done with the tensor at once,
+                unpack_ns.append(clock() - t0)
+                del h  # and drops the handle: the record is released
+        del handles
+        stats = off.end_step()
+    return (_median(pack_ns) / 1e3, _median(unpack_ns) / 1e3 if unpack_ns else None, stats.bytes_read)
 
 
 def peak_memory(cfg: OffloadConfig, steps: int) -> Dict[str, dict]:
+    import torch
+
+    from .cache import ActivationOffloader
+    from .demo_model import TinyGPT, lm_loss
+
     torch.manual_seed(0)
     model = TinyGPT(vocab=512, hidden=256, heads=4, layers=8, seq=256)
     g = torch.Generator().manual_seed(1)
@@ -95,41 +140,65 @@ def peak_memory(cfg: OffloadConfig, steps: int) -> Dict[str, dict]:
 def run_core_bench(args: argparse.Namespace) -> int:
     cfg = OffloadConfig(dirs=[os.path.abspath(args.dir)])
     nbytes = args.tensor_kb * 1024
-    hooks, hooks_frozen = {}, {}
+    pack: Dict[str, float] = {}
+    unpack: Dict[str, float] = {}
+    pack_frozen: Dict[str, float] = {}
+    unpack_frozen: Dict[str, float] = {}
+    bytes_read = 0
     for policy in ("pass-through", "keep", "offload"):
-        hooks[policy] = hook_cost_us(cfg, policy, args.tensors, nbytes)
+        key = policy.replace("-", "_")
+        pack[key], up, read = hook_costs_us(cfg, policy, args.tensors, nbytes)
+        if up is not None:
+            unpack[key] = up
+        if policy == "offload":
+            bytes_read = read
         # Python's cyclic GC traverses the whole heap (torch, megatron) in its full collections,
         # and the hook's allocations trigger them; Megatron's --manual-gc (or gc.freeze()) takes
         # that away. Measure both.
         gc.collect()
         gc.freeze()
         try:
-            hooks_frozen[policy] = hook_cost_us(cfg, policy, args.tensors, nbytes)
+            pack_frozen[key], up, _ = hook_costs_us(cfg, policy, args.tensors, nbytes)
+            if up is not None:
+                unpack_frozen[key] = up
         finally:
             gc.unfreeze()
-        print(f"pack hook, {policy}: {hooks[policy]:.1f} µs/tensor "
-              f"({hooks_frozen[policy]:.1f} after gc.freeze())", file=sys.stderr)
+        print(f"{policy}: pack {pack[key]:.1f} µs/tensor ({pack_frozen[key]:.1f} after gc.freeze())"
+              + (f", unpack {unpack[key]:.1f} µs/tensor ({unpack_frozen[key]:.1f})" if key in unpack else ""),
+              file=sys.stderr)
+    if bytes_read < (args.tensors - 1) * nbytes:
+        raise RuntimeError(f"core-bench: the offload unpacks read back {bytes_read} bytes, expected at least "
+                           f"{(args.tensors - 1) * nbytes}: the unpack figure would not include reads")
+    timer_us = timer_overhead_ns() / 1e3
     mem = peak_memory(cfg, args.steps)
+    peak_ratio = mem["offload"]["peak_resident_bytes"] / max(mem["keep"]["peak_resident_bytes"], 1)
     result = {
-        "hook_us_per_tensor": hooks,
-        "hook_us_per_tensor_gc_frozen": hooks_frozen,
-        "tensor_bytes": nbytes,
+        "pack_us": pack,
+        "unpack_us": unpack,
+        "tensors": args.tensors,
+        "tensor_kb": args.tensor_kb,
+        "peak_resident_ratio": peak_ratio,
+        "pack_us_gc_frozen": pack_frozen,
+        "unpack_us_gc_frozen": unpack_frozen,
+        "timer_overhead_us": timer_us,
+        "offload_bytes_read": bytes_read,
         "peak_resident_bytes": {p: v["peak_resident_bytes"] for p, v in mem.items()},
-        "peak_ratio_offload_vs_keep": mem["offload"]["peak_resident_bytes"] / max(mem["keep"]["peak_resident_bytes"], 1),
         "step_s": {p: v["step_s"] for p, v in mem.items()},
         "step_ratio_offload_vs_keep": mem["offload"]["step_s"] / max(mem["keep"]["step_s"], 1e-9),
     }
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"pack-hook CPU time per saved tensor ({args.tensor_kb} KiB, calling thread):")
-    print(f"  {'':<13} {'as is':>8}   {'heap frozen (gc.freeze / --manual-gc)':>8}")
-    for p, us in hooks.items():
-        print(f"  {p:<13} {us:8.1f} µs {hooks_frozen[p]:8.1f} µs")
+    print(f"hook CPU time per saved tensor ({args.tensor_kb} KiB, {args.tensors} tensors, calling thread, "
+          f"median; each figure includes {timer_us:.2f} µs of timer):")
+    print(f"  {'':<13} {'pack':>9} {'unpack':>9}   {'after gc.freeze (--manual-gc)':>30}")
+    for key in pack:
+        up = f"{unpack[key]:6.1f} µs" if key in unpack else f"{'-':>9}"
+        upf = f"{unpack_frozen[key]:6.1f} µs" if key in unpack_frozen else f"{'-':>9}"
+        print(f"  {key:<13} {pack[key]:6.1f} µs {up}   {pack_frozen[key]:11.1f} µs {upf}")
     print("small GPT (8 layers, hidden 256, seq 256, 2 micro-batches of 4), policies alternating:")
     for p in ("keep", "offload"):
         print(f"  {p:<8} peak resident {mem[p]['peak_resident_bytes'] / 1e6:8.1f} MB   "
               f"median step {mem[p]['step_s']:.2f}s")
-    print(f"  offload/keep: peak resident {result['peak_ratio_offload_vs_keep']:.2f}, "
-          f"step time {result['step_ratio_offload_vs_keep']:.2f}")
+    print(f"  offload/keep: peak resident {peak_ratio:.2f}, step time {result['step_ratio_offload_vs_keep']:.2f}")
     return 0

@@ -40,6 +40,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from bitwise import bitwise_equal
 from ranks import run_ranks
 
 
@@ -387,7 +388,7 @@ def differences(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
 
     def same(x, y) -> bool:
         if isinstance(x, torch.Tensor):
-            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and bitwise_equal(x, y)
         if isinstance(x, (list, tuple)):
             return isinstance(y, (list, tuple)) and len(x) == len(y) and all(map(same, x, y))
         if isinstance(x, dict):
@@ -401,7 +402,7 @@ def differences(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
         diffs.append(f"{len(a['grads'])} optimizer steps != {len(b['grads'])}")
     for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
         for name in sorted(set(ga) | set(gb)):
-            if name not in ga or name not in gb or not torch.equal(ga[name], gb[name]):
+            if name not in ga or name not in gb or not bitwise_equal(ga[name], gb[name]):
                 diffs.append(f"step {step}: gradient of {name} differs")
     return diffs
 

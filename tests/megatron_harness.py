@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from bitwise import bitwise_equal
 from ranks import run_ranks
 
 
@@ -46,6 +47,17 @@ class Phase:
 
     recompute_layers: Optional[List[int]] = None
     """Offload-phase only: layer numbers the recompute fallback runs under checkpoint."""
+
+    iterations: Optional[int] = None
+    """Training iterations of this phase (default: the spec's)."""
+
+    load: Optional[str] = None
+    """A checkpoint folder a ``save`` phase wrote: model, optimizer and RNG states and the
+    iteration are restored after the model is built, and training resumes at that iteration
+    (its batches are the ones an uninterrupted run trains there), as Megatron's --load does."""
+
+    save: Optional[str] = None
+    """A folder to write a checkpoint to after the last iteration (one file per rank)."""
 
 
 @dataclass
@@ -428,6 +440,8 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
             opt = torch.optim.SGD(params, lr=spec.lr)
         else:
             raise ValueError(f"optimizer {spec.optimizer!r}: expected 'adam' or 'sgd'")
+        first = _load_checkpoint(phase.load, chunks, opt) if phase.load else 0
+        iterations = spec.iterations if phase.iterations is None else phase.iterations
         device = torch.device(spec.device, torch.cuda.current_device()) \
             if spec.device == "cuda" else torch.device("cpu")
         mask = _causal_mask(spec.seq_length).to(device)
@@ -468,7 +482,7 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
             )
             return step_losses
 
-        for it in range(spec.iterations):
+        for it in range(first, first + iterations):
             opt.zero_grad(set_to_none=True)
             step_losses = run_step(it, forward_only=False)
             if offload is not None:
@@ -480,9 +494,11 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
             loss_tensors.append(step_losses)
         for it in range(spec.eval_iterations):
             # Grad stays enabled on purpose: forward_only steps must not be recorded even then.
-            eval_losses.append(run_step(spec.iterations + it, forward_only=True))
+            eval_losses.append(run_step(first + iterations + it, forward_only=True))
         if offload is not None:
             offload.after_eval()
+        if phase.save:
+            _save_checkpoint(phase.save, chunks, opt, first + iterations)
 
         return PhaseResult(
             name=phase.name,
@@ -502,6 +518,37 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
         raise
 
 
+def _checkpoint_file(folder: str) -> str:
+    return os.path.join(folder, f"rank{torch.distributed.get_rank()}.pt")
+
+
+def _save_checkpoint(folder: str, chunks: List[torch.nn.Module], opt, iteration: int) -> None:
+    """What Megatron's --save keeps that the next steps depend on: weights, optimizer state,
+    the RNG states (torch's and megatron's model-parallel tracker) and the iteration."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    os.makedirs(folder, exist_ok=True)
+    state = {"iteration": iteration, "model": [c.state_dict() for c in chunks],
+             "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+             "tracker_rng": get_cuda_rng_tracker().get_states()}
+    tmp = _checkpoint_file(folder) + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, _checkpoint_file(folder))
+
+
+def _load_checkpoint(folder: str, chunks: List[torch.nn.Module], opt) -> int:
+    """Restore what _save_checkpoint kept; returns the iteration to resume at."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = torch.load(_checkpoint_file(folder), weights_only=False)
+    for chunk, weights in zip(chunks, state["model"]):
+        chunk.load_state_dict(weights)
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    get_cuda_rng_tracker().set_states(state["tracker_rng"])
+    return int(state["iteration"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Comparisons
 
@@ -512,7 +559,7 @@ def phase_differences(a: PhaseResult, b: PhaseResult) -> List[str]:
     if len(a.loss_tensors) != len(b.loss_tensors):
         return [f"{a.name} ran {len(a.loss_tensors)} iterations, {b.name} {len(b.loss_tensors)}"]
     for it, (la, lb) in enumerate(zip(a.loss_tensors, b.loss_tensors)):
-        if len(la) != len(lb) or not all(torch.equal(x, y) for x, y in zip(la, lb)):
+        if len(la) != len(lb) or not all(bitwise_equal(x, y) for x, y in zip(la, lb)):
             diffs.append(f"iteration {it}: losses {a.losses[it]} != {b.losses[it]}")
     for it, (ga, gb) in enumerate(zip(a.grads, b.grads)):
         if ga.keys() != gb.keys():
@@ -520,15 +567,15 @@ def phase_differences(a: PhaseResult, b: PhaseResult) -> List[str]:
             continue
         for name in ga:
             x, y = ga[name], gb[name]
-            if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+            if (x is None) != (y is None) or (x is not None and not bitwise_equal(x, y)):
                 delta = "one is None" if x is None or y is None else \
                     f"max |diff| {float((x - y).abs().max()):.3g}"
                 diffs.append(f"iteration {it}: grad of {name} differs ({delta})")
     for name in a.params:
-        if not torch.equal(a.params[name], b.params[name]):
+        if not bitwise_equal(a.params[name], b.params[name]):
             diffs.append(f"final parameter {name} differs")
     if len(a.eval_losses) != len(b.eval_losses) or not all(
-            len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+            len(x) == len(y) and all(bitwise_equal(u, v) for u, v in zip(x, y))
             for x, y in zip(a.eval_losses, b.eval_losses)):
         diffs.append("forward_only losses differ")
     return diffs

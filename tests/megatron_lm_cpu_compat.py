@@ -24,9 +24,16 @@ and adds what Megatron-LM's training loop (``megatron.training``) assumes about 
 * ``megatron.core.transformer.custom_layers.batch_invariant_kernels`` imports triton at module
   level (for ``--batch-invariant-mode`` only); without triton a stand-in module is registered
   whose ``enable_batch_invariant_mode`` raises.
+* ``typing.override`` (Python 3.12): the ``megatron.training`` that megatron-core 0.18+ wheels
+  ship imports it; those wheels declare Requires-Python >=3.12 but run on 3.11 otherwise. On
+  3.11 it is set to a decorator that does what 3.12's does at run time (marks the function
+  with ``__override__ = True``, nothing else).
+* ``megatron.legacy.fused_kernels`` (the nvcc kernel loader) is in Megatron-LM checkouts up to
+  core_v0.16, not in core_v0.17+ nor in the wheels: it is stubbed only where it exists.
 
 ``enable(checkout)`` puts ``checkout`` first on ``sys.path`` (so ``megatron`` is the checkout's,
-as when its scripts run), then installs everything. ``write_sitecustomize(folder, checkout)``
+as when its scripts run), then installs everything; ``enable(None)`` uses the installed wheel's
+``megatron.training`` (megatron-core 0.17+). ``write_sitecustomize(folder, checkout)``
 writes a ``sitecustomize.py`` that does this in every torchrun worker (a process with
 ``LOCAL_RANK`` set) before the script runs; put ``folder`` on ``PYTHONPATH``.
 """
@@ -150,6 +157,15 @@ def _load_wheel_helpers() -> Optional[types.ModuleType]:
     return None
 
 
+def _override(method: Callable) -> Callable:
+    """typing.override as Python 3.12 runs it: marks the method, changes nothing else."""
+    try:
+        method.__override__ = True  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+    return method
+
+
 def _patch(owner: Any, name: str, value: Any) -> None:
     assert _SAVED is not None
     original = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) \
@@ -189,6 +205,10 @@ def enable(checkout: Optional[str] = None) -> None:
 
     megatron_cpu_compat.enable()
     _SAVED = []
+    import typing
+
+    if not hasattr(typing, "override"):
+        _patch(typing, "override", _override)
     cuda = torch.cuda
     _patch(cuda, "device_count", lambda: 1)
     _patch(cuda, "set_device", lambda device: None)
@@ -222,10 +242,13 @@ def enable(checkout: Optional[str] = None) -> None:
     if _HELPERS in sys.modules:
         _patch(dataset_utils, "compile_helpers", lambda: None)
 
-    from megatron.legacy import fused_kernels
+    if importlib.util.find_spec("megatron.legacy") is not None and \
+            importlib.util.find_spec("megatron.legacy.fused_kernels") is not None:
+        from megatron.legacy import fused_kernels
 
-    # Megatron's fused kernels are CUDA sources built with nvcc; the CPU runs the unfused paths.
-    _patch(fused_kernels, "load", lambda args: None)
+        # Megatron's fused kernels are CUDA sources built with nvcc; the CPU runs the unfused
+        # paths.
+        _patch(fused_kernels, "load", lambda args: None)
 
     import megatron.training.initialize as mt_initialize
     import megatron.training.training as mt_training
@@ -266,10 +289,12 @@ if "LOCAL_RANK" in os.environ:
 '''
 
 
-def write_sitecustomize(folder: str, checkout: str) -> str:
-    """Write ``folder/sitecustomize.py`` enabling these shims in torchrun workers; returns it."""
+def write_sitecustomize(folder: str, checkout: Optional[str]) -> str:
+    """Write ``folder/sitecustomize.py`` enabling these shims in torchrun workers; returns it.
+    ``checkout`` None: the installed wheel's megatron.training (megatron-core 0.17+)."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "sitecustomize.py")
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(_SITECUSTOMIZE.format(tests=_HERE, checkout=os.path.abspath(checkout)))
+        fh.write(_SITECUSTOMIZE.format(tests=_HERE,
+                                       checkout=os.path.abspath(checkout) if checkout else None))
     return path

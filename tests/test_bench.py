@@ -26,15 +26,16 @@ from ssdtrain_megatron.megatron.minigpt import GPTSpec  # noqa: E402
 from ssdtrain_megatron.telemetry.peak_memory import PeakMemory  # noqa: E402
 from ssdtrain_megatron.telemetry.stats import StepStats  # noqa: E402
 
-TINY = ["--layers", "4", "--hidden", "64", "--heads", "2", "--seq", "64", "--vocab", "128",
-        "--micro-batches", "1,2", "--steps", "2", "--warmup", "1", "--min-tensor-bytes", "4096"]
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "64",
+        "--vocab-size", "128", "--micro-batch-size", "1,2", "--steps", "2", "--warmup", "1",
+        "--min-tensor-bytes", "4096"]
 
 
 def _bench(argv):
-    parser = argparse.ArgumentParser(prog="ssdtrain")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *argv])
-    return args.func(args)
+    """``ssdtrain bench ARGV`` through the entry point (argparse's exits raise SystemExit)."""
+    from ssdtrain_megatron.cli import main
+
+    return main(["bench", *argv])
 
 
 # -- ssdtrain bench ---------------------------------------------------------------------------
@@ -67,7 +68,9 @@ def test_quick_json_has_every_strategy_positive_figures_equal_losses_and_a_plot(
     assert json.loads((out / "points.json").read_text()) == result
     assert result["offload_files_left"] == 0
     assert [f for _, _, fs in os.walk(ssd) for f in fs] == []
-    assert "micro-batch 2, step 3" in captured.err  # progress on stderr
+    assert "micro-batch 2, step 3/3" in captured.err  # progress on stderr
+    assert "Transformer Engine and Apex are not installed" not in captured.err  # megatron's noise
+    assert "min_tensor_bytes 4.0 KiB" in captured.err  # the settings that matter, in the header
 
 
 def test_a_strategy_out_of_device_memory_is_dropped_for_larger_micro_batches(tmp_path, monkeypatch):
@@ -131,6 +134,21 @@ def test_ratios_are_taken_at_the_largest_micro_batch_every_strategy_ran():
         "keep": None, "offload": 2, "recompute": 2}
 
 
+def test_the_table_shows_no_target_the_user_did_not_set_and_shows_fallbacks():
+    from ssdtrain_megatron.bench import render
+
+    same = [1.0, 0.9]
+    run = _run({("keep", 1): ([1.0, 1.0], [100, 100], same), ("offload", 1): ([2.0, 2.0], [90, 90], same)})
+    table = render(summarize(run))
+    assert "offload / keep step time" in table
+    assert "target" not in table and "MISSED" not in table
+    assert "fallbacks" not in table
+    run.series[("offload", 1)].fallbacks = [0, 24]
+    table = render(summarize(run))
+    assert "fallbacks (writes that failed, a full disk?, and stayed in memory" in table
+    assert "offload at micro-batch 1: 24" in table
+
+
 def test_losses_that_differ_in_the_last_bit_are_reported_unequal():
     a = [1.0, 0.5]
     b = [1.0, float(np.nextafter(0.5, 1.0))]
@@ -139,21 +157,23 @@ def test_losses_that_differ_in_the_last_bit_are_reported_unequal():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--micro-batches", "1,0"], "expected positive integers separated by commas"),
-    (["--memory-budget", "12parsecs"], "expected an integer, optionally with a unit"),
+    (["--micro-batch-size", "1,0"], "expected positive integers separated by commas"),
+    (["--memory-budget", "12parsecs"], "expected a byte count > 0, optionally with a unit"),
     (["--memory-budget", "0"], "expected a byte count > 0"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(argv, message, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         _bench(argv)
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {argv[0]}" in err and message in err
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"ssdtrain bench: error: argument {argv[0]}: ") and message in err
 
 
 def test_memory_budget_takes_binary_units():
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "--memory-budget", "512MiB", "--micro-batches", "4,1,2,2"])
+    args = parser.parse_args(["bench", "--memory-budget", "512MiB", "--micro-batch-size", "4,1,2,2"])
     assert args.memory_budget == 512 << 20
     assert args.micro_batches == [1, 2, 4]
 
@@ -204,7 +224,8 @@ def test_every_numeric_field_is_a_scalar_at_megatrons_iteration_and_interval():
         ("ssd_offload/tensors_forwarded", 2, 2), ("ssd_offload/io_wait_s", 0.25, 2),
         ("ssd_offload/peak_resident_bytes", 1 << 20, 2), ("ssd_offload/write_gbps", 1.5, 2),
         ("ssd_offload/read_gbps", 0.75, 2), ("ssd_offload/bytes_on_disk", 0, 2),
-        ("ssd_offload/fallbacks", 0, 2), ("ssd_offload/step_time_s", 2.0, 2)]
+        ("ssd_offload/fallbacks", 0, 2), ("ssd_offload/step_time_s", 2.0, 2),
+        ("ssd_offload/iteration_time_s", 0.0, 2)]
 
 
 def test_without_a_megatron_training_loop_nothing_is_published(monkeypatch):

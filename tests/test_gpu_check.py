@@ -124,6 +124,7 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
 
     import gpu_check_steps as steps
     from ssdtrain_megatron.cache.offloader import ActivationOffloader
+    from ssdtrain_megatron.cache.record import State
     from ssdtrain_megatron.megatron.minigpt import GPTSpec
 
     if corrupt:
@@ -131,7 +132,7 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
 
         def materialize(self, rec):
             out = real(self, rec)
-            if self.config.policy == "offload" and rec.state.value == "ready" and out.is_floating_point():
+            if self.config.policy == "offload" and rec.state == State.READY and out.is_floating_point():
                 out = out.clone()
                 out[(0,) * out.dim()] += 1
             return out

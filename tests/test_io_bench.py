@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -10,17 +9,13 @@ import os
 import pytest
 
 from ssdtrain_megatron.io import bench, engine_class
+from tests.cli_helpers import run_cli
 
-SMALL = ["--tensor-mb", "1", "--total-gb", "0.05", "--rounds", "1"]
+SMALL = ["--tensor-mib", "1", "--total-gib", "0.05", "--rounds", "1"]
 
 
 def run_bench(argv, capsys):
-    parser = argparse.ArgumentParser(prog="ssdtrain")
-    bench.add_io_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["io-bench"] + argv)
-    rc = args.func(args)
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return run_cli(["io-bench"] + argv, capsys)
 
 
 def _direct_io_works(path) -> bool:
@@ -40,13 +35,13 @@ def test_json_has_exactly_the_documented_shape_with_positive_figures(tmp_path, c
     rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "posix", "--json"] + SMALL, capsys)
     assert rc == 0, err
     report = json.loads(out)
-    assert set(report) == {"baseline", "engines", "tensor_mb", "page_cache_bypassed"}
+    assert set(report) == {"baseline", "engines", "tensor_mib", "page_cache_bypassed"}
     assert set(report["baseline"]) == {"write_gbps", "read_gbps"}
     assert set(report["engines"]) == {"posix"}
     figures = report["engines"]["posix"]
     assert set(figures) == {"write_gbps", "read_gbps", "write_ratio", "read_ratio", "cpu_us_per_tensor"}
     assert all(v > 0 for v in list(figures.values()) + list(report["baseline"].values()))
-    assert report["tensor_mb"] == 1
+    assert report["tensor_mib"] == 1
     assert report["page_cache_bypassed"] is _direct_io_works(tmp_path)
 
 
@@ -84,7 +79,7 @@ def test_an_engine_asked_for_by_name_that_cannot_run_fails_with_the_reason(tmp_p
         pytest.skip("gds can run here")
     rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "gds", "--quiet"] + SMALL, capsys)
     assert rc == 1 and out == ""
-    assert "engine 'gds' cannot run here" in err
+    assert err.startswith("ssdtrain io-bench: --engine gds: cannot run here: ") and len(err.splitlines()) == 1, err
 
 
 def test_layout_comparison_reports_slab_and_file_per_tensor(tmp_path, capsys):
@@ -114,15 +109,37 @@ def test_wrong_bytes_read_back_fail_the_run(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--total-gb", "0"], "must be > 0"),
-    (["--rounds", "0"], "--rounds must be >= 1"),
-    (["--set", "io_threads"], "expected FIELD=VALUE"),
-    (["--set", "io_threads=0"], "OffloadConfig.io_threads=0 is invalid"),
+    (["--total-gib", "0"], "ssdtrain io-bench: error: argument --total-gib: expected a number > 0, got '0'"),
+    (["--total-gb", "-1"], "ssdtrain io-bench: error: argument --total-gb: expected a number > 0, got '-1'"),
+    (["--rounds", "0"], "ssdtrain io-bench: error: argument --rounds: expected a positive integer, got 0"),
+    (["--set", "io_threads"], "ssdtrain io-bench: --set 'io_threads': expected FIELD=VALUE"),
+    (["--set", "io_threads=0"], "ssdtrain io-bench: OffloadConfig.io_threads=0 is invalid"),
 ])
-def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, argv, message):
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, message):
     rc, out, err = run_bench(["--dir", str(tmp_path), "--quiet"] + argv, capsys)
     assert rc == 2 and out == ""
-    assert message in err
+    assert len(err.splitlines()) == 1 and err.startswith(message), err
+
+
+def test_old_unit_spellings_still_work_and_say_they_are_deprecated(tmp_path, capsys):
+    rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "memory", "--json", "--quiet",
+                              "--tensor-mb", "1", "--total-gb", "0.01", "--rounds", "1"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["tensor_mib"] == 1.0
+    assert "--tensor-mb is deprecated, use --tensor-mib" in err
+    assert "--total-gb is deprecated, use --total-gib" in err
+
+
+def test_an_engine_that_cannot_run_fails_before_any_measurement(tmp_path, capsys, monkeypatch):
+    """--engine aio without libaio: one line, exit 1, and no baseline measured first."""
+    from ssdtrain_megatron.io import aio
+
+    monkeypatch.setattr(aio.AioEngine, "is_available", classmethod(lambda cls: (False, "libaio-dev is missing (test)")))
+    monkeypatch.setattr(bench, "raw_baseline", lambda *a, **k: pytest.fail("measured a baseline first"))
+    rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "aio"] + SMALL, capsys)
+    assert rc == 1 and out == ""
+    assert err == ("ssdtrain io-bench: --engine aio: cannot run here: libaio-dev is missing (test) "
+                   "(ssdtrain doctor lists what runs here)\n")
 
 
 def test_config_fields_can_be_set_for_the_engines(tmp_path, capsys):

@@ -70,20 +70,39 @@ def test_cli_json_reproduces_the_worked_example(capsys):
     assert main(PAPER_ARGV + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out == {"lifespan_years": PAPER_YEARS, "endurance_bytes": 5.16e17,
-                   "bytes_per_day": 5.2272e14}
+                   "bytes_per_day": 5.2272e14,
+                   "rated_lifespan_years": 2.4e15 / (12.1e9 * 0.5 * 86400 * 365.25)}
 
 
 def test_cli_table_prints_exact_figures(capsys):
     assert main(PAPER_ARGV) == 0
     assert capsys.readouterr().out.splitlines() == [
         "drives             4 x 600 TBW",
+        "write rate         12.1 GB/s x 0.5",
+        "bytes per day      522,720,000,000,000 B (522.720 TB)",
+        "rated lifespan     4.6 days: the rated 2,400 TB written at 522.7 TB per day",
         "WAF correction     2.5 / 1 = 2.5x",
         "retention factor   86x",
         "endurance          516,000,000,000,000,000 B (516.000 PB)",
-        "write rate         12.1 GB/s x 0.5",
-        "bytes per day      522,720,000,000,000 B (522.720 TB)",
-        "lifespan           2.7027 years (987.1 days)",
+        "lifespan           2.7027 years (987.1 days) = rated x 215 (WAF correction x retention "
+        "factor: the paper's estimates, not a rating)",
     ]
+
+
+def test_the_rated_figure_comes_first_and_the_factors_are_named(capsys):
+    """The issue's example: one 7000 TBW drive at 5.3 GB/s half the time lasts about a month
+    by its rating; 18 years only with the paper's 2.5 x 86 = 215x."""
+    assert main(["lifespan", "--drives", "1", "--tbw-per-drive", "7000", "--write-gbps", "5.3",
+                 "--write-fraction", "0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rated = next(i for i, ln in enumerate(lines) if ln.startswith("rated lifespan"))
+    paper = next(i for i, ln in enumerate(lines) if ln.startswith("lifespan"))
+    assert rated < paper
+    assert lines[rated] == "rated lifespan     30.6 days: the rated 7,000 TB written at 229.0 TB per day"
+    assert lines[paper].startswith("lifespan           17.9964 years (6,573.2 days) = rated x 215 ")
+    r = ssd_lifespan(1, 7000, 5.3, 0.5)
+    assert r.rated_lifespan_years == 7000e12 / (5.3e9 * 0.5 * 86400 * 365.25)
+    assert r.adjustment == pytest.approx(215.0, rel=1e-12)
 
 
 def test_cli_factors_override_the_defaults(capsys):

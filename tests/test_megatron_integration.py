@@ -78,6 +78,8 @@ def _under(path: str, directory: str) -> bool:
 def test_offloaded_training_is_bitwise_equal_to_plain_training(layout, runs):
     for r in runs(layout):
         assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == [], r.rank
+        # Equality alone could come from tensors that never left: this rank read bytes back.
+        assert sum(s["bytes_read"] for s in r.phases["offload"].offload["steps"]) > 0, r.rank
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -165,19 +167,31 @@ def test_recompute_fallback_runs_chosen_layers_under_checkpoint_bitwise(tmp_path
 
 
 def _patch_points():
+    """Every attribute install() replaces on this release, from compat's table; the indices
+    used below: 4 forward_step, 6 get_forward_backward_func."""
     from megatron.core import pipeline_parallel, tensor_parallel
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    return [
-        (TransformerLayer, "forward"), (TransformerBlock, "_checkpointed_forward"),
+    from ssdtrain_megatron.megatron import compat
+
+    release = compat.release_for(compat.megatron_core_version())
+    recompute_owner, recompute_name, _ = compat.recompute_patch_point(release)
+    points = [
+        (TransformerLayer, "forward"), (recompute_owner, recompute_name),
         (tp_random, "checkpoint"), (tensor_parallel, "checkpoint"),
         (schedules, "forward_step"), (schedules, "backward_step"),
         (schedules, "get_forward_backward_func"),
         (pipeline_parallel, "get_forward_backward_func"),
     ]
+    points += [(schedules, name) for name in release.backward_steps if name != "backward_step"]
+    if not release.recompute_is_method:
+        # 0.18+: the block imported the free function by name; that name is replaced too.
+        from megatron.core.transformer import transformer_block
+
+        points.append((transformer_block, recompute_name))
+    return points
 
 
 def test_uninstall_restores_every_patched_attribute_exactly(tmp_path):
@@ -219,9 +233,10 @@ def test_install_twice_is_refused(tmp_path):
         integration.uninstall()
 
 
-@pytest.mark.parametrize("version", ["0.15.3", "0.17.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "1.0.0"])
 def test_unsupported_megatron_core_versions_fail_with_a_clear_message(version, monkeypatch):
-    with pytest.raises(integration.UnsupportedMegatronVersion, match=r"0\.16\.x"):
+    with pytest.raises(integration.UnsupportedMegatronVersion,
+                       match=r"0\.16\.x, 0\.17\.x, 0\.18\.x, 0\.19\.x"):
         integration.check_megatron_version(version)
     # The package's `install` attribute is the function; the module is only in sys.modules.
     install_module = importlib.import_module("ssdtrain_megatron.megatron.install")
@@ -231,9 +246,13 @@ def test_unsupported_megatron_core_versions_fail_with_a_clear_message(version, m
     assert integration.installed() is None
 
 
-def test_supported_version_is_accepted():
-    assert integration.check_megatron_version("0.16.1") == "0.16.1"
-    assert integration.check_megatron_version().startswith("0.16.")
+@pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.18.2", "0.19.2", "0.19.0rc1"])
+def test_supported_versions_are_accepted(version):
+    assert integration.check_megatron_version(version) == version
+
+
+def test_the_imported_megatron_core_is_supported():
+    assert integration.check_megatron_version()[:4] in integration.SUPPORTED_MEGATRON_CORE
 
 
 def test_forward_only_steps_are_not_recorded(tmp_path):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from tests.bitwise import bitwise_equal
 from tests.models import assert_bitwise_equal, mlp, run_steps, tiny_gpt
 
 
@@ -61,10 +62,12 @@ def test_split_views_are_not_deduplicated(offload_dir):
         ref_grad = torch.autograd.grad(out.sum(), lin.weight, retain_graph=False)[0]
         st = off.end_step()
     assert st.bytes_deduplicated == 0
-    assert st.tensors_offloaded == 3 + 1  # three views, plus x saved by the linear
+    # Three views, plus x saved by the linear: four records. (How many of their writes ran
+    # depends on timing: a write still queued when backward released its tensor is cancelled.)
+    assert sum(layer.tensors for layer in st.layers) == 3 + 1
     q0, k0, v0 = lin(x).split(64, dim=-1)
     expected = torch.autograd.grad((q0.sin() + k0.cos() + v0.exp()).sum(), lin.weight)[0]
-    assert torch.equal(ref_grad, expected)
+    assert bitwise_equal(ref_grad, expected)
 
 
 def test_same_tensor_saved_by_two_ops_is_written_once(offload_dir):
@@ -80,32 +83,39 @@ def test_same_tensor_saved_by_two_ops_is_written_once(offload_dir):
     assert st.bytes_deduplicated == nbytes
     assert st.bytes_offloaded == 2 * nbytes  # h once, plus x saved by the linear
     h0 = lin(x)
-    assert torch.equal(g, torch.autograd.grad((h0.sin() + h0.cos()).sum(), lin.weight)[0])
+    assert bitwise_equal(g, torch.autograd.grad((h0.sin() + h0.cos()).sum(), lin.weight)[0])
 
 
 def test_reallocated_memory_is_not_deduplicated(offload_dir):
-    """A tensor freed in forward and a new one of the same size (often at the same address)
-    are two tensors: the second must come back with its own bytes."""
+    """A tensor freed in forward and a new one of the same size at the same address are two
+    tensors: the second must come back with its own bytes. The allocator decides where the
+    new one lands, so the scenario is repeated until it did land on the freed address."""
     torch.manual_seed(0)
     lin1, lin2 = nn.Linear(256, 256), nn.Linear(256, 256)
     x, x2 = torch.randn(256, 256), torch.randn(256, 256)
+    reused, outs = [], []
     with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
         with off.microbatch(0):
-            h1 = lin1(x)
-            dead = h1.sin()  # saves h1
-            ptr = h1.data_ptr()
-            del dead, h1  # graph and h1 are gone: its record is released
-            h2 = lin2(x2)
-            reused = h2.data_ptr() == ptr
-            out = h2.sin()
-        out.sum().backward()
+            for _ in range(20):
+                h1 = lin1(x)
+                dead = h1.sin()  # saves h1
+                ptr = h1.data_ptr()
+                del dead, h1  # graph and h1 are gone: its record is released
+                off.wait_writes()  # and once its write completes, nothing holds its memory
+                h2 = lin2(x2)
+                reused.append(h2.data_ptr() == ptr)
+                outs.append(h2.sin())
+                del h2
+                if reused[-1]:
+                    break
+        sum(o.sum() for o in outs).backward()
         st = off.end_step()
-    assert st.bytes_deduplicated == 0
+    assert any(reused), "the premise never held: no new tensor got a freed address"
+    assert st.bytes_read > 0  # (the inputs x and x2, saved every round, are deduplicated)
     g = lin2.weight.grad.clone()
     lin2.weight.grad = None
-    lin2(x2).sin().sum().backward()
-    assert torch.equal(g, lin2.weight.grad)
-    print("address reused:", reused)
+    sum(lin2(x2).sin().sum() for _ in outs).backward()
+    assert bitwise_equal(g, lin2.weight.grad)
 
 
 def test_1f1b_interleaved_microbatches_accumulate_bitwise_equal(offload_dir):
@@ -114,11 +124,12 @@ def test_1f1b_interleaved_microbatches_accumulate_bitwise_equal(offload_dir):
     schedule = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
     ref = run_steps(model, batches, schedule=schedule)
     with ActivationOffloader(cfg(offload_dir, prefetch_layers=1)) as off:
-        got = run_steps(model, batches, off, schedule=schedule)
+        got = run_steps(model, batches, off, schedule=schedule, wait_writes=True)
     assert_bitwise_equal(ref, got)
     # Micro-batches 0-2 had another forward before their backward: their last layer was written.
     st = got[2][-1]
     assert st.tensors_kept > 0  # micro-batch 3's last layer stayed in memory
+    assert st.bytes_read > 0
 
 
 def test_backward_in_reverse_microbatch_order(offload_dir):
@@ -127,8 +138,9 @@ def test_backward_in_reverse_microbatch_order(offload_dir):
     schedule = [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 0), ("B", 1)]
     ref = run_steps(model, batches, schedule=schedule)
     with ActivationOffloader(cfg(offload_dir)) as off:
-        got = run_steps(model, batches, off, schedule=schedule, annotate=False)
+        got = run_steps(model, batches, off, schedule=schedule, annotate=False, wait_writes=True)
     assert_bitwise_equal(ref, got)
+    assert got[2][-1].bytes_read > 0
 
 
 def test_parameters_never_hit_the_disk(offload_dir):
@@ -295,7 +307,7 @@ def test_io_trace_has_one_record_per_request_with_context(offload_dir, tmp_path)
     with ActivationOffloader(cfg(offload_dir, trace_path=str(trace), chunk_bytes=64 * 1024)) as off:
         _, _, stats = run_steps(tiny_gpt(), gpt_batches(n=2), off, steps=2, wait_writes=True)
     rows = [json.loads(line) for line in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
-    assert set(rows[0]) == {"t", "rank", "step", "microbatch", "layer", "phase", "op", "bytes", "file",
+    assert set(rows[0]) == {"t", "wall", "rank", "step", "microbatch", "layer", "phase", "op", "bytes", "file",
                             "offset", "latency_s", "queue_depth"}
     for step, st in enumerate(stats):
         mine = [r for r in rows if r["step"] == step]
@@ -330,7 +342,7 @@ def test_a_sparse_view_is_stored_compactly_and_restored_with_its_strides(offload
     lin.weight.grad = None
     qkv = lin(x)
     (qkv[:, 512:].exp().sum() + qkv[:, 512:].sin().sum()).backward()
-    assert torch.equal(g, lin.weight.grad)
+    assert bitwise_equal(g, lin.weight.grad)
     assert seen["stride"] == (768, 1)
 
 
@@ -355,9 +367,9 @@ def test_a_tensor_shared_by_every_layer_does_not_open_the_prefetch_window(offloa
             issued = []
             engine_read = off.engine.read
 
-            def counting_read(key, out, issued=issued, engine_read=engine_read):
+            def counting_read(key, out, ready_event=None, *, issued=issued, engine_read=engine_read):
                 issued.append(key)
-                return engine_read(key, out)
+                return engine_read(key, out, ready_event)
 
             off.engine.read = counting_read
             first = []

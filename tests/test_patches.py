@@ -16,7 +16,12 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = os.path.join(REPO, "patches")
 APPLY = os.path.join(REPO, "scripts", "apply_patches.sh")
-LM_PATCHES = ["megatron-lm-core_v0.16.patch", "megatron-lm-main.patch"]
+LM_PATCHES = ["megatron-lm-core_v0.16.patch", "megatron-lm-core_v0.18.patch",
+              "megatron-lm-main.patch"]
+# megatron-core minor version of a Megatron-LM checkout -> the patch for its pretrain_gpt.py
+# (tags core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0; anything newer: main's).
+LM_PATCH_FOR = {"0.16": "megatron-lm-core_v0.16.patch", "0.17": "megatron-lm-core_v0.16.patch",
+                "0.18": "megatron-lm-core_v0.18.patch", "0.19": "megatron-lm-main.patch"}
 DS_PATCH = "megatron-deepspeed.patch"
 ALL_PATCHES = LM_PATCHES + [DS_PATCH]
 
@@ -33,11 +38,11 @@ def _git_apply(args, cwd) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "apply", *args], cwd=cwd, capture_output=True, text=True)
 
 
-def test_patches_folder_holds_the_three_patches_and_the_script_knows_them():
+def test_patches_folder_holds_the_four_patches_and_the_script_knows_them():
     shipped = sorted(f for f in os.listdir(PATCHES) if f.endswith(".patch"))
     assert shipped == sorted(ALL_PATCHES)
     with open(APPLY, encoding="utf-8") as fh:
-        listed = re.search(r"^patches=\((.*)\)$", fh.read(), re.M).group(1).split()
+        listed = re.search(r"^patches=\(([^)]*)\)", fh.read(), re.M).group(1).split()
     assert listed == ALL_PATCHES  # most specific first
 
 
@@ -69,9 +74,9 @@ def test_deepspeed_patch_installs_through_the_deepspeed_target():
 
 
 def _stand_in_patches(tmp_path):
-    """Three patches shaped like the real ones, against three versions of a toy script."""
-    versions = {"megatron-lm-core_v0.16.patch": "release", "megatron-lm-main.patch": "main",
-                DS_PATCH: "deepspeed"}
+    """Patches shaped like the real ones, against versions of a toy script."""
+    versions = {"megatron-lm-core_v0.16.patch": "release", "megatron-lm-core_v0.18.patch":
+                "release-0.18", "megatron-lm-main.patch": "main", DS_PATCH: "deepspeed"}
     folder = tmp_path / "patches"
     folder.mkdir()
     for name, version in versions.items():
@@ -172,8 +177,7 @@ def _megatron_core_version(checkout: str) -> str:
                     reason="MEGATRON_LM_DIR is not set: it names a Megatron-LM checkout to check "
                            "the Megatron-LM patches against")
 def test_megatron_lm_patch_for_the_checkouts_version_applies():
-    expected = ("megatron-lm-core_v0.16.patch"
-                if _megatron_core_version(MEGATRON_LM_DIR) == "0.16" else "megatron-lm-main.patch")
+    expected = LM_PATCH_FOR.get(_megatron_core_version(MEGATRON_LM_DIR), "megatron-lm-main.patch")
     check = _git_apply(["--check", os.path.join(PATCHES, expected)], MEGATRON_LM_DIR)
     assert check.returncode == 0, check.stderr
     out = _apply(["--check", MEGATRON_LM_DIR], PATCHES)

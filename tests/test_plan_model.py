@@ -293,7 +293,7 @@ def test_plan_without_ssd_bandwidth_offloads_all_but_the_last_layer(capsys, pres
 
 
 def test_plan_micro_batch_flag_overrides_the_preset(capsys, preset):
-    out = plan_json(capsys, preset, "--micro-batch", "8")
+    out = plan_json(capsys, preset, "--micro-batch-size", "8")
     assert out["activation_bytes_per_layer"] == 4 * LAYER_BYTES
     assert out["model"]["micro_batch"] == 8
 
@@ -310,7 +310,7 @@ def test_plan_with_a_slow_ssd_keeps_or_recomputes(capsys, preset):
 
 def test_plan_with_a_fast_ssd_reports_the_lifespan(capsys, preset):
     out = plan_json(capsys, preset, "--ssd-gbps", "1000", "--ssd-tbw", "600", "--drives", "4",
-                    "--num-micro-batches", "8")
+                    "--num-microbatches", "8")
     assert [row["decision"] for row in out["layers"]] == ["offload"] * 3 + ["keep"]
     assert out["offloaded_bytes_per_step"] == 8 * 3 * LAYER_BYTES
     assert out["predicted_io_stall_s"] == 0.0
@@ -324,14 +324,40 @@ def test_plan_prints_a_table(capsys, preset):
                  "--memory-budget-gb", "0.01"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1:6] == [
-        "layer               bytes  decision",
-        "    0             180,224  offload",
+        "layer               bytes  decision   (layers numbered from 1, as Megatron does)",
         "    1             180,224  offload",
         "    2             180,224  offload",
-        "    3             180,224  keep",
+        "    3             180,224  offload",
+        "    4             180,224  keep",
     ]
     assert "offloaded per step           540,672 B (540.672 kB)" in lines
-    assert "largest micro-batch in 0.01 GB keep 27, offload 55, recompute 93" in lines
+    assert ("largest micro-batch in 0.01 GB keep 27, offload 55, recompute 93 (offload: bandwidth "
+            "not considered; give --ssd-gbps)") in lines
+
+
+def test_plan_layers_are_numbered_from_one_like_megatron(capsys, preset):
+    out = plan_json(capsys, preset)
+    assert [row["layer"] for row in out["layers"]] == [1, 2, 3, 4]
+    assert out["bandwidth_considered"] is False
+    assert plan_json(capsys, preset, "--ssd-gbps", "1000")["bandwidth_considered"] is True
+
+
+def test_plan_with_bandwidth_does_not_print_the_caveat(capsys, preset):
+    assert main(["plan", "--config", preset, "--gpu-tflops", "0.001", "--ssd-gbps", "1000",
+                 "--ssd-tbw", "600"]) == 0
+    out = capsys.readouterr().out
+    assert "bandwidth not considered" not in out
+    rated = out.index("SSD lifespan (rated TBW)")
+    assert rated < out.index("SSD lifespan (paper)")
+
+
+def test_plan_old_flag_spellings_still_work(capsys, preset):
+    assert main(["plan", "--config", preset, "--json", "--micro-batch", "8", "--num-micro-batches", "2"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["model"]["micro_batch"] == 8 and out["num_micro_batches"] == 2
+    assert "--micro-batch is deprecated, use --micro-batch-size" in captured.err
+    assert "--num-micro-batches is deprecated, use --num-microbatches" in captured.err
 
 
 def test_plan_rejects_a_bad_preset_in_one_line(capsys, tmp_path):
@@ -360,7 +386,7 @@ def test_plan_rejects_a_missing_preset(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--micro-batch", "0", "argument --micro-batch: expected an integer >= 1, got '0'"),
+    ("--micro-batch-size", "0", "argument --micro-batch-size: expected an integer >= 1, got '0'"),
     ("--gpu-tflops", "-1", "argument --gpu-tflops: expected a number > 0, got '-1'"),
     ("--ssd-gbps", "fast", "argument --ssd-gbps: expected a number > 0, got 'fast'"),
     ("--drives", "0", "argument --drives: expected an integer >= 1, got '0'"),

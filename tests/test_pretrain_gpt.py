@@ -1,8 +1,11 @@
 """The real client: Megatron-LM's own pretrain_gpt.py, on CPU, with and without --ssd-offload.
 
-Needs a Megatron-LM checkout at the release that matches megatron-core 0.16 (tag core_v0.16.1)
-named by ``MEGATRON_LM_DIR``; skipped without it. Megatron-LM's training code also imports
-``six`` and ``regex`` (``pip install six regex``). Each run trains 3 iterations of a tiny GPT
+Needs a Megatron-LM checkout named by ``MEGATRON_LM_DIR`` at a release tag of a supported
+megatron-core (core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0), run in an environment
+whose megatron-core wheel is of the same minor version (``make venv-mcore-0.18``, then
+``MEGATRON_LM_DIR=... .venv-mcore-0.18/bin/python -m pytest tests/test_pretrain_gpt.py``; the
+wheel supplies the compiled dataset helpers and, 0.18+, triton); skipped without it.
+Megatron-LM's training code also imports ``six`` and ``regex`` (``pip install six regex``). Each run trains 3 iterations of a tiny GPT
 (``--mock-data``, gloo, ``--transformer-impl local``) under torchrun, with
 ``tests/megatron_lm_cpu_compat.py`` loaded into every worker through a generated
 ``sitecustomize.py``; a run takes about 20-30 s on 2 cores, the whole file about 4 minutes.
@@ -11,13 +14,15 @@ For TP=1, TP=2 and PP=2 (1F1B, 4 micro-batches):
 * the launcher (``python -m ssdtrain_megatron.launch pretrain_gpt.py ... --ssd-offload``)
   logs the same losses and grad norms as ``pretrain_gpt.py`` without the flag, every rank
   wrote bytes to its offload directory in every step, and nothing is left on disk;
-* a copy of pretrain_gpt.py patched by ``scripts/apply_patches.sh`` does the same.
+* a copy of pretrain_gpt.py patched by ``scripts/apply_patches.sh`` (the patch for that
+  release) does the same.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from importlib import metadata
 import os
 import re
 import shutil
@@ -35,7 +40,8 @@ CHECKOUT = os.environ.get("MEGATRON_LM_DIR")
 
 pytestmark = pytest.mark.skipif(
     not CHECKOUT, reason="MEGATRON_LM_DIR is not set: it names a Megatron-LM checkout at tag "
-                         "core_v0.16.1, whose pretrain_gpt.py these tests train on CPU")
+                         "core_v0.16.1, core_v0.17.1, core_v0.18.2 or core_v0.19.0, whose "
+                         "pretrain_gpt.py these tests train on CPU")
 
 ITERATIONS = 3
 RUN_TIMEOUT_S = 420
@@ -81,9 +87,19 @@ def site(tmp_path_factory) -> str:
     if not os.path.isfile(os.path.join(CHECKOUT, "pretrain_gpt.py")):
         pytest.fail(f"MEGATRON_LM_DIR={CHECKOUT} has no pretrain_gpt.py")
     version = _checkout_version()
-    if not version.startswith("0.16."):
-        pytest.skip(f"MEGATRON_LM_DIR is megatron-core {version}; these tests need the release "
-                    "matching megatron-core 0.16 (tag core_v0.16.1)")
+    from ssdtrain_megatron.megatron import compat
+
+    if version[:4] not in compat.SUPPORTED_MEGATRON_CORE:
+        pytest.skip(f"MEGATRON_LM_DIR is megatron-core {version}; these tests need a release "
+                    f"tag of megatron-core {', '.join(compat.SUPPORTED_MEGATRON_CORE)}")
+    try:
+        wheel = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        wheel = "none"
+    if wheel[:4] != version[:4]:
+        pytest.skip(f"MEGATRON_LM_DIR is megatron-core {version} but this environment's wheel is "
+                    f"{wheel}: run in a venv of the same minor version (make venv-mcore-"
+                    f"{version[:4]})")
     missing = [m for m in ("six", "regex") if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"Megatron-LM's training code imports {', '.join(missing)}: "
@@ -126,7 +142,8 @@ def _check_offloaded(stats: str, root: str, nproc: int) -> None:
     with open(stats, encoding="utf-8") as fh:
         steps = [json.loads(line) for line in fh if line.strip()]
     assert len(steps) == nproc * ITERATIONS, steps
-    assert all(s["bytes_offloaded"] > 0 for s in steps), [s["bytes_offloaded"] for s in steps]
+    assert all(s["bytes_offloaded"] > 0 and s["bytes_read"] > 0 for s in steps), \
+        [(s["bytes_offloaded"], s["bytes_read"]) for s in steps]
     assert all(s["bytes_on_disk"] == 0 for s in steps)
     assert os.listdir(root) == [], "offload files were left behind"
 
@@ -167,7 +184,9 @@ def test_patched_checkout_offloads_without_changing_megatron_losses(layout, site
                               str(fork)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     assert applied.returncode == 0, applied.stdout
-    assert "applied megatron-lm-core_v0.16.patch" in applied.stdout
+    from test_patches import LM_PATCH_FOR
+
+    assert f"applied {LM_PATCH_FOR[_checkout_version()[:4]]}" in applied.stdout
     root, stats = tmp_path / "ssd", tmp_path / "stats.jsonl"
     root.mkdir()
     # The copy imports gpt_builders, model_provider and megatron from the checkout, which the

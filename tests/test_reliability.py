@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 
 import pytest
 import torch
@@ -292,16 +291,20 @@ def test_checksum_catches_every_flipped_byte(tmp_path):
 
 
 def test_checksum_cost_is_measured(offload_dir):
-    """CRC32 per MB (what every checksummed chunk pays twice: at write and at read), and the
-    end-to-end write+read time of 32 MiB with and without checksums."""
+    """The checksum's cost per MB (what every checksummed chunk pays twice: at write and at
+    read; CRC32C in hardware, io/checksum.py), and the end-to-end write+read time of 32 MiB with
+    and without checksums."""
     import mmap
+
+    from ssdtrain_megatron.io.checksum import ALGORITHM
+    from ssdtrain_megatron.io.checksum import checksum as crc
 
     buf = mmap.mmap(-1, 8 << 20)
     buf.write(os.urandom(8 << 20))
     reps = 8
     t0 = time.perf_counter()
     for _ in range(reps):
-        zlib.crc32(buf)
+        crc(buf)
     crc_us_per_mb = (time.perf_counter() - t0) / (reps * 8 * 1.048576) * 1e6
     buf.close()
     data = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8)
@@ -321,10 +324,9 @@ def test_checksum_cost_is_measured(offload_dir):
         timings[checksum] = min(timings.get(checksum, dt), dt)
     mb = 32 * 1.048576
     extra = (timings[True] - timings[False]) / mb * 1e6
-    report("checksum cost", f"crc32 {crc_us_per_mb:.0f} us/MB per pass ({1e3 / crc_us_per_mb:.2f} GB/s); "
+    report("checksum cost", f"{ALGORITHM} {crc_us_per_mb:.0f} us/MB per pass ({1e3 / crc_us_per_mb:.2f} GB/s); "
            f"write+read of 32 MiB: {timings[False] / mb * 1e6:.0f} us/MB without, "
            f"{timings[True] / mb * 1e6:.0f} us/MB with checksums ({extra:+.0f} us/MB)")
-    assert crc_us_per_mb < 20_000  # a sanity bound on a shared 2-core machine, not a target
 
 
 # -- IO that never finishes -------------------------------------------------------------------

@@ -38,11 +38,11 @@ def test_script_parses_and_is_executable(name):
 
 
 @pytest.mark.parametrize("path, edited", [
-    (SBATCH, ["#SBATCH --nodes=", "#SBATCH --gpus-per-node=", "#SBATCH --time=", "SSDTRAIN=",
-              "MEGATRON_LM=", "PRESET=", "SSD_DIRS=", "PYTHON=", "GPUS_PER_NODE=",
-              "MEGATRON_ARGS=("]),
-    (SINGLE, ["#SBATCH --gpus-per-node=", "MEGATRON_LM=", "PRESET=", "SSD_DIRS=", "PYTHON=",
-              "GPUS_PER_NODE=", "MEGATRON_ARGS=("]),
+    (SBATCH, ["#SBATCH --nodes=", "#SBATCH --gpus-per-node=", "#SBATCH --cpus-per-task=",
+              "#SBATCH --time=", "MEGATRON_LM=", "PRESET=", "SSD_DIRS=", "PYTHON=",
+              "GPUS_PER_NODE=", "MEGATRON_ARGS="]),
+    (SINGLE, ["#SBATCH --gpus-per-node=", "#SBATCH --cpus-per-task=", "MEGATRON_LM=", "PRESET=",
+              "SSD_DIRS=", "PYTHON=", "GPUS_PER_NODE=", "MEGATRON_ARGS="]),
     (os.path.join(SCRIPTS, "demo.sh"), ["DEMO_DIR="]),
 ])
 def test_lines_a_user_edits_are_marked(path, edited):
@@ -77,11 +77,21 @@ def stand_ins(tmp_path):
         "#!/bin/bash\n"
         "while [[ \"$1\" == --* ]]; do shift; done\n"
         "exec \"$@\"\n")
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node-a\n")
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/bash\n"
+        "if [[ \"$1 $2\" == 'show job' ]]; then\n"
+        "    echo \"   Command=${STUB_SUBMITTED:-(null)} --some-arg\"\n"
+        "else\n"
+        "    echo node-a\n"
+        "fi\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     nvme = tmp_path / "mnt"
+    (tmp_path / "Megatron-LM").mkdir()
+    (tmp_path / "Megatron-LM" / "pretrain_gpt.py").write_text("# stand-in\n")
     env = dict(os.environ)
+    for name in ("SSDTRAIN", "MEGATRON_ARGS", "SLURM_JOB_ID", "SLURM_SUBMIT_DIR"):
+        env.pop(name, None)
     env.update({
         "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}", "PYTHON": str(bin_dir / "python"),
         "MEGATRON_LM": str(tmp_path / "Megatron-LM"), "PRESET": PRESET,
@@ -156,18 +166,105 @@ def test_node_runner_refuses_roots_without_the_job(stand_ins):
     assert not (tmp_path / "argv.txt").exists()
 
 
+def _slurm_env(env):
+    env.update({"SLURM_NNODES": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-a"})
+    del env["JOB_ID"]
+    return env
+
+
 def test_sbatch_script_runs_the_node_runner_on_every_node(stand_ins):
     env, tmp_path = stand_ins
-    env.update({"SLURM_NNODES": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-a",
-                "SSDTRAIN": REPO})
-    del env["JOB_ID"]
-    out = subprocess.run(["bash", SBATCH], env=env, capture_output=True, text=True, timeout=60)
+    env = _slurm_env(env)
+    env["STUB_SUBMITTED"] = "/bin/bash"  # as in an salloc allocation: the script's own folder wins
+    out = subprocess.run(["bash", SBATCH, "--data-path", "/data/x", "--train-iters", "7"], env=env,
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     argv = _argv(tmp_path)
     assert argv[argv.index("--ssd-offload-job") + 1] == "4242"
     assert argv[argv.index("--ssd-offload-config") + 1] == PRESET
     assert "--tokenizer-model" in argv  # the script's MEGATRON_ARGS
+    # The flags after the script reach Megatron, after the script's own (the last one wins).
+    assert argv[argv.index("--data-path") + 1] == "/data/x"
+    last = len(argv) - 1 - argv[::-1].index("--train-iters")
+    assert argv[last + 1] == "7" and argv.index("--train-iters") < last
     assert _job_dirs(tmp_path) == ["nvme0/ssdtrain/1111"]
+
+
+@pytest.mark.parametrize("script", [SBATCH, SINGLE], ids=["sbatch", "single-node"])
+def test_launch_scripts_find_the_project_from_the_submitted_path_when_sbatch_runs_a_copy(stand_ins, script):
+    """sbatch runs a copy of the script from slurmd's spool folder: the project is found from
+    the path the job was submitted with (scontrol show job: Command=), not from the copy."""
+    env, tmp_path = stand_ins
+    env = _slurm_env(env)
+    spool = tmp_path / "spool" / "job4242"
+    spool.mkdir(parents=True)
+    copy = spool / "slurm_script"
+    copy.write_text(open(script).read())
+    env["STUB_SUBMITTED"] = script
+    out = subprocess.run(["bash", str(copy), "--train-iters", "3"], env=env, cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--train-iters" in _argv(tmp_path)
+    env.pop("STUB_SUBMITTED")  # no way to find it: one line, exit 2
+    out = subprocess.run(["bash", str(copy)], env=env, cwd=str(tmp_path), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2
+    assert "no scripts/ssdtrain_node.sh in SSDTRAIN=" in out.stderr and "set SSDTRAIN" in out.stderr
+
+
+@pytest.mark.parametrize("script", [SBATCH, SINGLE], ids=["sbatch", "single-node"])
+def test_megatron_args_from_the_environment_replace_the_scripts_own(stand_ins, script):
+    env, tmp_path = stand_ins
+    env = _slurm_env(env)
+    env["MEGATRON_ARGS"] = "--num-layers 2  --mock-data"
+    out = subprocess.run(["bash", script, "--seq-length", "64"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argv = _argv(tmp_path)
+    assert "--tokenizer-type" not in argv and "--lr" not in argv  # the defaults are replaced
+    i = argv.index("--mock-data")
+    assert argv[i - 2:i + 3] == ["--num-layers", "2", "--mock-data", "--seq-length", "64"]
+    env["MEGATRON_ARGS"] = ""  # set but empty: no defaults at all
+    out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--lr" not in _argv(tmp_path)
+
+
+@pytest.mark.parametrize("what, message", [
+    ("PRESET", "ssdtrain_node: PRESET={value}: no such file"),
+    ("MEGATRON_LM", "ssdtrain_node: MEGATRON_LM={value} has no pretrain_gpt.py"),
+])
+def test_node_runner_stops_on_a_missing_preset_or_checkout_before_torchrun(stand_ins, what, message):
+    env, tmp_path = stand_ins
+    env[what] = str(tmp_path / "nope")
+    out = subprocess.run(["bash", NODE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == next(line for line in out.stderr.splitlines() if line)  # one line
+    assert out.stderr.startswith(message.format(value=env[what]))
+    assert not (tmp_path / "argv.txt").exists()  # torchrun never started
+
+
+def test_node_runner_stops_on_a_preset_it_cannot_read(stand_ins):
+    env, tmp_path = stand_ins
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {num_layers: -1}\n")
+    env["PRESET"] = str(bad)
+    out = subprocess.run(["bash", NODE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "cannot turn PRESET=" in out.stderr
+    assert not (tmp_path / "argv.txt").exists()
+
+
+@pytest.mark.parametrize("script", [SBATCH, SINGLE], ids=["sbatch", "single-node"])
+def test_cluster_specific_sbatch_lines_are_named_with_what_goes_wrong(script):
+    with open(script, encoding="utf-8") as fh:
+        text = fh.read()
+    for said in ("Invalid generic resource (gres) specification", "PartitionConfig",
+                 "override them on the sbatch command line"):
+        assert said in text, said
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as fh:
+        readme = fh.read()
+    assert "Invalid generic resource (gres) specification" in readme and "PartitionConfig" in readme
+    assert "MEGATRON_ARGS=(" not in readme  # bash cannot export arrays: the README says a string
 
 
 def test_single_node_script_runs_the_node_runner(stand_ins):

@@ -31,8 +31,8 @@ class AdaptivePlanner:
         if not order or write_bps <= 0 or read_bps <= 0:
             return None  # nothing was measured (no layers, or nothing went through the drive)
         if self.plan is not None and not should_replan(
-                stats.io_wait_s, max(stats.step_time_s, 1e-9), self.config.replan_io_wait_fraction,
-                self.plan_write_bps, write_bps):
+                stats.io_wait_s, max(stats.iteration_time_s or stats.step_time_s, 1e-9),
+                self.config.replan_io_wait_fraction, self.plan_write_bps, write_bps):
             return None
         n = max(num_micro_batches, 1)
         layers: List[LayerMeasurement] = []

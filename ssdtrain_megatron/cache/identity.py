@@ -18,18 +18,21 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def pass_reason(t: torch.Tensor, device: torch.device, param_storages: Set[int],
-                min_bytes: int) -> Optional[str]:
-    """Why ``t`` stays with autograd (None: it may be offloaded)."""
+                min_bytes: int, storage: Optional[torch.UntypedStorage] = None) -> Optional[str]:
+    """Why ``t`` stays with autograd (None: it may be offloaded). ``storage``: ``t``'s
+    untyped storage, when the caller has already looked it up (one lookup per tensor)."""
     if type(t) not in _PLAIN:
         return "subclass"
     if t.layout is not torch.strided:
         return "layout"
     if t.device != device:
         return "device"
-    if _is_parameter(t) or t.untyped_storage()._cdata in param_storages:
-        return "parameter"
     if t.numel() * t.element_size() < max(min_bytes, 1):
         return "small"
+    if storage is None:
+        storage = t.untyped_storage()
+    if _is_parameter(t) or storage._cdata in param_storages:
+        return "parameter"
     return None
 
 
@@ -40,9 +43,10 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad))
 
 
-def dedup_key(t: torch.Tensor) -> Tuple:
-    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+def dedup_key(t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None) -> Tuple:
+    cdata = (storage if storage is not None else t.untyped_storage())._cdata
+    return (cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
 
-def storage_ref(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())
+def storage_ref(t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None) -> StorageWeakRef:
+    return StorageWeakRef(storage if storage is not None else t.untyped_storage())

@@ -69,15 +69,15 @@ class MicroBatch:
         n = len(self.records)
         while self.cursor < n:
             rec = self.records[n - 1 - self.cursor]
-            if rec.prefetched or rec.state not in (State.ON_DISK, State.WRITING):
-                self.cursor += 1  # nothing to read: in memory, or gone
+            if rec.state != State.ON_DISK and rec.state != State.WRITING:
+                self.cursor += 1  # nothing to read: in memory, already asked for, or gone
                 continue
             if self.index_of(rec) < floor:
                 break
             if self.readahead_bytes and self.readahead_bytes + rec.nbytes > byte_cap:
                 break
             self.cursor += 1
-            rec.prefetched = rec.readahead = True
+            rec.readahead = True
             self.readahead_bytes += rec.nbytes
             out.append(rec)
         return out

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
-import threading
+import queue
 import time
 from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Set
 
@@ -14,15 +15,17 @@ import torch
 
 from ..config import OffloadConfig
 from ..io import IOEngine, make_engine
-from ..io.layout import Identity, expand_root, free_bytes
+from ..io.memory import PoolFull
+from ..io.layout import Identity, expand_file, free_bytes
 from ..io import cleanup
+from ..io.where import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
 from .device_copy import DeviceCopy, StreamOps
 from .identity import dedup_key, pass_reason, storage_ref
 from .microbatch import MicroBatch
-from .record import State, TensorRecord
+from .record import IN_FLIGHT, READS, RESIDENT, WRITES, State, TensorRecord
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +44,35 @@ class IOTimeout(RuntimeError):
     """An IO wait exceeded ``io_timeout_s``; the message says what was pending."""
 
 
+# What engine.write may raise for a tensor it cannot take, documented as "keep it in memory
+# instead": the host pool is full. Anything else raised there is a bug and propagates.
+EXPECTED_WRITE_REFUSALS = (PoolFull,)
+
+_DROP = object()
+"""Event outcome: the last reference to a handle went away (the event's first item is the record)."""
+
+
 class _Handle:
     """What autograd holds instead of an offloaded tensor. Dropping the last handle of a record
-    (autograd frees saved tensors right after their backward node runs) releases it."""
+    (autograd frees saved tensors right after their backward node runs) releases it.
 
-    __slots__ = ("record", "owner")
+    ``__del__`` runs on whatever thread drops the last reference (autograd's device threads,
+    the GC inside any allocation): it takes no lock and touches no state, it only queues the
+    drop for the owner, which processes it at its next pack, unpack or step end."""
 
-    def __init__(self, record: TensorRecord, owner: "ActivationOffloader") -> None:
+    __slots__ = ("record", "events")
+
+    def __init__(self, record: TensorRecord, events: "queue.SimpleQueue") -> None:
         self.record = record
-        self.owner = owner
+        self.events = events
 
     def __del__(self) -> None:
-        self.owner._drop_handle(self.record)
+        self.events.put((self.record, _DROP))
+
+
+def _relay(events: "queue.SimpleQueue", key: int, fut) -> None:
+    """For an engine that returns Futures instead of reporting to ``completions``."""
+    events.put((key, fut.exception()))
 
 
 class ActivationOffloader:
@@ -96,21 +116,35 @@ class ActivationOffloader:
                 else torch.device("cpu")
         self.device = torch.device(device)
         self._engine: Optional[IOEngine] = engine
+        self._streams = streams
+        self._closed = False
         if self._engine is None and config.policy != "keep":
             self._engine = make_engine(config)
+        try:
+            self._init_state(config)
+        except BaseException:
+            # A failed start leaves nothing on disk: the engine we built removes its rank
+            # directories (and the job folders they leave empty). An engine handed in is the
+            # caller's to close.
+            self._closed = True
+            if engine is None and self._engine is not None:
+                self._engine.close()
+            raise
+
+    def _init_state(self, config: OffloadConfig) -> None:
+        """Everything of ``__init__`` after the engine (which is already on disk)."""
+        # The training thread owns every field below. IO threads report completions as
+        # (record id, None or the exception) on this queue, and dropped handles arrive as
+        # (record, _DROP); the owner drains it in pack, unpack, end_step and while it waits.
+        self._events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        if self._engine is not None:
+            self._engine.completions = self._events
         # The GPU data path: copies on their own streams through pinned staging (or, for an
         # engine that moves device memory itself, gds, only the events that order it).
         self._copy: Optional[DeviceCopy] = None
-        if self._engine is not None and (self.device.type == "cuda" or streams is not None):
-            try:
-                self._copy = DeviceCopy(self.device, config.staging_bytes(), streams,
-                                        direct=getattr(self._engine, "device_direct", False))
-            except BaseException:
-                if engine is None:
-                    self._engine.close()
-                raise
-        self._lock = threading.RLock()
-        self._io_done = threading.Condition(self._lock)
+        if self._engine is not None and (self.device.type == "cuda" or self._streams is not None):
+            self._copy = DeviceCopy(self.device, config.staging_bytes(), self._streams,
+                                    direct=getattr(self._engine, "device_direct", False))
         self._ids = itertools.count()
         self._records: Dict[int, TensorRecord] = {}
         self._dedup: Dict[tuple, tuple] = {}
@@ -125,18 +159,19 @@ class ActivationOffloader:
         self._step = 0
         self._step_started = self._step_first = time.perf_counter()
         self._warned: Set[str] = set()
-        self._closed = False
         self.last_step_stats: Optional[StepStats] = None
         self.record_memory_timeline = False
         self.last_memory_timeline: List[tuple] = []
         self._phase = "forward"
         self._tracer: Optional[IOTracer] = None
         ident = getattr(self._engine, "ident", None) or Identity.detect(config.job_id())
-        self._stats_path = expand_root(config.stats_path, ident) if config.stats_path else None
+        # Files, not directories: a restarted job (same command line) appends to them.
+        self._stats_path = expand_file(config.stats_path, ident) if config.stats_path else None
         if config.trace_path and self._engine is not None:
-            self._tracer = IOTracer(expand_root(config.trace_path, ident), ident.rank)
+            self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank)
             self._engine.tracer = self._tracer.on_io
         cleanup.register(id(self), self._emergency_close)
+        log_roots(self.rank_dirs, config)  # settings, where the bytes go; a warning for RAM (/tmp)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -165,26 +200,25 @@ class ActivationOffloader:
     def microbatch(self, key: Hashable) -> Iterator["ActivationOffloader"]:
         """Forward of micro-batch ``key``: saved tensors inside are recorded under it."""
         self._check_open()
-        with self._lock:
-            if not self._microbatches:
-                self._step_first = time.perf_counter()  # the step's first forward starts
-            mb = self._microbatches.get(key)
-            if mb is None:
-                mb = self._microbatches[key] = MicroBatch(key)
-            # Another micro-batch's forward runs first: the deferred last layers of every
-            # micro-batch still waiting for backward will not be needed right away; write them.
-            for other in self._microbatches.values():
-                if other is not mb and not other.in_backward and other.deferred:
-                    self._submit_all(other.take_all_deferred())
-            prev, prev_layer = self._current, self._layer
-            self._current, self._layer = mb, None
-            self._phase = "forward"
+        self._drain()
+        if not self._microbatches:
+            self._step_first = time.perf_counter()  # the step's first forward starts
+        mb = self._microbatches.get(key)
+        if mb is None:
+            mb = self._microbatches[key] = MicroBatch(key)
+        # Another micro-batch's forward runs first: the deferred last layers of every
+        # micro-batch still waiting for backward will not be needed right away; write them.
+        for other in self._microbatches.values():
+            if other is not mb and not other.in_backward and other.deferred:
+                self._submit_all(other.take_all_deferred())
+        prev, prev_layer = self._current, self._layer
+        self._current, self._layer = mb, None
+        self._phase = "forward"
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
         finally:
-            with self._lock:
-                self._current, self._layer = prev, prev_layer
+            self._current, self._layer = prev, prev_layer
 
     @contextlib.contextmanager
     def layer(self, key: Hashable, decision: Optional[str] = None) -> Iterator[None]:
@@ -192,22 +226,20 @@ class ActivationOffloader:
         if decision is not None:
             self.set_layer_decision(key, decision)
         forward = torch._C._current_graph_task_id() == -1  # not a recompute inside backward
-        with self._lock:
-            prev = self._layer
-            self._layer = key
-            mb = self._current
-            if mb is not None and forward:
-                idx = mb.enter_layer(key)
-                keep = self.config.keep_last_layers
-                self._submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
+        prev = self._layer
+        self._layer = key
+        mb = self._current
+        if mb is not None and forward:
+            idx = mb.enter_layer(key)
+            keep = self.config.keep_last_layers
+            self._submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            with self._lock:
-                self._layer = prev
-                if mb is not None and forward:
-                    self._c.layer(key, self.decision_for(key)).forward_s += time.perf_counter() - t0
+            self._layer = prev
+            if mb is not None and forward:
+                self._c.layer(key, self.decision_for(key)).forward_s += time.perf_counter() - t0
 
     def decision_for(self, layer: Hashable) -> str:
         """What the plan says for a layer: 'offload', 'keep' or 'recompute'."""
@@ -218,64 +250,71 @@ class ActivationOffloader:
     def begin_backward(self, key: Hashable) -> None:
         """Hint: the backward of micro-batch ``key`` is next. Its deferred last layers stay in
         memory, and reads of its last layers start now, while other work runs."""
-        with self._lock:
-            mb = self._microbatches.get(key)
-            if mb is None:
-                return
-            self._enter_backward(mb)
+        self._drain()
+        mb = self._microbatches.get(key)
+        if mb is None:
+            return
+        self._enter_backward(mb)
 
     def enable_memory_timeline(self) -> None:
         """From the current step on, ``last_memory_timeline`` holds (seconds into the step,
         resident bytes) at every change of the last step (for plots; a list append per change)."""
-        with self._lock:
-            self.record_memory_timeline = True
-            if self._c.timeline is None:
-                self._c.timeline = []
+        self.record_memory_timeline = True
+        if self._c.timeline is None:
+            self._c.timeline = []
+
+    def poll(self) -> None:
+        """Process what the IO threads and dropped handles reported so far (pack, unpack and
+        end_step do this themselves): completed writes free their memory, released records
+        their space on disk."""
+        self._drain()
 
     def wait_writes(self) -> None:
         """Block until every write handed to the engine has completed (or failed)."""
-        with self._lock:
-            self._wait_inflight_writes()
+        self._drain()
+        self._wait_inflight_writes()
 
     def end_step(self) -> StepStats:
         """Finish the step: wait for IO, release what is left, emit and return StepStats."""
         self._check_open()
-        with self._lock:
-            self._phase = "step_end"
-            self._wait_all_io()
-            leftovers = list(self._records.values())
-            if leftovers:
-                self._warn_once("leftover", f"end_step(): {len(leftovers)} saved tensors were never "
-                                "released (a graph whose backward did not run?); releasing them, "
-                                "and a later backward through them will fail")
-                for r in leftovers:
-                    self._wait_record(r)
-                    self._release(r)
-            if self._engine is not None:
-                self._engine.end_step()
-                self.check_free_space()
-            write = self._engine.write_meter.take() if hasattr(self._engine, "write_meter") else (0, 0.0)
-            read = self._engine.read_meter.take() if hasattr(self._engine, "read_meter") else (0, 0.0)
-            now = time.perf_counter()
-            stats = self._c.freeze(self._step, write, read,
-                                   self._engine.bytes_on_disk if self._engine else 0,
-                                   now - self._step_started)
-            if self._planner is not None:
-                order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
-                new = self._planner.update(stats, order, {r.layer: r for r in stats.layers},
-                                           len(self._microbatches))
-                if new:
-                    self._layer_decisions.update(new)
-            if self._c.timeline is not None:
-                self.last_memory_timeline = [(t - self._step_first, b) for t, b in self._c.timeline]
-            self._c = StepCounters(timeline=[] if self.record_memory_timeline else None)
-            self._dedup.clear()
-            self._microbatches.clear()
-            self._step += 1
-            self._step_started = now
-            self.last_step_stats = stats
+        self._phase = "step_end"
+        self._drain()
+        self._wait_all_io()
+        leftovers = list(self._records.values())
+        if leftovers:
+            self._warn_once("leftover", f"end_step(): {len(leftovers)} saved tensors were never "
+                            "released (a graph whose backward did not run?); releasing them, "
+                            "and a later backward through them will fail")
+            for r in leftovers:
+                self._release(r, force=True)  # no IO is in flight after _wait_all_io
+        if self._engine is not None:
+            self._engine.end_step()
+            self.check_free_space()
+        write = self._engine.write_meter.take() if hasattr(self._engine, "write_meter") else (0, 0.0)
+        read = self._engine.read_meter.take() if hasattr(self._engine, "read_meter") else (0, 0.0)
+        now = time.perf_counter()
+        # step_time_s from the step's first forward (what ran before it, e.g. another
+        # model's step, is not this step's); iteration_time_s from the last end_step().
+        first = max(self._step_first, self._step_started)
+        stats = self._c.freeze(self._step, write, read,
+                               self._engine.bytes_on_disk if self._engine else 0, now - first,
+                               now - (first if self._step == 0 else self._step_started))
+        if self._planner is not None:
+            order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
+            new = self._planner.update(stats, order, {r.layer: r for r in stats.layers},
+                                       len(self._microbatches))
+            if new:
+                self._layer_decisions.update(new)
+        if self._c.timeline is not None:
+            self.last_memory_timeline = [(t - self._step_first, b) for t, b in self._c.timeline]
+        self._c = StepCounters(timeline=[] if self.record_memory_timeline else None)
+        self._dedup.clear()
+        self._microbatches.clear()
+        self._step += 1
+        self._step_started = now
+        self.last_step_stats = stats
         if self._stats_path:
-            append_jsonl(self._stats_path, stats)
+            append_jsonl(self._stats_path, stats, {"policy": self.config.policy})
         if self._tracer is not None:
             self._tracer.flush()
         log.debug("ssdtrain step %d: %s", stats.step, stats.summary())
@@ -304,17 +343,19 @@ class ActivationOffloader:
         """Release everything and remove every file and directory this offloader created."""
         if self._closed:
             return
-        with self._lock:
-            self._closed = True
-            try:
-                self._wait_inflight_writes()
-            except IOTimeout as exc:
-                log.error("ssdtrain: closing with IO still pending: %s", exc)
+        self._closed = True
+        try:
+            self._drain()
+            self._wait_inflight_writes()
+        except IOTimeout as exc:
+            log.error("ssdtrain: closing with IO still pending: %s", exc)
+        finally:
             for r in list(self._records.values()):
                 self._release(r, force=True)
-        if self._engine is not None:
-            self._engine.close()
-        cleanup.unregister(id(self))
+            if self._engine is not None:
+                self._engine.close()
+                self._engine.completions = None
+            cleanup.unregister(id(self))
 
     def __enter__(self) -> "ActivationOffloader":
         return self
@@ -328,174 +369,233 @@ class ActivationOffloader:
         if torch._C._current_graph_task_id() != -1:
             # Saved while autograd's engine runs: the recompute pass of checkpointing. These
             # tensors are needed moments later by the same backward; keep them in memory.
-            with self._lock:
-                self._c.tensors_passed_through += 1
+            self._c.tensors_passed_through += 1
             return t
-        reason = pass_reason(t, self.device, self._param_storages, self.config.min_tensor_bytes)
-        if reason is not None:
-            with self._lock:
-                self._c.tensors_passed_through += 1
+        cfg = self.config
+        if t.numel() * t.element_size() < max(cfg.min_tensor_bytes, 1):  # the cheapest test first
+            self._c.tensors_passed_through += 1
             return t
-        key = dedup_key(t)
-        with self._lock:
-            hit = self._dedup.get(key)
-            if hit is not None:
-                rec, sref = hit
-                if rec.state is not State.RELEASED and not sref.expired():
-                    rec.handles += 1
-                    rec.release_pending = False  # it has a user again
-                    cur = self._current
-                    if cur is None or cur.key != rec.microbatch:
-                        rec.shared = True
-                    else:
-                        rec.last_pos = max(rec.last_pos, cur.position)
-                    self._c.bytes_deduplicated += rec.nbytes
-                    return _Handle(rec, self)
-            mb = self._current
-            layer = self._layer
-            rec = TensorRecord(next(self._ids), t, mb.key if mb else None, layer)
-            rec.handles = 1
-            rec.decision = self.decision_for(layer)
-            self._records[rec.id] = rec
-            self._dedup[key] = (rec, storage_ref(t))
-            self._c.add_resident(rec.nbytes)
-            acc = self._c.layer(layer, rec.decision)
-            acc.bytes += rec.nbytes
-            acc.tensors += 1
-            if mb is not None:
-                rec.pos = rec.last_pos = mb.position
-                mb.records.append(rec)
-            if rec.decision == "keep":
-                self._move(rec, State.KEPT)
-                self._c.tensors_kept += 1
-            elif mb is not None and mb.annotated and self.config.keep_last_layers:
-                mb.deferred.append(rec)  # written once later layers prove it is not among the last
-            else:
-                self._submit(rec)
-            return _Handle(rec, self)
+        storage = t.untyped_storage()
+        if pass_reason(t, self.device, self._param_storages, cfg.min_tensor_bytes, storage) is not None:
+            self._c.tensors_passed_through += 1
+            return t
+        if not self._events.empty():
+            self._drain()
+        key = dedup_key(t, storage)
+        hit = self._dedup.get(key)
+        if hit is not None:
+            rec, sref = hit
+            if rec.state != State.RELEASED and not sref.expired():
+                rec.handles += 1
+                if rec.state == State.WRITE_DROPPED:  # it has a user again
+                    self._move(rec, State.WRITING)
+                elif rec.state == State.READ_DROPPED:
+                    self._move(rec, State.READING)
+                cur = self._current
+                if cur is None or cur.key != rec.microbatch:
+                    rec.shared = True
+                else:
+                    rec.last_pos = max(rec.last_pos, cur.position)
+                self._c.bytes_deduplicated += rec.nbytes
+                return _Handle(rec, self._events)
+        mb = self._current
+        layer = self._layer
+        rec = TensorRecord(next(self._ids), t, mb.key if mb else None, layer)
+        rec.handles = 1
+        rec.decision = self.decision_for(layer)
+        self._records[rec.id] = rec
+        self._dedup[key] = (rec, storage_ref(t, storage))
+        self._c.add_resident(rec.nbytes)
+        acc = self._c.layer(layer, rec.decision)
+        acc.bytes += rec.nbytes
+        acc.tensors += 1
+        if mb is not None:
+            rec.pos = rec.last_pos = mb.position
+            mb.records.append(rec)
+        if rec.decision == "keep":
+            self._move(rec, State.KEPT)
+        elif mb is not None and mb.annotated and cfg.keep_last_layers:
+            mb.deferred.append(rec)  # written once later layers prove it is not among the last
+        else:
+            self._submit(rec)
+        return _Handle(rec, self._events)
 
     def _unpack(self, handle):
         if isinstance(handle, torch.Tensor):
             return handle
+        if not self._events.empty():
+            self._drain()
         rec: TensorRecord = handle.record
-        with self._lock:
-            # A tensor shared by several micro-batches says nothing about where any one of
-            # their backwards is; one saved again by later layers is needed until the latest.
-            mb = None if rec.shared else self._microbatches.get(rec.microbatch)
-            if mb is not None and not mb.in_backward:
-                self._enter_backward(mb)
-            out = self._materialize(rec)
-            if mb is not None:
-                mb.consumed(rec)
-                idx = rec.last_pos
-                if mb.backward_layer is None or idx < mb.backward_layer:
-                    mb.backward_layer = idx
-                self._prefetch(mb)
+        # A tensor shared by several micro-batches says nothing about where any one of
+        # their backwards is; one saved again by later layers is needed until the latest.
+        mb = None if rec.shared else self._microbatches.get(rec.microbatch)
+        if mb is not None and not mb.in_backward:
+            self._enter_backward(mb)
+        out = self._materialize(rec)
+        if mb is not None:
+            mb.consumed(rec)
+            idx = rec.last_pos
+            if mb.backward_layer is None or idx < mb.backward_layer:
+                mb.backward_layer = idx
+            self._prefetch(mb)
         return out
 
-    # -- internals (called with the lock held) ----------------------------------------------
+    # -- internals (training thread) --------------------------------------------------------
 
-    def _move(self, rec: TensorRecord, new: State) -> None:
-        was, now = rec.move(new)
+    def _move(self, rec: TensorRecord, new: int) -> None:
+        """The one place a record changes state, and the one place the step's counters
+        follow what happened to a tensor (record.TRANSITIONS says what each transition counts)."""
+        was = rec.state in RESIDENT
+        effects = rec.move(new)
+        now = new in RESIDENT
+        c = self._c
         if was != now:
-            self._c.add_resident(rec.nbytes if now else -rec.nbytes)
+            c.add_resident(rec.nbytes if now else -rec.nbytes)
+        for e in effects:
+            if e == "offloaded":
+                c.bytes_offloaded += rec.nbytes
+                c.tensors_offloaded += 1
+                c.layer(rec.layer, rec.decision).bytes_offloaded += rec.nbytes
+            elif e == "forwarded":
+                c.tensors_forwarded += 1
+            elif e == "read":
+                c.bytes_read += rec.nbytes
+            elif e == "kept":
+                c.tensors_kept += 1
+            elif e == "fallback":
+                c.fallbacks += 1
+
+    def _drain(self) -> None:
+        """Process every event queued so far (IO completions, dropped handles)."""
+        events = self._events
+        while not events.empty():
+            self._on_event(*events.get_nowait())
+
+    def _on_event(self, what, outcome) -> None:
+        if outcome is _DROP:
+            rec = what
+            rec.handles -= 1
+            if rec.handles == 0:
+                self._release(rec)
+            return
+        rec = self._records.get(what)
+        if rec is None:  # released by close() while its IO hung
+            return
+        if rec.state in WRITES:
+            self._write_done(rec, outcome)
+        elif rec.state in READS:
+            self._read_done(rec, outcome)
+        else:
+            raise RuntimeError(f"ssdtrain internal error: IO completed for record {rec.id} "
+                               f"in state {rec.state_name}")
+
+    def _next_event(self, deadline: float) -> bool:
+        """Wait for one event until ``deadline`` and process it; False on timeout. An error
+        raised while processing it (a failed finish_read) reaches the caller as it is."""
+        left = deadline - time.perf_counter()
+        try:
+            item = self._events.get(timeout=left) if left > 0 else self._events.get_nowait()
+        except queue.Empty:
+            return False
+        self._on_event(*item)
+        return True
 
     def _submit_all(self, records: List[TensorRecord]) -> None:
         for rec in records:
-            if rec.state is State.SAVED:
+            if rec.state == State.SAVED:
                 self._submit(rec)
 
     def _submit(self, rec: TensorRecord) -> None:
         """Hand a SAVED record to the engine, after back-pressure allows it."""
         cap = self.config.max_inflight_bytes
         if self._inflight_bytes and self._inflight_bytes + rec.nbytes > cap:
+            self._drain()
             t0 = time.perf_counter()
             deadline = t0 + self.config.io_timeout_s
             while self._inflight_bytes and self._inflight_bytes + rec.nbytes > cap:
-                left = deadline - time.perf_counter()
-                if left <= 0:
+                if not self._next_event(deadline):
                     raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} "
                                     f"bytes of writes to finish before writing a {rec.describe()}")
-                self._io_done.wait(left)
             self._count_wait(rec, time.perf_counter() - t0)
         self._move(rec, State.WRITING)
         self._inflight_bytes += rec.nbytes
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
-        xfer = None
         try:
             if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
-                data, event, xfer = self._copy.stage_out(rec)
+                data, event, rec.transfer = self._copy.stage_out(rec)
             else:
                 data, event = rec.bytes_view(), None
             fut = self._engine.write(rec.id, data, event)
-        except Exception as exc:  # could not even start (e.g. the memory pool is full): keep it
-            if xfer is not None:
-                self._copy.written(xfer)
+        except EXPECTED_WRITE_REFUSALS as exc:  # nothing started (the memory pool is full): keep it
+            self._written(rec)
             self._inflight_bytes -= rec.nbytes
             self._fallback(rec, exc)
             return
-        rec.future = fut
-        if xfer is not None:  # first: frees the staging without the offloader's lock
-            fut.add_done_callback(lambda f, xfer=xfer: self._copy.written(xfer))
-        fut.add_done_callback(lambda f, rec=rec: self._write_done(rec, f))
-
-    def _write_done(self, rec: TensorRecord, fut) -> None:
-        """Engine thread: a write finished (or failed)."""
-        with self._lock:
+        except BaseException:  # an engine bug: the caller sees it; the tensor stays usable
+            self._written(rec)
             self._inflight_bytes -= rec.nbytes
-            exc = fut.exception()
-            rec.future = None  # before any release below: _release defers while a future is set
-            if rec.state is State.RELEASED:  # close() stopped waiting for this (hung) IO
-                self._io_done.notify_all()
-                return
-            if exc is not None:
-                self._engine.release(rec.id)
-                self._fallback(rec, exc)
-            else:
-                self._c.bytes_offloaded += rec.nbytes
-                self._c.tensors_offloaded += 1
-                self._c.layer(rec.layer, rec.decision).bytes_offloaded += rec.nbytes
-                t = rec.tensor
-                if t is not None and t._version != rec.version:
-                    rec.corrupt = (f"a {rec.describe()} was modified in place while it was being "
-                                   f"offloaded (version {rec.version} -> {t._version})")
-                self._move(rec, State.ON_DISK)
-                if rec.release_pending:
-                    self._release(rec)
-                elif rec.want_read:
-                    self._move(rec, State.READY)  # backward is already waiting: forward it
-                    self._c.tensors_forwarded += 1
-                else:
-                    rec.tensor = None  # our copy is on disk; the memory goes when the model drops it
-            self._io_done.notify_all()
+            self._move(rec, State.KEPT)
+            raise
+        if fut is not None:  # an engine without ``completions``
+            fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
+
+    def _write_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
+        """A write finished (or failed)."""
+        self._written(rec)
+        self._inflight_bytes -= rec.nbytes
+        if exc is not None:
+            # Its extent stays allocated until the record is released (_release), as a
+            # written one's would: the slab's high-water mark, which the next step's
+            # free-space check goes by, is then the step's demand whatever the disk held.
+            self._fallback(rec, exc)
+            return
+        dropped = rec.state == State.WRITE_DROPPED
+        t = rec.tensor
+        if t is not None and t._version != rec.version:
+            rec.error = (f"a {rec.describe()} was modified in place while it was being "
+                         f"offloaded (version {rec.version} -> {t._version})")
+            self._move(rec, State.ON_DISK if dropped else State.BROKEN)
+            rec.tensor = None
+        elif rec.state == State.WRITING_WANTED:
+            self._move(rec, State.READY)  # backward already has it: keep our reference
+        else:
+            self._move(rec, State.ON_DISK)
+            rec.tensor = None  # our copy is on disk; the memory goes when the model drops it
+        if dropped:
+            self._release(rec)
+
+    def _written(self, rec: TensorRecord) -> None:
+        """The engine is done with a write's bytes (written, failed, refused or cancelled): a
+        GPU record's pinned staging block goes back to the pool."""
+        if rec.transfer is not None:
+            self._copy.written(rec.transfer)
+            rec.transfer = None
 
     def _fallback(self, rec: TensorRecord, exc: BaseException) -> None:
-        self._c.fallbacks += 1
         # A full disk is warned on its own, even after an IO error was: the user acts on it.
         self._warn_once("disk-full" if _is_disk_full(exc) else "fallback",
                         f"offload write failed, keeping tensors in memory instead "
                         f"(counted in StepStats.fallbacks): {exc}")
+        dropped = rec.state == State.WRITE_DROPPED
         self._move(rec, State.KEPT)
-        self._c.tensors_kept += 1
-        if rec.release_pending:
+        if dropped:
             self._release(rec)
 
     def _enter_backward(self, mb: MicroBatch) -> None:
         mb.in_backward = True
         self._phase = "backward"
         for rec in mb.take_all_deferred():  # its last layers: backward needs them right away
-            if rec.state is State.SAVED:
+            if rec.state == State.SAVED:
                 self._move(rec, State.KEPT)
-                self._c.tensors_kept += 1
         self._prefetch(mb)
 
     def _prefetch(self, mb: MicroBatch) -> None:
         if self._engine is None:
             return
         for rec in mb.prefetch_candidates(self.config.prefetch_layers, self.config.max_inflight_bytes):
-            if rec.state is State.WRITING:
-                rec.want_read = True  # forwarded from memory when the write completes
+            if rec.state == State.WRITING:
+                self._move(rec, State.WRITING_WANTED)  # forwarded from memory when the write completes
             else:
                 self._start_read(rec)
 
@@ -504,7 +604,6 @@ class ActivationOffloader:
         if alive is not None:  # still referenced elsewhere: no IO needed
             rec.tensor = alive.detach()
             self._move(rec, State.READY)
-            self._c.tensors_forwarded += 1
             return
         event = None
         if self._copy is not None:  # GPU: the engine reads into pinned staging (gds: in place)
@@ -515,78 +614,73 @@ class ActivationOffloader:
         self._move(rec, State.READING)
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
-        rec.future = self._engine.read(rec.id, target, event) if event is not None \
-            else self._engine.read(rec.id, target)
-        rec.future.add_done_callback(lambda f, rec=rec: self._read_done(rec, f))
+        fut = self._engine.read(rec.id, target, event)
+        if fut is not None:  # an engine without ``completions``
+            fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
 
-    def _read_done(self, rec: TensorRecord, fut) -> None:
-        with self._lock:
-            exc = fut.exception()
-            if rec.state is State.RELEASED:  # close() stopped waiting for this (hung) IO
-                rec.future = None
-                self._io_done.notify_all()
-                return
-            if exc is not None:
-                rec.corrupt = f"reading back a {rec.describe()} failed: {exc}"
-                rec.tensor = None
-                if self._copy is not None:
-                    self._copy.read_failed(rec)
-            else:
+    def _read_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
+        """A read finished (or failed). ``finish_read`` runs here, on the training thread: if
+        it raises (out of memory), the caller of pack/unpack/end_step gets that error."""
+        dropped = rec.state == State.READ_DROPPED
+        if exc is not None:
+            rec.error = f"reading back a {rec.describe()} failed: {exc}"
+            rec.tensor = None
+            if self._copy is not None:
+                self._copy.read_failed(rec)  # its staging is free
+            self._move(rec, State.BROKEN)
+        else:
+            try:
                 if self._copy is not None:
                     self._copy.finish_in(rec)  # host->device on the reload stream
                 else:
                     rec.finish_read()
-                self._c.bytes_read += rec.nbytes
+            except BaseException:
+                rec.error = f"finishing the read of a {rec.describe()} failed"
+                rec.tensor = None
+                self._move(rec, State.BROKEN)
+                raise
             self._move(rec, State.READY)
-            rec.future = None
-            if rec.release_pending:
-                self._release(rec)
-            self._io_done.notify_all()
+        if dropped:
+            self._release(rec)
 
     def _materialize(self, rec: TensorRecord) -> torch.Tensor:
-        """The record's tensor for backward, waiting for IO if needed (lock held)."""
-        if rec.state is State.RELEASED:
+        """The record's tensor for backward, waiting for IO if needed."""
+        s = rec.state
+        if s == State.RELEASED:
             raise RuntimeError(f"a {rec.describe()} saved for backward was already released "
                                "(end_step() or close() ran before this backward)")
-        if rec.state is State.ON_DISK:
+        if s == State.ON_DISK:
             self._start_read(rec)
-        if rec.state is State.WRITING:
-            rec.want_read = True  # keep our reference when the write completes
-            self._c.tensors_forwarded += 1
-            out = rec.tensor
-        else:
-            if rec.state is State.READING:
-                self._wait_record(rec)
-            if rec.corrupt:
-                raise RuntimeError(rec.corrupt)
-            out = rec.tensor
-            if self._copy is not None:
-                self._copy.consume(rec, out)  # the current stream waits for the reload
+        elif s == State.WRITING:
+            self._move(rec, State.WRITING_WANTED)  # keep our reference when the write completes
+        if rec.state == State.READING:
+            self._wait_record(rec)
+        if rec.state == State.BROKEN:
+            raise RuntimeError(rec.error)
+        out = rec.tensor
+        if self._copy is not None:
+            self._copy.consume(rec, out)  # the current stream waits for the reload
         rec.check_version(rec.ref())
         return out
 
     def _wait_record(self, rec: TensorRecord, count: bool = True) -> None:
-        if rec.future is None:
+        if rec.state not in IN_FLIGHT:
             return
         t0 = time.perf_counter()
         deadline = t0 + self.config.io_timeout_s
-        while rec.future is not None:
-            left = deadline - time.perf_counter()
-            if left <= 0:
+        while rec.state in IN_FLIGHT:
+            if not self._next_event(deadline):
                 raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for the "
-                                f"{rec.state.value} of a {rec.describe()} (record {rec.id})")
-            self._io_done.wait(left)
+                                f"{rec.state_name} of a {rec.describe()} (record {rec.id})")
         if count:
             self._count_wait(rec, time.perf_counter() - t0)
 
     def _wait_inflight_writes(self) -> None:
         deadline = time.perf_counter() + self.config.io_timeout_s
         while self._inflight_bytes:
-            left = deadline - time.perf_counter()
-            if left <= 0:
+            if not self._next_event(deadline):
                 raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} "
                                 "bytes of pending writes")
-            self._io_done.wait(left)
 
     def _wait_all_io(self) -> None:
         """Wait for every pending write and read (releases deferred to their completion run)."""
@@ -598,18 +692,24 @@ class ActivationOffloader:
         self._c.io_wait_s += seconds
         self._c.layer(rec.layer, rec.decision).io_wait_s += seconds
 
-    def _drop_handle(self, rec: TensorRecord) -> None:
-        with self._lock:
-            rec.handles -= 1
-            if rec.handles == 0 and rec.state is not State.RELEASED:
-                self._release(rec)
-
     def _release(self, rec: TensorRecord, force: bool = False) -> None:
-        if rec.state is State.RELEASED:
+        s = rec.state
+        if s == State.RELEASED:
             return
-        if rec.future is not None and not force:
-            rec.release_pending = True  # IO in flight on its extent: free it when that ends
-            return
+        if s in IN_FLIGHT and not force:
+            # IO in flight on its extent and memory: free both when it completes, unless it
+            # is a write no IO thread has started, which is taken back now.
+            if s in WRITES:
+                if s != State.WRITE_DROPPED:
+                    self._move(rec, State.WRITE_DROPPED)
+                if not self._engine.cancel(rec.id):
+                    return
+                self._written(rec)  # never started: its staging is free
+                self._inflight_bytes -= rec.nbytes
+            else:
+                if s != State.READ_DROPPED:
+                    self._move(rec, State.READ_DROPPED)
+                return
         self._move(rec, State.RELEASED)
         if self._engine is not None:
             self._engine.release(rec.id)  # frees its extent at once (no-op if never written)

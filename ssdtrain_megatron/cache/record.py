@@ -1,47 +1,97 @@
 """One saved activation: its geometry and its life as an explicit state machine.
 
-    SAVED ──submit──▶ WRITING ──ok──▶ ON_DISK ──read──▶ READING ──ok──▶ READY
-      │                  │ error (fallback)     │ still alive (forwarding)     │
-      └──keep──▶ KEPT ◀──┘                      └──────────────▶ READY         │
-    any state ──last handle dropped──▶ RELEASED ◀─────────────────────────────┘
+Every fact about where a record's bytes are and who waits for them is its ``state`` (an int);
+``TRANSITIONS`` below is the whole lifecycle, and ``TensorRecord.move`` is the only place a
+state changes: it refuses any other transition, so a bookkeeping bug surfaces as an error
+instead of a wrong tensor. The counters each transition adds to (``StepCounters``) are in the
+same table, so a tensor is counted once per thing that happened to it.
 
-``TensorRecord.move`` is the only place a state changes; it refuses any other transition,
-so a bookkeeping bug surfaces as an error instead of a wrong tensor.
+    SAVED ─submit─▶ WRITING ──ok──▶ ON_DISK ──read──▶ READING ──ok──▶ READY
+      │              │  │ unpack/prefetch     │ still alive ─────────────▶ READY
+      │              │  ▼                     │                               ▲
+      │              │ WRITING_WANTED ──ok────┼───────────────────────────────┘
+      │              │  (error: fallback)     │
+      └──keep──▶ KEPT ◀┘                      READING ──error / WRITING ──modified in place──▶ BROKEN
+    WRITING*, READING ──last handle dropped──▶ WRITE_DROPPED / READ_DROPPED ──IO ends──▶ … ▶ RELEASED
+    every other state ──last handle dropped──▶ RELEASED
 """
 
 from __future__ import annotations
 
-import enum
 import weakref
-from concurrent.futures import Future
-from typing import Any, Callable, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
 ALIGN_RESIDUE = 512  # restore tensors at the same address alignment (mod 512) they had
 
 
-class State(enum.Enum):
-    SAVED = "saved"  # in memory, write not started (deferred: may still be kept)
-    KEPT = "kept"  # stays in memory for this step (policy, last layers or write fallback)
-    WRITING = "writing"
-    ON_DISK = "on_disk"
-    READING = "reading"
-    READY = "ready"  # back in memory for backward
-    RELEASED = "released"
+class State:
+    """The record states (plain ints: compared on every pack and unpack)."""
+
+    SAVED = 0  # in memory, write not started (deferred: may still be kept)
+    KEPT = 1  # stays in memory for this step (policy, last layers or write fallback)
+    WRITING = 2  # write in flight; our alias holds the bytes until it completes
+    WRITING_WANTED = 3  # write in flight and backward wants the tensor: keep our alias after it
+    WRITE_DROPPED = 4  # write in flight and no user left: release when it completes
+    ON_DISK = 5  # written; only the engine has the bytes
+    READING = 6  # read in flight into a new tensor
+    READ_DROPPED = 7  # read in flight and no user left: release when it completes
+    READY = 8  # in memory for backward (read back, or forwarded)
+    BROKEN = 9  # cannot be given to backward: ``error`` says why (unpack raises it)
+    RELEASED = 10
+
+    NAMES = ("saved", "kept", "writing", "writing", "writing", "on_disk", "reading", "reading",
+             "ready", "broken", "released")
+    """What each state is in an error message (the dropped/wanted variants read as their IO)."""
 
 
+S = State
 # States in which the record holds the bytes in memory.
-RESIDENT = frozenset({State.SAVED, State.KEPT, State.WRITING, State.READING, State.READY})
+RESIDENT = frozenset({S.SAVED, S.KEPT, S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.READING,
+                      S.READ_DROPPED, S.READY})
+# States with IO in flight (the engine still uses the record's key and memory).
+IN_FLIGHT = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.READING, S.READ_DROPPED})
+WRITES = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED})
+READS = frozenset({S.READING, S.READ_DROPPED})
 
-_ALLOWED = {
-    State.SAVED: {State.WRITING, State.KEPT, State.RELEASED},
-    State.KEPT: {State.RELEASED},
-    State.WRITING: {State.ON_DISK, State.KEPT, State.RELEASED},
-    State.ON_DISK: {State.READING, State.READY, State.RELEASED},
-    State.READING: {State.READY, State.RELEASED},
-    State.READY: {State.RELEASED},
-    State.RELEASED: set(),
+# (from, to) -> what the step's counters record when it happens: "kept" (tensors_kept),
+# "offloaded" (a write completed: tensors/bytes_offloaded), "fallback" (a write failed: the
+# tensor stays in memory), "forwarded" (backward gets the in-memory tensor, no read),
+# "read" (bytes came back from the engine). Any pair not listed is a bug.
+TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
+    (S.SAVED, S.WRITING): (),
+    (S.SAVED, S.KEPT): ("kept",),
+    (S.SAVED, S.RELEASED): (),
+    (S.KEPT, S.RELEASED): (),
+    (S.WRITING, S.WRITING_WANTED): ("forwarded",),  # unpack or prefetch during the write
+    (S.WRITING, S.ON_DISK): ("offloaded",),
+    (S.WRITING, S.BROKEN): ("offloaded",),  # written, but modified in place meanwhile
+    (S.WRITING, S.KEPT): ("fallback", "kept"),
+    (S.WRITING, S.WRITE_DROPPED): (),
+    (S.WRITING, S.RELEASED): (),  # close() stopped waiting for a hung write
+    (S.WRITING_WANTED, S.READY): ("offloaded",),
+    (S.WRITING_WANTED, S.BROKEN): ("offloaded",),
+    (S.WRITING_WANTED, S.KEPT): ("fallback", "kept"),
+    (S.WRITING_WANTED, S.WRITE_DROPPED): (),
+    (S.WRITING_WANTED, S.RELEASED): (),
+    (S.WRITE_DROPPED, S.WRITING): (),  # saved again (dedup) before its write completed
+    (S.WRITE_DROPPED, S.ON_DISK): ("offloaded",),  # then released at once
+    (S.WRITE_DROPPED, S.KEPT): ("fallback", "kept"),  # then released at once
+    (S.WRITE_DROPPED, S.RELEASED): (),  # a queued write cancelled, or close()
+    (S.ON_DISK, S.READING): (),
+    (S.ON_DISK, S.READY): ("forwarded",),  # still referenced elsewhere: no read needed
+    (S.ON_DISK, S.RELEASED): (),
+    (S.READING, S.READY): ("read",),
+    (S.READING, S.BROKEN): (),
+    (S.READING, S.READ_DROPPED): (),
+    (S.READING, S.RELEASED): (),
+    (S.READ_DROPPED, S.READING): (),  # saved again (dedup) before its read completed
+    (S.READ_DROPPED, S.READY): ("read",),  # then released at once
+    (S.READ_DROPPED, S.BROKEN): (),
+    (S.READ_DROPPED, S.RELEASED): (),
+    (S.READY, S.RELEASED): (),
+    (S.BROKEN, S.RELEASED): (),
 }
 
 
@@ -49,14 +99,14 @@ class TensorRecord:
     """A saved tensor, the handle autograd holds for it, and where its bytes are."""
 
     __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "version", "shape", "stride",
-                 "dtype", "device", "span", "nbytes", "residue", "compact", "staging", "handles", "future", "want_read",
-                 "release_pending", "corrupt", "prefetched", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "__weakref__")
+                 "dtype", "device", "span", "nbytes", "residue", "compact", "staging", "handles",
+                 "error", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "__weakref__")
 
     def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable) -> None:
         self.id = rid
         self.microbatch = microbatch
         self.layer = layer
-        self.state = State.SAVED
+        self.state = S.SAVED
         # While we hold the bytes we keep a detached alias: same storage and version counter,
         # but no grad_fn, so holding it neither keeps the autograd graph alive nor forms a
         # cycle through the handle that graph holds.
@@ -75,26 +125,26 @@ class TensorRecord:
         self.staging: Optional[torch.Tensor] = None  # compact bytes in flight (write or read)
         self.residue = t.data_ptr() % ALIGN_RESIDUE
         self.handles = 0
-        self.future: Optional[Future] = None
-        self.want_read = False  # backward asked for it while the write was in flight
-        self.release_pending = False
-        self.corrupt: Optional[str] = None
-        self.prefetched = False  # a read was scheduled by prefetch (never twice)
-        self.readahead = False  # counted in its micro-batch's read-ahead bytes
+        self.error: Optional[str] = None  # BROKEN: why backward cannot have this tensor
+        self.readahead = False  # counted in its micro-batch's read-ahead bytes (prefetch bookkeeping)
         self.decision = "offload"
         self.pos = -1  # forward position in its micro-batch (see MicroBatch.index_of)
         self.last_pos = -1  # position of its latest save (dedup hits in later layers)
         self.shared = False  # also saved by another micro-batch (a shared mask, RoPE table)
         self.transfer = None  # its GPU copy in flight (cache/device_copy.py), if any
 
-    def move(self, new: State) -> Tuple[bool, bool]:
-        """Change state; returns (was resident, is resident) for the caller's accounting."""
-        if new not in _ALLOWED[self.state]:
+    def move(self, new: int) -> Tuple[str, ...]:
+        """Change state; returns what the step's counters record for this transition."""
+        effects = TRANSITIONS.get((self.state, new))
+        if effects is None:
             raise RuntimeError(f"ssdtrain internal error: record {self.id} cannot go from "
-                               f"{self.state.value} to {new.value}")
-        before = self.state in RESIDENT
+                               f"{S.NAMES[self.state]} ({self.state}) to {S.NAMES[new]} ({new})")
         self.state = new
-        return before, new in RESIDENT
+        return effects
+
+    @property
+    def state_name(self) -> str:
+        return S.NAMES[self.state]
 
     def bytes_view(self, contiguous: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """The bytes to store as contiguous uint8: a view of the span (no copy), or for a

@@ -1,12 +1,18 @@
-"""IO engines behind one interface (see base.IOEngine); ``make_engine`` picks one by name."""
+"""IO engines behind one interface (see base.IOEngine); ``make_engine`` picks one by name.
+
+Importing this package imports no torch (``ssdtrain clean`` and ``--help`` use its modules):
+the engine interface and the engines load when first asked for.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..config import OffloadConfig
-from .base import EngineError, EngineUnavailable, IOEngine
-from .layout import Identity
+
+if TYPE_CHECKING:
+    from .base import IOEngine
+    from .layout import Identity
 
 __all__ = ["EngineError", "EngineUnavailable", "IOEngine", "Identity", "make_engine", "engine_class"]
 
@@ -34,6 +40,8 @@ def engine_class(name: str) -> type:
         from .tiered import TieredEngine
 
         return TieredEngine
+    from .base import EngineUnavailable
+
     raise EngineUnavailable(f"unknown engine {name!r}; available: posix, aio, gds, memory, tiered")
 
 
@@ -42,10 +50,28 @@ def make_engine(config: OffloadConfig, ident: Optional[Identity] = None) -> IOEn
     cls = engine_class(config.engine)
     ok, why = cls.is_available()
     if not ok:
+        from .base import EngineUnavailable
+
         raise EngineUnavailable(f"engine {config.engine!r} cannot run here: {why}")
     engine = cls(config, ident)
     if config.bandwidth_cap_gbps is not None:
         from .throttle import ThrottledEngine
 
-        engine = ThrottledEngine(engine, config.bandwidth_cap_gbps)
+        try:
+            engine = ThrottledEngine(engine, config.bandwidth_cap_gbps)
+        except BaseException:
+            engine.close()  # a failed start leaves nothing on disk
+            raise
     return engine
+
+
+def __getattr__(name: str):  # the interface loads on first use (it imports torch)
+    if name in ("EngineError", "EngineUnavailable", "IOEngine"):
+        from . import base
+
+        return getattr(base, name)
+    if name == "Identity":
+        from .layout import Identity
+
+        return Identity
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,7 +48,7 @@ from .base import EngineError
 from .layout import ALIGN, Identity, align_up
 from .aio_support import aio_unavailable_reason, can_lock, check_aio_events, load_aio_op
 from .requests import ChunkQueue, Request, Run
-from .slab_engine import SlabEngine, aligned_buffer
+from .slab_engine import SlabEngine, aligned_buffer, join_before_exit
 
 __all__ = ["AioEngine", "aio_unavailable_reason", "load_aio_op"]
 
@@ -97,7 +97,7 @@ class AioEngine(SlabEngine):
         self._write_lanes: List[_Lane] = []
         self._read_lanes: List[_Lane] = []
         self._pending_lane: Optional[_Lane] = None
-        self._writes = ChunkQueue()
+        self._writes = self._write_queue = ChunkQueue()
         self._reads = ChunkQueue()
         try:
             self._open_slabs("require")
@@ -168,11 +168,14 @@ class AioEngine(SlabEngine):
         self._shutdown()
 
     def remove_files(self) -> None:
-        """Signal/exit path: take the files out of the namespace now, wait for nothing."""
+        """Signal/exit path: take the files out of the namespace now; let the lanes finish
+        before the interpreter goes (see ``join_before_exit``)."""
         self._closed = True
         self._writes.close()
         self._reads.close()
         self._remove_files(drop_slabs=False)
+        join_before_exit([lane.thread for lane in self._write_lanes + self._read_lanes
+                          if lane.thread is not None], self.config.io_timeout_s)
 
     def _shutdown(self) -> None:
         self._closed = True
@@ -223,6 +226,7 @@ class AioEngine(SlabEngine):
                 continue
             buf = lane.buffers[1] if inflight is not None and inflight.buf is lane.buffers[0] else lane.buffers[0]
             nxt: Optional[Run] = Run(parts, buf, self._padded)
+            parts = buf = None  # nothing of a finished run may stay bound while the lane waits
             if writing:
                 nxt = self._guard(nxt, self._fill, nxt)
                 if inflight is not None:
@@ -235,6 +239,7 @@ class AioEngine(SlabEngine):
                 if inflight is not None:
                     self._drain(inflight)
                 inflight = nxt
+            nxt = None
 
     def _settle(self, lane: _Lane, op: Run) -> None:
         """Wait for ``op``; finish it (copy out for a read); complete its chunks."""

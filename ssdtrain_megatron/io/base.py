@@ -3,14 +3,21 @@
 An engine stores and returns opaque byte ranges under integer keys. It knows nothing of
 autograd: the offloader hands it a contiguous 1-D ``uint8`` tensor and asks for the same bytes
 back later. Ordering contract, kept by the caller: ``read(key)`` is issued only after the
-``write(key)`` future has completed, and ``release(key)`` only when no IO on that key is pending.
+``write(key)`` has completed, and ``release(key)`` only when no IO on that key is pending.
+
+Completions reach the caller one of two ways: a Future per request (the default), or, when the
+caller sets ``engine.completions`` (anything with ``put``, e.g. a ``queue.SimpleQueue``), one
+``(key, None or the exception)`` item per request, put by the IO thread after the engine has
+dropped its last reference to the request's tensor; ``write``/``read`` then return None. The
+offloader uses the queue: its training thread owns all its state, and an IO thread never runs
+its code.
 """
 
 from __future__ import annotations
 
 import abc
 from concurrent.futures import Future
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -33,6 +40,9 @@ class IOEngine(abc.ABC):
 
     name: str = "base"
 
+    completions: Optional[Any] = None
+    """Where to report completions instead of Futures (see the module docstring)."""
+
     device_direct: bool = False
     """True when the engine moves GPU memory itself (gds): the offloader then hands it device
     tensors and events instead of pinned host copies (see cache/device_copy.py)."""
@@ -43,19 +53,27 @@ class IOEngine(abc.ABC):
         return True, ""
 
     @abc.abstractmethod
-    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         """Start writing ``data`` (contiguous 1-D uint8). ``ready_event`` (a CUDA event or
-        None) must complete before the bytes are read from ``data``."""
+        None) must complete before the bytes are read from ``data``. Returns a Future, or None
+        when ``completions`` is set."""
 
     @abc.abstractmethod
-    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         """Start reading the bytes stored under ``key`` into ``out`` (contiguous 1-D uint8 of
         the written length). ``ready_event`` (a CUDA event or None) must complete before bytes
-        are written into ``out`` (kernels that used its memory before may still run)."""
+        are written into ``out`` (kernels that used its memory before may still run). Returns
+        a Future, or None when ``completions`` is set."""
 
     @abc.abstractmethod
     def release(self, key: int) -> None:
         """Forget ``key`` and free its space at once."""
+
+    def cancel(self, key: int) -> bool:
+        """Take back the write of ``key`` if no IO thread has started it: True when it was
+        (no completion will be reported; ``release(key)`` still follows), False when it runs
+        to completion as usual. Default: never."""
+        return False
 
     def end_step(self) -> None:
         """Called when no key is live: engines drop per-step files and state here."""

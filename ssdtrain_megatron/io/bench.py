@@ -2,7 +2,7 @@
 
 The baseline is what fio would report for the device: one preallocated O_DIRECT file, several
 threads each keeping one large (8 MiB) pwrite/pread in flight, no copies. Each engine then
-writes and reads the same amount of data as tensors of ``--tensor-mb``, through its public
+writes and reads the same amount of data as tensors of ``--tensor-mib``, through its public
 interface, with at most ``max_inflight_bytes`` (1 GiB) in flight as the offloader would, and
 the report gives, for write and read: GB/s (10^9 bytes per second), the ratio to the baseline,
 and the CPU time the calling (training) thread spent per GB; plus ``cpu_us_per_tensor``, the
@@ -35,10 +35,10 @@ import threading
 import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
-import torch
-
+from ..cli_types import (EnvironmentProblem, UsageError, check_engine, deprecated_alias, positive_float,
+                         positive_int, writable_dir)
+from ..cli_types import progress as progress_bar
 from ..config import ConfigError, OffloadConfig
-from .base import EngineUnavailable
 from .layout import align_up
 
 MiB = 1 << 20
@@ -56,21 +56,40 @@ class BenchError(RuntimeError):
 
 
 class Progress:
-    """Progress lines on stderr, at most one per ``every`` seconds within a phase."""
+    """Progress on stderr: lines (``say``) and, while an engine writes or reads, a tqdm bar
+    with its rate and time left (``tick``; silent when stderr is not a terminal); nothing at
+    all when disabled (``--quiet``)."""
 
-    def __init__(self, enabled: bool = True, every: float = 2.0) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.every = every
-        self._last = 0.0
+        self._bar = None
+        self._phase: Optional[str] = None
 
     def say(self, msg: str) -> None:
         if self.enabled:
-            print(f"[io-bench] {msg}", file=sys.stderr, flush=True)
-            self._last = time.perf_counter()
+            text = f"[io-bench] {msg}"
+            if self._bar is not None and not self._bar.disable:
+                self._bar.write(text, file=sys.stderr)
+            else:
+                print(text, file=sys.stderr, flush=True)
 
-    def tick(self, phase: str, done: int, total: int) -> None:
-        if self.enabled and time.perf_counter() - self._last >= self.every:
-            self.say(f"{phase}: {100 * done // max(total, 1)}% ({done}/{total})")
+    def tick(self, phase: str, done: int, total: int, unit_bytes: int = 1) -> None:
+        """``done`` of ``total`` items of ``unit_bytes`` each are through ``phase``."""
+        if not self.enabled:
+            return
+        if phase != self._phase:
+            self.close()
+            self._bar = progress_bar(total * unit_bytes, desc=phase, unit="B", unit_scale=True,
+                                     unit_divisor=1000)
+            self._phase = phase
+        self._bar.update(done * unit_bytes - self._bar.n)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._bar, self._phase = None, None
 
 
 # -- raw baseline ----------------------------------------------------------------------------
@@ -247,6 +266,8 @@ def layout_compare(directory: str, n_tensors: int, tensor_bytes: int, threads: i
 def bench_engine(name: str, directory: str, n_tensors: int, tensor_bytes: int,
                  progress: Progress, base: Optional[OffloadConfig] = None) -> Dict[str, object]:
     """Write then read ``n_tensors`` tensors through engine ``name``; verify a sample bitwise."""
+    import torch
+
     from . import make_engine
 
     total = n_tensors * tensor_bytes
@@ -291,7 +312,7 @@ def bench_engine(name: str, directory: str, n_tensors: int, tensor_bytes: int,
                 hand_cpu += time.thread_time() - h0
                 pending.append((fut, tensor_bytes))
                 inflight += tensor_bytes
-                progress.tick(f"{name} {op}", i + 1, n_tensors)
+                progress.tick(f"{name} {op}", i + 1, n_tensors, tensor_bytes)
             for fut, _ in pending:
                 fut.result(cfg.io_timeout_s)
             elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
@@ -327,16 +348,17 @@ def _median(samples: List[Dict[str, object]], key: str) -> float:
     return statistics.median(float(s[key]) for s in samples)
 
 
-def run(directory: str, engines: List[str], tensor_mb: float, total_gb: float,
+def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
         progress: Progress, compare_layout: bool = False, rounds: int = 1,
         base_config: Optional[OffloadConfig] = None) -> Dict[str, object]:
     """Measure the baseline and each engine, ``rounds`` times interleaved (the drive's speed
     drifts; each figure is the median over rounds). Returns the report: the --json object plus
     private keys, starting with '_', for the table."""
     from . import engine_class
+    from .base import EngineUnavailable
 
-    tensor_bytes = int(round(tensor_mb * MiB))
-    n_tensors = max(1, int(round(total_gb * GiB / max(tensor_bytes, 1))))
+    tensor_bytes = int(round(tensor_mib * MiB))
+    n_tensors = max(1, int(round(total_gib * GiB / max(tensor_bytes, 1))))
     total = n_tensors * tensor_bytes
     os.makedirs(directory, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="ssdtrain-iobench.", dir=directory)
@@ -413,7 +435,7 @@ def run(directory: str, engines: List[str], tensor_mb: float, total_gb: float,
                 progress.say(f"WARNING: {name} read through the page cache; its read figures are inflated")
                 bypassed = False
         report["engines"] = engines_out
-        report["tensor_mb"] = tensor_mb
+        report["tensor_mib"] = tensor_mib
         report["page_cache_bypassed"] = bypassed
         if compare_layout:
             progress.say("layout: one slab vs one file per tensor")
@@ -426,14 +448,14 @@ def run(directory: str, engines: List[str], tensor_mb: float, total_gb: float,
 
 def public(report: Dict[str, object]) -> Dict[str, object]:
     """The --json object: the report without its private keys."""
-    return {k: report[k] for k in ("baseline", "engines", "tensor_mb", "page_cache_bypassed", "layout")
+    return {k: report[k] for k in ("baseline", "engines", "tensor_mib", "page_cache_bypassed", "layout")
             if k in report}
 
 
 def format_table(report: Dict[str, object]) -> str:
     base = report["baseline"]
     lines = [
-        f"io-bench {report['_dir']}: {report['_n_tensors']} tensors x {report['tensor_mb']:g} MiB "
+        f"io-bench {report['_dir']}: {report['_n_tensors']} tensors x {report['tensor_mib']:g} MiB "
         f"= {report['_total'] / GiB:.2f} GiB per engine; reads "
         + ("bypass the page cache (O_DIRECT)" if report["page_cache_bypassed"]
            else "MAY COME FROM THE PAGE CACHE (O_DIRECT refused)"),
@@ -485,13 +507,17 @@ def add_io_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--engine", default="all", choices=ENGINE_CHOICES,
                    help="engine to measure; 'all' = posix, aio (skipped with the reason when it "
                         "cannot run here) and memory (default: all)")
-    p.add_argument("--tensor-mb", type=float, default=64.0, help="tensor size in MiB (default 64)")
-    p.add_argument("--total-gb", type=float, default=4.0,
-                   help="GiB written and read back per engine and by the baseline (default 4)")
+    p.add_argument("--tensor-mib", type=positive_float, default=64.0, metavar="MIB",
+                   help="tensor size in MiB (2^20 bytes; default 64)")
+    p.add_argument("--total-gib", type=positive_float, default=4.0, metavar="GIB",
+                   help="GiB (2^30 bytes) written and read back per engine and by the baseline "
+                        "(default 4); speeds are reported in GB/s (10^9 bytes per second)")
+    deprecated_alias(p, "--tensor-mb", "--tensor-mib", "tensor_mib", positive_float)
+    deprecated_alias(p, "--total-gb", "--total-gib", "total_gib", positive_float)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--compare-layout", action="store_true",
                    help="also measure one slab file against one file per tensor")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="measure everything this many times, interleaved, and report medians "
                         "(the drive's speed drifts; default 3)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -535,30 +561,29 @@ def _config_from_sets(sets: List[str]) -> OffloadConfig:
 
 
 def run_io_bench(args: argparse.Namespace) -> int:
-    if args.tensor_mb <= 0 or args.total_gb <= 0:
-        print("io-bench: --tensor-mb and --total-gb must be > 0", file=sys.stderr)
-        return 2
-    if args.rounds < 1:
-        print("io-bench: --rounds must be >= 1", file=sys.stderr)
-        return 2
     try:
         base_config = _config_from_sets(args.set)
     except (ValueError, ConfigError) as exc:
-        print(f"io-bench: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
+    directory = writable_dir("--dir", args.dir)
     engines = list(ALL_ENGINES) if args.engine == "all" else [args.engine]
+    if args.engine != "all":  # before measuring anything: say at once what cannot run
+        check_engine("--engine", args.engine)
     progress = Progress(enabled=not args.quiet)
+    progress.say(f"{directory}: {args.rounds} round(s), {args.tensor_mib:g} MiB tensors, "
+                 f"{args.total_gib:g} GiB per engine and baseline; engines {', '.join(engines)}; "
+                 f"io_threads {base_config.io_threads}, chunk_bytes {base_config.chunk_bytes >> 20} MiB")
     try:
         with _stdout_to_stderr(args.json):
-            report = run(args.dir, engines, args.tensor_mb, args.total_gb, progress, args.compare_layout,
-                         args.rounds, base_config)
-    except (BenchError, OSError, RuntimeError) as exc:
-        print(f"io-bench: {exc}", file=sys.stderr)
-        return 1
+            report = run(directory, engines, args.tensor_mib, args.total_gib, progress,
+                         args.compare_layout, args.rounds, base_config)
+    except BenchError as exc:
+        raise EnvironmentProblem(str(exc)) from exc
+    finally:
+        progress.close()
     if args.engine != "all" and args.engine in report["_skipped"]:
-        print(f"io-bench: engine {args.engine!r} cannot run here: {report['_skipped'][args.engine]}",
-              file=sys.stderr)
-        return 1
+        raise EnvironmentProblem(f"--engine {args.engine}: cannot run here: "
+                                 f"{report['_skipped'][args.engine]}")
     if args.json:
         print(json.dumps(public(report)))
     else:
@@ -567,10 +592,10 @@ def run_io_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="ssdtrain")
-    add_io_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """``python -m ssdtrain_megatron.io.bench``: ``ssdtrain io-bench`` by another name."""
+    from ..cli import main as cli_main
+
+    return cli_main(["io-bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -2,8 +2,13 @@
 
 A rank directory, ``ssdtrain.<job>.<host>.rank<r>.pid<pid>``, belongs to the process named in
 its ``owner.json``. Normal exit and SIGINT/SIGTERM remove it (see cleanup.py); SIGKILL, a crash
-of the interpreter or a node reset leave it behind. Every new offloader sweeps the roots it
-opens (``remove_stale``), and ``ssdtrain clean ROOT...`` does the same on demand.
+of the interpreter or a node reset leave it behind. Every new offloader sweeps every directory
+its ``dirs`` templates name on this host, for any job and rank (``sweep_templates``: a job
+whose roots hold ``{job}`` finds the leftovers of other job ids too), and ``ssdtrain clean``
+does the same on demand: below a ROOT at any depth (``clean_tree``), or from the templates of a
+preset (``--config``) or of ``--dirs``. A sweep then removes the job folders it left empty
+(``layout.prune_empty``), never a folder that was empty before, a mount point, or one above the
+first ``{job}`` component of a template (or above ROOT).
 
 What counts as ours, and dead, is decided conservatively, because a mistake deletes a live
 job's activations (it then fails at its next read) or someone else's files:
@@ -23,17 +28,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import logging
 import os
 import re
 import socket
 import stat
+import string
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .layout import DIR_PREFIX, OWNER_FILE, rank_dir_name
+from .layout import DIR_PREFIX, OWNER_FILE, job_levels, prune_empty, rank_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +136,7 @@ class Leftover:
     nbytes: int = 0  # bytes its files occupy on disk
     removed: bool = False
     error: Optional[str] = None  # why removing a stale directory failed
+    pruned: List[str] = dataclasses.field(default_factory=list)  # empty folders removed after it
 
     def describe(self) -> str:
         who = ""
@@ -277,6 +285,102 @@ def clean_root(root: str, dry_run: bool = False, hostname: Optional[str] = None)
     return found
 
 
+def _prune_after(found: List[Leftover], directory: str, levels: int) -> None:
+    """Remove the folders ``found``'s removals left empty: ``directory`` and up to ``levels``
+    directories in all; the removed ones are listed on the last removed Leftover."""
+    removed = [item for item in found if item.removed]
+    if removed and levels > 0:
+        removed[-1].pruned.extend(prune_empty(directory, levels))
+
+
+def clean_tree(top: str, dry_run: bool = False, hostname: Optional[str] = None) -> List[Leftover]:
+    """:func:`clean_root` on ``top`` and on every directory below it (symlinks are not
+    followed; rank directories are not entered), then remove the folders between ``top``
+    (kept) and each removed directory that the removal left empty.
+
+    Raises OSError only when ``top`` itself cannot be read; an unreadable folder below it is
+    reported as an UNKNOWN Leftover."""
+    top = os.path.abspath(top)
+    found: List[Leftover] = []
+    top_error: List[OSError] = []
+
+    def unreadable(exc: OSError) -> None:
+        if os.path.abspath(exc.filename or top) == top:
+            top_error.append(exc)
+        else:
+            found.append(Leftover(exc.filename, UNKNOWN, f"cannot read it: {exc.strerror or exc}"))
+
+    for dirpath, dirnames, _files in os.walk(top, onerror=unreadable):
+        if any(_NAME.match(n) for n in dirnames):
+            dirnames[:] = [n for n in dirnames if _NAME.match(n) is None]
+            here = clean_root(dirpath, dry_run, hostname)
+            found.extend(here)
+            depth = 0 if dirpath == top else len(os.path.relpath(dirpath, top).split(os.sep))
+            _prune_after(here, dirpath, depth)
+        dirnames.sort()
+    if top_error:
+        raise top_error[0]
+    return found
+
+
+def template_roots(template: str, hostname: Optional[str] = None) -> List[str]:
+    """The existing directories a ``dirs`` template names on this host, for any job, rank and
+    local rank: each placeholder but ``{hostname}`` (this host) matches any name."""
+    hostname = hostname or socket.gethostname()
+    parts = []
+    for component in os.path.abspath(os.path.expanduser(template)).split("/")[1:]:
+        pattern = ""
+        for literal, field, _spec, _conv in string.Formatter().parse(component):
+            pattern += glob.escape(literal)
+            if field is not None:
+                pattern += glob.escape(hostname) if field == "hostname" else "*"
+        parts.append(pattern)
+    return sorted(p for p in glob.glob("/" + "/".join(parts)) if os.path.isdir(p) and not os.path.islink(p))
+
+
+def clean_templates(templates: Sequence[str], dry_run: bool = False,
+                    hostname: Optional[str] = None) -> List[Leftover]:
+    """:func:`clean_root` on every directory ``templates`` name on this host
+    (:func:`template_roots`), then remove the job folders (the template's components from its
+    first ``{job}`` on) that the removals left empty."""
+    found: List[Leftover] = []
+    seen = set()
+    for template in templates:
+        for root in template_roots(template, hostname):
+            if root in seen:
+                continue
+            seen.add(root)
+            try:
+                here = clean_root(root, dry_run, hostname)
+            except OSError as exc:
+                found.append(Leftover(root, UNKNOWN, f"cannot read it: {exc.strerror or exc}"))
+                continue
+            found.extend(here)
+            _prune_after(here, root, job_levels(template))
+    return found
+
+
+def sweep_templates(templates: Sequence[str], hostname: Optional[str] = None) -> List[Leftover]:
+    """Start-up sweep of everything ``templates`` name on this host: remove dead jobs'
+    leftovers and the job folders they leave empty, log what happened, never raise."""
+    try:
+        found = clean_templates(templates, hostname=hostname)
+    except OSError as exc:
+        log.warning("ssdtrain: could not look for leftovers of dead jobs under %s: %s",
+                    ", ".join(templates), exc.strerror or exc)
+        return []
+    _log_sweep(found)
+    return found
+
+
+def _log_sweep(found: List[Leftover]) -> None:
+    for item in found:
+        if item.removed:
+            log.warning("ssdtrain: removed the leftovers of a dead job: %s", item.describe())
+        elif item.error:
+            log.warning("ssdtrain: could not remove the leftovers of a dead job %s: %s", item.describe(), item.error)
+
+
 def remove_stale(root: str, hostname: Optional[str] = None) -> List[Leftover]:
     """Start-up sweep of one root: remove dead jobs' leftovers, log what happened, never raise
     (a root we cannot sweep is still usable for our own directory)."""
@@ -285,11 +389,7 @@ def remove_stale(root: str, hostname: Optional[str] = None) -> List[Leftover]:
     except OSError as exc:
         log.warning("ssdtrain: could not look for leftovers of dead jobs in %s: %s", root, exc.strerror or exc)
         return []
-    for item in found:
-        if item.removed:
-            log.warning("ssdtrain: removed the leftovers of a dead job: %s", item.describe())
-        elif item.error:
-            log.warning("ssdtrain: could not remove the leftovers of a dead job %s: %s", item.describe(), item.error)
+    _log_sweep(found)
     return found
 
 
@@ -297,29 +397,74 @@ def remove_stale(root: str, hostname: Optional[str] = None) -> List[Leftover]:
 
 
 def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``ssdtrain clean [--dry-run] ROOT...``."""
+    """Register ``ssdtrain clean [--dry-run] [--config PRESET] [--dirs TEMPLATES] [ROOT...]``."""
     p = subparsers.add_parser(
         "clean", help="remove offload files left by jobs whose process is gone",
         description="Remove the rank directories (ssdtrain.<job>.<host>.rank<r>.pid<pid>) that dead "
-                    "processes left under the given offload roots. Directories of running "
+                    "processes left: below each ROOT at any depth (e.g. the drive or the folder "
+                    "above the job ids), or in every directory the offload path templates of a "
+                    "preset (--config) or of --dirs name on this host, for any job id and rank. "
+                    "The folders a removal leaves empty are removed too, up to ROOT (kept), or "
+                    "from a template's first {job} component on. Directories of running "
                     "processes, of other hosts or containers, and anything we did not create are "
                     "left alone. The exit code is 1 when a root could not be read or a stale "
                     "directory could not be removed.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
-    p.add_argument("roots", nargs="+", metavar="ROOT", help="offload root (a directory from OffloadConfig.dirs, expanded)")
+    p.add_argument("--config", metavar="PRESET",
+                   help="a YAML preset (configs/*.yaml) or config file: clean where its offload "
+                        "dirs templates point on this host")
+    p.add_argument("--dirs", metavar="TEMPLATES",
+                   help="offload path templates, comma-separated as for --ssd-offload-dir "
+                        "(e.g. '/mnt/nvme{local_rank}/ssdtrain/{job}'): clean where they point "
+                        "on this host")
+    p.add_argument("roots", nargs="*", metavar="ROOT",
+                   help="a folder holding offload directories at any depth (a drive, an offload "
+                        "root, the folder above the job ids), or a template from OffloadConfig.dirs "
+                        "({job}, {rank}, ... match any directory there)")
     p.set_defaults(func=run_clean)
     return p
 
 
 def run_clean(args: argparse.Namespace) -> int:
     """Print one line per rank directory found; returns the exit code."""
-    status = 0
-    totals: Dict[str, int] = {"dirs": 0, "bytes": 0}
-    for root in args.roots:
+    templates: List[str] = []
+    if getattr(args, "config", None):
+        from ..config import ConfigError, OffloadConfig
+
         try:
-            found = clean_root(root, dry_run=args.dry_run)
+            templates += OffloadConfig.from_yaml(args.config).dirs
+        except (OSError, ConfigError) as exc:
+            print(f"ssdtrain clean: --config {args.config}: {getattr(exc, 'strerror', None) or exc}",
+                  file=sys.stderr)
+            return 2
+    if getattr(args, "dirs", None):
+        templates += [t for t in args.dirs.split(",") if t]
+    if not args.roots and not templates:
+        print("ssdtrain clean: name at least one ROOT, or --config PRESET, or --dirs TEMPLATES",
+              file=sys.stderr)
+        return 2
+    status = 0
+    totals: Dict[str, int] = {"dirs": 0, "bytes": 0, "folders": 0}
+    # A ROOT written as a template (/mnt/nvme0/ssdtrain/{job}, as in the config) names every
+    # directory it matches on this host.
+    batches: List[Tuple[str, object]] = []
+    for root in args.roots:
+        if "{" not in root:
+            batches.append((root, None))
+        elif template_roots(root):
+            templates.append(root)
+        else:
+            print(f"ssdtrain clean: {root}: no directory matches", file=sys.stderr)
+    if templates:
+        batches.append((", ".join(templates), templates))
+    for name, batch_templates in batches:
+        try:
+            if batch_templates is None:
+                found = clean_tree(name, dry_run=args.dry_run)
+            else:
+                found = clean_templates(batch_templates, dry_run=args.dry_run)
         except OSError as exc:
-            print(f"ssdtrain clean: {root}: {exc.strerror or exc}", file=sys.stderr)
+            print(f"ssdtrain clean: {name}: {exc.strerror or exc}", file=sys.stderr)
             status = 1
             continue
         for item in found:
@@ -331,12 +476,18 @@ def run_clean(args: argparse.Namespace) -> int:
                 print(f"{'would remove' if args.dry_run else 'removed':<8} {item.describe()}")
                 totals["dirs"] += 1
                 totals["bytes"] += item.nbytes
+                for folder in item.pruned:
+                    print(f"removed  {folder} (empty job folder)")
+                    totals["folders"] += 1
             elif item.verdict == LIVE:
                 print(f"live     {item.describe()}")
             else:
                 print(f"skipped  {item.describe()}")
     verb = "would free" if args.dry_run else "freed"
-    print(f"{totals['dirs']} stale director{'y' if totals['dirs'] == 1 else 'ies'}, {verb} {_human(totals['bytes'])}")
+    folders = f", {totals['folders']} empty folder{'' if totals['folders'] == 1 else 's'} removed" \
+        if totals["folders"] else ""
+    print(f"{totals['dirs']} stale director{'y' if totals['dirs'] == 1 else 'ies'}, {verb} "
+          f"{_human(totals['bytes'])}{folders}")
     return status
 
 

@@ -79,8 +79,12 @@ class GdsEngine(SlabEngine):
         self._init_common(config, ident)
         # kvikio opens the file itself (O_DIRECT where GDS or the filesystem allows it); our
         # descriptor only reserves space.
-        self._open_slabs("off", on_open=self._open_cufile)
-        self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-gds")
+        try:
+            self._open_slabs("off", on_open=self._open_cufile)
+            self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-gds")
+        except BaseException:
+            self._remove_files(drop_slabs=True)  # a failed start leaves nothing on disk
+            raise
 
     def _open_cufile(self, slab: Slab) -> None:
         slab.handle = self._kvikio.CuFile(slab.path, "r+")
@@ -140,7 +144,9 @@ class GdsEngine(SlabEngine):
                 pending.append((i, call(buf[start:start + ext.length], ext.length, ext.offset)))
             except BaseException as exc:  # noqa: BLE001 - surfaced through the Future
                 self._finish_chunk(req, i, _gds_error(op, ext.length, ext.offset, slab.path, exc))
-        for i, handle in pending:
+        buf = None  # kvikio holds what it still reads or writes; we hold nothing past completion
+        while pending:
+            i, handle = pending.pop(0)
             ext = req.extents[i]
             path = self._slabs[ext.root].path
             exc: Optional[BaseException] = None

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 DIR_PREFIX = "ssdtrain."
 OWNER_FILE = "owner.json"
 ALIGN = 4096
+_MKDIR_TRIES = 5
 
 
 class LayoutError(RuntimeError):
@@ -80,6 +81,65 @@ def expand_root(template: str, ident: Identity) -> str:
     return path
 
 
+def expand_file(template: str, ident: Identity) -> str:
+    """The file a path template (``stats_path``, ``trace_path``) names for this process.
+
+    Its directories are checked as :func:`expand_root` checks a root's; the file itself may
+    already exist (a restarted job appends to it) but must then be a plain file: not a
+    directory, and not a symlink where a placeholder put it. Raises LayoutError otherwise."""
+    path = os.path.abspath(os.path.expanduser(template))
+    parent, name = os.path.split(path)
+    directory = expand_root(parent, ident) if "{" in template else parent
+    values = {"rank": ident.rank, "local_rank": ident.local_rank, "hostname": ident.hostname, "job": ident.job}
+    full = os.path.join(directory, name.format(**values))
+    try:
+        st = os.lstat(full)
+    except FileNotFoundError:
+        return full
+    what = f"{full!r}" + (f" (from the template {template!r})" if "{" in template else "")
+    if stat.S_ISLNK(st.st_mode):
+        if "{" in name:
+            raise LayoutError(f"{what} is a symlink where this rank's file should be; refusing to follow "
+                              "it. Remove it, or name the link's target in the path")
+        st = os.stat(full)
+    if stat.S_ISDIR(st.st_mode):
+        raise LayoutError(f"{what} is a directory; this setting names a file (one per rank with "
+                          "{rank}), which later runs append to")
+    if not stat.S_ISREG(st.st_mode):
+        raise LayoutError(f"{what} is not a plain file")
+    return full
+
+
+def job_levels(template: str) -> int:
+    """How many trailing components of the root ``template`` names belong to one job: those
+    from the first component that holds ``{job}`` on (0 without ``{job}``). A job removes
+    these directories when they are empty after it closes; the ones above it are shared."""
+    parts = os.path.abspath(os.path.expanduser(template)).split("/")[1:]
+    for i, part in enumerate(parts):
+        if "{job}" in part:
+            return len(parts) - i
+    return 0
+
+
+def prune_empty(path: str, levels: int) -> List[str]:
+    """Remove ``path`` and then its parents, ``levels`` directories in all, while each is
+    empty, ours and not a mount point; stop at the first that is not. Returns those removed.
+    (rmdir never removes a directory that has gained an entry meanwhile.)"""
+    removed: List[str] = []
+    uid = os.getuid()
+    for _ in range(levels):
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or (uid != 0 and st.st_uid != uid) or os.path.ismount(path):
+                break
+            os.rmdir(path)
+        except OSError:  # not empty, gone, or not ours to remove
+            break
+        removed.append(path)
+        path = os.path.dirname(path)
+    return removed
+
+
 def _check_templated_dir(path: str, template: str) -> None:
     try:
         st = os.lstat(path)
@@ -118,15 +178,27 @@ def expand_roots(templates: List[str], ident: Identity) -> List[str]:
     return roots
 
 
-def make_rank_dirs(roots: List[str], ident: Identity) -> List[str]:
-    """This process's directory under every root; on a failure, the ones made are removed."""
+def make_rank_dirs(roots: List[str], ident: Identity, templates: Optional[List[str]] = None) -> List[str]:
+    """This process's directory under every root; on a failure, the ones made are removed
+    (with the job directories they leave empty).
+
+    With ``templates`` (the ``dirs`` the roots were expanded from), leftovers of dead jobs are
+    first swept from every directory the templates name for any job and rank on this host,
+    not only from this job's roots (see :func:`clean.sweep_templates`)."""
+    from .clean import sweep_templates
+
+    if templates:
+        sweep_templates(templates, ident.hostname)
+    levels = [job_levels(t) for t in templates] if templates else [0] * len(roots)
     made: List[str] = []
     try:
         for r in roots:
             made.append(make_rank_dir(r, ident))
-    except Exception:
-        for d in made:
-            remove_rank_dir(d)
+    except BaseException:
+        for d, n in zip(made, levels):
+            remove_rank_dir(d, n)
+        for r, n in zip(roots[len(made):], levels[len(made):]):
+            prune_empty(r, n)  # the job directories os.makedirs made before the failure
         raise
     return made
 
@@ -150,17 +222,24 @@ def make_rank_dir(root: str, ident: Identity) -> str:
     # Imported here: clean.py builds on this module (names, owner file).
     from .clean import owner_record, remove_stale
 
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    _check_root(root)
-    remove_stale(root, ident.hostname)  # leftovers of dead jobs (SIGKILL, crash, reboot)
     name = rank_dir_name(ident.job, ident.hostname, ident.rank, os.getpid())
     path = os.path.join(root, name)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        kind = "a symlink" if os.path.islink(path) else "in use"
-        raise LayoutError(f"{path!r} already exists ({kind}): another offloader of this process uses the "
-                          f"same root, or something was put there; run `ssdtrain clean {root}`") from None
+    for attempt in range(_MKDIR_TRIES):
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        _check_root(root)
+        remove_stale(root, ident.hostname)  # leftovers of dead jobs (SIGKILL, crash, reboot)
+        try:
+            os.mkdir(path, 0o700)
+            break
+        except FileExistsError:
+            kind = "a symlink" if os.path.islink(path) else "in use"
+            raise LayoutError(f"{path!r} already exists ({kind}): another offloader of this process uses "
+                              f"the same root, or something was put there; run `ssdtrain clean {root}`") from None
+        except FileNotFoundError:
+            # Another rank's sweep (or `ssdtrain clean`) removed the job directory, empty for
+            # a moment, between our makedirs and mkdir: make it again.
+            if attempt == _MKDIR_TRIES - 1:
+                raise
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         raise LayoutError(f"{path!r} is not a directory owned by us")
@@ -178,18 +257,27 @@ def open_private(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
-def remove_rank_dir(path: str) -> None:
-    """Remove a directory this process created: only plain files we know of, then the dir."""
+def remove_rank_dir(path: str, levels: int = 0) -> None:
+    """Remove a directory this process created: only plain files we know of, then the dir;
+    then the ``levels`` directories above it (see :func:`job_levels`) that are left empty."""
     try:
         entries = os.listdir(path)
     except FileNotFoundError:
-        return
-    for name in entries:
+        entries = None
+    for name in entries or ():
         full = os.path.join(path, name)
-        if not stat.S_ISREG(os.lstat(full).st_mode):
-            raise LayoutError(f"unexpected non-file {full!r} in offload directory; not removing it")
-        os.unlink(full)
-    os.rmdir(path)
+        try:
+            if not stat.S_ISREG(os.lstat(full).st_mode):
+                raise LayoutError(f"unexpected non-file {full!r} in offload directory; not removing it")
+            os.unlink(full)
+        except FileNotFoundError:
+            pass
+    if entries is not None:
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+    prune_empty(os.path.dirname(path), levels)
 
 
 class ExtentAllocator:

@@ -101,7 +101,7 @@ class MemoryEngine(IOEngine):
 
     # -- requests ---------------------------------------------------------------------------
 
-    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         self._check_open()
         nbytes = data.numel()
         with self._lock:
@@ -121,7 +121,7 @@ class MemoryEngine(IOEngine):
         return self._start("write", key, offset, nbytes, self.write_meter,
                            self._copy_in, data, offset, nbytes, ready_event)
 
-    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         self._check_open()
         with self._lock:
             where = self._extents.get(key)
@@ -133,42 +133,51 @@ class MemoryEngine(IOEngine):
         return self._start("read", key, offset, nbytes, self.read_meter,
                            self._wait_then_copy_out, out, offset, nbytes, ready_event)
 
-    def _start(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, fn, *args) -> Future:
+    def _start(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, fn, *args
+               ) -> Optional[Future]:
         with self._lock:
             self._queued += 1
             depth = self._queued
         meter.begin()
-        fut: Future = Future()
-        self._requests.put((fut, op, key, offset, nbytes, meter, depth, time.perf_counter(), fn, args))
+        sink = self.completions
+        fut: Optional[Future] = Future() if sink is None else None
+        self._requests.put((fut, sink, op, key, offset, nbytes, meter, depth, time.perf_counter(), fn, args))
         return fut
 
     def _work(self) -> None:
-        """Worker thread: run requests in order until the None that close() queues."""
+        """Worker thread: run requests in order until the None that close() queues.
+
+        Every reference to a request's tensor is dropped before its completion is reported,
+        and nothing of it stays bound while the thread waits for the next request: a worker
+        must never keep the last tensor it handled alive."""
         while True:
             request = self._requests.get()
             if request is None:
                 return
-            fut, *rest = request
+            fut, sink, op, key, offset, nbytes, meter, depth, t_submit, fn, args = request
+            request = None
+            exc: Optional[BaseException] = None
             try:
-                fut.set_result(self._run(*rest))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's Future
-                fut.set_exception(exc)
-
-    def _run(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, depth: int,
-             t_submit: float, fn, args) -> int:
-        """Worker: the copy, then the bookkeeping, all before the Future completes."""
-        try:
-            fn(*args)
-        except Exception as exc:
-            raise EngineError(f"host-memory {op} of {nbytes} bytes (key {key}) failed: {exc}") from exc
-        finally:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - reported to the caller below
+                exc = EngineError(f"host-memory {op} of {nbytes} bytes (key {key}) failed: {e}")
+                exc.__cause__ = e
+            except BaseException as e:  # noqa: BLE001 - reported to the caller as it is
+                exc = e
+            fn = args = None
             with self._lock:
                 self._queued -= 1
             meter.end(nbytes)
-        tracer = self.tracer
-        if tracer is not None:
-            tracer(op, key, TRACE_PATH, offset, nbytes, t_submit, time.perf_counter(), depth)
-        return nbytes
+            tracer = self.tracer
+            if tracer is not None and exc is None:
+                tracer(op, key, TRACE_PATH, offset, nbytes, t_submit, time.perf_counter(), depth)
+            if sink is not None:
+                sink.put((key, exc))
+            elif exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(nbytes)
+            fut = sink = exc = None
 
     def release(self, key: int) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ from ..config import OffloadConfig
 from .base import EngineError
 from .layout import Identity
 from .requests import ChunkQueue, Request, Run
-from .slab_engine import SlabEngine, aligned_buffer
+from .slab_engine import SlabEngine, aligned_buffer, join_before_exit
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +41,23 @@ class PosixEngine(SlabEngine):
 
     def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None) -> None:
         self._init_common(config, ident)
-        self._open_slabs("prefer")
-        self._queue = ChunkQueue()
+        self._queue = self._write_queue = ChunkQueue()  # reads first (see ChunkQueue)
         self._cancelled = False  # remove_files(): queued requests fail instead of running
-        # Allocated here, not in the threads: a thread still inside torch when the interpreter
-        # exits aborts the process.
-        self._workers: List[threading.Thread] = [
-            threading.Thread(target=self._work, args=(aligned_buffer(self._chunk),),
-                             name=f"ssdtrain-io-{i}", daemon=True)
-            for i in range(config.io_threads)]
-        for t in self._workers:
-            t.start()
+        self._workers: List[threading.Thread] = []
+        self._open_slabs("prefer")
+        try:
+            # Allocated here, not in the threads: a thread still inside torch when the
+            # interpreter exits aborts the process.
+            self._workers = [
+                threading.Thread(target=self._work, args=(aligned_buffer(self._chunk),),
+                                 name=f"ssdtrain-io-{i}", daemon=True)
+                for i in range(config.io_threads)]
+            for t in self._workers:
+                t.start()
+        except BaseException:
+            self._workers = [t for t in self._workers if t.ident is not None]  # the started ones
+            self.close()  # a failed start leaves nothing on disk (and no thread running)
+            raise
 
     def _enqueue(self, req: Request) -> None:
         self._queue.put(req)
@@ -80,17 +86,21 @@ class PosixEngine(SlabEngine):
         self._cancelled = True
         self._queue.close()
         self._remove_files(drop_slabs=False)
+        join_before_exit(self._workers, self.config.io_timeout_s)
 
     # -- workers ----------------------------------------------------------------------------
 
     def _work(self, buf: torch.Tensor) -> None:
-        """Worker thread: take runs of chunks until the queue is closed and drained."""
+        """Worker thread: take runs of chunks until the queue is closed and drained. Nothing of
+        a finished run stays bound while the thread waits for the next one (a worker must not
+        keep the last tensor it handled alive)."""
         view = memoryview(buf.numpy())
         while True:
             parts = self._queue.get_run(True, self._chunk, self._padded)
             if parts is None:
                 return
             op = Run(parts, buf, self._padded)
+            parts = None
             if self._cancelled:
                 self._finished(op, EngineError(f"{self._describe(op)} cancelled: the engine's files were removed"))
             elif op.writing:
@@ -98,6 +108,7 @@ class PosixEngine(SlabEngine):
                     self._finished(op, None)
             elif self._guard(op, self._pread, op, view):
                 self._drain(op)
+            op = None
 
     def _pwrite(self, op: Run, view: memoryview) -> None:
         slab = self._slabs[op.root]

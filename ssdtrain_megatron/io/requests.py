@@ -42,27 +42,32 @@ class Placement:
 
 
 class Request:
-    """One tensor's write or read: its placement, and a Future completed when the last chunk is
-    done. The Future fails with the first chunk error, but only once no chunk is in flight.
-    Chunk i starts at byte ``i * chunk_bytes`` of the tensor."""
+    """One tensor's write or read: its placement, and its completion once the last chunk is
+    done: a Future, or an item on the engine's ``completions`` queue. It fails with the first
+    chunk error, but only once no chunk is in flight. Chunk i starts at byte
+    ``i * chunk_bytes`` of the tensor."""
 
-    __slots__ = ("future", "key", "t_submit", "depth", "writing", "tensor", "placement", "owner",
-                 "ready_event", "meter", "next_chunk", "error", "_left", "_lock")
+    __slots__ = ("future", "key", "t_submit", "depth", "writing", "tensor", "nbytes", "placement",
+                 "owner", "ready_event", "meter", "next_chunk", "error", "completions", "cancelled",
+                 "_left", "_lock")
 
     def __init__(self, owner: "SlabEngine", key: int, writing: bool, tensor: torch.Tensor,
                  placement: Placement, n_chunks: int, ready_event: Optional[object], meter: BusyMeter,
                  depth: int) -> None:
-        self.future: Future = Future()
+        self.completions = owner.completions
+        self.future: Optional[Future] = Future() if self.completions is None else None
         self.owner = owner
         self.key = key
         self.t_submit = time.perf_counter()
         self.depth = depth  # chunks queued or in flight when this request was made (for the trace)
         self.writing = writing
-        self.tensor = tensor
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.nbytes = tensor.numel()
         self.placement = placement
         self.ready_event = ready_event
         self.meter = meter
         self.next_chunk = 0  # guarded by the queue's lock
+        self.cancelled = False  # guarded by the queue's lock: taken out before any chunk started
         self.error: Optional[BaseException] = None
         self._left = n_chunks
         self._lock = threading.Lock()
@@ -81,29 +86,55 @@ class Request:
             self._left -= 1
             finished = self._left == 0
         if finished:
-            nbytes = self.tensor.numel()
-            self.meter.end(nbytes)
-            if self.error is not None:
+            # Drop the tensor (and the event) before anyone learns the request is done: the
+            # caller may free the tensor at once, and an IO thread must not keep it alive.
+            self.tensor = self.ready_event = None
+            self.meter.end(self.nbytes)
+            if self.completions is not None:
+                self.completions.put((self.key, self.error))
+            elif self.error is not None:
                 self.future.set_exception(self.error)
             else:
-                self.future.set_result(nbytes)
+                self.future.set_result(self.nbytes)
 
 
 class ChunkQueue:
     """Requests waiting for IO threads, which take one chunk (or a run of them) at a time.
-    One lock and one notify per tensor: cheap for the training thread."""
+    One lock and one notify per tensor: cheap for the training thread.
+
+    Reads go first: a read is what backward is (or soon will be) waiting for, a write only
+    frees memory, so a read never waits behind queued writes. A write that has not started
+    can be cancelled (its tensor was released before it was written)."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._items: Deque[Request] = collections.deque()
+        self._reads: Deque[Request] = collections.deque()
+        self._writes: Deque[Request] = collections.deque()
         self._closed = False
 
     def put(self, req: Request) -> None:
         # Wake one thread; each thread that takes a chunk wakes the next while chunks are
         # left, so the futex wake-ups are not all paid by the training thread.
         with self._cv:
-            self._items.append(req)
+            (self._writes if req.writing else self._reads).append(req)
             self._cv.notify()
+
+    def cancel(self, req: Request) -> bool:
+        """Take a queued write whose first chunk no IO thread has taken out of the queue;
+        False when it already started (it then completes as usual)."""
+        with self._cv:
+            if req.next_chunk or req.cancelled:
+                return False
+            req.cancelled = True  # skipped (and dropped) when it reaches the head
+            return True
+
+    def _head(self) -> Optional[Deque[Request]]:
+        """The queue to take from next (reads first), cancelled writes dropped from its head."""
+        while self._writes and self._writes[0].cancelled:
+            self._writes.popleft()
+        if self._reads:
+            return self._reads
+        return self._writes if self._writes else None
 
     def get_run(self, wait: bool, limit: int, padded: Callable[[int], int]
                 ) -> Optional[List[Tuple[Request, int]]]:
@@ -112,38 +143,44 @@ class ChunkQueue:
         same direction, up to ``limit`` padded bytes. The run is in file order. None when
         closed and drained, or, with ``wait=False``, when nothing is queued right now."""
         with self._cv:
-            while wait and not self._items and not self._closed:
+            items = self._head()
+            while wait and items is None and not self._closed:
                 self._cv.wait()
-            if not self._items:
+                items = self._head()
+            if items is None:
                 return None
-            run = collections.deque([self._pop()])
+            run = collections.deque([self._pop(items)])
             req0, i0 = run[0]
             first = req0.extents[i0]
             lo, hi = first.offset, first.offset + padded(first.length)
-            while self._items:
-                req = self._items[0]
+            while items:
+                req = items[0]
+                if req.cancelled:
+                    items.popleft()
+                    continue
                 ext = req.extents[req.next_chunk]
                 step = padded(ext.length)
-                if req.writing != req0.writing or ext.root != first.root or hi - lo + step > limit:
+                if ext.root != first.root or hi - lo + step > limit:
                     break
                 if ext.offset == hi:
-                    run.append(self._pop())
+                    run.append(self._pop(items))
                     hi += step
                 elif ext.offset + step == lo:
-                    run.appendleft(self._pop())
+                    run.appendleft(self._pop(items))
                     lo -= step
                 else:
                     break
-            if self._items:
+            if self._head() is not None:
                 self._cv.notify()
             return list(run)
 
-    def _pop(self) -> Tuple[Request, int]:
-        req = self._items[0]
+    @staticmethod
+    def _pop(items: Deque[Request]) -> Tuple[Request, int]:
+        req = items[0]
         i = req.next_chunk
         req.next_chunk += 1
         if req.next_chunk == len(req.extents):
-            self._items.popleft()
+            items.popleft()
         return req, i
 
     def close(self) -> None:

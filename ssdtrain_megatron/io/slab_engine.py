@@ -10,17 +10,17 @@ Why these choices:
   tensor's first chunk on the next root in turn; each root holds its chunks of a tensor back
   to back in one extent.
 - Staged engines (posix, aio) copy through page-aligned bounce buffers on the IO threads,
-  zero the padding that reaches the disk, and keep a CRC32 per chunk when ``checksum`` is on.
+  zero the padding that reaches the disk, and keep a CRC32C per chunk when ``checksum`` is on (io/checksum.py).
 """
 
 from __future__ import annotations
 
 import abc
 import itertools
+import logging
 import mmap
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional
 
@@ -28,8 +28,9 @@ import torch
 
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine
-from .layout import ALIGN, Extent, Identity, align_up, expand_roots, make_rank_dirs, remove_rank_dir
-from .requests import Placement, Request, Run
+from .checksum import ALGORITHM, checksum
+from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
+from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 
 
@@ -50,6 +51,8 @@ class SlabEngine(IOEngine):
         self._chunk = config.chunk_bytes
         self._checksum = config.checksum
         self._placed: Dict[int, Placement] = {}  # key -> where its chunks are
+        self._write_requests: Dict[int, Request] = {}  # key -> its write (until release)
+        self._write_queue: Optional[ChunkQueue] = None  # where cancel() takes writes back from
         self._lock = threading.Lock()
         self._turn = itertools.count()  # which root a tensor's first chunk goes to
         self._closed = False
@@ -67,7 +70,7 @@ class SlabEngine(IOEngine):
         a returned OSError is raised as if the system call had failed."""
 
     def _open_slabs(self, direct: str, on_open: Optional[Callable[[Slab], None]] = None) -> None:
-        self.rank_dirs = make_rank_dirs(self.roots, self.ident)
+        self.rank_dirs = make_rank_dirs(self.roots, self.ident, self.config.dirs)
         self._slabs = [Slab(d, direct, on_open) for d in self.rank_dirs]
 
     # -- properties -------------------------------------------------------------------------
@@ -114,7 +117,7 @@ class SlabEngine(IOEngine):
         placement.allocs = allocs
         placement.extents = extents
 
-    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         """Register ``key`` and queue the request: all the training thread does."""
         self._check_open()
         placement = Placement(data.numel())
@@ -125,9 +128,22 @@ class SlabEngine(IOEngine):
             self._placed[key] = placement
             self._queued += n
             depth = self._queued
-        return self._start(Request(self, key, True, data, placement, n, ready_event, self.write_meter, depth))
+            req = self._write_requests[key] = Request(self, key, True, data, placement, n, ready_event,
+                                                      self.write_meter, depth)
+        return self._start(req)
 
-    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    def cancel(self, key: int) -> bool:
+        with self._lock:
+            req = self._write_requests.get(key)
+        if req is None or self._write_queue is None or not self._write_queue.cancel(req):
+            return False
+        with self._lock:
+            self._queued -= req._left
+        req.tensor = req.ready_event = None
+        req.meter.end(0)
+        return True
+
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         self._check_open()
         with self._lock:
             placement = self._placed.get(key)
@@ -142,7 +158,7 @@ class SlabEngine(IOEngine):
             depth = self._queued
         return self._start(Request(self, key, False, out, placement, n, ready_event, self.read_meter, depth))
 
-    def _start(self, req: Request) -> Future:
+    def _start(self, req: Request) -> Optional[Future]:
         req.meter.begin()
         self._enqueue(req)
         return req.future
@@ -150,6 +166,7 @@ class SlabEngine(IOEngine):
     def release(self, key: int) -> None:
         with self._lock:
             placement = self._placed.pop(key, None)
+            self._write_requests.pop(key, None)
         for root, offset, size in placement.allocs if placement is not None else ():
             self._slabs[root].alloc.free(offset, size)
 
@@ -167,6 +184,7 @@ class SlabEngine(IOEngine):
     def _forget_all(self) -> None:
         with self._lock:
             self._placed.clear()
+            self._write_requests.clear()
 
     def _remove_files(self, drop_slabs: bool) -> None:
         """Take this engine's files away: the slabs (only when no IO thread may still use
@@ -174,8 +192,9 @@ class SlabEngine(IOEngine):
         if drop_slabs:
             for s in self._slabs:
                 s.drop()
-        for d in self.rank_dirs:
-            remove_rank_dir(d)  # a no-op for a directory already gone
+        for d, template in zip(self.rank_dirs, self.config.dirs):
+            # A no-op for a directory already gone; the job folders it leaves empty go too.
+            remove_rank_dir(d, job_levels(template))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -246,7 +265,7 @@ class SlabEngine(IOEngine):
             if stage.numel() > n:
                 stage[n:].zero_()  # the padding reaches the disk: never stale memory
             if self._checksum:
-                ext.crc = zlib.crc32(stage[:n].numpy()) if n else 0
+                ext.crc = checksum(stage[:n].numpy()) if n else 0
 
     def _check_inside(self, op: Run) -> None:
         """Read side, before the IO: the run lies inside the reserved (written) file."""
@@ -264,11 +283,11 @@ class SlabEngine(IOEngine):
                 n, start = ext.length, i * self._chunk
                 stage = op.buf[ext.offset - op.offset:ext.offset - op.offset + n]
                 if exc is None and req.error is None and self._checksum and n:
-                    crc = zlib.crc32(stage.numpy())
+                    crc = checksum(stage.numpy())
                     if crc != ext.crc:
                         raise EngineError(f"checksum mismatch reading {n} bytes from "
                                           f"{self._slabs[ext.root].path} at offset {ext.offset}: "
-                                          f"stored crc32 {ext.crc:#010x}, read {crc:#010x}")
+                                          f"stored {ALGORITHM} {ext.crc:#010x}, read {crc:#010x}")
                 if exc is None and req.error is None and n:
                     if req.ready_event is not None:
                         req.ready_event.synchronize()
@@ -284,6 +303,30 @@ def as_engine_error(exc: BaseException, what: str) -> BaseException:
     wrapped = EngineError(f"{what} failed: {exc!r}")
     wrapped.__cause__ = exc
     return wrapped
+
+
+EXIT_JOIN_S = 10.0
+"""At most this long (and at most io_timeout_s) the exit path waits for IO threads to leave."""
+
+
+def join_before_exit(threads: List[threading.Thread], io_timeout_s: float) -> None:
+    """Exit/signal path, after the engine's queues were closed: wait (briefly) for its IO
+    threads to leave.
+
+    Why: a daemon thread that is still running, or still inside torch (a copy releases the
+    GIL), when the interpreter finalizes is stopped with ``pthread_exit`` as it takes the GIL
+    back; unwinding through torch's C++ frames that way ends in ``std::terminate``
+    ("terminate called without an active exception", SIGABRT) instead of the job's own exit
+    status. Threads that are done when finalization starts cannot do that. A thread stuck on a
+    dead drive is left behind after the deadline (and logged)."""
+    deadline = time.monotonic() + min(EXIT_JOIN_S, io_timeout_s)
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+    stuck = sum(t.is_alive() for t in threads)
+    if stuck:
+        logging.getLogger(__name__).error(
+            "ssdtrain: exiting with %d IO threads still inside a request", stuck)
 
 
 def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,6 +42,8 @@ class TieredEngine(IOEngine):
         self.ident = self.ssd.ident
         self.rank_dirs: List[str] = self.ssd.rank_dirs
         self._tier: Dict[int, IOEngine] = {}
+        self._pending: Dict[int, Tuple[BusyMeter, int]] = {}  # key -> its request's meter, bytes
+        self._completions = None
         self._lock = threading.Lock()
         self.tensors_spilled = 0
         # Both tiers' traffic, as one device would show it to the offloader's telemetry.
@@ -86,21 +88,53 @@ class TieredEngine(IOEngine):
     def fault(self, hook) -> None:
         self.ssd.fault = hook
 
-    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    @property
+    def completions(self):
+        return self._completions
+
+    @completions.setter
+    def completions(self, sink) -> None:
+        """Both tiers report to ``_relay_completion``, which counts the request in this
+        engine's meters and passes it on to ``sink`` (see IOEngine.completions)."""
+        self._completions = sink
+        relay = None if sink is None else _Relay(self)
+        self.memory.completions = relay
+        self.ssd.completions = relay
+
+    def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         with self._lock:
             if key in self._tier:
                 raise EngineError(f"key {key} written twice")
+        nbytes = data.numel()
+        queued = self._completions is not None
+        if queued:  # before the request exists: it may complete before write() returns
+            self._begin(key, self.write_meter, nbytes)
         try:
-            fut = self.memory.write(key, data, ready_event)
-            tier: IOEngine = self.memory
-        except PoolFull:
-            fut = self.ssd.write(key, data, ready_event)
-            tier = self.ssd
-            with self._lock:
-                self.tensors_spilled += 1
+            try:
+                fut = self.memory.write(key, data, ready_event)
+                tier: IOEngine = self.memory
+            except PoolFull:
+                fut = self.ssd.write(key, data, ready_event)
+                tier = self.ssd
+                with self._lock:
+                    self.tensors_spilled += 1
+        except BaseException:
+            if queued:
+                self._end(key)
+            raise
         with self._lock:
             self._tier[key] = tier
-        return self._metered(fut, self.write_meter, data.numel())
+        return None if queued else self._metered(fut, self.write_meter, nbytes)
+
+    def _begin(self, key: int, meter: BusyMeter, nbytes: int) -> None:
+        with self._lock:
+            self._pending[key] = (meter, nbytes)
+        meter.begin()
+
+    def _end(self, key: int) -> None:
+        with self._lock:
+            meter, nbytes = self._pending.pop(key)
+        meter.end(nbytes)
 
     @staticmethod
     def _metered(fut: Future, meter: BusyMeter, nbytes: int) -> Future:
@@ -119,12 +153,29 @@ class TieredEngine(IOEngine):
         fut.add_done_callback(done)
         return out
 
-    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
+    def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         with self._lock:
             tier = self._tier.get(key)
         if tier is None:
             raise EngineError(f"read of unknown key {key}")
-        return self._metered(tier.read(key, out, ready_event), self.read_meter, out.numel())
+        if self._completions is None:
+            return self._metered(tier.read(key, out, ready_event), self.read_meter, out.numel())
+        self._begin(key, self.read_meter, out.numel())
+        try:
+            tier.read(key, out, ready_event)
+        except BaseException:
+            self._end(key)
+            raise
+        return None
+
+    def cancel(self, key: int) -> bool:
+        with self._lock:
+            tier = self._tier.get(key)
+        if tier is None or not tier.cancel(key):
+            return False
+        if self._completions is not None:
+            self._end(key)
+        return True
 
     def tier_of(self, key: int) -> str:
         """'memory' or 'posix': where ``key`` is stored."""
@@ -154,3 +205,18 @@ class TieredEngine(IOEngine):
 
     def remove_files(self) -> None:
         self.ssd.remove_files()
+
+
+class _Relay:
+    """What the tiers report completions to when the caller uses a completions queue."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: TieredEngine) -> None:
+        self.owner = owner
+
+    def put(self, item: Tuple[int, Optional[BaseException]]) -> None:
+        self.owner._end(item[0])
+        sink = self.owner._completions
+        if sink is not None:
+            sink.put(item)

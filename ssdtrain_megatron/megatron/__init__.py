@@ -1,5 +1,5 @@
-"""Megatron integration: ``install(config)`` patches megatron-core 0.16.x so its training steps
-offload activations; ``uninstall()`` restores it. The only part of the package that imports
+"""Megatron integration: ``install(config)`` patches megatron-core 0.16.x-0.19.x so its training
+steps offload activations; ``uninstall()`` restores it. The only part of the package that imports
 megatron (lazily: importing this package does not).
 
 Example:
@@ -15,6 +15,7 @@ from .install import (
     UnsupportedMegatronVersion,
     check_megatron_version,
     install,
+    megatron_core_version,
     installed,
     uninstall,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "UnsupportedMegatronVersion",
     "check_megatron_version",
     "install",
+    "megatron_core_version",
     "installed",
     "uninstall",
 ]

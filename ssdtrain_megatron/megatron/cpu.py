@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.x on a CPU-only torch build: for the demo, the benchmarks and tests.
+"""Run megatron-core 0.16-0.19 on a CPU-only torch build: for the demo, benchmarks and tests.
 
 This is not part of the offload path: ``install()`` never calls it, and on a machine with CUDA
 nothing here is needed. It exists so that ``ssdtrain demo`` and ``ssdtrain bench`` (and the test

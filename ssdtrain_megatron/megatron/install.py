@@ -1,14 +1,17 @@
 """install() / uninstall(): the monkey-patches that connect the offloader to megatron-core.
 
-Patched (megatron-core 0.16.x), and restored exactly by ``uninstall()``:
+Patched (megatron-core 0.16.x-0.19.x; :mod:`.compat` says where each point lives in each
+release), and restored exactly by ``uninstall()``:
 
 - ``TransformerLayer.forward``: layer scope; recompute fallback.
-- ``TransformerBlock._checkpointed_forward``: which block's layers a full-recompute checkpoint
-  covers.
+- the full-recompute driver (``TransformerBlock._checkpointed_forward`` in 0.16/0.17,
+  ``megatron.core.recompute.checkpointed_forward`` from 0.18): which block's layers a
+  full-recompute checkpoint covers.
 - ``tensor_parallel.checkpoint`` (``tensor_parallel.random.checkpoint``): the layer scope of a
   full-recompute checkpoint's saved inputs.
 - ``pipeline_parallel.schedules.forward_step``: micro-batch scope.
-- ``pipeline_parallel.schedules.backward_step``: backward hint.
+- ``pipeline_parallel.schedules.backward_step`` (and, 0.17+, ``backward_step_multimodule``):
+  backward hint.
 - ``pipeline_parallel.schedules.get_forward_backward_func``: step end (StepStats).
 
 The free functions are replaced under every module-level name a loaded module holds them by
@@ -24,53 +27,26 @@ import logging
 from typing import Callable, Optional
 
 from ..config import OffloadConfig
+from . import compat
+from .compat import SUPPORTED_MEGATRON_CORE, UnsupportedMegatronVersion, megatron_core_version
 from .patching import Installation, Patcher
 from .pipeline import INTERLEAVED, NO_PIPELINING, ONE_F_ONE_B, PipelineHooks
 from .scopes import LayerScopes
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MEGATRON_CORE = ("0.16",)
-"""megatron-core minor versions the patches were written against (tested: 0.16.1)."""
-
-
-class UnsupportedMegatronVersion(RuntimeError):
-    """The installed megatron-core is not one the patches were written and tested against."""
-
+__all__ = ["SUPPORTED_MEGATRON_CORE", "UnsupportedMegatronVersion", "megatron_core_version",
+           "check_megatron_version", "installed", "install", "uninstall"]
 
 _INSTALLED: Optional[Installation] = None
 
 
-def megatron_core_version() -> str:
-    """The installed megatron-core version, read without importing megatron.core when the
-    distribution metadata has it (a wrong version may not even import cleanly)."""
-    from importlib import metadata
-
-    for dist in ("megatron-core", "megatron_core"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    try:  # a source checkout on sys.path, without distribution metadata
-        from megatron.core import package_info
-    except ImportError as exc:
-        raise UnsupportedMegatronVersion(
-            f"ssdtrain_megatron.megatron needs megatron-core 0.16.x (pip install "
-            f"'megatron-core>=0.16,<0.17'); importing it failed: {exc}") from exc
-    return str(package_info.__version__)
-
-
 def check_megatron_version(version: Optional[str] = None) -> str:
-    """Raise UnsupportedMegatronVersion unless ``version`` (default: the installed one) is a
-    supported megatron-core release. Returns the version."""
+    """Raise UnsupportedMegatronVersion unless ``version`` (default: the version of the
+    megatron-core this process imports) is a supported megatron-core release. Returns the
+    version."""
     version = megatron_core_version() if version is None else version
-    minor = ".".join(version.split(".")[:2])
-    if minor not in SUPPORTED_MEGATRON_CORE:
-        raise UnsupportedMegatronVersion(
-            f"megatron-core {version} is not supported by ssdtrain_megatron.megatron: its patches "
-            f"were written and tested against megatron-core "
-            f"{', '.join(v + '.x' for v in SUPPORTED_MEGATRON_CORE)} (tested: 0.16.1). Install "
-            f"'megatron-core>=0.16,<0.17', or run without --ssd-offload.")
+    compat.release_for(version)
     return version
 
 
@@ -94,7 +70,8 @@ def install(config: OffloadConfig, offloader=None):
         The ActivationOffloader; ``uninstall()`` closes it.
 
     Raises:
-        UnsupportedMegatronVersion: megatron-core is missing or not 0.16.x.
+        UnsupportedMegatronVersion: megatron-core is missing, older than 0.16 or newer than
+            0.19, or its patch points differ from those of its release.
         RuntimeError: already installed.
         ConfigError: from building the offloader.
 
@@ -105,7 +82,8 @@ def install(config: OffloadConfig, offloader=None):
         >>> offloader.last_step_stats.bytes_offloaded
     """
     global _INSTALLED
-    check_megatron_version()
+    version = check_megatron_version()
+    release = compat.release_for(version)
     if _INSTALLED is not None:
         raise RuntimeError("ssdtrain_megatron.megatron.install() was already called; call "
                            "uninstall() before installing again")
@@ -113,11 +91,12 @@ def install(config: OffloadConfig, offloader=None):
 
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from ..cache import ActivationOffloader
 
+    compat.verify(release, version)
+    recompute_owner, recompute_name, recompute_is_method = compat.recompute_patch_point(release)
     if offloader is None:
         offloader = ActivationOffloader(config)
     patcher = Patcher()
@@ -125,28 +104,41 @@ def install(config: OffloadConfig, offloader=None):
         scopes = LayerScopes(
             offloader, layers,
             layer_forward=vars(TransformerLayer)["forward"],
-            block_checkpointed_forward=vars(TransformerBlock)["_checkpointed_forward"],
+            block_checkpointed_forward=vars(recompute_owner)[recompute_name],
             checkpoint=vars(tp_random)["checkpoint"])
         kinds = {
             schedules.forward_backward_no_pipelining: NO_PIPELINING,
             schedules.forward_backward_pipelining_without_interleaving: ONE_F_ONE_B,
             schedules.forward_backward_pipelining_with_interleaving: INTERLEAVED,
         }
+        backward_steps = {name: vars(schedules)[name] for name in release.backward_steps}
         pipeline = PipelineHooks(offloader, scopes, vars(schedules)["forward_step"],
-                                 vars(schedules)["backward_step"], kinds)
+                                 backward_steps, kinds)
 
         patcher.replace_attribute(TransformerLayer, "forward",
                                   _method(scopes.layer_forward, TransformerLayer.forward))
-        patcher.replace_attribute(
-            TransformerBlock, "_checkpointed_forward",
-            _method(scopes.block_checkpointed_forward, TransformerBlock._checkpointed_forward))
+        if recompute_is_method:
+            patcher.replace_attribute(
+                recompute_owner, recompute_name,
+                _method(scopes.block_checkpointed_forward,
+                        vars(recompute_owner)[recompute_name]))
+        else:
+            # 0.18+: a function taking the block first; transformer_block and the hybrid block
+            # imported it by name, so every module-level reference is replaced.
+            patcher.replace_function(
+                recompute_owner, recompute_name,
+                lambda orig: _function(scopes.block_checkpointed_forward, orig))
         # tensor_parallel re-exports random.checkpoint: replace_function finds both names.
         patcher.replace_function(tp_random, "checkpoint",
                                  lambda orig: _function(scopes.checkpoint, orig))
         patcher.replace_function(schedules, "forward_step",
                                  lambda orig: _function(pipeline.forward_step, orig))
-        patcher.replace_function(schedules, "backward_step",
-                                 lambda orig: _function(pipeline.backward_step, orig))
+        for name in release.backward_steps:
+            # backward_step_multimodule (0.17+) is bound into a functools.partial inside the
+            # 1F1B schedule at each call, by its module-level name: patching the name reaches it.
+            patcher.replace_function(
+                schedules, name,
+                lambda orig, name=name: _function(pipeline.backward_hook(name), orig))
         patcher.replace_function(schedules, "get_forward_backward_func",
                                  lambda orig: _get_forward_backward_func(pipeline, orig))
     except BaseException:
@@ -155,7 +147,7 @@ def install(config: OffloadConfig, offloader=None):
         raise
     _INSTALLED = Installation(offloader, patcher, scopes, pipeline)
     log.info("ssdtrain: installed into megatron-core %s (%d patches; recompute fallback "
-             "layers: %s)", megatron_core_version(), len(patcher), sorted(layers) or "none")
+             "layers: %s)", version, len(patcher), sorted(layers) or "none")
     return offloader
 
 

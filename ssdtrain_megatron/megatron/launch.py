@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 from .args import add_ssd_offload_args, config_from_args, given_flags, with_ssd_offload_args
+from .compat import megatron_offloading_in_use
 from .patching import Patcher
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,10 @@ def _installer(target: Target) -> Any:
 def install_from_args(args: argparse.Namespace, target: Target = MEGATRON_LM) -> Optional[Any]:
     """``install(config_from_args(args))`` when ``args.ssd_offload`` is set; the offloader.
 
+    Raises:
+        LaunchError: megatron-core's own activation offloading (``--cpu-offloading-num-layers``,
+            ``--fine-grained-activation-offloading``) is on too; the message names the flags.
+
     Idempotent: when offload is already installed (a patched script run by the launcher),
     the installed offloader is returned. Without ``--ssd-offload`` nothing is installed, and a
     warning names any ``--ssd-offload-*`` flag that was given (it has no effect).
@@ -124,6 +129,12 @@ def install_from_args(args: argparse.Namespace, target: Target = MEGATRON_LM) ->
             log.warning("ssdtrain: %s given without --ssd-offload: activations are not "
                         "offloaded; add --ssd-offload to turn it on", ", ".join(flags))
         return None
+    conflicts = megatron_offloading_in_use(args)
+    if conflicts:
+        raise LaunchError(
+            "--ssd-offload cannot run together with megatron-core's own activation offloading "
+            "to host memory: remove " + " and ".join(flag for _, flag in conflicts)
+            + ", or run without --ssd-offload")
     backend = _installer(target)
     current = getattr(backend, "installed", lambda: None)()
     if current is not None:

@@ -1,14 +1,16 @@
 """Micro-batch identity, backward hints and step boundaries from megatron's pipeline schedules.
 
-megatron-core 0.16 runs every micro-batch through ``schedules.forward_step`` and
-``schedules.backward_step`` in all three schedules (no pipelining, 1F1B, interleaved), and the
-training loop gets the schedule from ``get_forward_backward_func()``. The wrappers here:
+megatron-core 0.16-0.19 run every micro-batch through ``schedules.forward_step`` and
+``schedules.backward_step`` (0.17+: ``backward_step_multimodule`` for multi-module 1F1B) in all
+three schedules (no pipelining, 1F1B, interleaved), and the training loop gets the schedule from
+``get_forward_backward_func()``. The wrappers here:
 
 * ``forward_step``: records the micro-batch's forward under ``offloader.microbatch((chunk,
   micro-batch))`` (chunk: the virtual pipeline stage, 0 without one) and remembers which output
   tensor belongs to which micro-batch;
-* ``backward_step``: finds the micro-batch from that output tensor and tells the offloader its
-  backward is next (``begin_backward``), unless a prediction already did;
+* ``backward_step`` (each backward function of the release): finds the micro-batch from that
+  output tensor and tells the offloader its backward is next (``begin_backward``), unless a
+  prediction already did;
 * after each forward and backward, :class:`~.schedule.BackwardOrder` predicts whose backward
   follows, so reads start while the pipeline communicates;
 * the function ``get_forward_backward_func()`` returns ends the step (``offloader.end_step()``)
@@ -16,7 +18,9 @@ training loop gets the schedule from ``get_forward_backward_func()``. The wrappe
   :func:`~.telemetry.publish_step` sends them to Megatron's TensorBoard writer and log.
 
 Only steps started through that function are recorded; ``forward_only`` steps (evaluation)
-are not, and neither is anything outside ``forward_step``.
+are not, and neither is anything outside ``forward_step``. A step whose model config turns on
+megatron-core's own activation offloading (``cpu_offloading``,
+``fine_grained_activation_offloading``) is refused before it starts (:mod:`.compat`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Set, Tuple
 
 import torch
 
+from . import compat
 from .schedule import BackwardOrder
 from .scopes import LayerScopes
 from .telemetry import publish_step
@@ -60,19 +65,21 @@ class PipelineHooks:
     Args:
         offloader: the installed ActivationOffloader.
         scopes: the layer scopes (told when a micro-batch forward is being recorded).
-        forward_step, backward_step: the original schedule functions.
+        forward_step: the original ``schedules.forward_step``.
+        backward_steps: name -> original schedule function running one micro-batch backward
+            (``backward_step``; 0.17+ also ``backward_step_multimodule``).
         schedule_kinds: original forward-backward function -> NO_PIPELINING / ONE_F_ONE_B /
             INTERLEAVED, for the backward-order prediction.
     """
 
     def __init__(self, offloader, scopes: LayerScopes, forward_step: Callable,
-                 backward_step: Callable, schedule_kinds: Dict[Callable, str]) -> None:
+                 backward_steps: Dict[str, Callable], schedule_kinds: Dict[Callable, str]) -> None:
         self.offloader = offloader
         self.scopes = scopes
         self._forward_step = forward_step
-        self._backward_step = backward_step
         self._forward_sig = inspect.signature(forward_step)
-        self._backward_sig = inspect.signature(backward_step)
+        self._backward_steps = {name: (fn, inspect.signature(fn))
+                                for name, fn in backward_steps.items()}
         self._kinds = schedule_kinds
         self._models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self.step: Optional[_Step] = None
@@ -102,6 +109,7 @@ class PipelineHooks:
     def run_step(self, fb: Callable, kind: Optional[str], args: tuple, kwargs: Dict[str, Any]):
         if self.step is not None or kwargs.get("forward_only", False):
             return fb(*args, **kwargs)
+        self._refuse_megatron_offloading(kwargs.get("model"))
         order = self._backward_order(kind, kwargs)
         self.steps_predicted += order is not None
         self.step = _Step(order=order)
@@ -114,6 +122,15 @@ class PipelineHooks:
             self.scopes.recording = False
         publish_step(self.offloader.end_step())  # TensorBoard and log, where Megatron has them
         return result
+
+    @staticmethod
+    def _refuse_megatron_offloading(model) -> None:
+        if model is None:
+            return
+        from megatron.core.utils import get_model_config
+
+        chunks = model if isinstance(model, list) else [model]
+        compat.refuse_megatron_offloading(get_model_config(chunks[0]))
 
     def _backward_order(self, kind: Optional[str], kwargs: Dict[str, Any]) -> Optional[BackwardOrder]:
         from megatron.core import parallel_state
@@ -133,7 +150,10 @@ class PipelineHooks:
             return BackwardOrder.one_chunk(num_microbatches, 0)
         p2p = kwargs.get("p2p_communicator")
         if p2p is not None:
-            pp_size, pp_rank = p2p.pp_group.size(), p2p.pp_group.rank()
+            position = compat.pipeline_position(p2p)
+            if position is None:
+                return None
+            pp_size, pp_rank = position
         else:
             pp_size = parallel_state.get_pipeline_model_parallel_world_size()
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -174,11 +194,16 @@ class PipelineHooks:
             self._announce(step, step.order.after_forward(step.forwards_done))
         return result
 
-    def backward_step(self, *args, **kwargs):
+    def backward_hook(self, name: str) -> Callable:
+        """The hook for the schedule's backward function ``name``."""
+        return functools.partial(self.backward_step, name)
+
+    def backward_step(self, name: str, *args, **kwargs):
+        original, signature = self._backward_steps[name]
         step = self.step
         if step is None:
-            return self._backward_step(*args, **kwargs)
-        bound = self._backward_sig.bind(*args, **kwargs).arguments
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs).arguments
         output = _first_tensor(bound.get("output_tensor"))
         entry = step.outputs.pop(id(output), None) if output is not None else None
         if entry is not None:
@@ -188,7 +213,7 @@ class PipelineHooks:
                 log.debug("ssdtrain: backward of %s, predicted %s", key, step.predicted)
             self._announce(step, key)
         step.predicted = None
-        result = self._backward_step(*args, **kwargs)
+        result = original(*args, **kwargs)
         step.backwards_done += 1
         if step.order is not None:
             self._announce(step, step.order.after_backward(step.backwards_done))
@@ -209,6 +234,8 @@ class PipelineHooks:
 
 
 def _first_tensor(obj) -> Optional[torch.Tensor]:
+    if isinstance(obj, dict):  # multi-module pipelines (0.17+): module name -> tensor
+        obj = next(iter(obj.values()), None)
     if isinstance(obj, (list, tuple)):
         obj = obj[0] if obj else None
     return obj if isinstance(obj, torch.Tensor) else None

@@ -1,7 +1,7 @@
 """Which micro-batch's backward comes next, from the shape of megatron's pipeline schedules.
 
-All three schedules of megatron-core 0.16 (no pipelining, 1F1B, interleaved 1F1B) run, on one
-rank, ``W`` warm-up forwards, then ``T - W`` pairs "forward, then backward", then the ``W``
+All three schedules of megatron-core 0.16-0.19 (no pipelining, 1F1B, interleaved 1F1B) run,
+on one rank, ``W`` warm-up forwards, then ``T - W`` pairs "forward, then backward", then the ``W``
 remaining backwards, where ``T`` is the number of (model chunk, micro-batch) forwards of the
 step. Backwards of one model chunk run in the order of its forwards. Knowing ``W`` and the
 order of backwards is enough to say, right after a forward or a backward finishes, whose

@@ -11,9 +11,10 @@ no layer scope of their own, on purpose:
 * layers run by megatron's full recomputation inside ``CheckpointFunction.forward`` (under
   ``no_grad``: they save nothing). What that checkpoint saves are its inputs; the
   ``tensor_parallel.checkpoint`` wrapper puts them in the scope of the first layer the
-  checkpoint covers, found through the block's own layer list (``TransformerBlock.
-  _checkpointed_forward`` is wrapped to say which block is running and how many of its layers
-  ran so far);
+  checkpoint covers, found through the block's own layer list (the full-recompute driver,
+  ``TransformerBlock._checkpointed_forward`` or from 0.18 ``megatron.core.recompute.
+  checkpointed_forward(block, ...)``, is wrapped to say which block is running and how many of
+  its layers ran so far);
 * the recompute pass during backward (outside any forward_step): the offloader keeps what it
   saves in memory.
 
@@ -37,7 +38,8 @@ class LayerScopes:
         offloader: the installed ActivationOffloader.
         recompute_layers: layer numbers run under checkpoint (recompute fallback); empty: none.
         layer_forward: the original ``TransformerLayer.forward``.
-        block_checkpointed_forward: the original ``TransformerBlock._checkpointed_forward``.
+        block_checkpointed_forward: the original full-recompute driver, called as
+            ``(block, *args, **kwargs)`` (see :mod:`.compat`).
         checkpoint: the original ``tensor_parallel.checkpoint``.
     """
 
@@ -85,17 +87,32 @@ class LayerScopes:
         """Run ``layer`` under megatron's ``tensor_parallel.checkpoint``.
 
         CheckpointFunction takes positional tensors only, so every tensor argument (positional
-        or keyword) travels through it (they are what it saves, and gradients reach the ones
-        that need them); everything else is bound in the run function.
+        or keyword, or inside a tuple or list such as megatron-core 0.19's two RoPE tensors)
+        travels through it (they are what it saves, and gradients reach the ones that need
+        them); everything else is bound in the run function.
         """
         values: List[Any] = list(args) + list(kwargs.values())
         names = list(kwargs.keys())
         n_args = len(args)
-        tensor_slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        tensors = [values[i] for i in tensor_slots]
-        for i in tensor_slots:
+        slots: List[Tuple[int, Optional[int]]] = []  # (argument, position in a sequence or None)
+        tensors: List[torch.Tensor] = []
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                slots.append((i, None))
+                tensors.append(v)
+            elif isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v):
+                items = list(v)
+                for j, x in enumerate(items):
+                    if isinstance(x, torch.Tensor):
+                        slots.append((i, j))
+                        tensors.append(x)
+                        items[j] = None
+                values[i] = type(v)(items) if isinstance(v, tuple) else items
+                continue
+            else:
+                continue
             values[i] = None  # ctx.run_function lives until backward: hold no activations
-        run = _LayerCall(self._layer_forward, layer, values, names, n_args, tensor_slots)
+        run = _LayerCall(self._layer_forward, layer, values, names, n_args, slots)
         # distribute_saved_activations=False: the input stays whole on every TP rank (it is
         # what gets offloaded, per rank, to that rank's own directory).
         return self._checkpoint(run, False, *tensors)
@@ -131,18 +148,24 @@ class _LayerCall:
     CheckpointFunction passes (the originals in forward, detached copies in recompute)."""
 
     def __init__(self, forward: Callable, layer, values: List[Any], names: List[str],
-                 n_args: int, tensor_slots: List[int]) -> None:
+                 n_args: int, slots: List[Tuple[int, Optional[int]]]) -> None:
         self.forward = forward
         self.layer = layer
         self.values = values
         self.names = names
         self.n_args = n_args
-        self.tensor_slots = tensor_slots
+        self.slots = slots
 
     def __call__(self, *tensors: torch.Tensor) -> Tuple[Any, ...]:
         values = list(self.values)
-        for slot, t in zip(self.tensor_slots, tensors):
-            values[slot] = t
+        sequences: Dict[int, List[Any]] = {}
+        for (slot, position), t in zip(self.slots, tensors):
+            if position is None:
+                values[slot] = t
+            else:
+                sequences.setdefault(slot, list(values[slot]))[position] = t
+        for slot, items in sequences.items():
+            values[slot] = tuple(items) if isinstance(self.values[slot], tuple) else items
         args = values[:self.n_args]
         kwargs = dict(zip(self.names, values[self.n_args:]))
         return self.forward(self.layer, *args, **kwargs)

@@ -14,7 +14,7 @@ import math
 import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ..cli_types import positive_float
+from ..cli_types import deprecated_alias, positive_float
 from .lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
 from .model import (ModelShape, SaveProfile, estimate_step_time_s, forward_flops_per_layer,
                     head_activation_terms, largest_micro_batch, layer_activation_bytes,
@@ -71,9 +71,11 @@ def add_lifespan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ssdtrain lifespan``."""
     parser = subparsers.add_parser(
         "lifespan", help="SSD lifespan for a write rate (decimal units: TB = 1e12, GB = 1e9)",
-        description="Lifespan of a set of SSDs written at a given rate: endurance = drives x "
-                    "TBW x (waf-rated / waf) x retention-factor; lifespan = endurance / "
-                    "(write-gbps x write-fraction). Decimal units: 1 TB = 1e12 B, 1 GB = 1e9 B.")
+        description="Lifespan of a set of SSDs written at a given rate. First the rated "
+                    "lifespan: drives x TBW / (write-gbps x write-fraction), what the drives' "
+                    "rating promises. Then the paper's estimate: the same times the WAF "
+                    "correction (waf-rated / waf) and the retention factor, which are "
+                    "estimates, not ratings. Decimal units: 1 TB = 1e12 B, 1 GB = 1e9 B.")
     parser.add_argument("--drives", type=_int_at_least(1), required=True,
                         help="number of drives sharing the writes")
     parser.add_argument("--tbw-per-drive", type=positive_float, required=True, metavar="TB",
@@ -90,7 +92,8 @@ def add_lifespan_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="endurance gain from relaxed retention (default "
                              f"{RETENTION_FACTOR:g})")
     parser.add_argument("--json", action="store_true",
-                        help="print {lifespan_years, endurance_bytes, bytes_per_day} as JSON")
+                        help="print {lifespan_years, endurance_bytes, bytes_per_day, "
+                             "rated_lifespan_years} as JSON")
     parser.set_defaults(func=run_lifespan)
     return parser
 
@@ -104,16 +107,26 @@ def run_lifespan(args: argparse.Namespace) -> int:
         return 0
     rows = [
         ("drives", f"{args.drives} x {args.tbw_per_drive:g} TBW"),
+        ("write rate", f"{args.write_gbps:g} GB/s x {args.write_fraction:g}"),
+        ("bytes per day", _bytes(result.bytes_per_day)),
+        ("rated lifespan", f"{_duration(result.rated_lifespan_years)}: the rated "
+                           f"{args.drives * args.tbw_per_drive:,g} TB written at "
+                           f"{result.bytes_per_day / 1e12:,.1f} TB per day"),
         ("WAF correction", f"{args.waf_rated:g} / {args.waf:g} = {args.waf_rated / args.waf:g}x"),
         ("retention factor", f"{args.retention_factor:g}x"),
         ("endurance", _bytes(result.endurance_bytes)),
-        ("write rate", f"{args.write_gbps:g} GB/s x {args.write_fraction:g}"),
-        ("bytes per day", _bytes(result.bytes_per_day)),
-        ("lifespan", f"{result.lifespan_years:.4f} years ({result.lifespan_years * 365.25:,.1f} days)"),
+        ("lifespan", f"{result.lifespan_years:.4f} years ({result.lifespan_years * 365.25:,.1f} days) "
+                     f"= rated x {result.adjustment:g} (WAF correction x retention factor: the "
+                     "paper's estimates, not a rating)"),
     ]
     for name, value in rows:
         print(f"{name:<18} {value}")
     return 0
+
+
+def _duration(years: float) -> str:
+    days = years * 365.25
+    return f"{days:,.1f} days" if days < 2 * 365.25 else f"{years:.4f} years ({days:,.1f} days)"
 
 
 # -- ssdtrain plan ----------------------------------------------------------------------------
@@ -129,10 +142,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "budget. Decimal units: 1 GB = 1e9 B.")
     parser.add_argument("--config", required=True, metavar="PRESET",
                         help="YAML preset with model:, parallel: and offload: sections")
-    parser.add_argument("--micro-batch", type=_int_at_least(1), default=None, metavar="N",
-                        help="micro-batch size (default: the preset's model.micro_batch)")
-    parser.add_argument("--num-micro-batches", type=_int_at_least(1), default=1, metavar="M",
+    parser.add_argument("--micro-batch-size", dest="micro_batch", type=_int_at_least(1), default=None,
+                        metavar="N", help="micro-batch size (default: the preset's model.micro_batch)")
+    parser.add_argument("--num-microbatches", dest="num_micro_batches", type=_int_at_least(1),
+                        default=1, metavar="M",
                         help="micro-batches per step, for the per-step totals (default 1)")
+    deprecated_alias(parser, "--micro-batch", "--micro-batch-size", "micro_batch", _int_at_least(1))
+    deprecated_alias(parser, "--num-micro-batches", "--num-microbatches", "num_micro_batches",
+                     _int_at_least(1))
     parser.add_argument("--gpu-tflops", type=positive_float, default=DEFAULT_GPU_TFLOPS,
                         metavar="X", help="sustained TFLOP/s per GPU for the step-time estimate "
                                           f"(default {DEFAULT_GPU_TFLOPS:g})")
@@ -237,8 +254,10 @@ def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespac
         "model": {name: getattr(shape, name) for name in shape.__dataclass_fields__},
         "layers_per_stage": shape.layers_per_stage,
         "keep_last_layers": keep_last_layers,
+        # Numbered from 1 within the stage, as Megatron numbers layers (and
+        # --ssd-offload-recompute-layers takes them).
         "layers": [{"layer": i, "bytes": layer_bytes, "decision": d}
-                   for i, d in enumerate(plan.decisions)],
+                   for i, d in enumerate(plan.decisions, start=1)],
         "terms_per_layer": layer_activation_terms(shape, profile),
         "activation_bytes_per_layer": layer_bytes,
         "activation_bytes_per_micro_batch": layer_bytes * shape.layers_per_stage
@@ -250,6 +269,7 @@ def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespac
         "step_time_s": step_s,
         "required_write_gbps": write_gbps,
         "ssd_gbps": args.ssd_gbps,
+        "bandwidth_considered": args.ssd_gbps is not None,
         "predicted_io_stall_s": plan.io_stall_s,
         "recompute_s": plan.recompute_s,
         "lifespan": lifespan,
@@ -281,7 +301,7 @@ def _print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
           f"ffn={shape.ffn_hidden}, s={shape.seq_len}, b={shape.micro_batch}, {dtype}, "
           f"tp={shape.tp}, pp={shape.pp}, sp={shape.sequence_parallel}, "
           f"flash={shape.flash_attention}, recompute={shape.recompute}")
-    print(f"{'layer':>5}  {'bytes':>18}  decision")
+    print(f"{'layer':>5}  {'bytes':>18}  decision   (layers numbered from 1, as Megatron does)")
     for row in r["layers"]:
         print(f"{row['layer']:>5}  {row['bytes']:>18,}  {row['decision']}")
     kept = sum(1 for row in r["layers"] if row["decision"] == KEEP)
@@ -306,10 +326,17 @@ def _print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
         rows.append(("SSD lifespan", "not computed (needs --ssd-tbw and offloaded bytes)"))
     else:
         life = r["lifespan"]
-        rows.append(("SSD lifespan", f"{life['lifespan_years']:.4f} years "
-                                     f"({_bytes(life['bytes_per_day'])} per day)"))
+        rated = life["rated_lifespan_years"]
+        rows.append(("SSD lifespan (rated TBW)", f"{_duration(rated)} at "
+                                                 f"{_bytes(life['bytes_per_day'])} per day"))
+        rows.append(("SSD lifespan (paper)", f"{life['lifespan_years']:.4f} years = rated x "
+                                             f"{life['lifespan_years'] / rated:g} (WAF correction "
+                                             f"{WAF_RATED:g}/{WAF:g} x retention factor "
+                                             f"{RETENTION_FACTOR:g}: estimates)"))
     best = r["largest_micro_batch"]
     rows.append((f"largest micro-batch in {r['memory_budget_bytes'] / 1e9:g} GB",
-                 f"keep {best['keep']}, offload {best['offload']}, recompute {best['recompute']}"))
+                 f"keep {best['keep']}, offload {best['offload']}, recompute {best['recompute']}"
+                 + ("" if r["bandwidth_considered"] else
+                    " (offload: bandwidth not considered; give --ssd-gbps)")))
     for name, value in rows:
         print(f"{name:<28} {value}")

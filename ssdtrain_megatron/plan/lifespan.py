@@ -1,12 +1,15 @@
 """SSD lifespan under activation offloading (the SSDTrain paper, Sec. III-D).
 
-endurance = drives x rated TBW x (waf_rated / waf) x retention_factor
-lifespan  = endurance / (write_gbps x write_fraction)
+rated lifespan = drives x rated TBW / (write_gbps x write_fraction): what the vendor's rating
+                 promises, the figure to plan with
+endurance      = drives x rated TBW x (waf_rated / waf) x retention_factor
+lifespan       = endurance / (write_gbps x write_fraction): the paper's estimate
 
 Drive ratings assume a write-amplification factor of about 2.5 (random small writes); the
 offloader's large sequential writes give about 1, so the same flash absorbs 2.5x the host bytes.
 Activations live for seconds, so the 3-year data retention the rating assumes can be relaxed
-to about a day, which the paper estimates at 86x more program/erase cycles.
+to about a day, which the paper estimates at 86x more program/erase cycles. Neither factor is
+a vendor's promise: ``ssdtrain lifespan`` prints the rated lifespan first.
 
 Units are decimal: 1 TB = 1e12 bytes, 1 GB = 1e9 bytes; a year is 365.25 days.
 """
@@ -32,7 +35,8 @@ class Lifespan:
     """How long a set of drives lasts at a given write rate (decimal units)."""
 
     lifespan_years: float
-    """Years (of 365.25 days) until the drives' relaxed endurance is written."""
+    """Years (of 365.25 days) until the drives' relaxed endurance is written (the WAF
+    correction and the retention factor applied: the paper's estimate)."""
 
     endurance_bytes: float
     """Bytes the drives absorb: drives x TBW x 1e12 x (waf_rated / waf) x retention_factor."""
@@ -40,9 +44,17 @@ class Lifespan:
     bytes_per_day: float
     """Bytes written per day: write_gbps x 1e9 x write_fraction x 86400."""
 
+    rated_lifespan_years: float = 0.0
+    """Years until the drives' rated TBW (drives x TBW, no factor) is written."""
+
+    @property
+    def adjustment(self) -> float:
+        """lifespan_years / rated_lifespan_years: the WAF correction x the retention factor."""
+        return self.lifespan_years / self.rated_lifespan_years if self.rated_lifespan_years else 0.0
+
     def to_dict(self) -> dict:
         return {"lifespan_years": self.lifespan_years, "endurance_bytes": self.endurance_bytes,
-                "bytes_per_day": self.bytes_per_day}
+                "bytes_per_day": self.bytes_per_day, "rated_lifespan_years": self.rated_lifespan_years}
 
 
 def _positive(name: str, value: Any) -> float:
@@ -85,6 +97,7 @@ def ssd_lifespan(drives: int, tbw_per_drive_tb: float, write_gbps: float, write_
     endurance = endurance_bytes(drives, tbw_per_drive_tb, waf_rated=waf_rated, waf=waf,
                                 retention_factor=retention_factor)
     bytes_per_second = write_gbps * 1e9 * write_fraction
-    years = endurance / (bytes_per_second * SECONDS_PER_DAY * DAYS_PER_YEAR)
-    return Lifespan(lifespan_years=years, endurance_bytes=endurance,
-                    bytes_per_day=bytes_per_second * SECONDS_PER_DAY)
+    year = bytes_per_second * SECONDS_PER_DAY * DAYS_PER_YEAR
+    return Lifespan(lifespan_years=endurance / year, endurance_bytes=endurance,
+                    bytes_per_day=bytes_per_second * SECONDS_PER_DAY,
+                    rated_lifespan_years=drives * tbw_per_drive_tb * 1e12 / year)

@@ -28,13 +28,16 @@ class LayerStats:
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one training step did with its activations."""
+    """What one training step did with its activations (README: "Reading the numbers")."""
 
     step: int
+    """This offloader's count of finished steps before this one (0 for its first step); the
+    stats JSONL also has ``iteration`` = step + 1, the number the demo prints."""
     bytes_offloaded: int
     """Bytes written to the engine (successfully)."""
     bytes_read: int
-    """Bytes read back for backward."""
+    """Bytes read back for backward. Less than bytes_offloaded when tensors were forwarded
+    (below) or released without being needed."""
     bytes_deduplicated: int
     """Bytes not written because the same tensor was already recorded."""
     tensors_offloaded: int
@@ -42,20 +45,31 @@ class StepStats:
     """Saved tensors left to autograd: parameters, small tensors, other devices, subclasses,
     tensors re-created during recomputation."""
     tensors_kept: int
+    """Tensors recorded but kept in memory by the plan (the last keep_last_layers layers of a
+    micro-batch whose backward comes next, layers the plan keeps)."""
     tensors_forwarded: int
-    """Unpacks served from memory without a read (write still in flight, or tensor alive)."""
+    """Unpacks served from memory without a read (write still in flight, or tensor alive):
+    their bytes were written but never read back."""
     io_wait_s: float
     """Time the training threads blocked on IO (back-pressure in forward, reads in backward)."""
     peak_resident_bytes: int
     """Peak bytes of recorded activations held in memory at once."""
     write_gbps: float
+    """bytes_offloaded over the time the engine was busy writing (10^9 bytes per second)."""
     read_gbps: float
+    """bytes_read over the time the engine was busy reading."""
     bytes_on_disk: int
     """Bytes still on disk after the step (0 unless something leaked)."""
     fallbacks: int
-    """Writes that failed and were kept in memory instead."""
+    """Writes that failed (a full disk, an IO error) and were kept in memory instead."""
     step_time_s: float
+    """Seconds from the step's first forward to end_step(): forward and backward of all its
+    micro-batches."""
     layers: Tuple[LayerStats, ...] = ()
+    iteration_time_s: float = 0.0
+    """Seconds since the previous end_step() (the first step: since its first forward): the
+    whole iteration, optimizer and data loading included. The adaptive planner weighs
+    io_wait_s against it."""
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -63,11 +77,15 @@ class StepStats:
         return d
 
     def summary(self) -> str:
+        """One line: what was written and read, how fast, what waited, what stayed in memory;
+        fallbacks (writes that did not reach the drive) whenever there were any."""
+        fell = (f", {self.fallbacks} FALLBACK{'S' if self.fallbacks != 1 else ''} (writes that "
+                f"failed and stayed in memory)") if self.fallbacks else ""
         return (f"offloaded {self.bytes_offloaded / 1e6:.1f} MB in {self.tensors_offloaded} tensors "
                 f"(read {self.bytes_read / 1e6:.1f} MB, dedup {self.bytes_deduplicated / 1e6:.1f} MB, "
                 f"forwarded {self.tensors_forwarded}), write {self.write_gbps:.2f} GB/s, "
                 f"read {self.read_gbps:.2f} GB/s, io wait {self.io_wait_s * 1e3:.1f} ms, "
-                f"peak resident {self.peak_resident_bytes / 1e6:.1f} MB")
+                f"peak resident {self.peak_resident_bytes / 1e6:.1f} MB{fell}")
 
 
 @dataclass
@@ -113,7 +131,7 @@ class StepCounters:
             self.timeline.append((time.perf_counter(), self.resident_bytes))
 
     def freeze(self, step: int, write: Tuple[int, float], read: Tuple[int, float], bytes_on_disk: int,
-               step_time_s: float) -> StepStats:
+               step_time_s: float, iteration_time_s: float = 0.0) -> StepStats:
         rows = tuple(LayerStats(layer=str(k), bytes=a.bytes, bytes_offloaded=a.bytes_offloaded,
                                 tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s,
                                 forward_s=a.forward_s)
@@ -124,7 +142,8 @@ class StepCounters:
             tensors_passed_through=self.tensors_passed_through, tensors_kept=self.tensors_kept,
             tensors_forwarded=self.tensors_forwarded, io_wait_s=self.io_wait_s,
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
-            bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows)
+            bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,
+            iteration_time_s=iteration_time_s)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -141,8 +160,11 @@ def _sort_key(k: Hashable):
 
 
 def append_jsonl(path: str, stats: StepStats, extra: Optional[dict] = None) -> None:
-    """Append one step to a JSONL file (created if missing)."""
+    """Append one step to a JSONL file (created if missing): the StepStats fields, ``iteration``
+    (step + 1) and ``extra`` (the offloader adds its ``policy``, so that several offloaders,
+    e.g. the demo's keep and offload, can share one file)."""
     record = stats.as_dict()
+    record["iteration"] = stats.step + 1
     if extra:
         record.update(extra)
     parent = os.path.dirname(os.path.abspath(path))

@@ -4,6 +4,10 @@ Engines call ``on_io`` from their worker threads when a request completes; the o
 each key with its context (step, micro-batch, layer, phase) when it submits the request.
 Records are buffered in memory and appended to the file at the end of each step, so tracing
 costs no file IO on the hot path.
+
+Times: ``t`` is seconds since the tracer started (the offloader was built), for plots of one
+rank; ``wall`` is the same instant as a Unix time, to line several ranks' traces up with each
+other and with Megatron's log.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class IOTracer:
         self.path = path
         self.rank = rank
         self._t0 = time.perf_counter()
+        self._wall0 = time.time()  # the same instant on the wall clock
         self._lock = threading.Lock()
         self._context: Dict[int, Tuple[int, Optional[str], Optional[str], str]] = {}
         self._rows: List[str] = []
@@ -35,7 +40,8 @@ class IOTracer:
         with self._lock:
             step, mb, layer, phase = self._context.get(key, (-1, None, None, "step_end"))
             self._rows.append(json.dumps({
-                "t": round(t_submit - self._t0, 9), "rank": self.rank, "step": step, "microbatch": mb,
+                "t": round(t_submit - self._t0, 9), "wall": round(self._wall0 + t_submit - self._t0, 6),
+                "rank": self.rank, "step": step, "microbatch": mb,
                 "layer": layer, "phase": phase, "op": op, "bytes": nbytes, "file": path, "offset": offset,
                 "latency_s": round(t_done - t_submit, 9), "queue_depth": queue_depth}))
 

@@ -1,0 +1,27 @@
+"""Bitwise comparison of tensors, as the numerics contract means it.
+
+``torch.equal`` compares values: +0.0 equals -0.0 and NaN equals nothing, so two runs that
+differ in the sign of a zero pass and two identical runs with a NaN fail. These compare the
+bits, through integer views of floating-point tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers with the same bytes (floating-point and complex), else ``t``."""
+    t = t.detach()
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        if t.dtype.is_complex:
+            t = torch.view_as_real(t)
+        return t.contiguous().view(_INT_OF_SIZE[t.element_size()])
+    return t
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, same shape, same bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))

@@ -1,0 +1,237 @@
+"""The offloader's hot path: what IO threads may hold, how their errors reach the training
+thread, and what each tensor is counted as (issue 14's defects 1-3, each a regression test
+that failed before its fix)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ssdtrain_megatron import ActivationOffloader
+from ssdtrain_megatron.cache.record import TensorRecord
+from ssdtrain_megatron.io.memory import PoolFull
+import tests.test_engines as engine_suite
+from tests.test_engines import ALL, _param
+from tests.test_offloader import cfg, files_under
+
+MIB16 = 16 << 20
+open_engine = engine_suite.open_engine  # the engine suite's fixture
+
+
+def _gone(ref: StorageWeakRef, poll=None) -> bool:
+    """Whether the storage is freed; IO threads get a moment to come back to their queue
+    (the regression kept it alive for good, so a short grace does not hide it)."""
+    for _ in range(50):
+        if poll is not None:
+            poll()
+        gc.collect()
+        if ref.expired():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# -- defect 1: IO worker threads kept the last tensor they handled alive ---------------------
+
+
+@pytest.mark.parametrize("queue_api", [False, True], ids=["futures", "completions"])
+@pytest.mark.parametrize("name", [_param(n) for n in ALL])
+def test_io_threads_do_not_keep_a_written_and_read_tensor_alive(open_engine, name, queue_api):
+    engine = open_engine(name, host_memory_bytes=64 << 20 if name != "tiered" else 0)
+    done = None
+    if queue_api:
+        import queue
+
+        done = engine.completions = queue.SimpleQueue()
+    data = torch.randint(0, 256, (MIB16,), dtype=torch.uint8)
+    out = torch.empty_like(data)
+    refs = [StorageWeakRef(data.untyped_storage()), StorageWeakRef(out.untyped_storage())]
+    fut = engine.write(0, data)
+    assert (done.get(timeout=30) == (0, None)) if queue_api else fut.result(30) == MIB16
+    fut = engine.read(0, out)
+    assert (done.get(timeout=30) == (0, None)) if queue_api else fut.result(30) == MIB16
+    assert torch.equal(out, data)
+    del data, out, fut
+    assert _gone(refs[0]), f"{name}: a thread still holds the 16 MiB tensor that was written"
+    assert _gone(refs[1]), f"{name}: a thread still holds the 16 MiB tensor that was read into"
+
+
+def test_an_offloaded_tensor_is_freed_once_written_and_dropped(offload_dir):
+    """What defect 1 looked like to a user: 16 MiB written, waited for and dropped by the
+    model, still alive (and uncounted in peak_resident_bytes)."""
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        x = torch.randn(MIB16 // 4, requires_grad=True)
+        with off.microbatch(0):
+            a = x.mul(2)
+            b = a.sin()  # saves a
+        ref = StorageWeakRef(a.untyped_storage())
+        off.wait_writes()
+        del a, b
+        assert _gone(ref, off.wait_writes)  # wait_writes also processes dropped handles
+        st = off.end_step()
+    assert st.bytes_offloaded == MIB16 and st.bytes_read == 0
+
+
+# -- defect 2: errors in completion handling were dropped; engine bugs became "fallbacks" ----
+
+
+class OutOfMemory(RuntimeError):
+    pass
+
+
+def test_an_error_finishing_a_read_reaches_backward_unchanged_at_once(offload_dir, monkeypatch):
+    """finish_read raising (say, out of memory) must surface in backward as that very error,
+    not as an IOTimeout io_timeout_s later (it was raised on an IO thread and lost)."""
+    error = OutOfMemory("CUDA out of memory (test)")
+
+    def finish_read(self):
+        raise error
+
+    monkeypatch.setattr(TensorRecord, "finish_read", finish_read)
+    lin = nn.Linear(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, io_timeout_s=5)) as off:
+        with off.microbatch(0):
+            out = lin(torch.randn(64, 256)).sin()
+        off.wait_writes()
+        t0 = time.monotonic()
+        with pytest.raises(OutOfMemory) as info:
+            out.sum().backward()
+        assert info.value is error
+        assert time.monotonic() - t0 < 4, "waited for a timeout instead of raising at once"
+        monkeypatch.undo()  # other reads (prefetched) finish normally from here on
+        del out
+        off.end_step()
+    assert files_under(offload_dir) == []
+
+
+def test_a_bug_in_the_engine_write_propagates_instead_of_falling_back(offload_dir, monkeypatch, caplog):
+    lin = nn.Linear(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        def broken(key, data, event=None):
+            raise TypeError("engine bug (test)")
+
+        monkeypatch.setattr(off.engine, "write", broken)
+        with pytest.raises(TypeError, match="engine bug"):
+            with off.microbatch(0):
+                lin(torch.randn(64, 256)).sin()
+    assert "fallback" not in caplog.text
+
+
+def test_a_full_memory_pool_still_falls_back_to_keeping_the_tensor(offload_dir, monkeypatch):
+    lin = nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    ref = lin(x).sin().sum()
+    ref.backward()
+    ref_grad = lin.weight.grad.clone()
+    lin.weight.grad = None
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        def full(key, data, event=None):
+            raise PoolFull("host memory pool full (test)")
+
+        monkeypatch.setattr(off.engine, "write", full)
+        with off.microbatch(0):
+            out = lin(x).sin().sum()
+        out.backward()
+        st = off.end_step()
+    assert st.fallbacks == st.tensors_kept == 2 and st.bytes_offloaded == 0  # input and output of lin
+    assert torch.equal(lin.weight.grad.view(torch.int32), ref_grad.view(torch.int32))
+
+
+# -- defect 3: tensors_forwarded counted twice -----------------------------------------------
+
+
+class WriteGate:
+    """A fault hook that holds every write until opened (writes in flight as long as we like)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def __call__(self, op, path, offset):
+        if op == "write":
+            self.open.wait(60)
+        return None
+
+
+def test_a_tensor_forwarded_while_its_write_is_in_flight_counts_once(offload_dir):
+    """Unpacked while its write is in flight (forwarded from memory), and still referenced
+    when the write completes: one forward, not two (2 tensors reported 4 before)."""
+    lin = nn.Linear(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        gate = off.engine.fault = WriteGate()
+        x = torch.randn(64, 256, requires_grad=True)
+        with off.microbatch(0):
+            h = lin(x)
+            out = (h.sin() * h.cos()).sum()  # saves h twice (deduplicated) and sin/cos outputs
+            del h
+        torch.autograd.grad(out, [x], retain_graph=True)  # unpacks while the writes are held
+        gate.open.set()
+        off.wait_writes()
+        torch.autograd.grad(out, [x])
+        del out
+        st = off.end_step()
+    assert st.tensors_offloaded >= 2
+    assert st.tensors_forwarded == st.tensors_offloaded, st
+    assert st.bytes_read == 0
+
+
+# -- reads before writes; writes of released tensors are cancelled ----------------------------
+
+
+class HeldWrites:
+    """Holds the IO thread inside the first write after ``hold()`` until ``release()``."""
+
+    def __init__(self) -> None:
+        self.held, self.entered, self.go = False, threading.Event(), threading.Event()
+
+    def __call__(self, op, path, offset):
+        if op == "write" and self.held and not self.go.is_set():
+            self.entered.set()
+            self.go.wait(60)
+        return None
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in ("posix", "aio")])
+def test_a_read_never_waits_behind_queued_writes(open_engine, name):
+    import queue
+
+    engine = open_engine(name, io_threads=1)
+    done = engine.completions = queue.SimpleQueue()
+    gate = engine.fault = HeldWrites()
+    data = torch.randint(0, 256, (4 * 4096,), dtype=torch.uint8)
+    engine.write(0, data)
+    assert done.get(timeout=30) == (0, None)
+    gate.held = True
+    for key in (1, 2, 3):  # 1 holds the only write thread; 2 and 3 wait in the queue
+        engine.write(key, data.clone())
+    assert gate.entered.wait(30)
+    out = torch.empty_like(data)
+    engine.read(0, out)
+    gate.go.set()
+    order = [done.get(timeout=30) for _ in range(4)]
+    assert all(exc is None for _, exc in order), order
+    keys = [k for k, _ in order]
+    assert keys.index(0) < keys.index(2) and keys.index(0) < keys.index(3), keys
+    assert torch.equal(out, data)
+
+
+def test_a_queued_write_of_a_released_tensor_is_cancelled(offload_dir):
+    lin = nn.Linear(256, 256)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, io_threads=1)) as off:
+        gate = off.engine.fault = HeldWrites()
+        gate.held = True
+        with off.microbatch(0):
+            outs = [lin(torch.randn(64, 256)).sin() for _ in range(3)]  # 6 saved tensors
+        assert gate.entered.wait(30)  # the first write holds the only IO thread
+        del outs  # no backward: every record is released, most writes still queued
+        off.poll()
+        gate.go.set()
+        st = off.end_step()
+    assert st.tensors_offloaded == 1, st  # the write that had started; the others cancelled
+    assert st.bytes_offloaded == 64 * 256 * 4 and st.bytes_on_disk == 0 and st.fallbacks == 0
+    assert files_under(offload_dir) == []

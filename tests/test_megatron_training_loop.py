@@ -1,0 +1,175 @@
+"""Megatron-LM's own training loop (``megatron.training.pretrain``, shipped in the megatron-core
+0.17+ wheels) with and without ``--ssd-offload``, TP=2 x PP=2 on 4 CPU processes over gloo.
+
+``tests/megatron_lm_wheel_pretrain.py`` is a GPT pretraining script of the shape of Megatron-LM's
+``pretrain_gpt.py`` (GPT model provider, mock data, ``lm loss``). It runs under torchrun twice:
+as itself, and through the launcher (``python -m ssdtrain_megatron.launch SCRIPT ...
+--ssd-offload``), whose hooks add the flags to Megatron's parser and call ``install()`` right
+after ``initialize_megatron``. The CPU shims (CUDA stand-ins, ``typing.override`` on Python
+3.11) come from ``tests/megatron_lm_cpu_compat.py`` through a generated ``sitecustomize.py``;
+they say why each is needed.
+
+Compared, offloaded against plain: Megatron's logged ``lm loss`` per iteration (its 7-digit
+line), the exact loss of every micro-batch on the last stage (``float.hex``), and a SHA-256 of
+every rank's parameters at the start of each iteration. Every rank must have written and read
+back bytes in every step, and left nothing on disk.
+
+Skipped on megatron-core 0.16 (its wheel has no ``megatron.training``); run in the default
+suite only where the installed megatron-core is 0.17+ (``make test-mcore-0.19`` etc.). A run
+takes about 1-2 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+pytest.importorskip("megatron.core")
+
+from ssdtrain_megatron.megatron import compat  # noqa: E402
+
+_RELEASE = compat.release_for(compat.megatron_core_version())
+
+pytestmark = pytest.mark.skipif(
+    not _RELEASE.ships_training or importlib.util.find_spec("megatron.training") is None,
+    reason=f"megatron-core {compat.megatron_core_version()} ships no megatron.training (0.17+ "
+           "do): run `make test-mcore-0.17` (or 0.18, 0.19)")
+
+SCRIPT = os.path.join(HERE, "megatron_lm_wheel_pretrain.py")
+ITERATIONS = 3
+NPROC = 4  # TP=2 x PP=2
+MICROBATCHES = 4  # global 8 / micro 2 / data-parallel 1
+RUN_TIMEOUT_S = 480
+
+# A tiny GPT; --clip-grad 0: Megatron's clipping asserts CUDA gradients. -- the fusions and
+# CUDA-only kernels are off (the local layer spec on the CPU).
+TINY_GPT = [
+    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", str(ITERATIONS), "--lr", "1e-4", "--min-lr", "1e-5",
+    "--lr-decay-style", "constant", "--clip-grad", "0", "--seed", "1234",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+    "--distributed-backend", "gloo", "--transformer-impl", "local",
+    "--position-embedding-type", "rope",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+]
+
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> str:
+    import megatron_lm_cpu_compat
+
+    folder = str(tmp_path_factory.mktemp("site"))
+    megatron_lm_cpu_compat.write_sitecustomize(folder, None)
+    return folder
+
+
+def _torchrun(program: List[str], site: str, cwd: str, record: str) -> str:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([site, os.path.dirname(HERE)]
+                                        + [p for p in [env.get("PYTHONPATH")] if p])
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron asserts it for TP > 1
+    env["OMP_NUM_THREADS"] = "1"
+    env["SSDTRAIN_TEST_RECORD"] = record
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(NPROC), *program]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-8000:]}")
+    return proc.stdout
+
+
+class Run:
+    """What one training run logged and recorded."""
+
+    def __init__(self, output: str, record: str) -> None:
+        self.output = output
+        self.logged: List[Tuple[int, str]] = [(int(i), loss)
+                                              for i, loss in _ITERATION.findall(output)]
+        self.records: Dict[int, List[dict]] = {}
+        for rank in range(NPROC):
+            path = os.path.join(record, f"rank{rank}.jsonl")
+            with open(path, encoding="utf-8") as fh:
+                self.records[rank] = [json.loads(line) for line in fh if line.strip()]
+
+    def losses(self, rank: int) -> List[str]:
+        return [r["loss"] for r in self.records[rank] if "loss" in r]
+
+    def parameter_hashes(self, rank: int) -> List[str]:
+        return [r["params"] for r in self.records[rank] if "params" in r]
+
+
+def _run(tmp_path, site: str, name: str, extra: List[str], launcher: bool) -> Run:
+    record = tmp_path / f"record-{name}"
+    record.mkdir()
+    program = (["-m", "ssdtrain_megatron.launch"] if launcher else []) + [SCRIPT, *TINY_GPT,
+                                                                          *extra]
+    return Run(_torchrun(program, site, str(tmp_path), str(record)), str(record))
+
+
+@pytest.fixture(scope="module")
+def runs(site, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("training-loop")
+    root, stats = tmp / "ssd", tmp / "stats.jsonl"
+    root.mkdir()
+    plain = _run(tmp, site, "plain", [], launcher=False)
+    # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default.
+    offload = _run(tmp, site, "offload",
+                   ["--ssd-offload", "--ssd-offload-dir", str(root),
+                    "--ssd-offload-stats-path", str(stats), "--ssd-offload-min-tensor-bytes",
+                    "0"], launcher=True)
+    with open(stats, encoding="utf-8") as fh:
+        steps = [json.loads(line) for line in fh if line.strip()]
+    return plain, offload, steps, str(root)
+
+
+def test_megatron_logs_the_same_lm_loss_with_and_without_ssd_offload(runs):
+    plain, offload, _, _ = runs
+    assert [i for i, _ in plain.logged] == list(range(1, ITERATIONS + 1)), plain.output[-4000:]
+    assert offload.logged == plain.logged
+    assert "ssdtrain: rank 0 offloads activations to" in offload.output
+    assert "ssdtrain: rank 0 offloads activations to" not in plain.output
+
+
+def test_every_micro_batch_loss_is_bitwise_equal(runs):
+    plain, offload, _, _ = runs
+    last_stage = [rank for rank in range(NPROC) if plain.losses(rank)]
+    assert len(last_stage) == 2  # the two tensor-parallel ranks of the last pipeline stage
+    for rank in last_stage:
+        assert len(plain.losses(rank)) == ITERATIONS * MICROBATCHES
+        assert offload.losses(rank) == plain.losses(rank), rank
+
+
+def test_parameters_are_bitwise_equal_at_every_iteration_on_every_rank(runs):
+    plain, offload, _, _ = runs
+    for rank in range(NPROC):
+        hashes = plain.parameter_hashes(rank)
+        assert len(hashes) == ITERATIONS
+        assert len(set(hashes)) == ITERATIONS  # the optimizer did change the weights
+        assert offload.parameter_hashes(rank) == hashes, rank
+
+
+def test_every_rank_wrote_and_read_back_bytes_in_every_step(runs):
+    _, _, steps, root = runs
+    assert len(steps) == NPROC * ITERATIONS, steps
+    assert all(s["bytes_offloaded"] > 0 and s["bytes_read"] > 0 for s in steps), \
+        [(s["bytes_offloaded"], s["bytes_read"]) for s in steps]
+    assert all(s["bytes_on_disk"] == 0 for s in steps)
+    assert os.listdir(root) == [], "offload files were left behind"
