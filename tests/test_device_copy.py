@@ -18,6 +18,7 @@ For each tensor the offloader hands to the engine, the chain asserted is:
 
 from __future__ import annotations
 
+import threading
 import types
 from concurrent.futures import Future
 from typing import List, Optional
@@ -445,3 +446,32 @@ def test_cuda_every_offloaded_tensor_is_ordered_and_bitwise(tmp_path, monkeypatc
     ref = _reference(dev, compact)
     torch.cuda.synchronize()
     _bitwise(ref, grads)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_engines_wait_for_the_read_event_before_writing_into_the_destination(tmp_path, monkeypatch, engine):
+    """The event a read is given stands for kernels that still use the destination's memory
+    (it was just allocated on a stream they run on): in this stand-in its synchronize() is
+    where they finish, scribbling over the memory. Bytes written before it would be lost."""
+    config = _config(tmp_path, engine, host_memory_bytes=1 << 20)
+    eng = _engine(engine, config, monkeypatch)
+    try:
+        data = torch.arange(300_000, dtype=torch.int32).view(torch.uint8)[:1_000_000].clone()
+        eng.write(0, data).result(30)
+        out = torch.empty_like(data)
+
+        class StillInUse:  # like a CUDA event: the first wait sees the kernels finish
+            calls = 0
+            lock = threading.Lock()
+
+            def synchronize(self):
+                with StillInUse.lock:
+                    StillInUse.calls += 1
+                    if StillInUse.calls == 1:
+                        out.fill_(7)
+
+        eng.read(0, out, StillInUse()).result(30)
+        assert StillInUse.calls >= 1
+        assert torch.equal(out, data)
+    finally:
+        eng.close()
