@@ -58,6 +58,11 @@ def torch_report() -> Dict[str, Any]:
     return out
 
 
+MEGATRON_DEEPSPEED_DEEPSPEED = "0.19.0"
+"""The DeepSpeed release Megatron-DeepSpeed (master 4efb479d) trains with (setup.py's
+``megatron-deepspeed`` extra; tests/test_megatron_deepspeed_pretrain.py)."""
+
+
 def packages_report() -> Dict[str, Any]:
     return {
         "megatron-core": _version("megatron-core"),
@@ -211,12 +216,20 @@ def render(r: Dict[str, Any]) -> str:
         (f"{len(t['gpus'])} GPU(s): " + ", ".join(f"{g['name']} {gib(g['memory_bytes'])}" for g in t["gpus"])
          if t["cuda_available"] else "no GPU visible (the demo and bench run on the CPU)")
     lines.append(f"{'torch':<18} {t['version']}, {cuda}")
+    from .megatron.compat import SUPPORTED_MEGATRON_CORE
+
     mc = pk["megatron-core"]
-    lines.append(f"{'megatron-core':<18} " + (f"{mc}" + ("" if mc.startswith("0.16") else
-                                                   " (this release is tested with 0.16.x)")
+    tested = ", ".join(f"{v}.x" for v in SUPPORTED_MEGATRON_CORE)
+    lines.append(f"{'megatron-core':<18} " + (f"{mc}" + ("" if mc.rsplit(".", 1)[0] in SUPPORTED_MEGATRON_CORE else
+                                                   f" (install() supports {tested}; it will refuse this one)")
                                       if mc else "not installed (pip install 'ssdtrain-megatron[megatron]')"))
     for name in ("transformer-engine", "apex", "deepspeed", "kvikio"):
-        lines.append(f"{name:<18} {pk[name] or 'not installed'}")
+        note = ""
+        if name == "deepspeed" and pk[name] and pk[name] != MEGATRON_DEEPSPEED_DEEPSPEED:
+            note = (f" (Megatron-DeepSpeed 4efb479d needs DeepSpeed {MEGATRON_DEEPSPEED_DEEPSPEED}: "
+                    "its training.py imports deepspeed.compression.compress, gone in 0.19.8; "
+                    "pip install 'ssdtrain-megatron[megatron-deepspeed]')")
+        lines.append(f"{name:<18} {pk[name] or 'not installed'}{note}")
     lines.append("engines:")
     for name, e in r["engines"].items():
         lines.append(f"  {name:<8} " + ("available" if e["available"] else f"unavailable: {e['why_not']}"))

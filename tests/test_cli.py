@@ -352,3 +352,23 @@ def test_clean_says_when_a_template_matches_nothing(tmp_path, capsys):
     rc, out, err = run_cli(["clean", str(tmp_path / "{job}")], capsys)
     assert rc == 0
     assert err == f"ssdtrain clean: {tmp_path / '{job}'}: no directory matches\n"
+
+
+@pytest.mark.parametrize("deepspeed,megatron_core,says", [
+    ("0.19.8", "0.19.2", ["needs DeepSpeed 0.19.0"]),
+    ("0.19.0", "0.15.3", ["it will refuse this one"]),
+])
+def test_doctor_names_the_releases_megatron_needs(tmp_path, capsys, monkeypatch, deepspeed, megatron_core, says):
+    from ssdtrain_megatron import doctor
+
+    real = doctor.packages_report
+    monkeypatch.setattr(doctor, "packages_report",
+                        lambda: {**real(), "deepspeed": deepspeed, "megatron-core": megatron_core})
+    rc, out, _ = run_cli(["doctor", "--dir", str(tmp_path)], capsys)
+    assert rc == 0
+    for text in says:
+        assert text in out
+    ds = next(line for line in out.splitlines() if line.startswith("deepspeed "))
+    assert ("needs DeepSpeed 0.19.0" in ds) == (deepspeed != "0.19.0")
+    mc = next(line for line in out.splitlines() if line.startswith("megatron-core "))
+    assert ("refuse" in mc) == (megatron_core == "0.15.3")
