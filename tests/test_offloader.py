@@ -110,7 +110,6 @@ def test_reallocated_memory_is_not_deduplicated(offload_dir):
         sum(o.sum() for o in outs).backward()
         st = off.end_step()
     assert any(reused), "the premise never held: no new tensor got a freed address"
-    assert st.bytes_read > 0  # (the inputs x and x2, saved every round, are deduplicated)
     g = lin2.weight.grad.clone()
     lin2.weight.grad = None
     sum(lin2(x2).sin().sum() for _ in outs).backward()
