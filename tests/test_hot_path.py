@@ -203,7 +203,8 @@ def test_a_read_never_waits_behind_queued_writes(open_engine, name):
     engine = open_engine(name, io_threads=1)
     done = engine.completions = queue.SimpleQueue()
     gate = engine.fault = HeldWrites()
-    data = torch.randint(0, 256, (4 * 4096,), dtype=torch.uint8)
+    # One chunk each: queued writes cannot merge into the run the held write is in.
+    data = torch.randint(0, 256, (engine_suite.CHUNK,), dtype=torch.uint8)
     engine.write(0, data)
     assert done.get(timeout=30) == (0, None)
     gate.held = True

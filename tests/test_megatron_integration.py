@@ -74,12 +74,23 @@ def _under(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
+NOTHING_TO_READ = {
+    # The last stage under full recompute saves only each layer's checkpointed input, which
+    # the 1F1B schedule still holds when that micro-batch's backward runs at once: forwarded.
+    "pp2_recompute_full": {1: "last stage, full recompute"},
+}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_offloaded_training_is_bitwise_equal_to_plain_training(layout, runs):
+    read = {}
     for r in runs(layout):
         assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == [], r.rank
-        # Equality alone could come from tensors that never left: this rank read bytes back.
-        assert sum(s["bytes_read"] for s in r.phases["offload"].offload["steps"]) > 0, r.rank
+        read[r.rank] = sum(s["bytes_read"] for s in r.phases["offload"].offload["steps"])
+    # Equality alone could come from tensors that never left: every rank read bytes back,
+    # but where the layout leaves nothing to read (see NOTHING_TO_READ).
+    assert all(n > 0 for rank, n in read.items() if rank not in NOTHING_TO_READ.get(layout, {})), read
+    assert sum(read.values()) > 0, read
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

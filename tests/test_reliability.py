@@ -108,7 +108,7 @@ def test_disk_full_mid_step_falls_back_and_stays_bitwise_equal(small_fs, caplog)
     with ActivationOffloader(cfg(mnt, keep_last_layers=0)) as off:
         (rank_dir,) = off.rank_dirs
         _fill(mnt, leave=1 << 20)  # a step needs several MiB at its peak: the disk fills mid-step
-        got = run_steps(model, batches, off, steps=2)
+        got = run_steps(model, batches, off, steps=2, wait_writes=True)  # no write cancelled before it meets the full disk
         if kind == "ext4":
             assert off.engine.page_cache_bypassed
     assert_bitwise_equal(ref, got)
