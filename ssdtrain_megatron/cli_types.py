@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional
 
 
 class CommandError(Exception):
@@ -136,33 +136,6 @@ def _probe_file(directory: str):
     import tempfile
 
     return tempfile.mkstemp(prefix=".ssdtrain-probe-", dir=directory)
-
-
-def expand_templates(paths: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """(directories, templates that matched none) for paths that may hold OffloadConfig.dirs
-    placeholders ({job}, {rank}, {local_rank}, {hostname}): each placeholder matches any one
-    path component, so ``/mnt/nvme0/ssdtrain/{job}`` names every job's root there."""
-    import glob
-    import string
-
-    found: List[str] = []
-    unmatched: List[str] = []
-    for path in paths:
-        try:
-            parts = list(string.Formatter().parse(path))
-        except ValueError:
-            parts = [(path, None, None, None)]
-        if all(field is None for _, field, _, _ in parts):
-            found.append(path)
-            continue
-        pattern = "".join(glob.escape(text) + ("*" if field is not None else "")
-                          for text, field, _, _ in parts)
-        matches = sorted(m for m in glob.glob(pattern) if os.path.isdir(m))
-        if matches:
-            found += [m for m in matches if m not in found]
-        else:
-            unmatched.append(path)
-    return found, unmatched
 
 
 def check_engine(flag: str, name: str) -> None:
