@@ -48,6 +48,7 @@ def one_step(off: ActivationOffloader, seed: int = 0) -> None:
     off.register_parameters(model.parameters())
     with off.microbatch(0):
         loss = model(torch.randn(16, 64)).pow(2).mean()
+    off.wait_writes()  # on disk before backward releases them (a queued write would be cancelled)
     loss.backward()
     off.end_step()
 

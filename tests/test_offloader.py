@@ -150,6 +150,7 @@ def test_parameters_never_hit_the_disk(offload_dir):
         with off.microbatch(0):
             x = leaf * 1.0  # an activation that needs grad, so the weights are saved too
             out = (x @ lin.weight.t()).relu() + torch.nn.functional.linear(x, lin.weight)
+        off.wait_writes()  # written before backward releases them (else they may be cancelled)
         out.sum().backward()
         st = off.end_step()
     # Saved: x (twice: dedup), the matmul output (for relu); never the weight or weight.t().

@@ -17,7 +17,8 @@ def cfg(d, **kw):
 def test_summary_names_fallbacks_when_writes_failed(offload_dir):
     with ActivationOffloader(cfg(offload_dir)) as off:
         off.engine.fault = lambda op, path, offset: OSError(28, "No space left on device") if op == "write" else None
-        _, _, stats = run_steps(mlp(), [torch.randn(16, 256)], off, steps=1)
+        # Waited for: a failed write is only counted once the IO thread has tried it.
+        _, _, stats = run_steps(mlp(), [torch.randn(16, 256)], off, steps=1, wait_writes=True)
     st = stats[-1]
     assert st.fallbacks > 0 and st.bytes_offloaded == 0
     assert f"{st.fallbacks} FALLBACKS (writes that failed and stayed in memory)" in st.summary()
