@@ -78,6 +78,7 @@ def test_same_tensor_saved_by_two_ops_is_written_once(offload_dir):
         with off.microbatch(0):
             h = lin(x)
             out = h.sin() + h.cos()  # sin and cos both save h
+        off.wait_writes()  # written before backward releases them (else they may be cancelled)
         g = torch.autograd.grad(out.sum(), lin.weight)[0]
         st = off.end_step()
     nbytes = 64 * 256 * 4

@@ -138,7 +138,10 @@ def _per_tensor_overhead(root, n: int, steps: int = 2) -> dict:
         assert bitwise_equal(a, b)
     st = got[2][-1]
     # Saved per step: the Linear's input, one tensor per Sin, and the loss's input.
-    assert st.tensors_offloaded == n + 2 and st.fallbacks == 0 and st.bytes_on_disk == 0
+    # (Counted as records: a write still queued when backward released its tensor is cancelled,
+    # so how many completed depends on timing.)
+    assert sum(layer.tensors for layer in st.layers) == n + 2
+    assert st.tensors_offloaded > 0 and st.fallbacks == 0 and st.bytes_on_disk == 0
     assert st.bytes_read + st.tensors_forwarded * 4096 >= (n + 2) * 4096
     per = steps * (n + 2) / 1e6
     return {"wall": (best["offload"][0] - best["plain"][0]) / per,

@@ -26,7 +26,7 @@ def test_summary_names_fallbacks_when_writes_failed(offload_dir):
 
 def test_summary_is_silent_about_fallbacks_when_there_are_none(offload_dir):
     with ActivationOffloader(cfg(offload_dir)) as off:
-        _, _, stats = run_steps(mlp(), [torch.randn(16, 256)], off, steps=1)
+        _, _, stats = run_steps(mlp(), [torch.randn(16, 256)], off, steps=1, wait_writes=True)
     assert stats[-1].fallbacks == 0 and stats[-1].bytes_offloaded > 0
     assert "FALLBACK" not in stats[-1].summary()
 
