@@ -15,6 +15,26 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided
+
+
+def offloadable_storage(t: torch.Tensor, device: torch.device,
+                        param_storages: Set[int]) -> Optional[torch.UntypedStorage]:
+    """The pack hook's test, once per saved tensor that is large enough: ``t``'s untyped
+    storage when the offloader may take it, else None. The same rules as :func:`pass_reason`
+    (which says why not), ordered so that an activation reads each attribute once."""
+    if type(t) is not _TENSOR or t.layout is not _STRIDED or t.device != device:
+        return None  # a subclass (or Parameter), a sparse layout, another device
+    if t.requires_grad and t.is_leaf:
+        return None  # a parameter (or a leaf that needs its gradient)
+    base = t._base
+    if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
+        return None  # a view of a parameter
+    storage = t.untyped_storage()
+    if storage._cdata in param_storages:
+        return None
+    return storage
 
 
 def pass_reason(t: torch.Tensor, device: torch.device, param_storages: Set[int],

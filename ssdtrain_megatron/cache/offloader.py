@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
-import functools
 import itertools
 import logging
 import queue
@@ -15,7 +13,6 @@ import torch
 
 from ..config import OffloadConfig
 from ..io import IOEngine, make_engine
-from ..io.memory import PoolFull
 from ..io.layout import Identity, expand_file, free_bytes
 from ..io import cleanup
 from ..io.where import log_roots
@@ -23,59 +20,19 @@ from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
 from .device_copy import DeviceCopy, StreamOps
-from .identity import dedup_key, pass_reason, storage_ref
+from .hooks import SavedTensorHooks
 from .microbatch import MicroBatch
-from .record import IN_FLIGHT, READS, RESIDENT, WRITES, State, TensorRecord
+from .record import TensorRecord
+from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
+
+__all__ = ["ActivationOffloader", "DECISIONS", "EXPECTED_WRITE_REFUSALS", "IOTimeout"]
 
 log = logging.getLogger(__name__)
 
 DECISIONS = ("offload", "keep", "recompute")
 
 
-def _is_disk_full(exc: Optional[BaseException]) -> bool:
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return True
-        exc = exc.__cause__
-    return False
-
-
-class IOTimeout(RuntimeError):
-    """An IO wait exceeded ``io_timeout_s``; the message says what was pending."""
-
-
-# What engine.write may raise for a tensor it cannot take, documented as "keep it in memory
-# instead": the host pool is full. Anything else raised there is a bug and propagates.
-EXPECTED_WRITE_REFUSALS = (PoolFull,)
-
-_DROP = object()
-"""Event outcome: the last reference to a handle went away (the event's first item is the record)."""
-
-
-class _Handle:
-    """What autograd holds instead of an offloaded tensor. Dropping the last handle of a record
-    (autograd frees saved tensors right after their backward node runs) releases it.
-
-    ``__del__`` runs on whatever thread drops the last reference (autograd's device threads,
-    the GC inside any allocation): it takes no lock and touches no state, it only queues the
-    drop for the owner, which processes it at its next pack, unpack or step end."""
-
-    __slots__ = ("record", "events")
-
-    def __init__(self, record: TensorRecord, events: "queue.SimpleQueue") -> None:
-        self.record = record
-        self.events = events
-
-    def __del__(self) -> None:
-        self.events.put((self.record, _DROP))
-
-
-def _relay(events: "queue.SimpleQueue", key: int, fut) -> None:
-    """For an engine that returns Futures instead of reporting to ``completions``."""
-    events.put((key, fut.exception()))
-
-
-class ActivationOffloader:
+class ActivationOffloader(SavedTensorHooks, RecordIO):
     """Offload the activations autograd saves to SSD (or another engine) and bring them back.
 
     Forward runs inside ``microbatch(mb)`` (optionally ``layer(i)`` per layer); each saved
@@ -147,7 +104,12 @@ class ActivationOffloader:
                                     direct=getattr(self._engine, "device_direct", False))
         self._ids = itertools.count()
         self._records: Dict[int, TensorRecord] = {}
-        self._dedup: Dict[tuple, tuple] = {}
+        self._dedup: Dict[tuple, TensorRecord] = {}  # identity (identity.py) -> its record
+        # Weak references to the storages of this step's records (plain ints): while one is
+        # held, that storage's address cannot be reused, so a key in _dedup names one storage.
+        self._storage_refs: List[int] = []
+        self._min_bytes = max(config.min_tensor_bytes, 1)  # read by every pack
+        self._keep_all = config.policy == "keep"
         self._microbatches: Dict[Hashable, MicroBatch] = {}
         self._param_storages: Set[int] = set()
         self._current: Optional[MicroBatch] = None
@@ -308,7 +270,7 @@ class ActivationOffloader:
         if self._c.timeline is not None:
             self.last_memory_timeline = [(t - self._step_first, b) for t, b in self._c.timeline]
         self._c = StepCounters(timeline=[] if self.record_memory_timeline else None)
-        self._dedup.clear()
+        self._forget_storages()
         self._microbatches.clear()
         self._step += 1
         self._step_started = now
@@ -352,10 +314,19 @@ class ActivationOffloader:
         finally:
             for r in list(self._records.values()):
                 self._release(r, force=True)
+            self._forget_storages()
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None
             cleanup.unregister(id(self))
+
+    def _forget_storages(self) -> None:
+        """No record of this step is looked up by identity any more: drop the storage refs."""
+        self._dedup.clear()
+        free = torch.UntypedStorage._free_weak_ref
+        for ref in self._storage_refs:
+            free(ref)
+        self._storage_refs = []
 
     def __enter__(self) -> "ActivationOffloader":
         return self
@@ -364,368 +335,6 @@ class ActivationOffloader:
         self.close()
 
     # -- pack / unpack ----------------------------------------------------------------------
-
-    def _pack(self, t: torch.Tensor):
-        if torch._C._current_graph_task_id() != -1:
-            # Saved while autograd's engine runs: the recompute pass of checkpointing. These
-            # tensors are needed moments later by the same backward; keep them in memory.
-            self._c.tensors_passed_through += 1
-            return t
-        cfg = self.config
-        if t.numel() * t.element_size() < max(cfg.min_tensor_bytes, 1):  # the cheapest test first
-            self._c.tensors_passed_through += 1
-            return t
-        storage = t.untyped_storage()
-        if pass_reason(t, self.device, self._param_storages, cfg.min_tensor_bytes, storage) is not None:
-            self._c.tensors_passed_through += 1
-            return t
-        if not self._events.empty():
-            self._drain()
-        key = dedup_key(t, storage)
-        hit = self._dedup.get(key)
-        if hit is not None:
-            rec, sref = hit
-            if rec.state != State.RELEASED and not sref.expired():
-                rec.handles += 1
-                if rec.state == State.WRITE_DROPPED:  # it has a user again
-                    self._move(rec, State.WRITING)
-                elif rec.state == State.READ_DROPPED:
-                    self._move(rec, State.READING)
-                cur = self._current
-                if cur is None or cur.key != rec.microbatch:
-                    rec.shared = True
-                else:
-                    rec.last_pos = max(rec.last_pos, cur.position)
-                self._c.bytes_deduplicated += rec.nbytes
-                return _Handle(rec, self._events)
-        mb = self._current
-        layer = self._layer
-        rec = TensorRecord(next(self._ids), t, mb.key if mb else None, layer)
-        rec.handles = 1
-        rec.decision = self.decision_for(layer)
-        self._records[rec.id] = rec
-        self._dedup[key] = (rec, storage_ref(t, storage))
-        self._c.add_resident(rec.nbytes)
-        acc = self._c.layer(layer, rec.decision)
-        acc.bytes += rec.nbytes
-        acc.tensors += 1
-        if mb is not None:
-            rec.pos = rec.last_pos = mb.position
-            mb.records.append(rec)
-        if rec.decision == "keep":
-            self._move(rec, State.KEPT)
-        elif mb is not None and mb.annotated and cfg.keep_last_layers:
-            mb.deferred.append(rec)  # written once later layers prove it is not among the last
-        else:
-            self._submit(rec)
-        return _Handle(rec, self._events)
-
-    def _unpack(self, handle):
-        if isinstance(handle, torch.Tensor):
-            return handle
-        if not self._events.empty():
-            self._drain()
-        rec: TensorRecord = handle.record
-        # A tensor shared by several micro-batches says nothing about where any one of
-        # their backwards is; one saved again by later layers is needed until the latest.
-        mb = None if rec.shared else self._microbatches.get(rec.microbatch)
-        if mb is not None and not mb.in_backward:
-            self._enter_backward(mb)
-        out = self._materialize(rec)
-        if mb is not None:
-            mb.consumed(rec)
-            idx = rec.last_pos
-            if mb.backward_layer is None or idx < mb.backward_layer:
-                mb.backward_layer = idx
-            self._prefetch(mb)
-        return out
-
-    # -- internals (training thread) --------------------------------------------------------
-
-    def _move(self, rec: TensorRecord, new: int) -> None:
-        """The one place a record changes state, and the one place the step's counters
-        follow what happened to a tensor (record.TRANSITIONS says what each transition counts)."""
-        was = rec.state in RESIDENT
-        effects = rec.move(new)
-        now = new in RESIDENT
-        c = self._c
-        if was != now:
-            c.add_resident(rec.nbytes if now else -rec.nbytes)
-        for e in effects:
-            if e == "offloaded":
-                c.bytes_offloaded += rec.nbytes
-                c.tensors_offloaded += 1
-                c.layer(rec.layer, rec.decision).bytes_offloaded += rec.nbytes
-            elif e == "forwarded":
-                c.tensors_forwarded += 1
-            elif e == "read":
-                c.bytes_read += rec.nbytes
-            elif e == "kept":
-                c.tensors_kept += 1
-            elif e == "fallback":
-                c.fallbacks += 1
-
-    def _drain(self) -> None:
-        """Process every event queued so far (IO completions, dropped handles)."""
-        events = self._events
-        while not events.empty():
-            self._on_event(*events.get_nowait())
-
-    def _on_event(self, what, outcome) -> None:
-        if outcome is _DROP:
-            rec = what
-            rec.handles -= 1
-            if rec.handles == 0:
-                self._release(rec)
-            return
-        rec = self._records.get(what)
-        if rec is None:  # released by close() while its IO hung
-            return
-        if rec.state in WRITES:
-            self._write_done(rec, outcome)
-        elif rec.state in READS:
-            self._read_done(rec, outcome)
-        else:
-            raise RuntimeError(f"ssdtrain internal error: IO completed for record {rec.id} "
-                               f"in state {rec.state_name}")
-
-    def _next_event(self, deadline: float) -> bool:
-        """Wait for one event until ``deadline`` and process it; False on timeout. An error
-        raised while processing it (a failed finish_read) reaches the caller as it is."""
-        left = deadline - time.perf_counter()
-        try:
-            item = self._events.get(timeout=left) if left > 0 else self._events.get_nowait()
-        except queue.Empty:
-            return False
-        self._on_event(*item)
-        return True
-
-    def _submit_all(self, records: List[TensorRecord]) -> None:
-        for rec in records:
-            if rec.state == State.SAVED:
-                self._submit(rec)
-
-    def _submit(self, rec: TensorRecord) -> None:
-        """Hand a SAVED record to the engine, after back-pressure allows it."""
-        cap = self.config.max_inflight_bytes
-        if self._inflight_bytes and self._inflight_bytes + rec.nbytes > cap:
-            self._drain()
-            t0 = time.perf_counter()
-            deadline = t0 + self.config.io_timeout_s
-            while self._inflight_bytes and self._inflight_bytes + rec.nbytes > cap:
-                if not self._next_event(deadline):
-                    raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} "
-                                    f"bytes of writes to finish before writing a {rec.describe()}")
-            self._count_wait(rec, time.perf_counter() - t0)
-        self._move(rec, State.WRITING)
-        self._inflight_bytes += rec.nbytes
-        if self._tracer is not None:
-            self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
-        try:
-            if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
-                data, event, rec.transfer = self._copy.stage_out(rec)
-            else:
-                data, event = rec.bytes_view(), None
-            fut = self._engine.write(rec.id, data, event)
-        except EXPECTED_WRITE_REFUSALS as exc:  # nothing started (the memory pool is full): keep it
-            self._written(rec)
-            self._inflight_bytes -= rec.nbytes
-            self._fallback(rec, exc)
-            return
-        except BaseException:  # an engine bug: the caller sees it; the tensor stays usable
-            self._written(rec)
-            self._inflight_bytes -= rec.nbytes
-            self._move(rec, State.KEPT)
-            raise
-        if fut is not None:  # an engine without ``completions``
-            fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
-
-    def _write_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
-        """A write finished (or failed)."""
-        self._written(rec)
-        self._inflight_bytes -= rec.nbytes
-        if exc is not None:
-            # Its extent stays allocated until the record is released (_release), as a
-            # written one's would: the slab's high-water mark, which the next step's
-            # free-space check goes by, is then the step's demand whatever the disk held.
-            self._fallback(rec, exc)
-            return
-        dropped = rec.state == State.WRITE_DROPPED
-        t = rec.tensor
-        if t is not None and t._version != rec.version:
-            rec.error = (f"a {rec.describe()} was modified in place while it was being "
-                         f"offloaded (version {rec.version} -> {t._version})")
-            self._move(rec, State.ON_DISK if dropped else State.BROKEN)
-            rec.tensor = None
-        elif rec.state == State.WRITING_WANTED:
-            self._move(rec, State.READY)  # backward already has it: keep our reference
-        else:
-            self._move(rec, State.ON_DISK)
-            rec.tensor = None  # our copy is on disk; the memory goes when the model drops it
-        if dropped:
-            self._release(rec)
-
-    def _written(self, rec: TensorRecord) -> None:
-        """The engine is done with a write's bytes (written, failed, refused or cancelled): a
-        GPU record's pinned staging block goes back to the pool."""
-        if rec.transfer is not None:
-            self._copy.written(rec.transfer)
-            rec.transfer = None
-
-    def _fallback(self, rec: TensorRecord, exc: BaseException) -> None:
-        # A full disk is warned on its own, even after an IO error was: the user acts on it.
-        self._warn_once("disk-full" if _is_disk_full(exc) else "fallback",
-                        f"offload write failed, keeping tensors in memory instead "
-                        f"(counted in StepStats.fallbacks): {exc}")
-        dropped = rec.state == State.WRITE_DROPPED
-        self._move(rec, State.KEPT)
-        if dropped:
-            self._release(rec)
-
-    def _enter_backward(self, mb: MicroBatch) -> None:
-        mb.in_backward = True
-        self._phase = "backward"
-        for rec in mb.take_all_deferred():  # its last layers: backward needs them right away
-            if rec.state == State.SAVED:
-                self._move(rec, State.KEPT)
-        self._prefetch(mb)
-
-    def _prefetch(self, mb: MicroBatch) -> None:
-        if self._engine is None:
-            return
-        for rec in mb.prefetch_candidates(self.config.prefetch_layers, self.config.max_inflight_bytes):
-            if rec.state == State.WRITING:
-                self._move(rec, State.WRITING_WANTED)  # forwarded from memory when the write completes
-            else:
-                self._start_read(rec)
-
-    def _start_read(self, rec: TensorRecord) -> None:
-        alive = rec.ref()
-        if alive is not None:  # still referenced elsewhere: no IO needed
-            rec.tensor = alive.detach()
-            self._move(rec, State.READY)
-            return
-        event = None
-        if self._copy is not None:  # GPU: the engine reads into pinned staging (gds: in place)
-            restored, target, event = self._copy.stage_in(rec)
-        else:
-            restored, target = rec.allocate_restore()
-        rec.tensor = restored
-        self._move(rec, State.READING)
-        if self._tracer is not None:
-            self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
-        fut = self._engine.read(rec.id, target, event)
-        if fut is not None:  # an engine without ``completions``
-            fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
-
-    def _read_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
-        """A read finished (or failed). ``finish_read`` runs here, on the training thread: if
-        it raises (out of memory), the caller of pack/unpack/end_step gets that error."""
-        dropped = rec.state == State.READ_DROPPED
-        if exc is not None:
-            rec.error = f"reading back a {rec.describe()} failed: {exc}"
-            rec.tensor = None
-            if self._copy is not None:
-                self._copy.read_failed(rec)  # its staging is free
-            self._move(rec, State.BROKEN)
-        else:
-            try:
-                if self._copy is not None:
-                    self._copy.finish_in(rec)  # host->device on the reload stream
-                else:
-                    rec.finish_read()
-            except BaseException:
-                rec.error = f"finishing the read of a {rec.describe()} failed"
-                rec.tensor = None
-                self._move(rec, State.BROKEN)
-                raise
-            self._move(rec, State.READY)
-        if dropped:
-            self._release(rec)
-
-    def _materialize(self, rec: TensorRecord) -> torch.Tensor:
-        """The record's tensor for backward, waiting for IO if needed."""
-        s = rec.state
-        if s == State.RELEASED:
-            raise RuntimeError(f"a {rec.describe()} saved for backward was already released "
-                               "(end_step() or close() ran before this backward)")
-        if s == State.ON_DISK:
-            self._start_read(rec)
-        elif s == State.WRITING:
-            self._move(rec, State.WRITING_WANTED)  # keep our reference when the write completes
-        if rec.state == State.READING:
-            self._wait_record(rec)
-        if rec.state == State.BROKEN:
-            raise RuntimeError(rec.error)
-        out = rec.tensor
-        if self._copy is not None:
-            self._copy.consume(rec, out)  # the current stream waits for the reload
-        rec.check_version(rec.ref())
-        return out
-
-    def _wait_record(self, rec: TensorRecord, count: bool = True) -> None:
-        if rec.state not in IN_FLIGHT:
-            return
-        t0 = time.perf_counter()
-        deadline = t0 + self.config.io_timeout_s
-        while rec.state in IN_FLIGHT:
-            if not self._next_event(deadline):
-                raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for the "
-                                f"{rec.state_name} of a {rec.describe()} (record {rec.id})")
-        if count:
-            self._count_wait(rec, time.perf_counter() - t0)
-
-    def _wait_inflight_writes(self) -> None:
-        deadline = time.perf_counter() + self.config.io_timeout_s
-        while self._inflight_bytes:
-            if not self._next_event(deadline):
-                raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} "
-                                "bytes of pending writes")
-
-    def _wait_all_io(self) -> None:
-        """Wait for every pending write and read (releases deferred to their completion run)."""
-        self._wait_inflight_writes()
-        for rec in list(self._records.values()):
-            self._wait_record(rec, count=False)
-
-    def _count_wait(self, rec: TensorRecord, seconds: float) -> None:
-        self._c.io_wait_s += seconds
-        self._c.layer(rec.layer, rec.decision).io_wait_s += seconds
-
-    def _release(self, rec: TensorRecord, force: bool = False) -> None:
-        s = rec.state
-        if s == State.RELEASED:
-            return
-        if s in IN_FLIGHT and not force:
-            # IO in flight on its extent and memory: free both when it completes, unless it
-            # is a write no IO thread has started, which is taken back now.
-            if s in WRITES:
-                if s != State.WRITE_DROPPED:
-                    self._move(rec, State.WRITE_DROPPED)
-                if not self._engine.cancel(rec.id):
-                    return
-                self._written(rec)  # never started: its staging is free
-                self._inflight_bytes -= rec.nbytes
-            else:
-                if s != State.READ_DROPPED:
-                    self._move(rec, State.READ_DROPPED)
-                return
-        self._move(rec, State.RELEASED)
-        if self._engine is not None:
-            self._engine.release(rec.id)  # frees its extent at once (no-op if never written)
-        if self._tracer is not None:
-            self._tracer.forget(rec.id)
-        rec.tensor = None
-        rec.transfer = None
-        self._records.pop(rec.id, None)
-        mb = self._microbatches.get(rec.microbatch)
-        if mb is not None:
-            mb.consumed(rec)
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning("ssdtrain: %s", message)
 
     def _check_open(self) -> None:
         if self._closed:

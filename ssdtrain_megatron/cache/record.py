@@ -98,11 +98,18 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
 class TensorRecord:
     """A saved tensor, the handle autograd holds for it, and where its bytes are."""
 
-    __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "version", "shape", "stride",
-                 "dtype", "device", "span", "nbytes", "residue", "compact", "staging", "handles",
+    __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "storage_ref", "version", "shape",
+                 "stride", "dtype", "device", "span", "nbytes", "residue", "compact", "staging", "handles",
                  "error", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "__weakref__")
 
-    def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable) -> None:
+    def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable,
+                 geometry: Optional[Tuple] = None, storage_ref: int = 0) -> None:
+        """``geometry``: (shape, stride, dtype, version, device) as the pack hook already read
+        them (each tensor attribute is read once per tensor); default: read from ``t``.
+        ``storage_ref``: a weak reference to ``t``'s storage (``UntypedStorage._weak_ref()``);
+        whoever made it frees it (the offloader, at the end of the step)."""
+        if geometry is None:
+            geometry = (t.shape, t.stride(), t.dtype, t._version, t.device)
         self.id = rid
         self.microbatch = microbatch
         self.layer = layer
@@ -112,16 +119,17 @@ class TensorRecord:
         # cycle through the handle that graph holds.
         self.tensor: Optional[torch.Tensor] = t.detach()
         self.ref = weakref.ref(t)  # to forward a tensor that is still alive, and detect in-place changes
-        self.version = t._version
-        self.shape = tuple(t.shape)
-        self.stride = tuple(t.stride())
-        self.dtype = t.dtype
-        self.device = t.device
-        self.span = span_elements(t)
+        # A plain int (no Python object per tensor): while it is held the storage's address
+        # cannot be reused, so a deduplication hit is never a freed and re-allocated buffer.
+        self.storage_ref = storage_ref
+        self.shape, self.stride, self.dtype, self.version, self.device = geometry
+        numel = t.numel()
+        # The common case, a contiguous activation, needs no span arithmetic.
+        self.span = numel if t.is_contiguous() else span_elements(t)
         # A view that touches less than half of the storage span it lies in (V split out of a
         # fused QKV projection) is stored compactly, so we move its bytes and not its span.
-        self.compact = self.span > 2 * t.numel()
-        self.nbytes = (t.numel() if self.compact else self.span) * t.element_size()
+        self.compact = self.span > 2 * numel
+        self.nbytes = (numel if self.compact else self.span) * self.dtype.itemsize
         self.staging: Optional[torch.Tensor] = None  # compact bytes in flight (write or read)
         self.residue = t.data_ptr() % ALIGN_RESIDUE
         self.handles = 0
@@ -132,6 +140,10 @@ class TensorRecord:
         self.last_pos = -1  # position of its latest save (dedup hits in later layers)
         self.shared = False  # also saved by another micro-batch (a shared mask, RoPE table)
         self.transfer = None  # its GPU copy in flight (cache/device_copy.py), if any
+
+    def storage_alive(self) -> bool:
+        """The saved tensor's storage still exists (a deduplication hit may use this record)."""
+        return bool(self.storage_ref) and not torch.UntypedStorage._expired(self.storage_ref)
 
     def move(self, new: int) -> Tuple[str, ...]:
         """Change state; returns what the step's counters record for this transition."""
@@ -155,6 +167,8 @@ class TensorRecord:
         if self.compact:
             packed = contiguous(t) if contiguous is not None else t.contiguous()
             return packed.view(-1).view(torch.uint8)
+        if self.span == t.numel() and t.is_contiguous():
+            return t.view(-1).view(torch.uint8)
         return t.as_strided((self.span,), (1,), t.storage_offset()).view(torch.uint8)
 
     def allocate_restore(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +178,7 @@ class TensorRecord:
         CPU kernels choose their vector path by alignment, and bitwise-equal gradients must
         not depend on where the bytes came back to.
         """
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         extra = ALIGN_RESIDUE // itemsize
         storage = torch.empty(self.span + extra, dtype=self.dtype, device=self.device)
         delta = (self.residue - storage.data_ptr() % ALIGN_RESIDUE) % ALIGN_RESIDUE

@@ -1,0 +1,127 @@
+"""The saved-tensor hooks of ActivationOffloader: pack (what autograd saves) and unpack.
+
+A part of :class:`~.offloader.ActivationOffloader` (a base class of it). Pack runs for every
+tensor autograd saves, unpack for every one backward needs, both on the training thread, which
+also launches every GPU kernel: their cost is added to each step whenever the GPU waits on the
+CPU. So each reads a tensor's attributes once, makes one record and one handle, and leaves the
+rest (placement, staging copies, IO) to the engine's threads.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import torch
+
+from .identity import offloadable_storage
+from .record import State, TensorRecord
+
+_graph_task_id = torch._C._current_graph_task_id
+
+_DROP = object()
+"""Event outcome: the last reference to a handle went away (the event's first item is the record)."""
+
+
+class _Handle:
+    """What autograd holds instead of an offloaded tensor. Dropping the last handle of a record
+    (autograd frees saved tensors right after their backward node runs) releases it.
+
+    ``__del__`` runs on whatever thread drops the last reference (autograd's device threads,
+    the GC inside any allocation): it takes no lock and touches no state, it only queues the
+    drop for the owner, which processes it at its next pack, unpack or step end."""
+
+    __slots__ = ("record", "events")
+
+    def __init__(self, record: TensorRecord, events: "queue.SimpleQueue") -> None:
+        self.record = record
+        self.events = events
+
+    def __del__(self) -> None:
+        self.events.put((self.record, _DROP))
+
+
+class SavedTensorHooks:
+    """``_pack`` and ``_unpack`` (see the module docstring)."""
+
+    def _pack(self, t: torch.Tensor):
+        c = self._c
+        if _graph_task_id() != -1:
+            # Saved while autograd's engine runs: the recompute pass of checkpointing. These
+            # tensors are needed moments later by the same backward; keep them in memory.
+            c.tensors_passed_through += 1
+            return t
+        if t.nbytes < self._min_bytes:  # the cheapest test first
+            c.tensors_passed_through += 1
+            return t
+        storage = offloadable_storage(t, self.device, self._param_storages)
+        if storage is None:
+            c.tensors_passed_through += 1
+            return t
+        if not self._events.empty():
+            self._drain()
+        # The identity of identity.py, from attributes read once (the record keeps them).
+        shape, stride, dtype, version = t.shape, t.stride(), t.dtype, t._version
+        key = (storage._cdata, t.storage_offset(), shape, stride, dtype, version)
+        rec = self._dedup.get(key)
+        if rec is not None and rec.state != State.RELEASED and rec.storage_alive():
+            return self._saved_again(rec)
+        mb = self._current
+        layer = self._layer
+        sref = storage._weak_ref()
+        self._storage_refs.append(sref)  # freed at the step's end, when _dedup forgets the keys
+        rec = TensorRecord(next(self._ids), t, mb.key if mb is not None else None, layer,
+                           (shape, stride, dtype, version, self.device), sref)
+        rec.handles = 1
+        decision = rec.decision = "keep" if self._keep_all else self._layer_decisions.get(layer, "offload")
+        self._records[rec.id] = rec
+        self._dedup[key] = rec
+        nbytes = rec.nbytes
+        c.add_resident(nbytes)
+        acc = c.layer(layer, decision)
+        acc.bytes += nbytes
+        acc.tensors += 1
+        if mb is not None:
+            rec.pos = rec.last_pos = mb.position
+            mb.records.append(rec)
+        if decision == "keep":
+            self._move(rec, State.KEPT)
+        elif mb is not None and mb.layer_keys and self.config.keep_last_layers:
+            mb.deferred.append(rec)  # written once later layers prove it is not among the last
+        else:
+            self._submit(rec)
+        return _Handle(rec, self._events)
+
+    def _saved_again(self, rec: TensorRecord) -> _Handle:
+        """A deduplication hit: the same tensor (identity.py) saved again while its record lives."""
+        rec.handles += 1
+        if rec.state == State.WRITE_DROPPED:  # it has a user again
+            self._move(rec, State.WRITING)
+        elif rec.state == State.READ_DROPPED:
+            self._move(rec, State.READING)
+        cur = self._current
+        if cur is None or cur.key != rec.microbatch:
+            rec.shared = True
+        else:
+            rec.last_pos = max(rec.last_pos, cur.position)
+        self._c.bytes_deduplicated += rec.nbytes
+        return _Handle(rec, self._events)
+
+    def _unpack(self, handle):
+        if isinstance(handle, torch.Tensor):
+            return handle
+        if not self._events.empty():
+            self._drain()
+        rec: TensorRecord = handle.record
+        # A tensor shared by several micro-batches says nothing about where any one of
+        # their backwards is; one saved again by later layers is needed until the latest.
+        mb = None if rec.shared else self._microbatches.get(rec.microbatch)
+        if mb is not None and not mb.in_backward:
+            self._enter_backward(mb)
+        out = self._materialize(rec)
+        if mb is not None:
+            mb.consumed(rec)
+            idx = rec.last_pos
+            if mb.backward_layer is None or idx < mb.backward_layer:
+                mb.backward_layer = idx
+            self._prefetch(mb)
+        return out
