@@ -39,8 +39,37 @@ def add_core_bench_parser(subparsers) -> None:
                    help="size of each saved tensor, KiB (default 256)")
     deprecated_alias(p, "--tensor-kb", "--tensor-kib", "tensor_kb", int)
     p.add_argument("--steps", type=int, default=3, help="steps per policy for the memory comparison")
+    p.add_argument("--sweep", type=_counts, default=None, metavar="N,N,...",
+                   help="also measure offload pack/unpack at each of these tensor counts per step "
+                        "(e.g. 1000,10000) and report flatness = figure at the last / at the first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_core_bench)
+
+
+def _counts(text: str) -> List[int]:
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if len(counts) < 2 or min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected two or more tensor counts >= 2, comma-separated "
+                                         "(e.g. 1000,10000)")
+    return counts
+
+
+def sweep(cfg: OffloadConfig, counts: List[int], nbytes: int) -> dict:
+    """Offload pack/unpack medians at each tensor count, and how flat they are: the figure at
+    the last count over the one at the first (1.0: the per-tensor cost does not grow with the
+    number of tensors a step saves)."""
+    pack, unpack = {}, {}
+    for n in counts:
+        p, u, _ = hook_costs_us(cfg, "offload", n, nbytes)
+        pack[str(n)], unpack[str(n)] = p, u
+        print(f"sweep: {n} tensors: offload pack {p:.1f} µs, unpack {u:.1f} µs", file=sys.stderr)
+    first, last = str(counts[0]), str(counts[-1])
+    return {"pack_us": pack, "unpack_us": unpack,
+            "flatness": {"pack": pack[last] / max(pack[first], 1e-9),
+                         "unpack": unpack[last] / max(unpack[first], 1e-9)}}
 
 
 def _median(values: List[int]) -> float:
@@ -186,6 +215,8 @@ def run_core_bench(args: argparse.Namespace) -> int:
         "step_s": {p: v["step_s"] for p, v in mem.items()},
         "step_ratio_offload_vs_keep": mem["offload"]["step_s"] / max(mem["keep"]["step_s"], 1e-9),
     }
+    if args.sweep:
+        result["sweep"] = sweep(cfg, args.sweep, nbytes)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -201,4 +232,8 @@ def run_core_bench(args: argparse.Namespace) -> int:
         print(f"  {p:<8} peak resident {mem[p]['peak_resident_bytes'] / 1e6:8.1f} MB   "
               f"median step {mem[p]['step_s']:.2f}s")
     print(f"  offload/keep: peak resident {peak_ratio:.2f}, step time {result['step_ratio_offload_vs_keep']:.2f}")
+    if args.sweep:
+        flat = result["sweep"]["flatness"]
+        print(f"offload hooks at {args.sweep[-1]} vs {args.sweep[0]} tensors: pack x{flat['pack']:.2f}, "
+              f"unpack x{flat['unpack']:.2f} (1.00 = flat)")
     return 0

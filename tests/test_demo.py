@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from ssdtrain_megatron.cli import main
 
 
@@ -49,3 +51,24 @@ def test_core_bench_json_has_pack_and_unpack_medians_per_policy(tmp_path, capsys
     assert result["offload_bytes_read"] >= 59 * 16 * 1024
     assert 0 < result["peak_resident_ratio"] < 1
     assert [f for _, _, fs in os.walk(d) for f in fs] == []
+    assert "sweep" not in result
+
+
+def test_core_bench_sweep_reports_flatness_over_tensor_counts(tmp_path, capsys):
+    d = tmp_path / "bench"
+    rc = main(["core-bench", "--dir", str(d), "--tensors", "20", "--tensor-kib", "8", "--steps", "1",
+               "--sweep", "20,40", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    sweep = json.loads(out.out)["sweep"]
+    assert set(sweep["pack_us"]) == set(sweep["unpack_us"]) == {"20", "40"}
+    assert all(v > 0 for v in [*sweep["pack_us"].values(), *sweep["unpack_us"].values()]), sweep
+    assert sweep["flatness"]["pack"] == sweep["pack_us"]["40"] / sweep["pack_us"]["20"]
+    assert sweep["flatness"]["unpack"] == sweep["unpack_us"]["40"] / sweep["unpack_us"]["20"]
+
+
+def test_core_bench_sweep_refuses_a_single_count(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["core-bench", "--dir", str(tmp_path), "--sweep", "1000"])
+    assert exc.value.code == 2
+    assert "two or more tensor counts" in capsys.readouterr().err
