@@ -52,11 +52,14 @@ from typing import Any, ContextManager, Deque, Optional, Tuple
 
 import torch
 
-from ..io.layout import ExtentAllocator
+from ..io.layout import ALIGN, ExtentAllocator
 
 log = logging.getLogger(__name__)
 
-STAGING_ALIGN = 512  # staging blocks start on 512-byte boundaries
+# Staging blocks start on page boundaries (the pool is one pinned allocation, page-aligned):
+# the posix engine then writes and reads a block with O_DIRECT in place, without copying it
+# through its bounce buffer (io/posix.py).
+STAGING_ALIGN = ALIGN
 
 
 class StagingUnavailable(RuntimeError):

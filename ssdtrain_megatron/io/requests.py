@@ -194,7 +194,7 @@ class Run:
     """One system call's worth of IO: chunks contiguous in one slab, staged back to back in
     ``buf`` (usually one chunk; several small ones when they were queued together)."""
 
-    __slots__ = ("parts", "buf", "root", "offset", "nbytes", "writing", "failed")
+    __slots__ = ("parts", "buf", "root", "offset", "nbytes", "writing", "failed", "direct")
 
     def __init__(self, parts: List[Tuple[Request, int]], buf: torch.Tensor, padded: Callable[[int], int]) -> None:
         first = parts[0][0].extents[parts[0][1]]
@@ -206,3 +206,6 @@ class Run:
         self.nbytes = last.offset + padded(last.length) - first.offset
         self.writing = parts[0][0].writing
         self.failed: Dict[int, BaseException] = {}  # part index -> its injected error (tests)
+        # Per part, the request's own memory when the IO uses it in place (zero-copy), else
+        # None (the part goes through ``buf``); None for the whole run when no part does.
+        self.direct: Optional[List[Optional[torch.Tensor]]] = None

@@ -56,6 +56,9 @@ class SlabEngine(IOEngine):
         self._lock = threading.Lock()
         self._turn = itertools.count()  # which root a tensor's first chunk goes to
         self._closed = False
+        self._zero_copy = False  # posix: aligned host chunks skip the bounce buffer (_direct_source)
+        self.zero_copy_bytes = 0  # bytes moved in place, without a copy through a bounce buffer
+        self.bounced_bytes = 0  # bytes copied through a bounce buffer
         self._queued = 0  # chunks queued or in flight (the trace's queue depth)
         self.write_meter = BusyMeter()
         self.read_meter = BusyMeter()
@@ -249,23 +252,52 @@ class SlabEngine(IOEngine):
         return (f"{self.name} {'write' if op.writing else 'read'} of {op.nbytes} bytes "
                 f"{'to' if op.writing else 'from'} {slab.path} at offset {op.offset}")
 
+    def _direct_source(self, req: Request, i: int, n: int) -> Optional[torch.Tensor]:
+        """Chunk ``i`` (``n`` bytes) of the request's own tensor when the IO can use it in place:
+        host memory whose address and length are multiples of the alignment O_DIRECT needs
+        (pinned staging blocks, page-aligned buffers). None: it goes through a bounce buffer."""
+        t = req.tensor
+        if not self._zero_copy or n == 0 or n % self._align or t is None or t.device.type != "cpu":
+            return None
+        start = i * self._chunk
+        if (t.data_ptr() + start) % self._align:
+            return None
+        return t[start:start + n]
+
+    def _count_copies(self, op: Run) -> None:
+        """After a successful run: how many of its bytes went in place, how many were bounced."""
+        direct = sum(t.numel() for t in op.direct if t is not None) if op.direct is not None else 0
+        with self._lock:
+            self.zero_copy_bytes += direct
+            self.bounced_bytes += op.nbytes - direct
+
     def _fill(self, op: Run) -> None:
-        """Write side, before the IO: each chunk's bytes (and zeroed padding) into place."""
+        """Write side, before the IO: each chunk's bytes (and zeroed padding) into place, in
+        the bounce buffer, unless the chunk can be written from its own memory (``op.direct``)."""
+        direct: List[Optional[torch.Tensor]] = []
         for req, i in op.parts:
             ext = req.extents[i]
             n, start = ext.length, i * self._chunk
             stage = op.buf[ext.offset - op.offset:ext.offset - op.offset + self._padded(n)]
             if req.error is not None:  # another chunk of this tensor failed: write zeros
                 stage.zero_()
+                direct.append(None)
                 continue
             if req.ready_event is not None:
                 req.ready_event.synchronize()
+            source = self._direct_source(req, i, n)
+            direct.append(source)
+            if source is not None:
+                if self._checksum:
+                    ext.crc = checksum(source.numpy())
+                continue
             if n:
                 stage[:n].copy_(req.tensor[start:start + n])
             if stage.numel() > n:
                 stage[n:].zero_()  # the padding reaches the disk: never stale memory
             if self._checksum:
                 ext.crc = checksum(stage[:n].numpy()) if n else 0
+        op.direct = direct if any(t is not None for t in direct) else None
 
     def _check_inside(self, op: Run) -> None:
         """Read side, before the IO: the run lies inside the reserved (written) file."""
@@ -281,14 +313,15 @@ class SlabEngine(IOEngine):
             try:
                 ext = req.extents[i]
                 n, start = ext.length, i * self._chunk
-                stage = op.buf[ext.offset - op.offset:ext.offset - op.offset + n]
+                in_place = op.direct[j] if op.direct is not None else None
+                stage = in_place if in_place is not None else op.buf[ext.offset - op.offset:ext.offset - op.offset + n]
                 if exc is None and req.error is None and self._checksum and n:
                     crc = checksum(stage.numpy())
                     if crc != ext.crc:
                         raise EngineError(f"checksum mismatch reading {n} bytes from "
                                           f"{self._slabs[ext.root].path} at offset {ext.offset}: "
                                           f"stored {ALGORITHM} {ext.crc:#010x}, read {crc:#010x}")
-                if exc is None and req.error is None and n:
+                if exc is None and req.error is None and n and in_place is None:
                     if req.ready_event is not None:
                         req.ready_event.synchronize()
                     req.tensor[start:start + n].copy_(stage)
