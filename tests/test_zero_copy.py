@@ -10,8 +10,11 @@ import torch
 
 from ssdtrain_megatron.io.layout import ALIGN
 from ssdtrain_megatron.io.slab_engine import aligned_buffer
+import tests.test_engines as engine_suite
 from tests.bitwise import bitwise_equal
-from tests.test_engines import CHUNK, open_engine  # noqa: F401 - the fixture
+from tests.test_engines import CHUNK
+
+open_engine = engine_suite.open_engine  # the engine suite's fixture
 
 pytestmark = pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
 
