@@ -162,7 +162,11 @@ class Recorder(StreamOps):
             raise RuntimeError("CUDA error: out of memory (stand-in: pinning refused)")
         if self.inner is not None:
             return self.inner.pinned_empty(nbytes)
-        return torch.empty(nbytes, dtype=torch.uint8)
+        # Page-aligned, as cudaHostAlloc's memory is (the posix engine then moves staging
+        # blocks in place: io/posix.py).
+        from ssdtrain_megatron.io.slab_engine import aligned_buffer
+
+        return aligned_buffer(nbytes)
 
     # -- what tests log ---------------------------------------------------------------------
 

@@ -70,7 +70,9 @@ class Request:
         self.cancelled = False  # guarded by the queue's lock: taken out before any chunk started
         self.error: Optional[BaseException] = None
         self._left = n_chunks
-        self._lock = threading.Lock()
+        # Only chunks of one request finishing on several threads need a lock; most requests
+        # (activations up to chunk_bytes) are one chunk, and the training thread makes them.
+        self._lock = threading.Lock() if n_chunks > 1 else None
 
     @property
     def extents(self) -> List[Extent]:
@@ -80,11 +82,17 @@ class Request:
         return self.placement.extents
 
     def chunk_done(self, exc: Optional[BaseException]) -> None:
-        with self._lock:
-            if exc is not None and self.error is None:
+        if self._lock is None:  # one chunk: this is the only call
+            if exc is not None:
                 self.error = exc
-            self._left -= 1
-            finished = self._left == 0
+            self._left = 0
+            finished = True
+        else:
+            with self._lock:
+                if exc is not None and self.error is None:
+                    self.error = exc
+                self._left -= 1
+                finished = self._left == 0
         if finished:
             # Drop the tensor (and the event) before anyone learns the request is done: the
             # caller may free the tensor at once, and an IO thread must not keep it alive.
