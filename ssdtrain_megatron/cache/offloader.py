@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import itertools
@@ -22,6 +23,7 @@ from ..io.where import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
+from .budget import ActivationBudget, give_back_readahead, resolve_budget
 from .device_copy import DeviceCopy, StreamOps
 from .identity import dedup_key, pass_reason, storage_ref
 from .microbatch import MicroBatch
@@ -155,6 +157,12 @@ class ActivationOffloader:
         self._planner = AdaptivePlanner(config) if config.policy == "adaptive" else None
         self._layer_decisions: Dict[Hashable, str] = {}
         self._inflight_bytes = 0
+        # budget: room-making under activation_budget_bytes (cache/budget.py); None without one.
+        limit = resolve_budget(config.activation_budget_bytes, self.device)
+        self._budget = None if limit is None else ActivationBudget(
+            limit, lambda: self._c.resident_bytes, self._drain, self._budget_write_deferred,
+            self._budget_wait_event, lambda: self._inflight_bytes)
+        self._submit_s = 0.0  # budget/plan: training-thread seconds spent handing writes over
         self._c = StepCounters()
         self._step = 0
         self._step_started = self._step_first = time.perf_counter()
@@ -299,6 +307,7 @@ class ActivationOffloader:
         stats = self._c.freeze(self._step, write, read,
                                self._engine.bytes_on_disk if self._engine else 0, now - first,
                                now - (first if self._step == 0 else self._step_started))
+        stats = self._budget_step_end(stats)  # budget/plan: counters and what the planner needs
         if self._planner is not None:
             order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
             new = self._planner.update(stats, order, {r.layer: r for r in stats.layers},
@@ -403,6 +412,8 @@ class ActivationOffloader:
         rec = TensorRecord(next(self._ids), t, mb.key if mb else None, layer)
         rec.handles = 1
         rec.decision = self.decision_for(layer)
+        if self._budget is not None:  # budget: room for this record before it counts as resident
+            self._budget_admit(rec)
         self._records[rec.id] = rec
         self._dedup[key] = (rec, storage_ref(t, storage))
         self._c.add_resident(rec.nbytes)
@@ -521,6 +532,7 @@ class ActivationOffloader:
         self._inflight_bytes += rec.nbytes
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
+        t_submit = time.perf_counter()  # budget/plan: the training thread's cost of offloading
         try:
             if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
                 data, event, rec.transfer = self._copy.stage_out(rec)
@@ -537,6 +549,7 @@ class ActivationOffloader:
             self._inflight_bytes -= rec.nbytes
             self._move(rec, State.KEPT)
             raise
+        self._submit_s += time.perf_counter() - t_submit  # budget/plan: (end of the measured part)
         if fut is not None:  # an engine without ``completions``
             fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
 
@@ -593,9 +606,13 @@ class ActivationOffloader:
     def _prefetch(self, mb: MicroBatch) -> None:
         if self._engine is None:
             return
-        for rec in mb.prefetch_candidates(self.config.prefetch_layers, self.config.max_inflight_bytes):
+        candidates = mb.prefetch_candidates(self.config.prefetch_layers, self.config.max_inflight_bytes)
+        for i, rec in enumerate(candidates):
             if rec.state == State.WRITING:
                 self._move(rec, State.WRITING_WANTED)  # forwarded from memory when the write completes
+            elif self._budget is not None and not self._budget.room_to_read(rec.nbytes):
+                give_back_readahead(mb, candidates[i:])  # budget: read ahead less
+                return
             else:
                 self._start_read(rec)
 
@@ -650,6 +667,8 @@ class ActivationOffloader:
             raise RuntimeError(f"a {rec.describe()} saved for backward was already released "
                                "(end_step() or close() ran before this backward)")
         if s == State.ON_DISK:
+            if self._budget is not None and not self._budget.make_room(rec.nbytes):  # budget: wait for writes
+                self._budget.overrun(rec.nbytes, self._step, f"reading back a {rec.describe()}")
             self._start_read(rec)
         elif s == State.WRITING:
             self._move(rec, State.WRITING_WANTED)  # keep our reference when the write completes
@@ -721,6 +740,43 @@ class ActivationOffloader:
         mb = self._microbatches.get(rec.microbatch)
         if mb is not None:
             mb.consumed(rec)
+
+    # -- budget (cache/budget.py) and the planner's measurements ------------------------------
+
+    def _budget_admit(self, rec: TensorRecord) -> None:
+        """Room for a new record; a record the plan keeps is written when keeping it would
+        leave too little room for a layer's backward."""
+        b = self._budget
+        if not b.make_room(rec.nbytes):
+            b.overrun(rec.nbytes, self._step, f"saving a {rec.describe()} in layer {rec.layer}")
+        if rec.decision == "keep" and not b.may_keep(rec.nbytes):
+            rec.decision = "offload"
+
+    def _budget_write_deferred(self) -> int:
+        """Write the deferred last-layer records of every micro-batch still in forward."""
+        n = 0
+        for mb in list(self._microbatches.values()):
+            if not mb.in_backward and mb.deferred:
+                records = mb.take_all_deferred()
+                n += len(records)
+                self._submit_all(records)
+        return n
+
+    def _budget_wait_event(self) -> bool:
+        if not self._next_event(time.perf_counter() + self.config.io_timeout_s):
+            raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} bytes "
+                            "of writes to finish to stay within activation_budget_bytes")
+        return True
+
+    def _budget_step_end(self, stats: StepStats) -> StepStats:
+        """The step's budget counters and the training thread's offload cost, into its stats."""
+        n = max(len(self._microbatches), 1)
+        extra = {"offload_submit_s": self._submit_s}
+        self._submit_s = 0.0
+        if self._budget is not None:
+            largest = max((r.bytes // n for r in stats.layers), default=0)
+            extra.update(self._budget.end_step(largest, self._step).as_fields(self._budget.limit))
+        return dataclasses.replace(stats, **extra)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
