@@ -154,7 +154,6 @@ class ActivationOffloader:
         self._param_storages: Set[int] = set()
         self._current: Optional[MicroBatch] = None
         self._layer: Optional[Hashable] = None
-        self._planner = AdaptivePlanner(config) if config.policy == "adaptive" else None
         self._layer_decisions: Dict[Hashable, str] = {}
         self._inflight_bytes = 0
         # budget: room-making under activation_budget_bytes (cache/budget.py); None without one.
@@ -162,6 +161,8 @@ class ActivationOffloader:
         self._budget = None if limit is None else ActivationBudget(
             limit, lambda: self._c.resident_bytes, self._drain, self._budget_write_deferred,
             self._budget_wait_event, lambda: self._inflight_bytes)
+        # plan: the adaptive planner decides per (micro-batch position, layer) under the budget.
+        self._planner = AdaptivePlanner(config, limit) if config.policy == "adaptive" else None
         self._submit_s = 0.0  # budget/plan: training-thread seconds spent handing writes over
         self._c = StepCounters()
         self._step = 0
@@ -214,6 +215,8 @@ class ActivationOffloader:
         mb = self._microbatches.get(key)
         if mb is None:
             mb = self._microbatches[key] = MicroBatch(key)
+            if self._planner is not None:  # plan: the micro-batch's position in the step
+                self._planner.shape.forward(key)
         # Another micro-batch's forward runs first: the deferred last layers of every
         # micro-batch still waiting for backward will not be needed right away; write them.
         for other in self._microbatches.values():
@@ -253,6 +256,8 @@ class ActivationOffloader:
         """What the plan says for a layer: 'offload', 'keep' or 'recompute'."""
         if self.config.policy == "keep":
             return "keep"
+        if self._planner is not None:  # plan: per micro-batch position and layer
+            return self._planner.decision(self._current.key if self._current else None, layer)
         return self._layer_decisions.get(layer, "offload")
 
     def begin_backward(self, key: Hashable) -> None:
@@ -310,10 +315,7 @@ class ActivationOffloader:
         stats = self._budget_step_end(stats)  # budget/plan: counters and what the planner needs
         if self._planner is not None:
             order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
-            new = self._planner.update(stats, order, {r.layer: r for r in stats.layers},
-                                       len(self._microbatches))
-            if new:
-                self._layer_decisions.update(new)
+            self._planner.update(stats, order, {r.layer: r for r in stats.layers}, len(self._microbatches))
         if self._c.timeline is not None:
             self.last_memory_timeline = [(t - self._step_first, b) for t, b in self._c.timeline]
         self._c = StepCounters(timeline=[] if self.record_memory_timeline else None)
@@ -597,6 +599,8 @@ class ActivationOffloader:
 
     def _enter_backward(self, mb: MicroBatch) -> None:
         mb.in_backward = True
+        if self._planner is not None:  # plan: how the micro-batches interleave
+            self._planner.shape.backward(mb.key)
         self._phase = "backward"
         for rec in mb.take_all_deferred():  # its last layers: backward needs them right away
             if rec.state == State.SAVED:
@@ -772,6 +776,8 @@ class ActivationOffloader:
         """The step's budget counters and the training thread's offload cost, into its stats."""
         n = max(len(self._microbatches), 1)
         extra = {"offload_submit_s": self._submit_s}
+        if self._planner is not None:
+            extra["plan"] = self._planner.rows()
         self._submit_s = 0.0
         if self._budget is not None:
             largest = max((r.bytes // n for r in stats.layers), default=0)
