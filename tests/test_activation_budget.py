@@ -99,3 +99,21 @@ def test_budget_flag_takes_sizes_and_fractions():
         assert config_from_args(args).activation_budget_bytes == value
     with pytest.raises(SystemExit):
         parser.parse_args(["--ssd-offload", "--ssd-offload-activation-budget", "lots"])
+
+
+def test_with_recompute_fallback_a_layer_that_cannot_fit_beside_pinned_bytes_is_recomputed_once():
+    from ssdtrain_megatron.cache.budget import ActivationBudget
+
+    state = {"resident": 600, "in_flight": 100}
+    b = ActivationBudget(1000, lambda: state["resident"], lambda: None, lambda: 0, lambda: False,
+                         lambda: state["in_flight"])
+    b.learn_layer("3", 400, "offload")
+    b.learn_layer("4", 600, "offload")
+    b.learn_layer("5", 900, "recompute")  # a recomputed layer's bytes are its inputs: not learnt
+    assert not b.recompute_instead(0, 3)  # 500 pinned + 400 fits 1000
+    assert b.recompute_instead(0, 4)  # 500 + 600 does not
+    assert b.recompute_instead(0, 4)  # asked again in the same step: the same answer
+    assert not b.recompute_instead(0, 5)  # never measured unrecomputed: no basis to recompute
+    assert b.recomputed_layers() == {4}
+    assert b.end_step(600, step=1).recomputes == 1
+    assert b.recomputed_layers() == set()

@@ -9,6 +9,9 @@ room, cheapest first:
 * wait for writes in flight to complete (back-pressure): a written record stops counting,
 * in backward, read ahead less (prefetch stops where the budget would be crossed; the record
   is read when backward asks for it),
+* in forward, with ``recompute_fallback`` (Megatron integration), run a layer under
+  recomputation when its bytes (as measured in the last step) would not fit beside what is
+  resident and not being written; decided once per micro-batch and layer in a step,
 * offload a record the plan wanted kept when keeping it would leave too little room.
 
 Each of these is counted and lands in StepStats (``budget_*`` fields). When none of them makes
@@ -66,6 +69,8 @@ class BudgetCounters:
     """Times prefetch stopped short because the budget had no room for the next read."""
     forced_offloads: int = 0
     """Records the plan kept but the budget had no room to keep: written instead."""
+    recomputes: int = 0
+    """Layers run under recomputation because their bytes would not fit (recompute_fallback)."""
     overruns: int = 0
     """Times nothing could make room and resident bytes crossed the budget (after step 0)."""
 
@@ -74,7 +79,7 @@ class BudgetCounters:
                 "budget_deferred_written": self.deferred_written,
                 "budget_readahead_cuts": self.readahead_cuts,
                 "budget_forced_offloads": self.forced_offloads,
-                "budget_overruns": self.overruns}
+                "budget_recomputes": self.recomputes, "budget_overruns": self.overruns}
 
 
 class ActivationBudget:
@@ -88,20 +93,26 @@ class ActivationBudget:
         wait_event: waits (until its deadline) for one IO event and processes it; False when
             nothing is in flight or the wait timed out.
         in_flight: returns the bytes of writes in flight.
+        pinned: returns the resident bytes that no write will free (kept, read back, being
+            read); default: resident minus in flight.
     """
 
     def __init__(self, limit: int, resident: Callable[[], int], drain: Callable[[], None],
                  write_deferred: Callable[[], int], wait_event: Callable[[], bool],
-                 in_flight: Callable[[], int]) -> None:
+                 in_flight: Callable[[], int], pinned: Optional[Callable[[], int]] = None) -> None:
         self.limit = limit
         self._resident = resident
         self._drain = drain
         self._write_deferred = write_deferred
         self._wait_event = wait_event
         self._in_flight = in_flight
+        self._pinned = pinned or (lambda: resident() - in_flight())
         self.c = BudgetCounters()
         self.largest_layer_bytes = 0
         """Largest bytes one layer of one micro-batch saved in an earlier step (0: not known)."""
+        self.layer_bytes: Dict[str, int] = {}
+        """Bytes each layer of one micro-batch saved in the last step it was not recomputed."""
+        self._recompute: Dict[tuple, bool] = {}  # (micro-batch, layer) -> decided this step
         self._warned = False
 
     def fits(self, nbytes: int) -> bool:
@@ -144,6 +155,24 @@ class ActivationBudget:
         self.c.readahead_cuts += 1
         return False
 
+    def recompute_instead(self, micro_batch, layer) -> bool:
+        """Forward, recompute_fallback on: whether a layer the plan offloads must run under
+        recomputation because its bytes (to be read back for its backward) would not fit beside
+        what no write can free (decided at its first question in the step, counted once)."""
+        key = (micro_batch, layer)
+        decided = self._recompute.get(key)
+        if decided is None:
+            need = self.layer_bytes.get(str(layer), 0)
+            decided = bool(need) and self._pinned() + need > self.limit
+            self._recompute[key] = decided
+            self.c.recomputes += decided
+        return decided
+
+    def recomputed_layers(self) -> set:
+        """Layers this step ran recomputed for the budget (the integration labels them
+        'recompute' for the step; the label is the step's only)."""
+        return {layer for (_, layer), d in self._recompute.items() if d}
+
     def overrun(self, nbytes: int, step: int, what: str) -> None:
         """Nothing made room for ``nbytes``. The first step refuses the budget with the numbers;
         a later one counts it and warns once."""
@@ -161,6 +190,12 @@ class ActivationBudget:
             self._warned = True
             log.warning("ssdtrain: %s (counted in StepStats.budget_overruns)", msg)
 
+    def learn_layer(self, layer: str, nbytes: int, decision: str) -> None:
+        """A finished step's bytes of one layer of one micro-batch (recomputed layers' bytes are
+        their inputs only: not what the layer needs)."""
+        if decision != "recompute":
+            self.layer_bytes[layer] = nbytes
+
     def end_step(self, layer_bytes_per_micro_batch: int, step: int) -> BudgetCounters:
         """The step's counters (reset for the next step); learns the largest layer.
 
@@ -169,6 +204,7 @@ class ActivationBudget:
                 layer of a micro-batch (what a recomputed or kept layer holds at once).
         """
         self.largest_layer_bytes = max(self.largest_layer_bytes, layer_bytes_per_micro_batch)
+        self._recompute.clear()
         if step == 0 and self.limit < self.largest_layer_bytes:
             raise BudgetTooSmall(
                 f"activation budget of {_mib(self.limit)} is too small: the largest layer of a "

@@ -160,7 +160,7 @@ class ActivationOffloader:
         limit = resolve_budget(config.activation_budget_bytes, self.device)
         self._budget = None if limit is None else ActivationBudget(
             limit, lambda: self._c.resident_bytes, self._drain, self._budget_write_deferred,
-            self._budget_wait_event, lambda: self._inflight_bytes)
+            self._budget_wait_event, lambda: self._inflight_bytes, self._budget_pinned)
         # plan: the adaptive planner decides per (micro-batch position, layer) under the budget.
         self._planner = AdaptivePlanner(config, limit) if config.policy == "adaptive" else None
         self._submit_s = 0.0  # budget/plan: training-thread seconds spent handing writes over
@@ -256,9 +256,15 @@ class ActivationOffloader:
         """What the plan says for a layer: 'offload', 'keep' or 'recompute'."""
         if self.config.policy == "keep":
             return "keep"
+        mb = self._current.key if self._current else None
         if self._planner is not None:  # plan: per micro-batch position and layer
-            return self._planner.decision(self._current.key if self._current else None, layer)
-        return self._layer_decisions.get(layer, "offload")
+            d = self._planner.decision(mb, layer)
+        else:
+            d = self._layer_decisions.get(layer, "offload")
+        if d == "offload" and self._budget is not None and self.config.recompute_fallback \
+                and self._phase == "forward" and self._budget.recompute_instead(mb, layer):
+            return "recompute"  # budget: the layer's bytes would not fit; run it recomputed
+        return d
 
     def begin_backward(self, key: Hashable) -> None:
         """Hint: the backward of micro-batch ``key`` is next. Its deferred last layers stay in
@@ -766,6 +772,12 @@ class ActivationOffloader:
                 self._submit_all(records)
         return n
 
+    def _budget_pinned(self) -> int:
+        """Resident bytes no write will free: not in flight, not deferred (those can be written)."""
+        deferred = sum(r.nbytes for mb in self._microbatches.values() for r in mb.deferred
+                       if r.state == State.SAVED)
+        return self._c.resident_bytes - self._inflight_bytes - deferred
+
     def _budget_wait_event(self) -> bool:
         if not self._next_event(time.perf_counter() + self.config.io_timeout_s):
             raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} bytes "
@@ -781,6 +793,11 @@ class ActivationOffloader:
         self._submit_s = 0.0
         if self._budget is not None:
             largest = max((r.bytes // n for r in stats.layers), default=0)
+            for r in stats.layers:
+                self._budget.learn_layer(r.layer, r.bytes // n, r.decision)
+            for layer in self._budget.recomputed_layers():  # a budget recompute lasts one step
+                if self._layer_decisions.get(layer) == "recompute":
+                    del self._layer_decisions[layer]
             extra.update(self._budget.end_step(largest, self._step).as_fields(self._budget.limit))
         return dataclasses.replace(stats, **extra)
 

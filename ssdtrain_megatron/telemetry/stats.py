@@ -85,6 +85,8 @@ class StepStats:
     """Times prefetch read less than its window because the budget had no room."""
     budget_forced_offloads: int = 0
     """Records the plan kept that were written instead, to leave room for a layer's backward."""
+    budget_recomputes: int = 0
+    """Layers run under recomputation (recompute_fallback) because their bytes would not fit."""
     budget_overruns: int = 0
     """Times nothing could make room and resident bytes went over the budget (warned)."""
     plan: Tuple[Tuple[int, str, str], ...] = ()
