@@ -173,7 +173,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     shape = _shape(args)
     base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
-    changes = {"dirs": [root]}
+    # The preset's own budget is not the bench's: adaptive gets --memory-budget (bench_budget.py).
+    changes = {"dirs": [root], "activation_budget_bytes": None}
     if args.engine:
         changes["engine"] = args.engine
     if args.min_tensor_bytes is not None:

@@ -122,7 +122,7 @@ class OffloadConfig:
     """A hard cap on resident activation bytes (kept, being written, read back or read ahead):
     pack waits for writes, prefetch reads less, and adaptive plans within it. Bytes (flag: sizes
     like 12GiB), or on CUDA a fraction of the device's memory in (0, 1], e.g. 0.6. None: no cap.
-    Refused with policy 'keep', which writes nothing to make room with."""
+    Not applied with policy 'keep' (the baseline writes nothing to make room with)."""
 
     recompute_fallback: bool = False
     """Layers that cannot be offloaded without stalling are recomputed instead (Megatron
@@ -248,9 +248,6 @@ class OffloadConfig:
                   "fraction of device memory in (0, 1] (CUDA), or null")
         if isinstance(b, float) and b > 1:
             self.activation_budget_bytes = int(b)
-        if self.policy == "keep":
-            _fail("activation_budget_bytes", b, "policy='keep' writes nothing, so it cannot keep "
-                  "activations under a budget; use policy 'offload' or 'adaptive', or drop the budget")
 
     # -- derived values ---------------------------------------------------------------------
 

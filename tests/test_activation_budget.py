@@ -78,8 +78,13 @@ def test_budget_is_validated_in_the_config():
     for bad in (0, -1, 1.5, "1GiB", True):
         with pytest.raises(ConfigError, match="activation_budget_bytes"):
             OffloadConfig(activation_budget_bytes=bad)
-    with pytest.raises(ConfigError, match="policy='keep'"):
-        OffloadConfig(policy="keep", activation_budget_bytes=1 << 30)
+
+def test_the_keep_baseline_ignores_the_budget(offload_dir):
+    cfg = OffloadConfig(dirs=[str(offload_dir)], policy="keep", min_tensor_bytes=1024,
+                        activation_budget_bytes=4096)
+    with ActivationOffloader(cfg) as off:
+        stats = run_steps(tiny_gpt(layers=2, hidden=64, seq=64), batches(), off, steps=1)[2]
+    assert stats[0].budget_bytes is None and stats[0].peak_resident_bytes > 4096
 
 
 def test_a_fraction_of_device_memory_needs_cuda(offload_dir):

@@ -157,7 +157,7 @@ class ActivationOffloader:
         self._layer_decisions: Dict[Hashable, str] = {}
         self._inflight_bytes = 0
         # budget: room-making under activation_budget_bytes (cache/budget.py); None without one.
-        limit = resolve_budget(config.activation_budget_bytes, self.device)
+        limit = resolve_budget(config.activation_budget_bytes, self.device) if config.policy != "keep" else None
         self._budget = None if limit is None else ActivationBudget(
             limit, lambda: self._c.resident_bytes, self._drain, self._budget_write_deferred,
             self._budget_wait_event, lambda: self._inflight_bytes, self._budget_pinned)
