@@ -96,9 +96,10 @@ def test_a_fraction_of_device_memory_needs_cuda(offload_dir):
 def test_budget_flag_takes_sizes_and_fractions():
     import argparse
 
-    from ssdtrain_megatron.megatron.args import add_ssd_offload_args, config_from_args
+    from ssdtrain_megatron.megatron.args import add_ssd_offload_args, config_from_args, flag_for
 
-    parser = add_ssd_offload_args(argparse.ArgumentParser())
+    assert flag_for("activation_budget_bytes") == "--ssd-offload-activation-budget"  # not an abbreviation
+    parser = add_ssd_offload_args(argparse.ArgumentParser(allow_abbrev=False))
     for text, value in (("12GiB", 12 << 30), ("0.6", 0.6), ("4096", 4096)):
         args = parser.parse_args(["--ssd-offload", "--ssd-offload-activation-budget", text])
         assert config_from_args(args).activation_budget_bytes == value

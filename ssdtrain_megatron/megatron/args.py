@@ -33,7 +33,8 @@ GROUP_TITLE = "ssd offload"
 FLAG_PREFIX = "--ssd-offload"
 
 NAMED_FIELD_FLAGS = {"dirs": "--ssd-offload-dir", "engine": "--ssd-offload-engine",
-                     "policy": "--ssd-offload-policy"}
+                     "policy": "--ssd-offload-policy",
+                     "activation_budget_bytes": "--ssd-offload-activation-budget"}
 """OffloadConfig fields whose flag is not simply ``--ssd-offload-<field>``."""
 
 LIST_ITEM_TYPES = {"dirs": str, "recompute_layers": int}
@@ -286,6 +287,8 @@ def _metavar(name: str) -> str:
         return "{" + ",".join(choices[name]) + "}"
     if name == "dirs":
         return "DIR[,DIR...]"
+    if name == "activation_budget_bytes":
+        return "SIZE|FRACTION"
     if name in LIST_ITEM_TYPES:
         return "N[,N...]" if LIST_ITEM_TYPES[name] is int else "ITEM[,ITEM...]"
     for suffix, metavar in (("_bytes", "BYTES"), ("_path", "PATH"), ("_s", "SECONDS"),
