@@ -100,6 +100,9 @@ class ActivationOffloader:
             (``pinned_staging_bytes``) cannot be allocated.
         RuntimeError: at unpack, when a saved tensor was modified in place, or its read failed
             (the message names the file, offset and cause).
+        BudgetTooSmall: in or right after the first step, when ``activation_budget_bytes``
+            cannot hold one layer (cache/budget.py; the message has the numbers).
+        ValueError: at construction, a budget given as a fraction of device memory off CUDA.
 
     Example:
         >>> with ActivationOffloader(OffloadConfig(dirs=["/mnt/nvme0/act"])) as off:
