@@ -5,7 +5,8 @@ strategies, at each micro-batch size of ``--micro-batch-size``:
 
   keep       the offloader installed with policy="keep": nothing leaves memory (the baseline)
   offload    policy="offload": every eligible activation goes to SSD under --dir
-  adaptive   policy="adaptive": the planner decides per layer from the measured steps
+  adaptive   policy="adaptive": the planner decides per micro-batch position and layer from
+             the measured steps, within the memory budget (bench_budget.py)
   recompute  megatron's full recompute (uniform, one layer per checkpoint), the keep offloader
              installed for its accounting
 
@@ -17,7 +18,8 @@ RSS high-water mark, reset before every step; CUDA max allocated on a GPU). Loss
 offload and adaptive must be bitwise equal, step by step.
 
 Prints a table, the ratios offload/keep and recompute/keep at the largest micro-batch all
-strategies ran, and the largest micro-batch each strategy fits under --memory-budget; writes
+strategies ran, adaptive against the fastest fixed strategy (offload, recompute) that fits the
+memory budget, and the largest micro-batch each strategy fits under it; writes
 OUT/rok.png (x: peak activation memory, y: throughput, one line per strategy) and
 OUT/points.json (the object --json prints). Progress goes to stderr.
 """
@@ -34,6 +36,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
+from .bench_budget import adaptive_config, budget_comparison, default_budget, render_lines
 from .cli_types import (byte_count, check_engine, deprecated_alias, positive_int, progress,
                         quiet_megatron_warnings, say, writable_dir)
 from .config import OffloadConfig
@@ -118,8 +121,9 @@ def add_bench_parser(subparsers) -> None:
                    metavar="N[,N...]", help="micro-batch sizes to measure (default: 1,2,4)")
     deprecated_alias(p, "--micro-batches", "--micro-batch-size", "micro_batches", _sizes)
     p.add_argument("--memory-budget", type=byte_count, default=None, metavar="BYTES",
-                   help="activation memory budget for 'largest micro-batch that fits', e.g. 512MiB "
-                        "(default: what keep needs at the middle micro-batch size)")
+                   help="activation memory budget, e.g. 512MiB: adaptive runs within it, and is "
+                        "compared with the fastest fixed strategy that fits it (default: what keep "
+                        "needs at the middle micro-batch size)")
     p.add_argument("--quick", action="store_true",
                    help="CI-sized shape, fewer steps (about 3 minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -169,7 +173,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     shape = _shape(args)
     base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
-    changes = {"dirs": [root]}
+    # The preset's own budget is not the bench's: adaptive gets --memory-budget (bench_budget.py).
+    changes = {"dirs": [root], "activation_budget_bytes": None}
     if args.engine:
         changes["engine"] = args.engine
     if args.min_tensor_bytes is not None:
@@ -179,7 +184,8 @@ def run_bench(args: argparse.Namespace) -> int:
     spec = GPTSpec(layers=shape["layers"], hidden=shape["hidden"], heads=shape["heads"], seq=shape["seq"],
                    vocab=shape["vocab"], num_microbatches=shape["num_microbatches"])
     args.offload_files.watch(root)
-    result = measure(spec, cfg, args.micro_batches, shape["steps"], shape["warmup"])
+    result = measure(spec, cfg, args.micro_batches, shape["steps"], shape["warmup"],
+                     budget=args.memory_budget)
     summary = summarize(result, args.memory_budget)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "points.json"), "w", encoding="utf-8") as fh:
@@ -209,10 +215,12 @@ class BenchRun:
     series: Dict[tuple, _Series] = field(default_factory=dict)
     out_of_memory: List[tuple] = field(default_factory=list)
     files_left: List[str] = field(default_factory=list)
+    adaptive_budgets: Dict[int, Optional[int]] = field(default_factory=dict)
+    """activation_budget_bytes adaptive ran with, per micro-batch size (None: keep everything)."""
 
 
 def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, warmup: int,
-            strategies: Sequence[Strategy] = STRATEGIES) -> BenchRun:
+            strategies: Sequence[Strategy] = STRATEGIES, budget: Optional[int] = None) -> BenchRun:
     """Train ``warmup + steps`` steps of every strategy at every micro-batch size, the strategies
     taking turns step by step; one model and one offloader per strategy and size. A strategy
     that runs out of device memory at a size is not tried at larger ones."""
@@ -232,9 +240,14 @@ def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, 
         alive = list(strategies)
         bar = progress(len(micro_batches) * (warmup + steps), desc="bench", unit="round")
         try:
+            keep_peaks: Dict[int, int] = {}
             for mb in micro_batches:
+                run.adaptive_budgets[mb] = budget if budget is not None else \
+                    default_budget(list(micro_batches), keep_peaks)
                 _measure_size(run, mb, alive, spec, cfg, rt.device, peak, bar)
                 alive = [s for s in alive if (s.name, mb) not in run.out_of_memory]
+                if ("keep", mb) in run.series:
+                    keep_peaks[mb] = max(run.series[("keep", mb)].activation[warmup:])
         finally:
             bar.close()
     return run
@@ -243,7 +256,9 @@ def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, 
 def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: OffloadConfig,
                   device, peak, bar) -> None:
     """Every strategy in ``alive`` at micro-batch size ``mb``, taking turns step by step."""
-    contenders = [_Contender(s, dataclasses.replace(spec, micro_batch=mb), cfg, device) for s in alive]
+    contenders = [_Contender(s, dataclasses.replace(spec, micro_batch=mb),
+                             adaptive_config(cfg, run.adaptive_budgets.get(mb)) if s.name == "adaptive" else cfg,
+                             device) for s in alive]
     try:
         for c in contenders:
             run.series[(c.strategy.name, mb)] = c.series
@@ -357,6 +372,8 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
     recompute_same = all(run.series[(n, mb)].losses == run.series[("keep", mb)].losses
                          for (n, mb) in run.series if n == "recompute" and ("keep", mb) in run.series)
     gpu = run.device.startswith("cuda")
+    versus = budget_comparison(at, ratio_mb, memory_budget)
+    ratios.update(versus["ratios"])
     return {
         "points": [dataclasses.asdict(p) for p in sorted(points, key=lambda p: (names.index(p.strategy),
                                                                                  p.micro_batch))],
@@ -365,6 +382,8 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
         "targets": _targets(ratios, gpu),
         "memory_budget_bytes": memory_budget,
         "memory_budget_from_keep_micro_batch": budget_from,
+        "best_fixed": versus["best_fixed"],
+        "adaptive_budget_bytes": {str(mb): b for mb, b in run.adaptive_budgets.items()},
         "largest_micro_batch_under_budget": fits,
         "losses_bitwise_equal": same,
         "recompute_losses_bitwise_equal": recompute_same,
@@ -439,6 +458,7 @@ def render(summary: dict) -> str:
     for key, label in labels:
         if key in r:
             lines.append(f"  {label:<34} {r[key]:6.2f}")
+    lines += render_lines(summary)
     budget = summary["memory_budget_bytes"]
     src = summary["memory_budget_from_keep_micro_batch"]
     top = max(p["micro_batch"] for p in summary["points"])

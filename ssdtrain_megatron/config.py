@@ -118,6 +118,12 @@ class OffloadConfig:
     """Adaptive policy: activation bytes of one micro-batch allowed to stay in memory. None:
     as little as possible without stalling on IO."""
 
+    activation_budget_bytes: Optional[float] = None
+    """A hard cap on resident activation bytes (kept, being written, read back or read ahead):
+    pack waits for writes, prefetch reads less, and adaptive plans within it. Bytes (flag: sizes
+    like 12GiB), or on CUDA a fraction of the device's memory in (0, 1], e.g. 0.6. None: no cap.
+    Not applied with policy 'keep' (the baseline writes nothing to make room with)."""
+
     recompute_fallback: bool = False
     """Layers that cannot be offloaded without stalling are recomputed instead (Megatron
     integration: they run under megatron's own tensor_parallel.checkpoint)."""
@@ -192,6 +198,7 @@ class OffloadConfig:
         if self.memory_budget_bytes is not None and (isinstance(self.memory_budget_bytes, bool) or not isinstance(
                 self.memory_budget_bytes, int) or self.memory_budget_bytes < 0):
             _fail("memory_budget_bytes", self.memory_budget_bytes, "expected an integer >= 0 or null")
+        self._check_activation_budget()
         if not isinstance(self.recompute_fallback, bool):
             _fail("recompute_fallback", self.recompute_fallback, "expected true or false")
         if not isinstance(self.recompute_layers, (list, tuple)) or not all(
@@ -230,6 +237,17 @@ class OffloadConfig:
             why = gds_unavailable_reason()
             if why:
                 _fail("engine", self.engine, why)
+
+    def _check_activation_budget(self) -> None:
+        b = self.activation_budget_bytes
+        if b is None:
+            return
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0 \
+                or (isinstance(b, float) and b > 1 and not b.is_integer()):
+            _fail("activation_budget_bytes", b, "expected a byte count >= 1 (e.g. 12GiB), a "
+                  "fraction of device memory in (0, 1] (CUDA), or null")
+        if isinstance(b, float) and b > 1:
+            self.activation_budget_bytes = int(b)
 
     # -- derived values ---------------------------------------------------------------------
 

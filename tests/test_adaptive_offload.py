@@ -38,12 +38,33 @@ def test_adaptive_cuts_io_wait_by_three_quarters_under_a_slow_drive(offload_dir,
     assert "ssdtrain adaptive plan #1" in caplog.text
 
 
-def test_adaptive_on_a_fast_drive_offloads_layers(offload_dir):
+def test_adaptive_without_a_budget_keeps_everything_from_the_first_step(offload_dir):
     model = tiny_gpt(layers=6, hidden=128, seq=128)
     c = OffloadConfig(dirs=[str(offload_dir)], policy="adaptive", min_tensor_bytes=1024)
     with ActivationOffloader(c) as off:
-        _, _, stats = run_steps(model, batches(), off, steps=3)
-    assert stats[-1].bytes_offloaded > 0
+        _, _, stats = run_steps(model, batches(), off, steps=2)
+    assert [s.bytes_offloaded for s in stats] == [0, 0]
+    assert {d for _, _, d in stats[-1].plan} == {"keep"}
+
+
+def test_adaptive_on_a_fast_drive_offloads_within_a_budget(offload_dir):
+    model = tiny_gpt(layers=6, hidden=128, seq=128)
+    data = batches()
+    ref = run_steps(model, data, steps=3)
+    c = OffloadConfig(dirs=[str(offload_dir / "keep")], policy="keep", min_tensor_bytes=1024)
+    with ActivationOffloader(c) as off:
+        keep_peak = run_steps(model, data, off, steps=1)[2][0].peak_resident_bytes
+    budget = keep_peak // 2
+    c = OffloadConfig(dirs=[str(offload_dir)], policy="adaptive", min_tensor_bytes=1024,
+                      activation_budget_bytes=budget)
+    with ActivationOffloader(c) as off:
+        got = run_steps(model, data, off, steps=3)
+    assert_bitwise_equal(ref, got)
+    stats = got[2]
+    decisions = {d for _, _, d in stats[-1].plan}
+    assert decisions == {"keep", "offload"}, stats[-1].plan  # keeps what fits, offloads the rest
+    assert stats[-1].bytes_offloaded > 0 and stats[-1].bytes_read > 0
+    assert all(s.peak_resident_bytes <= budget for s in stats)
 
 
 def test_adaptive_on_megatron_core_stops_stalling_under_a_slow_drive(offload_dir):

@@ -134,6 +134,27 @@ def test_ratios_are_taken_at_the_largest_micro_batch_every_strategy_ran():
         "keep": None, "offload": 2, "recompute": 2}
 
 
+def test_adaptive_is_compared_with_the_fastest_fixed_strategy_within_the_budget():
+    from ssdtrain_megatron.bench import render
+
+    same = [1.0, 0.9]
+    run = _run({("keep", 1): ([1.0, 1.0], [100, 100], same), ("keep", 2): ([2.0, 2.0], [200, 200], same),
+                ("offload", 2): ([2.4, 2.4], [90, 90], same), ("adaptive", 2): ([2.1, 2.1], [95, 95], same),
+                ("recompute", 2): ([2.2, 2.2], [150, 150], [1.0, 0.8])})
+    s = summarize(run, memory_budget=120)
+    # recompute is faster than offload but does not fit 120 bytes: offload is the best fixed.
+    assert s["best_fixed"] == "offload"
+    assert s["ratios"]["adaptive_vs_best_fixed_step_time"] == 2.1 / 2.4
+    assert s["ratios"]["adaptive_peak_vs_budget"] == 95 / 120
+    s = summarize(run, memory_budget=160)
+    assert s["best_fixed"] == "recompute"
+    assert s["ratios"]["adaptive_vs_best_fixed_step_time"] == 2.1 / 2.2
+    assert "(best fixed within the budget: recompute)" in render(s)
+    s = summarize(run, memory_budget=50)
+    assert s["best_fixed"] is None and "adaptive_vs_best_fixed_step_time" not in s["ratios"]
+    assert "no fixed strategy (offload, recompute) fits the budget" in render(s)
+
+
 def test_the_table_shows_no_target_the_user_did_not_set_and_shows_fallbacks():
     from ssdtrain_megatron.bench import render
 
@@ -225,7 +246,11 @@ def test_every_numeric_field_is_a_scalar_at_megatrons_iteration_and_interval():
         ("ssd_offload/peak_resident_bytes", 1 << 20, 2), ("ssd_offload/write_gbps", 1.5, 2),
         ("ssd_offload/read_gbps", 0.75, 2), ("ssd_offload/bytes_on_disk", 0, 2),
         ("ssd_offload/fallbacks", 0, 2), ("ssd_offload/step_time_s", 2.0, 2),
-        ("ssd_offload/iteration_time_s", 0.0, 2)]
+        ("ssd_offload/iteration_time_s", 0.0, 2), ("ssd_offload/offload_submit_s", 0.0, 2),
+        ("ssd_offload/budget_waits", 0, 2), ("ssd_offload/budget_wait_s", 0.0, 2),
+        ("ssd_offload/budget_deferred_written", 0, 2), ("ssd_offload/budget_readahead_cuts", 0, 2),
+        ("ssd_offload/budget_forced_offloads", 0, 2), ("ssd_offload/budget_recomputes", 0, 2),
+        ("ssd_offload/budget_overruns", 0, 2)]
 
 
 def test_without_a_megatron_training_loop_nothing_is_published(monkeypatch):
@@ -243,7 +268,7 @@ def test_args_not_yet_initialised_still_use_the_writer(monkeypatch):
     gv = types.SimpleNamespace(get_tensorboard_writer=lambda: w, get_args=get_args)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
     assert telemetry.publish_step(_stats(step=6)) == 7  # the offloader's count, plus one
-    assert len(w.scalars) == 15  # every numeric StepStats field, iteration_time_s included
+    assert len(w.scalars) == 23  # every numeric StepStats field, iteration_time_s and budget_* included
 
 
 def test_megatron_training_steps_reach_the_writer_and_the_log(monkeypatch, tmp_path, caplog):

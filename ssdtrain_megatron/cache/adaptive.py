@@ -1,65 +1,168 @@
-"""The adaptive policy's loop: measure a step, plan per layer, re-plan when things change.
+"""The adaptive policy's loop: measure a step, plan per micro-batch position and layer, re-plan
+when the measurements move.
 
-The decision itself is the pure ``plan.policy.plan_layers``; this class only turns a step's
-measurements (per-layer forward time and bytes, achieved bandwidth) into its inputs and its
-output into per-layer decisions for the offloader.
+The decision itself is the pure ``plan.step_plan.plan_step``; this module turns a step's
+measurements (per-layer forward time and bytes, achieved bandwidth, the training thread's
+offload cost, how the micro-batches interleaved) into its inputs, and answers the offloader's
+"what for this layer of this micro-batch" from its output.
+
+Without a budget (``activation_budget_bytes`` or the per-micro-batch ``memory_budget_bytes``)
+everything is kept from the first step: keeping costs no time. With one, the first step
+offloads everything (within the budget, which the runtime guarantees) to measure the drive.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from ..config import OffloadConfig
-from ..plan.policy import LayerMeasurement, LayerPlan, plan_layers, should_replan
+from ..plan.policy import KEEP, OFFLOAD, LayerMeasurement, should_replan
+from ..plan.step_plan import Position, StepPlan, format_plan, plan_step
 from ..telemetry.stats import StepStats
 
 log = logging.getLogger(__name__)
 
+CHECKPOINT_FRACTION = 16
+"""Until a layer has run recomputed (and its checkpointed inputs were measured), they are
+assumed to be 1/16 of its saved bytes (a transformer layer saves ~16-34x its input)."""
+
+
+class StepShape:
+    """How the micro-batches of one step interleave: each one's position (forward order), how
+    many other forwards ran between its forward and its backward, and how many micro-batches
+    held activations when its backward began."""
+
+    def __init__(self) -> None:
+        self.position: Dict[Hashable, int] = {}
+        self._between: Dict[Hashable, int] = {}
+        self._live: Dict[Hashable, int] = {}
+
+    def forward(self, key: Hashable) -> None:
+        if key in self.position:
+            return
+        for other in self.position:
+            if other not in self._live:
+                self._between[other] += 1
+        self.position[key] = len(self.position)
+        self._between[key] = 0
+
+    def backward(self, key: Hashable) -> None:
+        if key in self.position and key not in self._live:
+            self._live[key] = len(self.position) - len(self._live)
+
+    def take(self, forward_s_per_micro_batch: float) -> List[Position]:
+        """The step's positions (its forward time prices the gaps); resets for the next step."""
+        out = [Position(gap_s=self._between[k] * forward_s_per_micro_batch, live=self._live.get(k, 1))
+               for k in sorted(self.position, key=self.position.get)]
+        self.__init__()
+        return out
+
 
 class AdaptivePlanner:
-    def __init__(self, config: OffloadConfig) -> None:
+    def __init__(self, config: OffloadConfig, budget_bytes: Optional[int]) -> None:
         self.config = config
-        self.plan: Optional[LayerPlan] = None
-        self.plan_write_bps = 0.0
+        self.budget_bytes = budget_bytes
+        self.shape = StepShape()
+        self.plan: Optional[StepPlan] = None
         self.replans = 0
+        self._decisions: Dict[Tuple[int, Hashable], str] = {}
+        self._bytes: Dict[str, int] = {}  # layer -> bytes of one micro-batch when not recomputed
+        self._checkpoint: Dict[str, int] = {}  # layer -> bytes kept when recomputed
+        self._bw: Optional[Tuple[float, float]] = None  # (write, read) bytes/s last measured
+        self._plan_write_bps = 0.0
+        self._cpu_s_per_byte = 0.0
+
+    @property
+    def has_budget(self) -> bool:
+        return self.budget_bytes is not None or self.config.memory_budget_bytes is not None
+
+    def decision(self, micro_batch: Hashable, layer: Hashable) -> str:
+        """The plan's decision for ``layer`` of ``micro_batch`` (before a plan: keep without a
+        budget, offload with one; positions past the plan's take its last one)."""
+        if self.plan is None:
+            return OFFLOAD if self.has_budget else KEEP
+        pos = min(self.shape.position.get(micro_batch, 0), len(self.plan.decisions) - 1)
+        return self._decisions.get((pos, layer), OFFLOAD if self.has_budget else KEEP)
+
+    def rows(self) -> Tuple[Tuple[int, str, str], ...]:
+        """The plan in force, for StepStats.plan."""
+        return tuple((p, str(k), d) for (p, k), d in sorted(self._decisions.items(), key=lambda kv: kv[0][0]))
 
     def update(self, stats: StepStats, order: Sequence[Hashable], layer_rows: Dict[str, object],
-               num_micro_batches: int) -> Optional[Dict[Hashable, str]]:
-        """New decisions per layer key, or None to keep the current plan."""
-        write_bps, read_bps = stats.write_gbps * 1e9, stats.read_gbps * 1e9
-        if not order or write_bps <= 0 or read_bps <= 0:
-            return None  # nothing was measured (no layers, or nothing went through the drive)
-        if self.plan is not None and not should_replan(
-                stats.io_wait_s, max(stats.iteration_time_s or stats.step_time_s, 1e-9),
-                self.config.replan_io_wait_fraction, self.plan_write_bps, write_bps):
-            return None
+               num_micro_batches: int) -> bool:
+        """Re-plan from a finished step when needed; True when the plan changed."""
         n = max(num_micro_batches, 1)
-        layers: List[LayerMeasurement] = []
+        layers = self._measure(stats, order, layer_rows, n)
+        positions = self.shape.take(sum(m.forward_s for m in layers))
+        if not order or not positions:
+            return False
+        if not self.has_budget:
+            if self.plan is None:
+                self._apply(order, plan_step(layers, positions, write_bps=1.0, read_bps=1.0,
+                                             budget_bytes=None), 1.0, 1.0)
+            return False
+        if self._bw is None:
+            return False  # nothing went through the drive yet
+        write_bps, read_bps = self._bw
+        if self.plan is not None and len(positions) == len(self.plan.decisions) and not stats.budget_overruns \
+                and not should_replan(stats.io_wait_s + stats.budget_wait_s,
+                                      max(stats.iteration_time_s or stats.step_time_s, 1e-9),
+                                      self.config.replan_io_wait_fraction, self._plan_write_bps, write_bps):
+            return False
+        budget, reserve = self._budget_and_reserve(order, layers, layer_rows, n)
+        plan = plan_step(layers, positions, write_bps=write_bps, read_bps=read_bps, budget_bytes=budget,
+                         reserve_bytes=reserve, cpu_s_per_byte=self._cpu_s_per_byte,
+                         recompute_fallback=self.config.recompute_fallback,
+                         keep_last_layers=self.config.keep_last_layers)
+        return self._apply(order, plan, write_bps, read_bps)
+
+    def _measure(self, stats: StepStats, order, layer_rows, n: int) -> List[LayerMeasurement]:
+        if stats.write_gbps > 0:
+            write = stats.write_gbps * 1e9
+            self._bw = (write, stats.read_gbps * 1e9 if stats.read_gbps > 0 else write)
+        if stats.bytes_offloaded and stats.offload_submit_s:
+            self._cpu_s_per_byte = stats.offload_submit_s / stats.bytes_offloaded
+        layers = []
         for key in order:
             row = layer_rows.get(str(key))
-            fwd = row.forward_s / n if row else 0.0
-            nbytes = row.bytes // n if row else 0
-            layers.append(LayerMeasurement(forward_s=fwd, activation_bytes=nbytes))
-        self.plan = plan_layers(layers, write_bps=write_bps, read_bps=read_bps, num_micro_batches=n,
-                                keep_last_layers=self.config.keep_last_layers,
-                                recompute_fallback=self.config.recompute_fallback,
-                                memory_budget_bytes=self.config.memory_budget_bytes)
-        self.plan_write_bps = write_bps
+            if row is not None and row.decision == "recompute":
+                self._checkpoint[str(key)] = row.bytes // n
+            elif row is not None:
+                self._bytes[str(key)] = row.bytes // n
+            nbytes = self._bytes.get(str(key), 0)
+            layers.append(LayerMeasurement(
+                forward_s=row.forward_s / n if row else 0.0, activation_bytes=nbytes,
+                checkpoint_bytes=min(nbytes, self._checkpoint.get(str(key), nbytes // CHECKPOINT_FRACTION))))
+        return layers
+
+    def _budget_and_reserve(self, order, layers, layer_rows, n: int) -> Tuple[Optional[int], int]:
+        """Without activation_budget_bytes, memory_budget_bytes is one micro-batch's kept bytes.
+        With it, the reserve is what stays resident beside the kept layers: tensors saved
+        outside layers (embedding, head, loss) and one layer (being saved and written in
+        forward, read back in backward; the runtime waits for writes beyond that)."""
+        if self.budget_bytes is None:
+            return self.config.memory_budget_bytes, 0
+        outside = sum(r.bytes for k, r in layer_rows.items() if k not in {str(x) for x in order}) // n
+        largest = max((m.activation_bytes for m in layers), default=0)
+        budget = self.budget_bytes
+        if self.config.memory_budget_bytes is not None:
+            budget = min(budget, self.config.memory_budget_bytes)
+        return budget, outside + largest
+
+    def _apply(self, order: Sequence[Hashable], plan: StepPlan, write_bps: float, read_bps: float) -> bool:
+        new = {(p, k): d for p, row in enumerate(plan.decisions) for k, d in zip(order, row)}
+        changed = new != self._decisions
+        first = self.plan is None
+        self.plan, self._decisions, self._plan_write_bps = plan, new, write_bps
         self.replans += 1
-        keep_tail = self.config.keep_last_layers
-        decisions = {}
-        for i, (key, d) in enumerate(zip(order, self.plan.decisions)):
-            # The last layers are the offloader's to keep (only when backward follows at once);
-            # the planner keeps them by construction, which would also pin them in pipelines.
-            decisions[key] = "offload" if i >= len(order) - keep_tail else d
-        log.info("ssdtrain adaptive plan #%d (write %.2f GB/s, read %.2f GB/s): keep %s, offload %s, "
-                 "recompute %s; predicted stall %.3fs", self.replans, write_bps / 1e9, read_bps / 1e9,
-                 _names(order, decisions, "keep"), _names(order, decisions, "offload"),
-                 _names(order, decisions, "recompute"), self.plan.io_stall_s)
-        return decisions
-
-
-def _names(order, decisions, what) -> str:
-    keys = [str(k) for k in order if decisions[k] == what]
-    return "[" + ", ".join(keys) + "]" if keys else "none"
+        if first or changed:
+            budget = "no budget: keep everything" if plan.allowance_bytes is None else (
+                f"kept bytes per live micro-batch <= {plan.allowance_bytes / 2**20:.1f} MiB, "
+                f"write {write_bps / 1e9:.2f} GB/s, read {read_bps / 1e9:.2f} GB/s, predicted "
+                f"extra {plan.extra_s * 1e3:.1f} ms per step"
+                + ("" if plan.fits_budget else "; DOES NOT FIT the budget"))
+            level = logging.INFO if first else logging.DEBUG
+            log.log(level, "ssdtrain adaptive plan #%d (%s):\n%s", self.replans, budget,
+                    format_plan(plan, [str(k) for k in order]))
+        return changed

@@ -72,7 +72,15 @@ class SavedTensorHooks:
         rec = TensorRecord(next(self._ids), t, mb.key if mb is not None else None, layer,
                            (shape, stride, dtype, version, self.device), sref)
         rec.handles = 1
-        decision = rec.decision = "keep" if self._keep_all else self._layer_decisions.get(layer, "offload")
+        if self._keep_all:
+            decision = rec.decision = "keep"
+        elif self._budget is None and self._planner is None:
+            decision = rec.decision = self._layer_decisions.get(layer, "offload")
+        else:  # budget/plan: per (micro-batch, layer), and room for it before it counts as resident
+            rec.decision = self.decision_for(layer)
+            if self._budget is not None:
+                self._budget_admit(rec)
+            decision = rec.decision
         self._records[rec.id] = rec
         self._dedup[key] = rec
         nbytes = rec.nbytes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -19,10 +20,11 @@ from ..io.where import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
+from .budget import ActivationBudget, resolve_budget
 from .device_copy import DeviceCopy, StreamOps
 from .hooks import SavedTensorHooks
 from .microbatch import MicroBatch
-from .record import TensorRecord
+from .record import State, TensorRecord
 from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
 
 __all__ = ["ActivationOffloader", "DECISIONS", "EXPECTED_WRITE_REFUSALS", "IOTimeout"]
@@ -56,6 +58,9 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         RuntimeError: at unpack, when a saved tensor was modified in place, or its read failed
             (the message names the file, offset and cause).
 
+        BudgetTooSmall: in or right after the first step, when ``activation_budget_bytes``
+            cannot hold one layer (cache/budget.py; the message has the numbers).
+        ValueError: at construction, a budget given as a fraction of device memory off CUDA.
     Example:
         >>> with ActivationOffloader(OffloadConfig(dirs=["/mnt/nvme0/act"])) as off:
         ...     for mb, x in enumerate(batches):
@@ -114,10 +119,17 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         self._param_storages: Set[int] = set()
         self._current: Optional[MicroBatch] = None
         self._layer: Optional[Hashable] = None
-        self._planner = AdaptivePlanner(config) if config.policy == "adaptive" else None
         self._layer_decisions: Dict[Hashable, str] = {}
         self._inflight_bytes = 0
         self._c = StepCounters()
+        # budget: room-making under activation_budget_bytes (cache/budget.py); None without one.
+        limit = resolve_budget(config.activation_budget_bytes, self.device) if config.policy != "keep" else None
+        self._budget = None if limit is None else ActivationBudget(
+            limit, lambda: self._c.resident_bytes, self._drain, self._budget_write_deferred,
+            self._budget_wait_event, lambda: self._inflight_bytes, self._budget_pinned)
+        # plan: the adaptive planner decides per (micro-batch position, layer) under the budget.
+        self._planner = AdaptivePlanner(config, limit) if config.policy == "adaptive" else None
+        self._submit_s = 0.0  # budget/plan: training-thread seconds spent handing writes over
         self._step = 0
         self._step_started = self._step_first = time.perf_counter()
         self._warned: Set[str] = set()
@@ -168,6 +180,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         mb = self._microbatches.get(key)
         if mb is None:
             mb = self._microbatches[key] = MicroBatch(key)
+            if self._planner is not None:  # plan: the micro-batch's position in the step
+                self._planner.shape.forward(key)
         # Another micro-batch's forward runs first: the deferred last layers of every
         # micro-batch still waiting for backward will not be needed right away; write them.
         for other in self._microbatches.values():
@@ -207,7 +221,15 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         """What the plan says for a layer: 'offload', 'keep' or 'recompute'."""
         if self.config.policy == "keep":
             return "keep"
-        return self._layer_decisions.get(layer, "offload")
+        mb = self._current.key if self._current else None
+        if self._planner is not None:  # plan: per micro-batch position and layer
+            d = self._planner.decision(mb, layer)
+        else:
+            d = self._layer_decisions.get(layer, "offload")
+        if d == "offload" and self._budget is not None and self.config.recompute_fallback \
+                and self._phase == "forward" and self._budget.recompute_instead(mb, layer):
+            return "recompute"  # budget: the layer's bytes would not fit; run it recomputed
+        return d
 
     def begin_backward(self, key: Hashable) -> None:
         """Hint: the backward of micro-batch ``key`` is next. Its deferred last layers stay in
@@ -261,12 +283,10 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         stats = self._c.freeze(self._step, write, read,
                                self._engine.bytes_on_disk if self._engine else 0, now - first,
                                now - (first if self._step == 0 else self._step_started))
+        stats = self._budget_step_end(stats)  # budget/plan: counters and what the planner needs
         if self._planner is not None:
             order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
-            new = self._planner.update(stats, order, {r.layer: r for r in stats.layers},
-                                       len(self._microbatches))
-            if new:
-                self._layer_decisions.update(new)
+            self._planner.update(stats, order, {r.layer: r for r in stats.layers}, len(self._microbatches))
         if self._c.timeline is not None:
             self.last_memory_timeline = [(t - self._step_first, b) for t, b in self._c.timeline]
         self._c = StepCounters(timeline=[] if self.record_memory_timeline else None)
@@ -327,6 +347,56 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         for ref in self._storage_refs:
             free(ref)
         self._storage_refs = []
+
+    # -- budget (cache/budget.py) and the planner's measurements ------------------------------
+
+    def _budget_admit(self, rec: TensorRecord) -> None:
+        """Room for a new record; a record the plan keeps is written when keeping it would
+        leave too little room for a layer's backward."""
+        b = self._budget
+        if not b.make_room(rec.nbytes):
+            b.overrun(rec.nbytes, self._step, f"saving a {rec.describe()} in layer {rec.layer}")
+        if rec.decision == "keep" and not b.may_keep(rec.nbytes):
+            rec.decision = "offload"
+
+    def _budget_write_deferred(self) -> int:
+        """Write the deferred last-layer records of every micro-batch still in forward."""
+        n = 0
+        for mb in list(self._microbatches.values()):
+            if not mb.in_backward and mb.deferred:
+                records = mb.take_all_deferred()
+                n += len(records)
+                self._submit_all(records)
+        return n
+
+    def _budget_pinned(self) -> int:
+        """Resident bytes no write will free: not in flight, not deferred (those can be written)."""
+        deferred = sum(r.nbytes for mb in self._microbatches.values() for r in mb.deferred
+                       if r.state == State.SAVED)
+        return self._c.resident_bytes - self._inflight_bytes - deferred
+
+    def _budget_wait_event(self) -> bool:
+        if not self._next_event(time.perf_counter() + self.config.io_timeout_s):
+            raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} bytes "
+                            "of writes to finish to stay within activation_budget_bytes")
+        return True
+
+    def _budget_step_end(self, stats: StepStats) -> StepStats:
+        """The step's budget counters and the training thread's offload cost, into its stats."""
+        n = max(len(self._microbatches), 1)
+        extra = {"offload_submit_s": self._submit_s}
+        if self._planner is not None:
+            extra["plan"] = self._planner.rows()
+        self._submit_s = 0.0
+        if self._budget is not None:
+            largest = max((r.bytes // n for r in stats.layers), default=0)
+            for r in stats.layers:
+                self._budget.learn_layer(r.layer, r.bytes // n, r.decision)
+            for layer in self._budget.recomputed_layers():  # a budget recompute lasts one step
+                if self._layer_decisions.get(layer) == "recompute":
+                    del self._layer_decisions[layer]
+            extra.update(self._budget.end_step(largest, self._step).as_fields(self._budget.limit))
+        return dataclasses.replace(stats, **extra)
 
     def __enter__(self) -> "ActivationOffloader":
         return self

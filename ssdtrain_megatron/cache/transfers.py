@@ -22,6 +22,7 @@ from typing import List, Optional
 import torch
 
 from ..io.memory import PoolFull
+from .budget import give_back_readahead
 from .hooks import _DROP
 from .microbatch import MicroBatch
 from .record import IN_FLIGHT, READS, RESIDENT, WRITES, State, TensorRecord
@@ -133,6 +134,7 @@ class RecordIO:
         self._inflight_bytes += rec.nbytes
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
+        t_submit = time.perf_counter()  # budget/plan: the training thread's cost of offloading
         try:
             if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
                 data, event, rec.transfer = self._copy.stage_out(rec)
@@ -149,6 +151,7 @@ class RecordIO:
             self._inflight_bytes -= rec.nbytes
             self._move(rec, State.KEPT)
             raise
+        self._submit_s += time.perf_counter() - t_submit  # budget/plan: (end of the measured part)
         if fut is not None:  # an engine without ``completions``
             fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
 
@@ -196,6 +199,8 @@ class RecordIO:
 
     def _enter_backward(self, mb: MicroBatch) -> None:
         mb.in_backward = True
+        if self._planner is not None:  # plan: how the micro-batches interleave
+            self._planner.shape.backward(mb.key)
         self._phase = "backward"
         for rec in mb.take_all_deferred():  # its last layers: backward needs them right away
             if rec.state == State.SAVED:
@@ -205,9 +210,13 @@ class RecordIO:
     def _prefetch(self, mb: MicroBatch) -> None:
         if self._engine is None:
             return
-        for rec in mb.prefetch_candidates(self.config.prefetch_layers, self.config.max_inflight_bytes):
+        candidates = mb.prefetch_candidates(self.config.prefetch_layers, self.config.max_inflight_bytes)
+        for i, rec in enumerate(candidates):
             if rec.state == State.WRITING:
                 self._move(rec, State.WRITING_WANTED)  # forwarded from memory when the write completes
+            elif self._budget is not None and not self._budget.room_to_read(rec.nbytes):
+                give_back_readahead(mb, candidates[i:])  # budget: read ahead less
+                return
             else:
                 self._start_read(rec)
 
@@ -262,6 +271,8 @@ class RecordIO:
             raise RuntimeError(f"a {rec.describe()} saved for backward was already released "
                                "(end_step() or close() ran before this backward)")
         if s == State.ON_DISK:
+            if self._budget is not None and not self._budget.make_room(rec.nbytes):  # budget: wait for writes
+                self._budget.overrun(rec.nbytes, self._step, f"reading back a {rec.describe()}")
             self._start_read(rec)
         elif s == State.WRITING:
             self._move(rec, State.WRITING_WANTED)  # keep our reference when the write completes

@@ -33,7 +33,8 @@ GROUP_TITLE = "ssd offload"
 FLAG_PREFIX = "--ssd-offload"
 
 NAMED_FIELD_FLAGS = {"dirs": "--ssd-offload-dir", "engine": "--ssd-offload-engine",
-                     "policy": "--ssd-offload-policy"}
+                     "policy": "--ssd-offload-policy",
+                     "activation_budget_bytes": "--ssd-offload-activation-budget"}
 """OffloadConfig fields whose flag is not simply ``--ssd-offload-<field>``."""
 
 LIST_ITEM_TYPES = {"dirs": str, "recompute_layers": int}
@@ -141,6 +142,19 @@ def _parse_int_list(text: str) -> List[int]:
     return values
 
 
+def _parse_budget(text: str) -> Any:
+    """``--ssd-offload-activation-budget``: a size (12GiB, 4096) or a fraction of device memory
+    (0.6, CUDA only)."""
+    if re.fullmatch(r"\s*(0?\.\d+|1\.0*)\s*", text):
+        return float(text)
+    try:
+        return _parse_int(text, allow_units=True)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: expected a size like 12GiB or a fraction of device memory "
+            "like 0.6") from None
+
+
 def _list_item_type(name: str) -> type:
     if name in LIST_ITEM_TYPES:
         return LIST_ITEM_TYPES[name]
@@ -154,6 +168,8 @@ def _list_item_type(name: str) -> type:
 def _field_type(name: str) -> Tuple[Callable[[str], Any], bool]:
     """(parser of one flag value, is_boolean) for OffloadConfig field ``name``, from its
     annotation. ``Optional[X]`` parses as X: a flag cannot set a field back to None."""
+    if name == "activation_budget_bytes":
+        return _parse_budget, False
     hint = typing.get_type_hints(OffloadConfig)[name]
     if typing.get_origin(hint) is typing.Union:
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -271,6 +287,8 @@ def _metavar(name: str) -> str:
         return "{" + ",".join(choices[name]) + "}"
     if name == "dirs":
         return "DIR[,DIR...]"
+    if name == "activation_budget_bytes":
+        return "SIZE|FRACTION"
     if name in LIST_ITEM_TYPES:
         return "N[,N...]" if LIST_ITEM_TYPES[name] is int else "ITEM[,ITEM...]"
     for suffix, metavar in (("_bytes", "BYTES"), ("_path", "PATH"), ("_s", "SECONDS"),

@@ -32,13 +32,13 @@ GLOBAL_VARS_MODULES = ("megatron.training.global_vars", "megatron.global_vars")
 
 SCALAR_PREFIX = "ssd_offload/"
 
-_NOT_SCALARS = ("step", "layers")
+_NOT_SCALARS = ("step", "layers", "plan")
 
 
 def step_scalars(stats: StepStats) -> Dict[str, float]:
     """The StepStats fields written as TensorBoard scalars, by tag (``ssd_offload/<field>``)."""
     return {SCALAR_PREFIX + f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
-            if f.name not in _NOT_SCALARS}
+            if f.name not in _NOT_SCALARS and getattr(stats, f.name) is not None}
 
 
 def megatron_training_globals() -> Tuple[Any, Any]:

@@ -70,6 +70,27 @@ class StepStats:
     """Seconds since the previous end_step() (the first step: since its first forward): the
     whole iteration, optimizer and data loading included. The adaptive planner weighs
     io_wait_s against it."""
+    offload_submit_s: float = 0.0
+    """Training-thread seconds spent handing writes to the engine (the planner's CPU cost of
+    offloading)."""
+    budget_bytes: Optional[int] = None
+    """activation_budget_bytes in bytes (None: no budget); the budget_* counts below say what
+    keeping peak_resident_bytes under it took."""
+    budget_waits: int = 0
+    """Times pack or a read waited for writes to complete to stay within the budget."""
+    budget_wait_s: float = 0.0
+    budget_deferred_written: int = 0
+    """Last-layer records written early (instead of kept) to make room."""
+    budget_readahead_cuts: int = 0
+    """Times prefetch read less than its window because the budget had no room."""
+    budget_forced_offloads: int = 0
+    """Records the plan kept that were written instead, to leave room for a layer's backward."""
+    budget_recomputes: int = 0
+    """Layers run under recomputation (recompute_fallback) because their bytes would not fit."""
+    budget_overruns: int = 0
+    """Times nothing could make room and resident bytes went over the budget (warned)."""
+    plan: Tuple[Tuple[int, str, str], ...] = ()
+    """Adaptive: the plan in force, (micro-batch position, layer, decision) per row."""
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)

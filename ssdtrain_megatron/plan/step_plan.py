@@ -1,0 +1,202 @@
+"""Keep / offload / recompute per layer and per micro-batch position, under a memory budget.
+
+Pure (no torch, no IO): ``plan_step`` turns measured costs into decisions; the adaptive loop
+(cache/adaptive.py) feeds it what a step measured and applies what it returns.
+
+What a decision costs, per micro-batch (the timeline of ``plan.policy``'s module docstring,
+plus the time between the micro-batch's forward and its backward):
+
+* keep: no time; its bytes stay resident until the layer's backward.
+* offload: the training thread's cost of handing the bytes to the engine (``cpu_s_per_byte``),
+  plus any stall when the write and read-back cannot hide behind compute. Writes drain during
+  the later layers' forward, during ``gap_s`` (other micro-batches' forwards that run before
+  this one's backward: the first micro-batches of a pipeline's warm-up) and the backward; reads
+  start with the backward.
+* recompute: one extra forward of the layer in backward; its input stays resident.
+
+The budget is for all micro-batches holding activations at once (``live`` per position) plus
+headroom for what the runtime guarantee needs beside the kept bytes (``reserve_bytes``: a
+layer being saved, a write in flight, a layer read back). With no budget everything is kept:
+keeping costs no time. With one, each position keeps as much as its share allows and frees the
+rest by whichever of offload and recompute adds the least time per byte freed: offload where
+the drive hides it, recompute where it does not (if allowed), else offload anyway (the budget
+comes first; the stall is predicted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from .policy import KEEP, OFFLOAD, RECOMPUTE, LayerMeasurement
+
+_REL_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Position:
+    """How one micro-batch position of the step runs (measured by the offloader)."""
+
+    gap_s: float = 0.0
+    """Compute between this micro-batch's forward end and its backward start."""
+    live: int = 1
+    """Micro-batches holding activations at once while this one is in backward (itself included)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Decisions per micro-batch position and layer, and what they are predicted to cost."""
+
+    decisions: Tuple[Tuple[str, ...], ...]
+    """decisions[position][layer], layers in forward order."""
+    extra_s: float
+    """Predicted time over keeping everything: IO stalls, recomputation and the training
+    thread's offload cost, all positions together."""
+    kept_bytes: Tuple[int, ...]
+    """Bytes each position keeps resident (kept layers and recomputed layers' inputs)."""
+    allowance_bytes: Optional[int]
+    """Kept bytes each live micro-batch may hold (None: no budget)."""
+    fits_budget: bool
+    """False when even freeing every movable layer leaves a position above its share."""
+
+    def rows(self, names: Sequence[str]) -> List[Tuple[str, ...]]:
+        """The plan as a table: one row per layer, one column per position."""
+        return [(name,) + tuple(d[i] for d in self.decisions) for i, name in enumerate(names)]
+
+
+def simulate(layers: Sequence[LayerMeasurement], decisions: Sequence[str], write_bps: float,
+             read_bps: float, gap_s: float = 0.0, cpu_s_per_byte: float = 0.0,
+             backward_factor: float = 2.0) -> float:
+    """Seconds one micro-batch takes over keeping everything, under ``decisions``."""
+    clock = extra = 0.0
+    write_free = 0.0
+    done = {}
+    for i, layer in enumerate(layers):
+        clock += layer.forward_s
+        if decisions[i] == OFFLOAD:
+            cost = layer.activation_bytes * cpu_s_per_byte
+            clock += cost
+            extra += cost
+            write_free = max(clock, write_free) + layer.activation_bytes / write_bps
+            done[i] = write_free
+    clock += gap_s
+    read_free = clock
+    for i in reversed(range(len(layers))):
+        layer = layers[i]
+        if decisions[i] == OFFLOAD:
+            read_free = max(read_free, done[i]) + layer.activation_bytes / read_bps
+            if read_free > clock:
+                extra += read_free - clock
+                clock = read_free
+        elif decisions[i] == RECOMPUTE:
+            extra += layer.recompute_cost_s
+            clock += layer.recompute_cost_s
+        clock += backward_factor * layer.forward_s
+    return extra
+
+
+def _kept(layers: Sequence[LayerMeasurement], decisions: Sequence[str]) -> int:
+    return sum(layer.activation_bytes if d == KEEP else layer.checkpoint_bytes if d == RECOMPUTE else 0
+               for layer, d in zip(layers, decisions))
+
+
+def _check(layers, positions, write_bps, read_bps, budget_bytes, reserve_bytes, cpu_s_per_byte) -> None:
+    if not positions:
+        raise ValueError("positions is empty: expected one Position per micro-batch of the step")
+    for name, v in (("write_bps", write_bps), ("read_bps", read_bps)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"{name}={v!r} is invalid: expected bytes/s > 0")
+    for name, v in (("budget_bytes", budget_bytes), ("reserve_bytes", reserve_bytes)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{name}={v!r} is invalid: expected an integer >= 0")
+    if not cpu_s_per_byte >= 0:
+        raise ValueError(f"cpu_s_per_byte={cpu_s_per_byte!r} is invalid: expected >= 0")
+    for p in positions:
+        if not (p.gap_s >= 0 and isinstance(p.live, int) and p.live >= 1):
+            raise ValueError(f"{p!r} is invalid: expected gap_s >= 0 and live >= 1")
+
+
+def plan_step(layers: Sequence[LayerMeasurement], positions: Sequence[Position], *,
+              write_bps: float, read_bps: float, budget_bytes: Optional[int],
+              reserve_bytes: int = 0, cpu_s_per_byte: float = 0.0,
+              recompute_fallback: bool = False, keep_last_layers: int = 1,
+              backward_factor: float = 2.0) -> StepPlan:
+    """Decide keep / offload / recompute for every (micro-batch position, layer).
+
+    Args:
+        layers: one micro-batch's layers, in forward order (forward time, bytes; recompute
+            cost defaults to one forward).
+        positions: one per micro-batch of the step, in forward order.
+        write_bps, read_bps: achieved bandwidth of the engine, bytes/s.
+        budget_bytes: resident activation bytes allowed for the whole step at any time; None:
+            keep everything.
+        reserve_bytes: part of the budget left for what is not kept (a layer being saved or
+            read back, writes in flight).
+        cpu_s_per_byte: training-thread seconds per byte offloaded.
+        recompute_fallback: recompute may be chosen.
+        keep_last_layers: where backward follows the forward at once (gap 0), the runtime keeps
+            the last N layers' bytes until their backward anyway: they are kept here too.
+
+    Raises:
+        ValueError: bad measurements or settings.
+    """
+    _check(layers, positions, write_bps, read_bps, budget_bytes, reserve_bytes, cpu_s_per_byte)
+    n = len(layers)
+    if budget_bytes is None:
+        return StepPlan(tuple((KEEP,) * n for _ in positions), 0.0,
+                        tuple(_kept(layers, (KEEP,) * n) for _ in positions), None, True)
+    free = max(0, budget_bytes - reserve_bytes)
+    plans, extras, fits = [], 0.0, True
+    for pos in positions:
+        allowance = free // pos.live
+        tail = keep_last_layers if pos.gap_s == 0 else 0
+        decisions, ok = _plan_position(layers, pos, allowance, range(max(0, n - tail)), write_bps,
+                                       read_bps, cpu_s_per_byte, recompute_fallback, backward_factor)
+        fits = fits and ok
+        plans.append(tuple(decisions))
+        extras += simulate(layers, decisions, write_bps, read_bps, pos.gap_s, cpu_s_per_byte,
+                           backward_factor)
+    return StepPlan(tuple(plans), extras, tuple(_kept(layers, d) for d in plans),
+                    free // max(p.live for p in positions), fits)
+
+
+def _plan_position(layers, pos: Position, allowance: int, movable, write_bps, read_bps,
+                   cpu_s_per_byte, recompute_fallback, backward_factor) -> Tuple[List[str], bool]:
+    """Greedy: from keep-all, free the layer whose freeing adds the least time per byte, until
+    the kept bytes fit ``allowance``."""
+    decisions = [KEEP] * len(layers)
+    tolerance = _REL_EPS * sum(layer.forward_s for layer in layers) * (1 + backward_factor)
+
+    def cost(d) -> float:
+        return simulate(layers, d, write_bps, read_bps, pos.gap_s, cpu_s_per_byte, backward_factor)
+
+    while _kept(layers, decisions) > allowance:
+        base = cost(decisions)
+        best = None
+        for i in movable:
+            if decisions[i] != KEEP:
+                continue
+            options = [(OFFLOAD, layers[i].activation_bytes)]
+            if recompute_fallback:
+                options.append((RECOMPUTE, layers[i].activation_bytes - layers[i].checkpoint_bytes))
+            for rank, (decision, freed) in enumerate(options):
+                if freed <= 0:
+                    continue
+                decisions[i] = decision
+                extra = max(0.0, cost(decisions) - base)
+                decisions[i] = KEEP
+                key = (0.0 if extra <= tolerance else extra / freed, rank, i)
+                if best is None or key < best[0]:
+                    best = (key, i, decision)
+        if best is None:
+            return decisions, False
+        decisions[best[1]] = best[2]
+    return decisions, True
+
+
+def format_plan(plan: StepPlan, names: Sequence[str]) -> str:
+    """A small text table: layers down, micro-batch positions across."""
+    head = ("layer",) + tuple(f"mb{p}" for p in range(len(plan.decisions)))
+    rows = [head] + plan.rows(names)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows)

@@ -1,0 +1,125 @@
+"""activation_budget_bytes: resident activations never exceed it, even when the drive cannot
+keep up (a ThrottledEngine at a few percent of what the shape needs), and numerics do not change."""
+
+import pytest
+import torch
+
+from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from ssdtrain_megatron.cache.budget import BudgetTooSmall
+from ssdtrain_megatron.config import ConfigError
+from tests.models import assert_bitwise_equal, run_steps, tiny_gpt
+
+
+def batches(n=2, b=2, s=64):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (b, s), generator=g) for _ in range(n)]
+
+
+def _layer_bytes_and_rate(model, data, offload_dir):
+    """(largest layer's bytes of one micro-batch, bytes/s the shape needs to hide its IO)."""
+    cfg = OffloadConfig(dirs=[str(offload_dir / "probe")], policy="offload", min_tensor_bytes=1024)
+    with ActivationOffloader(cfg) as off:
+        stats = run_steps(model, data, off, steps=2)[2][-1]
+    layer = max(r.bytes for r in stats.layers) // len(data)
+    return layer, stats.bytes_offloaded / stats.step_time_s
+
+
+@pytest.mark.parametrize("policy", ["offload", "adaptive"])
+def test_budget_holds_under_a_drive_at_3_percent_of_the_needed_bandwidth(offload_dir, policy):
+    model = tiny_gpt(layers=4, hidden=64, seq=64)
+    data = batches()
+    ref = run_steps(model, data, steps=3)
+    layer, rate = _layer_bytes_and_rate(model, data, offload_dir)
+    budget = 3 * layer
+    cfg = OffloadConfig(dirs=[str(offload_dir / policy)], policy=policy, min_tensor_bytes=1024,
+                        bandwidth_cap_gbps=0.03 * rate / 1e9, activation_budget_bytes=budget)
+    with ActivationOffloader(cfg) as off:
+        got = run_steps(model, data, off, steps=3)
+    assert_bitwise_equal(ref, got)
+    stats = got[2]
+    print([(s.peak_resident_bytes, s.budget_waits, s.budget_readahead_cuts, s.bytes_read) for s in stats])
+    for s in stats:
+        assert s.budget_bytes == budget
+        assert 0 < s.peak_resident_bytes <= budget, (s.peak_resident_bytes, budget)
+        assert s.budget_overruns == 0
+    assert sum(s.bytes_read for s in stats) > 0
+    # The drive could not keep up, so the budget had to act: pack waited for writes.
+    assert sum(s.budget_waits for s in stats) > 0
+
+
+def test_without_a_budget_the_same_throttled_run_goes_over_it(offload_dir):
+    """The control for the test above: the throttle really lets writes pile up in memory."""
+    model = tiny_gpt(layers=4, hidden=64, seq=64)
+    data = batches()
+    layer, rate = _layer_bytes_and_rate(model, data, offload_dir)
+    cfg = OffloadConfig(dirs=[str(offload_dir / "nobudget")], policy="offload", min_tensor_bytes=1024,
+                        bandwidth_cap_gbps=0.03 * rate / 1e9)
+    with ActivationOffloader(cfg) as off:
+        stats = run_steps(model, data, off, steps=1)[2]
+    assert stats[0].peak_resident_bytes > 3 * layer
+    assert stats[0].budget_bytes is None
+
+
+def test_a_budget_smaller_than_one_layer_is_refused_at_the_first_step_with_the_numbers(offload_dir):
+    model = tiny_gpt(layers=4, hidden=64, seq=64)
+    data = batches()
+    layer, _ = _layer_bytes_and_rate(model, data, offload_dir)
+    cfg = OffloadConfig(dirs=[str(offload_dir / "small")], policy="offload", min_tensor_bytes=1024,
+                        activation_budget_bytes=layer // 4)
+    with ActivationOffloader(cfg) as off:
+        with pytest.raises(BudgetTooSmall, match=r"activation budget of [\d.]+ MiB is too small.*"
+                                                 r"Raise activation_budget_bytes to at least [\d.]+ MiB"):
+            run_steps(model, data, off, steps=1)
+
+
+def test_budget_is_validated_in_the_config():
+    assert OffloadConfig(activation_budget_bytes=1 << 30).activation_budget_bytes == 1 << 30
+    assert OffloadConfig(activation_budget_bytes=0.6).activation_budget_bytes == 0.6
+    for bad in (0, -1, 1.5, "1GiB", True):
+        with pytest.raises(ConfigError, match="activation_budget_bytes"):
+            OffloadConfig(activation_budget_bytes=bad)
+
+def test_the_keep_baseline_ignores_the_budget(offload_dir):
+    cfg = OffloadConfig(dirs=[str(offload_dir)], policy="keep", min_tensor_bytes=1024,
+                        activation_budget_bytes=4096)
+    with ActivationOffloader(cfg) as off:
+        stats = run_steps(tiny_gpt(layers=2, hidden=64, seq=64), batches(), off, steps=1)[2]
+    assert stats[0].budget_bytes is None and stats[0].peak_resident_bytes > 4096
+
+
+def test_a_fraction_of_device_memory_needs_cuda(offload_dir):
+    cfg = OffloadConfig(dirs=[str(offload_dir)], activation_budget_bytes=0.5)
+    with pytest.raises(ValueError, match="fraction of device memory.*give a size"):
+        ActivationOffloader(cfg, device=torch.device("cpu"))
+
+
+def test_budget_flag_takes_sizes_and_fractions():
+    import argparse
+
+    from ssdtrain_megatron.megatron.args import add_ssd_offload_args, config_from_args, flag_for
+
+    assert flag_for("activation_budget_bytes") == "--ssd-offload-activation-budget"  # not an abbreviation
+    parser = add_ssd_offload_args(argparse.ArgumentParser(allow_abbrev=False))
+    for text, value in (("12GiB", 12 << 30), ("0.6", 0.6), ("4096", 4096)):
+        args = parser.parse_args(["--ssd-offload", "--ssd-offload-activation-budget", text])
+        assert config_from_args(args).activation_budget_bytes == value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ssd-offload", "--ssd-offload-activation-budget", "lots"])
+
+
+def test_with_recompute_fallback_a_layer_that_cannot_fit_beside_pinned_bytes_is_recomputed_once():
+    from ssdtrain_megatron.cache.budget import ActivationBudget
+
+    state = {"resident": 600, "in_flight": 100}
+    b = ActivationBudget(1000, lambda: state["resident"], lambda: None, lambda: 0, lambda: False,
+                         lambda: state["in_flight"])
+    b.learn_layer("3", 400, "offload")
+    b.learn_layer("4", 600, "offload")
+    b.learn_layer("5", 900, "recompute")  # a recomputed layer's bytes are its inputs: not learnt
+    assert not b.recompute_instead(0, 3)  # 500 pinned + 400 fits 1000
+    assert b.recompute_instead(0, 4)  # 500 + 600 does not
+    assert b.recompute_instead(0, 4)  # asked again in the same step: the same answer
+    assert not b.recompute_instead(0, 5)  # never measured unrecomputed: no basis to recompute
+    assert b.recomputed_layers() == {4}
+    assert b.end_step(600, step=1).recomputes == 1
+    assert b.recomputed_layers() == set()
