@@ -175,7 +175,8 @@ def install(config: OffloadConfig, layer_classes: LayerClasses = None):
             "megatron-core integration. With DeepSpeed, recompute with DeepSpeed's activation "
             "checkpointing (--checkpoint-activations with --deepspeed-activation-checkpointing, "
             "or PipelineModule(activation_checkpoint_interval=...)): its checkpoint inputs are "
-            "offloaded.")
+            "offloaded.", field="recompute_fallback", value=True,
+            allowed="false with DeepSpeed (use DeepSpeed's activation checkpointing)")
     classes = _layer_classes(layer_classes)
     version, ds_engine, pipe_engine, schedule, checkpointing = _patch_points()
 
