@@ -66,6 +66,7 @@ def test_the_io_trace_is_written_under_a_bandwidth_cap(tmp_path):
     with ActivationOffloader(cfg, device=torch.device("cpu")) as off:
         with off.microbatch(0):
             out = lin(torch.randn(32, 64)).sin()
+        off.wait_writes()  # so that backward reads (an in-flight write is forwarded from memory)
         out.sum().backward()
         st = off.end_step()
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
