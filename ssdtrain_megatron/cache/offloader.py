@@ -106,7 +106,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         self._copy: Optional[DeviceCopy] = None
         if self._engine is not None and (self.device.type == "cuda" or self._streams is not None):
             self._copy = DeviceCopy(self.device, config.staging_bytes(), self._streams,
-                                    direct=getattr(self._engine, "device_direct", False))
+                                    direct=self._engine.device_direct)
         self._ids = itertools.count()
         self._records: Dict[int, TensorRecord] = {}
         self._dedup: Dict[tuple, TensorRecord] = {}  # identity (identity.py) -> its record
@@ -123,7 +123,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         self._inflight_bytes = 0
         self._c = StepCounters()
         # budget: room-making under activation_budget_bytes (cache/budget.py); None without one.
-        limit = resolve_budget(config.activation_budget_bytes, self.device) if config.policy != "keep" else None
+        limit = (resolve_budget(config.activation_budget_bytes, self.device)
+                 if config.policy != "keep" else None)
         self._budget = None if limit is None else ActivationBudget(
             limit, lambda: self._c.resident_bytes, self._drain, self._budget_write_deferred,
             self._budget_wait_event, lambda: self._inflight_bytes, self._budget_pinned)
@@ -138,7 +139,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         self.last_memory_timeline: List[tuple] = []
         self._phase = "forward"
         self._tracer: Optional[IOTracer] = None
-        ident = getattr(self._engine, "ident", None) or Identity.detect(config.job_id())
+        ident = self._engine.ident if self._engine is not None else None
+        ident = ident or Identity.detect(config.job_id())
         # Files, not directories: a restarted job (same command line) appends to them.
         self._stats_path = expand_file(config.stats_path, ident) if config.stats_path else None
         if config.trace_path and self._engine is not None:
@@ -152,7 +154,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
     @property
     def rank_dirs(self) -> List[str]:
         """This rank's directories (one per root) where its files live."""
-        return list(getattr(self._engine, "rank_dirs", []))
+        return list(self._engine.rank_dirs) if self._engine is not None else []
 
     @property
     def engine(self) -> Optional[IOEngine]:
@@ -274,8 +276,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         if self._engine is not None:
             self._engine.end_step()
             self.check_free_space()
-        write = self._engine.write_meter.take() if hasattr(self._engine, "write_meter") else (0, 0.0)
-        read = self._engine.read_meter.take() if hasattr(self._engine, "read_meter") else (0, 0.0)
+        write = self._engine.write_meter.take() if self._engine is not None else (0, 0.0)
+        read = self._engine.read_meter.take() if self._engine is not None else (0, 0.0)
         now = time.perf_counter()
         # step_time_s from the step's first forward (what ran before it, e.g. another
         # model's step, is not this step's); iteration_time_s from the last end_step().
@@ -286,7 +288,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         stats = self._budget_step_end(stats)  # budget/plan: counters and what the planner needs
         if self._planner is not None:
             order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
-            self._planner.update(stats, order, {r.layer: r for r in stats.layers}, len(self._microbatches))
+            self._planner.update(stats, order, {r.layer: r for r in stats.layers},
+                                 len(self._microbatches))
         if self._c.timeline is not None:
             self.last_memory_timeline = [(t - self._step_first, b) for t, b in self._c.timeline]
         self._c = StepCounters(timeline=[] if self.record_memory_timeline else None)
@@ -306,7 +309,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         """Before a step: compare the free space of each root with what the step will need,
         ``plan_bytes`` (one number per root) or, by default, what the last step needed there.
         Warns once per directory, saying how much is missing; returns the warnings."""
-        need = plan_bytes if plan_bytes is not None else getattr(self._engine, "step_peak_bytes", None)
+        need = plan_bytes if plan_bytes is not None else (
+            self._engine.step_peak_bytes if self._engine is not None else None)
         dirs = self.rank_dirs
         if not need or len(need) != len(dirs):
             return []

@@ -16,10 +16,14 @@ its code.
 from __future__ import annotations
 
 import abc
+import functools
 from concurrent.futures import Future
-from typing import Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from .layout import Identity
 
 
 class EngineError(RuntimeError):
@@ -46,6 +50,35 @@ class IOEngine(abc.ABC):
     device_direct: bool = False
     """True when the engine moves GPU memory itself (gds): the offloader then hands it device
     tensors and events instead of pinned host copies (see cache/device_copy.py)."""
+
+    # What the offloader reads or sets besides the methods below. Every engine has them; the
+    # defaults suit an engine that keeps no files (memory): the disk engines set their own.
+
+    ident: Optional["Identity"] = None
+    """Rank, host and job this engine's directories are named after; None: it has none (the
+    offloader then takes them from the environment, for stats and trace file names)."""
+
+    rank_dirs: Sequence[str] = ()
+    """This rank's directories, one per root, where the engine's files live."""
+
+    step_peak_bytes: Optional[List[int]] = None
+    """Per root, the bytes the last step's files reached (the offloader checks free space
+    against it before the next step); None: the engine needs no disk space."""
+
+    tracer: Optional[Callable[..., None]] = None
+    """IO trace sink, set by the offloader: ``tracer(op, key, path, offset, nbytes, t_submit,
+    t_done, queue_depth)``, called from an IO thread when each chunk completes."""
+
+    @functools.cached_property
+    def write_meter(self) -> "BusyMeter":
+        """Bytes written and the time writes were in flight, for the step's bandwidth (an
+        engine that measures nothing reports zeros)."""
+        return BusyMeter()
+
+    @functools.cached_property
+    def read_meter(self) -> "BusyMeter":
+        """As ``write_meter``, for reads."""
+        return BusyMeter()
 
     @classmethod
     def is_available(cls) -> Tuple[bool, str]:

@@ -1,50 +1,113 @@
 """Remove this process's offload directories on normal exit and on SIGINT/SIGTERM.
 
-The registry of live directories is the one piece of process-wide state the IO layer keeps:
-a signal handler has nothing else to reach them through.
+The registry of cleaners is the one piece of process-wide state the IO layer keeps: a signal
+handler has nothing else to reach them through. Its rules:
+
+- It owns only what cleanup needs. A bound method is held weakly (an offloader that was
+  dropped without ``close()`` is collected as usual; the engine under it registered its own
+  cleaner). ``keep_alive=True`` holds the cleaner strongly: the disk engines use it for their
+  ``remove_files``, because the exit path must stop their IO threads and remove their files
+  even when nothing else references the engine.
+- The atexit hook and the SIGINT/SIGTERM handlers are installed with the first cleaner and
+  put back (the handlers that were there before) when the last cleaner is unregistered, e.g.
+  when the last offloader closes. Handlers can only be changed on the main thread: an
+  unregister elsewhere leaves ours in place, and they forward to the previous ones.
 """
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import os
 import signal
 import threading
-from typing import Callable, Dict
+import weakref
+from typing import Callable, Dict, Hashable, Optional
 
 log = logging.getLogger(__name__)
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 _lock = threading.RLock()  # re-entrant: a signal may arrive while this thread holds it
-_cleaners: Dict[int, Callable[[], None]] = {}
-_installed = False
-_previous: Dict[int, object] = {}
+_cleaners: Dict[Hashable, Callable[[], Optional[Callable[[], None]]]] = {}  # token -> getter
+_atexit_registered = False
+_previous: Dict[int, object] = {}  # signal -> the handler ours replaced (ours installed iff set)
 
 
-def register(token: int, cleaner: Callable[[], None]) -> None:
-    """Run ``cleaner`` at exit or on SIGINT/SIGTERM unless ``unregister(token)`` came first."""
-    global _installed
+def register(token: Hashable, cleaner: Callable[[], None], keep_alive: bool = False) -> None:
+    """Run ``cleaner`` at exit or on SIGINT/SIGTERM unless ``unregister(token)`` came first.
+
+    A bound method is held weakly unless ``keep_alive``: when its object is gone, nothing
+    runs. Any other callable is held as is (give it only what it needs to clean)."""
+    if inspect.ismethod(cleaner) and not keep_alive:
+        getter: Callable[[], Optional[Callable[[], None]]] = weakref.WeakMethod(cleaner)
+    else:
+        def getter(cleaner=cleaner):
+            return cleaner
     with _lock:
-        _cleaners[token] = cleaner
-        if not _installed:
-            atexit.register(_run_all)
-            if threading.current_thread() is threading.main_thread():
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    _previous[sig] = signal.getsignal(sig)
-                    signal.signal(sig, _on_signal)
-            _installed = True
+        _prune()
+        _cleaners[token] = getter
+        _install()
 
 
-def unregister(token: int) -> None:
+def unregister(token: Hashable) -> None:
+    """Forget ``token``'s cleaner; with the last one gone, put the previous handlers back."""
     with _lock:
         _cleaners.pop(token, None)
+        _prune()
+        if not _cleaners:
+            _uninstall()
+
+
+def registered() -> int:
+    """How many live cleaners there are (for tests and diagnostics)."""
+    with _lock:
+        _prune()
+        return len(_cleaners)
+
+
+def _prune() -> None:
+    for token in [t for t, get in _cleaners.items() if get() is None]:
+        del _cleaners[token]
+
+
+def _install() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(_run_all)
+        _atexit_registered = True
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            if sig not in _previous:
+                _previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, _on_signal)
+
+
+def _uninstall() -> None:
+    global _atexit_registered
+    if _atexit_registered:
+        atexit.unregister(_run_all)
+        _atexit_registered = False
+    if not _previous or threading.current_thread() is not threading.main_thread():
+        return
+    for sig, prev in list(_previous.items()):
+        # Put back only what we replaced, and only if nobody replaced ours since; a handler
+        # set outside Python (getsignal gave None) cannot be put back: ours stays, forwarding.
+        if prev is not None and signal.getsignal(sig) is _on_signal:
+            signal.signal(sig, prev)
+            del _previous[sig]
+        elif signal.getsignal(sig) is not _on_signal:
+            del _previous[sig]
 
 
 def _run_all() -> None:
     with _lock:
-        cleaners = list(_cleaners.values())
+        cleaners = [get() for get in _cleaners.values()]
         _cleaners.clear()
     for clean in cleaners:
+        if clean is None:
+            continue
         try:
             clean()
         except Exception as exc:  # keep cleaning the other directories, but say so
@@ -52,8 +115,8 @@ def _run_all() -> None:
 
 
 def _on_signal(signum, frame) -> None:
+    prev = _previous.get(signum)  # before the cleaners: the last one puts the handlers back
     _run_all()
-    prev = _previous.get(signum)
     if callable(prev):
         prev(signum, frame)
     elif prev == signal.SIG_IGN:

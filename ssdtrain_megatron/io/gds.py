@@ -5,8 +5,9 @@ Why these choices:
   Where GDS is absent (no nvidia-fs driver, unsupported filesystem) kvikio runs in compat mode
   (POSIX IO through its own pinned bounce buffers); it still works, only slower.
 - kvikio needs libcuda: on a machine without CUDA it cannot even be imported usefully, so
-  ``OffloadConfig`` refuses ``engine='gds'`` there (via :func:`gds_unavailable_reason`, which
-  imports neither kvikio nor CUDA state) instead of failing at the first write.
+  building the engine (``make_engine`` / the constructor) refuses there with the reason (via
+  :func:`gds_unavailable_reason`, which imports neither kvikio nor CUDA state) instead of
+  failing at the first write. The config does not probe: a gds preset loads anywhere.
 - The slab, placement and striping are the posix engine's (``slab_engine.py``): extents start on
   4 KiB boundaries (GDS's alignment); kvikio handles unaligned tails.
 - kvikio's own thread pool does the IO; our worker threads wait for ``ready_event``, reserve
@@ -39,8 +40,8 @@ log = logging.getLogger(__name__)
 def gds_unavailable_reason() -> str:
     """'' when the gds engine can run here, else why not and what to install.
 
-    Cheap enough for config validation: asks torch whether CUDA works and looks for kvikio
-    without importing it.
+    Cheap (asks torch whether CUDA works and looks for kvikio without importing it): called
+    where the engine is built, and by ``ssdtrain doctor``.
     """
     if torch.version.cuda is None:
         return (f"engine 'gds' moves data between GPU memory and files with kvikio (cuFile), which "

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..config import OffloadConfig
+from . import cleanup
 from .base import BusyMeter, EngineError, IOEngine
 from .checksum import ALGORITHM, checksum
 from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
@@ -44,6 +45,7 @@ class SlabEngine(IOEngine):
 
     def _init_common(self, config: OffloadConfig, ident: Optional[Identity]) -> None:
         self.config = config
+        self._cleanup_token: Optional[object] = None
         self.ident = ident or Identity.detect(config.job_id())
         self.roots = expand_roots(config.dirs, self.ident)
         self.rank_dirs: List[str] = []
@@ -75,6 +77,11 @@ class SlabEngine(IOEngine):
     def _open_slabs(self, direct: str, on_open: Optional[Callable[[Slab], None]] = None) -> None:
         self.rank_dirs = make_rank_dirs(self.roots, self.ident, self.config.dirs)
         self._slabs = [Slab(d, direct, on_open) for d in self.rank_dirs]
+        # Exit and SIGINT/SIGTERM remove the files and stop the IO threads even when nothing
+        # else references this engine (an offloader dropped without close()); _remove_files
+        # takes the registration back.
+        self._cleanup_token = object()
+        cleanup.register(self._cleanup_token, self.remove_files, keep_alive=True)
 
     # -- properties -------------------------------------------------------------------------
 
@@ -192,6 +199,9 @@ class SlabEngine(IOEngine):
     def _remove_files(self, drop_slabs: bool) -> None:
         """Take this engine's files away: the slabs (only when no IO thread may still use
         their descriptors) and the rank directories."""
+        if self._cleanup_token is not None:
+            cleanup.unregister(self._cleanup_token)
+            self._cleanup_token = None
         if drop_slabs:
             for s in self._slabs:
                 s.drop()

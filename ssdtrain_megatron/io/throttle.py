@@ -30,7 +30,7 @@ class ThrottledEngine(IOEngine):
         self.write_meter = BusyMeter()
         self.read_meter = BusyMeter()
 
-    def __getattr__(self, name):  # rank_dirs, page_cache_bypassed, fault, ...
+    def __getattr__(self, name):  # page_cache_bypassed, fault, ... (what IOEngine does not declare)
         return getattr(self.inner, name)
 
     def __setattr__(self, name, value):
@@ -68,9 +68,31 @@ class ThrottledEngine(IOEngine):
     def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
         return self._slot(self.inner.read(key, out, ready_event), out.numel(), self.read_meter)
 
+    # IOEngine declares these with defaults, so __getattr__ never sees them: forward each.
+
     @property
     def device_direct(self) -> bool:
         return self.inner.device_direct
+
+    @property
+    def ident(self):
+        return self.inner.ident
+
+    @property
+    def rank_dirs(self):
+        return self.inner.rank_dirs
+
+    @property
+    def step_peak_bytes(self):
+        return self.inner.step_peak_bytes
+
+    @property
+    def tracer(self):
+        return self.inner.tracer
+
+    @tracer.setter
+    def tracer(self, sink) -> None:
+        self.inner.tracer = sink
 
     def release(self, key: int) -> None:
         self.inner.release(key)

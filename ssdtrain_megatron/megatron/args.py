@@ -5,9 +5,11 @@ they describe.
 Megatron ``extra_args_provider``: it returns the parser). Besides the named flags
 (``--ssd-offload``, ``--ssd-offload-dir``, ``--ssd-offload-engine``, ``--ssd-offload-config``,
 ``--ssd-offload-policy``, ``--ssd-offload-recompute-fallback``) there is one flag per remaining
-OffloadConfig field, generated from the dataclass so the flags cannot fall out of step with it:
-``keep_last_layers`` becomes ``--ssd-offload-keep-last-layers``, a boolean field gets a
-``--no-`` form as well.
+OffloadConfig field, built from the field itself (its ``knob()`` metadata in config.py: help,
+flag name when not the default, metavar, unit, deprecated names; its annotation for the value
+parser, flag_values.py), so the flags cannot fall out of step with it and a new field gets its
+flag by being declared: ``keep_last_layers`` becomes ``--ssd-offload-keep-last-layers``, a
+boolean field gets a ``--no-`` form as well.
 
 Every knob defaults to None, meaning "not given": ``config_from_args`` starts from the
 OffloadConfig defaults, applies the preset named by ``--ssd-offload-config`` (its ``offload:``
@@ -22,36 +24,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import re
 import typing
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..config import ConfigError, OffloadConfig
+from .flag_values import field_type
 
 GROUP_TITLE = "ssd offload"
 FLAG_PREFIX = "--ssd-offload"
 
-NAMED_FIELD_FLAGS = {"dirs": "--ssd-offload-dir", "engine": "--ssd-offload-engine",
-                     "policy": "--ssd-offload-policy",
-                     "activation_budget_bytes": "--ssd-offload-activation-budget"}
-"""OffloadConfig fields whose flag is not simply ``--ssd-offload-<field>``."""
-
-LIST_ITEM_TYPES = {"dirs": str, "recompute_layers": int}
-"""Element type of each ``list`` field (the annotation says only ``list``): a flag takes the
-items comma-separated."""
-
-_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_FIELD_IN_MESSAGE = re.compile(r"OffloadConfig\.([a-z_]+)")
-_INVALID = re.compile(r"OffloadConfig\.[\w\[\]]+=(.*?) is invalid: (.*)", re.S)
-
-
 # -- the flag of each field ----------------------------------------------------------------
 
 
+def _fields() -> Dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(OffloadConfig)}
+
+
 def flag_for(field_name: str) -> str:
-    """The command-line flag that sets OffloadConfig field ``field_name``."""
-    return NAMED_FIELD_FLAGS.get(field_name, f"{FLAG_PREFIX}-{field_name.replace('_', '-')}")
+    """The command-line flag that sets OffloadConfig field ``field_name``: the field's own
+    ``flag`` (see config_checks.knob), else ``--ssd-offload-<field-with-dashes>``."""
+    flag = _fields()[field_name].metadata.get("flag")
+    return flag or f"{FLAG_PREFIX}-{field_name.replace('_', '-')}"
 
 
 def dest_for(field_name: str) -> str:
@@ -61,33 +54,10 @@ def dest_for(field_name: str) -> str:
 
 def field_flags() -> Dict[str, str]:
     """{OffloadConfig field: flag}, in the dataclass's field order."""
-    return {f.name: flag_for(f.name) for f in dataclasses.fields(OffloadConfig)}
-
-
-def _field_docs() -> Dict[str, str]:
-    """The docstring under each OffloadConfig field (first sentence), for the flags' help."""
-    import inspect
-
-    try:
-        source = inspect.getsource(OffloadConfig)
-    except (OSError, TypeError):
-        return {}
-    docs = {}
-    pattern = re.compile(r'^    (\w+): [^\n]*\n    """(.*?)"""', re.S | re.M)
-    for name, text in pattern.findall(source):
-        text = " ".join(text.split())
-        first = re.split(r"(?<=[a-z0-9)'])\. ", text, maxsplit=1)[0].rstrip(".")
-        docs[name] = first
-    return docs
+    return {name: flag_for(name) for name in _fields()}
 
 
 # -- parsing one value ----------------------------------------------------------------------
-
-
-def _reason(exc: ConfigError) -> str:
-    """"'v' is invalid: expected ..." out of "OffloadConfig.x='v' is invalid: expected ..."."""
-    match = _INVALID.fullmatch(str(exc))
-    return f"{match.group(1)} is invalid: {match.group(2)}" if match else str(exc)
 
 
 def _check_field(name: str, value: Any) -> Any:
@@ -96,102 +66,8 @@ def _check_field(name: str, value: Any) -> Any:
     try:
         OffloadConfig(**{name: value})
     except ConfigError as exc:
-        raise argparse.ArgumentTypeError(_reason(exc)) from None
+        raise argparse.ArgumentTypeError(exc.reason) from None
     return value
-
-
-def _parse_int(text: str, allow_units: bool) -> int:
-    match = re.fullmatch(r"\s*(-?\d+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or (unit and not allow_units) or unit not in _BYTE_UNITS:
-        expected = "an integer, optionally with a unit KiB, MiB, GiB or TiB" if allow_units \
-            else "an integer"
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {expected}")
-    return int(match.group(1)) * _BYTE_UNITS[unit]
-
-
-def _parse_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a finite number")
-    return value
-
-
-def _parse_str_list(text: str) -> List[str]:
-    items = [d.strip() for d in text.split(",")]
-    if not all(items):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid: expected comma-separated items, none of them empty")
-    return items
-
-
-def _parse_int_list(text: str) -> List[int]:
-    """'1,2,5-7' -> [1, 2, 5, 6, 7]."""
-    values: List[int] = []
-    for item in _parse_str_list(text):
-        match = re.fullmatch(r"(-?\d+)(?:-(\d+))?", item)
-        if not match:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is invalid: expected comma-separated integers or ranges like 5-8")
-        first = int(match.group(1))
-        last = int(match.group(2)) if match.group(2) else first
-        values.extend(range(first, last + 1))
-    return values
-
-
-def _parse_budget(text: str) -> Any:
-    """``--ssd-offload-activation-budget``: a size (12GiB, 4096) or a fraction of device memory
-    (0.6, CUDA only)."""
-    if re.fullmatch(r"\s*(0?\.\d+|1\.0*)\s*", text):
-        return float(text)
-    try:
-        return _parse_int(text, allow_units=True)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid: expected a size like 12GiB or a fraction of device memory "
-            "like 0.6") from None
-
-
-def _list_item_type(name: str) -> type:
-    if name in LIST_ITEM_TYPES:
-        return LIST_ITEM_TYPES[name]
-    default = getattr(OffloadConfig(), name)
-    if default:
-        return type(default[0])
-    raise TypeError(f"OffloadConfig.{name}: list field of unknown item type; add it to "
-                    "ssdtrain_megatron.megatron.args.LIST_ITEM_TYPES")
-
-
-def _field_type(name: str) -> Tuple[Callable[[str], Any], bool]:
-    """(parser of one flag value, is_boolean) for OffloadConfig field ``name``, from its
-    annotation. ``Optional[X]`` parses as X: a flag cannot set a field back to None."""
-    if name == "activation_budget_bytes":
-        return _parse_budget, False
-    hint = typing.get_type_hints(OffloadConfig)[name]
-    if typing.get_origin(hint) is typing.Union:
-        inner = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(inner) == 1:
-            hint = inner[0]
-    if hint is bool:
-        return (lambda text: text), True
-    if hint is int:
-        return (lambda text: _parse_int(text, allow_units=name.endswith("_bytes"))), False
-    if hint is float:
-        return _parse_float, False
-    if hint is list or typing.get_origin(hint) is list:
-        item = _list_item_type(name)
-        if item is int:
-            return _parse_int_list, False
-        if item is str:
-            return _parse_str_list, False
-        raise TypeError(f"OffloadConfig.{name}: no command-line flag for lists of {item!r}")
-    if hint is str:
-        return (lambda text: text), False
-    raise TypeError(f"OffloadConfig.{name}: no command-line flag for type {hint!r}; teach "
-                    "ssdtrain_megatron.megatron.args._field_type how to parse it")
 
 
 def _validated(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -239,7 +115,6 @@ def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """
     if "--ssd-offload" in parser._option_string_actions:
         return parser  # already added (a patched script run by the launcher)
-    docs = _field_docs()
     defaults = OffloadConfig()
     group = parser.add_argument_group(title=GROUP_TITLE)
     group.add_argument("--ssd-offload", action="store_true",
@@ -249,25 +124,46 @@ def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--ssd-offload-config", type=_preset, default=None, metavar="PRESET",
                        help="YAML preset (configs/*.yaml); its offload: section sets the "
                             "defaults that the other --ssd-offload-* flags override.")
-    for name in (f.name for f in dataclasses.fields(OffloadConfig)):
-        parse, is_bool = _field_type(name)
-        kwargs: Dict[str, Any] = {"dest": dest_for(name), "default": None,
-                                  "help": _help(name, docs.get(name), getattr(defaults, name))}
-        if is_bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = _validated(name, parse)
-            kwargs["metavar"] = _metavar(name)
-        group.add_argument(flag_for(name), **kwargs)
+    for field in dataclasses.fields(OffloadConfig):
+        kwargs = _argument(field, getattr(defaults, field.name))
+        group.add_argument(flag_for(field.name), **kwargs)
+        for old in field.metadata.get("deprecated_flags", ()):
+            group.add_argument(old, **dict(kwargs, help=argparse.SUPPRESS,
+                                           action=_deprecated(kwargs.get("action"), flag_for(field.name))))
     _check_after_parsing(parser)
     return parser
 
 
-def _help(name: str, doc: Optional[str], default: Any) -> str:
-    if name == "dirs":
-        doc = ("Comma-separated offload roots, one per drive; path templates may use {rank}, "
-               "{local_rank}, {hostname}, {job}")
-    text = doc or f"OffloadConfig.{name}"
+def _argument(field: dataclasses.Field, default: Any) -> Dict[str, Any]:
+    """The ``add_argument`` keywords of OffloadConfig field ``field``'s flag, from the field."""
+    parse, is_bool = field_type(field.name)
+    kwargs: Dict[str, Any] = {"dest": dest_for(field.name), "default": None,
+                              "help": _help(field.metadata.get("help") or f"OffloadConfig.{field.name}",
+                                            default)}
+    if is_bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = _validated(field.name, parse)
+        kwargs["metavar"] = _metavar(field)
+    return kwargs
+
+
+def _deprecated(action: Optional[type], new_flag: str) -> type:
+    """An argparse action for an old flag name: warns once that ``new_flag`` replaces it, then
+    does what ``action`` (default: store) does."""
+    base = action or argparse._StoreAction
+
+    class Deprecated(base):  # type: ignore[misc, valid-type]
+        def __call__(self, parser, namespace, values, option_string=None):
+            import warnings
+
+            warnings.warn(f"{option_string} is deprecated; use {new_flag}", FutureWarning, stacklevel=2)
+            super().__call__(parser, namespace, values, option_string)
+
+    return Deprecated
+
+
+def _help(text: str, default: Any) -> str:
     if "default" in text.lower():
         return text
     if isinstance(default, bool):
@@ -279,23 +175,21 @@ def _help(name: str, doc: Optional[str], default: Any) -> str:
     return f"{text} (default: {shown})".replace("%", "%%")
 
 
-def _metavar(name: str) -> str:
-    from ..config import ENGINES, POLICIES
-
-    choices = {"engine": ENGINES, "policy": POLICIES}
-    if name in choices:
-        return "{" + ",".join(choices[name]) + "}"
-    if name == "dirs":
-        return "DIR[,DIR...]"
-    if name == "activation_budget_bytes":
-        return "SIZE|FRACTION"
-    if name in LIST_ITEM_TYPES:
-        return "N[,N...]" if LIST_ITEM_TYPES[name] is int else "ITEM[,ITEM...]"
-    for suffix, metavar in (("_bytes", "BYTES"), ("_path", "PATH"), ("_s", "SECONDS"),
-                            ("_gbps", "GB/S"), ("_fraction", "F")):
-        if name.endswith(suffix):
-            return metavar
-    return "N" if typing.get_type_hints(OffloadConfig)[name] is int else "VALUE"
+def _metavar(field: dataclasses.Field) -> str:
+    """The field's own ``metavar``, else one from its choices, unit or type."""
+    meta = field.metadata
+    if meta.get("metavar"):
+        return meta["metavar"]
+    if meta.get("choices"):
+        return "{" + ",".join(meta["choices"]) + "}"
+    if meta.get("unit") == "bytes":
+        return "BYTES"
+    hint = typing.get_type_hints(OffloadConfig)[field.name]
+    if typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is list:
+        return "N[,N...]" if typing.get_args(hint) == (int,) else "ITEM[,ITEM...]"
+    return "N" if hint is int else "VALUE"
 
 
 def _check_after_parsing(parser: argparse.ArgumentParser) -> None:
@@ -323,10 +217,10 @@ def _check_after_parsing(parser: argparse.ArgumentParser) -> None:
 
 
 def _flag_message(args: argparse.Namespace, exc: ConfigError) -> str:
-    """Name the flag (or the preset) a combined-config error comes from."""
-    match = _FIELD_IN_MESSAGE.search(str(exc))
-    if match and getattr(args, dest_for(match.group(1)), None) is not None:
-        return f"argument {flag_for(match.group(1))}: {_reason(exc)}"
+    """Name the flag (or the preset) a combined-config error comes from: the flag of
+    ``exc.field`` when that flag was given, else the preset."""
+    if exc.field is not None and getattr(args, dest_for(exc.field), None) is not None:
+        return f"argument {flag_for(exc.field)}: {exc.reason}"
     preset = getattr(args, "ssd_offload_config", None)
     if preset:
         return f"argument --ssd-offload-config: {preset}: {exc}"

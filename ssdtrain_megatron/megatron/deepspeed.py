@@ -40,7 +40,7 @@ from ..config import ConfigError, OffloadConfig
 from .ds_checkpoint import (DEFAULT_LAYER_CLASSES, DeepSpeedCheckpointSettings, LayerScopes,
                             offloading_checkpoint_function)
 from .ds_pipeline import EngineHooks
-from . import patching
+from . import handle, patching
 from .patching import Patcher
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Installation(patching.Installation):
         self._maps.append(owner)
 
 
-_INSTALLED: Optional[Installation] = None
+INTEGRATION = "deepspeed"
 
 
 def deepspeed_version() -> str:
@@ -138,8 +138,8 @@ def check_deepspeed() -> str:
 
 
 def installed() -> Optional[Installation]:
-    """The current installation, or None."""
-    return _INSTALLED
+    """The current DeepSpeed installation, or None (see handle.py: one per process)."""
+    return handle.installed(INTEGRATION)
 
 
 def install(config: OffloadConfig, layer_classes: LayerClasses = None):
@@ -162,12 +162,9 @@ def install(config: OffloadConfig, layer_classes: LayerClasses = None):
     Raises:
         UnsupportedDeepSpeedVersion: DeepSpeed is missing or lacks a patch point.
         ConfigError: ``config.recompute_fallback`` is set.
-        RuntimeError: already installed.
+        RuntimeError: already installed (this integration or megatron-core: one per process).
     """
-    global _INSTALLED
-    if _INSTALLED is not None:
-        raise RuntimeError("ssdtrain_megatron.megatron.deepspeed.install() was already called; "
-                           "call uninstall() before installing again")
+    handle.check_free(INTEGRATION)
     if config.recompute_fallback:
         raise ConfigError(
             "OffloadConfig.recompute_fallback=True is invalid with DeepSpeed: the recompute "
@@ -175,7 +172,8 @@ def install(config: OffloadConfig, layer_classes: LayerClasses = None):
             "megatron-core integration. With DeepSpeed, recompute with DeepSpeed's activation "
             "checkpointing (--checkpoint-activations with --deepspeed-activation-checkpointing, "
             "or PipelineModule(activation_checkpoint_interval=...)): its checkpoint inputs are "
-            "offloaded.")
+            "offloaded.", field="recompute_fallback", value=True,
+            allowed="false with DeepSpeed (use DeepSpeed's activation checkpointing)")
     classes = _layer_classes(layer_classes)
     version, ds_engine, pipe_engine, schedule, checkpointing = _patch_points()
 
@@ -219,7 +217,7 @@ def install(config: OffloadConfig, layer_classes: LayerClasses = None):
         patcher.restore()
         offloader.close()
         raise
-    _INSTALLED = inst
+    handle.claim(INTEGRATION, inst)
     log.info("ssdtrain: installed into DeepSpeed %s (%d patches; layer classes: %s)", version,
              len(patcher), ", ".join(c if isinstance(c, str) else c.__qualname__ for c in classes))
     return offloader
@@ -228,8 +226,7 @@ def install(config: OffloadConfig, layer_classes: LayerClasses = None):
 def uninstall(close: bool = True) -> None:
     """Restore every patched DeepSpeed attribute (and layer class); close the offloader unless
     ``close`` is False (closing removes every file it wrote). A no-op when nothing is installed."""
-    global _INSTALLED
-    inst, _INSTALLED = _INSTALLED, None
+    inst = handle.release(INTEGRATION)
     if inst is not None:
         inst.undo(close)
 

@@ -27,7 +27,7 @@ import logging
 from typing import Callable, Optional
 
 from ..config import OffloadConfig
-from . import compat
+from . import compat, handle
 from .compat import SUPPORTED_MEGATRON_CORE, UnsupportedMegatronVersion, megatron_core_version
 from .patching import Installation, Patcher
 from .pipeline import INTERLEAVED, NO_PIPELINING, ONE_F_ONE_B, PipelineHooks
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 __all__ = ["SUPPORTED_MEGATRON_CORE", "UnsupportedMegatronVersion", "megatron_core_version",
            "check_megatron_version", "installed", "install", "uninstall"]
 
-_INSTALLED: Optional[Installation] = None
+INTEGRATION = "megatron-core"
 
 
 def check_megatron_version(version: Optional[str] = None) -> str:
@@ -51,8 +51,8 @@ def check_megatron_version(version: Optional[str] = None) -> str:
 
 
 def installed() -> Optional[Installation]:
-    """The current installation, or None."""
-    return _INSTALLED
+    """The current megatron-core installation, or None (see handle.py: one per process)."""
+    return handle.installed(INTEGRATION)
 
 
 def install(config: OffloadConfig, offloader=None):
@@ -72,7 +72,7 @@ def install(config: OffloadConfig, offloader=None):
     Raises:
         UnsupportedMegatronVersion: megatron-core is missing, older than 0.16 or newer than
             0.19, or its patch points differ from those of its release.
-        RuntimeError: already installed.
+        RuntimeError: already installed (this integration or DeepSpeed's: one per process).
         ConfigError: from building the offloader.
 
     Example:
@@ -81,12 +81,9 @@ def install(config: OffloadConfig, offloader=None):
         >>> forward_backward(forward_step_func=..., ...)
         >>> offloader.last_step_stats.bytes_offloaded
     """
-    global _INSTALLED
     version = check_megatron_version()
     release = compat.release_for(version)
-    if _INSTALLED is not None:
-        raise RuntimeError("ssdtrain_megatron.megatron.install() was already called; call "
-                           "uninstall() before installing again")
+    handle.check_free(INTEGRATION)
     layers = frozenset(config.recompute_layers) if config.recompute_fallback else frozenset()
 
     from megatron.core.pipeline_parallel import schedules
@@ -145,7 +142,7 @@ def install(config: OffloadConfig, offloader=None):
         patcher.restore()
         offloader.close()
         raise
-    _INSTALLED = Installation(offloader, patcher, scopes, pipeline)
+    handle.claim(INTEGRATION, Installation(offloader, patcher, scopes, pipeline))
     log.info("ssdtrain: installed into megatron-core %s (%d patches; recompute fallback "
              "layers: %s)", version, len(patcher), sorted(layers) or "none")
     return offloader
@@ -154,8 +151,7 @@ def install(config: OffloadConfig, offloader=None):
 def uninstall(close: bool = True) -> None:
     """Restore every patched megatron-core attribute; close the offloader unless ``close`` is
     False (closing removes every file it wrote). A no-op when nothing is installed."""
-    global _INSTALLED
-    inst, _INSTALLED = _INSTALLED, None
+    inst = handle.release(INTEGRATION)
     if inst is not None:
         inst.undo(close)
 

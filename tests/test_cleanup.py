@@ -1,0 +1,134 @@
+"""io/cleanup.py: the exit/signal cleaners put the previous SIGINT/SIGTERM handlers back when
+the last offloader closes, and never keep an offloader alive; an engine's own cleaner still
+removes its files at exit or on a signal. Real signals, in a child process each."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PRELUDE = """
+import gc, os, signal, sys, time, weakref
+import torch
+from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from ssdtrain_megatron.io import cleanup
+ROOT = sys.argv[1]
+
+def offloader(name):
+    return ActivationOffloader(OffloadConfig(dirs=[os.path.join(ROOT, name)], job="t"),
+                               device=torch.device("cpu"))
+
+def wait_for(cond):  # a signal raised here is handled at the next bytecode; poll, no fixed sleep
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+"""
+
+
+def _run(tmp_path, body: str) -> subprocess.CompletedProcess:
+    code = PRELUDE + textwrap.dedent(body)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def _entries(root) -> list:
+    """Everything under ``root`` (files and directories), relative to it."""
+    return sorted(os.path.relpath(os.path.join(d, n), root)
+                  for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+def test_the_previous_handlers_are_back_when_the_last_offloader_closes(tmp_path):
+    r = _run(tmp_path, """
+        got = []
+        def mine(signum, frame):
+            got.append(signum)
+        signal.signal(signal.SIGTERM, mine)
+        int_before = signal.getsignal(signal.SIGINT)
+        a, b = offloader("a"), offloader("b")
+        assert signal.getsignal(signal.SIGTERM) is cleanup._on_signal
+        a.close()
+        assert signal.getsignal(signal.SIGTERM) is cleanup._on_signal  # b is still open
+        b.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGINT) is int_before
+        assert cleanup.registered() == 0
+        signal.raise_signal(signal.SIGTERM)  # the program's own handler, not ssdtrain's
+        wait_for(lambda: got == [signal.SIGTERM])
+        c = offloader("c")  # the next offloader installs them again
+        assert signal.getsignal(signal.SIGTERM) is cleanup._on_signal
+        c.close()
+        try:
+            signal.raise_signal(signal.SIGINT)  # Python's own: KeyboardInterrupt
+            wait_for(lambda: False)
+        except KeyboardInterrupt:
+            print("interrupted")
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["interrupted", "ok"]
+    assert [_entries(tmp_path / n) for n in "abc"] == [[], [], []]
+
+
+def test_a_dropped_offloader_is_collected_and_a_signal_still_removes_its_files(tmp_path):
+    r = _run(tmp_path, """
+        off = offloader("a")
+        dirs = off.rank_dirs
+        ref = weakref.ref(off)
+        del off
+        gc.collect()
+        assert ref() is None, gc.get_referrers(ref())  # the registry did not keep it alive
+        assert all(os.path.isdir(d) for d in dirs)      # nobody closed it: its files are there
+        print("ready", flush=True)
+        signal.raise_signal(signal.SIGTERM)
+        wait_for(lambda: False)
+    """)
+    assert r.returncode == -signal.SIGTERM, r.stderr  # it died of the signal, as it should
+    assert r.stdout.split() == ["ready"]
+    assert _entries(tmp_path / "a") == []  # the engine's own cleaner removed the rank directory
+
+
+def test_a_dropped_offloader_leaves_nothing_at_normal_exit(tmp_path):
+    r = _run(tmp_path, """
+        off = offloader("a")
+        ref = weakref.ref(off)
+        del off
+        gc.collect()
+        assert ref() is None
+        assert cleanup.registered() == 1  # the engine's cleaner only
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert _entries(tmp_path / "a") == []
+
+
+def test_bound_methods_are_held_weakly_unless_kept_alive(tmp_path):
+    r = _run(tmp_path, """
+        ran = []
+        class Owner:
+            def clean(self):
+                ran.append("weak")
+        class Kept:
+            def clean(self):
+                ran.append("kept")
+        weak, kept = Owner(), Kept()
+        cleanup.register("weak", weak.clean)
+        cleanup.register("kept", kept.clean, keep_alive=True)
+        cleanup.register("plain", lambda: ran.append("plain"))
+        refs = weakref.ref(weak), weakref.ref(kept)
+        del weak, kept
+        gc.collect()
+        assert refs[0]() is None and refs[1]() is not None
+        assert cleanup.registered() == 2
+        cleanup._run_all()
+        assert sorted(ran) == ["kept", "plain"], ran
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ok"]
