@@ -3,7 +3,7 @@
 import json
 import os
 
-from ssdtrain_megatron.cli import main
+from ssdtrain_megatron.tools.cli import main
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):

@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..cli_types import positive_float
+from ..tools.cli_types import positive_float
 
 PHASES = ("forward", "backward", "step_end")
 OPS = ("write", "read")
@@ -381,7 +381,7 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from .report_render import PLOTS_NEED, render_markdown, write_outputs
+    from ..tools.report_render import PLOTS_NEED, render_markdown, write_outputs
 
     try:
         records = load_trace(args.trace)

@@ -35,11 +35,11 @@ import threading
 import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
-from ..cli_types import (EnvironmentProblem, UsageError, check_engine, deprecated_alias, positive_float,
+from .cli_types import (EnvironmentProblem, UsageError, check_engine, deprecated_alias, positive_float,
                          positive_int, writable_dir)
-from ..cli_types import progress as progress_bar
+from .cli_types import progress as progress_bar
 from ..config import ConfigError, OffloadConfig
-from .layout import align_up
+from ..io.layout import align_up
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -268,7 +268,7 @@ def bench_engine(name: str, directory: str, n_tensors: int, tensor_bytes: int,
     """Write then read ``n_tensors`` tensors through engine ``name``; verify a sample bitwise."""
     import torch
 
-    from . import make_engine
+    from ..io import make_engine
 
     total = n_tensors * tensor_bytes
     overrides: Dict[str, object] = {"dirs": [directory], "engine": name, "job": f"iobench{os.getpid()}"}
@@ -354,8 +354,8 @@ def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
     """Measure the baseline and each engine, ``rounds`` times interleaved (the drive's speed
     drifts; each figure is the median over rounds). Returns the report: the --json object plus
     private keys, starting with '_', for the table."""
-    from . import engine_class
-    from .base import EngineUnavailable
+    from ..io import engine_class
+    from ..io.base import EngineUnavailable
 
     tensor_bytes = int(round(tensor_mib * MiB))
     n_tensors = max(1, int(round(total_gib * GiB / max(tensor_bytes, 1))))
@@ -589,14 +589,3 @@ def run_io_bench(args: argparse.Namespace) -> int:
     else:
         print(format_table(report))
     return 0
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m ssdtrain_megatron.io.bench``: ``ssdtrain io-bench`` by another name."""
-    from ..cli import main as cli_main
-
-    return cli_main(["io-bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
