@@ -47,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .demo import add_demo_parser
     from .doctor import add_doctor_parser
     from .io_bench import add_io_bench_parser
-    from ..io.clean import add_clean_parser
+    from .clean import add_clean_parser
     from .plan_cli import add_lifespan_parser, add_plan_parser
-    from ..telemetry.report import add_report_parser
+    from .report import add_report_parser
 
     add_demo_parser(sub)
     add_doctor_parser(sub)
