@@ -32,7 +32,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "ssdtrain=ssdtrain_megatron.cli:main",
+            "ssdtrain=ssdtrain_megatron.tools.cli:main",
             "ssdtrain-pretrain=ssdtrain_megatron.launch:main",
         ],
     },

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
-from ssdtrain_megatron.megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT, installed_step
+from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, MiniGPT, installed_step
 
 GiB = 1 << 30
 BITWISE_SPEC = GPTSpec(layers=4, hidden=1024, heads=16, seq=512, vocab=4096, micro_batch=2, num_microbatches=2)
@@ -287,7 +287,7 @@ def step_syncs(args, save) -> dict:
 
 
 def step_io_bench(args, save) -> dict:
-    from ssdtrain_megatron.cli import main as cli
+    from ssdtrain_megatron.tools.cli import main as cli
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

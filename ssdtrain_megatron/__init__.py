@@ -1,4 +1,10 @@
-"""SSD activation offloading for Megatron training (see README.md and DESIGN.md)."""
+"""SSD activation offloading for Megatron training (see README.md and DESIGN.md).
+
+Where things live, top to bottom (imports go only downwards): ``tools/`` (the ``ssdtrain``
+command, demo and benchmarks; never imported by the library) -> ``megatron/`` (``install()``,
+the ``--ssd-offload-*`` flags) -> ``cache/`` (``ActivationOffloader``) -> ``io/`` (engines),
+``plan/``, ``telemetry/`` -> ``config.py`` (``OffloadConfig``, where every flag lands).
+"""
 
 from .config import ConfigError, OffloadConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from ssdtrain_megatron.cli import main
+from ssdtrain_megatron.tools.cli import main
 
 
 def run_cli(argv: List[str], capsys) -> Tuple[int, str, str]:

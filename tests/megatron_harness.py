@@ -418,12 +418,55 @@ class _OffloadPhase:
         }
 
 
+def _make_optimizer(spec: LayoutSpec, params: List[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if spec.optimizer == "adam":
+        return torch.optim.Adam(params, lr=spec.lr)
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr)
+    raise ValueError(f"optimizer {spec.optimizer!r}: expected 'adam' or 'sgd'")
+
+
+def _run_step(spec: LayoutSpec, chunks, mask: torch.Tensor, device: torch.device,
+              offload: Optional["_OffloadPhase"], iteration: int, forward_only: bool) -> List[torch.Tensor]:
+    """One step through megatron's own forward_backward_func (looked up now, as a training
+    script does); the loss of each micro-batch, in order."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batches = [{k: v.to(device) for k, v in b.items()} for b in make_batches(spec, iteration)]
+    iterators = [iter(batches) for _ in chunks]
+    step_losses: List[torch.Tensor] = []
+
+    def loss_func(loss_mask, output_tensor):
+        per_token = output_tensor.float()
+        loss = torch.sum(per_token.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+        step_losses.append(loss.detach().cpu().clone())
+        return loss, {"lm loss": loss.detach()}
+
+    def forward_step_func(data_iterator, model):
+        batch = next(data_iterator)
+        if offload is not None:
+            offload.observe_files()
+        output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
+        return output, lambda out: loss_func(batch["loss_mask"], out)
+
+    forward_backward = get_forward_backward_func()
+    forward_backward(
+        forward_step_func=forward_step_func,
+        data_iterator=iterators if spec.vp is not None else iterators[0],
+        model=chunks if spec.vp is not None else chunks[0],
+        num_microbatches=spec.num_microbatches,
+        seq_length=spec.seq_length,
+        micro_batch_size=spec.micro_batch_size,
+        forward_only=forward_only,
+    )
+    return step_losses
+
+
 def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
     # install() first: the training loop looks get_forward_backward_func up afterwards, as a
     # Megatron-LM training script that imports it at module level would see the patched one.
     offload = _OffloadPhase(phase, workdir) if phase.offload is not None else None
     try:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         torch.manual_seed(spec.seed)
@@ -434,12 +477,7 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
         params = [p for _, p in named]
         if offload is not None:
             offload.offloader.register_parameters(params)
-        if spec.optimizer == "adam":
-            opt = torch.optim.Adam(params, lr=spec.lr)
-        elif spec.optimizer == "sgd":
-            opt = torch.optim.SGD(params, lr=spec.lr)
-        else:
-            raise ValueError(f"optimizer {spec.optimizer!r}: expected 'adam' or 'sgd'")
+        opt = _make_optimizer(spec, params)
         first = _load_checkpoint(phase.load, chunks, opt) if phase.load else 0
         iterations = spec.iterations if phase.iterations is None else phase.iterations
         device = torch.device(spec.device, torch.cuda.current_device()) \
@@ -449,42 +487,9 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
         loss_tensors: List[List[torch.Tensor]] = []
         grads: List[Dict[str, torch.Tensor]] = []
         eval_losses: List[List[torch.Tensor]] = []
-
-        def run_step(iteration: int, forward_only: bool) -> List[torch.Tensor]:
-            batches = [{k: v.to(device) for k, v in b.items()}
-                       for b in make_batches(spec, iteration)]
-            iterators = [iter(batches) for _ in chunks]
-            step_losses: List[torch.Tensor] = []
-
-            def loss_func(loss_mask, output_tensor):
-                per_token = output_tensor.float()
-                loss = torch.sum(per_token.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
-                step_losses.append(loss.detach().cpu().clone())
-                return loss, {"lm loss": loss.detach()}
-
-            def forward_step_func(data_iterator, model):
-                batch = next(data_iterator)
-                if offload is not None:
-                    offload.observe_files()
-                output = model(batch["tokens"], batch["position_ids"], mask,
-                               labels=batch["labels"])
-                return output, lambda out: loss_func(batch["loss_mask"], out)
-
-            forward_backward = get_forward_backward_func()
-            forward_backward(
-                forward_step_func=forward_step_func,
-                data_iterator=iterators if spec.vp is not None else iterators[0],
-                model=chunks if spec.vp is not None else chunks[0],
-                num_microbatches=spec.num_microbatches,
-                seq_length=spec.seq_length,
-                micro_batch_size=spec.micro_batch_size,
-                forward_only=forward_only,
-            )
-            return step_losses
-
         for it in range(first, first + iterations):
             opt.zero_grad(set_to_none=True)
-            step_losses = run_step(it, forward_only=False)
+            step_losses = _run_step(spec, chunks, mask, device, offload, it, forward_only=False)
             if offload is not None:
                 offload.end_of_iteration()
             grads.append({n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
@@ -494,7 +499,8 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
             loss_tensors.append(step_losses)
         for it in range(spec.eval_iterations):
             # Grad stays enabled on purpose: forward_only steps must not be recorded even then.
-            eval_losses.append(run_step(first + iterations + it, forward_only=True))
+            eval_losses.append(_run_step(spec, chunks, mask, device, offload, first + iterations + it,
+                                         forward_only=True))
         if offload is not None:
             offload.after_eval()
         if phase.save:

@@ -5,7 +5,7 @@ import copy
 import torch
 from torch import nn
 
-from ssdtrain_megatron.demo_model import TinyGPT, lm_loss
+from ssdtrain_megatron.tools.demo_model import TinyGPT, lm_loss
 from tests.bitwise import bitwise_equal
 
 

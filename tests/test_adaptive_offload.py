@@ -70,7 +70,7 @@ def test_adaptive_on_a_fast_drive_offloads_within_a_budget(offload_dir):
 def test_adaptive_on_megatron_core_stops_stalling_under_a_slow_drive(offload_dir):
     pytest.importorskip("megatron.core")
     from ssdtrain_megatron.megatron import install, uninstall
-    from ssdtrain_megatron.megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT
+    from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, MiniGPT
 
     spec = GPTSpec(layers=4, hidden=128, heads=4, seq=128, micro_batch=2, num_microbatches=2)
     waits, losses, layers = {}, {}, {}
@@ -106,7 +106,7 @@ def test_adaptive_recompute_fallback_runs_layers_under_checkpoint(offload_dir):
     recompute for some layers, and the integration runs them under megatron's checkpoint."""
     pytest.importorskip("megatron.core")
     from ssdtrain_megatron.megatron import install, installed, uninstall
-    from ssdtrain_megatron.megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT
+    from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, MiniGPT
 
     spec = GPTSpec(layers=4, hidden=128, heads=4, seq=128, micro_batch=2, num_microbatches=2)
     # A drive slow enough that IO cannot hide even behind the slow compute of a loaded machine.

@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"
               pytest.mark.filterwarnings("ignore::UserWarning:megatron.*")]
 
 from ssdtrain_megatron import OffloadConfig  # noqa: E402
-from ssdtrain_megatron.bench import BenchRun, _Series, add_bench_parser, summarize  # noqa: E402
+from ssdtrain_megatron.tools.bench import BenchRun, _Series, add_bench_parser, summarize  # noqa: E402
 from ssdtrain_megatron.megatron import telemetry  # noqa: E402
-from ssdtrain_megatron.megatron.minigpt import GPTSpec  # noqa: E402
+from ssdtrain_megatron.tools.minigpt import GPTSpec  # noqa: E402
 from ssdtrain_megatron.telemetry.peak_memory import PeakMemory  # noqa: E402
 from ssdtrain_megatron.telemetry.stats import StepStats  # noqa: E402
 
@@ -33,7 +33,7 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "2"
 
 def _bench(argv):
     """``ssdtrain bench ARGV`` through the entry point (argparse's exits raise SystemExit)."""
-    from ssdtrain_megatron.cli import main
+    from ssdtrain_megatron.tools.cli import main
 
     return main(["bench", *argv])
 
@@ -74,8 +74,8 @@ def test_quick_json_has_every_strategy_positive_figures_equal_losses_and_a_plot(
 
 
 def test_a_strategy_out_of_device_memory_is_dropped_for_larger_micro_batches(tmp_path, monkeypatch):
-    from ssdtrain_megatron.bench import measure
-    from ssdtrain_megatron.megatron import minigpt
+    from ssdtrain_megatron.tools.bench import measure
+    from ssdtrain_megatron.tools import minigpt
 
     real_step = minigpt.installed_step
 
@@ -135,7 +135,7 @@ def test_ratios_are_taken_at_the_largest_micro_batch_every_strategy_ran():
 
 
 def test_adaptive_is_compared_with_the_fastest_fixed_strategy_within_the_budget():
-    from ssdtrain_megatron.bench import render
+    from ssdtrain_megatron.tools.bench import render
 
     same = [1.0, 0.9]
     run = _run({("keep", 1): ([1.0, 1.0], [100, 100], same), ("keep", 2): ([2.0, 2.0], [200, 200], same),
@@ -156,7 +156,7 @@ def test_adaptive_is_compared_with_the_fastest_fixed_strategy_within_the_budget(
 
 
 def test_the_table_shows_no_target_the_user_did_not_set_and_shows_fallbacks():
-    from ssdtrain_megatron.bench import render
+    from ssdtrain_megatron.tools.bench import render
 
     same = [1.0, 0.9]
     run = _run({("keep", 1): ([1.0, 1.0], [100, 100], same), ("offload", 1): ([2.0, 2.0], [90, 90], same)})
@@ -275,7 +275,7 @@ def test_megatron_training_steps_reach_the_writer_and_the_log(monkeypatch, tmp_p
     """Through install(): a megatron-core step ends in pipeline.py, which publishes its StepStats
     to the writer and arguments a Megatron-LM training loop keeps in global_vars."""
     from ssdtrain_megatron.megatron import install, uninstall
-    from ssdtrain_megatron.megatron.minigpt import MegatronRuntime, MiniGPT
+    from ssdtrain_megatron.tools.minigpt import MegatronRuntime, MiniGPT
 
     writer = _Recorder()
     args = argparse.Namespace(log_interval=2, tensorboard_log_interval=1, curr_iteration=None)

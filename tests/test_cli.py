@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ssdtrain_megatron import cli, cli_types
+from ssdtrain_megatron.tools import cli, cli_types
 from tests.cli_helpers import run_cli
 
 COMMANDS = ["demo", "doctor", "plan", "lifespan", "bench", "core-bench", "report", "io-bench", "clean"]
@@ -24,7 +24,7 @@ def _help_in_fresh_interpreter(args):
     a new process. CPU time (user + system of the child) is what --help costs; unlike wall
     time it hardly grows when other jobs load the machine."""
     code = ("import sys, json\n"
-            "from ssdtrain_megatron.cli import main\n"
+            "from ssdtrain_megatron.tools.cli import main\n"
             "try:\n"
             f"    main({args!r} + ['--help'])\n"
             "except SystemExit as e:\n"
@@ -161,7 +161,7 @@ def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
 
 
 def test_an_unexpected_error_is_one_line_that_points_at_debug(capsys, monkeypatch):
-    from ssdtrain_megatron.plan import cli as plan_cli
+    from ssdtrain_megatron.tools import plan_cli
 
     def broken(args):
         raise TypeError("unsupported operand")
@@ -284,7 +284,7 @@ def test_ctrl_c_says_how_many_offload_files_it_removed(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("SSDTRAIN_DEBUG", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ssdtrain_megatron.cli", "demo", "--dir", str(root), "--steps", "500",
+        [sys.executable, "-m", "ssdtrain_megatron.tools.cli", "demo", "--dir", str(root), "--steps", "500",
          "--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--micro-batch-size", "2",
          "--num-microbatches", "2", "--min-tensor-bytes", "4KiB"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
@@ -359,7 +359,7 @@ def test_clean_says_when_a_template_matches_nothing(tmp_path, capsys):
     ("0.19.0", "0.15.3", ["it will refuse this one"]),
 ])
 def test_doctor_names_the_releases_megatron_needs(tmp_path, capsys, monkeypatch, deepspeed, megatron_core, says):
-    from ssdtrain_megatron import doctor
+    from ssdtrain_megatron.tools import doctor
 
     real = doctor.packages_report
     monkeypatch.setattr(doctor, "packages_report",

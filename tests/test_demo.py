@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from ssdtrain_megatron.cli import main
+from ssdtrain_megatron.tools.cli import main
 
 
 def test_demo_runs_end_to_end(tmp_path, capsys):

@@ -125,7 +125,7 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
     import gpu_check_steps as steps
     from ssdtrain_megatron.cache.offloader import ActivationOffloader
     from ssdtrain_megatron.cache.record import State
-    from ssdtrain_megatron.megatron.minigpt import GPTSpec
+    from ssdtrain_megatron.tools.minigpt import GPTSpec
 
     if corrupt:
         real = ActivationOffloader._materialize

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from ssdtrain_megatron.io import bench, engine_class
+from ssdtrain_megatron.io import engine_class
+from ssdtrain_megatron.tools import io_bench as bench
 from tests.cli_helpers import run_cli
 
 SMALL = ["--tensor-mib", "1", "--total-gib", "0.05", "--rounds", "1"]

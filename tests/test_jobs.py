@@ -284,7 +284,7 @@ def writers():
 def ssdtrain_clean(*args: str) -> subprocess.CompletedProcess:
     """`ssdtrain clean ...`, the installed command (or its module where none is installed)."""
     exe = os.path.join(os.path.dirname(sys.executable), "ssdtrain")
-    cmd = [exe, "clean"] if os.path.exists(exe) else [sys.executable, "-m", "ssdtrain_megatron.io.clean"]
+    cmd = [exe, "clean"] if os.path.exists(exe) else [sys.executable, "-m", "ssdtrain_megatron.tools", "clean"]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
 
 

@@ -36,6 +36,8 @@ from typing import Dict, List
 
 import pytest
 
+from tests.tiny_gpt_flags import tiny_gpt
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 CHECKOUT = os.environ.get("MEGATRON_DEEPSPEED_DIR")
@@ -64,20 +66,8 @@ ITERATIONS = 3
 NPROC = 2
 RUN_TIMEOUT_S = 600
 
-TINY_GPT = [
-    "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "1", "--global-batch-size", "4",
-    "--train-iters", str(ITERATIONS), "--lr", "1e-4", "--min-lr", "1e-5",
-    "--lr-decay-style", "constant", "--seed", "1234",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--data-impl", "mmap", "--split", "100,0,0",
-    "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-    "--distributed-backend", "gloo", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
-    "--deepspeed",
-]
+TINY_GPT = (["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "1"]
+            + tiny_gpt(ITERATIONS, micro_batch=1, global_batch=4) + ["--data-impl", "mmap", "--deepspeed"])
 
 DS_CONFIG = {
     "train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1,

@@ -37,6 +37,7 @@ sys.path.insert(0, HERE)
 pytest.importorskip("megatron.core")
 
 from ssdtrain_megatron.megatron import compat  # noqa: E402
+from tests.tiny_gpt_flags import MEGATRON_LM_CPU, tiny_gpt  # noqa: E402
 
 _RELEASE = compat.release_for(compat.megatron_core_version())
 
@@ -53,20 +54,8 @@ RUN_TIMEOUT_S = 480
 
 # A tiny GPT; --clip-grad 0: Megatron's clipping asserts CUDA gradients. -- the fusions and
 # CUDA-only kernels are off (the local layer spec on the CPU).
-TINY_GPT = [
-    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", str(ITERATIONS), "--lr", "1e-4", "--min-lr", "1e-5",
-    "--lr-decay-style", "constant", "--clip-grad", "0", "--seed", "1234",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-    "--distributed-backend", "gloo", "--transformer-impl", "local",
-    "--position-embedding-type", "rope",
-    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
-]
+TINY_GPT = (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--position-embedding-type", "rope"] + tiny_gpt(ITERATIONS) + MEGATRON_LM_CPU)
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
 

@@ -8,7 +8,7 @@ from ssdtrain_megatron.plan.model import ModelShape, SaveProfile, layer_activati
 pytest.importorskip("megatron.core")
 
 from ssdtrain_megatron.megatron import install, uninstall  # noqa: E402
-from ssdtrain_megatron.megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT  # noqa: E402
+from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, MiniGPT  # noqa: E402
 
 
 @pytest.mark.parametrize("recompute", [None, "selective"])

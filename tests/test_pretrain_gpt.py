@@ -32,6 +32,8 @@ from typing import Dict, List, Tuple
 
 import pytest
 
+from tests.tiny_gpt_flags import MEGATRON_LM_CPU, tiny_gpt
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
@@ -48,18 +50,7 @@ RUN_TIMEOUT_S = 420
 
 # A tiny GPT that Megatron-LM trains on the CPU in seconds. --clip-grad 0: Megatron's gradient
 # clipping asserts that gradients are CUDA tensors; clipping is not what these tests compare.
-TINY_GPT = [
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", str(ITERATIONS), "--lr", "1e-4", "--min-lr", "1e-5",
-    "--lr-decay-style", "constant", "--clip-grad", "0", "--seed", "1234",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-    "--distributed-backend", "gloo", "--transformer-impl", "local",
-    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
-]
+TINY_GPT = tiny_gpt(ITERATIONS) + MEGATRON_LM_CPU
 
 LAYOUTS = {
     "tp1": (1, []),

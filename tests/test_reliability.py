@@ -28,7 +28,8 @@ from torch import nn
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.cache import IOTimeout
 from ssdtrain_megatron.io import EngineError, Identity, engine_class, make_engine
-from ssdtrain_megatron.io.clean import LIVE, STALE, UNKNOWN, add_clean_parser, clean_root, scan_root
+from ssdtrain_megatron.io.clean import LIVE, STALE, UNKNOWN, clean_root, scan_root
+from ssdtrain_megatron.tools.clean import add_clean_parser
 from ssdtrain_megatron.io.layout import LayoutError, free_bytes, rank_dir_name
 from ssdtrain_megatron.io.posix import PosixEngine
 from tests.models import assert_bitwise_equal, run_steps, tiny_gpt

@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from ssdtrain_megatron.telemetry.report import (TraceError, add_report_parser, analyze,
-                                                 load_trace, nice_bucket_s, size_bucket)
+from ssdtrain_megatron.telemetry.report import TraceError, analyze, load_trace, nice_bucket_s, size_bucket
+from ssdtrain_megatron.tools.report import add_report_parser
 
 MiB = 1 << 20
 SLAB = "/ssd/offload/rank0.slab"

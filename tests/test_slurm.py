@@ -9,7 +9,7 @@ Megatron-LM is not installed here, so ``MEGATRON_LM`` is a folder the test write
 ``pretrain_gpt.py`` and the three functions of Megatron-LM's training front end the launcher
 hooks (``parse_args``, ``initialize_megatron``, ``get_args``), in Megatron-LM's module layout;
 the model, the pipeline schedule and the offloader are megatron-core 0.16.1 and this package,
-on CPU (gloo, ``ssdtrain_megatron.megatron.cpu``).
+on CPU (gloo, ``ssdtrain_megatron.tools.megatron_cpu``).
 
 Skipped, with the reason, where Slurm is not installed (``.ci/run`` installs slurm-wlm and
 munge) or its daemons cannot start here.
@@ -89,7 +89,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}):
     set_args(args)
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
-    from ssdtrain_megatron.megatron import cpu
+    from ssdtrain_megatron.tools import megatron_cpu as cpu
     cpu.enable()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

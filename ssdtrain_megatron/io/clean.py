@@ -1,11 +1,12 @@
 """Leftovers of dead jobs: find them under offload roots and remove them (``ssdtrain clean``).
 
 A rank directory, ``ssdtrain.<job>.<host>.rank<r>.pid<pid>``, belongs to the process named in
-its ``owner.json``. Normal exit and SIGINT/SIGTERM remove it (see cleanup.py); SIGKILL, a crash
-of the interpreter or a node reset leave it behind. Every new offloader sweeps every directory
-its ``dirs`` templates name on this host, for any job and rank (``sweep_templates``: a job
-whose roots hold ``{job}`` finds the leftovers of other job ids too), and ``ssdtrain clean``
-does the same on demand: below a ROOT at any depth (``clean_tree``), or from the templates of a
+its ``owner.json`` (``owner.py``). Normal exit and SIGINT/SIGTERM remove it (see cleanup.py);
+SIGKILL, a crash of the interpreter or a node reset leave it behind. Every new disk engine,
+before it creates its own directories, sweeps every directory its ``dirs`` templates name on
+this host, for any job and rank (``sweep_before_start``: a job whose roots hold ``{job}`` finds
+the leftovers of other job ids too), and ``ssdtrain clean`` (tools/clean.py, the command) does
+the same on demand: below a ROOT at any depth (``clean_tree``), or from the templates of a
 preset (``--config``) or of ``--dirs``. A sweep then removes the job folders it left empty
 (``layout.prune_empty``), never a folder that was empty before, a mount point, or one above the
 first ``{job}`` component of a template (or above ROOT).
@@ -26,7 +27,6 @@ job's activations (it then fails at its next read) or someone else's files:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import json
@@ -36,11 +36,10 @@ import re
 import socket
 import stat
 import string
-import sys
-import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from .layout import DIR_PREFIX, OWNER_FILE, job_levels, prune_empty, rank_dir_name
+from .owner import owner_alive
 
 log = logging.getLogger(__name__)
 
@@ -51,75 +50,6 @@ _NAME = re.compile(re.escape(DIR_PREFIX) + r".+\.rank\d+\.pid\d+$")
 STALE = "stale"  # dead owner: removed (or would be, with --dry-run)
 LIVE = "live"  # owner running: never touched
 UNKNOWN = "unknown"  # cannot tell (other host or container, foreign, malformed): left alone
-
-
-# -- who a process is -------------------------------------------------------------------------
-
-
-def boot_id() -> Optional[str]:
-    """This boot of this node (Linux), or None where the kernel does not say."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
-            return fh.read().strip() or None
-    except OSError:
-        return None
-
-
-def pid_namespace() -> Optional[str]:
-    """The pid namespace of this process (``pid:[inode]``): pids mean something only inside it."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def process_start_ticks(pid: int) -> Optional[int]:
-    """When ``pid`` started, in clock ticks since boot (field 22 of /proc/<pid>/stat); None when
-    there is no such process or no /proc. With the pid, this names one process for good."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    try:
-        # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (ValueError, IndexError):
-        return None
-
-
-def owner_record(job: str, hostname: str, rank: int) -> dict:
-    """What ``owner.json`` says about the process creating a rank directory now."""
-    pid = os.getpid()
-    return {"pid": pid, "hostname": hostname, "job": job, "rank": rank, "started": time.time(),
-            "uid": os.getuid(), "boot_id": boot_id(), "pid_ns": pid_namespace(),
-            "start_ticks": process_start_ticks(pid)}
-
-
-def owner_alive(owner: dict) -> Tuple[Optional[bool], str]:
-    """(True, why) if the owner runs, (False, why) if it is gone, (None, why) if we cannot tell.
-
-    Call only for owners on this host."""
-    pid = owner["pid"]
-    recorded_boot = owner.get("boot_id")
-    now_boot = boot_id()
-    if recorded_boot and now_boot and recorded_boot != now_boot:
-        return False, f"pid {pid} ran before the node last booted"
-    ns = owner.get("pid_ns")
-    if ns and ns != pid_namespace():
-        return None, f"written from another pid namespace ({ns}, a container?); cannot tell whether pid {pid} runs"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False, f"pid {pid} is gone"
-    except PermissionError:
-        pass  # exists, belongs to another user
-    ticks = owner.get("start_ticks")
-    if isinstance(ticks, int):
-        now = process_start_ticks(pid)
-        if now is not None and now != ticks:
-            return False, f"pid {pid} is gone (now reused by another process)"
-    return True, f"pid {pid} is running"
 
 
 # -- scanning ---------------------------------------------------------------------------------
@@ -142,7 +72,7 @@ class Leftover:
         who = ""
         if self.owner:
             who = f"job {self.owner.get('job')}, rank {self.owner.get('rank')}, "
-        return f"{self.path} ({who}{self.reason}; {_human(self.nbytes)})"
+        return f"{self.path} ({who}{self.reason}; {human_bytes(self.nbytes)})"
 
 
 def _read_owner(dir_fd: int) -> dict:
@@ -393,119 +323,22 @@ def remove_stale(root: str, hostname: Optional[str] = None) -> List[Leftover]:
     return found
 
 
-# -- the command ------------------------------------------------------------------------------
+def sweep_before_start(roots: Sequence[str], templates: Optional[Sequence[str]] = None,
+                       hostname: Optional[str] = None) -> List[Leftover]:
+    """What a disk engine calls before it creates its rank directories: remove dead jobs'
+    leftovers from every directory ``templates`` name on this host (any job, any rank), then
+    from each of ``roots`` that exists (a root reached through a symlink is not among the
+    templates' matches). Logs what happened, never raises."""
+    found = sweep_templates(templates, hostname) if templates else []
+    for root in roots:
+        if os.path.isdir(root):
+            found.extend(remove_stale(root, hostname))
+    return found
 
 
-def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``ssdtrain clean [--dry-run] [--config PRESET] [--dirs TEMPLATES] [ROOT...]``."""
-    p = subparsers.add_parser(
-        "clean", help="remove offload files left by jobs whose process is gone",
-        description="Remove the rank directories (ssdtrain.<job>.<host>.rank<r>.pid<pid>) that dead "
-                    "processes left: below each ROOT at any depth (e.g. the drive or the folder "
-                    "above the job ids), or in every directory the offload path templates of a "
-                    "preset (--config) or of --dirs name on this host, for any job id and rank. "
-                    "The folders a removal leaves empty are removed too, up to ROOT (kept), or "
-                    "from a template's first {job} component on. Directories of running "
-                    "processes, of other hosts or containers, and anything we did not create are "
-                    "left alone. The exit code is 1 when a root could not be read or a stale "
-                    "directory could not be removed.")
-    p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
-    p.add_argument("--config", metavar="PRESET",
-                   help="a YAML preset (configs/*.yaml) or config file: clean where its offload "
-                        "dirs templates point on this host")
-    p.add_argument("--dirs", metavar="TEMPLATES",
-                   help="offload path templates, comma-separated as for --ssd-offload-dir "
-                        "(e.g. '/mnt/nvme{local_rank}/ssdtrain/{job}'): clean where they point "
-                        "on this host")
-    p.add_argument("roots", nargs="*", metavar="ROOT",
-                   help="a folder holding offload directories at any depth (a drive, an offload "
-                        "root, the folder above the job ids), or a template from OffloadConfig.dirs "
-                        "({job}, {rank}, ... match any directory there)")
-    p.set_defaults(func=run_clean)
-    return p
-
-
-def run_clean(args: argparse.Namespace) -> int:
-    """Print one line per rank directory found; returns the exit code."""
-    templates: List[str] = []
-    if getattr(args, "config", None):
-        from ..config import ConfigError, OffloadConfig
-
-        try:
-            templates += OffloadConfig.from_yaml(args.config).dirs
-        except (OSError, ConfigError) as exc:
-            print(f"ssdtrain clean: --config {args.config}: {getattr(exc, 'strerror', None) or exc}",
-                  file=sys.stderr)
-            return 2
-    if getattr(args, "dirs", None):
-        templates += [t for t in args.dirs.split(",") if t]
-    if not args.roots and not templates:
-        print("ssdtrain clean: name at least one ROOT, or --config PRESET, or --dirs TEMPLATES",
-              file=sys.stderr)
-        return 2
-    status = 0
-    totals: Dict[str, int] = {"dirs": 0, "bytes": 0, "folders": 0}
-    # A ROOT written as a template (/mnt/nvme0/ssdtrain/{job}, as in the config) names every
-    # directory it matches on this host.
-    batches: List[Tuple[str, object]] = []
-    for root in args.roots:
-        if "{" not in root:
-            batches.append((root, None))
-        elif template_roots(root):
-            templates.append(root)
-        else:
-            print(f"ssdtrain clean: {root}: no directory matches", file=sys.stderr)
-    if templates:
-        batches.append((", ".join(templates), templates))
-    for name, batch_templates in batches:
-        try:
-            if batch_templates is None:
-                found = clean_tree(name, dry_run=args.dry_run)
-            else:
-                found = clean_templates(batch_templates, dry_run=args.dry_run)
-        except OSError as exc:
-            print(f"ssdtrain clean: {name}: {exc.strerror or exc}", file=sys.stderr)
-            status = 1
-            continue
-        for item in found:
-            if item.verdict == STALE:
-                if item.error:
-                    print(f"failed   {item.describe()}: {item.error}")
-                    status = 1
-                    continue
-                print(f"{'would remove' if args.dry_run else 'removed':<8} {item.describe()}")
-                totals["dirs"] += 1
-                totals["bytes"] += item.nbytes
-                for folder in item.pruned:
-                    print(f"removed  {folder} (empty job folder)")
-                    totals["folders"] += 1
-            elif item.verdict == LIVE:
-                print(f"live     {item.describe()}")
-            else:
-                print(f"skipped  {item.describe()}")
-    verb = "would free" if args.dry_run else "freed"
-    folders = f", {totals['folders']} empty folder{'' if totals['folders'] == 1 else 's'} removed" \
-        if totals["folders"] else ""
-    print(f"{totals['dirs']} stale director{'y' if totals['dirs'] == 1 else 'ies'}, {verb} "
-          f"{_human(totals['bytes'])}{folders}")
-    return status
-
-
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"  # pragma: no cover
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m ssdtrain_megatron.io.clean``: the same command without the ``ssdtrain`` entry point."""
-    parser = argparse.ArgumentParser(prog="ssdtrain")
-    add_clean_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["clean", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

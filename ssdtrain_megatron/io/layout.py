@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from .owner import owner_record
+
 DIR_PREFIX = "ssdtrain."
 OWNER_FILE = "owner.json"
 ALIGN = 4096
@@ -180,15 +182,9 @@ def expand_roots(templates: List[str], ident: Identity) -> List[str]:
 
 def make_rank_dirs(roots: List[str], ident: Identity, templates: Optional[List[str]] = None) -> List[str]:
     """This process's directory under every root; on a failure, the ones made are removed
-    (with the job directories they leave empty).
-
-    With ``templates`` (the ``dirs`` the roots were expanded from), leftovers of dead jobs are
-    first swept from every directory the templates name for any job and rank on this host,
-    not only from this job's roots (see :func:`clean.sweep_templates`)."""
-    from .clean import sweep_templates
-
-    if templates:
-        sweep_templates(templates, ident.hostname)
+    (with the job directories they leave empty, counted from ``templates``, the ``dirs`` the
+    roots were expanded from). Nothing else is touched: sweeping dead jobs' leftovers is the
+    caller's explicit step (:func:`clean.sweep_before_start`)."""
     levels = [job_levels(t) for t in templates] if templates else [0] * len(roots)
     made: List[str] = []
     try:
@@ -219,15 +215,11 @@ def _check_root(root: str) -> None:
 
 def make_rank_dir(root: str, ident: Identity) -> str:
     """Create this process's 0700 directory under ``root`` (creating ``root`` if missing)."""
-    # Imported here: clean.py builds on this module (names, owner file).
-    from .clean import owner_record, remove_stale
-
     name = rank_dir_name(ident.job, ident.hostname, ident.rank, os.getpid())
     path = os.path.join(root, name)
     for attempt in range(_MKDIR_TRIES):
         os.makedirs(root, mode=0o700, exist_ok=True)
         _check_root(root)
-        remove_stale(root, ident.hostname)  # leftovers of dead jobs (SIGKILL, crash, reboot)
         try:
             os.mkdir(path, 0o700)
             break

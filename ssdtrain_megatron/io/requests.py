@@ -18,15 +18,12 @@ import collections
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
 from .base import BusyMeter
 from .layout import Extent
-
-if TYPE_CHECKING:
-    from .slab_engine import SlabEngine
 
 class Placement:
     """Where one stored tensor's chunks live: one extent per root (``allocs``: root, offset,
@@ -41,6 +38,17 @@ class Placement:
         self.extents: Optional[List[Extent]] = None
 
 
+class RequestOwner(Protocol):
+    """What a request needs of the engine that made it (``SlabEngine``), named here so that
+    this module does not import the engine: where completions go (None: each request
+    completes its own Future), and the placement of a write's chunks, done by the first IO
+    thread that reaches it (under the queue's lock, so in queue order)."""
+
+    completions: Optional[Any]
+
+    def _place(self, placement: Placement) -> None: ...
+
+
 class Request:
     """One tensor's write or read: its placement, and its completion once the last chunk is
     done: a Future, or an item on the engine's ``completions`` queue. It fails with the first
@@ -51,7 +59,7 @@ class Request:
                  "owner", "ready_event", "meter", "next_chunk", "error", "completions", "cancelled",
                  "_left", "_lock")
 
-    def __init__(self, owner: "SlabEngine", key: int, writing: bool, tensor: torch.Tensor,
+    def __init__(self, owner: RequestOwner, key: int, writing: bool, tensor: torch.Tensor,
                  placement: Placement, n_chunks: int, ready_event: Optional[object], meter: BusyMeter,
                  depth: int) -> None:
         self.completions = owner.completions

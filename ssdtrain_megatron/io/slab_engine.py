@@ -30,6 +30,7 @@ from ..config import OffloadConfig
 from . import cleanup
 from .base import BusyMeter, EngineError, IOEngine
 from .checksum import ALGORITHM, checksum
+from .clean import sweep_before_start
 from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
@@ -75,6 +76,7 @@ class SlabEngine(IOEngine):
         a returned OSError is raised as if the system call had failed."""
 
     def _open_slabs(self, direct: str, on_open: Optional[Callable[[Slab], None]] = None) -> None:
+        sweep_before_start(self.roots, self.config.dirs, self.ident.hostname)  # dead jobs' leftovers
         self.rank_dirs = make_rank_dirs(self.roots, self.ident, self.config.dirs)
         self._slabs = [Slab(d, direct, on_open) for d in self.rank_dirs]
         # Exit and SIGINT/SIGTERM remove the files and stop the IO threads even when nothing

@@ -1,6 +1,7 @@
 """Megatron integration: ``install(config)`` patches megatron-core 0.16.x-0.19.x so its training
-steps offload activations; ``uninstall()`` restores it. The only part of the package that imports
-megatron (lazily: importing this package does not).
+steps offload activations; ``uninstall()`` restores it. The only part of the library that imports
+megatron (lazily: importing this package does not); ``args.py`` turns the ``--ssd-offload-*``
+flags into an ``OffloadConfig``, which ``install()`` hands to an ``ActivationOffloader`` (cache/).
 
 Example:
     >>> from ssdtrain_megatron import OffloadConfig

@@ -1,10 +1,10 @@
-"""``ssdtrain report TRACE``: the IO characteristics of the offload traffic, from an IO trace.
+"""The IO characteristics of the offload traffic, from an IO trace (``ssdtrain report TRACE``).
 
 The figures follow the storage characterisation of LLM training (Gunnam et al., PAPERS.md
 section 2): request-size histogram, read/write mix, sequentiality, queue depth over time,
 bandwidth over time per training phase, bytes written per step and the drive writes per day
-they imply. This module reads the trace and computes those figures; ``report_render`` turns
-them into Markdown and PNG plots.
+they imply. This module reads the trace and computes those figures; the command
+(``tools/report.py``) and ``tools/report_render.py`` turn them into Markdown and PNG plots.
 
 Definitions (they decide the numbers, so they are stated once, here):
 
@@ -24,14 +24,10 @@ Definitions (they decide the numbers, so they are stated once, here):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
-
-from ..cli_types import positive_float
 
 PHASES = ("forward", "backward", "step_end")
 OPS = ("write", "read")
@@ -349,60 +345,3 @@ def analyze(records: Sequence[IORecord], drive_tb: float = DEFAULT_DRIVE_TB,
         "steps": bytes_per_step(records),
         "endurance": endurance(records, drive_tb),
     }
-
-
-# -- ssdtrain report --------------------------------------------------------------------------
-
-
-def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``ssdtrain report``."""
-    parser = subparsers.add_parser(
-        "report", help="IO characteristics of an IO trace (trace_path): tables and plots",
-        description="IO characteristics of the offload traffic from an IO trace (JSONL, one "
-                    "record per request): request sizes, read/write mix, sequentiality, queue "
-                    "depth, bandwidth per phase over time, bytes written per step and drive "
-                    "writes per day. Prints Markdown; with --out also writes report.md and PNG "
-                    "plots there. Decimal units: 1 GB = 1e9 B, 1 TB = 1e12 B.")
-    parser.add_argument("trace", metavar="TRACE", help="IO trace file (several ranks' traces "
-                                                       "may be concatenated)")
-    parser.add_argument("--out", metavar="DIR", default=None,
-                        help="write report.md and the plots (request_sizes.png, "
-                             "queue_depth.png, bandwidth.png) to DIR, created if missing")
-    parser.add_argument("--drive-tb", type=positive_float, default=DEFAULT_DRIVE_TB,
-                        metavar="TB", help="drive size for drive writes per day, decimal TB "
-                                           f"(default {DEFAULT_DRIVE_TB:g})")
-    parser.add_argument("--bucket-s", type=positive_float, default=None, metavar="S",
-                        help="timeline bucket width in seconds (default: a 1-2-5 width giving "
-                             f"at most {TIMELINE_BUCKETS} buckets)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the figures as one JSON object instead of Markdown")
-    parser.set_defaults(func=run_report)
-    return parser
-
-
-def run_report(args: argparse.Namespace) -> int:
-    from .report_render import PLOTS_NEED, render_markdown, write_outputs
-
-    try:
-        records = load_trace(args.trace)
-    except TraceError as exc:
-        print(f"ssdtrain report: error: {exc}", file=sys.stderr)
-        return 2
-    figures = analyze(records, drive_tb=args.drive_tb, bucket_s=args.bucket_s)
-    markdown = render_markdown(figures, args.trace)
-    files: List[str] = []
-    if args.out is not None:
-        try:
-            files = write_outputs(figures, markdown, args.out)
-        except ImportError:
-            print(f"ssdtrain report: error: --out needs {PLOTS_NEED}", file=sys.stderr)
-            return 2
-        except OSError as exc:
-            print(f"ssdtrain report: error: --out {args.out}: {exc.strerror or exc}",
-                  file=sys.stderr)
-            return 2
-    if args.json:
-        print(json.dumps({"trace": args.trace, **figures, "files": files}))
-    else:
-        print(markdown, end="")
-    return 0

@@ -20,8 +20,8 @@ import platform
 import resource
 from typing import Any, Dict, List, Optional
 
-from .io.where import binary as gib
-from .io.where import filesystem_of
+from ..io.where import binary as gib
+from ..io.where import filesystem_of
 
 ENGINES = ("posix", "aio", "gds", "memory", "tiered")
 
@@ -76,7 +76,7 @@ def packages_report() -> Dict[str, Any]:
 
 
 def engines_report() -> Dict[str, Dict[str, Any]]:
-    from .io import engine_class
+    from ..io import engine_class
 
     out = {}
     for name in ENGINES:
@@ -125,7 +125,7 @@ def root_report(root: str) -> Dict[str, Any]:
 
 
 def _root_notes(out: Dict[str, Any]) -> Dict[str, Any]:
-    from .io.where import filesystem_notes
+    from ..io.where import filesystem_notes
 
     notes = filesystem_notes(out["filesystem"])
     if out["writable"] and not out["o_direct"]:
@@ -174,8 +174,8 @@ def memory_report() -> Dict[str, Any]:
 
 
 def _roots(args: argparse.Namespace) -> List[str]:
-    from .config import OffloadConfig
-    from .io.layout import Identity, expand_root
+    from ..config import OffloadConfig
+    from ..io.layout import Identity, expand_root
 
     if args.dir:
         templates = list(args.dir)
@@ -188,8 +188,8 @@ def _roots(args: argparse.Namespace) -> List[str]:
 
 
 def build_report(args: argparse.Namespace) -> Dict[str, Any]:
-    from . import __version__
-    from .io.checksum import describe
+    from .. import __version__
+    from ..io.checksum import describe
 
     return {
         "ssdtrain": __version__,
@@ -216,7 +216,7 @@ def render(r: Dict[str, Any]) -> str:
         (f"{len(t['gpus'])} GPU(s): " + ", ".join(f"{g['name']} {gib(g['memory_bytes'])}" for g in t["gpus"])
          if t["cuda_available"] else "no GPU visible (the demo and bench run on the CPU)")
     lines.append(f"{'torch':<18} {t['version']}, {cuda}")
-    from .megatron.compat import SUPPORTED_MEGATRON_CORE
+    from ..megatron.compat import SUPPORTED_MEGATRON_CORE
 
     mc = pk["megatron-core"]
     tested = ", ".join(f"{v}.x" for v in SUPPORTED_MEGATRON_CORE)

@@ -3,7 +3,7 @@
 One process (TP=1, PP=1), megatron-core's ``GPTModel`` with the local layer spec, torch Adam,
 mock data, and megatron's own ``get_forward_backward_func()`` looked up at every step, so an
 ``install()``-ed offloader sees the step exactly as in a Megatron-LM run. On a machine without
-CUDA it runs on the CPU through ``ssdtrain_megatron.megatron.cpu``.
+CUDA it runs on the CPU through ``ssdtrain_megatron.tools.megatron_cpu``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class MegatronRuntime:
 
         self._cpu = not torch.cuda.is_available()
         if self._cpu:
-            from . import cpu
+            from . import megatron_cpu as cpu
 
             cpu.enable()
         if not dist.is_initialized():
@@ -77,7 +77,7 @@ class MegatronRuntime:
             if self._tmp and os.path.exists(self._tmp):
                 os.unlink(self._tmp)
         if self._cpu:
-            from . import cpu
+            from . import megatron_cpu as cpu
 
             cpu.disable()
 
@@ -169,7 +169,7 @@ def installed_step(model: MiniGPT, offloader) -> Tuple[float, float]:
     """One training step of ``model`` with ``offloader`` installed into megatron-core for just
     that step: (mean loss, seconds). Several offloaders can take turns this way, step by step,
     each with its own model; ``uninstall(close=False)`` leaves each open for its next turn."""
-    from .install import install, uninstall
+    from ..megatron.install import install, uninstall
 
     install(offloader.config, offloader=offloader)
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .config import OffloadConfig
+from ..config import OffloadConfig
 
 FIXED = ("offload", "recompute")
 

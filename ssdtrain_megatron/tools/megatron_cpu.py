@@ -157,7 +157,7 @@ def enable() -> None:
     if _STATE is not None:
         return
     if torch.cuda.is_available():
-        raise RuntimeError("ssdtrain_megatron.megatron.cpu is for CPU-only machines; with CUDA, "
+        raise RuntimeError("ssdtrain_megatron.tools.megatron_cpu is for CPU-only machines; with CUDA, "
                            "megatron-core runs as it is")
     from megatron.core import utils as mcore_utils
     from megatron.core.tensor_parallel import random as mcore_random

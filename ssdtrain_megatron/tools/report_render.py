@@ -10,7 +10,7 @@ import importlib
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from .report import OPS, PHASES
+from ..telemetry.report import OPS, PHASES
 
 PLOTS_NEED = "matplotlib for the plots (pip install 'ssdtrain-megatron[plot]')"
 REPORT_NAME = "report.md"

@@ -145,7 +145,7 @@ def check_engine(flag: str, name: str) -> None:
     Raises:
         EnvironmentProblem: what the engine is missing, and where to look.
     """
-    from .io import engine_class
+    from ..io import engine_class
 
     try:
         ok, why = engine_class(name).is_available()
@@ -174,14 +174,14 @@ def describe_os_error(exc: OSError) -> str:
 
 def free_space_line(path: str) -> str:
     """'<free> free of <total> on <filesystem type> (<device>)' for the drive holding ``path``."""
-    from .io.where import describe
+    from ..io.where import describe
 
     return describe(path)
 
 
 def gib(n: float) -> str:
     """Bytes in binary units (KiB, MiB, GiB, TiB), one decimal."""
-    from .io.where import binary
+    from ..io.where import binary
 
     return binary(n)
 

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 from .bench_budget import adaptive_config, budget_comparison, default_budget, render_lines
 from .cli_types import (byte_count, check_engine, deprecated_alias, positive_int, progress,
                         quiet_megatron_warnings, say, writable_dir)
-from .config import OffloadConfig
+from ..config import OffloadConfig
 
 if TYPE_CHECKING:
-    from .telemetry.peak_memory import PeakMemory
+    from ..telemetry.peak_memory import PeakMemory
 
 TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
            "offload_vs_keep_peak_activation": ("<=", 0.5, 0.5),
@@ -169,7 +169,7 @@ def _shape(args: argparse.Namespace) -> dict:
 def run_bench(args: argparse.Namespace) -> int:
     quiet_megatron_warnings()
     root = writable_dir("--dir", args.dir)
-    from .megatron.minigpt import GPTSpec
+    from .minigpt import GPTSpec
 
     shape = _shape(args)
     base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
@@ -225,8 +225,8 @@ def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, 
     taking turns step by step; one model and one offloader per strategy and size. A strategy
     that runs out of device memory at a size is not tried at larger ones."""
     from .demo import header_lines
-    from .megatron.minigpt import MegatronRuntime
-    from .telemetry.peak_memory import PeakMemory
+    from .minigpt import MegatronRuntime
+    from ..telemetry.peak_memory import PeakMemory
 
     with MegatronRuntime() as rt:
         peak = PeakMemory(rt.device)
@@ -285,8 +285,8 @@ class _Contender:
     """One strategy at one micro-batch size: its model, its offloader and what they measured."""
 
     def __init__(self, strategy: Strategy, spec, cfg: OffloadConfig, device) -> None:
-        from .cache import ActivationOffloader
-        from .megatron.minigpt import MiniGPT
+        from ..cache import ActivationOffloader
+        from .minigpt import MiniGPT
 
         self.strategy = strategy
         self.spec = dataclasses.replace(spec, recompute=strategy.recompute)
@@ -300,7 +300,7 @@ class _Contender:
         """One measured step; False when it ran out of device memory (the model is dropped)."""
         import torch
 
-        from .megatron.minigpt import installed_step
+        from .minigpt import installed_step
 
         if self.model is None:
             return True

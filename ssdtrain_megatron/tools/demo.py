@@ -54,7 +54,7 @@ def add_demo_parser(subparsers) -> None:
 
 
 def _config(args: argparse.Namespace, root: str):
-    from .config import OffloadConfig
+    from ..config import OffloadConfig
 
     base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
     changes = {"dirs": [root], "policy": "offload"}
@@ -67,7 +67,7 @@ def _config(args: argparse.Namespace, root: str):
 
 def header_lines(cfg, root: str) -> List[str]:
     """The settings of a run that change its numbers, each with its value."""
-    from .io.where import settings
+    from ..io.where import settings
 
     return [f"offload root {root}: {free_space_line(root)}",
             settings(cfg, policy=False) + " (min_tensor_bytes: smaller saved tensors "
@@ -83,8 +83,8 @@ def run_demo(args: argparse.Namespace) -> int:
     check_engine("--engine" if args.engine else "engine (from --config)", cfg.engine)
     from importlib.metadata import version
 
-    from .cache import ActivationOffloader
-    from .megatron.minigpt import GPTSpec, MegatronRuntime, MiniGPT, installed_step
+    from ..cache import ActivationOffloader
+    from .minigpt import GPTSpec, MegatronRuntime, MiniGPT, installed_step
 
     spec = GPTSpec(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
                    seq=args.seq_length, micro_batch=args.micro_batch_size,

@@ -14,12 +14,12 @@ import math
 import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ..cli_types import deprecated_alias, positive_float
-from .lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
-from .model import (ModelShape, SaveProfile, estimate_step_time_s, forward_flops_per_layer,
+from .cli_types import deprecated_alias, positive_float
+from ..plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
+from ..plan.model import (ModelShape, SaveProfile, estimate_step_time_s, forward_flops_per_layer,
                     head_activation_terms, largest_micro_batch, layer_activation_bytes,
                     layer_activation_terms, peak_activation_bytes, required_write_gbps)
-from .policy import KEEP, LayerMeasurement, LayerPlan, plan_layers
+from ..plan.policy import KEEP, LayerMeasurement, LayerPlan, plan_layers
 
 DEFAULT_GPU_TFLOPS = 150.0
 DEFAULT_MEMORY_BUDGET_GB = 80.0

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import List, Optional
 
-from . import __version__
+from .. import __version__
 from .cli_types import CommandError, describe_os_error, plural
 
 DEBUG_ENV = "SSDTRAIN_DEBUG"
@@ -46,10 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .corebench import add_core_bench_parser
     from .demo import add_demo_parser
     from .doctor import add_doctor_parser
-    from .io.bench import add_io_bench_parser
-    from .io.clean import add_clean_parser
-    from .plan.cli import add_lifespan_parser, add_plan_parser
-    from .telemetry.report import add_report_parser
+    from .io_bench import add_io_bench_parser
+    from .clean import add_clean_parser
+    from .plan_cli import add_lifespan_parser, add_plan_parser
+    from .report import add_report_parser
 
     add_demo_parser(sub)
     add_doctor_parser(sub)
@@ -96,7 +96,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def describe_error(exc: BaseException) -> tuple:
     """(exit code, one line) for an exception that reached the command line."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     if isinstance(exc, CommandError):
         return exc.exit_code, str(exc)
@@ -126,7 +126,7 @@ class OffloadFiles:
         self._registered = False
 
     def watch(self, root: str) -> None:
-        from .io import cleanup
+        from ..io import cleanup
 
         if root not in self.roots:
             self.roots.append(root)
@@ -139,7 +139,7 @@ class OffloadFiles:
 
     def count(self) -> int:
         """Files in this process's rank directories under the roots."""
-        from .io.layout import DIR_PREFIX
+        from ..io.layout import DIR_PREFIX
 
         mine = f".pid{os.getpid()}"
         n = 0
@@ -168,7 +168,7 @@ class OffloadFiles:
 
     def stop(self) -> None:
         if self._registered:
-            from .io import cleanup
+            from ..io import cleanup
 
             cleanup.unregister(id(self))
             self._registered = False

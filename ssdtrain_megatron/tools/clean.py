@@ -1,0 +1,129 @@
+"""``ssdtrain clean``: remove the offload files of jobs whose process is gone.
+
+The command only chooses where to look and prints what it found; what counts as ours, and
+dead, and how it is removed, is the library's (``io/clean.py``), which every disk engine also
+runs at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..io.clean import LIVE, STALE, Leftover, human_bytes, clean_templates, clean_tree, template_roots
+
+
+def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``ssdtrain clean [--dry-run] [--config PRESET] [--dirs TEMPLATES] [ROOT...]``."""
+    p = subparsers.add_parser(
+        "clean", help="remove offload files left by jobs whose process is gone",
+        description="Remove the rank directories (ssdtrain.<job>.<host>.rank<r>.pid<pid>) that dead "
+                    "processes left: below each ROOT at any depth (e.g. the drive or the folder "
+                    "above the job ids), or in every directory the offload path templates of a "
+                    "preset (--config) or of --dirs name on this host, for any job id and rank. "
+                    "The folders a removal leaves empty are removed too, up to ROOT (kept), or "
+                    "from a template's first {job} component on. Directories of running "
+                    "processes, of other hosts or containers, and anything we did not create are "
+                    "left alone. The exit code is 1 when a root could not be read or a stale "
+                    "directory could not be removed.")
+    p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    p.add_argument("--config", metavar="PRESET",
+                   help="a YAML preset (configs/*.yaml) or config file: clean where its offload "
+                        "dirs templates point on this host")
+    p.add_argument("--dirs", metavar="TEMPLATES",
+                   help="offload path templates, comma-separated as for --ssd-offload-dir "
+                        "(e.g. '/mnt/nvme{local_rank}/ssdtrain/{job}'): clean where they point "
+                        "on this host")
+    p.add_argument("roots", nargs="*", metavar="ROOT",
+                   help="a folder holding offload directories at any depth (a drive, an offload "
+                        "root, the folder above the job ids), or a template from OffloadConfig.dirs "
+                        "({job}, {rank}, ... match any directory there)")
+    p.set_defaults(func=run_clean)
+    return p
+
+
+def _templates(args: argparse.Namespace) -> Optional[List[str]]:
+    """The templates of --config and --dirs; None (after a line on stderr) when the preset
+    cannot be read."""
+    templates: List[str] = []
+    if getattr(args, "config", None):
+        from ..config import ConfigError, OffloadConfig
+
+        try:
+            templates += OffloadConfig.from_yaml(args.config).dirs
+        except (OSError, ConfigError) as exc:
+            print(f"ssdtrain clean: --config {args.config}: {getattr(exc, 'strerror', None) or exc}",
+                  file=sys.stderr)
+            return None
+    if getattr(args, "dirs", None):
+        templates += [t for t in args.dirs.split(",") if t]
+    return templates
+
+
+def _batches(roots: Sequence[str], templates: List[str]) -> List[Tuple[str, Optional[List[str]]]]:
+    """What to clean: each plain ROOT as a tree, and the templates (with every ROOT written as
+    a template, /mnt/nvme0/ssdtrain/{job} as in the config) together."""
+    batches: List[Tuple[str, Optional[List[str]]]] = []
+    for root in roots:
+        if "{" not in root:
+            batches.append((root, None))
+        elif template_roots(root):
+            templates.append(root)
+        else:
+            print(f"ssdtrain clean: {root}: no directory matches", file=sys.stderr)
+    if templates:
+        batches.append((", ".join(templates), templates))
+    return batches
+
+
+def _report(found: List[Leftover], dry_run: bool, totals: Dict[str, int]) -> int:
+    """One line per rank directory found (added to ``totals``); 1 if a removal failed."""
+    status = 0
+    for item in found:
+        if item.verdict == STALE:
+            if item.error:
+                print(f"failed   {item.describe()}: {item.error}")
+                status = 1
+                continue
+            print(f"{'would remove' if dry_run else 'removed':<8} {item.describe()}")
+            totals["dirs"] += 1
+            totals["bytes"] += item.nbytes
+            for folder in item.pruned:
+                print(f"removed  {folder} (empty job folder)")
+                totals["folders"] += 1
+        elif item.verdict == LIVE:
+            print(f"live     {item.describe()}")
+        else:
+            print(f"skipped  {item.describe()}")
+    return status
+
+
+def run_clean(args: argparse.Namespace) -> int:
+    """Print one line per rank directory found; returns the exit code."""
+    templates = _templates(args)
+    if templates is None:
+        return 2
+    if not args.roots and not templates:
+        print("ssdtrain clean: name at least one ROOT, or --config PRESET, or --dirs TEMPLATES",
+              file=sys.stderr)
+        return 2
+    status = 0
+    totals: Dict[str, int] = {"dirs": 0, "bytes": 0, "folders": 0}
+    for name, batch_templates in _batches(args.roots, templates):
+        try:
+            if batch_templates is None:
+                found = clean_tree(name, dry_run=args.dry_run)
+            else:
+                found = clean_templates(batch_templates, dry_run=args.dry_run)
+        except OSError as exc:
+            print(f"ssdtrain clean: {name}: {exc.strerror or exc}", file=sys.stderr)
+            status = 1
+            continue
+        status = max(status, _report(found, args.dry_run, totals))
+    verb = "would free" if args.dry_run else "freed"
+    folders = f", {totals['folders']} empty folder{'' if totals['folders'] == 1 else 's'} removed" \
+        if totals["folders"] else ""
+    print(f"{totals['dirs']} stale director{'y' if totals['dirs'] == 1 else 'ies'}, {verb} "
+          f"{human_bytes(totals['bytes'])}{folders}")
+    return status

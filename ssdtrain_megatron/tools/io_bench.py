@@ -1,0 +1,325 @@
+"""``ssdtrain io-bench``: the IO engines against the drive's own limit, measured in one run.
+
+The baseline is what fio would report for the device: one preallocated O_DIRECT file, several
+threads each keeping one large (8 MiB) pwrite/pread in flight, no copies. Each engine then
+writes and reads the same amount of data as tensors of ``--tensor-mib``, through its public
+interface, with at most ``max_inflight_bytes`` (1 GiB) in flight as the offloader would, and
+the report gives, for write and read: GB/s (10^9 bytes per second), the ratio to the baseline,
+and the CPU time the calling (training) thread spent per GB; plus ``cpu_us_per_tensor``, the
+calling thread's CPU time inside one ``write``/``read`` call (the larger of the two means).
+
+A drive shared with other work, or a virtual one, changes speed within seconds. So each engine
+is measured between two baselines and its ratio is taken against their mean, over
+``--rounds`` rounds that start with different engines; every figure is a median over rounds.
+
+Reads are O_DIRECT everywhere, so they come from the drive and not the page cache; where a
+filesystem refuses O_DIRECT the report says so on stderr and ``page_cache_bypassed`` is false.
+Progress goes to stderr; stdout gets the table, or with ``--json`` one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+from .cli_types import (EnvironmentProblem, UsageError, check_engine, deprecated_alias, positive_float,
+                         positive_int, writable_dir)
+from ..config import ConfigError, OffloadConfig
+from .io_measure import (BASELINE_BLOCK, BASELINE_THREADS, GiB, MiB, BenchError, Progress, bench_engine,
+                         layout_compare, raw_baseline)
+
+ENGINE_CHOICES = ("posix", "aio", "memory", "tiered", "gds", "all")
+ALL_ENGINES = ("posix", "aio", "memory")
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def _median(samples: List[Dict[str, object]], key: str) -> float:
+    return statistics.median(float(s[key]) for s in samples)
+
+
+def _runnable(engines: List[str], progress: Progress, skipped: Dict[str, str]) -> List[str]:
+    """The engines that can run here; the others are reported, with why, in ``skipped``."""
+    from ..io import engine_class
+
+    runnable = []
+    for name in engines:
+        ok, why = engine_class(name).is_available()
+        if ok:
+            runnable.append(name)
+        else:
+            progress.say(f"skipping {name}: {why}")
+            skipped[name] = why
+    if "aio" in runnable:
+        progress.say("aio: loading DeepSpeed's async_io op (the first build takes minutes)")
+    return runnable
+
+
+class _Rounds:
+    """The samples of every round: the baseline's, each engine's, and each engine's ratio to
+    the mean of the baselines measured just before and just after it."""
+
+    def __init__(self, scratch: str, directory: str, total: int, runnable: List[str],
+                 progress: Progress) -> None:
+        self.scratch, self.directory, self.total = scratch, directory, total
+        self.progress = progress
+        self.samples: Dict[str, List[Dict[str, object]]] = {n: [] for n in ["baseline"] + runnable}
+        self.ratios: Dict[str, Dict[str, List[float]]] = {n: {"write": [], "read": []} for n in runnable}
+
+    def baseline(self) -> Dict[str, object]:
+        say = self.progress.say
+        say(f"baseline: {BASELINE_THREADS} threads x {BASELINE_BLOCK // MiB} MiB "
+            f"O_DIRECT requests, {self.total / GiB:.2f} GiB")
+        base = raw_baseline(self.scratch, max(self.total, BASELINE_BLOCK))
+        if not base["direct"]:
+            say(f"WARNING: {self.directory} refuses O_DIRECT; buffered IO with "
+                f"fadvise(DONTNEED) is used and reads MAY BE SERVED BY THE PAGE CACHE")
+        say(f"baseline: write {base['write_gbps']:.2f} GB/s, read {base['read_gbps']:.2f} GB/s")
+        self.samples["baseline"].append(base)
+        return base
+
+    def engine(self, name: str, before: Dict[str, object], after: Dict[str, object],
+               got: Dict[str, object]) -> None:
+        self.samples[name].append(got)
+        for op in ("write", "read"):
+            mean = (before[f"{op}_gbps"] + after[f"{op}_gbps"]) / 2
+            self.ratios[name][op].append(got[f"{op}_gbps"] / mean)
+
+
+def _measure_rounds(m: _Rounds, runnable: List[str], rounds: int, n_tensors: int, tensor_bytes: int,
+                    base_config: Optional[OffloadConfig], skipped: Dict[str, str]) -> None:
+    """Each round: baseline, then each engine followed by a baseline. An engine that turns out
+    unavailable when built is dropped from ``runnable`` and reported in ``skipped``."""
+    from ..io.base import EngineUnavailable
+
+    progress = m.progress
+    for r in range(rounds):
+        # A shared or virtual drive drifts within seconds: every engine is measured between
+        # two baselines and compared with their mean, and each round starts with another
+        # engine, so that none is always the one after a pause.
+        order = runnable[r % len(runnable):] + runnable[:r % len(runnable)] if runnable else []
+        progress.say(f"round {r + 1}/{rounds}: " + " | ".join(["baseline"] + [f"{n} | baseline" for n in order]))
+        before = m.baseline()
+        for name in order:
+            if name not in runnable:
+                continue
+            progress.say(f"{name}: {n_tensors} tensors of {tensor_bytes / MiB:g} MiB")
+            try:
+                got = bench_engine(name, m.scratch, n_tensors, tensor_bytes, progress, base_config)
+            except EngineUnavailable as exc:
+                why = str(exc).replace(f"engine {name!r} cannot run here: ", "")
+                progress.say(f"skipping {name}: {why}")
+                skipped[name] = why
+                runnable.remove(name)
+                continue
+            after = m.baseline()
+            m.engine(name, before, after, got)
+            before = after
+
+
+def _summarize(m: _Rounds, runnable: List[str], report: Dict[str, object]) -> None:
+    """The medians over rounds into ``report``: baseline, engines, page_cache_bypassed."""
+    samples = m.samples
+    report["baseline"] = {"write_gbps": _median(samples["baseline"], "write_gbps"),
+                          "read_gbps": _median(samples["baseline"], "read_gbps")}
+    bypassed = all(bool(s["direct"]) for s in samples["baseline"])
+    engines_out: Dict[str, Dict[str, float]] = {}
+    for name in runnable:
+        got = samples[name]
+        detail = {k: _median(got, k) for k in got[0] if isinstance(got[0][k], (int, float))
+                  and not isinstance(got[0][k], bool)}
+        for op in ("write", "read"):
+            detail[f"{op}_ratio"] = statistics.median(m.ratios[name][op])
+            detail[f"{op}_ratio_range"] = (min(m.ratios[name][op]), max(m.ratios[name][op]))
+        report["_detail"][name] = detail
+        engines_out[name] = {
+            "write_gbps": detail["write_gbps"], "read_gbps": detail["read_gbps"],
+            "write_ratio": detail["write_ratio"], "read_ratio": detail["read_ratio"],
+            "cpu_us_per_tensor": detail["cpu_us_per_tensor"],
+        }
+        if got[0]["on_disk"] and not all(s["page_cache_bypassed"] for s in got):
+            m.progress.say(f"WARNING: {name} read through the page cache; its read figures are inflated")
+            bypassed = False
+    report["engines"] = engines_out
+    report["page_cache_bypassed"] = bypassed
+
+
+def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
+        progress: Progress, compare_layout: bool = False, rounds: int = 1,
+        base_config: Optional[OffloadConfig] = None) -> Dict[str, object]:
+    """Measure the baseline and each engine, ``rounds`` times interleaved (the drive's speed
+    drifts; each figure is the median over rounds). Returns the report: the --json object plus
+    private keys, starting with '_', for the table."""
+    tensor_bytes = int(round(tensor_mib * MiB))
+    n_tensors = max(1, int(round(total_gib * GiB / max(tensor_bytes, 1))))
+    total = n_tensors * tensor_bytes
+    os.makedirs(directory, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="ssdtrain-iobench.", dir=directory)
+    report: Dict[str, object] = {"_skipped": {}, "_detail": {}, "_n_tensors": n_tensors,
+                                 "_total": total, "_dir": directory, "_rounds": rounds}
+    try:
+        runnable = _runnable(engines, progress, report["_skipped"])
+        m = _Rounds(scratch, directory, total, runnable, progress)
+        _measure_rounds(m, runnable, rounds, n_tensors, tensor_bytes, base_config, report["_skipped"])
+        _summarize(m, runnable, report)
+        report["tensor_mib"] = tensor_mib
+        if compare_layout:
+            progress.say("layout: one slab vs one file per tensor")
+            cfg = base_config or OffloadConfig()
+            report["layout"] = layout_compare(scratch, n_tensors, tensor_bytes, cfg.io_threads, cfg.chunk_bytes)
+        return report
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def public(report: Dict[str, object]) -> Dict[str, object]:
+    """The --json object: the report without its private keys."""
+    return {k: report[k] for k in ("baseline", "engines", "tensor_mib", "page_cache_bypassed", "layout")
+            if k in report}
+
+
+def format_table(report: Dict[str, object]) -> str:
+    base = report["baseline"]
+    lines = [
+        f"io-bench {report['_dir']}: {report['_n_tensors']} tensors x {report['tensor_mib']:g} MiB "
+        f"= {report['_total'] / GiB:.2f} GiB per engine; reads "
+        + ("bypass the page cache (O_DIRECT)" if report["page_cache_bypassed"]
+           else "MAY COME FROM THE PAGE CACHE (O_DIRECT refused)"),
+        "",
+        f"{'':<14}{'write GB/s':>11}{'ratio':>7}{'CPU s/GB':>10}{'read GB/s':>11}{'ratio':>7}"
+        f"{'CPU s/GB':>10}{'write() us':>12}{'read() us':>11}   per-round ratios w / r",
+        f"{'raw O_DIRECT':<14}{base['write_gbps']:>11.2f}{1.0:>7.2f}{'':>10}{base['read_gbps']:>11.2f}"
+        f"{1.0:>7.2f}",
+    ]
+    for name, e in report["engines"].items():
+        d = report["_detail"][name]
+        lines.append(f"{name:<14}{e['write_gbps']:>11.2f}{e['write_ratio']:>7.2f}{d['write_cpu_s_per_gb']:>10.3f}"
+                     f"{e['read_gbps']:>11.2f}{e['read_ratio']:>7.2f}{d['read_cpu_s_per_gb']:>10.3f}"
+                     f"{d['write_call_us']:>12.1f}{d['read_call_us']:>11.1f}   "
+                     f"{d['write_ratio_range'][0]:.2f}-{d['write_ratio_range'][1]:.2f} / "
+                     f"{d['read_ratio_range'][0]:.2f}-{d['read_ratio_range'][1]:.2f}")
+    for name, why in report["_skipped"].items():
+        lines.append(f"{name:<14}skipped: {why}")
+    lines += ["", f"Medians of {report['_rounds']} round(s). baseline: {BASELINE_THREADS} threads x "
+              f"{BASELINE_BLOCK // MiB} MiB O_DIRECT requests on one preallocated file, measured before and "
+              f"after each engine;",
+              "ratio: the engine against the mean of those two baselines (median over rounds; range "
+              "at the right).",
+              "CPU s/GB, write() us, read() us: CPU time of the calling (training) thread; "
+              "cpu_us_per_tensor is the larger of the two per-call figures."]
+    if "memory" in report["engines"]:
+        lines.append("memory: host RAM, no disk; its ratios only compare it with the drive.")
+    if "layout" in report:
+        lay = report["layout"]
+        lines += ["", "layout (same threads and request size, no engine):",
+                  f"  one slab:            write {lay['slab']['write_gbps']:.2f} GB/s, read "
+                  f"{lay['slab']['read_gbps']:.2f} GB/s",
+                  f"  one file per tensor: write {lay['file_per_tensor']['write_gbps']:.2f} GB/s, read "
+                  f"{lay['file_per_tensor']['read_gbps']:.2f} GB/s, unlink "
+                  f"{lay['file_per_tensor']['unlink_us_per_file']:.0f} us/file"]
+    return "\n".join(lines)
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def add_io_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``io-bench`` on an ``add_subparsers()`` object; ``args.func(args)`` runs it."""
+    p = subparsers.add_parser(
+        "io-bench", help="measure the IO engines against the drive's raw O_DIRECT limit",
+        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", required=True, help="directory on the drive to measure (a scratch "
+                   "directory is created in it and removed afterwards)")
+    p.add_argument("--engine", default="all", choices=ENGINE_CHOICES,
+                   help="engine to measure; 'all' = posix, aio (skipped with the reason when it "
+                        "cannot run here) and memory (default: all)")
+    p.add_argument("--tensor-mib", type=positive_float, default=64.0, metavar="MIB",
+                   help="tensor size in MiB (2^20 bytes; default 64)")
+    p.add_argument("--total-gib", type=positive_float, default=4.0, metavar="GIB",
+                   help="GiB (2^30 bytes) written and read back per engine and by the baseline "
+                        "(default 4); speeds are reported in GB/s (10^9 bytes per second)")
+    deprecated_alias(p, "--tensor-mb", "--tensor-mib", "tensor_mib", positive_float)
+    deprecated_alias(p, "--total-gb", "--total-gib", "total_gib", positive_float)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--compare-layout", action="store_true",
+                   help="also measure one slab file against one file per tensor")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="measure everything this many times, interleaved, and report medians "
+                        "(the drive's speed drifts; default 3)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an OffloadConfig field for the engines, e.g. --set io_threads=8 "
+                        "(YAML value; repeatable)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=run_io_bench)
+    return p
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(enabled: bool):
+    """While measuring, send what libraries print to stdout (DeepSpeed's logger; DeepNVMe's
+    C++ messages on descriptor 1) to stderr, so that stdout holds the JSON object alone."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _config_from_sets(sets: List[str]) -> OffloadConfig:
+    import yaml
+
+    values = {}
+    for item in sets:
+        field, sep, value = item.partition("=")
+        if not sep or field not in OffloadConfig.field_names():
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of "
+                             + ", ".join(OffloadConfig.field_names()))
+        values[field] = yaml.safe_load(value)
+    return OffloadConfig(**values)
+
+
+def run_io_bench(args: argparse.Namespace) -> int:
+    try:
+        base_config = _config_from_sets(args.set)
+    except (ValueError, ConfigError) as exc:
+        raise UsageError(str(exc)) from None
+    directory = writable_dir("--dir", args.dir)
+    engines = list(ALL_ENGINES) if args.engine == "all" else [args.engine]
+    if args.engine != "all":  # before measuring anything: say at once what cannot run
+        check_engine("--engine", args.engine)
+    progress = Progress(enabled=not args.quiet)
+    progress.say(f"{directory}: {args.rounds} round(s), {args.tensor_mib:g} MiB tensors, "
+                 f"{args.total_gib:g} GiB per engine and baseline; engines {', '.join(engines)}; "
+                 f"io_threads {base_config.io_threads}, chunk_bytes {base_config.chunk_bytes >> 20} MiB")
+    try:
+        with _stdout_to_stderr(args.json):
+            report = run(directory, engines, args.tensor_mib, args.total_gib, progress,
+                         args.compare_layout, args.rounds, base_config)
+    except BenchError as exc:
+        raise EnvironmentProblem(str(exc)) from exc
+    finally:
+        progress.close()
+    if args.engine != "all" and args.engine in report["_skipped"]:
+        raise EnvironmentProblem(f"--engine {args.engine}: cannot run here: "
+                                 f"{report['_skipped'][args.engine]}")
+    if args.json:
+        print(json.dumps(public(report)))
+    else:
+        print(format_table(report))
+    return 0
