@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -9,6 +10,12 @@ if ROOT not in sys.path:
 
 
 def pytest_configure(config):
+    # A suite started in the background of a non-interactive shell (`make test &`, nohup, some CI
+    # runners) inherits SIGINT ignored, and exec keeps it ignored in every child: the tests that
+    # interrupt a child process (Ctrl-C cleanup) would wait for a signal that never arrives.
+    # Handled (not ignored) here, children start with the default, as from a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "slow: long runs (minutes); excluded from `make test`")
     config.addinivalue_line("markers", "aio: needs DeepSpeed's aio op (libaio-dev and a JIT build)")
     config.addinivalue_line("markers", "cuda: needs a CUDA device")
