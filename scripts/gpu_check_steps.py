@@ -240,7 +240,8 @@ def _compare(args, save, spec: GPTSpec, cfg: OffloadConfig, steps: int, stream: 
 def step_cuda_tests(args, save) -> dict:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rs",
-           "tests/test_device_copy.py", "tests/test_engines.py"]
+           "tests/test_device_copy.py", "tests/test_engines.py", "tests/test_engine_round_trip.py",
+           "tests/test_engine_lifecycle.py", "tests/test_engine_backends.py"]
     proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True,
                           timeout=max(10, deadline_left() - 3))
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"
               pytest.mark.filterwarnings("ignore::UserWarning:megatron.*")]
 
 from ssdtrain_megatron import OffloadConfig  # noqa: E402
-from ssdtrain_megatron.tools.bench import BenchRun, _Series, add_bench_parser, summarize  # noqa: E402
+from ssdtrain_megatron.tools.bench import BenchRun, add_bench_parser, summarize  # noqa: E402
+from ssdtrain_megatron.tools.bench_measure import _Series  # noqa: E402
 from ssdtrain_megatron.megatron import telemetry  # noqa: E402
 from ssdtrain_megatron.tools.minigpt import GPTSpec  # noqa: E402
 from ssdtrain_megatron.telemetry.peak_memory import PeakMemory  # noqa: E402

@@ -19,9 +19,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / PKG
 KNOWN_CYCLE_EDGES: set = set()
 
 # Modules and functions still being reshaped by other work (issues 14, 15, 16 part B).
-SIZE_ALLOWED_MODULES = {"cache/offloader.py", "plan/model.py", "tools/bench.py"}
-SIZE_ALLOWED_FUNCTIONS = {"plan/policy.py:plan_layers", "plan/model.py:layer_activation_terms",
-                          "megatron/deepspeed.py:install", "megatron/install.py:install"}
+SIZE_ALLOWED_MODULES: set = set()
+SIZE_ALLOWED_FUNCTIONS: set = set()
+# Test modules over the limit, still to be split by theme (issue 16); test_reliability.py waits
+# for the fault-injection work on it to land.
+SIZE_ALLOWED_TEST_MODULES = {"tests/test_reliability.py", "tests/megatron_harness.py",
+                             "tests/test_device_copy.py", "tests/test_deepspeed_integration.py",
+                             "tests/deepspeed_harness.py"}
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 
@@ -148,14 +152,14 @@ def test_layers_import_downwards_only():
 
 
 def test_modules_and_functions_stay_small():
-    """No module over ~400 lines, no function over ~80 (issue 16), but for the files other
-    work is still reshaping; tests' functions too."""
+    """No module over ~400 lines, no function over ~80 (issue 16), in the library and the tests
+    alike, but for the files other work is still reshaping."""
     too_big = []
     files = {str(p.relative_to(ROOT)): p for p in ROOT.rglob("*.py")}
     files.update({f"tests/{p.name}": p for p in (ROOT.parent / "tests").glob("*.py")})
     for rel, path in sorted(files.items()):
         src = path.read_text()
-        if not rel.startswith("tests/") and rel not in SIZE_ALLOWED_MODULES \
+        if rel not in SIZE_ALLOWED_MODULES | SIZE_ALLOWED_TEST_MODULES \
                 and src.count("\n") > MAX_MODULE_LINES:
             too_big.append(f"{rel}: {src.count(chr(10))} lines")
         for node in ast.walk(ast.parse(src)):
@@ -165,3 +169,7 @@ def test_modules_and_functions_stay_small():
                         and rel not in SIZE_ALLOWED_MODULES:
                     too_big.append(f"{rel}:{node.name}: {length} lines")
     assert too_big == []
+    # An allowed module that got small leaves the list, so that the list only shrinks.
+    stale = [rel for rel in sorted(SIZE_ALLOWED_MODULES | SIZE_ALLOWED_TEST_MODULES)
+             if files[rel].read_text().count("\n") <= MAX_MODULE_LINES]
+    assert stale == []

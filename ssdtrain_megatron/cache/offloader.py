@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import queue
@@ -21,10 +20,11 @@ from ..telemetry.stats import StepCounters, StepStats, append_jsonl
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
 from .budget import ActivationBudget, resolve_budget
+from .budget_steps import BudgetSteps
 from .device_copy import DeviceCopy, StreamOps
 from .hooks import SavedTensorHooks
 from .microbatch import MicroBatch
-from .record import State, TensorRecord
+from .record import TensorRecord
 from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
 
 __all__ = ["ActivationOffloader", "DECISIONS", "EXPECTED_WRITE_REFUSALS", "IOTimeout"]
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 DECISIONS = ("offload", "keep", "recompute")
 
 
-class ActivationOffloader(SavedTensorHooks, RecordIO):
+class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
     """Offload the activations autograd saves to SSD (or another engine) and bring them back.
 
     Forward runs inside ``microbatch(mb)`` (optionally ``layer(i)`` per layer); each saved
@@ -351,56 +351,6 @@ class ActivationOffloader(SavedTensorHooks, RecordIO):
         for ref in self._storage_refs:
             free(ref)
         self._storage_refs = []
-
-    # -- budget (cache/budget.py) and the planner's measurements ------------------------------
-
-    def _budget_admit(self, rec: TensorRecord) -> None:
-        """Room for a new record; a record the plan keeps is written when keeping it would
-        leave too little room for a layer's backward."""
-        b = self._budget
-        if not b.make_room(rec.nbytes):
-            b.overrun(rec.nbytes, self._step, f"saving a {rec.describe()} in layer {rec.layer}")
-        if rec.decision == "keep" and not b.may_keep(rec.nbytes):
-            rec.decision = "offload"
-
-    def _budget_write_deferred(self) -> int:
-        """Write the deferred last-layer records of every micro-batch still in forward."""
-        n = 0
-        for mb in list(self._microbatches.values()):
-            if not mb.in_backward and mb.deferred:
-                records = mb.take_all_deferred()
-                n += len(records)
-                self._submit_all(records)
-        return n
-
-    def _budget_pinned(self) -> int:
-        """Resident bytes no write will free: not in flight, not deferred (those can be written)."""
-        deferred = sum(r.nbytes for mb in self._microbatches.values() for r in mb.deferred
-                       if r.state == State.SAVED)
-        return self._c.resident_bytes - self._inflight_bytes - deferred
-
-    def _budget_wait_event(self) -> bool:
-        if not self._next_event(time.perf_counter() + self.config.io_timeout_s):
-            raise IOTimeout(f"waited {self.config.io_timeout_s:g}s for {self._inflight_bytes} bytes "
-                            "of writes to finish to stay within activation_budget_bytes")
-        return True
-
-    def _budget_step_end(self, stats: StepStats) -> StepStats:
-        """The step's budget counters and the training thread's offload cost, into its stats."""
-        n = max(len(self._microbatches), 1)
-        extra = {"offload_submit_s": self._submit_s}
-        if self._planner is not None:
-            extra["plan"] = self._planner.rows()
-        self._submit_s = 0.0
-        if self._budget is not None:
-            largest = max((r.bytes // n for r in stats.layers), default=0)
-            for r in stats.layers:
-                self._budget.learn_layer(r.layer, r.bytes // n, r.decision)
-            for layer in self._budget.recomputed_layers():  # a budget recompute lasts one step
-                if self._layer_decisions.get(layer) == "recompute":
-                    del self._layer_decisions[layer]
-            extra.update(self._budget.end_step(largest, self._step).as_fields(self._budget.limit))
-        return dataclasses.replace(stats, **extra)
 
     def __enter__(self) -> "ActivationOffloader":
         return self

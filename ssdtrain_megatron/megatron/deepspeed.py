@@ -165,15 +165,7 @@ def install(config: OffloadConfig, layer_classes: LayerClasses = None):
         RuntimeError: already installed (this integration or megatron-core: one per process).
     """
     handle.check_free(INTEGRATION)
-    if config.recompute_fallback:
-        raise ConfigError(
-            "OffloadConfig.recompute_fallback=True is invalid with DeepSpeed: the recompute "
-            "fallback runs layers under megatron-core's checkpoint and exists only in the "
-            "megatron-core integration. With DeepSpeed, recompute with DeepSpeed's activation "
-            "checkpointing (--checkpoint-activations with --deepspeed-activation-checkpointing, "
-            "or PipelineModule(activation_checkpoint_interval=...)): its checkpoint inputs are "
-            "offloaded.", field="recompute_fallback", value=True,
-            allowed="false with DeepSpeed (use DeepSpeed's activation checkpointing)")
+    _refuse_recompute_fallback(config)
     classes = _layer_classes(layer_classes)
     version, ds_engine, pipe_engine, schedule, checkpointing = _patch_points()
 
@@ -196,16 +188,7 @@ def install(config: OffloadConfig, layer_classes: LayerClasses = None):
         inst = Installation(offloader, patcher, scopes, hooks, settings)
         scopes.patch_given_classes()
 
-        engine_cls, pipe_cls = ds_engine.DeepSpeedEngine, pipe_engine.PipelineEngine
-        for name, hook in (("forward", hooks.engine_forward), ("backward", hooks.engine_backward),
-                           ("step", hooks.engine_step)):
-            patcher.replace_attribute(engine_cls, name, _method(hook, vars(engine_cls)[name]))
-        patcher.replace_attribute(pipe_cls, "train_batch",
-                                  _method(hooks.train_batch, vars(pipe_cls)["train_batch"]))
-        patcher.replace_attribute(pipe_cls, "_exec_schedule", _method(
-            functools.partial(_exec_schedule, inst), vars(pipe_cls)["_exec_schedule"]))
-        for cls in [pipe_cls, *_subclasses(pipe_cls)]:
-            inst.patch_instruction_map(cls)
+        _patch_engines(patcher, inst, hooks, ds_engine.DeepSpeedEngine, pipe_engine.PipelineEngine)
         # deepspeed.checkpointing.checkpoint() looks CheckpointFunction up at each call, so every
         # caller (PipelineModule, Megatron-DeepSpeed's tensor_parallel.checkpoint) gets this one.
         patcher.replace_function(
@@ -232,6 +215,33 @@ def uninstall(close: bool = True) -> None:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def _refuse_recompute_fallback(config: OffloadConfig) -> None:
+    if config.recompute_fallback:
+        raise ConfigError(
+            "OffloadConfig.recompute_fallback=True is invalid with DeepSpeed: the recompute "
+            "fallback runs layers under megatron-core's checkpoint and exists only in the "
+            "megatron-core integration. With DeepSpeed, recompute with DeepSpeed's activation "
+            "checkpointing (--checkpoint-activations with --deepspeed-activation-checkpointing, "
+            "or PipelineModule(activation_checkpoint_interval=...)): its checkpoint inputs are "
+            "offloaded.", field="recompute_fallback", value=True,
+            allowed="false with DeepSpeed (use DeepSpeed's activation checkpointing)")
+
+
+def _patch_engines(patcher: Patcher, inst: Installation, hooks: EngineHooks, engine_cls: type,
+                   pipe_cls: type) -> None:
+    """Route DeepSpeedEngine's forward/backward/step and PipelineEngine's schedule through the
+    hooks (and every PipelineEngine subclass's instruction map)."""
+    for name, hook in (("forward", hooks.engine_forward), ("backward", hooks.engine_backward),
+                       ("step", hooks.engine_step)):
+        patcher.replace_attribute(engine_cls, name, _method(hook, vars(engine_cls)[name]))
+    patcher.replace_attribute(pipe_cls, "train_batch",
+                              _method(hooks.train_batch, vars(pipe_cls)["train_batch"]))
+    patcher.replace_attribute(pipe_cls, "_exec_schedule", _method(
+        functools.partial(_exec_schedule, inst), vars(pipe_cls)["_exec_schedule"]))
+    for cls in [pipe_cls, *_subclasses(pipe_cls)]:
+        inst.patch_instruction_map(cls)
 
 
 def _layer_classes(layer_classes: LayerClasses) -> List[Any]:

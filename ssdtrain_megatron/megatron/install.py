@@ -86,58 +86,15 @@ def install(config: OffloadConfig, offloader=None):
     handle.check_free(INTEGRATION)
     layers = frozenset(config.recompute_layers) if config.recompute_fallback else frozenset()
 
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     from ..cache import ActivationOffloader
 
     compat.verify(release, version)
-    recompute_owner, recompute_name, recompute_is_method = compat.recompute_patch_point(release)
     if offloader is None:
         offloader = ActivationOffloader(config)
     patcher = Patcher()
     try:
-        scopes = LayerScopes(
-            offloader, layers,
-            layer_forward=vars(TransformerLayer)["forward"],
-            block_checkpointed_forward=vars(recompute_owner)[recompute_name],
-            checkpoint=vars(tp_random)["checkpoint"])
-        kinds = {
-            schedules.forward_backward_no_pipelining: NO_PIPELINING,
-            schedules.forward_backward_pipelining_without_interleaving: ONE_F_ONE_B,
-            schedules.forward_backward_pipelining_with_interleaving: INTERLEAVED,
-        }
-        backward_steps = {name: vars(schedules)[name] for name in release.backward_steps}
-        pipeline = PipelineHooks(offloader, scopes, vars(schedules)["forward_step"],
-                                 backward_steps, kinds)
-
-        patcher.replace_attribute(TransformerLayer, "forward",
-                                  _method(scopes.layer_forward, TransformerLayer.forward))
-        if recompute_is_method:
-            patcher.replace_attribute(
-                recompute_owner, recompute_name,
-                _method(scopes.block_checkpointed_forward,
-                        vars(recompute_owner)[recompute_name]))
-        else:
-            # 0.18+: a function taking the block first; transformer_block and the hybrid block
-            # imported it by name, so every module-level reference is replaced.
-            patcher.replace_function(
-                recompute_owner, recompute_name,
-                lambda orig: _function(scopes.block_checkpointed_forward, orig))
-        # tensor_parallel re-exports random.checkpoint: replace_function finds both names.
-        patcher.replace_function(tp_random, "checkpoint",
-                                 lambda orig: _function(scopes.checkpoint, orig))
-        patcher.replace_function(schedules, "forward_step",
-                                 lambda orig: _function(pipeline.forward_step, orig))
-        for name in release.backward_steps:
-            # backward_step_multimodule (0.17+) is bound into a functools.partial inside the
-            # 1F1B schedule at each call, by its module-level name: patching the name reaches it.
-            patcher.replace_function(
-                schedules, name,
-                lambda orig, name=name: _function(pipeline.backward_hook(name), orig))
-        patcher.replace_function(schedules, "get_forward_backward_func",
-                                 lambda orig: _get_forward_backward_func(pipeline, orig))
+        scopes, pipeline = _hooks(offloader, layers, release)
+        _patch(patcher, scopes, pipeline, release)
     except BaseException:
         patcher.restore()
         offloader.close()
@@ -146,6 +103,64 @@ def install(config: OffloadConfig, offloader=None):
     log.info("ssdtrain: installed into megatron-core %s (%d patches; recompute fallback "
              "layers: %s)", version, len(patcher), sorted(layers) or "none")
     return offloader
+
+
+def _hooks(offloader, layers, release):
+    """The layer scopes and the schedule hooks, wrapping megatron's unpatched functions."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    recompute_owner, recompute_name, _ = compat.recompute_patch_point(release)
+    scopes = LayerScopes(
+        offloader, layers,
+        layer_forward=vars(TransformerLayer)["forward"],
+        block_checkpointed_forward=vars(recompute_owner)[recompute_name],
+        checkpoint=vars(tp_random)["checkpoint"])
+    kinds = {
+        schedules.forward_backward_no_pipelining: NO_PIPELINING,
+        schedules.forward_backward_pipelining_without_interleaving: ONE_F_ONE_B,
+        schedules.forward_backward_pipelining_with_interleaving: INTERLEAVED,
+    }
+    backward_steps = {name: vars(schedules)[name] for name in release.backward_steps}
+    pipeline = PipelineHooks(offloader, scopes, vars(schedules)["forward_step"],
+                             backward_steps, kinds)
+    return scopes, pipeline
+
+
+def _patch(patcher: Patcher, scopes: LayerScopes, pipeline: PipelineHooks, release) -> None:
+    """Replace megatron's patch points with the hooks (``patcher`` can undo every one)."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    recompute_owner, recompute_name, recompute_is_method = compat.recompute_patch_point(release)
+    patcher.replace_attribute(TransformerLayer, "forward",
+                              _method(scopes.layer_forward, TransformerLayer.forward))
+    if recompute_is_method:
+        patcher.replace_attribute(
+            recompute_owner, recompute_name,
+            _method(scopes.block_checkpointed_forward,
+                    vars(recompute_owner)[recompute_name]))
+    else:
+        # 0.18+: a function taking the block first; transformer_block and the hybrid block
+        # imported it by name, so every module-level reference is replaced.
+        patcher.replace_function(
+            recompute_owner, recompute_name,
+            lambda orig: _function(scopes.block_checkpointed_forward, orig))
+    # tensor_parallel re-exports random.checkpoint: replace_function finds both names.
+    patcher.replace_function(tp_random, "checkpoint",
+                             lambda orig: _function(scopes.checkpoint, orig))
+    patcher.replace_function(schedules, "forward_step",
+                             lambda orig: _function(pipeline.forward_step, orig))
+    for name in release.backward_steps:
+        # backward_step_multimodule (0.17+) is bound into a functools.partial inside the
+        # 1F1B schedule at each call, by its module-level name: patching the name reaches it.
+        patcher.replace_function(
+            schedules, name,
+            lambda orig, name=name: _function(pipeline.backward_hook(name), orig))
+    patcher.replace_function(schedules, "get_forward_backward_func",
+                             lambda orig: _get_forward_backward_func(pipeline, orig))
 
 
 def uninstall(close: bool = True) -> None:

@@ -34,243 +34,18 @@ Units: bytes and FLOPs are exact integers; bandwidths are decimal (1 GB/s = 1e9 
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Optional
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+from .shape import _FP32, DTYPE_BYTES, PAPER, RECOMPUTE_GRANULARITIES, ModelShape, SaveProfile
+
 PEAK_MODES = ("keep", "offload", "recompute")
 
-#: Bytes per element of the small fp32 statistics (LayerNorm mean/rstd, flash-attention LSE).
-_FP32 = 4
-
-
-def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"ModelShape.{name}={value!r} is invalid: {allowed}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Shape of a GPT/Llama-style transformer and its parallel layout, as the planner sees it.
-
-    Example:
-        >>> shape = ModelShape(num_layers=24, hidden=2048, heads=16, ffn_hidden=8192,
-        ...                    seq_len=2048, micro_batch=4)
-        >>> shape.head_dim
-        128
-    """
-
-    num_layers: int
-    """Transformer layers of the whole model (all pipeline stages)."""
-
-    hidden: int
-    """Hidden size h."""
-
-    heads: int
-    """Attention heads a (query heads)."""
-
-    ffn_hidden: int
-    """FFN intermediate size f (with SwiGLU: the width of each of the two fc1 halves)."""
-
-    seq_len: int
-    """Sequence length s."""
-
-    micro_batch: int
-    """Micro-batch size b."""
-
-    kv_groups: Optional[int] = None
-    """Key/value head groups for grouped-query attention; None means multi-head (= heads)."""
-
-    dtype_bytes: int = 2
-    """Bytes per activation element: 2 for bf16/fp16, 4 for fp32."""
-
-    tp: int = 1
-    """Tensor-parallel degree t."""
-
-    pp: int = 1
-    """Pipeline-parallel degree; each stage holds num_layers / pp layers."""
-
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism: norms, dropouts and linear inputs are split over t."""
-
-    flash_attention: bool = False
-    """Fused (flash) attention: no s x s score tensors are saved."""
-
-    swiglu: bool = False
-    """Gated linear unit with SiLU (Llama) instead of GELU."""
-
-    recompute: str = "none"
-    """Activation recomputation: 'none', 'selective' (core attention) or 'full' (whole layer)."""
-
-    vocab: Optional[int] = None
-    """Vocabulary size; when set, the output layer and loss are counted (FLOPs and memory)."""
-
-    attention_dropout: float = 0.1
-    """Dropout on attention probabilities (megatron's default 0.1); 0 saves no mask."""
-
-    hidden_dropout: float = 0.1
-    """Dropout before each residual add (megatron's default 0.1); 0 saves no mask."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
-                     "tp", "pp"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                _fail(name, value, "expected an integer >= 1")
-        if self.kv_groups is not None and (not _is_int(self.kv_groups) or self.kv_groups < 1):
-            _fail("kv_groups", self.kv_groups, "expected an integer >= 1 or null (multi-head)")
-        if self.dtype_bytes not in (2, 4) or isinstance(self.dtype_bytes, bool):
-            _fail("dtype_bytes", self.dtype_bytes, "expected 2 (bf16/fp16) or 4 (fp32)")
-        for name in ("sequence_parallel", "flash_attention", "swiglu"):
-            if not isinstance(getattr(self, name), bool):
-                _fail(name, getattr(self, name), "expected true or false")
-        if self.recompute not in RECOMPUTE_GRANULARITIES:
-            _fail("recompute", self.recompute, "allowed: " + ", ".join(RECOMPUTE_GRANULARITIES))
-        if self.vocab is not None and (not _is_int(self.vocab) or self.vocab < 1):
-            _fail("vocab", self.vocab, "expected an integer >= 1 or null")
-        for name in ("attention_dropout", "hidden_dropout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                _fail(name, value, "expected a probability in [0, 1)")
-        if self.hidden % self.heads:
-            _fail("hidden", self.hidden, f"expected a multiple of heads ({self.heads})")
-        if self.heads % self.groups:
-            _fail("kv_groups", self.kv_groups, f"expected a divisor of heads ({self.heads})")
-        # Megatron replicates key/value heads when groups < tp; that layout is not modelled.
-        for name, value in (("heads", self.heads), ("kv_groups", self.groups),
-                            ("ffn_hidden", self.ffn_hidden)):
-            if value % self.tp:
-                _fail(name, value, f"expected a multiple of tp ({self.tp})")
-        if self.sequence_parallel and self.seq_len % self.tp:
-            _fail("seq_len", self.seq_len,
-                  f"expected a multiple of tp ({self.tp}) with sequence_parallel")
-        if self.sequence_parallel and self.tp == 1:
-            _fail("sequence_parallel", True, "needs tp > 1")
-        if self.num_layers % self.pp:
-            _fail("num_layers", self.num_layers, f"expected a multiple of pp ({self.pp})")
-
-    # -- derived sizes ------------------------------------------------------------------------
-
-    @property
-    def groups(self) -> int:
-        """Key/value head groups (heads for multi-head attention)."""
-        return self.kv_groups if self.kv_groups is not None else self.heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def layers_per_stage(self) -> int:
-        return self.num_layers // self.pp
-
-    def replace(self, **changes: Any) -> "ModelShape":
-        return dataclasses.replace(self, **changes)
-
-    # -- presets ------------------------------------------------------------------------------
-
-    PRESET_MODEL_KEYS = ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
-                         "kv_groups", "dtype", "swiglu", "flash_attention", "recompute", "vocab",
-                         "attention_dropout", "hidden_dropout")
-    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel")
-
-    @classmethod
-    def from_preset(cls, model: Mapping, parallel: Optional[Mapping] = None) -> "ModelShape":
-        """Build a shape from a preset's ``model:`` and ``parallel:`` mappings.
-
-        ``model.dtype`` is 'bf16', 'fp16' or 'fp32'; every other key is a field of this class.
-
-        Raises:
-            ValueError: an unknown key, a missing key or an invalid value, named in one line.
-        """
-        if not isinstance(model, Mapping):
-            raise ValueError(f"model: expected a mapping of model fields, got {type(model).__name__}")
-        parallel = {} if parallel is None else parallel
-        if not isinstance(parallel, Mapping):
-            raise ValueError(f"parallel: expected a mapping, got {type(parallel).__name__}")
-        for section, data, allowed in (("model", model, cls.PRESET_MODEL_KEYS),
-                                       ("parallel", parallel, cls.PRESET_PARALLEL_KEYS)):
-            unknown = sorted(str(k) for k in data if k not in allowed)
-            if unknown:
-                raise ValueError(f"{section}: unknown key(s) {', '.join(unknown)}; allowed: "
-                                 + ", ".join(allowed))
-        required = ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch")
-        missing = [k for k in required if k not in model]
-        if missing:
-            raise ValueError(f"model: missing key(s) {', '.join(missing)}")
-        fields = {k: v for k, v in model.items() if k != "dtype"}
-        if "dtype" in model:
-            if model["dtype"] not in DTYPE_BYTES:
-                raise ValueError(f"model.dtype={model['dtype']!r} is invalid: allowed: "
-                                 + ", ".join(DTYPE_BYTES))
-            fields["dtype_bytes"] = DTYPE_BYTES[model["dtype"]]
-        fields.update(parallel)
-        return cls(**fields)
-
-
-@dataclass(frozen=True)
-class SaveProfile:
-    """How an implementation saves tensors for backward: the knobs that differ between the
-    paper's accounting and what a given megatron-core layer spec really hands to autograd.
-
-    Use :meth:`paper` for Korthikanti et al.'s figures and :meth:`megatron_local_cpu` for
-    megatron-core's local (unfused torch) spec as it runs on CPU in the tests.
-    """
-
-    dropout_mask_bytes: Optional[int] = 1
-    """Bytes per element of a saved dropout mask. 1: the bool mask of CUDA's fused dropout.
-    None: the activation dtype; CPU dropout multiplies by a noise tensor of the input's dtype
-    and saves that tensor instead of a bool mask."""
-
-    softmax_bytes: Optional[int] = None
-    """Bytes per element of the saved softmax output; None: the activation dtype (4 when the
-    softmax runs in fp32 on 16-bit activations)."""
-
-    small_fp32_stats: bool = False
-    """Count the small fp32 statistics: LayerNorm mean and rstd (s*b each), flash attention's
-    log-sum-exp (b*a*s). Usually below the offloader's min_tensor_bytes."""
-
-    attention_mask: bool = False
-    """Count the [1, 1, s, s] bool causal mask that unfused attention (masked_fill) and megatron's
-    recompute checkpoints save. One tensor for all layers: see ``include_shared``."""
-
-    expand_kv: bool = False
-    """Unfused attention saves key and value repeated to all query heads under GQA
-    (repeat_interleave before baddbmm/bmm); flash attention keeps them grouped."""
-
-    count_aliased_views: bool = False
-    """Count a saved view of an already-saved tensor again. With attention dropout 0 the bmm
-    saves a reshaped view of the softmax output; an offloader that keys records by
-    (storage, offset, shape, strides) writes it a second time."""
-
-    def __post_init__(self) -> None:
-        for name in ("dropout_mask_bytes", "softmax_bytes"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"SaveProfile.{name}={value!r} is invalid: "
-                                 "expected an integer >= 1 or None (activation dtype)")
-
-    @classmethod
-    def paper(cls) -> "SaveProfile":
-        """Korthikanti et al. (and the SSDTrain paper): bool dropout masks, softmax output in
-        the activation dtype, no small statistics, no attention mask."""
-        return cls()
-
-    @classmethod
-    def megatron_local_cpu(cls) -> "SaveProfile":
-        """megatron-core's ``get_gpt_layer_local_spec`` on CPU: dropout noise tensors in the
-        activation dtype, LayerNorm statistics, the causal mask, expanded GQA key/value and
-        every distinct view counted (as an identity-keyed offloader records them)."""
-        return cls(dropout_mask_bytes=None, softmax_bytes=None, small_fp32_stats=True,
-                   attention_mask=True, expand_kv=True, count_aliased_views=True)
-
-
-PAPER = SaveProfile.paper()
+__all__ = [
+    "DTYPE_BYTES", "PAPER", "PEAK_MODES", "RECOMPUTE_GRANULARITIES", "ModelShape", "SaveProfile",
+    "estimate_step_time_s", "forward_flops_per_layer", "head_activation_terms",
+    "largest_micro_batch", "layer_activation_bytes", "layer_activation_terms",
+    "peak_activation_bytes", "required_write_gbps", "training_flops_per_micro_batch",
+]
 
 
 def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
@@ -285,16 +60,13 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
     d = shape.dtype_bytes
     t = shape.tp
     s, b, h = shape.seq_len, shape.micro_batch, shape.hidden
-    a, f = shape.heads, shape.ffn_hidden
+    f = shape.ffn_hidden
     mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
-    soft_b = d if profile.softmax_bytes is None else profile.softmax_bytes
     # Norms, dropouts and linear inputs see the whole sequence unless sequence parallel
     # splits it; everything between the column- and row-parallel linears is split by heads.
     sp_tokens = (s // t if shape.sequence_parallel else s) * b
     tokens = s * b
-    kv_width = shape.groups * shape.head_dim
-    unfused = not shape.flash_attention
-    shared_mask = include_shared and profile.attention_mask and unfused
+    shared_mask = include_shared and profile.attention_mask and not shape.flash_attention
     terms: Dict[str, int] = {}
 
     if shape.recompute == "full":
@@ -312,6 +84,36 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
 
     norm("attn_norm")
     terms["qkv_input"] = d * sp_tokens * h
+    _attention_terms(terms, shape, profile, shared_mask)
+    terms["proj_input"] = d * tokens * h // t
+    if shape.hidden_dropout > 0:
+        terms["attn_residual_dropout_mask"] = mask_b * sp_tokens * h
+    norm("mlp_norm")
+    terms["fc1_input"] = d * sp_tokens * h
+    if shape.swiglu:
+        # silu(gate) * up: silu saves its input, the product saves both of its operands.
+        terms["swiglu_gate_input"] = d * tokens * f // t
+        terms["swiglu_gate_output"] = d * tokens * f // t
+        terms["swiglu_up"] = d * tokens * f // t
+    else:
+        terms["activation_input"] = d * tokens * f // t
+    terms["fc2_input"] = d * tokens * f // t
+    if shape.hidden_dropout > 0:
+        terms["mlp_residual_dropout_mask"] = mask_b * sp_tokens * h
+    return terms
+
+
+def _attention_terms(terms: Dict[str, int], shape: ModelShape, profile: SaveProfile,
+                     shared_mask: bool) -> None:
+    """The core attention's saved tensors, per kind of attention: selective recomputation's
+    checkpoint, unfused (scores, softmax, dropout) or flash attention."""
+    d, t = shape.dtype_bytes, shape.tp
+    s, b, h, a = shape.seq_len, shape.micro_batch, shape.hidden, shape.heads
+    mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
+    soft_b = d if profile.softmax_bytes is None else profile.softmax_bytes
+    tokens = s * b
+    kv_width = shape.groups * shape.head_dim
+    unfused = not shape.flash_attention
     if shape.recompute == "selective":
         # The checkpoint of the core attention saves its inputs, before any GQA expansion.
         terms["query"] = d * tokens * h // t
@@ -343,22 +145,6 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
         terms["value"] = d * tokens * kv_width // t
         if profile.small_fp32_stats:
             terms["attention_lse"] = _FP32 * b * a * s // t
-    terms["proj_input"] = d * tokens * h // t
-    if shape.hidden_dropout > 0:
-        terms["attn_residual_dropout_mask"] = mask_b * sp_tokens * h
-    norm("mlp_norm")
-    terms["fc1_input"] = d * sp_tokens * h
-    if shape.swiglu:
-        # silu(gate) * up: silu saves its input, the product saves both of its operands.
-        terms["swiglu_gate_input"] = d * tokens * f // t
-        terms["swiglu_gate_output"] = d * tokens * f // t
-        terms["swiglu_up"] = d * tokens * f // t
-    else:
-        terms["activation_input"] = d * tokens * f // t
-    terms["fc2_input"] = d * tokens * f // t
-    if shape.hidden_dropout > 0:
-        terms["mlp_residual_dropout_mask"] = mask_b * sp_tokens * h
-    return terms
 
 
 def layer_activation_bytes(shape: ModelShape, profile: SaveProfile = PAPER, *,

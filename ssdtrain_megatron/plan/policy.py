@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 KEEP = "keep"
 OFFLOAD = "offload"
@@ -162,6 +162,34 @@ def plan_layers(layers: Sequence[LayerMeasurement], *, write_bps: float, read_bp
     Raises:
         ValueError: a non-positive bandwidth, a negative count or budget.
     """
+    _check_plan_args(write_bps, read_bps, num_micro_batches, keep_last_layers,
+                     memory_budget_bytes)
+    n = len(layers)
+    movable = range(max(0, n - keep_last_layers))
+    tolerance = _REL_EPS * sum(layer.forward_s for layer in layers) * (1 + backward_factor)
+
+    def cost(decisions: Sequence[str]) -> Tuple[float, float]:
+        return simulate_micro_batch(layers, decisions, write_bps, read_bps, backward_factor)
+
+    decisions: List[str] = [KEEP] * n
+    fits = True
+    if memory_budget_bytes is None:
+        _offload_what_hides(decisions, movable, cost, tolerance, recompute_fallback)
+    else:
+        fits = _free_to_budget(layers, decisions, movable, cost, tolerance, recompute_fallback,
+                               memory_budget_bytes)
+    stall, recompute = cost(decisions)
+    if stall <= tolerance:
+        stall = 0.0
+    offloaded = sum(layer.activation_bytes for layer, d in zip(layers, decisions) if d == OFFLOAD)
+    return LayerPlan(decisions=tuple(decisions), io_stall_s=stall * num_micro_batches,
+                     recompute_s=recompute * num_micro_batches,
+                     resident_bytes=_resident(layers, decisions),
+                     offloaded_bytes=offloaded * num_micro_batches, fits_budget=fits)
+
+
+def _check_plan_args(write_bps: float, read_bps: float, num_micro_batches: int,
+                     keep_last_layers: int, memory_budget_bytes: Optional[int]) -> None:
     _check_bandwidth("write_bps", write_bps)
     _check_bandwidth("read_bps", read_bps)
     for name, value, minimum in (("num_micro_batches", num_micro_batches, 1),
@@ -174,57 +202,48 @@ def plan_layers(layers: Sequence[LayerMeasurement], *, write_bps: float, read_bp
         raise ValueError(f"memory_budget_bytes={memory_budget_bytes!r} is invalid: "
                          "expected an integer >= 0 or None")
 
-    n = len(layers)
-    movable = range(max(0, n - keep_last_layers))
-    tolerance = _REL_EPS * sum(layer.forward_s for layer in layers) * (1 + backward_factor)
 
-    def cost(decisions: Sequence[str]) -> Tuple[float, float]:
-        return simulate_micro_batch(layers, decisions, write_bps, read_bps, backward_factor)
+def _offload_what_hides(decisions: List[str], movable: range, cost: Callable, tolerance: float,
+                        recompute_fallback: bool) -> None:
+    """No budget: offload every movable layer whose round trip hides behind compute."""
+    # Earliest layers first: their writes start first and their reads are needed last,
+    # so they have the most compute to hide behind.
+    for i in movable:
+        decisions[i] = OFFLOAD
+        if cost(decisions)[0] > tolerance:
+            decisions[i] = RECOMPUTE if recompute_fallback else KEEP
 
-    decisions: List[str] = [KEEP] * n
-    fits = True
-    if memory_budget_bytes is None:
-        # Earliest layers first: their writes start first and their reads are needed last,
-        # so they have the most compute to hide behind.
+
+def _free_to_budget(layers: Sequence[LayerMeasurement], decisions: List[str], movable: range,
+                    cost: Callable, tolerance: float, recompute_fallback: bool,
+                    memory_budget_bytes: int) -> bool:
+    """A budget: free bytes, cheapest time per byte first, until the resident bytes fit;
+    False when no movable layer is left to free and they still do not."""
+    while _resident(layers, decisions) > memory_budget_bytes:
+        base = sum(cost(decisions))
+        best = None
         for i in movable:
-            decisions[i] = OFFLOAD
-            if cost(decisions)[0] > tolerance:
-                decisions[i] = RECOMPUTE if recompute_fallback else KEEP
-    else:
-        while _resident(layers, decisions) > memory_budget_bytes:
-            base = sum(cost(decisions))
-            best = None
-            for i in movable:
-                if decisions[i] != KEEP:
+            if decisions[i] != KEEP:
+                continue
+            options = [(OFFLOAD, layers[i].activation_bytes)]
+            if recompute_fallback:
+                options.append((RECOMPUTE,
+                                layers[i].activation_bytes - layers[i].checkpoint_bytes))
+            for rank, (decision, freed) in enumerate(options):
+                if freed <= 0:
                     continue
-                options = [(OFFLOAD, layers[i].activation_bytes)]
-                if recompute_fallback:
-                    options.append((RECOMPUTE,
-                                    layers[i].activation_bytes - layers[i].checkpoint_bytes))
-                for rank, (decision, freed) in enumerate(options):
-                    if freed <= 0:
-                        continue
-                    decisions[i] = decision
-                    extra = max(0.0, sum(cost(decisions)) - base)
-                    decisions[i] = KEEP
-                    if extra <= tolerance:
-                        extra = 0.0
-                    key = (extra / freed, rank, i)
-                    if best is None or key < best[0]:
-                        best = (key, i, decision)
-            if best is None:
-                fits = False
-                break
-            decisions[best[1]] = best[2]
-
-    stall, recompute = cost(decisions)
-    if stall <= tolerance:
-        stall = 0.0
-    offloaded = sum(layer.activation_bytes for layer, d in zip(layers, decisions) if d == OFFLOAD)
-    return LayerPlan(decisions=tuple(decisions), io_stall_s=stall * num_micro_batches,
-                     recompute_s=recompute * num_micro_batches,
-                     resident_bytes=_resident(layers, decisions),
-                     offloaded_bytes=offloaded * num_micro_batches, fits_budget=fits)
+                decisions[i] = decision
+                extra = max(0.0, sum(cost(decisions)) - base)
+                decisions[i] = KEEP
+                if extra <= tolerance:
+                    extra = 0.0
+                key = (extra / freed, rank, i)
+                if best is None or key < best[0]:
+                    best = (key, i, decision)
+        if best is None:
+            return False
+        decisions[best[1]] = best[2]
+    return True
 
 
 def should_replan(measured_io_wait_s: float, step_time_s: float, threshold: float,

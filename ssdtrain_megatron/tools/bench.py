@@ -28,21 +28,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
-from .bench_budget import adaptive_config, budget_comparison, default_budget, render_lines
-from .cli_types import (byte_count, check_engine, deprecated_alias, positive_int, progress,
-                        quiet_megatron_warnings, say, writable_dir)
+from .bench_budget import budget_comparison, render_lines
+from .bench_measure import SAME_LOSSES, STRATEGIES, BenchRun, Point, measure
+from .cli_types import (byte_count, check_engine, deprecated_alias, positive_int,
+                        quiet_megatron_warnings, writable_dir)
 from ..config import OffloadConfig
-
-if TYPE_CHECKING:
-    from ..telemetry.peak_memory import PeakMemory
 
 TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
            "offload_vs_keep_peak_activation": ("<=", 0.5, 0.5),
@@ -50,65 +46,12 @@ TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
 """The project's own goals, (comparison, CPU bound, GPU bound): in --json's "targets" for its
 CI, never in the table (a user did not set them)."""
 
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    policy: str
-    """OffloadConfig.policy of the offloader installed for it."""
-    recompute: Optional[str] = None
-    """GPTSpec.recompute: megatron's activation recomputation."""
-
-
-STRATEGIES = (Strategy("keep", "keep"), Strategy("offload", "offload"),
-              Strategy("adaptive", "adaptive"), Strategy("recompute", "keep", "full"))
-SAME_LOSSES = ("keep", "offload", "adaptive")
-"""Strategies whose losses must be bitwise equal (recompute's are compared and reported)."""
-
 SHAPES = {
     "default": dict(layers=8, hidden=512, heads=8, seq=512, vocab=1024, num_microbatches=2,
                     steps=4, warmup=1),
     "quick": dict(layers=4, hidden=256, heads=4, seq=256, vocab=1024, num_microbatches=2,
                   steps=3, warmup=1),
 }
-
-
-@dataclass
-class Point:
-    """One (strategy, micro-batch) of the curve: what --json prints per point."""
-
-    strategy: str
-    micro_batch: int
-    step_s: float
-    tokens_per_s: float
-    peak_activation_bytes: int
-    peak_memory_bytes: Optional[int]
-
-
-@dataclass
-class _Series:
-    """Everything measured for one (strategy, micro-batch), warm-up steps included."""
-
-    losses: List[float] = field(default_factory=list)
-    times: List[float] = field(default_factory=list)
-    activation: List[int] = field(default_factory=list)
-    memory: List[Optional[int]] = field(default_factory=list)
-    io_wait: List[float] = field(default_factory=list)
-    offloaded: List[int] = field(default_factory=list)
-    fallbacks: List[int] = field(default_factory=list)
-    """Writes that failed (a full disk) and stayed in memory, per step."""
-    cpu: List[float] = field(default_factory=list)
-    """Process CPU seconds (user + system, all threads) of each step: unlike the wall time,
-    hardly touched by other processes on the machine; the IO threads' work shows here."""
-    layer_bytes: int = 0
-    """Largest one layer's saved activations of one micro-batch (the most a recompute pass
-    re-creates at once)."""
-
-    def point(self, strategy: str, micro_batch: int, tokens: int, warmup: int) -> Point:
-        t = statistics.median(self.times[warmup:])
-        mem = [m for m in self.memory[warmup:] if m is not None]
-        return Point(strategy, micro_batch, t, tokens / t, max(self.activation[warmup:]),
-                     max(mem) if mem else None)
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -198,142 +141,6 @@ def run_bench(args: argparse.Namespace) -> int:
         print(render(summary))
         print(f"raw points: {os.path.join(args.out, 'points.json')}" + (f"; ROK plot: {png}" if plotted else ""))
     return 0 if summary["losses_bitwise_equal"] and not summary["offload_files_left"] else 1
-
-
-# -- measuring --------------------------------------------------------------------------------
-
-
-@dataclass
-class BenchRun:
-    """What measure() saw: the series per (strategy, micro-batch) and how the run went."""
-
-    spec: object
-    steps: int
-    warmup: int
-    device: str
-    memory_kind: Optional[str]
-    series: Dict[tuple, _Series] = field(default_factory=dict)
-    out_of_memory: List[tuple] = field(default_factory=list)
-    files_left: List[str] = field(default_factory=list)
-    adaptive_budgets: Dict[int, Optional[int]] = field(default_factory=dict)
-    """activation_budget_bytes adaptive ran with, per micro-batch size (None: keep everything)."""
-
-
-def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, warmup: int,
-            strategies: Sequence[Strategy] = STRATEGIES, budget: Optional[int] = None) -> BenchRun:
-    """Train ``warmup + steps`` steps of every strategy at every micro-batch size, the strategies
-    taking turns step by step; one model and one offloader per strategy and size. A strategy
-    that runs out of device memory at a size is not tried at larger ones."""
-    from .demo import header_lines
-    from .minigpt import MegatronRuntime
-    from ..telemetry.peak_memory import PeakMemory
-
-    with MegatronRuntime() as rt:
-        peak = PeakMemory(rt.device)
-        run = BenchRun(spec, steps, warmup, str(rt.device), peak.kind)
-        print(f"ssdtrain bench: megatron-core GPT, {spec.layers} layers, hidden {spec.hidden}, "
-              f"seq {spec.seq}, {spec.num_microbatches} micro-batches per step, on {rt.device}; "
-              f"micro-batch sizes {', '.join(map(str, micro_batches))}; {warmup} warm-up + {steps} "
-              f"measured steps per point", file=sys.stderr)
-        for line in header_lines(cfg, cfg.dirs[0]):
-            print("  " + line, file=sys.stderr)
-        alive = list(strategies)
-        bar = progress(len(micro_batches) * (warmup + steps), desc="bench", unit="round")
-        try:
-            keep_peaks: Dict[int, int] = {}
-            for mb in micro_batches:
-                run.adaptive_budgets[mb] = budget if budget is not None else \
-                    default_budget(list(micro_batches), keep_peaks)
-                _measure_size(run, mb, alive, spec, cfg, rt.device, peak, bar)
-                alive = [s for s in alive if (s.name, mb) not in run.out_of_memory]
-                if ("keep", mb) in run.series:
-                    keep_peaks[mb] = max(run.series[("keep", mb)].activation[warmup:])
-        finally:
-            bar.close()
-    return run
-
-
-def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: OffloadConfig,
-                  device, peak, bar) -> None:
-    """Every strategy in ``alive`` at micro-batch size ``mb``, taking turns step by step."""
-    contenders = [_Contender(s, dataclasses.replace(spec, micro_batch=mb),
-                             adaptive_config(cfg, run.adaptive_budgets.get(mb)) if s.name == "adaptive" else cfg,
-                             device) for s in alive]
-    try:
-        for c in contenders:
-            run.series[(c.strategy.name, mb)] = c.series
-        for i in range(run.warmup + run.steps):
-            k = i % len(contenders)
-            for c in contenders[k:] + contenders[:k]:  # nobody always goes first
-                if not c.step(peak):
-                    run.out_of_memory.append((c.strategy.name, mb))
-                    run.series.pop((c.strategy.name, mb))
-                    say(bar, f"micro-batch {mb}: {c.strategy.name} ran out of device memory")
-            times = ", ".join(f"{c.strategy.name} {c.series.times[-1]:.2f}s"
-                              for c in contenders[k:] + contenders[:k] if c.model is not None)
-            say(bar, f"micro-batch {mb}, step {i + 1}/{run.warmup + run.steps}"
-                     f"{' (warm-up)' if i < run.warmup else ''}: {times}")
-            bar.update(1)
-    finally:
-        for c in contenders:
-            run.files_left += c.close()
-        del contenders
-        gc.collect()
-
-
-class _Contender:
-    """One strategy at one micro-batch size: its model, its offloader and what they measured."""
-
-    def __init__(self, strategy: Strategy, spec, cfg: OffloadConfig, device) -> None:
-        from ..cache import ActivationOffloader
-        from .minigpt import MiniGPT
-
-        self.strategy = strategy
-        self.spec = dataclasses.replace(spec, recompute=strategy.recompute)
-        self.model: Optional[MiniGPT] = MiniGPT(self.spec, device)
-        # A job name per strategy: each offloader gets its own directory in the root.
-        self.offloader = ActivationOffloader(cfg.replace(policy=strategy.policy, job=f"bench-{strategy.name}"),
-                                             device=device)
-        self.series = _Series()
-
-    def step(self, peak: PeakMemory) -> bool:
-        """One measured step; False when it ran out of device memory (the model is dropped)."""
-        import torch
-
-        from .minigpt import installed_step
-
-        if self.model is None:
-            return True
-        peak.reset()
-        cpu0 = os.times()
-        try:
-            loss, dt = installed_step(self.model, self.offloader)
-        except torch.cuda.OutOfMemoryError:
-            self.model = None
-            self.offloader.close()
-            torch.cuda.empty_cache()
-            return False
-        cpu1 = os.times()
-        st = self.offloader.last_step_stats
-        ser = self.series
-        ser.losses.append(loss)
-        ser.times.append(dt)
-        ser.activation.append(st.peak_resident_bytes)
-        ser.memory.append(peak.peak())
-        ser.io_wait.append(st.io_wait_s)
-        ser.offloaded.append(st.bytes_offloaded)
-        ser.fallbacks.append(st.fallbacks)
-        ser.cpu.append(cpu1.user - cpu0.user + cpu1.system - cpu0.system)
-        layers = [r.bytes // self.spec.num_microbatches for r in st.layers if r.layer != "None"]
-        ser.layer_bytes = max(layers + [ser.layer_bytes])
-        return True
-
-    def close(self) -> List[str]:
-        """Close the offloader; the files it left behind (none, unless something leaked)."""
-        dirs = self.offloader.rank_dirs
-        self.offloader.close()
-        self.model = None
-        return [os.path.join(d, f) for d in dirs if os.path.isdir(d) for f in os.listdir(d)]
 
 
 # -- figures ----------------------------------------------------------------------------------
