@@ -97,14 +97,30 @@ def simulate_micro_batch(layers: Sequence[LayerMeasurement], decisions: Sequence
                          backward_factor: float = 2.0) -> Tuple[float, float]:
     """(IO stall seconds, recompute seconds) of one micro-batch under ``decisions``; see the
     module docstring for the timeline."""
-    clock = 0.0
+    stall, recompute, _ = timeline(layers, decisions, write_bps, read_bps,
+                                   backward_factor=backward_factor)
+    return stall, recompute
+
+
+def timeline(layers: Sequence[LayerMeasurement], decisions: Sequence[str], write_bps: float,
+             read_bps: float, gap_s: float = 0.0, cpu_s_per_byte: float = 0.0,
+             backward_factor: float = 2.0) -> Tuple[float, float, float]:
+    """(IO stall, recompute, training-thread offload cost) seconds of one micro-batch: its
+    forward (each offloaded layer costing ``cpu_s_per_byte`` per byte to hand over, its write
+    queued behind the others), ``gap_s`` of other work, then its backward, reading back in
+    reverse order from when the write ended and waiting where the read is late."""
+    clock = cpu = 0.0
     write_free = 0.0
     write_done = {}
     for i, layer in enumerate(layers):
         clock += layer.forward_s
         if decisions[i] == OFFLOAD:
+            hand_over = layer.activation_bytes * cpu_s_per_byte
+            clock += hand_over
+            cpu += hand_over
             write_free = max(clock, write_free) + layer.activation_bytes / write_bps
             write_done[i] = write_free
+    clock += gap_s
     read_free = clock  # prefetch begins with the backward
     stall = 0.0
     recompute = 0.0
@@ -119,7 +135,7 @@ def simulate_micro_batch(layers: Sequence[LayerMeasurement], decisions: Sequence
             recompute += layer.recompute_cost_s
             clock += layer.recompute_cost_s
         clock += backward_factor * layer.forward_s
-    return stall, recompute
+    return stall, recompute, cpu
 
 
 def _resident(layers: Sequence[LayerMeasurement], decisions: Sequence[str]) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .policy import KEEP, OFFLOAD, RECOMPUTE, LayerMeasurement
+from .policy import KEEP, OFFLOAD, RECOMPUTE, LayerMeasurement, timeline
 
 _REL_EPS = 1e-9
 
@@ -68,31 +68,8 @@ def simulate(layers: Sequence[LayerMeasurement], decisions: Sequence[str], write
              read_bps: float, gap_s: float = 0.0, cpu_s_per_byte: float = 0.0,
              backward_factor: float = 2.0) -> float:
     """Seconds one micro-batch takes over keeping everything, under ``decisions``."""
-    clock = extra = 0.0
-    write_free = 0.0
-    done = {}
-    for i, layer in enumerate(layers):
-        clock += layer.forward_s
-        if decisions[i] == OFFLOAD:
-            cost = layer.activation_bytes * cpu_s_per_byte
-            clock += cost
-            extra += cost
-            write_free = max(clock, write_free) + layer.activation_bytes / write_bps
-            done[i] = write_free
-    clock += gap_s
-    read_free = clock
-    for i in reversed(range(len(layers))):
-        layer = layers[i]
-        if decisions[i] == OFFLOAD:
-            read_free = max(read_free, done[i]) + layer.activation_bytes / read_bps
-            if read_free > clock:
-                extra += read_free - clock
-                clock = read_free
-        elif decisions[i] == RECOMPUTE:
-            extra += layer.recompute_cost_s
-            clock += layer.recompute_cost_s
-        clock += backward_factor * layer.forward_s
-    return extra
+    return sum(timeline(layers, decisions, write_bps, read_bps, gap_s, cpu_s_per_byte,
+                        backward_factor))
 
 
 def _kept(layers: Sequence[LayerMeasurement], decisions: Sequence[str]) -> int:
