@@ -37,6 +37,7 @@ Why these choices:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import List, Optional, Tuple
@@ -258,7 +259,8 @@ class AioEngine(SlabEngine):
             self._check_inside(op)  # DeepNVMe asserts (aborting the process) on a read past EOF
         rc = self._sys.aio_submit(lane.handle, op.writing, op.buf[:op.nbytes], slab.fd, slab.path, op.offset)
         if rc != 0:
-            raise EngineError(f"{self._describe(op)} was refused by DeepNVMe (returned {rc}; its stderr says why)")
+            why = f": {os.strerror(-rc)}" if rc < 0 else ""  # a negative errno, when it gives one
+            raise EngineError(f"{self._describe(op)} was refused by DeepNVMe (returned {rc}{why}; its stderr says why)")
 
     def _wait(self, lane: _Lane, op: Run) -> None:
         done = self._sys.aio_wait(lane.handle)
