@@ -26,11 +26,12 @@ import torch
 
 from ssdtrain_megatron.config import OffloadConfig
 from ssdtrain_megatron.io import EngineError, Identity, engine_class, make_engine
+from tests.faulty import FaultyEngine
 
 CHUNK = 64 * 1024
 ALL = ["posix", "aio", "memory", "tiered", "gds", "gds-fake"]
 ON_DISK = ["posix", "aio", "gds", "gds-fake", "tiered"]
-WITH_FAULT_HOOK = ["posix", "aio", "gds-fake"]
+WITH_FAULT_HOOK = ["posix", "aio", "gds-fake"]  # faults through tests/faulty.py
 STAGED = ["posix", "aio"]  # engines that stage chunks in bounce buffers (and merge them)
 
 
@@ -106,12 +107,12 @@ def test_an_io_error_fails_the_future_naming_file_and_offset(open_engine, name, 
     if op == "read":
         engine.write(0, data).result(30)
 
-    def fault(kind, path, offset):
-        if kind == op and offset >= CHUNK:
+    def fault(kind, path, offset, nbytes):
+        if kind == op and offset + nbytes > CHUNK:  # a call that reaches past the first chunk
             return OSError(errno.EIO, os.strerror(errno.EIO))
         return None
 
-    engine.fault = fault
+    engine = FaultyEngine(engine, fault)
     fut = engine.write(0, data) if op == "write" else engine.read(0, torch.empty_like(data))
     with pytest.raises(EngineError, match=r"slab\.bin at offset \d+.*Input/output error"):
         fut.result(30)
@@ -175,7 +176,7 @@ def test_a_failed_chunk_fails_the_future_only_once_no_chunk_is_in_flight(open_en
     engine = open_engine(name, io_threads=2)
     gate, second_started = threading.Event(), threading.Event()
 
-    def fault(op, path, offset):
+    def fault(op, path, offset, nbytes):
         if offset == 0:
             second_started.wait(30)
             return OSError(errno.EIO, os.strerror(errno.EIO))
@@ -183,7 +184,7 @@ def test_a_failed_chunk_fails_the_future_only_once_no_chunk_is_in_flight(open_en
         gate.wait(30)
         return None
 
-    engine.fault = fault
+    engine = FaultyEngine(engine, fault)
     fut = engine.write(0, torch.ones(2 * CHUNK, dtype=torch.uint8))
     assert second_started.wait(30)
     time.sleep(0.2)
@@ -239,7 +240,7 @@ def test_small_chunks_queued_together_merge_into_one_request(open_engine, name, 
     write_gate.set()
     assert [f.result(30) for f in futs] == [t.numel() for t in tensors]
 
-    engine.fault = lambda op, path, offset: read_gate.wait(30) and None  # holds the read thread
+    engine = FaultyEngine(engine, lambda op, path, offset, nbytes: read_gate.wait(30) and None)  # holds the read thread
     outs = [torch.empty_like(t) for t in tensors]
     keys = list(range(len(tensors)))
     if read_order == "reverse":  # backward reads a layer's tensors in reverse save order
@@ -266,7 +267,7 @@ def test_a_bad_chunk_in_a_merged_read_fails_only_its_own_tensor(open_engine, nam
     finally:
         os.close(fd)
     gate = threading.Event()
-    engine.fault = lambda op, path, offset: gate.wait(30) and None  # reads queue up, then merge
+    engine = FaultyEngine(engine, lambda op, path, offset, nbytes: gate.wait(30) and None)  # reads queue up, then merge
     outs = [torch.empty_like(t) for t in tensors]
     futs = [engine.read(k, o) for k, o in enumerate(outs)]
     gate.set()

@@ -17,6 +17,7 @@ from ssdtrain_megatron import ActivationOffloader
 from ssdtrain_megatron.cache.record import TensorRecord
 from ssdtrain_megatron.io.memory import PoolFull
 import tests.test_engines as engine_suite
+from tests.faulty import FaultyEngine, faulty_offloader
 from tests.test_engines import ALL, _param
 from tests.test_offloader import cfg, files_under
 
@@ -152,7 +153,7 @@ class WriteGate:
     def __init__(self) -> None:
         self.open = threading.Event()
 
-    def __call__(self, op, path, offset):
+    def __call__(self, op, path, offset, nbytes):
         if op == "write":
             self.open.wait(60)
         return None
@@ -162,7 +163,7 @@ def test_a_tensor_forwarded_while_its_write_is_in_flight_counts_once(offload_dir
     """Unpacked while its write is in flight (forwarded from memory), and still referenced
     when the write completes: one forward, not two (2 tensors reported 4 before)."""
     lin = nn.Linear(256, 256)
-    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+    with faulty_offloader(cfg(offload_dir, keep_last_layers=0)) as off:
         gate = off.engine.fault = WriteGate()
         x = torch.randn(64, 256, requires_grad=True)
         with off.microbatch(0):
@@ -189,7 +190,7 @@ class HeldWrites:
     def __init__(self) -> None:
         self.held, self.entered, self.go = False, threading.Event(), threading.Event()
 
-    def __call__(self, op, path, offset):
+    def __call__(self, op, path, offset, nbytes):
         if op == "write" and self.held and not self.go.is_set():
             self.entered.set()
             self.go.wait(60)
@@ -205,7 +206,8 @@ def test_a_read_never_waits_behind_queued_writes(open_engine, name):
 
     engine = open_engine(name, io_threads=1)
     done = engine.completions = queue.SimpleQueue()
-    gate = engine.fault = HeldWrites()
+    gate = HeldWrites()
+    engine = FaultyEngine(engine, gate)
     # One chunk each: queued writes cannot merge into the run the held write is in.
     data = torch.randint(0, 256, (engine_suite.CHUNK,), dtype=torch.uint8)
     engine.write(0, data)
@@ -230,7 +232,8 @@ def _read_while_writes_are_held(engine):
     import queue
 
     done = engine.completions = queue.SimpleQueue()
-    gate = engine.fault = HeldWrites()
+    gate = HeldWrites()
+    engine = FaultyEngine(engine, gate)
     data = torch.randint(0, 256, (engine_suite.CHUNK,), dtype=torch.uint8)
     engine.write(0, data)
     assert done.get(timeout=30) == (0, None)
@@ -264,7 +267,7 @@ def test_an_aio_read_completes_while_every_write_is_held(open_engine, name):
 
 def test_a_queued_write_of_a_released_tensor_is_cancelled(offload_dir):
     lin = nn.Linear(256, 256)
-    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, io_threads=1)) as off:
+    with faulty_offloader(cfg(offload_dir, keep_last_layers=0, io_threads=1)) as off:
         gate = off.engine.fault = HeldWrites()
         gate.held = True
         with off.microbatch(0):

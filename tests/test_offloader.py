@@ -10,6 +10,7 @@ from torch import nn
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from tests.bitwise import bitwise_equal
+from tests.faulty import faulty_offloader
 from tests.models import assert_bitwise_equal, mlp, run_steps, tiny_gpt
 
 
@@ -239,8 +240,8 @@ def test_write_error_falls_back_to_memory_and_stays_bitwise_equal(offload_dir):
     model = tiny_gpt()
     batches = gpt_batches()
     ref = run_steps(model, batches)
-    with ActivationOffloader(cfg(offload_dir)) as off:
-        off.engine.fault = lambda op, path, offset: OSError(5, "Input/output error") if op == "write" else None
+    with faulty_offloader(cfg(offload_dir)) as off:
+        off.engine.fault = lambda op, path, offset, nbytes: OSError(5, "Input/output error") if op == "write" else None
         got = run_steps(model, batches, off)
     assert_bitwise_equal(ref, got)
     st = got[2][-1]
@@ -249,8 +250,8 @@ def test_write_error_falls_back_to_memory_and_stays_bitwise_equal(offload_dir):
 
 def test_read_error_raises_naming_file_offset_and_cause(offload_dir):
     lin = nn.Linear(256, 256)
-    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
-        off.engine.fault = lambda op, path, offset: OSError(5, "Input/output error") if op == "read" else None
+    with faulty_offloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        off.engine.fault = lambda op, path, offset, nbytes: OSError(5, "Input/output error") if op == "read" else None
         with off.microbatch(0):
             h = lin(torch.randn(64, 256))
             out = h.sin()

@@ -32,6 +32,7 @@ from ssdtrain_megatron.io.clean import LIVE, STALE, UNKNOWN, clean_root, scan_ro
 from ssdtrain_megatron.tools.clean import add_clean_parser
 from ssdtrain_megatron.io.layout import LayoutError, free_bytes, rank_dir_name
 from ssdtrain_megatron.io.posix import PosixEngine
+from tests.faulty import faulty_offloader
 from tests.models import assert_bitwise_equal, run_steps, tiny_gpt
 from tests.test_offloader import cfg, files_under, gpt_batches
 
@@ -166,22 +167,31 @@ def test_some_write_errors_fall_back_one_for_one_and_warn_once(offload_dir, capl
     model = tiny_gpt()
     batches = gpt_batches()
     ref = run_steps(model, batches)
-    failed = []
+    calls, failed_tensors = [], []
     lock = threading.Lock()
 
-    def every_third_write(op, path, offset):
+    def every_third_write(op, path, offset, nbytes):
+        """Fails every third pwritev; a merged run's call carries several tensors, and every
+        one of them (and no other) must fall back: counted from the engine's placements."""
         if op != "write":
             return None
         with lock:
-            failed.append(offset)
-            return EIO if len(failed) % 3 == 0 else None
+            calls.append(offset)
+            if len(calls) % 3:
+                return None
+            engine = off.engine.inner
+            with engine._lock:
+                placed = list(engine._placed.values())
+            failed_tensors.append(sum(1 for p in placed if p.extents and
+                                      offset <= p.extents[0].offset < offset + nbytes))
+            return EIO
 
     caplog.set_level(logging.WARNING, logger="ssdtrain_megatron")
-    with ActivationOffloader(cfg(offload_dir)) as off:  # chunk_bytes 8 MiB: one request per tensor
+    with faulty_offloader(cfg(offload_dir)) as off:  # chunk_bytes 8 MiB: one chunk per tensor
         off.engine.fault = every_third_write
         got = run_steps(model, batches, off)
     assert_bitwise_equal(ref, got)
-    assert sum(st.fallbacks for st in got[2]) == len(failed) // 3 > 0
+    assert sum(st.fallbacks for st in got[2]) == sum(failed_tensors) > 0
     assert all(st.tensors_offloaded > 0 and st.bytes_on_disk == 0 for st in got[2])
     warnings = [r for r in caplog.records if "offload write failed" in r.getMessage()]
     assert len(warnings) == 1 and "Input/output error" in warnings[0].getMessage()
@@ -206,13 +216,13 @@ def test_read_error_in_one_chunk_raises_never_zeros(offload_dir, failing_chunk):
     raises (naming the file, offset and cause) instead of returning partly filled memory."""
     roots = [offload_dir / "a", offload_dir / "b"]
     conf = OffloadConfig(dirs=[str(r) for r in roots], min_tensor_bytes=1024, keep_last_layers=0, chunk_bytes=16384)
-    with ActivationOffloader(conf) as off:
+    with faulty_offloader(conf) as off:
         (out,), lin = _saved_and_dropped(off)  # 64 KiB: four chunks
         off.wait_writes()
         offsets = sorted({(p, o) for p in map(str, roots) for o in range(0, 32768, 16384)})
         bad_path, bad_offset = offsets[failing_chunk]
 
-        def fault(op, path, offset):
+        def fault(op, path, offset, nbytes):
             if op == "read" and path.startswith(bad_path) and offset == bad_offset:
                 return OSError(errno.EIO, os.strerror(errno.EIO))
             return None
@@ -341,7 +351,7 @@ class Gate:
         self.event = threading.Event()
         self.blocked = 0
 
-    def __call__(self, op, path, offset):
+    def __call__(self, op, path, offset, nbytes):
         if op == self.op:
             self.blocked += 1
             self.event.wait(60)
@@ -349,7 +359,7 @@ class Gate:
 
 
 def test_a_read_that_never_finishes_raises_iotimeout_naming_the_tensor(offload_dir):
-    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, io_timeout_s=0.3)) as off:
+    with faulty_offloader(cfg(offload_dir, keep_last_layers=0, io_timeout_s=0.3)) as off:
         (out,), _ = _saved_and_dropped(off)
         off.wait_writes()
         gate = off.engine.fault = Gate("read")
@@ -364,8 +374,8 @@ def test_a_read_that_never_finishes_raises_iotimeout_naming_the_tensor(offload_d
 
 
 def test_back_pressure_on_writes_that_never_finish_raises_iotimeout(offload_dir):
-    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, io_timeout_s=0.3,
-                                 max_inflight_bytes=64 * 1024)) as off:
+    with faulty_offloader(cfg(offload_dir, keep_last_layers=0, io_timeout_s=0.3,
+                              max_inflight_bytes=64 * 1024)) as off:
         gate = off.engine.fault = Gate("write")
         with pytest.raises(IOTimeout, match=r"waited 0.3s for 65536 bytes of writes to finish before writing "
                                             r"a tensor of shape \[64, 256\]"):
@@ -381,7 +391,7 @@ def test_space_is_freed_when_a_tensor_is_released_during_its_write(offload_dir, 
     """Backward is done with a tensor while its write is still in flight (it was forwarded from
     memory): its extent is freed as soon as the write completes, not at the end of the step."""
     caplog.set_level(logging.WARNING, logger="ssdtrain_megatron")
-    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+    with faulty_offloader(cfg(offload_dir, keep_last_layers=0)) as off:
         gate = off.engine.fault = Gate("write")
         (out,), _ = _saved_and_dropped(off)
         out.sum().backward()
@@ -399,7 +409,7 @@ def test_space_is_freed_when_a_tensor_is_released_during_its_write(offload_dir, 
 
 
 def test_close_with_io_hung_forever_returns_and_removes_the_files(offload_dir, caplog):
-    off = ActivationOffloader(cfg(offload_dir, keep_last_layers=0, io_timeout_s=0.3))
+    off = faulty_offloader(cfg(offload_dir, keep_last_layers=0, io_timeout_s=0.3))
     gate = off.engine.fault = Gate("write")
     try:
         outs = _saved_and_dropped(off)

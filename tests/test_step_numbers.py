@@ -6,6 +6,7 @@ import time
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from tests.faulty import faulty_offloader
 from tests.models import mlp, run_steps
 
 
@@ -15,8 +16,8 @@ def cfg(d, **kw):
 
 
 def test_summary_names_fallbacks_when_writes_failed(offload_dir):
-    with ActivationOffloader(cfg(offload_dir)) as off:
-        off.engine.fault = lambda op, path, offset: OSError(28, "No space left on device") if op == "write" else None
+    with faulty_offloader(cfg(offload_dir)) as off:
+        off.engine.fault = lambda op, path, offset, nbytes: OSError(28, "No space left on device") if op == "write" else None
         # Waited for: a failed write is only counted once the IO thread has tried it.
         _, _, stats = run_steps(mlp(), [torch.randn(16, 256)], off, steps=1, wait_writes=True)
     st = stats[-1]
@@ -116,10 +117,10 @@ def _need_after_full_disk(offload_dir, limit):
 
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 256, (2, 64), generator=g) for _ in range(3)]
-    with ActivationOffloader(cfg(offload_dir, chunk_bytes=64 * 1024)) as off:
+    with faulty_offloader(cfg(offload_dir, chunk_bytes=64 * 1024)) as off:
         if limit is not None:
-            off.engine.fault = (lambda op, path, offset: OSError(28, "No space left on device")
-                                if op == "write" and offset >= limit else None)
+            off.engine.fault = (lambda op, path, offset, nbytes: OSError(28, "No space left on device")
+                                if op == "write" and offset + nbytes > limit else None)
         _, _, stats = run_steps(tiny_gpt(), batches, off, steps=1)
         return list(off.engine.step_peak_bytes), stats[-1].fallbacks
 

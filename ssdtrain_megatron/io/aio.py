@@ -37,6 +37,7 @@ Why these choices:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import List, Optional, Tuple
@@ -256,16 +257,12 @@ class AioEngine(SlabEngine):
             slab.ensure_reserved(op.offset + op.nbytes)
         else:
             self._check_inside(op)  # DeepNVMe asserts (aborting the process) on a read past EOF
-        self._inject(op)
-        stage = op.buf[:op.nbytes]
-        if op.writing:
-            rc = lane.handle.async_pwrite(stage, slab.fd, op.offset)
-        else:
-            rc = lane.handle.async_pread(stage, slab.path, op.offset)
+        rc = self._sys.aio_submit(lane.handle, op.writing, op.buf[:op.nbytes], slab.fd, slab.path, op.offset)
         if rc != 0:
-            raise EngineError(f"{self._describe(op)} was refused by DeepNVMe (returned {rc}; its stderr says why)")
+            why = f": {os.strerror(-rc)}" if rc < 0 else ""  # a negative errno, when it gives one
+            raise EngineError(f"{self._describe(op)} was refused by DeepNVMe (returned {rc}{why}; its stderr says why)")
 
     def _wait(self, lane: _Lane, op: Run) -> None:
-        done = lane.handle.wait()
+        done = self._sys.aio_wait(lane.handle)
         if done != 1:
             raise EngineError(f"{self._describe(op)}: DeepNVMe completed {done} operations, expected 1")

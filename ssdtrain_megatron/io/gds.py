@@ -134,15 +134,11 @@ class GdsEngine(SlabEngine):
                 elif slab.handle is None or ext.offset + ext.length > slab.reserved:
                     raise EngineError(f"gds read of {ext.length} bytes from {slab.path} at offset "
                                       f"{ext.offset}: past the reserved end of the slab")
-                if self.fault is not None:
-                    err = self.fault(op, slab.path, ext.offset)
-                    if err is not None:
-                        raise err
                 if not ext.length:
                     pending.append((i, None))
                     continue
-                call = slab.handle.pwrite if req.writing else slab.handle.pread
-                pending.append((i, call(buf[start:start + ext.length], ext.length, ext.offset)))
+                pending.append((i, self._sys.gds_submit(slab.handle, req.writing, buf[start:start + ext.length],
+                                                        ext.length, ext.offset, slab.path)))
             except BaseException as exc:  # noqa: BLE001 - surfaced through the Future
                 self._finish_chunk(req, i, _gds_error(op, ext.length, ext.offset, slab.path, exc))
         buf = None  # kvikio holds what it still reads or writes; we hold nothing past completion

@@ -146,9 +146,8 @@ class PosixEngine(SlabEngine):
     def _pwrite(self, op: Run, view: memoryview) -> None:
         slab = self._slabs[op.root]
         slab.ensure_reserved(op.offset + op.nbytes)
-        self._inject(op)
         try:
-            done = os.pwritev(slab.fd, self._buffers(op, view), op.offset)
+            done = self._sys.pwritev(slab.fd, self._buffers(op, view), op.offset, slab.path)
             if not slab.direct:
                 os.posix_fadvise(slab.fd, op.offset, op.nbytes, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
@@ -159,12 +158,11 @@ class PosixEngine(SlabEngine):
     def _pread(self, op: Run, view: memoryview) -> None:
         slab = self._slabs[op.root]
         self._check_inside(op)
-        self._inject(op)
         self._read_in_place(op)
         try:
             if not slab.direct:
                 os.posix_fadvise(slab.fd, op.offset, op.nbytes, os.POSIX_FADV_DONTNEED)
-            done = os.preadv(slab.fd, self._buffers(op, view), op.offset)
+            done = self._sys.preadv(slab.fd, self._buffers(op, view), op.offset, slab.path)
         except OSError as exc:
             raise EngineError(f"{self._describe(op)} failed: {exc.strerror or exc}") from exc
         if done != op.nbytes:

@@ -34,6 +34,7 @@ from .clean import sweep_before_start
 from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
+from .syscalls import OS, SysCalls
 
 
 class SlabEngine(IOEngine):
@@ -71,9 +72,8 @@ class SlabEngine(IOEngine):
         self.tracer: Optional[Callable[..., None]] = None
         """Optional IO trace sink: tracer(op, key, path, offset, nbytes, t_submit, t_done,
         queue_depth), called from an IO thread when each chunk completes."""
-        self.fault: Optional[Callable[[str, str, int], Optional[OSError]]] = None
-        """Test-only fault injection: called as fault(op, path, offset) before each request;
-        a returned OSError is raised as if the system call had failed."""
+        self._sys: SysCalls = OS
+        """The calls that move the bytes (io/syscalls.py); tests put a faulty one in front."""
 
     def _open_slabs(self, direct: str, on_open: Optional[Callable[[Slab], None]] = None) -> None:
         sweep_before_start(self.roots, self.config.dirs, self.ident.hostname)  # dead jobs' leftovers
@@ -241,23 +241,6 @@ class SlabEngine(IOEngine):
         except BaseException as exc:  # noqa: BLE001 - surfaced through the Future
             self._finished(op, as_engine_error(exc, f"{self.name} {step.__name__.strip('_')}"))
             return None
-
-    def _inject(self, op: Run) -> None:
-        """Test hook (see ``fault``): a chunk whose call returns an error fails as if its own
-        system call had (the other chunks of a merged run go on)."""
-        if self.fault is None:
-            return
-        slab = self._slabs[op.root]
-        kind = "write" if op.writing else "read"
-        for j, (req, i) in enumerate(op.parts):
-            ext = req.extents[i]
-            err = self.fault(kind, slab.path, ext.offset)
-            if err is not None:
-                failed = EngineError(f"{self.name} {kind} of {self._padded(ext.length)} bytes "
-                                     f"{'to' if op.writing else 'from'} {slab.path} at offset "
-                                     f"{ext.offset} failed: {err.strerror or err}")
-                failed.__cause__ = err
-                op.failed[j] = failed
 
     def _describe(self, op: Run) -> str:
         slab = self._slabs[op.root]

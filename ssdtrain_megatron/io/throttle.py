@@ -30,14 +30,8 @@ class ThrottledEngine(IOEngine):
         self.write_meter = BusyMeter()
         self.read_meter = BusyMeter()
 
-    def __getattr__(self, name):  # page_cache_bypassed, fault, ... (what IOEngine does not declare)
+    def __getattr__(self, name):  # page_cache_bypassed, ... (what IOEngine does not declare)
         return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):
-        if name == "fault":
-            setattr(self.inner, name, value)
-        else:
-            object.__setattr__(self, name, value)
 
     def _slot(self, inner: Future, nbytes: int, meter: BusyMeter) -> Future:
         out: Future = Future()

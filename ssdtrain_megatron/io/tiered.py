@@ -81,14 +81,6 @@ class TieredEngine(IOEngine):
         self.ssd.tracer = sink
 
     @property
-    def fault(self):
-        return self.ssd.fault
-
-    @fault.setter
-    def fault(self, hook) -> None:
-        self.ssd.fault = hook
-
-    @property
     def completions(self):
         return self._completions
 
