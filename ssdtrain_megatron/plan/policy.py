@@ -235,8 +235,20 @@ def _free_to_budget(layers: Sequence[LayerMeasurement], decisions: List[str], mo
                     memory_budget_bytes: int) -> bool:
     """A budget: free bytes, cheapest time per byte first, until the resident bytes fit;
     False when no movable layer is left to free and they still do not."""
-    while _resident(layers, decisions) > memory_budget_bytes:
-        base = sum(cost(decisions))
+    return free_cheapest_first(layers, decisions, movable, lambda d: sum(cost(d)), tolerance,
+                               recompute_fallback,
+                               lambda d: _resident(layers, d) > memory_budget_bytes)
+
+
+def free_cheapest_first(layers: Sequence[LayerMeasurement], decisions: List[str], movable,
+                        cost: Callable[[Sequence[str]], float], tolerance: float,
+                        recompute_fallback: bool, too_big: Callable[[Sequence[str]], bool]) -> bool:
+    """Greedy, in place: while ``too_big(decisions)``, turn the kept layer whose offload (or,
+    with ``recompute_fallback``, recompute) adds the least ``cost`` per byte freed (an increase
+    within ``tolerance`` counts as none; ties: offload first, then the earlier layer). False
+    when no movable kept layer is left and it is still too big."""
+    while too_big(decisions):
+        base = cost(decisions)
         best = None
         for i in movable:
             if decisions[i] != KEEP:
@@ -249,11 +261,9 @@ def _free_to_budget(layers: Sequence[LayerMeasurement], decisions: List[str], mo
                 if freed <= 0:
                     continue
                 decisions[i] = decision
-                extra = max(0.0, sum(cost(decisions)) - base)
+                extra = max(0.0, cost(decisions) - base)
                 decisions[i] = KEEP
-                if extra <= tolerance:
-                    extra = 0.0
-                key = (extra / freed, rank, i)
+                key = (0.0 if extra <= tolerance else extra / freed, rank, i)
                 if best is None or key < best[0]:
                     best = (key, i, decision)
         if best is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .policy import KEEP, OFFLOAD, RECOMPUTE, LayerMeasurement, timeline
+from .policy import KEEP, RECOMPUTE, LayerMeasurement, free_cheapest_first, timeline
 
 _REL_EPS = 1e-9
 
@@ -147,28 +147,9 @@ def _plan_position(layers, pos: Position, allowance: int, movable, write_bps, re
     def cost(d) -> float:
         return simulate(layers, d, write_bps, read_bps, pos.gap_s, cpu_s_per_byte, backward_factor)
 
-    while _kept(layers, decisions) > allowance:
-        base = cost(decisions)
-        best = None
-        for i in movable:
-            if decisions[i] != KEEP:
-                continue
-            options = [(OFFLOAD, layers[i].activation_bytes)]
-            if recompute_fallback:
-                options.append((RECOMPUTE, layers[i].activation_bytes - layers[i].checkpoint_bytes))
-            for rank, (decision, freed) in enumerate(options):
-                if freed <= 0:
-                    continue
-                decisions[i] = decision
-                extra = max(0.0, cost(decisions) - base)
-                decisions[i] = KEEP
-                key = (0.0 if extra <= tolerance else extra / freed, rank, i)
-                if best is None or key < best[0]:
-                    best = (key, i, decision)
-        if best is None:
-            return decisions, False
-        decisions[best[1]] = best[2]
-    return decisions, True
+    fits = free_cheapest_first(layers, decisions, movable, cost, tolerance, recompute_fallback,
+                               lambda d: _kept(layers, d) > allowance)
+    return decisions, fits
 
 
 def format_plan(plan: StepPlan, names: Sequence[str]) -> str:
