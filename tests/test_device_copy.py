@@ -30,6 +30,7 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.cache.device_copy import DeviceCopy, StagingPool, StagingUnavailable
 from ssdtrain_megatron.config import ConfigError
 from ssdtrain_megatron.io import IOEngine, make_engine
+from ssdtrain_megatron.io.base import as_bytes
 from tests import fake_kvikio
 from tests.recording_streams import Node, Recorder, _range, contains, overlaps
 
@@ -316,7 +317,7 @@ def test_the_checks_fail_when_the_event_is_recorded_before_compaction(tmp_path, 
         def stage_out(self, r):
             produced = self.ops.new_event()
             produced.record(self.ops.current_stream(self.device))
-            view = r.bytes_view(self.ops.compact)
+            view = as_bytes(r.bytes_view(self.ops.compact))
             xfer_block = self.pool.take(view.numel())
             self.offload_stream.wait_event(produced)
             with self.ops.use(self.offload_stream):

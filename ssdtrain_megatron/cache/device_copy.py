@@ -52,6 +52,7 @@ from typing import Any, ContextManager, Deque, Optional, Tuple
 
 import torch
 
+from ..io.base import as_bytes
 from ..io.layout import ALIGN, ExtentAllocator
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ class DeviceCopy:
         """Training thread: (bytes for the engine, the event the engine waits for before it
         reads them, the transfer to pass to :meth:`written` once the engine is done)."""
         ops = self.ops
-        view = rec.bytes_view(ops.compact)  # compaction first: the event below must cover it
+        view = as_bytes(rec.bytes_view(ops.compact))  # compaction first: the event below must cover it
         produced = ops.new_event()
         produced.record(ops.current_stream(self.device))
         xfer = Transfer()
@@ -273,7 +274,7 @@ class DeviceCopy:
         alloc_stream = ops.current_stream(self.device)
         restored, dest = rec.allocate_restore()  # on the current stream
         xfer = Transfer()
-        xfer.dest = dest
+        xfer.dest = as_bytes(dest)  # the staged bytes are copied in as bytes (finish_in)
         xfer.packed = rec.staging  # a compact record's packed elements (device), else None
         rec.staging = None
         xfer.alloc_stream = alloc_stream

@@ -1,8 +1,11 @@
 """The IO engine interface every backend implements.
 
 An engine stores and returns opaque byte ranges under integer keys. It knows nothing of
-autograd: the offloader hands it a contiguous 1-D ``uint8`` tensor and asks for the same bytes
-back later. Ordering contract, kept by the caller: ``read(key)`` is issued only after the
+autograd: the offloader hands it a contiguous tensor (any dtype and shape: its memory is the
+bytes, ``tensor.nbytes`` of them) and asks for the same bytes back later into another. The
+engine takes the byte view (:func:`as_bytes`) on its own threads: a view is a torch call that
+releases the GIL, and on the training thread each one is a point where the IO threads can take
+the interpreter away from the pack hook. Ordering contract, kept by the caller: ``read(key)`` is issued only after the
 ``write(key)`` has completed, and ``release(key)`` only when no IO on that key is pending.
 
 Completions reach the caller one of two ways: a Future per request (the default), or, when the
@@ -87,14 +90,14 @@ class IOEngine(abc.ABC):
 
     @abc.abstractmethod
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
-        """Start writing ``data`` (contiguous 1-D uint8). ``ready_event`` (a CUDA event or
+        """Start writing the bytes of ``data`` (a contiguous tensor). ``ready_event`` (a CUDA event or
         None) must complete before the bytes are read from ``data``. Returns a Future, or None
         when ``completions`` is set."""
 
     @abc.abstractmethod
     def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
-        """Start reading the bytes stored under ``key`` into ``out`` (contiguous 1-D uint8 of
-        the written length). ``ready_event`` (a CUDA event or None) must complete before bytes
+        """Start reading the bytes stored under ``key`` into ``out`` (a contiguous tensor of the
+        written ``nbytes``). ``ready_event`` (a CUDA event or None) must complete before bytes
         are written into ``out`` (kernels that used its memory before may still run). Returns
         a Future, or None when ``completions`` is set."""
 
@@ -124,6 +127,19 @@ class IOEngine(abc.ABC):
     @abc.abstractmethod
     def bytes_on_disk(self) -> int:
         """Bytes currently held for live keys (0 once every key is released)."""
+
+
+_U8 = torch.uint8
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The memory of the contiguous tensor ``t`` as a 1-D uint8 view (no copy); ``t`` itself
+    when it already is one. Engines call it on their IO threads (see the module docstring)."""
+    if t.dtype is _U8 and t.dim() == 1:
+        return t
+    if t.requires_grad:  # the offloader may hand over the saved tensor itself
+        t = t.detach()
+    return t.view(-1).view(_U8)
 
 
 class BusyMeter:

@@ -119,7 +119,9 @@ class GdsEngine(SlabEngine):
             if req.ready_event is not None:
                 req.ready_event.synchronize()
             # kvikio takes CUDA tensors through __cuda_array_interface__, host ones as numpy.
-            buf = req.tensor if req.tensor.is_cuda else req.tensor.numpy()
+            data = req.bytes()
+            buf = data if data.is_cuda else data.numpy()
+            data = None
         except BaseException as exc:  # noqa: BLE001 - surfaced through the Future
             for i in range(len(req.extents)):
                 self._finish_chunk(req, i, EngineError(f"gds {op} of key {req.key} failed: {exc!r}"))

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ..config import OffloadConfig
-from .base import BusyMeter, EngineError, IOEngine
+from .base import BusyMeter, EngineError, IOEngine, as_bytes
 from .layout import ExtentAllocator, Identity
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class MemoryEngine(IOEngine):
 
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         self._check_open()
-        nbytes = data.numel()
+        nbytes = data.nbytes
         with self._lock:
             if key in self._extents:
                 raise EngineError(f"key {key} written twice")
@@ -128,8 +128,8 @@ class MemoryEngine(IOEngine):
         if where is None:
             raise EngineError(f"read of unknown key {key}")
         offset, nbytes = where
-        if out.numel() != nbytes:
-            raise EngineError(f"read of key {key} into {out.numel()} bytes; {nbytes} were written")
+        if out.nbytes != nbytes:
+            raise EngineError(f"read of key {key} into {out.nbytes} bytes; {nbytes} were written")
         return self._start("read", key, offset, nbytes, self.read_meter,
                            self._wait_then_copy_out, out, offset, nbytes, ready_event)
 
@@ -213,7 +213,7 @@ class MemoryEngine(IOEngine):
         if ready_event is not None:
             ready_event.synchronize()
         if nbytes:
-            self._pool[offset:offset + nbytes].copy_(data)
+            self._pool[offset:offset + nbytes].copy_(as_bytes(data))
 
     def _wait_then_copy_out(self, out: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
         if ready_event is not None:  # kernels that used out's memory before must be done
@@ -222,7 +222,7 @@ class MemoryEngine(IOEngine):
 
     def _copy_out(self, out: torch.Tensor, offset: int, nbytes: int) -> None:
         if nbytes:
-            out.copy_(self._pool[offset:offset + nbytes])
+            as_bytes(out).copy_(self._pool[offset:offset + nbytes])
 
 
 def _padded(nbytes: int) -> int:

@@ -125,7 +125,7 @@ class PosixEngine(SlabEngine):
         out = []
         for (req, i), source in zip(op.parts, op.direct):
             if source is not None:
-                out.append(memoryview(source.numpy()))
+                out.append(source)
             else:
                 ext = req.extents[i]
                 lo = ext.offset - op.offset

@@ -22,7 +22,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
-from .base import BusyMeter
+from . import hostmem
+from .base import BusyMeter, as_bytes
 from .layout import Extent
 
 class Placement:
@@ -57,7 +58,7 @@ class Request:
 
     __slots__ = ("future", "key", "t_submit", "depth", "writing", "tensor", "nbytes", "placement",
                  "owner", "ready_event", "meter", "next_chunk", "error", "completions", "cancelled",
-                 "_left", "_lock")
+                 "_left", "_lock", "_addr")
 
     def __init__(self, owner: RequestOwner, key: int, writing: bool, tensor: torch.Tensor,
                  placement: Placement, n_chunks: int, ready_event: Optional[object], meter: BusyMeter,
@@ -69,8 +70,8 @@ class Request:
         self.t_submit = time.perf_counter()
         self.depth = depth  # chunks queued or in flight when this request was made (for the trace)
         self.writing = writing
-        self.tensor: Optional[torch.Tensor] = tensor
-        self.nbytes = tensor.numel()
+        self.tensor: Optional[torch.Tensor] = tensor  # any dtype: see bytes()
+        self.nbytes = tensor.nbytes
         self.placement = placement
         self.ready_event = ready_event
         self.meter = meter
@@ -78,9 +79,28 @@ class Request:
         self.cancelled = False  # guarded by the queue's lock: taken out before any chunk started
         self.error: Optional[BaseException] = None
         self._left = n_chunks
+        self._addr: Optional[int] = None  # see address()
         # Only chunks of one request finishing on several threads need a lock; most requests
         # (activations up to chunk_bytes) are one chunk, and the training thread makes them.
         self._lock = threading.Lock() if n_chunks > 1 else None
+
+    def bytes(self) -> torch.Tensor:
+        """The request's memory as 1-D uint8 (call from an IO thread: the training thread
+        hands over the tensor as it is, see io/base.py). Made once; two threads taking chunks
+        of one request at once may both make it, which is harmless."""
+        t = self.tensor
+        if t.dtype is not torch.uint8 or t.dim() != 1:
+            t = self.tensor = as_bytes(t)
+        return t
+
+    def address(self) -> int:
+        """The address of the request's first byte (host memory; the staged engines' IO
+        threads move chunks by address, io/hostmem.py). Valid while ``tensor`` is held, that
+        is until the last chunk is done."""
+        addr = self._addr
+        if addr is None:
+            addr = self._addr = hostmem.address(self.tensor)
+        return addr
 
     @property
     def extents(self) -> List[Extent]:
@@ -222,6 +242,7 @@ class Run:
         self.nbytes = last.offset + padded(last.length) - first.offset
         self.writing = parts[0][0].writing
         self.failed: Dict[int, BaseException] = {}  # part index -> its injected error (tests)
-        # Per part, the request's own memory when the IO uses it in place (zero-copy), else
-        # None (the part goes through ``buf``); None for the whole run when no part does.
-        self.direct: Optional[List[Optional[torch.Tensor]]] = None
+        # Per part, the request's own memory (a buffer over it, io/hostmem.py) when the IO
+        # uses it in place (zero-copy), else None (the part goes through ``buf``); None for
+        # the whole run when no part does.
+        self.direct: Optional[List[Optional[memoryview]]] = None

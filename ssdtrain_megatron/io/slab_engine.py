@@ -30,6 +30,7 @@ from ..config import OffloadConfig
 from . import cleanup
 from .base import BusyMeter, EngineError, IOEngine
 from .checksum import ALGORITHM, checksum
+from .hostmem import buffer_at, memmove, memset
 from .clean import sweep_before_start
 from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
 from .requests import ChunkQueue, Placement, Request, Run
@@ -113,6 +114,12 @@ class SlabEngine(IOEngine):
         in turn, and allocate one extent per root holding that root's chunks back to back."""
         n_roots, chunk, nbytes = len(self._slabs), self._chunk, placement.nbytes
         first = next(self._turn) % n_roots
+        if nbytes <= chunk:  # one chunk, one extent (most activations): what the loops below give
+            size = self._padded(nbytes)
+            offset = self._slabs[first].alloc.allocate(size)
+            placement.allocs = [(first, offset, size)]
+            placement.extents = [Extent(first, offset, nbytes)]
+            return
         n = self._n_chunks(nbytes)
         last = nbytes - (n - 1) * chunk
         full, tail = self._padded(chunk), self._padded(last)
@@ -132,7 +139,7 @@ class SlabEngine(IOEngine):
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         """Register ``key`` and queue the request: all the training thread does."""
         self._check_open()
-        placement = Placement(data.numel())
+        placement = Placement(data.nbytes)
         n = self._n_chunks(placement.nbytes)
         with self._lock:
             if key in self._placed:
@@ -162,8 +169,8 @@ class SlabEngine(IOEngine):
             if placement is None or placement.extents is None:
                 raise EngineError(f"read of unknown key {key}" if placement is None else
                                   f"read of key {key} before its write completed")
-            if out.numel() != placement.nbytes:
-                raise EngineError(f"read of key {key} into {out.numel()} bytes; "
+            if out.nbytes != placement.nbytes:
+                raise EngineError(f"read of key {key} into {out.nbytes} bytes; "
                                   f"{placement.nbytes} were written")
             n = len(placement.extents)
             self._queued += n
@@ -247,35 +254,36 @@ class SlabEngine(IOEngine):
         return (f"{self.name} {'write' if op.writing else 'read'} of {op.nbytes} bytes "
                 f"{'to' if op.writing else 'from'} {slab.path} at offset {op.offset}")
 
-    def _direct_source(self, req: Request, i: int, n: int) -> Optional[torch.Tensor]:
-        """Chunk ``i`` (``n`` bytes) of the request's own tensor when the IO can use it in place:
+    def _direct_source(self, req: Request, i: int, n: int) -> Optional[memoryview]:
+        """Chunk ``i`` (``n`` bytes) of the request's own memory when the IO can use it in place:
         host memory whose address and length are multiples of the alignment O_DIRECT needs
         (pinned staging blocks, page-aligned buffers). None: it goes through a bounce buffer."""
-        t = req.tensor
-        if not self._zero_copy or n == 0 or n % self._align or t is None or t.device.type != "cpu":
+        if not self._zero_copy or n == 0 or n % self._align or req.tensor is None:
             return None
-        start = i * self._chunk
-        if (t.data_ptr() + start) % self._align:
+        if req.tensor.device.type != "cpu":
             return None
-        return t[start:start + n]
+        addr = req.address() + i * self._chunk
+        return None if addr % self._align else buffer_at(addr, n)
 
     def _count_copies(self, op: Run) -> None:
         """After a successful run: how many of its bytes went in place, how many were bounced."""
-        direct = sum(t.numel() for t in op.direct if t is not None) if op.direct is not None else 0
+        direct = sum(len(m) for m in op.direct if m is not None) if op.direct is not None else 0
         with self._lock:
             self.zero_copy_bytes += direct
             self.bounced_bytes += op.nbytes - direct
 
     def _fill(self, op: Run) -> None:
         """Write side, before the IO: each chunk's bytes (and zeroed padding) into place, in
-        the bounce buffer, unless the chunk can be written from its own memory (``op.direct``)."""
-        direct: List[Optional[torch.Tensor]] = []
+        the bounce buffer, unless the chunk can be written from its own memory (``op.direct``).
+        By address (io/hostmem.py): no torch call per chunk."""
+        direct: List[Optional[memoryview]] = []
+        base = op.buf.data_ptr() - op.offset
         for req, i in op.parts:
             ext = req.extents[i]
-            n, start = ext.length, i * self._chunk
-            stage = op.buf[ext.offset - op.offset:ext.offset - op.offset + self._padded(n)]
+            n, at = ext.length, base + ext.offset
+            pad = self._padded(n) - n
             if req.error is not None:  # another chunk of this tensor failed: write zeros
-                stage.zero_()
+                memset(at, 0, n + pad)
                 direct.append(None)
                 continue
             if req.ready_event is not None:
@@ -284,15 +292,15 @@ class SlabEngine(IOEngine):
             direct.append(source)
             if source is not None:
                 if self._checksum:
-                    ext.crc = checksum(source.numpy())
+                    ext.crc = checksum(source)
                 continue
             if n:
-                stage[:n].copy_(req.tensor[start:start + n])
-            if stage.numel() > n:
-                stage[n:].zero_()  # the padding reaches the disk: never stale memory
+                memmove(at, req.address() + i * self._chunk, n)
+            if pad:
+                memset(at + n, 0, pad)  # the padding reaches the disk: never stale memory
             if self._checksum:
-                ext.crc = checksum(stage[:n].numpy()) if n else 0
-        op.direct = direct if any(t is not None for t in direct) else None
+                ext.crc = checksum(buffer_at(at, n)) if n else 0
+        op.direct = direct if any(m is not None for m in direct) else None
 
     def _check_inside(self, op: Run) -> None:
         """Read side, before the IO: the run lies inside the reserved (written) file."""
@@ -301,17 +309,17 @@ class SlabEngine(IOEngine):
             raise EngineError(f"{self._describe(op)}: past the reserved end of the slab ({slab.reserved} bytes)")
 
     def _drain(self, op: Run) -> None:
-        """Read side, after the IO: per chunk, verify the checksum, copy the bytes out, and
-        complete it (a bad chunk fails its own tensor only)."""
+        """Read side, after the IO: per chunk, verify the checksum, copy the bytes out (by
+        address), and complete it (a bad chunk fails its own tensor only)."""
+        base = op.buf.data_ptr() - op.offset
         for j, (req, i) in enumerate(op.parts):
             exc: Optional[BaseException] = op.failed.get(j)
             try:
                 ext = req.extents[i]
-                n, start = ext.length, i * self._chunk
+                n, at = ext.length, base + ext.offset
                 in_place = op.direct[j] if op.direct is not None else None
-                stage = in_place if in_place is not None else op.buf[ext.offset - op.offset:ext.offset - op.offset + n]
                 if exc is None and req.error is None and self._checksum and n:
-                    crc = checksum(stage.numpy())
+                    crc = checksum(in_place if in_place is not None else buffer_at(at, n))
                     if crc != ext.crc:
                         raise EngineError(f"checksum mismatch reading {n} bytes from "
                                           f"{self._slabs[ext.root].path} at offset {ext.offset}: "
@@ -319,7 +327,7 @@ class SlabEngine(IOEngine):
                 if exc is None and req.error is None and n and in_place is None:
                     if req.ready_event is not None:
                         req.ready_event.synchronize()
-                    req.tensor[start:start + n].copy_(stage)
+                    memmove(req.address() + i * self._chunk, at, n)
             except BaseException as e:  # noqa: BLE001 - surfaced through the Future
                 exc = as_engine_error(e, f"{self.name} read")
             self._finish_chunk(req, i, exc)

@@ -57,10 +57,10 @@ class ThrottledEngine(IOEngine):
         return out
 
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Future:
-        return self._slot(self.inner.write(key, data, ready_event), data.numel(), self.write_meter)
+        return self._slot(self.inner.write(key, data, ready_event), data.nbytes, self.write_meter)
 
     def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Future:
-        return self._slot(self.inner.read(key, out, ready_event), out.numel(), self.read_meter)
+        return self._slot(self.inner.read(key, out, ready_event), out.nbytes, self.read_meter)
 
     # IOEngine declares these with defaults, so __getattr__ never sees them: forward each.
 

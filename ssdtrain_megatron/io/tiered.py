@@ -97,7 +97,7 @@ class TieredEngine(IOEngine):
         with self._lock:
             if key in self._tier:
                 raise EngineError(f"key {key} written twice")
-        nbytes = data.numel()
+        nbytes = data.nbytes
         queued = self._completions is not None
         if queued:  # before the request exists: it may complete before write() returns
             self._begin(key, self.write_meter, nbytes)
@@ -151,8 +151,8 @@ class TieredEngine(IOEngine):
         if tier is None:
             raise EngineError(f"read of unknown key {key}")
         if self._completions is None:
-            return self._metered(tier.read(key, out, ready_event), self.read_meter, out.numel())
-        self._begin(key, self.read_meter, out.numel())
+            return self._metered(tier.read(key, out, ready_event), self.read_meter, out.nbytes)
+        self._begin(key, self.read_meter, out.nbytes)
         try:
             tier.read(key, out, ready_event)
         except BaseException:
