@@ -7,11 +7,13 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from typing import List
 
 import pytest
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ssdtrain_megatron import ActivationOffloader
 from ssdtrain_megatron.cache.record import TensorRecord
@@ -264,12 +266,81 @@ def test_a_queued_write_of_a_released_tensor_is_cancelled(offload_dir):
             # time to join the same run); everything saved from here on waits in the queue.
             assert gate.entered.wait(30)
             outs += [lin(torch.randn(64, 256)).sin() for _ in range(2)]  # 4 more
-        del outs  # no backward: every record is released; the 4 later writes are still queued
+        # Backward uses every tensor from memory and then drops it: each record is released
+        # while its write is in flight; the 4 later writes are still queued.
+        torch.stack(outs).sum().backward()
+        del outs
         off.poll()
         gate.go.set()
         st = off.end_step()
     assert 1 <= st.tensors_offloaded <= 2, st  # the held run; the 4 queued writes cancelled
+    assert st.tensors_forwarded == 6 and st.bytes_read == 0
     assert sum(layer.tensors for layer in st.layers) == 6
     assert st.bytes_offloaded == st.tensors_offloaded * 64 * 256 * 4
     assert st.bytes_on_disk == 0 and st.fallbacks == 0
     assert files_under(offload_dir) == []
+
+
+# -- the pack hook: no torch call while IO threads run ---------------------------------------
+
+
+class _Ops(TorchDispatchMode):
+    """Records every torch operator dispatched on this thread while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy", ["offload", "keep"])
+def test_the_pack_of_an_offloaded_activation_makes_no_torch_call(offload_dir, policy):
+    """A torch call (detach, view) releases the GIL, and in the pack hook each release lets a
+    waiting IO thread take the interpreter from the training thread. Offloading a dense
+    activation makes none: the engine takes the byte view on its own thread (io/base.py),
+    and the record holds the tensor itself until its write completes (record.py). Keeping
+    one makes exactly one, the detach of the alias that keeps no graph alive."""
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, policy=policy)) as off:
+        x = torch.randn(256, 256, requires_grad=True)
+        with off.microbatch(0):
+            a = x.mul(2)
+            with _Ops() as seen:
+                handle = off._pack(a)
+        assert seen.ops == ([] if policy == "offload" else ["aten.detach.default"]), seen.ops
+        b = a.detach().clone()
+        del a
+        off.wait_writes()
+        out = off._unpack(handle)
+        assert out.grad_fn is None and torch.equal(out.view(torch.int32), b.view(torch.int32))
+        del handle, out
+        st = off.end_step()
+    assert st.bytes_offloaded == (256 * 256 * 4 if policy == "offload" else 0)
+
+
+def test_a_graph_dropped_without_backward_is_freed_once_its_writes_complete(offload_dir):
+    """An offloaded record holds the saved tensor itself while its write is in flight. A
+    tensor saved by the op that made it (tanh saves its output) then forms a cycle with its
+    graph (tensor -> grad_fn -> handle -> record -> tensor): a graph dropped without backward
+    stays alive until that write completes (never past the step's end), and is written
+    instead of cancelled. A backward releases saved tensors as usual (the test above)."""
+    lin = nn.Linear(256, 256)
+    with faulty_offloader(cfg(offload_dir, keep_last_layers=0, io_threads=1)) as off:
+        gate = off.engine.fault = HeldWrites()
+        gate.held = True
+        with off.microbatch(0):
+            out = lin(torch.randn(64, 256)).tanh()  # saves the input, and its own output
+        ref = StorageWeakRef(out.untyped_storage())
+        del out  # no backward
+        assert gate.entered.wait(30)  # the input's write holds the only IO thread
+        off.poll()
+        gc.collect()
+        assert not ref.expired()  # held by its record: its write is queued
+        gate.go.set()
+        assert _gone(ref, off.poll)  # written: the record lets go, and the graph goes with it
+        st = off.end_step()
+    assert st.tensors_offloaded == 2 and st.bytes_on_disk == 0
+    assert files_under(offload_dir) == []
+

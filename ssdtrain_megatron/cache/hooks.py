@@ -92,11 +92,13 @@ class SavedTensorHooks:
             rec.pos = rec.last_pos = mb.position
             mb.records.append(rec)
         if decision == "keep":
+            rec.hold()
             self._move(rec, State.KEPT)
         elif mb is not None and mb.layer_keys and self.config.keep_last_layers:
+            rec.hold()
             mb.deferred.append(rec)  # written once later layers prove it is not among the last
         else:
-            self._submit(rec)
+            self._submit(rec)  # the record holds the tensor itself until written (record.py)
         return _Handle(rec, self._events)
 
     def _saved_again(self, rec: TensorRecord) -> _Handle:

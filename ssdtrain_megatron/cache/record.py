@@ -99,7 +99,7 @@ class TensorRecord:
     """A saved tensor, the handle autograd holds for it, and where its bytes are."""
 
     __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "storage_ref", "version", "shape",
-                 "stride", "dtype", "device", "span", "nbytes", "residue", "compact", "staging", "handles",
+                 "stride", "dtype", "device", "span", "dense", "nbytes", "residue", "compact", "staging", "handles",
                  "error", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "__weakref__")
 
     def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable,
@@ -114,18 +114,25 @@ class TensorRecord:
         self.microbatch = microbatch
         self.layer = layer
         self.state = S.SAVED
-        # While we hold the bytes we keep a detached alias: same storage and version counter,
-        # but no grad_fn, so holding it neither keeps the autograd graph alive nor forms a
-        # cycle through the handle that graph holds.
-        self.tensor: Optional[torch.Tensor] = t.detach()
+        # The bytes we hold. A record that stays in memory (kept, deferred) holds a detached
+        # alias (``hold``): same storage and version counter, no grad_fn, so holding it keeps
+        # no autograd graph alive. One handed to the engine at once holds the saved tensor
+        # itself until its write completes: ``detach`` is a torch call that releases the GIL,
+        # and in the pack hook that release lets a waiting IO thread take the interpreter from
+        # the training thread (measured: 1.5-5 µs a pack while IO runs). Meanwhile a graph
+        # dropped without backward stays alive (tensor -> grad_fn -> handle -> record ->
+        # tensor) until the write completes (ON_DISK drops it) or the step ends; a backward
+        # releases saved tensors as usual. Backward gets a detached alias (``for_backward``).
+        self.tensor: Optional[torch.Tensor] = t
         self.ref = weakref.ref(t)  # to forward a tensor that is still alive, and detect in-place changes
         # A plain int (no Python object per tensor): while it is held the storage's address
         # cannot be reused, so a deduplication hit is never a freed and re-allocated buffer.
         self.storage_ref = storage_ref
         self.shape, self.stride, self.dtype, self.version, self.device = geometry
         numel = t.numel()
-        # The common case, a contiguous activation, needs no span arithmetic.
-        self.span = numel if t.is_contiguous() else span_elements(t)
+        # The common case, a contiguous activation, needs no span arithmetic and no view.
+        self.dense = t.is_contiguous()
+        self.span = numel if self.dense else span_elements(t)
         # A view that touches less than half of the storage span it lies in (V split out of a
         # fused QKV projection) is stored compactly, so we move its bytes and not its span.
         self.compact = self.span > 2 * numel
@@ -159,20 +166,33 @@ class TensorRecord:
         return S.NAMES[self.state]
 
     def bytes_view(self, contiguous: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
-        """The bytes to store as contiguous uint8: a view of the span (no copy), or for a
-        compact record a packed copy of its elements, made by ``contiguous`` (default
+        """The bytes to store, as a contiguous tensor (the engine takes the uint8 view on its
+        own thread, io/base.py): a dense tensor as it is, the span of a strided one (no copy),
+        or for a compact record a packed copy of its elements, made by ``contiguous`` (default
         ``Tensor.contiguous``; on a GPU a kernel on the current stream: whoever reads the bytes
         must wait for an event recorded *after* this call)."""
         t = self.tensor
+        if self.dense:
+            return t
+        t = t.detach()  # the copy or view below must not join the autograd graph
         if self.compact:
-            packed = contiguous(t) if contiguous is not None else t.contiguous()
-            return packed.view(-1).view(torch.uint8)
-        if self.span == t.numel() and t.is_contiguous():
-            return t.view(-1).view(torch.uint8)
-        return t.as_strided((self.span,), (1,), t.storage_offset()).view(torch.uint8)
+            return contiguous(t) if contiguous is not None else t.contiguous()
+        return t.as_strided((self.span,), (1,), t.storage_offset())
+
+    def hold(self) -> torch.Tensor:
+        """Hold a detached alias of the saved tensor (same storage and version counter, no
+        grad_fn) instead of the tensor itself, if not yet; returns it."""
+        t = self.tensor
+        if t.requires_grad:
+            t = self.tensor = t.detach()
+        return t
+
+    for_backward = hold
+    """The tensor to give backward: the detached alias."""
 
     def allocate_restore(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(tensor with the saved shape/stride, uint8 view to read the bytes into).
+        """(tensor with the saved shape/stride, contiguous tensor to read the bytes into: the
+        first itself when it is dense, io/base.py).
 
         The new tensor sits at the same address alignment (mod 512) as the original: some
         CPU kernels choose their vector path by alignment, and bitwise-equal gradients must
@@ -186,8 +206,10 @@ class TensorRecord:
         restored = storage.as_strided(self.shape, self.stride, pad)
         if self.compact:  # read packed elements, scatter them into the strided view after
             self.staging = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            return restored, self.staging.view(-1).view(torch.uint8)
-        return restored, storage[pad:pad + self.span].view(torch.uint8)
+            return restored, self.staging
+        if self.dense:
+            return restored, restored
+        return restored, storage[pad:pad + self.span]
 
     def finish_read(self) -> None:
         """After the read: a compact record's packed bytes go to their strided places."""

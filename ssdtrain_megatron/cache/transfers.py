@@ -149,6 +149,7 @@ class RecordIO:
         except BaseException:  # an engine bug: the caller sees it; the tensor stays usable
             self._written(rec)
             self._inflight_bytes -= rec.nbytes
+            rec.hold()
             self._move(rec, State.KEPT)
             raise
         self._submit_s += time.perf_counter() - t_submit  # budget/plan: (end of the measured part)
@@ -193,6 +194,7 @@ class RecordIO:
                         f"offload write failed, keeping tensors in memory instead "
                         f"(counted in StepStats.fallbacks): {exc}")
         dropped = rec.state == State.WRITE_DROPPED
+        rec.hold()  # it stays in memory: hold it as kept records do (record.py)
         self._move(rec, State.KEPT)
         if dropped:
             self._release(rec)
@@ -280,7 +282,7 @@ class RecordIO:
             self._wait_record(rec)
         if rec.state == State.BROKEN:
             raise RuntimeError(rec.error)
-        out = rec.tensor
+        out = rec.for_backward()
         if self._copy is not None:
             self._copy.consume(rec, out)  # the current stream waits for the reload
         rec.check_version(rec.ref())
