@@ -120,7 +120,10 @@ class Slab:
             if self.fd is not None:
                 os.close(self.fd)
                 self.fd = None
-                os.unlink(self.path)
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass  # removed with its directory already (the exit path, then close)
             self.alloc.reset()
             self.reserved = 0
             self.tight = False
