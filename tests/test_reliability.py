@@ -394,11 +394,14 @@ def test_space_is_freed_when_a_tensor_is_released_during_its_write(offload_dir, 
     with faulty_offloader(cfg(offload_dir, keep_last_layers=0)) as off:
         gate = off.engine.fault = Gate("write")
         (out,), _ = _saved_and_dropped(off)
-        out.sum().backward()
-        del out  # every handle is gone; both writes are still blocked
-        deadline = time.monotonic() + 10  # the IO threads place the tensors as they take them
+        # Both writes have started (an IO thread places a tensor as it takes it, then blocks
+        # at the gate) before backward runs: one not yet started would be cancelled instead.
+        deadline = time.monotonic() + 10
         while off.engine.bytes_on_disk < 2 * 65536 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert off.engine.bytes_on_disk == 2 * 65536
+        out.sum().backward()
+        del out  # every handle is gone; both writes are still blocked
         assert off.engine.bytes_on_disk == 2 * 65536
         gate.event.set()
         off.wait_writes()
