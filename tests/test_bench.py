@@ -7,7 +7,9 @@ import json
 import logging
 import os
 import sys
+import subprocess
 import types
+from typing import List
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"
               pytest.mark.filterwarnings("ignore::UserWarning:megatron.*")]
 
 from ssdtrain_megatron import OffloadConfig  # noqa: E402
+from ranks import REPO  # noqa: E402
 from ssdtrain_megatron.tools.bench import BenchRun, add_bench_parser, summarize  # noqa: E402
 from ssdtrain_megatron.tools.bench_measure import _Series  # noqa: E402
 from ssdtrain_megatron.megatron import telemetry  # noqa: E402
@@ -319,3 +322,21 @@ def test_scalars_are_readable_from_a_tensorboard_event_file(tmp_path):
     for tag, value in telemetry.step_scalars(stats).items():
         # TensorBoard stores scalars as float32.
         assert [(e.step, e.value) for e in events.Scalars(tag)] == [(42, float(np.float32(value)))]
+
+
+def test_the_bench_sets_a_passive_openmp_wait_policy_unless_the_environment_sets_one():
+    """Set before torch loads (its OpenMP runtime reads it once), never over the user's."""
+    code = ("import os; from ssdtrain_megatron.tools.bench import openmp_wait_policy as w; "
+            "print(w()); print(os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+    def run(src: str, **extra) -> List[str]:
+        out = subprocess.run([sys.executable, "-c", src], env=dict(env, **extra), capture_output=True,
+                             text=True, check=True, cwd=REPO)
+        return out.stdout.splitlines()
+
+    said, value = run(code)
+    assert said.startswith("PASSIVE (set by the bench") and value == "PASSIVE"
+    assert run(code, OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE (from the environment)", "ACTIVE"]
+    said, value = run("import torch; " + code)  # too late: the bench says so and sets nothing
+    assert said.startswith("the OpenMP runtime's default") and value == "None"

@@ -22,6 +22,12 @@ strategies ran, adaptive against the fastest fixed strategy (offload, recompute)
 memory budget, and the largest micro-batch each strategy fits under it; writes
 OUT/rok.png (x: peak activation memory, y: throughput, one line per strategy) and
 OUT/points.json (the object --json prints). Progress goes to stderr.
+
+On the CPU the bench sets OMP_WAIT_POLICY=PASSIVE for every strategy unless the environment
+sets it. The reason: the model's compute runs on torch's OpenMP team, and with the runtime's
+default, a team thread whose peer lost its core to an IO thread busy-waits at the next barrier.
+The IO threads' CPU then shows up a second time as compute, which a GPU's step does not have.
+The header says which policy the run had.
 """
 
 from __future__ import annotations
@@ -109,7 +115,20 @@ def _shape(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
 
 
+def openmp_wait_policy() -> str:
+    """Set OMP_WAIT_POLICY=PASSIVE for this process unless the environment sets it (see the
+    module docstring), while torch, whose OpenMP runtime reads it once when it loads, is not
+    yet imported. Returns what the run has, for its header."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return f"{os.environ['OMP_WAIT_POLICY']} (from the environment)"
+    if "torch" in sys.modules:
+        return "the OpenMP runtime's default (torch was loaded before the bench started)"
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "PASSIVE (set by the bench; OMP_WAIT_POLICY=ACTIVE to measure without it)"
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    omp = openmp_wait_policy()  # first: before anything imports torch
     quiet_megatron_warnings()
     root = writable_dir("--dir", args.dir)
     from .minigpt import GPTSpec
@@ -130,6 +149,7 @@ def run_bench(args: argparse.Namespace) -> int:
     result = measure(spec, cfg, args.micro_batches, shape["steps"], shape["warmup"],
                      budget=args.memory_budget)
     summary = summarize(result, args.memory_budget)
+    summary["omp_wait_policy"] = omp
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "points.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
@@ -230,7 +250,10 @@ def render(summary: dict) -> str:
     sh = summary["shape"]
     lines = [f"megatron-core GPT, {sh['layers']} layers, hidden {sh['hidden']}, seq {sh['seq']}, "
              f"{sh['num_microbatches']} micro-batches per step, on {summary['device']}; median of "
-             f"{summary['steps']} steps after {summary['warmup']} warm-up", ""]
+             f"{summary['steps']} steps after {summary['warmup']} warm-up"]
+    if summary.get("omp_wait_policy") and summary["device"] == "cpu":
+        lines.append(f"OpenMP wait policy: {summary['omp_wait_policy']}")
+    lines.append("")
     head = ("strategy", "micro-batch", "step (s)", "tokens/s", "peak activations", "peak memory",
             "CPU (s)", "io wait (ms)")
     diag = summary["diagnostics"]
