@@ -80,6 +80,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         self._engine: Optional[IOEngine] = engine
         self._streams = streams
         self._closed = False
+        self._closed_by: Optional[int] = None  # the signal whose cleaners closed it (cleanup.py)
         if self._engine is None and config.policy != "keep":
             self._engine = make_engine(config)
         try:
@@ -362,10 +363,12 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
 
     def _check_open(self) -> None:
         if self._closed:
+            cleanup.raise_if_interrupted(self._closed_by)
             raise RuntimeError("ActivationOffloader is closed")
 
     def _emergency_close(self) -> None:
         """Signal/exit path: remove files now; do not wait for anything."""
         self._closed = True
+        self._closed_by = cleanup.interrupted
         if self._engine is not None:
             self._engine.remove_files()

@@ -114,9 +114,28 @@ def _run_all() -> None:
             log.error("ssdtrain: cleanup failed: %s", exc)
 
 
+interrupted: Optional[int] = None
+"""While the cleaners run for a signal: that signal (else None). An object closed by them keeps
+it and raises KeyboardInterrupt when used again after a SIGINT, not "closed": a
+KeyboardInterrupt raised while Python runs a ``__del__`` (a dropped handle, say) is printed
+and dropped, and the job must still end as interrupted (raise_if_interrupted)."""
+
+
+def raise_if_interrupted(closed_by: Optional[int]) -> None:
+    """For an object closed by the cleaners of signal ``closed_by``: raise KeyboardInterrupt
+    if that was SIGINT (see ``interrupted``)."""
+    if closed_by == signal.SIGINT:
+        raise KeyboardInterrupt
+
+
 def _on_signal(signum, frame) -> None:
+    global interrupted
     prev = _previous.get(signum)  # before the cleaners: the last one puts the handlers back
-    _run_all()
+    interrupted = signum
+    try:
+        _run_all()
+    finally:
+        interrupted = None
     if callable(prev):
         prev(signum, frame)
     elif prev == signal.SIG_IGN:

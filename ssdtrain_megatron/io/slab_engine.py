@@ -61,6 +61,7 @@ class SlabEngine(IOEngine):
         self._lock = threading.Lock()
         self._turn = itertools.count()  # which root a tensor's first chunk goes to
         self._closed = False
+        self._closed_by: Optional[int] = None  # the signal whose cleaners closed it (cleanup.py)
         self._zero_copy = False  # posix: aligned host chunks skip the bounce buffer (_direct_source)
         self.zero_copy_bytes = 0  # bytes moved in place, without a copy through a bounce buffer
         self.bounced_bytes = 0  # bytes copied through a bounce buffer
@@ -208,6 +209,7 @@ class SlabEngine(IOEngine):
     def _remove_files(self, drop_slabs: bool) -> None:
         """Take this engine's files away: the slabs (only when no IO thread may still use
         their descriptors) and the rank directories."""
+        self._closed_by = cleanup.interrupted  # a signal's cleaners, or None
         if self._cleanup_token is not None:
             cleanup.unregister(self._cleanup_token)
             self._cleanup_token = None
@@ -220,6 +222,7 @@ class SlabEngine(IOEngine):
 
     def _check_open(self) -> None:
         if self._closed:
+            cleanup.raise_if_interrupted(self._closed_by)
             raise EngineError("engine is closed")
 
     # -- the IO threads' side ---------------------------------------------------------------
