@@ -317,7 +317,8 @@ def test_the_pack_of_an_offloaded_activation_makes_no_torch_call(offload_dir, po
         assert out.grad_fn is None and torch.equal(out.view(torch.int32), b.view(torch.int32))
         del handle, out
         st = off.end_step()
-    assert st.bytes_offloaded == (256 * 256 * 4 if policy == "offload" else 0)
+    expected = 256 * 256 * 4 if policy == "offload" else 0
+    assert st.bytes_offloaded == expected and st.bytes_read == expected  # read back from the engine
 
 
 def test_a_graph_dropped_without_backward_is_freed_once_its_writes_complete(offload_dir):

@@ -122,7 +122,7 @@ class TensorRecord:
         # the training thread (measured: 1.5-5 µs a pack while IO runs). Meanwhile a graph
         # dropped without backward stays alive (tensor -> grad_fn -> handle -> record ->
         # tensor) until the write completes (ON_DISK drops it) or the step ends; a backward
-        # releases saved tensors as usual. Backward gets a detached alias (``for_backward``).
+        # releases saved tensors as usual. Backward gets the detached alias too (``hold``).
         self.tensor: Optional[torch.Tensor] = t
         self.ref = weakref.ref(t)  # to forward a tensor that is still alive, and detect in-place changes
         # A plain int (no Python object per tensor): while it is held the storage's address
@@ -186,9 +186,6 @@ class TensorRecord:
         if t.requires_grad:
             t = self.tensor = t.detach()
         return t
-
-    for_backward = hold
-    """The tensor to give backward: the detached alias."""
 
     def allocate_restore(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(tensor with the saved shape/stride, contiguous tensor to read the bytes into: the

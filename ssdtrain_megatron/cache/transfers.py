@@ -282,7 +282,7 @@ class RecordIO:
             self._wait_record(rec)
         if rec.state == State.BROKEN:
             raise RuntimeError(rec.error)
-        out = rec.for_backward()
+        out = rec.hold()  # backward gets the detached alias (record.py)
         if self._copy is not None:
             self._copy.consume(rec, out)  # the current stream waits for the reload
         rec.check_version(rec.ref())

@@ -5,8 +5,9 @@ autograd: the offloader hands it a contiguous tensor (any dtype and shape: its m
 bytes, ``tensor.nbytes`` of them) and asks for the same bytes back later into another. The
 engine takes the byte view (:func:`as_bytes`) on its own threads: a view is a torch call that
 releases the GIL, and on the training thread each one is a point where the IO threads can take
-the interpreter away from the pack hook. Ordering contract, kept by the caller: ``read(key)`` is issued only after the
-``write(key)`` has completed, and ``release(key)`` only when no IO on that key is pending.
+the interpreter away from the pack hook. Ordering contract, kept by the caller: ``read(key)``
+is issued only after the ``write(key)`` has completed, and ``release(key)`` only when no IO on
+that key is pending.
 
 Completions reach the caller one of two ways: a Future per request (the default), or, when the
 caller sets ``engine.completions`` (anything with ``put``, e.g. a ``queue.SimpleQueue``), one
@@ -90,9 +91,9 @@ class IOEngine(abc.ABC):
 
     @abc.abstractmethod
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
-        """Start writing the bytes of ``data`` (a contiguous tensor). ``ready_event`` (a CUDA event or
-        None) must complete before the bytes are read from ``data``. Returns a Future, or None
-        when ``completions`` is set."""
+        """Start writing the bytes of ``data`` (a contiguous tensor). ``ready_event`` (a CUDA
+        event or None) must complete before the bytes are read from ``data``. Returns a Future,
+        or None when ``completions`` is set."""
 
     @abc.abstractmethod
     def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:

@@ -23,11 +23,11 @@ memory budget, and the largest micro-batch each strategy fits under it; writes
 OUT/rok.png (x: peak activation memory, y: throughput, one line per strategy) and
 OUT/points.json (the object --json prints). Progress goes to stderr.
 
-On the CPU the bench sets OMP_WAIT_POLICY=PASSIVE for every strategy unless the environment
-sets it. The reason: the model's compute runs on torch's OpenMP team, and with the runtime's
-default, a team thread whose peer lost its core to an IO thread busy-waits at the next barrier.
-The IO threads' CPU then shows up a second time as compute, which a GPU's step does not have.
-The header says which policy the run had.
+The bench sets OMP_WAIT_POLICY=PASSIVE for every strategy unless the environment sets it. It
+matters on the CPU: the model's compute runs on torch's OpenMP team there, and with the
+runtime's default, a team thread whose peer lost its core to an IO thread busy-waits at the
+next barrier. The IO threads' CPU then shows up a second time as compute, which a GPU's step
+does not have. On the CPU the header says which policy the run had (--json: omp_wait_policy).
 """
 
 from __future__ import annotations
