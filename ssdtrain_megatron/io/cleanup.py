@@ -12,18 +12,23 @@ handler has nothing else to reach them through. Its rules:
   put back (the handlers that were there before) when the last cleaner is unregistered, e.g.
   when the last offloader closes. Handlers can only be changed on the main thread: an
   unregister elsewhere leaves ours in place, and they forward to the previous ones.
+- A signal that lands while a ``__del__`` runs is forwarded once that ``__del__`` is over:
+  the KeyboardInterrupt of the previous handler could not leave it (``_inside_del``).
 """
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import inspect
 import logging
 import os
 import signal
+import sys
 import threading
+import time
 import weakref
-from typing import Callable, Dict, Hashable, Optional
+from typing import Callable, Dict, Hashable, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +121,25 @@ def _run_all() -> None:
 
 interrupted: Optional[int] = None
 """While the cleaners run for a signal: that signal (else None). An object closed by them keeps
-it and raises KeyboardInterrupt when used again after a SIGINT, not "closed": a
-KeyboardInterrupt raised while Python runs a ``__del__`` (a dropped handle, say) is printed
-and dropped, and the job must still end as interrupted (raise_if_interrupted)."""
+it and raises KeyboardInterrupt when used again after a SIGINT, not "closed"
+(raise_if_interrupted): the backstop for an interrupt that Python dropped anyway (one raised
+inside a weakref callback, say)."""
+
+_deferred: Dict[int, Tuple[object, bool, float]] = {}
+"""signal -> (the previous handler, still to be called; whether ours was put back only to call
+it; when the signal came): see _inside_del."""
+
+
+def _inside_del(frame) -> bool:
+    """Whether ``frame`` runs inside a ``__del__``. A signal lands between any two bytecodes,
+    also those of a ``__del__`` (a dropped handle, the GC). An exception that the previous
+    handler raises there (KeyboardInterrupt, SystemExit) cannot leave the ``__del__``: Python
+    prints it as "Exception ignored" and runs on, and the job would not stop."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def raise_if_interrupted(closed_by: Optional[int]) -> None:
@@ -128,15 +149,57 @@ def raise_if_interrupted(closed_by: Optional[int]) -> None:
         raise KeyboardInterrupt
 
 
+DEFER_FOR_S = 10.0
+"""How long a signal that keeps landing inside ``__del__`` methods is delivered again."""
+
+
+def _deliver_after_del(signum: int, since: float) -> None:
+    """On a helper thread: deliver ``signum`` to the main thread again once its current frame
+    runs inside no ``__del__`` (and so outside the handler that started this thread). If the
+    signal lands in another ``__del__`` after all, the handler defers it again, for up to
+    DEFER_FOR_S; after that Python drops it as it would have, and an offloader or engine that
+    the cleaners closed raises KeyboardInterrupt at its next use (raise_if_interrupted)."""
+    main = threading.main_thread().ident
+    while True:
+        frame = sys._current_frames().get(main)
+        if frame is None:  # the main thread is gone
+            return
+        if not _inside_del(frame) or time.monotonic() - since > DEFER_FOR_S:
+            break
+        del frame
+        time.sleep(0.0005)
+    del frame
+    if signum in _deferred:  # else a later signal of the same kind has delivered it
+        _thread.interrupt_main(signum)
+
+
 def _on_signal(signum, frame) -> None:
     global interrupted
-    prev = _previous.get(signum)  # before the cleaners: the last one puts the handlers back
-    interrupted = signum
-    try:
-        _run_all()
-    finally:
-        interrupted = None
+    if signum in _deferred:  # the cleaners ran; the previous handler waits for the __del__ to end
+        prev, put_back, since = _deferred.pop(signum)
+    else:
+        prev = _previous.get(signum)  # before the cleaners: the last one puts the handlers back
+        put_back, since = False, time.monotonic()
+        interrupted = signum
+        try:
+            _run_all()
+        finally:
+            interrupted = None
     if callable(prev):
+        if _inside_del(frame) and time.monotonic() - since <= DEFER_FOR_S:
+            # Call it once the __del__ is over: deliver the signal again, to this handler
+            # (which the cleaners may have replaced), from a helper thread that waits for the
+            # main thread to leave it. Not from here: a signal delivered from this thread is
+            # handled at its next bytecode checkpoint, inside this handler.
+            if signal.getsignal(signum) is not _on_signal:
+                signal.signal(signum, _on_signal)
+                put_back = True
+            _deferred[signum] = (prev, put_back, since)
+            threading.Thread(target=_deliver_after_del, args=(signum, since), daemon=True,
+                             name="ssdtrain-signal").start()
+            return
+        if put_back and signal.getsignal(signum) is _on_signal:
+            signal.signal(signum, prev)
         prev(signum, frame)
     elif prev == signal.SIG_IGN:
         return
