@@ -143,7 +143,11 @@ def test_pipeline_checkpoint_inputs_are_offloaded_and_named_by_their_layer(runs)
         first, middle, _ = PIPELINE_LAYERS[r["rank"]]
         # Each checkpoint saves just its input (the layers inside run under no_grad).
         assert rows[str(first)]["bytes"] == rows[str(middle)]["bytes"] == PIPELINE.gas * INPUT_BYTES
-        assert rows[str(middle)]["bytes_offloaded"] == PIPELINE.gas * INPUT_BYTES
+        # Offloaded: the writes that completed before backward released their input (on a
+        # loaded machine, a write not started by then is cancelled), over all steps.
+        written = [_layer_rows(s)[str(middle)]["bytes_offloaded"] for s in info["steps"]]
+        assert all(w % INPUT_BYTES == 0 and w <= PIPELINE.gas * INPUT_BYTES for w in written)
+        assert sum(written) > 0, written
 
 
 def test_pipeline_announces_every_backward_before_it_runs(runs):

@@ -50,6 +50,14 @@ class Sampled:
     def __getattr__(self, name):
         return getattr(self.off, name)
 
+    def begin_backward(self, mb):
+        # Every other step lets its writes finish first: those steps must read from the drive.
+        # The others run as training does: a write not started when backward releases its
+        # tensor is cancelled, and a tiny model's backward on a loaded machine may cancel them all.
+        if len(self.samples) % 2 == 0:
+            self.off.wait_writes()
+        return self.off.begin_backward(mb)
+
     def end_step(self):
         st = self.off.end_step()
         self.samples.append((_open_fds(), _rss(), _disk(self.root), threading.active_count()))
@@ -73,8 +81,9 @@ def _soak(root, steps: int, caplog) -> None:
     # Descriptors and bytes on disk: back to their starting values after every single step.
     assert fds == [start[0]] * steps
     assert all(s[2] == start[1] for s in probe.samples), "files or bytes left on disk after a step"
-    assert all(st.bytes_on_disk == 0 and st.tensors_offloaded > 0 for st in stats)
-    assert sum(st.bytes_read > 0 for st in stats) > steps // 2  # the rest were forwarded from memory
+    assert all(st.bytes_on_disk == 0 for st in stats)
+    waited = stats[::2]  # the steps that let their writes finish before backward
+    assert all(st.tensors_offloaded > 0 and st.bytes_read > 0 for st in waited)
     assert len(set(threads)) == 1
     # Memory: after a warm-up (allocator caches, the IO pool's buffers) it no longer grows.
     warm = max(5, steps // 10)
