@@ -325,9 +325,10 @@ def test_scalars_are_readable_from_a_tensorboard_event_file(tmp_path):
 
 
 def test_the_bench_sets_a_passive_openmp_wait_policy_unless_the_environment_sets_one():
-    """Set before torch loads (its OpenMP runtime reads it once), never over the user's."""
-    code = ("import os; from ssdtrain_megatron.tools.bench import openmp_wait_policy as w; "
-            "print(w()); print(os.environ.get('OMP_WAIT_POLICY'))")
+    """Set before torch loads (its OpenMP runtime reads it once), never over the user's.
+    `ssdtrain demo` calls the same function first (its header line: tests/test_demo.py)."""
+    code = ("import os; from ssdtrain_megatron.tools.cli_types import openmp_wait_policy as w; "
+            "print(w('the bench')); print(os.environ.get('OMP_WAIT_POLICY'))")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
 
     def run(src: str, **extra) -> List[str]:

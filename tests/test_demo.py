@@ -26,7 +26,8 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     # The header names every setting that changes the numbers.
     header = out.out.split("\n\n")[0]
     for setting in ("engine posix", "io_threads 4", "chunk_bytes 8.0 MiB", "checksum off",
-                    "min_tensor_bytes 4.0 KiB", "keep_last_layers 1", "prefetch_layers 2", " free of "):
+                    "min_tensor_bytes 4.0 KiB", "keep_last_layers 1", "prefetch_layers 2", " free of ",
+                    "OpenMP wait policy: "):
         assert setting in header, setting
     # Per-step lines on stderr; no progress bar (not a terminal), no megatron-core noise.
     assert "step 1/2 (warm-up): loss " in out.err and "step 2/2: loss " in out.err

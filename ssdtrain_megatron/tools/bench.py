@@ -42,7 +42,7 @@ from typing import Dict, List, Optional
 
 from .bench_budget import budget_comparison, render_lines
 from .bench_measure import SAME_LOSSES, STRATEGIES, BenchRun, Point, measure
-from .cli_types import (byte_count, check_engine, deprecated_alias, positive_int,
+from .cli_types import (byte_count, check_engine, deprecated_alias, openmp_wait_policy, positive_int,
                         quiet_megatron_warnings, writable_dir)
 from ..config import OffloadConfig
 
@@ -115,20 +115,8 @@ def _shape(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
 
 
-def openmp_wait_policy() -> str:
-    """Set OMP_WAIT_POLICY=PASSIVE for this process unless the environment sets it (see the
-    module docstring), while torch, whose OpenMP runtime reads it once when it loads, is not
-    yet imported. Returns what the run has, for its header."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        return f"{os.environ['OMP_WAIT_POLICY']} (from the environment)"
-    if "torch" in sys.modules:
-        return "the OpenMP runtime's default (torch was loaded before the bench started)"
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return "PASSIVE (set by the bench; OMP_WAIT_POLICY=ACTIVE to measure without it)"
-
-
 def run_bench(args: argparse.Namespace) -> int:
-    omp = openmp_wait_policy()  # first: before anything imports torch
+    omp = openmp_wait_policy("the bench")  # first: before anything imports torch
     quiet_megatron_warnings()
     root = writable_dir("--dir", args.dir)
     from .minigpt import GPTSpec

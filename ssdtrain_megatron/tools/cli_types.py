@@ -216,6 +216,23 @@ torch fallbacks, which the demo and the benchmarks are built for) and about a de
 own config: one header line says it instead."""
 
 
+def openmp_wait_policy(tool: str) -> str:
+    """Set OMP_WAIT_POLICY=PASSIVE for this process unless the environment sets it, while
+    torch, whose OpenMP runtime reads it once when it loads, is not yet imported. Returns
+    what the run has, for ``tool``'s header (``tool``: "the bench", "the demo").
+
+    Why: on the CPU the model's compute runs on torch's OpenMP team. With the runtime's
+    default, a team thread whose peer lost its core to an IO thread busy-waits at the next
+    barrier, and the IO threads' CPU shows up a second time as compute, which a GPU's step
+    does not have. Set for every strategy a tool compares, it measures offload's own cost."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return f"{os.environ['OMP_WAIT_POLICY']} (from the environment)"
+    if "torch" in sys.modules:
+        return f"the OpenMP runtime's default (torch was loaded before {tool} started)"
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return f"PASSIVE (set by {tool}; OMP_WAIT_POLICY=ACTIVE to measure without it)"
+
+
 def quiet_megatron_warnings() -> None:
     """Silence :data:`MEGATRON_NOISE` for the rest of this command (CLI only: the library
     never touches the warning filters of a training job)."""

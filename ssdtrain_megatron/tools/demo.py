@@ -21,7 +21,8 @@ import sys
 from typing import Dict, List
 
 from .cli_types import (UsageError, byte_count, check_engine, deprecated_alias, free_space_line, gib, plural,
-                        positive_int, progress, quiet_megatron_warnings, say, writable_dir)
+                        openmp_wait_policy, positive_int, progress, quiet_megatron_warnings, say,
+                        writable_dir)
 
 
 def add_demo_parser(subparsers) -> None:
@@ -75,6 +76,7 @@ def header_lines(cfg, root: str) -> List[str]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    omp = openmp_wait_policy("the demo")  # first: before anything imports torch
     quiet_megatron_warnings()
     root = writable_dir("--dir", args.dir)
     if args.plot and os.path.isdir(args.plot):
@@ -106,6 +108,8 @@ def run_demo(args: argparse.Namespace) -> int:
         try:
             print(f"  device {rt.device}; offload files in {', '.join(offs['offload'].rank_dirs)} "
                   f"(page cache bypassed: {getattr(offs['offload'].engine, 'page_cache_bypassed', 'n/a')})")
+            if rt.device.type == "cpu":
+                print(f"  OpenMP wait policy: {omp}")
             sys.stdout.flush()
             for off in offs.values():
                 off.enable_memory_timeline()
