@@ -265,8 +265,12 @@ class SlabEngine(IOEngine):
             return None
         if req.tensor.device.type != "cpu":
             return None
-        addr = req.address() + i * self._chunk
+        addr = self._chunk_address(req, i)
         return None if addr % self._align else buffer_at(addr, n)
+
+    def _chunk_address(self, req: Request, i: int) -> int:
+        """Where chunk ``i`` of the request's own (host) memory starts."""
+        return req.address() + i * self._chunk
 
     def _count_copies(self, op: Run) -> None:
         """After a successful run: how many of its bytes went in place, how many were bounced."""
@@ -298,7 +302,7 @@ class SlabEngine(IOEngine):
                     ext.crc = checksum(source)
                 continue
             if n:
-                memmove(at, req.address() + i * self._chunk, n)
+                memmove(at, self._chunk_address(req, i), n)
             if pad:
                 memset(at + n, 0, pad)  # the padding reaches the disk: never stale memory
             if self._checksum:
@@ -330,7 +334,7 @@ class SlabEngine(IOEngine):
                 if exc is None and req.error is None and n and in_place is None:
                     if req.ready_event is not None:
                         req.ready_event.synchronize()
-                    memmove(req.address() + i * self._chunk, at, n)
+                    memmove(self._chunk_address(req, i), at, n)
             except BaseException as e:  # noqa: BLE001 - surfaced through the Future
                 exc = as_engine_error(e, f"{self.name} read")
             self._finish_chunk(req, i, exc)
