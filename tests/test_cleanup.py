@@ -200,10 +200,8 @@ def test_a_ctrl_c_from_outside_stops_a_loop_that_spends_its_time_in_del(tmp_path
     """)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for _ in range(3):
-        # A shell without job control starts background jobs with SIGINT ignored: undo that.
         proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                stderr=subprocess.PIPE, text=True, env=env)  # SIGINT: see conftest.py
         try:
             assert proc.stdout.readline() == "ready\n"
             time.sleep(0.3)
