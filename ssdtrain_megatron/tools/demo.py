@@ -8,6 +8,10 @@ must be bitwise equal. Prints the settings that matter, one line of statistics p
 the memory and step-time ratios and where the time went, and writes a plot of resident
 activation memory over the last step with and without offload.
 
+Both copies run with OMP_WAIT_POLICY=PASSIVE unless the environment sets it, as `ssdtrain
+bench` does: on the CPU, torch's OpenMP threads would otherwise busy-wait whenever an IO thread
+takes a core, and that spin would count as offload's cost. The header says which policy ran.
+
 Flags follow Megatron's names (--num-layers, --hidden-size, --micro-batch-size,
 --num-microbatches, ...). The exit status is 0 when the losses are equal and no offload file is
 left, 1 otherwise.
