@@ -88,9 +88,7 @@ class Request:
         """The request's memory as 1-D uint8 (call from an IO thread: the training thread
         hands over the tensor as it is, see io/base.py). Made once; two threads taking chunks
         of one request at once may both make it, which is harmless."""
-        t = self.tensor
-        if t.dtype is not torch.uint8 or t.dim() != 1:
-            t = self.tensor = as_bytes(t)
+        t = self.tensor = as_bytes(self.tensor)  # the tensor itself once it is the bytes
         return t
 
     def address(self) -> int:
