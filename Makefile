@@ -37,7 +37,7 @@ MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
 	tests/test_megatron_versions.py tests/test_megatron_training_loop.py
 
 # (venv-mcore-% and test-mcore-% are pattern rules: make skips implicit rules for .PHONY names.)
-.PHONY: install demo test test-all bench lint clean gpu-check venv-megatron-deepspeed test-megatron-deepspeed
+.PHONY: install demo test test-all bench lint clean gpu-check gpu-bundle venv-megatron-deepspeed test-megatron-deepspeed
 
 install: $(VENV)/.installed
 
@@ -65,6 +65,12 @@ bench: install
 GPU_CHECK_ARGS ?=
 gpu-check:
 	PYTHON=$(PYTHON) scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# The wheels gpu-check needs on that box (cp312, manylinux x86_64; not torch, which the box has),
+# into .whl/, proven complete by an offline resolve and kept under 60 MiB (scripts/gpu_bundle.py).
+# Needs network and pip >= 22.2; no GPU.
+gpu-bundle:
+	$(PYTHON) scripts/gpu_bundle.py --dest .whl
 
 lint: install
 	$(PY) -m compileall -q ssdtrain_megatron tests
