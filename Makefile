@@ -69,8 +69,9 @@ gpu-check:
 # The wheels gpu-check needs on that box (cp312, manylinux x86_64; not torch, which the box has),
 # into .whl/, proven complete by an offline resolve and kept under 60 MiB (scripts/gpu_bundle.py).
 # Needs network and pip >= 22.2; no GPU.
+GPU_BUNDLE_DEST ?= .whl
 gpu-bundle:
-	$(PYTHON) scripts/gpu_bundle.py --dest .whl
+	$(PYTHON) scripts/gpu_bundle.py --dest $(GPU_BUNDLE_DEST)
 
 lint: install
 	$(PY) -m compileall -q ssdtrain_megatron tests

@@ -1,18 +1,25 @@
-"""`make gpu-check` (scripts/gpu_check.sh, scripts/gpu_check.py) on a machine without a GPU:
-the dry run (arguments, wheel check, plan), the step runner reporting steps it cannot run, and
-the PASS/FAIL arithmetic of the targets. The GPU steps themselves run only on a GPU box."""
+"""`make gpu-check` (scripts/gpu_check.sh, gpu_check.py, gpu_check_targets.py) and `make gpu-bundle`
+(scripts/gpu_bundle.py) on a machine without a GPU: the time plan, the table that has a row for
+every target every time, the exit status that is 0 only when every target passed, the offline
+install and the bundle's completeness proof. The GPU steps themselves run only on a GPU box."""
 
+import ast
 import json
 import os
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import gpu_bundle  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_check_targets  # noqa: E402
+
+TARGET_NAMES = [t[0] for t in gpu_check_targets.TARGETS]
 
 
 def _run(args, tmp_path, dry=True, timeout=300):
@@ -21,33 +28,64 @@ def _run(args, tmp_path, dry=True, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_dry_run_checks_the_wheels_and_writes_the_plan(tmp_path):
-    wheels = tmp_path / "whl"
-    wheels.mkdir()
-    (wheels / "megatron_core-0.16.1-cp312-cp312-manylinux_2_39_x86_64.whl").write_bytes(b"")
-    (wheels / "kvikio_cu13-26.10.00-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
-    out = tmp_path / "res"
-    proc = _run(["--out", str(out), "--wheels", str(wheels)], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "libkvikio-cu13: MISSING" in proc.stdout
-    data = json.loads((out / "gpu-check.json").read_text())
-    assert data["header"]["dry_run"] is True
-    assert [s["step"] for s in data["header"]["plan"]] == [s[0] for s in gpu_check.STEPS]
-    w = data["header"]["wheels"]
-    assert w["megatron-core"]["ok"] and w["kvikio-cu13"]["ok"] and not w["libkvikio-cu13"]["ok"]
-    assert data["steps"]["wheels"]["status"] == "fail"
-    assert (out / "table.txt").exists()
-    assert sorted(os.listdir(out)) == ["gpu-check.json", "table.txt"]  # nothing ran
-
-
-def test_make_gpu_check_dry_run(tmp_path):
-    env = dict(os.environ, GPU_CHECK_DRY="1")
-    proc = subprocess.run(["make", "-s", "-C", ROOT, "gpu-check", f"PYTHON={sys.executable}",
-                           f"GPU_CHECK_ARGS=--out {tmp_path / 'res'} --only env,measure"],
+def _make(tmp_path, dry, args=""):
+    env = dict(os.environ, GPU_CHECK_DRY="1" if dry else "0")
+    return subprocess.run(["make", "-s", "-C", ROOT, "gpu-check", f"PYTHON={sys.executable}",
+                           f"GPU_CHECK_ARGS=--out {tmp_path / 'res'} {args}"],
                           env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_plan_fits_480_s_with_the_measure_step_inside_its_slot():
+    """Fails when the limits are raised past 480 s (they added up to ~1030 s before issue 24) or
+    the measure shape is grown past its slot (e.g. the old 16 layers x 4096 x 2048: ~400 s)."""
+    args = gpu_check.parse_args(["--dry-run"])
+    steps = gpu_check.plan(args)
+    assert [s["step"] for s in steps] == [s[0] for s in gpu_check.STEPS]
+    assert sum(s["timeout_s"] for s in steps) <= gpu_check.TOTAL_S - gpu_check.PARENT_S <= 480
+    slot = next(s["timeout_s"] for s in steps if s["step"] == "measure")
+    assert gpu_check.measure_estimate(args)["seconds"] <= slot
+    big = gpu_check.parse_args(["--layers", "16", "--hidden", "4096", "--heads", "32", "--seq", "2048"])
+    assert gpu_check.measure_estimate(big)["seconds"] > slot
+
+
+def test_make_dry_run_prints_each_limit_and_the_sum(tmp_path):
+    proc = _make(tmp_path, dry=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "would run 2 steps" in proc.stdout
-    assert json.loads((tmp_path / "res" / "gpu-check.json").read_text())["header"]["dry_run"]
+    for name, limit, *_ in gpu_check.STEPS:
+        assert f"{name:<15} limit {limit:>4}s" in proc.stdout
+    total = sum(s[1] for s in gpu_check.STEPS)
+    assert f"sum             limit {total:>4}s  of 470s" in proc.stdout
+    assert "the plan fits" in proc.stdout and "estimate" in proc.stdout
+    plan = json.loads((tmp_path / "res" / "plan.json").read_text())
+    assert plan["dry_run"] and plan["measure_estimate"]["seconds"] <= 120
+    assert sorted(os.listdir(tmp_path / "res")) == ["plan.json"]  # nothing ran
+
+
+@pytest.mark.parametrize("argv", [["--total-s", "300"], ["--layers", "32", "--seq", "2048"]],
+                         ids=["limits-over-the-total", "measure-over-its-slot"])
+def test_dry_run_fails_when_the_plan_does_not_fit(tmp_path, argv):
+    proc = _run(argv + ["--out", str(tmp_path / "res")], tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the plan does NOT fit" in proc.stdout
+
+
+def test_make_gpu_check_without_a_gpu_lists_every_target_not_run_and_fails(tmp_path):
+    """On this CPU machine: exit status 1, a NOT RUN row for every target, each naming the reason
+    (the env step found no CUDA), and no step past env started."""
+    proc = _make(tmp_path, dry=False)
+    assert proc.returncode != 0 and "gpu-check] Error 1" in proc.stderr, proc.stdout + proc.stderr
+    out = tmp_path / "res"
+    data = json.loads((out / "gpu-check.json").read_text())
+    assert [t["target"] for t in data["targets"]] == TARGET_NAMES
+    for t in data["targets"]:
+        assert t["result"] == "NOT RUN", t
+        assert "torch.cuda.is_available() is False" in t["detail"], t
+    table = (out / "table.txt").read_text()
+    for name in TARGET_NAMES:
+        assert f"{name:<56} NOT RUN" in table
+    assert f"0 of {len(TARGET_NAMES)} targets PASS, 0 FAIL, {len(TARGET_NAMES)} NOT RUN" in proc.stdout
+    assert sorted(os.listdir(out / "logs")) == ["env.log"]
+    assert not (out / "scratch").exists()  # the scratch directory is removed at the end
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -62,62 +100,12 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, argv, message):
     assert not (tmp_path / "res").exists()
 
 
-def test_gpu_steps_without_a_gpu_are_reported_as_skipped(tmp_path):
-    out = tmp_path / "res"
-    proc = _run(["--out", str(out), "--wheels", str(tmp_path), "--only", "bitwise-posix,syncs"], tmp_path,
-                dry=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads((out / "gpu-check.json").read_text())
-    for step in ("bitwise-posix", "syncs"):
-        assert data["steps"][step]["status"] == "skip"
-        assert "no CUDA device" in data["steps"][step]["why"]
-        assert (out / "logs" / f"{step}.log").exists()
-    assert all(t["result"] != "FAIL" for t in data["targets"])
-    assert not (out / "scratch").exists()  # the scratch directory is removed at the end
-
-
-def _point(name, step_s, peak, written=0.0, read=0.0, mb=1, seq=2048, **kw):
-    return dict(name=name, ok=True, step_s=step_s, peak_bytes=peak, bytes_written=written, bytes_read=read,
-                tokens_per_s=mb * seq / step_s, **kw)
-
-
-def test_targets_compute_pass_and_fail_from_the_measurements():
-    measure = {"status": "pass", "micro_batch": 1, "bandwidth": {"memory": {"write": 50e9, "read": 50e9},
-                                               "posix": {"write": 5e9, "read": 5e9}},
-               "points": [
-                   _point("keep@1", 1.0, 100),
-                   _point("offload-memory@1", 1.04, 40, written=25e9, read=25e9),  # bound max(1, 1.0) -> 1.04x
-                   _point("offload-posix@1", 11.0, 60, written=25e9, read=25e9),  # bound 10 s -> 1.10x
-                   {"name": "keep@2", "ok": False, "oom": True},
-                   _point("recompute@2", 3.0, 90, mb=2),
-                   _point("adaptive@2", 1.9, 80, mb=2),
-               ]}
-    steps = {"measure": measure, "syncs": {"status": "pass", "keep_syncs": 2.0, "offload_syncs": 2.0},
-             "bitwise-gds": {"status": "skip", "why": "no kvikio"}, "stress": {"status": "fail", "why": "step 7"}}
-    rows = {r["target"]: r for r in gpu_check.targets(steps)}
-    assert rows["peak offload-memory <= 0.5x keep (micro-batch 1)"]["result"] == "PASS"
-    assert rows["peak offload-posix <= 0.5x keep (micro-batch 1)"]["result"] == "FAIL"
-    assert rows["overlap offload-memory <= 1.05x max(keep, bytes/bw)"]["result"] == "PASS"
-    over = rows["overlap offload-posix <= 1.05x max(keep, bytes/bw)"]
-    assert over["result"] == "FAIL" and "1.10x" in over["detail"]
-    assert rows["ROK: adaptive@2 >= keep's best and > recompute (in budget)"]["result"] == "PASS"
-    assert rows["no host sync added (memory engine, steady state)"]["result"] == "PASS"
-    assert rows["bitwise-gds: bitwise / tests"]["result"] == "n/a"
-    assert rows["stress: bitwise / tests"]["result"] == "FAIL"
-    measure["points"][-1] = _point("adaptive@2", 2.5, 80, mb=2)  # slower than keep@1 per token
-    rows = {r["target"]: r for r in gpu_check.targets(steps)}
-    assert rows["ROK: adaptive@2 >= keep's best and > recompute (in budget)"]["result"] == "FAIL"
-    measure["points"][3] = _point("keep@2", 2.0, 150, mb=2)  # keep fits: not the ROK regime
-    rows = {r["target"]: r for r in gpu_check.targets(steps)}
-    assert rows["ROK: adaptive@2 >= keep's best and > recompute (in budget)"]["result"] == "n/a"
-    assert "recompute@2" in gpu_check.render({"targets": [], "steps": steps})
-
-
 @pytest.mark.parametrize("corrupt", [False, True], ids=["equal", "one-element-changed"])
 def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch, corrupt):
     """The gpu-check's keep-vs-offload comparison, run here on the CPU (megatron-core GPT in
     bf16 through the CPU runtime): it passes when offload is exact, and fails, naming the step,
-    when one element of one restored activation differs."""
+    when one element of one restored activation differs. The compute-stream delay runs before
+    every layer's forward and in its backward (on the GPU: torch.cuda._sleep)."""
     import argparse
 
     import torch
@@ -140,11 +128,199 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
     args = argparse.Namespace(scratch=str(tmp_path / "scratch"), out=str(tmp_path))
     spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=2, num_microbatches=2)
     cfg = steps._config(args, "posix", min_tensor_bytes=1024, max_inflight_bytes=1 << 20)
-    result = steps._compare(args, lambda r: None, spec, cfg, steps=2, stream=None)
+    calls = []  # stands in for torch.cuda._sleep on the compute stream (no CUDA here)
+    result = steps._compare(args, lambda r: None, spec, cfg, steps=2, stream=None, delay=lambda: calls.append(1))
     assert result["init_same"] and result["bytes_read"] > 0
+    # 3 models x 2 steps x 2 micro-batches x 2 layers, once in forward and once in backward
+    assert result["compute_delays"] == {"forward": 24, "backward": 24} and len(calls) == 48
     assert not result["baseline_steps_differing"]
     if corrupt:
         assert result["status"] == "fail" and "offload differs from keep at steps [0" in result["why"]
     else:
         assert result["status"] == "pass", result
     assert torch.is_grad_enabled()
+
+
+def _point(name, step_s, reserved, written=0.0, read=0.0, mb=1, seq=2048, stall=0.0, **kw):
+    return dict(name=name, ok=True, step_s=step_s, peak_bytes=reserved * 0.9, peak_reserved=reserved,
+                bytes_written=written, bytes_read=read, tokens_per_s=mb * seq / step_s, stall_s=stall,
+                stall_fraction=stall / step_s, **kw)
+
+
+def _passing_steps():
+    """Results of every step as a GPU box whose every target passes would write them."""
+    measure = {"status": "pass", "micro_batch": 1, "bandwidth": {"memory": {"write": 50e9, "read": 50e9},
+                                                                  "posix": {"write": 5e9, "read": 5e9}},
+               "points": [
+                   _point("keep@1", 1.0, 100),
+                   _point("offload-memory@1", 1.04, 40, written=25e9, read=25e9, stall=0.01),  # 1.04x, 1%
+                   _point("offload-posix@1", 10.4, 50, written=25e9, read=25e9, stall=0.1),  # bound 10 s
+                   {"name": "keep@2", "ok": False, "oom": True},
+                   _point("recompute@2", 3.0, 90, mb=2),
+                   _point("adaptive@2", 1.9, 80, mb=2),
+               ]}
+    steps = {n: {"status": "pass"} for n, *_ in gpu_check.STEPS}
+    steps.update(measure=measure, syncs={"status": "pass", "keep_syncs": 2.0, "offload_syncs": 2.0},
+                 imports={"status": "pass", "megatron_core": {"version": "0.16.1"},
+                          "kvikio": {"version": "26.10.00", "gds_unavailable": ""}})
+    return steps
+
+
+def test_targets_compute_pass_fail_and_not_run_from_the_results():
+    """Each judge can fail: breaking one measurement at a time turns exactly its row to FAIL
+    (or NOT RUN where the premise is missing)."""
+    steps = _passing_steps()
+    rows = {r["target"]: r for r in gpu_check_targets.targets(steps)}
+    assert list(rows) == TARGET_NAMES
+    assert all(r["result"] == "PASS" for r in rows.values()), [r for r in rows.values() if r["result"] != "PASS"]
+
+    def result(name, **change):
+        s = json.loads(json.dumps(steps))
+        for path, value in change.items():
+            step, key = path.split("__", 1)
+            if key.startswith("point"):
+                i, field = key[len("point"):].split("_", 1)
+                s[step]["points"][int(i)][field] = value
+            else:
+                s[step][key] = value
+        return {r["target"]: r for r in gpu_check_targets.targets(s)}[name]["result"]
+
+    assert result("host stall offload-memory <= 2% of step time", measure__point1_stall_fraction=0.03) == "FAIL"
+    assert result("peak reserved offload-posix <= 0.5x keep", measure__point2_peak_reserved=51) == "FAIL"
+    # allocated alone would pass: the row judges reserved memory
+    assert result("peak reserved offload-memory <= 0.5x keep", measure__point1_peak_reserved=60,
+                  measure__point1_peak_bytes=10) == "FAIL"
+    assert result("overlap offload-posix <= 1.05x max(keep, bytes/bw)", measure__point2_step_s=11.0) == "FAIL"
+    assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point5_tokens_per_s=1.0) == "FAIL"
+    assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point3_oom=False) == "NOT RUN"
+    assert result("no host sync added by offload (memory engine)", syncs__offload_syncs=3.0) == "FAIL"
+    assert result("stress: 100 steps bitwise, side stream, compact views", stress__status="fail") == "FAIL"
+    assert result("bitwise gds: keep == offload, compute stream delayed", **{"bitwise-gds__status": "error"}) == "NOT RUN"
+    assert result("import kvikio; the gds engine is available", imports__kvikio={"error": "no libcufile"}) == "FAIL"
+    assert result("import megatron.core 0.16.1", imports__megatron_core={"version": "0.17.1"}) == "FAIL"
+    assert result("host stall offload-posix <= 2% of step time", measure__point2_ok=False) == "NOT RUN"
+    assert "recompute@2" in gpu_check_targets.render({"targets": [], "steps": steps})
+
+
+def test_every_target_has_a_row_when_nothing_ran():
+    rows = gpu_check_targets.targets({}, {"measure": "not selected (--only)"})
+    assert [r["target"] for r in rows] == TARGET_NAMES
+    assert {r["result"] for r in rows} == {"NOT RUN"}
+    assert {r["detail"] for r in rows if r["step"] == "measure"} == {"not selected (--only)"}
+
+
+@pytest.mark.parametrize("change, code", [(None, 0), ("fail", 1), ("timeout", 1), ("missing", 1)],
+                         ids=["all-pass", "one-step-fails", "one-step-times-out", "one-step-never-reports"])
+def test_exit_status_is_0_only_when_every_target_passed(tmp_path, monkeypatch, capsys, change, code):
+    """The parent with its step runners replaced by canned results (no GPU here): 0 with every
+    target PASS; 1 as soon as one step fails, times out or leaves no result."""
+    steps = _passing_steps()
+    if change == "fail":
+        steps["bitwise-tiered"] = {"status": "fail", "why": "offload differs from keep at steps [1]"}
+    elif change == "timeout":
+        steps["measure"] = dict(steps["measure"], status="timeout", points=steps["measure"]["points"][:3])
+    elif change == "missing":
+        steps["cuda-tests"] = {"status": "error", "why": "exit status 1, no result"}
+    monkeypatch.setattr(gpu_check, "run_child", lambda args, name, env, limit: dict(steps[name]))
+    monkeypatch.setattr(gpu_check, "install", lambda args, prefix, env, limit: dict(steps["install"]))
+    rc = gpu_check.run_parent(gpu_check.parse_args(["--out", str(tmp_path / "res")]))
+    out = capsys.readouterr().out
+    assert rc == code, out
+    if code == 0:
+        assert f"{len(TARGET_NAMES)} of {len(TARGET_NAMES)} targets PASS" in out
+
+
+def test_requirements_carry_the_projects_own_install_requires():
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.keyword) and n.arg == "install_requires")
+    wanted = {r.value for r in call.value.elts} - {r for r in (r.value for r in call.value.elts) if r.startswith("torch")}
+    assert wanted <= set(gpu_bundle.REQUIREMENTS)
+
+
+def _wheel(folder, name, version, requires=()):
+    """A tiny real wheel (one module, its dependencies as Requires-Dist) for the offline tests."""
+    os.makedirs(folder, exist_ok=True)
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = os.path.join(folder, f"{dist}-py3-none-any.whl")
+    meta = "\n".join(["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+                     + [f"Requires-Dist: {r}" for r in requires]) + "\n"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name.replace('-', '_')}.py", "VALUE = 1\n")
+        z.writestr(f"{dist}.dist-info/METADATA", meta)
+        z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}.dist-info/RECORD", "")
+    return path
+
+
+def test_install_takes_the_bundle_offline_and_what_the_box_has_from_the_box(tmp_path, monkeypatch):
+    """The install step: pip --no-index from the bundle into <out>/prefix. pyyaml is installed
+    here and not in the bundle: it is taken from the environment. A wheel missing from the
+    bundle fails the step with pip's reason; an empty bundle folder is NOT RUN, naming
+    `make gpu-bundle`."""
+    monkeypatch.setattr(gpu_check, "REQUIREMENTS", ["demo-top==1.0"])
+    whl = tmp_path / "whl"
+    _wheel(whl, "demo-top", "1.0", ["demo-dep>=2", "pyyaml"])
+    dep = _wheel(whl, "demo-dep", "2.1")
+    args = gpu_check.parse_args(["--out", str(tmp_path / "res"), "--wheels", str(whl)])
+    os.makedirs(tmp_path / "res" / "logs")
+    prefix = str(tmp_path / "res" / "prefix")
+    result = gpu_check.install(args, prefix, dict(os.environ), 120)
+    assert result["status"] == "pass", result
+    installed = os.listdir(os.path.join(prefix, "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}",
+                                        "site-packages"))
+    assert "demo_top.py" in installed and "demo_dep.py" in installed
+    assert not any(f.lower().startswith("pyyaml") or f == "yaml" for f in installed)
+    os.unlink(dep)
+    result = gpu_check.install(args, str(tmp_path / "prefix2"), dict(os.environ), 120)
+    assert result["status"] == "fail" and "demo-dep" in result["why"], result
+    args.wheels = str(tmp_path / "empty")
+    result = gpu_check.install(args, str(tmp_path / "prefix3"), dict(os.environ), 120)
+    assert result["status"] == "not run" and "make gpu-bundle" in result["why"]
+
+
+def test_bundle_proof_resolves_offline_against_the_box_and_finds_gaps(tmp_path, monkeypatch):
+    """gpu_bundle.prove_offline with a made-up bundle: complete, it lists each package as on the
+    box (a stand-in) or a wheel of the folder; a missing dependency or an unused wheel fails it."""
+    monkeypatch.setattr(gpu_bundle, "REQUIREMENTS", ["demo-top==1.0"])
+    monkeypatch.setattr(gpu_bundle, "BOX_ALSO", [])
+    whl = tmp_path / "whl"
+    _wheel(whl, "demo-top", "1.0", ["demo-dep>=2", "torch>=2.6"])
+    dep = _wheel(whl, "demo-dep", "2.1")
+    box = {"torch": {"version": "2.11.0", "provides_extra": []}}
+    lines = gpu_bundle.prove_offline(str(whl), box, str(tmp_path / "w1"))
+    assert any("torch" in x and "on the box" in x for x in lines)
+    assert any("demo-dep" in x and "demo_dep-2.1-py3-none-any.whl" in x for x in lines)
+    extra = _wheel(whl, "demo-unused", "1.0")
+    with pytest.raises(RuntimeError, match="demo_unused-1.0-py3-none-any.whl is in .* but nothing needs it"):
+        gpu_bundle.prove_offline(str(whl), box, str(tmp_path / "w2"))
+    os.unlink(extra)
+    os.unlink(dep)
+    with pytest.raises(RuntimeError, match="demo-dep"):
+        gpu_bundle.prove_offline(str(whl), box, str(tmp_path / "w3"))
+
+
+def _pypi_reachable():
+    import socket
+
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_make_gpu_bundle_downloads_a_complete_bundle_under_60_mib(tmp_path):
+    """The real thing (about 25 MiB from PyPI, a minute or two): needs network."""
+    if not _pypi_reachable():
+        pytest.skip("pypi.org is not reachable: `make gpu-bundle` needs network")
+    dest = tmp_path / "whl"
+    proc = subprocess.run(["make", "-s", "-C", ROOT, "gpu-bundle", f"PYTHON={sys.executable}", f"GPU_BUNDLE_DEST={dest}"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torch            2.11.0         on the box" in proc.stdout
+    files = sorted(f for f in os.listdir(dest) if f.endswith(".whl"))
+    assert any(f.startswith("megatron_core-0.16.1-cp312") for f in files)
+    assert any(f.startswith("kvikio_cu13-26.10") for f in files) and any(f.startswith("libkvikio_cu13-26.10") for f in files)
+    assert not any(f.startswith(("torch-", "nvidia_", "cupy")) for f in files)
+    assert sum(os.path.getsize(dest / f) for f in files) < 60 * 2**20

@@ -1,0 +1,178 @@
+"""The targets of `make gpu-check` (scripts/gpu_check.py) and the table it prints.
+
+Every target has a row every time: PASS, FAIL, or NOT RUN with the reason (the step it needs was
+not run, timed out, failed with an error, or skipped a point for lack of disk or time). The check
+exits 0 only when every row is PASS, so a step that silently did not happen cannot pass.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, List, Optional, Tuple
+
+PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
+STALL_MAX = 0.02  # the training thread's wait for the offloader, as a fraction of step time
+PEAK_MAX = 0.5  # peak reserved memory with offload over keep
+OVERLAP_MAX = 1.05  # offload's step time over max(keep's, bytes over bandwidth)
+Verdict = Tuple[Optional[bool], str]  # (True/False, detail) or (None, why not run)
+
+
+def _status(step: dict) -> Verdict:
+    if step.get("status") == "pass":
+        return True, step.get("summary", "")
+    if step.get("status") == "fail":
+        return False, step.get("why", "")
+    return None, _not_run_why(step)
+
+
+def _not_run_why(step: dict) -> str:
+    status = step.get("status", "not run")
+    why = step.get("why", "")
+    return why if status in ("not run", "skip") else f"step {status}: {why}"
+
+
+def _megatron(step: dict) -> Verdict:
+    m = step.get("megatron_core")
+    if not isinstance(m, dict):
+        return None, _not_run_why(step)
+    return (m.get("version") == "0.16.1", m.get("version") or m.get("error", ""))
+
+
+def _kvikio(step: dict) -> Verdict:
+    k = step.get("kvikio")
+    if not isinstance(k, dict):
+        return None, _not_run_why(step)
+    if k.get("error"):
+        return False, k["error"]
+    return not k.get("gds_unavailable"), f"kvikio {k.get('version')}" + (
+        f"; gds engine unavailable: {k['gds_unavailable']}" if k.get("gds_unavailable") else "; gds engine available")
+
+
+def _syncs(step: dict) -> Verdict:
+    if step.get("status") not in ("pass", "fail") or "offload_syncs" not in step:
+        return None, _not_run_why(step)
+    return (step["offload_syncs"] <= step["keep_syncs"],
+            f"syncs per step: offload {step['offload_syncs']}, keep {step['keep_syncs']}")
+
+
+def _points(step: dict) -> Dict[str, dict]:
+    return {p["name"]: p for p in step.get("points", [])}
+
+
+def _point(step: dict, name: str) -> Tuple[Optional[dict], str]:
+    """A measured point of the measure step, or None and why there is none."""
+    p = _points(step).get(name)
+    if p is not None and p.get("ok"):
+        return p, ""
+    if p is not None:
+        return None, f"{name}: {p.get('error', 'failed')}"
+    if step.get("status") in (None, "not run", "skip", "error"):
+        return None, _not_run_why(step)
+    return None, f"{name} was not measured (measure step {step.get('status')}: {step.get('why', 'ended before it')})"
+
+
+def _stall(engine: str, step: dict) -> Verdict:
+    k = step.get("micro_batch", 1)
+    off, why = _point(step, f"offload-{engine}@{k}")
+    if off is None:
+        return None, why
+    frac = off["stall_fraction"]
+    return frac <= STALL_MAX, (f"{frac * 100:.2f}% ({off['stall_s'] * 1e3:.1f} ms per step blocked on the offloader; "
+                               f"step {off['step_s'] * 1e3:.0f} ms; submitting writes {off.get('submit_s', 0) * 1e3:.1f} ms)")
+
+
+def _peak(engine: str, step: dict) -> Verdict:
+    k = step.get("micro_batch", 1)
+    keep, why = _point(step, f"keep@{k}")
+    off, why2 = _point(step, f"offload-{engine}@{k}")
+    if keep is None or off is None:
+        return None, why or why2
+    r = off["peak_reserved"] / keep["peak_reserved"]
+    return r <= PEAK_MAX, (f"{r:.2f}x reserved ({off['peak_reserved'] / 2**30:.1f} vs {keep['peak_reserved'] / 2**30:.1f}"
+                           f" GiB; allocated {off['peak_bytes'] / 2**30:.1f} vs {keep['peak_bytes'] / 2**30:.1f} GiB)")
+
+
+def _overlap(engine: str, step: dict) -> Verdict:
+    k = step.get("micro_batch", 1)
+    keep, why = _point(step, f"keep@{k}")
+    off, why2 = _point(step, f"offload-{engine}@{k}")
+    if keep is None or off is None:
+        return None, why or why2
+    bw = step.get("bandwidth", {}).get(engine)
+    if not bw:
+        return None, f"no {engine} bandwidth measured (io-bench did not pass)" if engine == "posix" else "no bandwidth"
+    link = off["bytes_written"] / bw["write"] + off["bytes_read"] / bw["read"]
+    bound = max(keep["step_s"], link)
+    r = off["step_s"] / bound
+    return r <= OVERLAP_MAX, (f"{off['step_s']:.3f}s vs bound {bound:.3f}s (keep {keep['step_s']:.3f}s, "
+                              f"link {link:.3f}s) = {r:.2f}x")
+
+
+def _rok(step: dict) -> Verdict:
+    k = step.get("micro_batch", 1)
+    keep, why = _point(step, f"keep@{k}")
+    ad, why2 = _point(step, f"adaptive@{k + 1}")
+    rc, why3 = _point(step, f"recompute@{k + 1}")
+    if keep is None or ad is None or rc is None:
+        return None, why or why2 or why3
+    keep_more = _points(step).get(f"keep@{k + 1}")
+    detail = (f"tokens/s adaptive@{k + 1} {ad['tokens_per_s']:.0f}, keep@{k} {keep['tokens_per_s']:.0f}, "
+              f"recompute@{k + 1} {rc['tokens_per_s']:.0f}")
+    if not (keep_more and keep_more.get("oom")):
+        return None, detail + f"; keep fit at {k + 1} in the budget: not the ROK regime"
+    return ad["tokens_per_s"] >= keep["tokens_per_s"] and ad["tokens_per_s"] > rc["tokens_per_s"], detail
+
+
+# (target, the step whose result judges it, judge). Order: as the steps run.
+TARGETS: List[Tuple[str, str, Callable[[dict], Verdict]]] = [
+    ("install: the bundle installs offline (pip --no-index)", "install", _status),
+    ("import megatron.core 0.16.1", "imports", _megatron),
+    ("import kvikio; the gds engine is available", "imports", _kvikio),
+] + [(f"bitwise {e}: keep == offload, compute stream delayed", f"bitwise-{e}", _status)
+     for e in ("posix", "memory", "tiered", "gds")] + [
+    ("stress: 100 steps bitwise, side stream, compact views", "stress", _status),
+    ("cuda tests (pytest -m cuda) pass", "cuda-tests", _status),
+    ("no host sync added by offload (memory engine)", "syncs", _syncs),
+] + [(f"host stall offload-{e} <= {STALL_MAX:.0%} of step time", "measure", functools.partial(_stall, e))
+     for e in ("memory", "posix")] + [
+    (f"peak reserved offload-{e} <= {PEAK_MAX}x keep", "measure", functools.partial(_peak, e))
+    for e in ("memory", "posix")] + [
+    (f"overlap offload-{e} <= {OVERLAP_MAX}x max(keep, bytes/bw)", "measure", functools.partial(_overlap, e))
+    for e in ("memory", "posix")] + [
+    ("ROK: adaptive at K+1 >= keep's best and > recompute", "measure", _rok),
+]
+
+
+def targets(steps: Dict[str, dict], missing: Optional[Dict[str, str]] = None) -> List[dict]:
+    """One row per target of TARGETS. ``missing``: why a step that has no result did not run."""
+    rows = []
+    for name, step_name, judge in TARGETS:
+        step = steps.get(step_name)
+        if step is None:
+            ok, detail = None, (missing or {}).get(step_name, f"step {step_name} did not run")
+        else:
+            ok, detail = judge(step)
+        rows.append({"target": name, "step": step_name, "detail": detail,
+                     "result": NOT_RUN if ok is None else (PASS if ok else FAIL)})
+    return rows
+
+
+def render(data: dict) -> str:
+    lines = [f"{'target':<56} {'result':<7}  detail"]
+    for t in data.get("targets", []):
+        lines.append(f"{t['target'][:56]:<56} {t['result']:<7}  {t['detail']}")
+    me = data.get("steps", {}).get("measure", {})
+    if me.get("points"):
+        lines += ["", f"{'point':<20}{'reserved GiB':>13}{'alloc GiB':>10}{'step s':>9}{'stall %':>8}"
+                      f"{'tokens/s':>10}{'written GB':>11}{'read GB':>9}"]
+        for p in me["points"]:
+            if p.get("ok"):
+                lines.append(f"{p['name']:<20}{p['peak_reserved'] / 2**30:>13.2f}{p['peak_bytes'] / 2**30:>10.2f}"
+                             f"{p['step_s']:>9.3f}{100 * p['stall_fraction']:>8.2f}{p['tokens_per_s']:>10.0f}"
+                             f"{p['bytes_written'] / 1e9:>11.2f}{p['bytes_read'] / 1e9:>9.2f}")
+            else:
+                lines.append(f"{p['name']:<20}  {'out of memory' if p.get('oom') else p.get('error', 'failed')}")
+    lines.append("")
+    for name, st in data.get("steps", {}).items():
+        lines.append(f"step {name:<15} {st.get('status', '?'):<8} {st.get('seconds', '')}")
+    return "\n".join(lines)
