@@ -88,7 +88,7 @@ def stand_in(folder: str, name: str, version: str, extras: Sequence[str]) -> str
     """An empty py3-none-any wheel with no dependencies: to the resolver, "installed on the box"."""
     dist = f"{canonical(name).replace('-', '_')}-{version}"
     path = os.path.join(folder, f"{dist}-py3-none-any.whl")
-    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"] + [f"Provides-Extra: {e}" for e in extras]
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"] + [f"Provides-Extra: {e}" for e in extras]
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{dist}.dist-info/METADATA", "\n".join(meta) + "\n")
         z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: gpu_bundle\nRoot-Is-Purelib: true\n"

@@ -15,8 +15,6 @@ import importlib
 import io
 import json
 import os
-import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -365,144 +363,6 @@ def step_io_bench(args, save) -> dict:
     return {"status": "pass", "baseline": report.get("baseline"), "posix": eng, "report": report}
 
 
-def _pinned_bandwidth(device: torch.device, nbytes: int = GiB) -> dict:
-    """GB/s of one pinned host<->device copy (what the memory engine's link allows)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    out = {}
-    for name, (dst, src) in (("write", (host, dev)), ("read", (dev, host))):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        out[name] = 3 * nbytes / (time.perf_counter() - t0)
-    return out
-
-
-def step_measure(args, save) -> dict:
-    """Side by side at micro-batch K (--micro-batch): keep, offload (memory, posix), full
-    recompute. Then a budget that fits keep at K and not at K+1 (resident + (K + 0.5) x one
-    sample's activations, measured from keep), and at K+1 inside it: keep (expected out of
-    memory), full recompute, adaptive, offload. A point that needs more drive space or host
-    memory than the box has is skipped with the reason; partial results are saved per point."""
-    result: Dict[str, object] = {"points": [], "bandwidth": {}}
-    bench = None
-    try:
-        with open(os.path.join(args.out, "steps", "io-bench.json")) as f:
-            bench = json.load(f)
-    except (OSError, ValueError):
-        pass
-    if bench and bench.get("posix"):
-        result["bandwidth"]["posix"] = {"write": bench["posix"]["write_gbps"] * 1e9, "read": bench["posix"]["read_gbps"] * 1e9}
-    k = args.micro_batch
-    spec = GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
-                   micro_batch=k, num_microbatches=1)
-    result.update(spec=dataclasses.asdict(spec), micro_batch=k)
-    with MegatronRuntime() as rt:
-        dev = rt.device
-        result["bandwidth"]["memory"] = _pinned_bandwidth(dev)
-        save(dict(result, status="running"))
-        model = GpuGPT(spec, dev)
-        total = torch.cuda.get_device_properties(dev).total_memory
-        host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        base_cfg = OffloadConfig(dirs=[args.scratch], engine="posix")
-        per_sample = {"bytes": None}  # one sample's activations, once keep has run
-
-        def point(name: str, mb: int, policy: str, engine: str = "posix", recompute: bool = False,
-                  budget: Optional[int] = None, warmup: int = 1, **cfg_kw) -> dict:
-            p: Dict[str, object] = {"name": f"{name}@{mb}", "micro_batch": mb, "policy": policy, "engine": engine,
-                                    "budget_bytes": budget}
-            need = per_sample["bytes"] * mb * 1.1 if per_sample["bytes"] else 0
-            why = None
-            if deadline_left() < 20:
-                why = "not run: out of time"
-            elif policy != "keep" and engine == "posix" and need > shutil.disk_usage(args.scratch).free:
-                why = (f"not run: needs about {need / 1e9:.0f} GB on the drive, "
-                       f"{shutil.disk_usage(args.scratch).free / 1e9:.0f} GB free")
-            elif cfg_kw.get("host_memory_bytes", 0) > 0.75 * host_ram:
-                why = f"not run: a {cfg_kw['host_memory_bytes'] / 1e9:.0f} GB pinned pool, {host_ram / 1e9:.0f} GB of RAM"
-            if why:
-                p.update(ok=False, error=why)
-                result["points"].append(p)
-                save(dict(result, status="running"))
-                return p
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total) if budget else 1.0, dev)
-            model.set_micro_batch(mb)
-            model.set_recompute(recompute)
-            off = None
-            try:
-                off = ActivationOffloader(base_cfg.replace(policy=policy, engine=engine, job=f"gc-{name}-{mb}", **cfg_kw),
-                                          device=dev)
-                for _ in range(warmup):
-                    installed_step(model, off)
-                torch.cuda.reset_peak_memory_stats(dev)
-                times, written, read, waits, stall, submit = [], 0, 0, 0.0, 0.0, 0.0
-                for _ in range(args.steps):
-                    _, dt = installed_step(model, off)
-                    st = off.last_step_stats
-                    times.append(dt)
-                    written += st.bytes_offloaded
-                    read += st.bytes_read
-                    waits += st.io_wait_s
-                    # The training thread blocked on the offloader: reads and back-pressure,
-                    # and waits to stay within a memory budget.
-                    stall += st.io_wait_s + st.budget_wait_s
-                    submit += st.offload_submit_s
-                    if deadline_left() < 10:
-                        break
-                n = len(times)
-                step_s = statistics.median(times)
-                p.update(ok=True, step_s=step_s, times=times, peak_bytes=torch.cuda.max_memory_allocated(dev),
-                         peak_reserved=torch.cuda.max_memory_reserved(dev), stall_s=stall / n, submit_s=submit / n,
-                         stall_fraction=stall / sum(times),
-                         resident_after_step=torch.cuda.memory_allocated(dev),
-                         tokens_per_s=mb * spec.seq / step_s, bytes_written=written / n, bytes_read=read / n,
-                         io_wait_s=waits / n, fallbacks=st.fallbacks)
-            except torch.cuda.OutOfMemoryError as exc:
-                p.update(ok=False, oom=True, error=str(exc).splitlines()[0][:300])
-            except Exception as exc:  # noqa: BLE001 - one point failing does not end the step
-                p.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
-            finally:
-                if off is not None:
-                    off.close()
-                model.optimizer.zero_grad(set_to_none=True)
-                model.set_recompute(False)
-                torch.cuda.set_per_process_memory_fraction(1.0, dev)
-            result["points"].append(p)
-            save(dict(result, status="running"))
-            print(f"measure: {p}", flush=True)
-            return p
-
-        # Keep first: its peak minus what stays resident after a step (weights, gradients,
-        # optimizer state) is K samples' activations.
-        gc.collect()
-        torch.cuda.empty_cache()
-        keep = point("keep", k, "keep")
-        if not keep.get("ok"):
-            return dict(result, status="fail", why=f"keep at micro-batch {k} failed: {keep.get('error')}")
-        resident = keep["resident_after_step"]
-        activation = max(keep["peak_bytes"] - resident, 1) / k
-        per_sample["bytes"] = activation
-        budget = int(resident + (k + 0.5) * activation)
-        result.update(resident_bytes=resident, activation_bytes_per_sample=activation, budget_bytes=budget)
-        save(dict(result, status="running"))
-        pool = lambda mb: int((mb + 0.25) * activation + GiB)  # noqa: E731
-        point("offload-memory", k, "offload", "memory", host_memory_bytes=pool(k))
-        point("offload-posix", k, "offload", "posix")
-        point("recompute", k, "keep", recompute=True)
-        point("keep", k + 1, "keep", budget=budget)
-        point("recompute", k + 1, "keep", recompute=True, budget=budget)
-        point("adaptive", k + 1, "adaptive", "posix", budget=budget, warmup=2,
-              memory_budget_bytes=int(0.5 * activation), recompute_fallback=True)
-        point("offload-memory", k + 1, "offload", "memory", budget=budget, host_memory_bytes=pool(k + 1))
-        point("offload-posix", k + 1, "offload", "posix", budget=budget)
-    return dict(result, status="pass")
-
-
 def run_step(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     name = args.child
     if name == "env":
@@ -511,8 +371,12 @@ def run_step(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
         return {"status": "skip", "why": "no CUDA device"}
     if name.startswith("bitwise-"):
         return step_bitwise(args, save, name.split("-", 1)[1])
+    if name == "measure":
+        from gpu_check_measure import step_measure  # scripts/gpu_check_measure.py
+
+        return step_measure(args, save)
     fn = {"imports": step_imports, "stress": step_stress, "cuda-tests": step_cuda_tests, "syncs": step_syncs,
-          "io-bench": step_io_bench, "measure": step_measure}.get(name)
+          "io-bench": step_io_bench}.get(name)
     if fn is None:
         raise ValueError(f"unknown step {name!r}")
     return fn(args, save)

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_bundle  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_check_measure  # noqa: E402,F401 - imports cleanly (its step runs on a GPU only)
 import gpu_check_targets  # noqa: E402
 
 TARGET_NAMES = [t[0] for t in gpu_check_targets.TARGETS]
