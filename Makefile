@@ -60,8 +60,9 @@ test-all: install
 bench: install
 	$(VENV)/bin/ssdtrain bench
 
-# The GPU check runs on a bare GPU box: no venv, no network (see README "gpu-check").
-# GPU_CHECK_DRY=1 runs only what needs no GPU. Options: GPU_CHECK_ARGS="--out DIR ...".
+# The GPU check runs on a bare GPU box: no venv, no network, the wheels of `make gpu-bundle` in
+# .whl/ (see README "gpu-check"). Exit status 0 only when every target passed. GPU_CHECK_DRY=1
+# prints the time plan only. Options: GPU_CHECK_ARGS="--out DIR ...".
 GPU_CHECK_ARGS ?=
 gpu-check:
 	PYTHON=$(PYTHON) scripts/gpu_check.sh $(GPU_CHECK_ARGS)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make gpu-check`: the prepared check of the GPU data path for a bare single-GPU box (no
-# network; python3 with a CUDA build of torch; wheels in .whl/). See scripts/gpu_check.py, or
-# run with --help. GPU_CHECK_DRY=1 runs only what needs no GPU (arguments, wheels, the plan).
+# network; python3 with a CUDA build of torch; the wheels of `make gpu-bundle` in .whl/). See
+# scripts/gpu_check.py, or run with --help. GPU_CHECK_DRY=1 prints the time plan only. Exit
+# status 0 only when every target passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
