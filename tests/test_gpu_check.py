@@ -281,15 +281,21 @@ def test_install_takes_the_bundle_offline_and_what_the_box_has_from_the_box(tmp_
 
 def test_bundle_proof_resolves_offline_against_the_box_and_finds_gaps(tmp_path, monkeypatch):
     """gpu_bundle.prove_offline with a made-up bundle: complete, it lists each package as on the
-    box (a stand-in) or a wheel of the folder; a missing dependency or an unused wheel fails it."""
+    box (a stand-in) or a wheel of the folder; a missing dependency or an unused wheel fails it,
+    and `--offline-only` exits 1 when the folder is over --max-mib."""
     monkeypatch.setattr(gpu_bundle, "REQUIREMENTS", ["demo-top==1.0"])
     monkeypatch.setattr(gpu_bundle, "BOX_ALSO", [])
     whl = tmp_path / "whl"
     _wheel(whl, "demo-top", "1.0", ["demo-dep>=2", "torch>=2.6"])
     dep = _wheel(whl, "demo-dep", "2.1")
-    box = {"torch": {"version": "2.11.0", "provides_extra": []}}
+    box = {"torch": {"version": "2.11.0", "provides_extra": [], "requires_dist": ["filelock"]},
+           "filelock": {"version": "3.0", "provides_extra": []}}
     lines = gpu_bundle.prove_offline(str(whl), box, str(tmp_path / "w1"))
     assert any("torch" in x and "on the box" in x for x in lines)
+    assert any("filelock" in x and "on the box" in x for x in lines)  # torch's own needs: the box's
+    (whl / "box.json").write_text(json.dumps(box))
+    assert gpu_bundle.main(["--dest", str(whl), "--offline-only"]) == 0
+    assert gpu_bundle.main(["--dest", str(whl), "--offline-only", "--max-mib", "0.001"]) == 1  # over the size
     assert any("demo-dep" in x and "demo_dep-2.1-py3-none-any.whl" in x for x in lines)
     extra = _wheel(whl, "demo-unused", "1.0")
     with pytest.raises(RuntimeError, match="demo_unused-1.0-py3-none-any.whl is in .* but nothing needs it"):
