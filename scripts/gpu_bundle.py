@@ -11,8 +11,9 @@ run on a machine with network (any Python with pip >= 22.2; no GPU):
 2. downloads into ``.whl/`` every wheel of the first set that is neither in torch's set nor in
    ``BOX_ALSO``, one version each, and removes any other wheel there (two versions of one
    package would make the install on the box ambiguous);
-3. proves offline that the folder is complete: with stand-in wheels (empty, no dependencies)
-   for torch's set and ``BOX_ALSO`` -- what the box has installed -- pip resolves
+3. proves offline that the folder is complete: with stand-in wheels (empty, with the real
+   wheels' extras and dependencies) for torch's set and ``BOX_ALSO`` -- what the box has
+   installed -- pip resolves
    ``REQUIREMENTS`` with ``--no-index --find-links .whl`` and no configuration (``--isolated``),
    and every package it picks is either a stand-in or a wheel of the folder, and every wheel of
    the folder is used;
@@ -80,15 +81,18 @@ def resolve(requirements: Sequence[str], work: str, offline_links: Optional[List
         data = json.load(f)
     return {canonical(i["metadata"]["name"]): {"version": i["metadata"]["version"],
                                                "url": i["download_info"]["url"],
-                                               "provides_extra": i["metadata"].get("provides_extra", [])}
+                                               "provides_extra": i["metadata"].get("provides_extra", []),
+                                               "requires_dist": i["metadata"].get("requires_dist", [])}
             for i in data["install"]}
 
 
-def stand_in(folder: str, name: str, version: str, extras: Sequence[str]) -> str:
-    """An empty py3-none-any wheel with no dependencies: to the resolver, "installed on the box"."""
+def stand_in(folder: str, name: str, version: str, extras: Sequence[str], requires: Sequence[str] = ()) -> str:
+    """An empty py3-none-any wheel with the real one's extras and dependencies: to the resolver,
+    "installed on the box" (torch's own dependencies must then be met by the box too)."""
     dist = f"{canonical(name).replace('-', '_')}-{version}"
     path = os.path.join(folder, f"{dist}-py3-none-any.whl")
-    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"] + [f"Provides-Extra: {e}" for e in extras]
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"] + [f"Provides-Extra: {e}" for e in extras] + [
+        f"Requires-Dist: {r}" for r in requires]
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{dist}.dist-info/METADATA", "\n".join(meta) + "\n")
         z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: gpu_bundle\nRoot-Is-Purelib: true\n"
@@ -127,7 +131,7 @@ def prove_offline(dest: str, box: Dict[str, dict], work: str) -> List[str]:
     stubs = os.path.join(work, "box")
     os.makedirs(stubs)
     for name, info in box.items():
-        stand_in(stubs, name, info["version"], info["provides_extra"])
+        stand_in(stubs, name, info["version"], info["provides_extra"], info.get("requires_dist", []))
     box_pins = [f"{n}=={box[n]['version']}" for n in ("torch",) + tuple(canonical(b) for b in BOX_ALSO)]
     picked = resolve(box_pins + REQUIREMENTS, os.path.join(work, "offline"), offline_links=[dest, stubs])
     files = {f for f in os.listdir(dest) if f.endswith(".whl")}
@@ -135,10 +139,10 @@ def prove_offline(dest: str, box: Dict[str, dict], work: str) -> List[str]:
     for name, info in sorted(picked.items()):
         f = os.path.basename(info["url"])
         if name in box:
-            lines.append(f"  {name:<16} {info['version']:<14} on the box")
+            lines.append(f"  {name:<24} {info['version']:<12} on the box")
         elif f in files:
             used.add(f)
-            lines.append(f"  {name:<16} {info['version']:<14} {f}")
+            lines.append(f"  {name:<24} {info['version']:<12} {f}")
         else:
             problems.append(f"{name} {info['version']} came from neither the bundle nor the box: {info['url']}")
     problems += [f"{f} is in {dest} but nothing needs it" for f in sorted(files - used)]
@@ -157,7 +161,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dest", default=".whl", help="folder of the wheels (default: %(default)s)")
     p.add_argument("--max-mib", type=float, default=MAX_MIB, help="size limit of the folder (default: %(default)s)")
     p.add_argument("--offline-only", action="store_true",
-                   help="no network: only prove that --dest is complete (needs --box-json from an earlier run)")
+                   help="no network: only prove that --dest is complete and small enough (needs the box.json "
+                        "an earlier run left there)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="gpu-bundle: %(message)s")
     dest = os.path.abspath(args.dest)
