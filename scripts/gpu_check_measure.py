@@ -27,6 +27,53 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, installed_step
 
 
+class StallProbe:
+    """Seconds the training thread spends waiting on the offloader's IO: every such wait
+    (back-pressure in pack, a read in unpack, a budget wait, the end-of-step wait for writes and
+    reads) goes through ``RecordIO._next_event``, which blocks on the IO threads' event queue;
+    StepStats.io_wait_s leaves the end-of-step wait out. Where that method is gone (the data
+    path was reshaped), ``source`` says so and the stats are used instead."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._real = None
+        self.source = "RecordIO._next_event on the training thread"
+
+    def __enter__(self) -> "StallProbe":
+        from ssdtrain_megatron.cache.transfers import RecordIO
+
+        real = getattr(RecordIO, "_next_event", None)
+        if real is None:
+            self.source = "StepStats io_wait_s + budget_wait_s (RecordIO._next_event not found)"
+            return self
+        probe = self
+
+        # Only the training side calls it (the IO threads put events, never take them): the
+        # main thread in forward and at the end of the step, autograd's device thread in
+        # backward on CUDA, while the main thread waits in backward() -- never both at once.
+        def timed_next_event(obj, deadline):
+            t0 = time.perf_counter()
+            try:
+                return real(obj, deadline)
+            finally:
+                probe.seconds += time.perf_counter() - t0
+
+        self._real = real
+        RecordIO._next_event = timed_next_event
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from ssdtrain_megatron.cache.transfers import RecordIO
+
+        if self._real is not None:
+            RecordIO._next_event = self._real
+            self._real = None
+
+    @property
+    def works(self) -> bool:
+        return self._real is not None
+
+
 def _pinned_bandwidth(device: torch.device, nbytes: int = GiB) -> dict:
     """Bytes per second of one pinned host<->device copy (what the memory engine's link allows)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -63,6 +110,7 @@ class Measure:
         self.host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         self.base_cfg = OffloadConfig(dirs=[args.scratch], engine="posix")
         self.per_sample: Optional[float] = None  # one sample's activations, once keep has run
+        self.probe = StallProbe()
 
     def _skip(self, mb: int, policy: str, engine: str, cfg_kw: dict) -> Optional[str]:
         need = self.per_sample * mb * 1.1 if self.per_sample else 0
@@ -113,25 +161,28 @@ class Measure:
 
     def _timed(self, off: ActivationOffloader, mb: int) -> dict:
         """--steps steady-state steps: peak memory (reserved and allocated), time, bytes, and the
-        training thread's time blocked on the offloader (reads and back-pressure, io_wait_s;
-        waits to stay within a memory budget, budget_wait_s)."""
+        training thread's time blocked on the offloader (StallProbe; the stats' own io_wait_s
+        and budget_wait_s beside it)."""
         torch.cuda.reset_peak_memory_stats(self.dev)
-        times, written, read, stall, submit = [], 0, 0, 0.0, 0.0
+        times, written, read, stats_wait, submit = [], 0, 0, 0.0, 0.0
+        probed = self.probe.seconds
         for _ in range(self.args.steps):
             _, dt = installed_step(self.model, off)
             st = off.last_step_stats
             times.append(dt)
             written += st.bytes_offloaded
             read += st.bytes_read
-            stall += st.io_wait_s + st.budget_wait_s
+            stats_wait += st.io_wait_s + st.budget_wait_s
             submit += st.offload_submit_s
             if deadline_left() < 10:
                 break
         n = len(times)
+        stall = self.probe.seconds - probed if self.probe.works else stats_wait
         step_s = statistics.median(times)
         return dict(ok=True, step_s=step_s, times=times, peak_bytes=torch.cuda.max_memory_allocated(self.dev),
                     peak_reserved=torch.cuda.max_memory_reserved(self.dev), stall_s=stall / n,
-                    stall_fraction=stall / sum(times), submit_s=submit / n,
+                    stall_fraction=stall / sum(times), stall_source=self.probe.source,
+                    stats_wait_s=stats_wait / n, submit_s=submit / n,
                     resident_after_step=torch.cuda.memory_allocated(self.dev),
                     tokens_per_s=mb * self.model.spec.seq / step_s, bytes_written=written / n, bytes_read=read / n,
                     fallbacks=st.fallbacks)
@@ -141,8 +192,9 @@ def step_measure(args, save) -> dict:
     k = args.micro_batch
     spec = GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
                    micro_batch=k, num_microbatches=1)
-    with MegatronRuntime() as rt:
+    with MegatronRuntime() as rt, StallProbe() as probe:
         m = Measure(args, save, GpuGPT(spec, rt.device), rt.device)
+        m.probe = probe
         r = m.result
         r.update(spec=dataclasses.asdict(spec), micro_batch=k,
                  bandwidth={"memory": _pinned_bandwidth(rt.device), **({"posix": _drive_bandwidth(args.out)}

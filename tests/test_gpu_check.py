@@ -331,3 +331,25 @@ def test_make_gpu_bundle_downloads_a_complete_bundle_under_60_mib(tmp_path):
     assert any(f.startswith("kvikio_cu13-26.10") for f in files) and any(f.startswith("libkvikio_cu13-26.10") for f in files)
     assert not any(f.startswith(("torch-", "nvidia_", "cupy")) for f in files)
     assert sum(os.path.getsize(dest / f) for f in files) < 60 * 2**20
+
+
+def test_stall_probe_times_the_training_threads_waits_on_the_offloader(tmp_path):
+    """The measure step's StallProbe around a real offloaded run on the CPU (megatron-core GPT
+    through the CPU runtime, posix engine): it counts the waits, at least the stats' io_wait_s
+    (the probe sees the end-of-step wait too), and restores the method afterwards."""
+    import argparse
+
+    import gpu_check_steps as steps
+    from ssdtrain_megatron.cache.transfers import RecordIO
+    from ssdtrain_megatron.tools.minigpt import GPTSpec
+
+    real = RecordIO._next_event
+    args = argparse.Namespace(scratch=str(tmp_path / "scratch"), out=str(tmp_path))
+    spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=2, num_microbatches=2)
+    cfg = steps._config(args, "posix", min_tensor_bytes=1024, max_inflight_bytes=1 << 20)
+    with gpu_check_measure.StallProbe() as probe:
+        assert probe.works and RecordIO._next_event is not real
+        result = steps._compare(args, lambda r: None, spec, cfg, steps=2, stream=None)
+    assert result["status"] == "pass" and result["bytes_read"] > 0
+    assert probe.seconds > 0
+    assert RecordIO._next_event is real
