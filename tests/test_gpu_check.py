@@ -333,15 +333,21 @@ def test_make_gpu_bundle_downloads_a_complete_bundle_under_60_mib(tmp_path):
     assert sum(os.path.getsize(dest / f) for f in files) < 60 * 2**20
 
 
-def test_stall_probe_times_the_training_threads_waits_on_the_offloader(tmp_path):
+def test_stall_probe_times_the_training_threads_waits_on_the_offloader(tmp_path, monkeypatch):
     """The measure step's StallProbe around a real offloaded run on the CPU (megatron-core GPT
-    through the CPU runtime, posix engine): it counts the waits, at least the stats' io_wait_s
-    (the probe sees the end-of-step wait too), and restores the method afterwards."""
+    through the CPU runtime, posix engine on a drive made slow: 20 ms per system call, so
+    that backward has to wait for reads): it counts those waits and restores the method."""
     import argparse
+    import time
 
     import gpu_check_steps as steps
     from ssdtrain_megatron.cache.transfers import RecordIO
+    from ssdtrain_megatron.io.syscalls import SysCalls
     from ssdtrain_megatron.tools.minigpt import GPTSpec
+
+    for call in ("pwritev", "preadv"):
+        real_call = getattr(SysCalls, call)
+        monkeypatch.setattr(SysCalls, call, lambda self, *a, _real=real_call: (time.sleep(0.02), _real(self, *a))[1])
 
     real = RecordIO._next_event
     args = argparse.Namespace(scratch=str(tmp_path / "scratch"), out=str(tmp_path))
@@ -351,5 +357,5 @@ def test_stall_probe_times_the_training_threads_waits_on_the_offloader(tmp_path)
         assert probe.works and RecordIO._next_event is not real
         result = steps._compare(args, lambda r: None, spec, cfg, steps=2, stream=None)
     assert result["status"] == "pass" and result["bytes_read"] > 0
-    assert probe.seconds > 0
+    assert probe.seconds > 0.02, probe.seconds  # at least one read waited for
     assert RecordIO._next_event is real
