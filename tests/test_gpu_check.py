@@ -359,3 +359,15 @@ def test_stall_probe_times_the_training_threads_waits_on_the_offloader(tmp_path,
     assert result["status"] == "pass" and result["bytes_read"] > 0, (result.get("why"), result.get("bytes_read"))
     assert probe.seconds > 0.05, probe.seconds  # backward waited for at least one read
     assert RecordIO._next_event is real
+
+
+def test_imports_step_reports_megatron_and_kvikio_as_the_targets_read_them():
+    """The imports step run here: megatron-core 0.16.1 imports (the shared venv has it), kvikio
+    does not (no CUDA): the megatron row passes, the kvikio row fails naming the import."""
+    import gpu_check_steps as steps
+
+    result = steps.step_imports(None, lambda r: None)
+    rows = {r["target"]: r for r in gpu_check_targets.targets({"imports": result})}
+    assert rows["import megatron.core 0.16.1"]["result"] == "PASS", result
+    kv = rows["import kvikio; the gds engine is available"]
+    assert kv["result"] == "FAIL" and "import kvikio failed" in kv["detail"], kv
