@@ -229,8 +229,7 @@ def run_parent(args: argparse.Namespace) -> int:
     os.makedirs(args.scratch, exist_ok=True)
     env = dict(os.environ, **CHILD_ENV)
     prefix = os.path.join(args.out, "prefix")
-    sites = sorted({sysconfig.get_path(k, vars={"base": prefix, "platbase": prefix}) for k in ("purelib", "platlib")})
-    env["PYTHONPATH"] = os.pathsep.join([REPO] + sites + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = _pythonpath(prefix)
     env["TORCH_EXTENSIONS_DIR"] = env.get("TORCH_EXTENSIONS_DIR", os.path.join(args.out, "torch_extensions"))
     for s in steps:
         name, timeout = s["step"], s["timeout_s"]
@@ -247,6 +246,8 @@ def run_parent(args: argparse.Namespace) -> int:
             say(f"{name}: running (limit {limit}s) ...")
             t0 = time.monotonic()
             result = install(args, prefix, env, limit) if name == "install" else run_child(args, name, env, limit)
+            if name == "install":
+                env["PYTHONPATH"] = _pythonpath(prefix)  # where pip put them, now that it has
             result["seconds"] = round(time.monotonic() - t0, 1)
         res.step(name, result)
         say(f"{name}: {result['status']}{' (%ss)' % result['seconds'] if 'seconds' in result else ''}"
@@ -259,6 +260,21 @@ def run_parent(args: argparse.Namespace) -> int:
     say(f"{passed} of {len(rows)} targets PASS, {len(rows) - passed - not_run} FAIL, {not_run} NOT RUN; "
         f"results in {args.out}/gpu-check.json and table.txt")
     return 0 if passed == len(rows) else 1
+
+
+def prefix_sites(prefix: str) -> List[str]:
+    """The folders of ``prefix`` that pip installed packages into: this Python's scheme for a
+    prefix, and whatever site-packages / dist-packages pip made there (a distribution's
+    patched scheme may differ from what sysconfig predicts)."""
+    predicted = {sysconfig.get_path(k, vars={"base": prefix, "platbase": prefix}) for k in ("purelib", "platlib")}
+    found = {os.path.join(root, d) for root, dirs, _ in os.walk(prefix) if root.count(os.sep) - prefix.count(os.sep) < 4
+             for d in dirs if d in ("site-packages", "dist-packages")}
+    return sorted(predicted | found)
+
+
+def _pythonpath(prefix: str) -> str:
+    """The checkout first, then the bundle installed into ``prefix``, then the caller's own."""
+    return os.pathsep.join([REPO] + prefix_sites(prefix) + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
 
 
 def install(args: argparse.Namespace, prefix: str, env: dict, limit: int) -> dict:
