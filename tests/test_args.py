@@ -239,6 +239,16 @@ def test_megatron_args_from_preset_carry_shape_layout_and_precision():
         "--sequence-parallel"]
 
 
+def test_a_preset_with_unfused_swiglu_asks_megatron_for_it(tmp_path):
+    """The planner's ``swiglu_fusion: false`` is Megatron-LM's ``--no-bias-swiglu-fusion``:
+    the flags must run the path the plan counted."""
+    text = open(os.path.join(REPO, "configs", "llama3-70b.yaml"), encoding="utf-8").read()
+    preset = tmp_path / "unfused.yaml"
+    preset.write_text(text.replace("  swiglu: true\n", "  swiglu: true\n  swiglu_fusion: false\n"))
+    flags = megatron_args_from_preset(str(preset))
+    assert flags[flags.index("--swiglu") + 1] == "--no-bias-swiglu-fusion"
+
+
 def test_megatron_args_command_prints_one_line_and_rejects_bad_presets(tmp_path):
     run = [sys.executable, "-m", "ssdtrain_megatron.megatron.args"]
     out = subprocess.run(run + [os.path.join(REPO, "configs", "gpt3-1.3b.yaml")],

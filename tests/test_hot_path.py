@@ -178,8 +178,11 @@ def test_a_tensor_forwarded_while_its_write_is_in_flight_counts_once(offload_dir
         torch.autograd.grad(out, [x])
         del out
         st = off.end_step()
-    assert st.tensors_offloaded >= 2
-    assert st.tensors_forwarded == st.tensors_offloaded, st
+    # The write the gate holds completes; writes still queued behind it were taken back when
+    # backward wanted their tensors (tests/test_held.py). Each tensor is forwarded once.
+    assert st.tensors_offloaded >= 1
+    assert st.tensors_offloaded + st.writes_taken_back >= 2
+    assert st.tensors_forwarded == st.tensors_offloaded + st.writes_taken_back, st
     assert st.bytes_read == 0
 
 

@@ -11,10 +11,18 @@ from ssdtrain_megatron.megatron import install, uninstall  # noqa: E402
 from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, MiniGPT  # noqa: E402
 
 
-@pytest.mark.parametrize("recompute", [None, "selective"])
-def test_local_spec_bytes_per_layer_within_5_percent(tmp_path, recompute):
+@pytest.mark.parametrize("recompute, mlp", [
+    (None, {}), ("selective", {}),
+    # SwiGLU unfused (--no-bias-swiglu-fusion): the gate is a strided view, written as its span.
+    (None, {"swiglu": True}),
+    # SwiGLU fused, Megatron-LM's default: the fc1 output once (megatron-core compiles the
+    # fused function with torch.compile: about 15 s on the CPU the first time).
+    (None, {"swiglu": True, "swiglu_fusion": True}),
+    ("selective", {"swiglu": True, "swiglu_fusion": True}),
+])
+def test_local_spec_bytes_per_layer_within_5_percent(tmp_path, recompute, mlp):
     spec = GPTSpec(layers=3, hidden=128, heads=4, seq=64, micro_batch=2, num_microbatches=2,
-                   recompute=recompute)
+                   recompute=recompute, **mlp)
     with MegatronRuntime() as rt:
         model = MiniGPT(spec, rt.device)
         off = install(OffloadConfig(dirs=[str(tmp_path)], min_tensor_bytes=0))
@@ -26,7 +34,8 @@ def test_local_spec_bytes_per_layer_within_5_percent(tmp_path, recompute):
     shape = ModelShape(num_layers=spec.layers, hidden=spec.hidden, heads=spec.heads,
                        ffn_hidden=4 * spec.hidden, seq_len=spec.seq, micro_batch=spec.micro_batch,
                        dtype_bytes=4, attention_dropout=0.0, hidden_dropout=0.0,
-                       recompute=recompute or "none")
+                       recompute=recompute or "none", swiglu=spec.swiglu,
+                       swiglu_fusion=spec.swiglu_fusion)
     profile = SaveProfile.megatron_local_cpu()
     rows = {r.layer: r for r in stats.layers}
     for layer in range(1, spec.layers + 1):

@@ -115,8 +115,10 @@ def test_known_trace_gives_exact_queue_depths_and_steps(trace):
         "per_rank": [{"rank": 0, "mean": 34 / 14, "max": 3}, {"rank": 1, "mean": 1.0, "max": 1}],
     }
     assert f["steps"] == [
-        {"step": 0, "bytes_written": 48 * MiB, "bytes_read": 0, "writes": 6, "reads": 0},
-        {"step": 1, "bytes_written": 35 * MiB, "bytes_read": 4 * MiB, "writes": 5, "reads": 4},
+        {"step": 0, "bytes_written": 48 * MiB, "bytes_read": 0, "writes": 6, "reads": 0,
+         "bytes_unread": 48 * MiB},
+        {"step": 1, "bytes_written": 35 * MiB, "bytes_read": 4 * MiB, "writes": 5, "reads": 4,
+         "bytes_unread": 31 * MiB},
     ]
 
 

@@ -57,6 +57,10 @@ class SavedTensorHooks:
         if storage is None:
             c.tensors_passed_through += 1
             return t
+        if storage._cdata in self._held:  # held until backward anyway: writing frees nothing
+            c.tensors_passed_through += 1
+            c.tensors_held_by_schedule += 1
+            return t
         if not self._events.empty():
             self._drain()
         # The identity of identity.py, from attributes read once (the record keeps them).

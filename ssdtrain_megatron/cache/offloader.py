@@ -22,6 +22,7 @@ from .adaptive import AdaptivePlanner
 from .budget import ActivationBudget, resolve_budget
 from .budget_steps import BudgetSteps
 from .device_copy import DeviceCopy, StreamOps
+from .held import HeldStorages
 from .hooks import SavedTensorHooks
 from .microbatch import MicroBatch
 from .record import TensorRecord
@@ -118,6 +119,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         self._keep_all = config.policy == "keep"
         self._microbatches: Dict[Hashable, MicroBatch] = {}
         self._param_storages: Set[int] = set()
+        self._held = HeldStorages()  # held until backward by something else (held.py)
         self._current: Optional[MicroBatch] = None
         self._layer: Optional[Hashable] = None
         self._layer_decisions: Dict[Hashable, str] = {}
@@ -165,6 +167,16 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         """Never offload these tensors or any view of their storage."""
         for p in params:
             self._param_storages.add(p.untyped_storage()._cdata)
+
+    def register_held(self, tensors: Iterable[Optional[torch.Tensor]]) -> None:
+        """Tensors something else keeps in memory until this step's backward needs them (a
+        pipeline stage's received input, which the schedule holds until that micro-batch's
+        backward): saved tensors on their storage pass through, counted in
+        ``tensors_held_by_schedule``, because writing them would free nothing (held.py).
+        Forgotten at the step's end; None entries are skipped."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device == self.device:
+                self._held.register(t.untyped_storage())
 
     def set_layer_decision(self, layer: Hashable, decision: str) -> None:
         """Plan for a layer: 'offload', 'keep' (stay in memory) or 'recompute' (labelled; the
@@ -295,6 +307,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             self.last_memory_timeline = [(t - self._step_first, b) for t, b in self._c.timeline]
         self._c = StepCounters(timeline=[] if self.record_memory_timeline else None)
         self._forget_storages()
+        self._held.end_step()
         self._microbatches.clear()
         self._step += 1
         self._step_started = now
@@ -340,6 +353,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             for r in list(self._records.values()):
                 self._release(r, force=True)
             self._forget_storages()
+            self._held.close()
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None

@@ -58,6 +58,8 @@ READS = frozenset({S.READING, S.READ_DROPPED})
 # (from, to) -> what the step's counters record when it happens: "kept" (tensors_kept),
 # "offloaded" (a write completed: tensors/bytes_offloaded), "fallback" (a write failed: the
 # tensor stays in memory), "forwarded" (backward gets the in-memory tensor, no read),
+# "taken_back" (a write not yet started was cancelled because backward wants the tensor),
+# "held" (written, then found alive at backward: held by someone else, so written for nothing),
 # "read" (bytes came back from the engine). Any pair not listed is a bug.
 TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.SAVED, S.WRITING): (),
@@ -65,6 +67,7 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.SAVED, S.RELEASED): (),
     (S.KEPT, S.RELEASED): (),
     (S.WRITING, S.WRITING_WANTED): ("forwarded",),  # unpack or prefetch during the write
+    (S.WRITING, S.READY): ("forwarded", "taken_back"),  # ... before it started: cancelled
     (S.WRITING, S.ON_DISK): ("offloaded",),
     (S.WRITING, S.BROKEN): ("offloaded",),  # written, but modified in place meanwhile
     (S.WRITING, S.KEPT): ("fallback", "kept"),
@@ -80,7 +83,7 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.WRITE_DROPPED, S.KEPT): ("fallback", "kept"),  # then released at once
     (S.WRITE_DROPPED, S.RELEASED): (),  # a queued write cancelled, or close()
     (S.ON_DISK, S.READING): (),
-    (S.ON_DISK, S.READY): ("forwarded",),  # still referenced elsewhere: no read needed
+    (S.ON_DISK, S.READY): ("forwarded", "held"),  # still referenced elsewhere: no read needed
     (S.ON_DISK, S.RELEASED): (),
     (S.READING, S.READY): ("read",),
     (S.READING, S.BROKEN): (),

@@ -71,6 +71,10 @@ class RecordIO:
                 c.layer(rec.layer, rec.decision).bytes_offloaded += rec.nbytes
             elif e == "forwarded":
                 c.tensors_forwarded += 1
+            elif e == "taken_back":
+                c.writes_taken_back += 1
+            elif e == "held":
+                c.bytes_wasted_held += rec.nbytes
             elif e == "read":
                 c.bytes_read += rec.nbytes
             elif e == "kept":
@@ -215,16 +219,31 @@ class RecordIO:
         candidates = mb.prefetch_candidates(self.config.prefetch_layers, self.config.max_inflight_bytes)
         for i, rec in enumerate(candidates):
             if rec.state == State.WRITING:
-                self._move(rec, State.WRITING_WANTED)  # forwarded from memory when the write completes
+                self._wanted_while_writing(rec)
             elif self._budget is not None and not self._budget.room_to_read(rec.nbytes):
                 give_back_readahead(mb, candidates[i:])  # budget: read ahead less
                 return
             else:
                 self._start_read(rec)
 
+    def _wanted_while_writing(self, rec: TensorRecord) -> None:
+        """Backward (or prefetch) wants a record whose write has not completed: it is served
+        from memory. A write no IO thread has started is taken back, since its bytes would
+        be written only to be forwarded (a tensor held until backward by someone we could not
+        know of, or the last micro-batch's layers whose writes trail its forward); one under
+        way completes, and its bytes are counted in StepStats.bytes_wasted."""
+        if self._engine.cancel(rec.id):
+            self._written(rec)  # nothing was written: the staging block goes back
+            self._inflight_bytes -= rec.nbytes
+            self._move(rec, State.READY)  # the record still holds the tensor (record.py)
+        else:
+            self._move(rec, State.WRITING_WANTED)  # forwarded when the write completes
+
     def _start_read(self, rec: TensorRecord) -> None:
         alive = rec.ref()
         if alive is not None:  # still referenced elsewhere: no IO needed
+            # Its bytes were written for nothing; the next save of this storage passes through.
+            self._held.learn(alive.untyped_storage())
             rec.tensor = alive.detach()
             self._move(rec, State.READY)
             return
@@ -277,7 +296,7 @@ class RecordIO:
                 self._budget.overrun(rec.nbytes, self._step, f"reading back a {rec.describe()}")
             self._start_read(rec)
         elif s == State.WRITING:
-            self._move(rec, State.WRITING_WANTED)  # keep our reference when the write completes
+            self._wanted_while_writing(rec)
         if rec.state == State.READING:
             self._wait_record(rec)
         if rec.state == State.BROKEN:

@@ -34,6 +34,7 @@ from .base import EngineError
 from .layout import Identity
 from .requests import ChunkQueue, Request, Run
 from .slab_engine import SlabEngine, aligned_buffer, join_before_exit
+from .syscalls import IOV_MAX
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class PosixEngine(SlabEngine):
         keep the last tensor it handled alive)."""
         view = memoryview(buf.numpy())
         while True:
-            parts = self._queue.get_run(True, self._chunk, self._padded)
+            parts = self._queue.get_run(True, self._chunk, self._padded, IOV_MAX)
             if parts is None:
                 return
             op = Run(parts, buf, self._padded)

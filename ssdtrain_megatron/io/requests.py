@@ -170,12 +170,14 @@ class ChunkQueue:
             return self._reads
         return self._writes if self._writes else None
 
-    def get_run(self, wait: bool, limit: int, padded: Callable[[int], int]
-                ) -> Optional[List[Tuple[Request, int]]]:
+    def get_run(self, wait: bool, limit: int, padded: Callable[[int], int],
+                max_parts: Optional[int] = None) -> Optional[List[Tuple[Request, int]]]:
         """The next chunk, plus the chunks queued right behind it that continue it in the same
         slab (after its end, or before its start: reads come back in reverse order), in the
-        same direction, up to ``limit`` padded bytes. The run is in file order. None when
-        closed and drained, or, with ``wait=False``, when nothing is queued right now."""
+        same direction, up to ``limit`` padded bytes and ``max_parts`` chunks (posix: one
+        iovec each, and the kernel refuses more than IOV_MAX with EINVAL). The run is in file
+        order. None when closed and drained, or, with ``wait=False``, when nothing is queued
+        right now."""
         with self._cv:
             items = self._head()
             while wait and items is None and not self._closed:
@@ -194,7 +196,7 @@ class ChunkQueue:
                     continue
                 ext = req.extents[req.next_chunk]
                 step = padded(ext.length)
-                if ext.root != first.root or hi - lo + step > limit:
+                if ext.root != first.root or hi - lo + step > limit or len(run) == max_parts:
                     break
                 if ext.offset == hi:
                     run.append(self._pop(items))

@@ -13,6 +13,17 @@ import os
 from typing import Any, Sequence
 
 
+def _iov_max() -> int:
+    try:
+        return max(16, os.sysconf("SC_IOV_MAX"))
+    except (ValueError, OSError):
+        return 1024  # Linux's UIO_MAXIOV
+
+
+IOV_MAX = _iov_max()
+"""Buffers one ``preadv``/``pwritev`` may take; more fail with EINVAL."""
+
+
 class SysCalls:
     """One method per call an engine makes. The ``path`` arguments name the file for whoever
     stands in front (faults, traces); the real calls use the descriptor or handle."""

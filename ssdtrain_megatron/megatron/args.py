@@ -320,6 +320,8 @@ def megatron_args_from_preset(path: str) -> List[str]:
         flags.append(f"--{dtype}")
     if shape.swiglu:
         flags.append("--swiglu")
+        if not shape.swiglu_fusion:
+            flags.append("--no-bias-swiglu-fusion")
     if shape.sequence_parallel:
         flags.append("--sequence-parallel")
     if shape.recompute == "selective":

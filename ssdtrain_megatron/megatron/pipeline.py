@@ -30,7 +30,7 @@ import inspect
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
@@ -174,6 +174,10 @@ class PipelineHooks:
             return self._forward_step(*args, **kwargs)
         bound = self._forward_sig.bind(*args, **kwargs).arguments
         self._register_parameters(bound.get("model"))
+        # The stage's received input: the schedule keeps it in input_tensors until this
+        # micro-batch's backward, so the first layer's saved input (and a checkpoint's) is in
+        # memory anyway; writing it would spend bandwidth and free nothing.
+        self.offloader.register_held(_tensors(bound.get("input_tensor")))
         chunk = bound.get("vp_stage") or 0
         microbatch = bound.get("current_microbatch")
         if microbatch is None:
@@ -231,6 +235,18 @@ class PipelineHooks:
         if isinstance(model, torch.nn.Module) and model not in self._models:
             self._models.add(model)
             self.offloader.register_parameters(model.parameters())
+
+
+def _tensors(obj) -> List[torch.Tensor]:
+    """The tensors in a schedule argument: a tensor, a list of them (None for a first stage),
+    or a dict of them (multi-module pipelines, 0.17+)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for t in obj if isinstance(t, torch.Tensor)]
+    return []
 
 
 def _first_tensor(obj) -> Optional[torch.Tensor]:

@@ -20,7 +20,7 @@ proj_input                 2sbh        t
 attn_residual_dropout_mask sbh         t only with sequence parallel
 mlp_norm_input             2sbh        t only with sequence parallel
 fc1_input                  2sbh        t only with sequence parallel
-activation_input           8sbh        t   (2sbf; SwiGLU saves three sbf tensors)
+activation_input           8sbh        t   (2sbf; SwiGLU: 4sbf fused, three 2sbf unfused)
 fc2_input                  8sbh        t   (2sbf)
 mlp_residual_dropout_mask  sbh         t only with sequence parallel
 =========================  ==========  ============================================
@@ -90,9 +90,15 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
         terms["attn_residual_dropout_mask"] = mask_b * sp_tokens * h
     norm("mlp_norm")
     terms["fc1_input"] = d * sp_tokens * h
-    if shape.swiglu:
-        # silu(gate) * up: silu saves its input, the product saves both of its operands.
-        terms["swiglu_gate_input"] = d * tokens * f // t
+    if shape.swiglu and shape.swiglu_fusion:
+        # Megatron's fused SwiGLU saves the whole fc1 output (gate and up halves) once.
+        terms["swiglu_input"] = 2 * d * tokens * f // t
+    elif shape.swiglu:
+        # silu(gate) * up: silu saves its input, the product saves both of its operands. The
+        # gate is the first half of every row of the fc1 output: a strided view whose span
+        # runs to the last row's gate, almost the whole fc1 output.
+        gate = (tokens - 1) * 2 * f // t + f // t if profile.strided_view_span else tokens * f // t
+        terms["swiglu_gate_input"] = d * gate
         terms["swiglu_gate_output"] = d * tokens * f // t
         terms["swiglu_up"] = d * tokens * f // t
     else:

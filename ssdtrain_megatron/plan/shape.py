@@ -76,6 +76,13 @@ class ModelShape:
     swiglu: bool = False
     """Gated linear unit with SiLU (Llama) instead of GELU."""
 
+    swiglu_fusion: bool = True
+    """Megatron-LM's ``--bias-swiglu-fusion`` (its default; ``--no-bias-swiglu-fusion`` turns
+    it off; megatron-core's ``bias_activation_fusion``). Fused, SwiGLU is one autograd function
+    that saves its input, the fc1 output (2f wide), once; unfused, ``silu(gate) * up`` saves
+    three f-wide tensors (silu's input, its output and the up projection). Only read with
+    ``swiglu``."""
+
     recompute: str = "none"
     """Activation recomputation: 'none', 'selective' (core attention) or 'full' (whole layer)."""
 
@@ -98,7 +105,7 @@ class ModelShape:
             _fail("kv_groups", self.kv_groups, "expected an integer >= 1 or null (multi-head)")
         if self.dtype_bytes not in (2, 4) or isinstance(self.dtype_bytes, bool):
             _fail("dtype_bytes", self.dtype_bytes, "expected 2 (bf16/fp16) or 4 (fp32)")
-        for name in ("sequence_parallel", "flash_attention", "swiglu"):
+        for name in ("sequence_parallel", "flash_attention", "swiglu", "swiglu_fusion"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "expected true or false")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
@@ -147,8 +154,8 @@ class ModelShape:
     # -- presets ------------------------------------------------------------------------------
 
     PRESET_MODEL_KEYS = ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
-                         "kv_groups", "dtype", "swiglu", "flash_attention", "recompute", "vocab",
-                         "attention_dropout", "hidden_dropout")
+                         "kv_groups", "dtype", "swiglu", "swiglu_fusion", "flash_attention",
+                         "recompute", "vocab", "attention_dropout", "hidden_dropout")
     PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel")
 
     @classmethod
@@ -219,6 +226,13 @@ class SaveProfile:
     """Count a saved view of an already-saved tensor again. With attention dropout 0 the bmm
     saves a reshaped view of the softmax output; an offloader that keys records by
     (storage, offset, shape, strides) writes it a second time."""
+
+    strided_view_span: bool = True
+    """Count a strided view saved for backward by the storage span it lies in, as our offloader
+    writes it (it packs a view compactly only when the span is more than twice the view's
+    elements). The unfused SwiGLU's gate half is such a view of the fc1 output: its span is
+    almost the whole fc1 output, 2f wide instead of f. False: count the view's elements, as a
+    pack hook sees them."""
 
     def __post_init__(self) -> None:
         for name in ("dropout_mask_bytes", "softmax_bytes"):

@@ -287,7 +287,8 @@ def timeline(records: Sequence[IORecord], bucket_s: Optional[float] = None) -> D
 
 def bytes_per_step(records: Sequence[IORecord]) -> List[Dict[str, int]]:
     """Per step (all ranks together): ``{"step", "bytes_written", "bytes_read", "writes",
-    "reads"}``, in step order."""
+    "reads", "bytes_unread"}``, in step order. ``bytes_unread``: written and never read back,
+    drive bandwidth spent for nothing (StepStats.bytes_wasted, as the trace sees it)."""
     steps: Dict[int, Dict[str, int]] = {}
     for r in records:
         row = steps.setdefault(r.step, {"step": r.step, "bytes_written": 0, "bytes_read": 0,
@@ -298,6 +299,8 @@ def bytes_per_step(records: Sequence[IORecord]) -> List[Dict[str, int]]:
         else:
             row["bytes_read"] += r.bytes
             row["reads"] += 1
+    for row in steps.values():
+        row["bytes_unread"] = max(0, row["bytes_written"] - row["bytes_read"])
     return [steps[s] for s in sorted(steps)]
 
 

@@ -70,6 +70,21 @@ class StepStats:
     """Seconds since the previous end_step() (the first step: since its first forward): the
     whole iteration, optimizer and data loading included. The adaptive planner weighs
     io_wait_s against it."""
+    bytes_wasted: int = 0
+    """bytes_offloaded that were never read back: forwarded from memory because something else
+    still held the tensor at backward, or released unread. Each spent drive bandwidth and
+    endurance and freed no memory (README: "Reading the numbers")."""
+    bytes_wasted_held: int = 0
+    """The part of bytes_wasted whose tensor was still held by someone else at backward (the
+    schedule, the caller's batch, a model's cache); the rest were writes under way when
+    backward wanted them. Such a storage passes through from then on (cache/held.py)."""
+    tensors_held_by_schedule: int = 0
+    """Saved tensors left to autograd because something else holds them until backward anyway
+    (a pipeline stage's received input, or a storage found alive at an earlier backward):
+    writing them would free nothing."""
+    writes_taken_back: int = 0
+    """Writes cancelled before any IO thread started them, because backward wanted the tensor
+    first: forwarded from memory with nothing written (counted in tensors_forwarded too)."""
     offload_submit_s: float = 0.0
     """Training-thread seconds spent handing writes to the engine (the planner's CPU cost of
     offloading)."""
@@ -104,7 +119,8 @@ class StepStats:
                 f"failed and stayed in memory)") if self.fallbacks else ""
         return (f"offloaded {self.bytes_offloaded / 1e6:.1f} MB in {self.tensors_offloaded} tensors "
                 f"(read {self.bytes_read / 1e6:.1f} MB, dedup {self.bytes_deduplicated / 1e6:.1f} MB, "
-                f"forwarded {self.tensors_forwarded}), write {self.write_gbps:.2f} GB/s, "
+                f"forwarded {self.tensors_forwarded}, wasted {self.bytes_wasted / 1e6:.1f} MB, "
+                f"held {self.tensors_held_by_schedule}), write {self.write_gbps:.2f} GB/s, "
                 f"read {self.read_gbps:.2f} GB/s, io wait {self.io_wait_s * 1e3:.1f} ms, "
                 f"peak resident {self.peak_resident_bytes / 1e6:.1f} MB{fell}")
 
@@ -130,6 +146,9 @@ class StepCounters:
     tensors_passed_through: int = 0
     tensors_kept: int = 0
     tensors_forwarded: int = 0
+    tensors_held_by_schedule: int = 0
+    writes_taken_back: int = 0
+    bytes_wasted_held: int = 0
     io_wait_s: float = 0.0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
@@ -161,7 +180,11 @@ class StepCounters:
             step=step, bytes_offloaded=self.bytes_offloaded, bytes_read=self.bytes_read,
             bytes_deduplicated=self.bytes_deduplicated, tensors_offloaded=self.tensors_offloaded,
             tensors_passed_through=self.tensors_passed_through, tensors_kept=self.tensors_kept,
-            tensors_forwarded=self.tensors_forwarded, io_wait_s=self.io_wait_s,
+            tensors_forwarded=self.tensors_forwarded,
+            bytes_wasted=max(0, self.bytes_offloaded - self.bytes_read),
+            tensors_held_by_schedule=self.tensors_held_by_schedule,
+            writes_taken_back=self.writes_taken_back, bytes_wasted_held=self.bytes_wasted_held,
+            io_wait_s=self.io_wait_s,
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
             bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,
             iteration_time_s=iteration_time_s)

@@ -30,6 +30,11 @@ class GPTSpec:
     num_microbatches: int = 4
     recompute: Optional[str] = None
     """None, 'full' (megatron's full/uniform recompute, 1 layer per checkpoint) or 'selective'."""
+    swiglu: bool = False
+    """SwiGLU MLP (megatron-core's gated_linear_unit with SiLU) instead of GELU."""
+    swiglu_fusion: bool = False
+    """With ``swiglu``: megatron-core's fused bias-SwiGLU (``bias_activation_fusion``, the
+    default of Megatron-LM's ``--bias-swiglu-fusion``); saves the fc1 output once."""
     seed: int = 1234
     lr: float = 1e-3
 
@@ -99,20 +104,23 @@ class MiniGPT:
         self.device = device
         torch.manual_seed(spec.seed)
         model_parallel_cuda_manual_seed(spec.seed, force_reset_rng=True)
-        recompute: Dict[str, object] = {}
+        options: Dict[str, object] = {}  # recompute and MLP settings
         if spec.recompute == "full":
-            recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
-                         "recompute_num_layers": 1}
+            options = {"recompute_granularity": "full", "recompute_method": "uniform",
+                       "recompute_num_layers": 1}
         elif spec.recompute == "selective":
-            recompute = {"recompute_granularity": "selective"}
+            options = {"recompute_granularity": "selective"}
         elif spec.recompute is not None:
             raise ValueError(f"GPTSpec.recompute={spec.recompute!r}: expected None, 'full' or 'selective'")
+        if spec.swiglu:
+            options.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                           bias_activation_fusion=spec.swiglu_fusion)
         config = TransformerConfig(
             num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
             pipeline_dtype=torch.float32, params_dtype=torch.float32,
             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
             bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-            gradient_accumulation_fusion=False, persist_layer_norm=False, **recompute)
+            gradient_accumulation_fusion=False, persist_layer_norm=False, **options)
         self.model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                               vocab_size=spec.vocab, max_sequence_length=spec.seq,
                               share_embeddings_and_output_weights=False, position_embedding_type="rope")

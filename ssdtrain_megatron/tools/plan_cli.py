@@ -300,7 +300,8 @@ def _print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
           f"stage), h={shape.hidden}, heads={shape.heads}, kv_groups={shape.groups}, "
           f"ffn={shape.ffn_hidden}, s={shape.seq_len}, b={shape.micro_batch}, {dtype}, "
           f"tp={shape.tp}, pp={shape.pp}, sp={shape.sequence_parallel}, "
-          f"flash={shape.flash_attention}, recompute={shape.recompute}")
+          f"flash={shape.flash_attention}, recompute={shape.recompute}"
+          + (f", swiglu ({'fused' if shape.swiglu_fusion else 'unfused'})" if shape.swiglu else ""))
     print(f"{'layer':>5}  {'bytes':>18}  decision   (layers numbered from 1, as Megatron does)")
     for row in r["layers"]:
         print(f"{row['layer']:>5}  {row['bytes']:>18,}  {row['decision']}")

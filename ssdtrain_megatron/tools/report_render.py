@@ -120,9 +120,11 @@ def render_markdown(figures: Dict[str, Any], trace: str) -> str:
                     + ["queue depth mean", "queue depth max"], rows)
 
     lines += ["## Bytes per step", ""]
-    lines += _table(("step", "bytes written", "bytes read", "writes", "reads"),
+    lines += ["Never read back: written and then served from memory (or released unread), "
+              "drive bandwidth and endurance spent for nothing.", ""]
+    lines += _table(("step", "bytes written", "bytes read", "never read back", "writes", "reads"),
                     [(s["step"], _bytes(s["bytes_written"]), _bytes(s["bytes_read"]),
-                      s["writes"], s["reads"]) for s in f["steps"]])
+                      _bytes(s["bytes_unread"]), s["writes"], s["reads"]) for s in f["steps"]])
 
     en = f["endurance"]
     lines += [f"## Drive writes per day ({en['drive_tb']:g} TB drive)", "",
