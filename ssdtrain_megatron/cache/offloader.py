@@ -161,6 +161,12 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
     def engine(self) -> Optional[IOEngine]:
         return self._engine
 
+    @property
+    def planner(self) -> Optional[AdaptivePlanner]:
+        """The adaptive planner (policy 'adaptive'; None otherwise): its ``selection`` says
+        whether measured selection has settled, after how many steps, and what it measured."""
+        return self._planner
+
     def register_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """Never offload these tensors or any view of their storage."""
         for p in params:
