@@ -56,7 +56,8 @@ def test_quick_json_has_every_strategy_positive_figures_equal_losses_and_a_plot(
         (s, mb) for s in ("keep", "offload", "adaptive", "recompute") for mb in (1, 2)}
     for p in points:
         assert set(p) == {"strategy", "micro_batch", "step_s", "tokens_per_s",
-                          "peak_activation_bytes", "peak_memory_bytes"}
+                          "peak_activation_bytes", "peak_memory_bytes", "step_s_min", "step_s_max"}
+        assert p["step_s_min"] <= p["step_s"] <= p["step_s_max"]
         assert p["step_s"] > 0 and p["peak_activation_bytes"] > 0 and p["peak_memory_bytes"] > 0
         assert p["tokens_per_s"] == pytest.approx(64 * p["micro_batch"] * 2 / p["step_s"])
     assert {"offload_vs_keep_step_time", "offload_vs_keep_peak_activation",
@@ -157,6 +158,45 @@ def test_adaptive_is_compared_with_the_fastest_fixed_strategy_within_the_budget(
     s = summarize(run, memory_budget=50)
     assert s["best_fixed"] is None and "adaptive_vs_best_fixed_step_time" not in s["ratios"]
     assert "no fixed strategy (offload, recompute) fits the budget" in render(s)
+
+
+def test_each_step_time_ratio_has_its_paired_spread_and_says_when_noise_explains_it():
+    """Broken by comparing the full range (not half of it) with |ratio - 1| in bench_spread:
+    'offload_vs_keep_step_time within noise' fails for the 1.10 +- 0.05 case."""
+    from ssdtrain_megatron.tools.bench import render
+
+    same = [1.0, 0.9, 0.8, 0.7]
+    run = _run({("keep", 1): ([9.0, 1.0, 1.0, 1.0], [100] * 4, same),
+                ("offload", 1): ([9.0, 1.05, 1.10, 1.15], [50] * 4, same),
+                ("recompute", 1): ([9.0, 0.90, 1.10, 1.00], [20] * 4, [1.0] * 4)}, warmup=1)
+    s = summarize(run)
+    off = s["ratio_spread"]["offload_vs_keep_step_time"]
+    assert (off["min"], off["median"], off["max"]) == pytest.approx((1.05, 1.10, 1.15))
+    assert off["within_noise"] is False, "offload_vs_keep_step_time within noise"  # 0.05 < 0.10
+    rec = s["ratio_spread"]["recompute_vs_keep_step_time"]
+    assert (rec["min"], rec["max"]) == pytest.approx((0.90, 1.10)) and rec["within_noise"] is True
+    points = {p["strategy"]: p for p in s["points"]}
+    assert (points["offload"]["step_s_min"], points["offload"]["step_s_max"]) == (1.05, 1.15)
+    table = render(s)
+    assert "1.050 [1.050-1.150]" not in table and "1.100 [1.050-1.150]" in table
+    assert "recompute_vs_keep_step_time" in table and "within noise" in table
+    assert "  offload_vs_keep_step_time          1.05 / 1.10 / 1.15\n" in table + "\n"
+
+
+def test_adaptive_settle_steps_and_its_exploration_peak_count_against_the_budget():
+    """Broken by leaving explore_peak out of adaptive_peak_vs_budget: '95 / 120' instead of
+    '130 / 120' (exploring went over the budget and the ratio must say so)."""
+    same = [1.0, 0.9]
+    run = _run({("keep", 2): ([2.0, 2.0], [200, 200], same), ("offload", 2): ([2.4, 2.4], [90, 90], same),
+                ("adaptive", 2): ([2.1, 2.1], [95, 95], same)})
+    a = run.series[("adaptive", 2)]
+    a.explore_times, a.settle_steps, a.explore_peak = [3.0, 2.5, 2.1], 3, 130
+    s = summarize(run, memory_budget=120)
+    assert s["ratios"]["adaptive_settle_steps"] == 3
+    assert s["ratios"]["adaptive_peak_vs_budget"] == 130 / 120
+    assert s["adaptive_exploration"]["2"]["step_s"] == [3.0, 2.5, 2.1]
+    a.settle_steps = None
+    assert summarize(run, memory_budget=120)["ratios"]["adaptive_settle_steps"] is None
 
 
 def test_the_table_shows_no_target_the_user_did_not_set_and_shows_fallbacks():

@@ -140,3 +140,16 @@ def test_fits_without_a_budget_and_with_the_reserve():
     plan = ((KEEP,) * 4, (KEEP,) * 4)
     assert fits(LAYERS, POSITIONS, plan, None)
     assert fits(LAYERS, POSITIONS, plan, 800) and not fits(LAYERS, POSITIONS, plan, 800, reserve_bytes=1)
+
+
+def test_after_rebaseline_the_next_window_is_the_reference_not_a_drift():
+    """Broken by making rebaseline() a no-op: 'phase explore after rebaseline'."""
+    sel = MeasuredSelection(Bounds(trial_steps=3, explore_steps=3, drift=0.15), endless)
+    sel.start("model", 0)
+    run(sel, lambda plan, i: 1.0, 10)
+    assert sel.settled
+    sel.rebaseline()
+    run(sel, lambda plan, i: 2.0, 5)  # twice as slow from now on, on purpose
+    assert sel.phase == SETTLED, f"phase {sel.phase} after rebaseline"
+    run(sel, lambda plan, i: 3.0, 3)  # then a real drift from the new reference
+    assert sel.phase == EXPLORE

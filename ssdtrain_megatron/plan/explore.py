@@ -168,11 +168,20 @@ class MeasuredSelection:
         log.info("ssdtrain adaptive: %s", line)
         return self.incumbent
 
+    def rebaseline(self) -> None:
+        """The surroundings changed on purpose (the bench puts the other strategies' models
+        beside it): once settled, the next ``trial_steps`` step times are the new reference
+        for drift, instead of drift themselves."""
+        self._settled_s = 0.0
+        self._since_settled = []
+
     def _watch(self, step_s: float) -> Hashable:
         recent = self._since_settled
         recent.append(step_s)
         del recent[:-self.bounds.trial_steps]
-        if len(recent) == self.bounds.trial_steps and self._settled_s > 0:
+        if len(recent) == self.bounds.trial_steps and self._settled_s <= 0:
+            self._settled_s = statistics.median(recent)  # after rebaseline()
+        elif len(recent) == self.bounds.trial_steps:
             moved = statistics.median(recent) / self._settled_s - 1.0
             if abs(moved) > self.bounds.drift:
                 line = (f"step time drifted by {moved:+.1%} (median of the last {len(recent)} "
