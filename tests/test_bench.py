@@ -78,6 +78,45 @@ def test_quick_json_has_every_strategy_positive_figures_equal_losses_and_a_plot(
     assert "min_tensor_bytes 4.0 KiB" in captured.err  # the settings that matter, in the header
 
 
+def _spinners():
+    """Live background-load processes of this test process (bench_load's spin loop)."""
+    me, out = str(os.getpid()), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read()
+            with open(f"/proc/{pid}/stat") as fh:
+                stat = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if b"getppid() == parent" in cmd and stat[0] != "Z" and stat[1] == me:
+            out.append(int(pid))
+    return out
+
+
+def test_adaptive_settles_under_a_budget_with_background_load_and_leaves_no_process(tmp_path, capsys):
+    """At micro-batch 3 adaptive has a budget (keep's peak at 2): it explores alone, settles
+    within its bound, then runs the measured rounds settled. Broken by not calling _settle():
+    KeyError 'adaptive_settle_steps'."""
+    out, ssd = tmp_path / "out", tmp_path / "ssd"
+    argv = [a if a != "1,2" else "1,2,3" for a in TINY]
+    rc = _bench(["--json", "--out", str(out), "--dir", str(ssd), "--background-load", "1", *argv])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    result = json.loads(captured.out)
+    r = result["ratios"]
+    assert result["background_load"] == 1 and "1 busy background process(es)" in captured.err
+    assert 1 <= r["adaptive_settle_steps"] <= 1 + 2 * 3 + 21  # the planner's bound at its defaults
+    assert r["adaptive_peak_vs_budget"] <= 1.0
+    explored = result["adaptive_exploration"]["3"]
+    assert explored["settle_steps"] == r["adaptive_settle_steps"] == explored["steps"]
+    assert any(line.startswith("settled after") for line in explored["log"])
+    assert "adaptive settled after" in captured.err
+    assert set(result["ratio_spread"]) >= {"offload_vs_keep_step_time", "adaptive_vs_best_fixed_step_time"}
+    assert result["losses_bitwise_equal"] is True
+    assert _spinners() == []
+
+
 def test_a_strategy_out_of_device_memory_is_dropped_for_larger_micro_batches(tmp_path, monkeypatch):
     from ssdtrain_megatron.tools.bench import measure
     from ssdtrain_megatron.tools import minigpt

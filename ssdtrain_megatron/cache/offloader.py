@@ -16,7 +16,7 @@ from ..io import IOEngine, make_engine
 from ..io.layout import Identity, expand_file, free_bytes
 from ..io import cleanup
 from ..io.where import log_roots
-from ..telemetry.stats import StepCounters, StepStats, append_jsonl
+from ..telemetry.stats import StepCounters, StepStats, append_jsonl, append_line, run_header
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
 from .budget import ActivationBudget, resolve_budget
@@ -144,6 +144,9 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         ident = ident or Identity.detect(config.job_id())
         # Files, not directories: a restarted job (same command line) appends to them.
         self._stats_path = expand_file(config.stats_path, ident) if config.stats_path else None
+        # The run's header line goes before its first step's (readers split appended runs there).
+        self._stats_header: Optional[dict] = run_header(ident.job, ident.rank, time.time(), config.to_dict()) \
+            if self._stats_path else None
         if config.trace_path and self._engine is not None:
             self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank)
             self._engine.tracer = self._tracer.on_io
@@ -306,6 +309,9 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         self._step_started = now
         self.last_step_stats = stats
         if self._stats_path:
+            if self._stats_header is not None:
+                append_line(self._stats_path, self._stats_header)
+                self._stats_header = None
             append_jsonl(self._stats_path, stats, {"policy": self.config.policy})
         if self._tracer is not None:
             self._tracer.flush()
