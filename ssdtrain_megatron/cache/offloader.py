@@ -150,7 +150,9 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         if config.trace_path and self._engine is not None:
             self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank)
             self._engine.tracer = self._tracer.on_io
-        cleanup.register(id(self), self._emergency_close)
+        # A token object, not id(self): an id is reused once this offloader is gone.
+        self._cleanup_token = object()
+        cleanup.register(self._cleanup_token, self._emergency_close)
         log_roots(self.rank_dirs, config)  # settings, where the bytes go; a warning for RAM (/tmp)
 
     # -- public API -------------------------------------------------------------------------
@@ -355,7 +357,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None
-            cleanup.unregister(id(self))
+            cleanup.unregister(self._cleanup_token)
 
     def _forget_storages(self) -> None:
         """No record of this step is looked up by identity any more: drop the storage refs."""
