@@ -59,25 +59,26 @@ def test_adaptive_settles_under_a_budget_with_background_load_and_leaves_no_proc
 
 def test_each_step_time_ratio_has_its_paired_spread_and_says_when_noise_explains_it():
     """Broken by comparing the full range (not half of it) with |ratio - 1| in bench_spread:
-    'offload_vs_keep_step_time within noise' fails for the 1.10 +- 0.05 case."""
+    'offload_vs_keep_step_time within noise' for 1.04 / 1.10 / 1.16 (half the range, 0.06, is
+    below the 0.10 difference)."""
     from ssdtrain_megatron.tools.bench import render
 
     same = [1.0, 0.9, 0.8, 0.7]
     run = _run({("keep", 1): ([9.0, 1.0, 1.0, 1.0], [100] * 4, same),
-                ("offload", 1): ([9.0, 1.05, 1.10, 1.15], [50] * 4, same),
+                ("offload", 1): ([9.0, 1.04, 1.10, 1.16], [50] * 4, same),
                 ("recompute", 1): ([9.0, 0.90, 1.10, 1.00], [20] * 4, [1.0] * 4)}, warmup=1)
     s = summarize(run)
     off = s["ratio_spread"]["offload_vs_keep_step_time"]
-    assert (off["min"], off["median"], off["max"]) == pytest.approx((1.05, 1.10, 1.15))
-    assert off["within_noise"] is False, "offload_vs_keep_step_time within noise"  # 0.05 < 0.10
+    assert (off["min"], off["median"], off["max"]) == pytest.approx((1.04, 1.10, 1.16))
+    assert off["within_noise"] is False, "offload_vs_keep_step_time within noise"  # 0.06 < 0.10
     rec = s["ratio_spread"]["recompute_vs_keep_step_time"]
     assert (rec["min"], rec["max"]) == pytest.approx((0.90, 1.10)) and rec["within_noise"] is True
     points = {p["strategy"]: p for p in s["points"]}
-    assert (points["offload"]["step_s_min"], points["offload"]["step_s_max"]) == (1.05, 1.15)
+    assert (points["offload"]["step_s_min"], points["offload"]["step_s_max"]) == (1.04, 1.16)
     table = render(s)
-    assert "1.050 [1.050-1.150]" not in table and "1.100 [1.050-1.150]" in table
+    assert "1.100 [1.040-1.160]" in table
     assert "recompute_vs_keep_step_time" in table and "within noise" in table
-    assert "  offload_vs_keep_step_time          1.05 / 1.10 / 1.15\n" in table + "\n"
+    assert "  offload_vs_keep_step_time          1.04 / 1.10 / 1.16\n" in table + "\n"
 
 
 def test_adaptive_settle_steps_and_its_exploration_peak_count_against_the_budget():

@@ -150,6 +150,6 @@ def test_after_rebaseline_the_next_window_is_the_reference_not_a_drift():
     assert sel.settled
     sel.rebaseline()
     run(sel, lambda plan, i: 2.0, 5)  # twice as slow from now on, on purpose
-    assert sel.phase == SETTLED, f"phase {sel.phase} after rebaseline"
+    assert sel.phase == SETTLED and sel.rounds == 1, f"round {sel.rounds} after rebaseline"
     run(sel, lambda plan, i: 3.0, 3)  # then a real drift from the new reference
     assert sel.phase == EXPLORE

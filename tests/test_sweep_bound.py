@@ -54,3 +54,13 @@ def test_other_users_directories_are_not_entered(tmp_path, monkeypatch):
     assert got == [], f"{len(got)} foreign roots"
     monkeypatch.setattr(clean.os, "getuid", lambda: owner)
     assert len(bounded_template_roots(template)) == 5
+
+
+def test_the_start_up_sweep_takes_the_bounded_lookup(tmp_path, monkeypatch):
+    """Broken by sweeping with template_roots (unbounded): 'start-up sweep looked up []'."""
+    template = _tree(tmp_path)
+    seen = []
+    real = clean.bounded_template_roots
+    monkeypatch.setattr(clean, "bounded_template_roots", lambda t, *a, **k: (seen.append(t), real(t, *a, **k))[1])
+    clean.sweep_before_start([], [template])
+    assert seen == [template], f"start-up sweep looked up {seen}"
