@@ -18,9 +18,10 @@ def _grads(model):
 
 def test_every_visited_plan_is_bitwise_keep_within_the_budget_and_reads_back_what_it_offloads(
         offload_dir, caplog):
-    """Broken by making the all-recompute candidate skip the budget check (fits() returning True
-    always) with a budget all keep does not fit: 'step 3 ran all keep: peak ... > budget';
-    broken by flipping one bit of a loss in the adaptive run: 'loss of step N differs'."""
+    """Broken by perturbing one element of every read-back tensor of an offloaded record from
+    step 2 on (cache/hooks.py _unpack): 'gradient 0 of step 2 differs'; broken by letting the
+    runtime budget admit everything (budget.py make_room returning True at once):
+    'step 0 ran set(): peak 12482560 > budget 10646016'."""
     pytest.importorskip("megatron.core")
     from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, MiniGPT, installed_step
 
