@@ -10,8 +10,10 @@ How it moves, in rounds:
 * explore: candidates (neighbouring plans, and whole-plan ones such as all-recompute, that the
   planner offers and has checked against the memory budget) run ``trial_steps`` steps each, at
   most ``explore_steps`` steps in the round. A candidate replaces the incumbent only when its
-  median step time is lower by more than the noise (``min_gain``, or the spread of the two
-  sets of samples, whichever is larger); the candidates are then offered anew around it.
+  median step time is lower by more than the noise: ``min_gain``, or the spread of the two sets
+  of samples (each one's median absolute deviation over its median, combined as independent
+  errors: the root of the sum of squares), whichever is larger; the candidates are then offered
+  anew around it.
 * settled: the incumbent runs, and nothing else. When the median of its last ``trial_steps``
   step times moves by more than ``drift`` (relative) from the median it settled on, a new
   round starts, bounded like the first (its incumbent measured again, not remembered).
@@ -23,6 +25,7 @@ steps per round run a plan other than the incumbent.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
@@ -134,7 +137,7 @@ class MeasuredSelection:
     def _judge(self, trial: Trial) -> None:
         inc = self._trials[self.incumbent]
         ref = Trial(inc.label, inc.times[-self.bounds.trial_steps:])
-        needed = max(self.bounds.min_gain, ref.noise + trial.noise)
+        needed = max(self.bounds.min_gain, math.hypot(ref.noise, trial.noise))
         gain = 1.0 - trial.median / ref.median if ref.median > 0 else 0.0
         better = gain > needed
         line = (f"tried {trial.describe()} against {ref.describe()}: "

@@ -172,7 +172,10 @@ def candidates(current: Decisions, layers: Sequence[LayerMeasurement], positions
                names: Optional[Sequence[str]] = None) -> List[Tuple[str, Decisions]]:
     """Plans worth measuring next to ``current``, each within the budget: the whole-plan ones
     first (all recompute, all keep, all offload: a model can be wrong about a machine as a
-    whole), then every single change of one (position, layer), the model's cheapest first."""
+    whole), then every single change of one (position, layer), the model's cheapest first.
+    Within the budget means: each position's kept bytes fit its share (``fits``), or, when
+    ``current`` itself does not fit so (the reserve is an estimate), no position keeps more
+    than under ``current``; the runtime's budget (cache/budget.py) holds either way."""
     n = len(layers)
     allowed = (KEEP, OFFLOAD, RECOMPUTE) if recompute_fallback else (KEEP, OFFLOAD)
     # Offloading the last layers where backward follows at once changes nothing at run time
@@ -199,8 +202,12 @@ def candidates(current: Decisions, layers: Sequence[LayerMeasurement], positions
                     single.append((cost(plan), f"mb{p} layer {names[i]}: {row[i]} -> {d}", plan))
     single.sort(key=lambda c: c[0])
     out = whole + [(label, plan) for _, label, plan in single]
-    return [(label, plan) for label, plan in out
-            if plan != current and fits(layers, positions, plan, budget_bytes, reserve_bytes)]
+    now = [_kept(layers, d) for d in current]
+    # Within the budget: fits it, or (where even the model's plan does not, by its reserve)
+    # keeps no more at any position than the plan already running under the runtime's budget.
+    return [(label, plan) for label, plan in out if plan != current and (
+        fits(layers, positions, plan, budget_bytes, reserve_bytes)
+        or all(_kept(layers, d) <= k for d, k in zip(plan, now)))]
 
 
 def format_plan(plan: StepPlan, names: Sequence[str]) -> str:
