@@ -15,8 +15,10 @@ alone until it settles on a plan (bounded by its adaptive_* settings; --json:
 adaptive_settle_steps), then starts over on a fresh model beside the others, so that its step
 time is the settled plan's and its losses compare step by step. At each micro-batch size the
 four take turns step by step (the order rotating), so machine noise hits all of them alike;
---background-load N adds N busy processes competing for the CPU all along. Per point: the median step time after the warm-up steps, model
-throughput (tokens per step / step time: the recompute pass is not useful work), the peak
+--background-load N adds N busy processes competing for the CPU all along.
+
+Per point: the median step time after the warm-up steps (and its min and max), model throughput
+(tokens per step / step time: the recompute pass is not useful work), the peak
 resident activation bytes by the offloader's own accounting, and the peak process memory (the
 RSS high-water mark, reset before every step; CUDA max allocated on a GPU). Losses of keep,
 offload and adaptive must be bitwise equal, step by step.
