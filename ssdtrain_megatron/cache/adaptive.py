@@ -126,6 +126,7 @@ class AdaptivePlanner:
                              keep_last_layers=self.config.keep_last_layers)
             changed = self._apply(order, plan, write_bps, read_bps)
             if self.selection is not None:
+                self.selection.steps += 1  # a step, though not one measured selection judges
                 if self.selection.phase != PRIOR or self.selection.current is None:
                     self._prior_replans = 0
                     log.info("ssdtrain adaptive: measuring plans: %s", self.selection.bounds.describe())

@@ -100,6 +100,7 @@ class MeasuredSelection:
         self._settled_s = 0.0
         self._since_settled: List[float] = []
         self.steps = 0
+        """Steps seen (the planner counts the ones that made a model plan too)."""
         self.settled_step: Optional[int] = None
         """Steps observed when it last settled (None: not settled yet)."""
         self.rounds = 0
