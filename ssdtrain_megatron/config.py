@@ -164,6 +164,31 @@ class OffloadConfig:
         "Adaptive policy: re-plan when a step waits on IO for more than this fraction of it"))
     """Adaptive policy: re-plan when a step waits on IO for more than this fraction of it."""
 
+    adaptive_explore_steps: int = knob(21, check=int_at_least(0), metavar="N", help=(
+        "Adaptive policy: steps per exploration round that may run plans other than the best "
+        "measured so far (each tried for adaptive_trial_steps steps); 0: run the model's plan"))
+    """Adaptive policy: steps per exploration round that may run plans other than the best
+    measured so far, each tried for ``adaptive_trial_steps`` steps (plan/explore.py). 0: no
+    measuring, the model's plan runs as it did before measured selection."""
+
+    adaptive_trial_steps: int = knob(3, check=int_at_least(1), metavar="N", help=(
+        "Adaptive policy: steps each plan runs before its median step time is compared"))
+    """Adaptive policy: steps each plan runs before its median step time is compared."""
+
+    adaptive_min_gain: float = knob(0.02, check=number_in(0, 1, "expected a number in (0, 1)"),
+                                    metavar="F", help=(
+        "Adaptive policy: a plan replaces the best measured one only when its median step time is "
+        "lower by more than this fraction (or by more than the measured spread, if larger)"))
+    """Adaptive policy: a plan replaces the best measured one only when its median step time is
+    lower by more than this fraction, or by more than the measured spread if that is larger."""
+
+    adaptive_drift: float = knob(0.15, check=number_in(0, 1, "expected a number in (0, 1)"),
+                                 metavar="F", help=(
+        "Adaptive policy: once settled, re-explore (bounded) when the median step time moves by "
+        "more than this fraction"))
+    """Adaptive policy: once settled, re-explore (bounded by ``adaptive_explore_steps``) when the
+    median of the last ``adaptive_trial_steps`` step times moves by more than this fraction."""
+
     bandwidth_cap_gbps: Optional[float] = knob(None, check=number_in(0, None, "expected GB/s > 0 or null",
                                                                      optional=True),
                                                metavar="GB/S", help=(

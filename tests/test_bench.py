@@ -56,7 +56,8 @@ def test_quick_json_has_every_strategy_positive_figures_equal_losses_and_a_plot(
         (s, mb) for s in ("keep", "offload", "adaptive", "recompute") for mb in (1, 2)}
     for p in points:
         assert set(p) == {"strategy", "micro_batch", "step_s", "tokens_per_s",
-                          "peak_activation_bytes", "peak_memory_bytes"}
+                          "peak_activation_bytes", "peak_memory_bytes", "step_s_min", "step_s_max"}
+        assert p["step_s_min"] <= p["step_s"] <= p["step_s_max"]
         assert p["step_s"] > 0 and p["peak_activation_bytes"] > 0 and p["peak_memory_bytes"] > 0
         assert p["tokens_per_s"] == pytest.approx(64 * p["micro_batch"] * 2 / p["step_s"])
     assert {"offload_vs_keep_step_time", "offload_vs_keep_peak_activation",

@@ -73,9 +73,12 @@ def test_a_restart_with_the_same_stats_and_trace_paths_appends(tmp_path):
         with open(out / "stats-0.jsonl") as fh:
             lines.append(fh.read().splitlines())
     first, second = lines
-    assert len(first) == 1 and len(second) == 2
-    assert second[0] == first[0]  # the first run's line is kept as it was
-    assert [json.loads(s)["step"] for s in second] == [0, 0]
+    assert len(first) == 2 and len(second) == 4  # a run header line, then its step
+    assert second[:2] == first  # the first run's lines are kept as they were
+    parsed = [json.loads(s) for s in second]
+    assert ["run" in r for r in parsed] == [True, False, True, False]  # readers split runs here
+    assert parsed[0]["run"]["config_digest"] == parsed[2]["run"]["config_digest"]  # same settings
+    assert [r["step"] for r in parsed if "run" not in r] == [0, 0]
     with open(out / "trace-0.jsonl") as fh:
         ops = [json.loads(s)["op"] for s in fh]
     assert ops.count("write") >= 2 and ops.count("read") >= 2

@@ -232,7 +232,10 @@ def test_stats_are_appended_to_jsonl(offload_dir, tmp_path):
         # Writes finish before each backward: a write not yet started when backward releases
         # its tensor is cancelled, and this tiny model's backward can come that soon.
         run_steps(mlp(), [torch.randn(16, 256)], off, steps=2, wait_writes=True)
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    header, rows = lines[0]["run"], lines[1:]
+    assert header["job"] == off.config.job_id() and header["rank"] == 0 and header["policy"] == "offload"
+    assert len(header["config_digest"]) == 16 and header["started"].endswith("+00:00")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["bytes_offloaded"] > 0 and r["bytes_on_disk"] == 0 for r in rows)
     assert {"layer", "bytes", "decision", "io_wait_s"} <= set(rows[0]["layers"][0])

@@ -45,7 +45,7 @@ def test_resuming_from_a_checkpoint_with_offload_gives_the_same_losses_and_appen
     for rank in (0, 1):
         with open(stats.format(rank=rank)) as fh:
             written[rank] = fh.read().splitlines()
-        assert len(written[rank]) == 2
+        assert len(written[rank]) == 3  # the run's header line, then two steps
 
     # The restart: new processes, the same flags, --load.
     second_job = run_layout(LayoutSpec(tp=2, iterations=2, phases=[
@@ -65,8 +65,10 @@ def test_resuming_from_a_checkpoint_with_offload_gives_the_same_losses_and_appen
         assert offloaded.offload["files_after_close"] == []
         with open(stats.format(rank=second.rank)) as fh:
             lines = fh.read().splitlines()
-        assert lines[:2] == written[second.rank] and len(lines) == 4
-        assert [json.loads(s)["bytes_offloaded"] > 0 for s in lines] == [True] * 4
+        assert lines[:3] == written[second.rank] and len(lines) == 6
+        rows = [json.loads(s) for s in lines]
+        assert ["run" in r for r in rows] == [True, False, False, True, False, False]
+        assert [r["bytes_offloaded"] > 0 for r in rows if "run" not in r] == [True] * 4
     # Every offload folder is gone: the per-job {job} folder too, the root stays empty.
     for job in ("job1", "job2"):
         assert os.listdir(tmp_path / job / "offload_root") == []

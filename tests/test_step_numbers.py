@@ -45,7 +45,9 @@ def test_two_offloaders_sharing_a_stats_file_are_told_apart(offload_dir, tmp_pat
     finally:
         for off in offs.values():
             off.close()
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["run"]["policy"] for r in lines if "run" in r] == ["keep", "offload"]  # one header each
+    rows = [r for r in lines if "run" not in r]
     assert [(r["policy"], r["step"], r["iteration"]) for r in rows] == [
         ("keep", 0, 1), ("offload", 0, 1), ("keep", 1, 2), ("offload", 1, 2)]
     assert all(r["bytes_offloaded"] == 0 for r in rows if r["policy"] == "keep")

@@ -7,8 +7,13 @@ offload cost, how the micro-batches interleaved) into its inputs, and answers th
 "what for this layer of this micro-batch" from its output.
 
 Without a budget (``activation_budget_bytes`` or the per-micro-batch ``memory_budget_bytes``)
-everything is kept from the first step: keeping costs no time. With one, the first step
-offloads everything (within the budget, which the runtime guarantees) to measure the drive.
+everything is kept from the first step: keeping costs no device memory the user asked to save,
+and no time to move. With one, the first step offloads everything (within the budget, which the
+runtime guarantees) to measure the drive; the model's plan from it is then only the prior:
+measured selection (plan/explore.py) tries neighbouring plans within the budget, the whole-plan
+ones (all recompute, all keep, all offload) among them, keeps what measured faster and settles.
+Every plan tried passes the model's budget check (plan/step_plan.py ``fits``), and the runtime's
+budget (cache/budget.py) holds whatever the plan says.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from ..config import OffloadConfig
 from ..plan.policy import KEEP, OFFLOAD, LayerMeasurement, should_replan
-from ..plan.step_plan import Position, StepPlan, format_plan, plan_step
+from ..plan.explore import PRIOR, Bounds, MeasuredSelection
+from ..plan.step_plan import Decisions, Position, StepPlan, candidates, format_plan, plan_step
 from ..telemetry.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -72,6 +78,12 @@ class AdaptivePlanner:
         self._bw: Optional[Tuple[float, float]] = None  # (write, read) bytes/s last measured
         self._plan_write_bps = 0.0
         self._cpu_s_per_byte = 0.0
+        self._inputs: Optional[tuple] = None  # (order, layers, positions, budget, reserve, w, r)
+        self._prior_replans = 0  # model re-plans while the prior is measured (at most one)
+        bounds = Bounds(config.adaptive_trial_steps, config.adaptive_explore_steps,
+                        config.adaptive_min_gain, config.adaptive_drift)
+        self.selection: Optional[MeasuredSelection] = (
+            MeasuredSelection(bounds, self._candidates) if config.adaptive_explore_steps > 0 else None)
 
     @property
     def has_budget(self) -> bool:
@@ -105,17 +117,57 @@ class AdaptivePlanner:
         if self._bw is None:
             return False  # nothing went through the drive yet
         write_bps, read_bps = self._bw
-        if self.plan is not None and len(positions) == len(self.plan.decisions) and not stats.budget_overruns \
-                and not should_replan(stats.io_wait_s + stats.budget_wait_s,
-                                      max(stats.iteration_time_s or stats.step_time_s, 1e-9),
-                                      self.config.replan_io_wait_fraction, self._plan_write_bps, write_bps):
-            return False
         budget, reserve = self._budget_and_reserve(order, layers, layer_rows, n)
-        plan = plan_step(layers, positions, write_bps=write_bps, read_bps=read_bps, budget_bytes=budget,
-                         reserve_bytes=reserve, cpu_s_per_byte=self._cpu_s_per_byte,
-                         recompute_fallback=self.config.recompute_fallback,
-                         keep_last_layers=self.config.keep_last_layers)
-        return self._apply(order, plan, write_bps, read_bps)
+        self._inputs = (list(order), layers, positions, budget, reserve, write_bps, read_bps)
+        if self._wants_model_plan(stats, positions, write_bps):
+            plan = plan_step(layers, positions, write_bps=write_bps, read_bps=read_bps, budget_bytes=budget,
+                             reserve_bytes=reserve, cpu_s_per_byte=self._cpu_s_per_byte,
+                             recompute_fallback=self.config.recompute_fallback,
+                             keep_last_layers=self.config.keep_last_layers)
+            changed = self._apply(order, plan, write_bps, read_bps)
+            if self.selection is not None:
+                self.selection.steps += 1  # a step, though not one measured selection judges
+                if self.selection.phase != PRIOR or self.selection.current is None:
+                    self._prior_replans = 0
+                    log.info("ssdtrain adaptive: measuring plans: %s", self.selection.bounds.describe())
+                else:
+                    self._prior_replans += 1
+                self.selection.start("model's plan", plan.decisions)
+            return changed
+        if self.selection is None:
+            return False
+        was_settled = self.selection.settled
+        nxt = self.selection.observe(stats.step_time_s)
+        if self.selection.settled and not was_settled:
+            log.info("ssdtrain adaptive: settled plan:\n%s", format_plan(
+                StepPlan(nxt, 0.0, (), None, True), [str(k) for k in order]))
+        return self._run(order, nxt)
+
+    def _wants_model_plan(self, stats: StepStats, positions: List[Position], write_bps: float) -> bool:
+        """A (new) model plan: the first, the step's shape changed, or (while no measurements
+        decide, or while the prior is measured, once) the model's own re-plan triggers fire."""
+        if self.plan is None or len(positions) != len(self.plan.decisions):
+            return True
+        if self.selection is not None and (self.selection.phase != PRIOR or self._prior_replans >= 1):
+            return False
+        return bool(stats.budget_overruns) or should_replan(
+            stats.io_wait_s + stats.budget_wait_s, max(stats.iteration_time_s or stats.step_time_s, 1e-9),
+            self.config.replan_io_wait_fraction, self._plan_write_bps, write_bps)
+
+    def _candidates(self, current: Decisions) -> List[Tuple[str, Decisions]]:
+        """Plans to measure next to ``current``, each within the budget (MeasuredSelection asks)."""
+        order, layers, positions, budget, reserve, write_bps, read_bps = self._inputs
+        return candidates(current, layers, positions, write_bps=write_bps, read_bps=read_bps,
+                          budget_bytes=budget, reserve_bytes=reserve, cpu_s_per_byte=self._cpu_s_per_byte,
+                          recompute_fallback=self.config.recompute_fallback,
+                          keep_last_layers=self.config.keep_last_layers, names=[str(k) for k in order])
+
+    def _run(self, order: Sequence[Hashable], decisions: Decisions) -> bool:
+        """Run ``decisions`` from the next step on; True when they differ from the last step's."""
+        new = {(p, k): d for p, row in enumerate(decisions) for k, d in zip(order, row)}
+        changed = new != self._decisions
+        self._decisions = new
+        return changed
 
     def _measure(self, stats: StepStats, order, layer_rows, n: int) -> List[LayerMeasurement]:
         if stats.write_gbps > 0:

@@ -16,7 +16,7 @@ from ..io import IOEngine, make_engine
 from ..io.layout import Identity, expand_file, free_bytes
 from ..io import cleanup
 from ..io.where import log_roots
-from ..telemetry.stats import StepCounters, StepStats, append_jsonl
+from ..telemetry.stats import StepCounters, StepStats, append_jsonl, append_line, run_header
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
 from .budget import ActivationBudget, resolve_budget
@@ -146,10 +146,15 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         ident = ident or Identity.detect(config.job_id())
         # Files, not directories: a restarted job (same command line) appends to them.
         self._stats_path = expand_file(config.stats_path, ident) if config.stats_path else None
+        # The run's header line goes before its first step's (readers split appended runs there).
+        self._stats_header: Optional[dict] = run_header(ident.job, ident.rank, time.time(), config.to_dict()) \
+            if self._stats_path else None
         if config.trace_path and self._engine is not None:
             self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank)
             self._engine.tracer = self._tracer.on_io
-        cleanup.register(id(self), self._emergency_close)
+        # A token object, not id(self): an id is reused once this offloader is gone.
+        self._cleanup_token = object()
+        cleanup.register(self._cleanup_token, self._emergency_close)
         log_roots(self.rank_dirs, config)  # settings, where the bytes go; a warning for RAM (/tmp)
 
     # -- public API -------------------------------------------------------------------------
@@ -162,6 +167,12 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
     @property
     def engine(self) -> Optional[IOEngine]:
         return self._engine
+
+    @property
+    def planner(self) -> Optional[AdaptivePlanner]:
+        """The adaptive planner (policy 'adaptive'; None otherwise): its ``selection`` says
+        whether measured selection has settled, after how many steps, and what it measured."""
+        return self._planner
 
     def register_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """Never offload these tensors or any view of their storage."""
@@ -313,6 +324,9 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         self._step_started = now
         self.last_step_stats = stats
         if self._stats_path:
+            if self._stats_header is not None:
+                append_line(self._stats_path, self._stats_header)
+                self._stats_header = None
             append_jsonl(self._stats_path, stats, {"policy": self.config.policy})
         if self._tracer is not None:
             self._tracer.flush()
@@ -357,7 +371,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None
-            cleanup.unregister(id(self))
+            cleanup.unregister(self._cleanup_token)
 
     def _forget_storages(self) -> None:
         """No record of this step is looked up by identity any more: drop the storage refs."""

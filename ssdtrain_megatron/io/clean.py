@@ -5,7 +5,8 @@ its ``owner.json`` (``owner.py``). Normal exit and SIGINT/SIGTERM remove it (see
 SIGKILL, a crash of the interpreter or a node reset leave it behind. Every new disk engine,
 before it creates its own directories, sweeps every directory its ``dirs`` templates name on
 this host, for any job and rank (``sweep_before_start``: a job whose roots hold ``{job}`` finds
-the leftovers of other job ids too), and ``ssdtrain clean`` (tools/clean.py, the command) does
+the leftovers of other job ids too; bounded, ``bounded_template_roots``: only the user's own
+directories, a limited number of entries per listed directory), and ``ssdtrain clean`` (tools/clean.py, the command) does
 the same on demand: below a ROOT at any depth (``clean_tree``), or from the templates of a
 preset (``--config``) or of ``--dirs``. A sweep then removes the job folders it left empty
 (``layout.prune_empty``), never a folder that was empty before, a mount point, or one above the
@@ -28,6 +29,7 @@ job's activations (it then fails at its next read) or someone else's files:
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import json
 import logging
@@ -44,6 +46,8 @@ from .owner import owner_alive
 log = logging.getLogger(__name__)
 
 MAX_OWNER_BYTES = 64 * 1024
+MAX_SWEEP_ENTRIES = 4096
+"""Entries the start-up sweep lists at most per directory where a template has a placeholder."""
 _NAME = re.compile(re.escape(DIR_PREFIX) + r".+\.rank\d+\.pid\d+$")
 
 # Verdicts of a scan.
@@ -268,15 +272,61 @@ def template_roots(template: str, hostname: Optional[str] = None) -> List[str]:
     return sorted(p for p in glob.glob("/" + "/".join(parts)) if os.path.isdir(p) and not os.path.islink(p))
 
 
+def bounded_template_roots(template: str, hostname: Optional[str] = None,
+                           max_entries: int = MAX_SWEEP_ENTRIES) -> List[str]:
+    """:func:`template_roots` for the start-up sweep, bounded so that a big shared filesystem
+    does not slow a job's start: a literal component is looked up, never listed; a component
+    with a placeholder lists its parent, at most ``max_entries`` entries of it, and follows
+    only directories (no symlinks) that belong to the user running the sweep (root: any), so
+    it never descends into other users' trees. ``ssdtrain clean`` looks everywhere."""
+    hostname = hostname or socket.gethostname()
+    uid = os.getuid()
+    paths = ["/"]
+    for component in os.path.abspath(os.path.expanduser(template)).split("/")[1:]:
+        pieces = list(string.Formatter().parse(component))
+        if all(field is None for _lit, field, _s, _c in pieces):
+            paths = [os.path.join(p, component) for p in paths
+                     if os.path.isdir(os.path.join(p, component))]
+            continue
+        pattern = "".join(glob.escape(lit) + ("" if field is None else glob.escape(hostname)
+                                             if field == "hostname" else "*")
+                          for lit, field, _s, _c in pieces)
+        nxt = []
+        for parent in paths:
+            nxt.extend(_matching_dirs(parent, pattern, uid, max_entries))
+        paths = nxt
+    return sorted(p for p in paths if not os.path.islink(p))
+
+
+def _matching_dirs(parent: str, pattern: str, uid: int, max_entries: int) -> List[str]:
+    out = []
+    try:
+        with os.scandir(parent) as it:
+            for n, entry in enumerate(it):
+                if n >= max_entries:
+                    log.warning("ssdtrain: the start-up sweep for leftovers stopped after %d entries of "
+                                "%s; `ssdtrain clean --dirs ...` looks at all of them", max_entries, parent)
+                    break
+                if not fnmatch.fnmatchcase(entry.name, pattern) or not entry.is_dir(follow_symlinks=False):
+                    continue
+                if uid == 0 or entry.stat(follow_symlinks=False).st_uid == uid:
+                    out.append(entry.path)
+    except OSError:
+        pass  # unreadable: nothing of ours can be swept there anyway
+    return out
+
+
 def clean_templates(templates: Sequence[str], dry_run: bool = False,
-                    hostname: Optional[str] = None) -> List[Leftover]:
+                    hostname: Optional[str] = None, bounded: bool = False) -> List[Leftover]:
     """:func:`clean_root` on every directory ``templates`` name on this host
-    (:func:`template_roots`), then remove the job folders (the template's components from its
-    first ``{job}`` on) that the removals left empty."""
+    (:func:`template_roots`, or :func:`bounded_template_roots` when ``bounded``), then remove
+    the job folders (the template's components from its first ``{job}`` on) that the removals
+    left empty."""
     found: List[Leftover] = []
     seen = set()
     for template in templates:
-        for root in template_roots(template, hostname):
+        roots = bounded_template_roots(template, hostname) if bounded else template_roots(template, hostname)
+        for root in roots:
             if root in seen:
                 continue
             seen.add(root)
@@ -294,7 +344,7 @@ def sweep_templates(templates: Sequence[str], hostname: Optional[str] = None) ->
     """Start-up sweep of everything ``templates`` name on this host: remove dead jobs'
     leftovers and the job folders they leave empty, log what happened, never raise."""
     try:
-        found = clean_templates(templates, hostname=hostname)
+        found = clean_templates(templates, hostname=hostname, bounded=True)
     except OSError as exc:
         log.warning("ssdtrain: could not look for leftovers of dead jobs under %s: %s",
                     ", ".join(templates), exc.strerror or exc)

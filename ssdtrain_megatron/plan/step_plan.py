@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .policy import KEEP, RECOMPUTE, LayerMeasurement, free_cheapest_first, timeline
+from .policy import KEEP, OFFLOAD, RECOMPUTE, LayerMeasurement, free_cheapest_first, timeline
 
 _REL_EPS = 1e-9
 
@@ -150,6 +150,64 @@ def _plan_position(layers, pos: Position, allowance: int, movable, write_bps, re
     fits = free_cheapest_first(layers, decisions, movable, cost, tolerance, recompute_fallback,
                                lambda d: _kept(layers, d) > allowance)
     return decisions, fits
+
+
+Decisions = Tuple[Tuple[str, ...], ...]
+"""decisions[position][layer], as in StepPlan.decisions."""
+
+
+def fits(layers: Sequence[LayerMeasurement], positions: Sequence[Position], decisions: Decisions,
+         budget_bytes: Optional[int], reserve_bytes: int = 0) -> bool:
+    """Whether every position's kept bytes fit its share of the budget (as plan_step shares it)."""
+    if budget_bytes is None:
+        return True
+    free = max(0, budget_bytes - reserve_bytes)
+    return all(_kept(layers, d) <= free // p.live for p, d in zip(positions, decisions))
+
+
+def candidates(current: Decisions, layers: Sequence[LayerMeasurement], positions: Sequence[Position], *,
+               write_bps: float, read_bps: float, budget_bytes: Optional[int], reserve_bytes: int = 0,
+               cpu_s_per_byte: float = 0.0, recompute_fallback: bool = False,
+               keep_last_layers: int = 1, backward_factor: float = 2.0,
+               names: Optional[Sequence[str]] = None) -> List[Tuple[str, Decisions]]:
+    """Plans worth measuring next to ``current``, each within the budget: the whole-plan ones
+    first (all recompute, all keep, all offload: a model can be wrong about a machine as a
+    whole), then every single change of one (position, layer), the model's cheapest first.
+    Within the budget means: each position's kept bytes fit its share (``fits``), or, when
+    ``current`` itself does not fit so (the reserve is an estimate), no position keeps more
+    than under ``current``; the runtime's budget (cache/budget.py) holds either way."""
+    n = len(layers)
+    allowed = (KEEP, OFFLOAD, RECOMPUTE) if recompute_fallback else (KEEP, OFFLOAD)
+    # Offloading the last layers where backward follows at once changes nothing at run time
+    # (the runtime keeps them until their backward): they stay as plan_step leaves them.
+    tails = [keep_last_layers if p.gap_s == 0 else 0 for p in positions]
+    whole: List[Tuple[str, Decisions]] = []
+    if recompute_fallback:
+        whole.append(("all recompute", tuple((RECOMPUTE,) * n for _ in positions)))
+    whole.append(("all keep", tuple((KEEP,) * n for _ in positions)))
+    names = list(names) if names is not None else [str(i) for i in range(n)]
+    whole.append(("all offload", tuple(tuple(OFFLOAD if i < n - t else KEEP for i in range(n))
+                                       for t in tails)))
+
+    def cost(plan: Decisions) -> float:
+        return sum(simulate(layers, d, write_bps, read_bps, p.gap_s, cpu_s_per_byte, backward_factor)
+                   for p, d in zip(positions, plan))
+
+    single = []
+    for p, row in enumerate(current):
+        for i in range(max(0, n - tails[p])):
+            for d in allowed:
+                if d != row[i]:
+                    plan = tuple(r if q != p else r[:i] + (d,) + r[i + 1:] for q, r in enumerate(current))
+                    single.append((cost(plan), f"mb{p} layer {names[i]}: {row[i]} -> {d}", plan))
+    single.sort(key=lambda c: c[0])
+    out = whole + [(label, plan) for _, label, plan in single]
+    now = [_kept(layers, d) for d in current]
+    # Within the budget: fits it, or (where even the model's plan does not, by its reserve)
+    # keeps no more at any position than the plan already running under the runtime's budget.
+    return [(label, plan) for label, plan in out if plan != current and (
+        fits(layers, positions, plan, budget_bytes, reserve_bytes)
+        or all(_kept(layers, d) <= k for d, k in zip(plan, now)))]
 
 
 def format_plan(plan: StepPlan, names: Sequence[str]) -> str:

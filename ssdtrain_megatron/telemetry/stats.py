@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import hashlib
 import json
 import os
 import time
@@ -203,6 +205,25 @@ def _sort_key(k: Hashable):
     return (2, 0, (str(k),))
 
 
+def run_header(job: str, rank: int, started: float, config: dict) -> dict:
+    """The line that opens one run's steps in a stats file: a file appended to across runs
+    (a restarted job) starts at step 0 again, and readers split runs at these lines. They have
+    ``run`` and no ``step``: ``job``, ``rank``, ``started`` (UTC, ISO 8601), ``config_digest``
+    (the first 16 hex digits of the SHA-256 of the settings as sorted JSON) and ``policy``."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    when = datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"run": {"job": job, "rank": rank, "started": when, "config_digest": digest,
+                    "policy": config.get("policy")}}
+
+
+def append_line(path: str, record: dict) -> None:
+    """Append one JSON object as a line (the file and its folder created if missing)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
 def append_jsonl(path: str, stats: StepStats, extra: Optional[dict] = None) -> None:
     """Append one step to a JSONL file (created if missing): the StepStats fields, ``iteration``
     (step + 1) and ``extra`` (the offloader adds its ``policy``, so that several offloaders,
@@ -211,7 +232,4 @@ def append_jsonl(path: str, stats: StepStats, extra: Optional[dict] = None) -> N
     record["iteration"] = stats.step + 1
     if extra:
         record.update(extra)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record) + "\n")
+    append_line(path, record)

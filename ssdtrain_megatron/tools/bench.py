@@ -10,16 +10,24 @@ strategies, at each micro-batch size of ``--micro-batch-size``:
   recompute  megatron's full recompute (uniform, one layer per checkpoint), the keep offloader
              installed for its accounting
 
-At each micro-batch size the four take turns step by step (the order rotating), so machine
-noise hits all of them alike. Per point: the median step time after the warm-up steps, model
-throughput (tokens per step / step time: the recompute pass is not useful work), the peak
+Adaptive learns from what it measures (measured selection): under a budget it first runs
+alone until it settles on a plan (bounded by its adaptive_* settings; --json:
+adaptive_settle_steps), then starts over on a fresh model beside the others, so that its step
+time is the settled plan's and its losses compare step by step. At each micro-batch size the
+four take turns step by step (the order rotating), so machine noise hits all of them alike;
+--background-load N adds N busy processes competing for the CPU all along.
+
+Per point: the median step time after the warm-up steps (and its min and max), model throughput
+(tokens per step / step time: the recompute pass is not useful work), the peak
 resident activation bytes by the offloader's own accounting, and the peak process memory (the
 RSS high-water mark, reset before every step; CUDA max allocated on a GPU). Losses of keep,
 offload and adaptive must be bitwise equal, step by step.
 
 Prints a table, the ratios offload/keep and recompute/keep at the largest micro-batch all
 strategies ran, adaptive against the fastest fixed strategy (offload, recompute) that fits the
-memory budget, and the largest micro-batch each strategy fits under it; writes
+memory budget, and the largest micro-batch each strategy fits under it; step times as
+median [min-max], and each step-time ratio's spread over the rounds, flagged where the spread
+is larger than the difference the ratio reports (bench_spread.py); writes
 OUT/rok.png (x: peak activation memory, y: throughput, one line per strategy) and
 OUT/points.json (the object --json prints). Progress goes to stderr.
 
@@ -42,6 +50,7 @@ from typing import Dict, List, Optional
 
 from .bench_budget import budget_comparison, render_lines
 from .bench_measure import SAME_LOSSES, STRATEGIES, BenchRun, Point, measure
+from .bench_spread import ratio_spread, render_spread
 from .cli_types import (byte_count, check_engine, deprecated_alias, openmp_wait_policy, positive_int,
                         quiet_megatron_warnings, writable_dir)
 from ..config import OffloadConfig
@@ -73,6 +82,9 @@ def add_bench_parser(subparsers) -> None:
                    help="activation memory budget, e.g. 512MiB: adaptive runs within it, and is "
                         "compared with the fastest fixed strategy that fits it (default: what keep "
                         "needs at the middle micro-batch size)")
+    p.add_argument("--background-load", type=_non_negative, default=0, metavar="N",
+                   help="N busy processes compete for the CPU during every strategy's steps (started "
+                        "and stopped by the bench; default: 0)")
     p.add_argument("--quick", action="store_true",
                    help="CI-sized shape, fewer steps (about 3 minutes on 2 cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -135,7 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
                    vocab=shape["vocab"], num_microbatches=shape["num_microbatches"])
     args.offload_files.watch(root)
     result = measure(spec, cfg, args.micro_batches, shape["steps"], shape["warmup"],
-                     budget=args.memory_budget)
+                     budget=args.memory_budget, background_load=args.background_load)
     summary = summarize(result, args.memory_budget)
     summary["omp_wait_policy"] = omp
     os.makedirs(args.out, exist_ok=True)
@@ -189,11 +201,24 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
     gpu = run.device.startswith("cuda")
     versus = budget_comparison(at, ratio_mb, memory_budget)
     ratios.update(versus["ratios"])
+    explored = run.series.get(("adaptive", ratio_mb))
+    if explored is not None and explored.explore_times:
+        ratios["adaptive_settle_steps"] = explored.settle_steps  # None: not settled in the bound
+        if memory_budget and "adaptive_peak_vs_budget" in ratios:  # exploring must fit it too
+            ratios["adaptive_peak_vs_budget"] = max(ratios["adaptive_peak_vs_budget"],
+                                                    explored.explore_peak / memory_budget)
     return {
         "points": [dataclasses.asdict(p) for p in sorted(points, key=lambda p: (names.index(p.strategy),
                                                                                  p.micro_batch))],
         "ratios": ratios,
         "ratios_micro_batch": ratio_mb,
+        "ratio_spread": ratio_spread(run.series, ratios, ratio_mb, run.warmup, versus["best_fixed"]),
+        "adaptive_exploration": {str(mb): {"settle_steps": s.settle_steps, "steps": len(s.explore_times),
+                                           "step_s": s.explore_times, "peak_activation_bytes": s.explore_peak,
+                                           "measured_steps_exploring_again": s.unsettled,
+                                           "log": s.explore_log}
+                                 for (n, mb), s in run.series.items() if n == "adaptive" and s.explore_times},
+        "background_load": run.background_load,
         "targets": _targets(ratios, gpu),
         "memory_budget_bytes": memory_budget,
         "memory_budget_from_keep_micro_batch": budget_from,
@@ -238,14 +263,17 @@ def render(summary: dict) -> str:
     sh = summary["shape"]
     lines = [f"megatron-core GPT, {sh['layers']} layers, hidden {sh['hidden']}, seq {sh['seq']}, "
              f"{sh['num_microbatches']} micro-batches per step, on {summary['device']}; median of "
-             f"{summary['steps']} steps after {summary['warmup']} warm-up"]
+             f"{summary['steps']} steps after {summary['warmup']} warm-up"
+             + (f"; {summary['background_load']} busy background process(es) all along"
+                if summary.get("background_load") else "")]
     if summary.get("omp_wait_policy") and summary["device"] == "cpu":
         lines.append(f"OpenMP wait policy: {summary['omp_wait_policy']}")
     lines.append("")
-    head = ("strategy", "micro-batch", "step (s)", "tokens/s", "peak activations", "peak memory",
+    head = ("strategy", "micro-batch", "step (s) median [min-max]", "tokens/s", "peak activations", "peak memory",
             "CPU (s)", "io wait (ms)")
     diag = summary["diagnostics"]
-    rows = [(p["strategy"], p["micro_batch"], f"{p['step_s']:.3f}", f"{p['tokens_per_s']:,.0f}",
+    rows = [(p["strategy"], p["micro_batch"], f"{p['step_s']:.3f} [{p['step_s_min']:.3f}-{p['step_s_max']:.3f}]",
+             f"{p['tokens_per_s']:,.0f}",
              _mb(p["peak_activation_bytes"]), _mb(p["peak_memory_bytes"]),
              f"{diag[p['strategy'] + '@' + str(p['micro_batch'])]['cpu_s']:.2f}",
              f"{diag[p['strategy'] + '@' + str(p['micro_batch'])]['io_wait_s'] * 1e3:.0f}")
@@ -277,6 +305,14 @@ def render(summary: dict) -> str:
         if key in r:
             lines.append(f"  {label:<34} {r[key]:6.2f}")
     lines += render_lines(summary)
+    lines += render_spread(summary)
+    for mb, e in summary.get("adaptive_exploration", {}).items():
+        lines.append(f"adaptive at micro-batch {mb}: " + (
+            f"settled after {e['settle_steps']} steps" if e["settle_steps"] is not None
+            else f"did not settle within {e['steps']} steps") + " of measured selection, run alone "
+            "before the measured steps (its step time above is the settled plan's)"
+            + (f"; {e['measured_steps_exploring_again']} measured steps explored again (drift)"
+               if e["measured_steps_exploring_again"] else ""))
     budget = summary["memory_budget_bytes"]
     src = summary["memory_budget_from_keep_micro_batch"]
     top = max(p["micro_batch"] for p in summary["points"])

@@ -11,7 +11,10 @@ without one, keeping everything, which fits by the budget's definition.
   adaptive_vs_best_fixed_step_time  adaptive / the faster of offload and recompute, among those
                                     whose peak activations fit the budget, at the ratios'
                                     micro-batch size (the largest every strategy ran)
-  adaptive_peak_vs_budget           adaptive's peak activations / the budget, at the same size
+  adaptive_peak_vs_budget           adaptive's peak activations / the budget, at the same size,
+                                    its exploration steps included (bench.py)
+  adaptive_settle_steps             steps adaptive's measured selection took to settle there
+                                    (bench.py; None: not within its bound)
 """
 
 from __future__ import annotations

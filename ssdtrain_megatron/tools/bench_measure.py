@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from .bench_budget import adaptive_config, default_budget
+from .bench_load import BackgroundLoad
 from .cli_types import progress, say
 from ..config import OffloadConfig
 
@@ -46,6 +47,8 @@ class Point:
     tokens_per_s: float
     peak_activation_bytes: int
     peak_memory_bytes: Optional[int]
+    step_s_min: float = 0.0
+    step_s_max: float = 0.0
 
 
 @dataclass
@@ -67,11 +70,23 @@ class _Series:
     """Largest one layer's saved activations of one micro-batch (the most a recompute pass
     re-creates at once)."""
 
+    settle_steps: Optional[int] = None
+    """adaptive: steps it ran alone before it settled (its exploration), not in ``times``."""
+    explore_times: List[float] = field(default_factory=list)
+    """adaptive: the step times of those steps."""
+    explore_peak: int = 0
+    """adaptive: the peak resident activation bytes over those steps (within the budget too)."""
+    explore_log: List[str] = field(default_factory=list)
+    """adaptive: what measured selection tried, measured and settled on (its log lines)."""
+    unsettled: int = 0
+    """adaptive: measured steps (after the warm-up) that ran while it explored again (drift)."""
+
     def point(self, strategy: str, micro_batch: int, tokens: int, warmup: int) -> Point:
-        t = statistics.median(self.times[warmup:])
+        times = self.times[warmup:]
+        t = statistics.median(times)
         mem = [m for m in self.memory[warmup:] if m is not None]
         return Point(strategy, micro_batch, t, tokens / t, max(self.activation[warmup:]),
-                     max(mem) if mem else None)
+                     max(mem) if mem else None, min(times), max(times))
 
 
 @dataclass
@@ -88,24 +103,31 @@ class BenchRun:
     files_left: List[str] = field(default_factory=list)
     adaptive_budgets: Dict[int, Optional[int]] = field(default_factory=dict)
     """activation_budget_bytes adaptive ran with, per micro-batch size (None: keep everything)."""
+    background_load: int = 0
+    """Busy processes that competed for the CPU during every strategy's steps."""
 
 
 def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, warmup: int,
-            strategies: Sequence[Strategy] = STRATEGIES, budget: Optional[int] = None) -> BenchRun:
+            strategies: Sequence[Strategy] = STRATEGIES, budget: Optional[int] = None,
+            background_load: int = 0) -> BenchRun:
     """Train ``warmup + steps`` steps of every strategy at every micro-batch size, the strategies
-    taking turns step by step; one model and one offloader per strategy and size. A strategy
-    that runs out of device memory at a size is not tried at larger ones."""
+    taking turns step by step; one model and one offloader per strategy and size. Adaptive
+    first runs alone until its measured selection settles (bounded), then starts over on a
+    fresh model beside the others, settled. A strategy that runs out of device memory at a size
+    is not tried at larger ones. ``background_load`` busy processes run all along."""
     from .demo import header_lines
     from .minigpt import MegatronRuntime
     from ..telemetry.peak_memory import PeakMemory
 
-    with MegatronRuntime() as rt:
+    with MegatronRuntime() as rt, BackgroundLoad(background_load):
         peak = PeakMemory(rt.device)
-        run = BenchRun(spec, steps, warmup, str(rt.device), peak.kind)
+        run = BenchRun(spec, steps, warmup, str(rt.device), peak.kind, background_load=background_load)
         print(f"ssdtrain bench: megatron-core GPT, {spec.layers} layers, hidden {spec.hidden}, "
               f"seq {spec.seq}, {spec.num_microbatches} micro-batches per step, on {rt.device}; "
               f"micro-batch sizes {', '.join(map(str, micro_batches))}; {warmup} warm-up + {steps} "
-              f"measured steps per point", file=sys.stderr)
+              f"measured steps per point"
+              + (f"; {background_load} busy background process(es)" if background_load else ""),
+              file=sys.stderr)
         for line in header_lines(cfg, cfg.dirs[0]):
             print("  " + line, file=sys.stderr)
         alive = list(strategies)
@@ -133,9 +155,13 @@ def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: Offl
     try:
         for c in contenders:
             run.series[(c.strategy.name, mb)] = c.series
+            if c.explores():
+                _settle(c, peak, bar, mb)
         for i in range(run.warmup + run.steps):
             k = i % len(contenders)
             for c in contenders[k:] + contenders[:k]:  # nobody always goes first
+                if c.explores() and i >= run.warmup and not c.offloader.planner.selection.settled:
+                    c.series.unsettled += 1
                 if not c.step(peak):
                     run.out_of_memory.append((c.strategy.name, mb))
                     run.series.pop((c.strategy.name, mb))
@@ -152,6 +178,36 @@ def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: Offl
         gc.collect()
 
 
+def _settle(c: "_Contender", peak, bar, mb: int) -> None:
+    """Adaptive alone until its measured selection settles (at most the bound its settings
+    give, twice over for one drift), then a fresh model: its measured steps start where the
+    others' do, so that the losses compare step by step."""
+    from .minigpt import MiniGPT
+
+    sel = c.offloader.planner.selection
+    b = sel.bounds
+    cap = 1 + 2 * b.trial_steps + 2 * b.explore_steps
+    series = c.series
+    for n in range(1, cap + 1):
+        if not c.step(peak):
+            return
+        series.explore_times.append(series.times.pop())
+        series.explore_peak = max(series.explore_peak, series.activation.pop())
+        for name in ("losses", "memory", "io_wait", "offloaded", "fallbacks", "cpu"):
+            getattr(series, name).pop()
+        say(bar, f"micro-batch {mb}: adaptive exploring, step {n}: {series.explore_times[-1]:.2f}s")
+        if sel.settled:
+            series.settle_steps = n
+            break
+    else:
+        say(bar, f"micro-batch {mb}: adaptive did not settle within {cap} steps")
+    series.explore_log = list(sel.history)
+    for line in sel.history:  # the planner logs these at INFO; the bench shows them anyway
+        say(bar, f"micro-batch {mb}: adaptive {line}")
+    c.model = MiniGPT(c.spec, c.device)
+    sel.rebaseline()  # the others' models now run beside it: not a drift of the machine
+
+
 class _Contender:
     """One strategy at one micro-batch size: its model, its offloader and what they measured."""
 
@@ -160,12 +216,18 @@ class _Contender:
         from .minigpt import MiniGPT
 
         self.strategy = strategy
+        self.device = device
         self.spec = dataclasses.replace(spec, recompute=strategy.recompute)
         self.model: Optional[MiniGPT] = MiniGPT(self.spec, device)
         # A job name per strategy: each offloader gets its own directory in the root.
         self.offloader = ActivationOffloader(cfg.replace(policy=strategy.policy, job=f"bench-{strategy.name}"),
                                              device=device)
         self.series = _Series()
+
+    def explores(self) -> bool:
+        """Adaptive under a budget with measured selection on: it has something to settle."""
+        p = self.offloader.planner
+        return p is not None and p.selection is not None and p.has_budget
 
     def step(self, peak: PeakMemory) -> bool:
         """One measured step; False when it ran out of device memory (the model is dropped)."""

@@ -124,6 +124,7 @@ class OffloadFiles:
         self.roots: List[str] = []
         self.seen: Optional[int] = None
         self._registered = False
+        self._token = object()  # cleanup's key: unlike id(self), never another object's later
 
     def watch(self, root: str) -> None:
         from ..io import cleanup
@@ -131,7 +132,7 @@ class OffloadFiles:
         if root not in self.roots:
             self.roots.append(root)
         if not self._registered:
-            cleanup.register(id(self), self._count_now)
+            cleanup.register(self._token, self._count_now)
             self._registered = True
 
     def _count_now(self) -> None:
@@ -170,7 +171,7 @@ class OffloadFiles:
         if self._registered:
             from ..io import cleanup
 
-            cleanup.unregister(id(self))
+            cleanup.unregister(self._token)
             self._registered = False
 
 
