@@ -206,7 +206,8 @@ def runs(setup, tmp_path_factory):
                    ["--ssd-offload", "--ssd-offload-dir", str(root), "--ssd-offload-stats-path",
                     str(stats), "--ssd-offload-min-tensor-bytes", "0"], launcher=True)
     with open(stats, encoding="utf-8") as fh:
-        steps = [json.loads(line) for line in fh if line.strip()]
+        steps = [r for r in (json.loads(line) for line in fh if line.strip())
+                 if "run" not in r]  # each run (and rank) starts with a header line
     return plain, offload, steps, str(root)
 
 
