@@ -25,3 +25,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, same shape, same bytes."""
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def float_bits(values) -> list:
+    """Python floats (or 0-d tensors) as ``float.hex`` strings: lists of them compare equal
+    only when every value has the same bits (``==`` on floats says 0.0 == -0.0, nan != nan)."""
+    return [float(v).hex() for v in values]

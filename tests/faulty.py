@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from ssdtrain_megatron.io.base import IOEngine
 from ssdtrain_megatron.io.syscalls import SysCalls
+from tests.forwarding import ForwardingEngine
 
 Fault = Callable[[str, str, int, int], Optional[OSError]]
 
@@ -67,57 +68,18 @@ class _FaultyCalls(SysCalls):
         return self.real.gds_submit(handle, writing, buf, nbytes, offset, path)
 
 
-class FaultyEngine(IOEngine):
-    """``inner`` with ``fault`` injected into its calls; everything else is the inner engine's."""
+class FaultyEngine(ForwardingEngine):
+    """``inner`` with ``fault`` injected into its calls; everything else is the inner engine's
+    (tests/forwarding.py: every attribute the offloader reads or sets reaches ``inner``)."""
+
+    _own = ("fault",)
 
     def __init__(self, inner: IOEngine, fault: Optional[Fault] = None) -> None:
-        object.__setattr__(self, "inner", inner)
-        object.__setattr__(self, "fault", fault)
+        super().__init__(inner)
+        self.fault = fault
         disk = getattr(inner, "ssd", inner)  # tiered: the SSD tier does the IO
         object.__setattr__(self, "_disk", disk)
         disk._sys = _FaultyCalls(self, disk._sys)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):  # everything but the hook is the inner engine's
-        if name == "fault":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.inner, name, value)
-
-    # IOEngine declares these with defaults, so __getattr__ never sees them: forward each.
-    name = property(lambda self: self.inner.name)
-    completions = property(lambda self: self.inner.completions)
-    device_direct = property(lambda self: self.inner.device_direct)
-    ident = property(lambda self: self.inner.ident)
-    rank_dirs = property(lambda self: self.inner.rank_dirs)
-    step_peak_bytes = property(lambda self: self.inner.step_peak_bytes)
-    tracer = property(lambda self: self.inner.tracer)
-    write_meter = property(lambda self: self.inner.write_meter)
-    read_meter = property(lambda self: self.inner.read_meter)
-    bytes_on_disk = property(lambda self: self.inner.bytes_on_disk)
-
-    def write(self, key, data, ready_event=None):
-        return self.inner.write(key, data, ready_event)
-
-    def read(self, key, out, ready_event=None):
-        return self.inner.read(key, out, ready_event)
-
-    def release(self, key):
-        self.inner.release(key)
-
-    def cancel(self, key):
-        return self.inner.cancel(key)
-
-    def end_step(self):
-        self.inner.end_step()
-
-    def close(self):
-        self.inner.close()
-
-    def remove_files(self):
-        self.inner.remove_files()
 
 
 def faulty_offloader(config, fault: Optional[Fault] = None, **kwargs):

@@ -567,6 +567,8 @@ def phase_differences(a: PhaseResult, b: PhaseResult) -> List[str]:
     for it, (la, lb) in enumerate(zip(a.loss_tensors, b.loss_tensors)):
         if len(la) != len(lb) or not all(bitwise_equal(x, y) for x, y in zip(la, lb)):
             diffs.append(f"iteration {it}: losses {a.losses[it]} != {b.losses[it]}")
+    if len(a.grads) != len(b.grads):
+        diffs.append(f"{a.name} has gradients of {len(a.grads)} iterations, {b.name} of {len(b.grads)}")
     for it, (ga, gb) in enumerate(zip(a.grads, b.grads)):
         if ga.keys() != gb.keys():
             diffs.append(f"iteration {it}: parameter names differ")
@@ -577,7 +579,9 @@ def phase_differences(a: PhaseResult, b: PhaseResult) -> List[str]:
                 delta = "one is None" if x is None or y is None else \
                     f"max |diff| {float((x - y).abs().max()):.3g}"
                 diffs.append(f"iteration {it}: grad of {name} differs ({delta})")
-    for name in a.params:
+    if a.params.keys() != b.params.keys():
+        diffs.append("final parameter names differ")
+    for name in a.params.keys() & b.params.keys():
         if not bitwise_equal(a.params[name], b.params[name]):
             diffs.append(f"final parameter {name} differs")
     if len(a.eval_losses) != len(b.eval_losses) or not all(

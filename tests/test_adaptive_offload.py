@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from tests.bitwise import float_bits
 from tests.models import assert_bitwise_equal, run_steps, tiny_gpt
 
 
@@ -94,7 +95,8 @@ def test_adaptive_on_megatron_core_stops_stalling_under_a_slow_drive(offload_dir
             for off in offs.values():
                 off.close()
     print("io wait after warm-up:", waits, layers)
-    assert losses["offload"] == losses["adaptive"]
+    assert len(losses["offload"]) == len(losses["adaptive"]) == 4
+    assert float_bits(losses["offload"]) == float_bits(losses["adaptive"])
     assert waits["offload"] > 0.5
     # Measured alone 0.06; 0.18 while the whole suite and other jobs share the 2 cores.
     assert waits["adaptive"] <= 0.25 * waits["offload"], waits
@@ -123,6 +125,6 @@ def test_adaptive_recompute_fallback_runs_layers_under_checkpoint(offload_dir):
             ran = installed().scopes.fallback_layers_run
         finally:
             uninstall()
-    assert got == ref
+    assert len(got) == len(ref) == 3 and float_bits(got) == float_bits(ref)
     assert "recompute" in decisions, decisions
     assert ran > 0

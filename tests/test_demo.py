@@ -37,6 +37,18 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert [f for _, _, fs in os.walk(d) for f in fs] == ["memory.png"]
 
 
+def test_the_demos_loss_comparison_is_bitwise_step_for_step():
+    """Broken variant: the comparison as it was (``==`` on the float losses): 0.0 equals -0.0,
+    a nan loss in both runs differs, and this fails at the first assertion."""
+    from ssdtrain_megatron.tools.demo import losses_bitwise_equal
+
+    assert not losses_bitwise_equal([(0.0,)], [(-0.0,)])
+    nan = float("nan")
+    assert losses_bitwise_equal([(1.5,), (nan,)], [(1.5,), (nan,)])
+    assert not losses_bitwise_equal([(1.5,), (2.0,)], [(1.5,)])  # a step missing
+    assert not losses_bitwise_equal([(1.0,)], [(1.0 + 2 ** -52,)])
+
+
 def test_core_bench_json_has_pack_and_unpack_medians_per_policy(tmp_path, capsys):
     d = tmp_path / "bench"
     rc = main(["core-bench", "--dir", str(d), "--tensors", "60", "--tensor-kib", "16", "--steps", "1",

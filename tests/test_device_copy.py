@@ -6,7 +6,9 @@ which stream waits on what, which thread synchronises on what) against the rules
 programming model, not CUDA itself. The engines, files, offloader and autograd are real. The
 tests marked ``cuda`` run the same checks with the recorder wrapped around real torch.cuda
 streams and events (copies really asynchronous, with ``torch.cuda._sleep`` in front of every
-producer and copy so that a missing wait also shows up as wrong bytes).
+producer and copy so that a missing wait also shows up as wrong bytes). The engine wrapper that
+logs submissions forwards everything the offloader reads or sets (tests/forwarding.py), and
+every run asserts that the production completion-queue path ran, not the Future relay.
 
 For each tensor the offloader hands to the engine, the chain asserted is:
   write: producer kernel -> compaction (compact views) -> device->host copy -> every disk
@@ -32,6 +34,8 @@ from ssdtrain_megatron.config import ConfigError
 from ssdtrain_megatron.io import IOEngine, make_engine
 from ssdtrain_megatron.io.base import as_bytes
 from tests import fake_kvikio
+from tests.faulty import FaultyEngine
+from tests.forwarding import ForwardingEngine
 from tests.recording_streams import Node, Recorder, _range, contains, overlaps
 
 CUDA = torch.cuda.is_available()
@@ -40,44 +44,49 @@ ENGINES = ["posix", "memory", "tiered", "gds"]
 
 # -- an engine wrapper that logs what the offloader hands over ------------------------------
 
-class LoggedEngine(IOEngine):
-    """Delegates to a real engine; logs each write/read submission (key, the bytes handed
-    over, the event) and each chunk that reached or left the file (the engine's tracer)."""
+class LoggedEngine(ForwardingEngine):
+    """Delegates to a real engine (tests/forwarding.py: every attribute the offloader reads or
+    sets, ``completions`` above all, reaches it); logs each write/read submission (key, the
+    bytes handed over, the event), what the engine returned, each ``cancel`` and its answer,
+    and each chunk that reached or left the file (the engine's tracer)."""
+
+    _own = ("rec", "returned", "cancels")
 
     def __init__(self, inner: IOEngine, rec: Recorder) -> None:
-        self.inner, self.rec = inner, rec
-        self.name = inner.name
+        super().__init__(inner)
+        self.rec = rec
+        self.returned: List[object] = []  # what inner.write/read returned: None on the queue path
+        self.cancels: List[tuple] = []  # (key, the real engine's answer)
         inner.tracer = rec.tracer
         if hasattr(inner, "memory"):  # tiered: both tiers trace
             inner.memory.tracer = inner.ssd.tracer = rec.tracer
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    @property
-    def device_direct(self) -> bool:
-        return self.inner.device_direct
-
     def write(self, key: int, data: torch.Tensor, ready_event=None) -> Future:
         self.rec.host("submit_write", key=key, ptr=_range(data), event=getattr(ready_event, "name", None))
-        return self.inner.write(key, data, ready_event)
+        out = self.inner.write(key, data, ready_event)
+        self.returned.append(out)
+        return out
 
     def read(self, key: int, out: torch.Tensor, ready_event=None) -> Future:
         self.rec.host("submit_read", key=key, ptr=_range(out), event=getattr(ready_event, "name", None))
-        return self.inner.read(key, out, ready_event)
+        fut = self.inner.read(key, out, ready_event)
+        self.returned.append(fut)
+        return fut
 
-    def release(self, key: int) -> None:
-        self.inner.release(key)
+    def cancel(self, key: int) -> bool:
+        taken = self.inner.cancel(key)
+        self.cancels.append((key, taken))
+        return taken
 
-    def end_step(self) -> None:
-        self.inner.end_step()
 
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def bytes_on_disk(self) -> int:
-        return self.inner.bytes_on_disk
+def check_completion_queue_path(off: ActivationOffloader, logged: LoggedEngine) -> None:
+    """The offloader's production path ran: the real engine reported to the offloader's queue
+    and returned no Future (a wrapper that kept ``completions`` to itself runs the fallback
+    relay in cache/transfers.py instead, and these tests would prove nothing about it)."""
+    assert logged.inner.completions is off._events, "the offloader's queue did not reach the real engine"
+    assert logged.returned, "nothing was submitted"
+    futures = [r for r in logged.returned if r is not None]
+    assert not futures, f"{len(futures)} of {len(logged.returned)} submissions returned a Future: the relay path ran"
 
 
 # -- the chain checks -----------------------------------------------------------------------
@@ -267,6 +276,9 @@ def _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, dev
             patch(off._copy)
         grads, stats = _run(off, rec, device, compact, stream)
         direct = off._copy.direct
+        check_completion_queue_path(off, logged)
+    if engine != "memory":  # the real engine's meters reach the step's numbers (memory measures none)
+        assert stats.write_gbps > 0 and stats.read_gbps > 0
     if engine == "posix":  # page-aligned staging blocks: written and read in place, never bounced
         assert logged.inner.zero_copy_bytes >= 2 * stats.bytes_read > 0
         assert logged.inner.bounced_bytes == 0
@@ -283,6 +295,7 @@ def _check_all(rec, stats, direct, alloc_stream):
 
 
 def _bitwise(a, b):
+    assert len(a) == len(b) > 0, f"{len(a)} gradients against {len(b)}"
     for x, y in zip(a, b):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32))
 
@@ -307,6 +320,73 @@ def test_every_offloaded_tensor_is_ordered_producer_to_disk_to_consumer(tmp_path
     _bitwise(_reference(cpu, compact), grads)
     if not direct:  # the source of every device->host copy is marked used by the offload stream
         assert len(rec.nodes("record_stream")) >= stats.tensors_offloaded
+
+
+def test_the_wrapper_forwards_every_name_the_engine_interface_declares():
+    """IOEngine's class defaults stop ``__getattr__``: a name it declares and the wrapper does
+    not define itself reads the default and is set on the wrapper (the bug this guards against:
+    ``completions`` kept by the wrapper, so the ordering tests above ran the relay path).
+    Broken variant: delete ``completions = _forward(...)`` from tests/forwarding.py; this fails
+    with "IOEngine names the wrapper does not forward: ['completions']", and so does
+    check_completion_queue_path in every ordering test."""
+    declared = {n for n in vars(IOEngine) if not n.startswith("_") and n != "is_available"}
+    missing = sorted(n for n in declared if n not in vars(ForwardingEngine))
+    assert not missing, f"IOEngine names the wrapper does not forward: {missing}"
+    inner = make_engine(OffloadConfig(engine="memory", host_memory_bytes=1 << 20))
+    try:
+        wrapper = LoggedEngine(inner, Recorder())
+        sink: List[tuple] = []
+        wrapper.completions = sink
+        assert inner.completions is sink and "completions" not in vars(wrapper)
+        assert wrapper.write_meter is inner.write_meter and wrapper.ident is inner.ident
+    finally:
+        inner.close()
+
+
+class _HeldWrites:
+    """A fault hook that holds the IO thread inside the first write after ``held`` is set."""
+
+    def __init__(self) -> None:
+        self.held, self.entered, self.go = False, threading.Event(), threading.Event()
+
+    def __call__(self, op, path, offset, nbytes):
+        if op == "write" and self.held and not self.go.is_set():
+            self.entered.set()
+            self.go.wait(60)
+        return None
+
+
+def test_a_write_released_before_it_starts_is_cancelled_by_the_real_engine(tmp_path):
+    """The offloader's cancel reaches the real engine through the wrapper and takes back the
+    writes still queued behind a held one. Broken variant: LoggedEngine without the forwarding
+    base (IOEngine.cancel, always False): "no write was taken back: cancels=[(1, False), ...]"."""
+    rec = Recorder()
+    cpu = torch.device("cpu")
+    config = _config(tmp_path, "posix", io_threads=1)
+    gate = _HeldWrites()
+    logged = LoggedEngine(FaultyEngine(make_engine(config), gate), rec)
+    with ActivationOffloader(config, device=cpu, engine=logged, streams=rec) as off:
+        gate.held = True
+        with off.microbatch(0):
+            x = torch.randn(64, 3 * 128, generator=torch.Generator().manual_seed(0)).requires_grad_()
+            h = x
+            for i in range(4):
+                with off.layer(i):
+                    h = Saves.apply(h, False, rec)
+                if i == 0:
+                    assert gate.entered.wait(30), "the first write never reached the disk"
+            loss = h.sum()
+        loss.backward()  # every tensor from memory; each record released while its write waits
+        off.poll()
+        gate.go.set()
+        stats = off.end_step()
+        taken = [k for k, t in logged.cancels if t]
+        assert taken, f"no write was taken back: cancels={logged.cancels}"
+        check_completion_queue_path(off, logged)
+    logged.close()
+    assert stats.tensors_offloaded + len(taken) == 4 and stats.tensors_forwarded == 4
+    assert stats.bytes_read == 0 and stats.bytes_on_disk == 0
+    _bitwise(_reference(cpu, False)[:1], [x.grad])
 
 
 def test_the_checks_fail_when_the_event_is_recorded_before_compaction(tmp_path, monkeypatch):
@@ -369,7 +449,7 @@ def test_gds_checks_fail_when_cufile_does_not_wait_for_the_producer(tmp_path, mo
     _, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, "gds", False, "compute", rec,
                                              torch.device("cpu"), patch)
     assert direct
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=r"write reaches the disk: .*produce@compute.* is not ordered before .*disk_write"):
         check_write_chains(rec, direct)
 
 

@@ -11,6 +11,7 @@ import torch
 
 
 import tests.test_engines as engine_suite
+from ssdtrain_megatron.io import EngineError
 from tests.test_engines import ALL, CHUNK, ON_DISK, _bytes, _param, _round_trip
 
 open_engine = engine_suite.open_engine  # the engine suite's fixture
@@ -53,12 +54,34 @@ def test_round_trip_of_odd_sizes_in_flight_together(open_engine, name):
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in ALL])
-def test_views_and_non_contiguous_sources_are_stored_as_their_bytes(open_engine, name):
+def test_a_view_with_a_storage_offset_is_stored_as_its_bytes(open_engine, name):
+    """(Was named "views and non-contiguous sources", with a contiguous view only: the engines
+    take contiguous tensors, io/base.py; the next test is about the others.)"""
     engine = open_engine(name)
     base = torch.arange(40000, dtype=torch.float32)
     view = base[1000:30001]  # a view with a storage offset
+    assert view.is_contiguous() and view.storage_offset() == 1000
     (out,) = _round_trip(engine, [view])
-    assert torch.equal(out.view(torch.float32), view)
+    assert torch.equal(out.view(torch.int32), view.view(torch.int32))
+
+
+STORES_MEMORY_ORDER = ["posix", "aio", "tiered"]  # tiered: here its SSD tier (posix) takes it
+_STORES_MEMORY_ORDER = pytest.mark.xfail(strict=True, reason=(
+    "found by this test: posix and aio copy a tensor's memory by address from data_ptr(), so a "
+    "non-contiguous source is stored in memory order and the write reports success (the "
+    "offloader itself always hands over contiguous bytes; memory and gds refuse it)"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_param(n).marks + ([_STORES_MEMORY_ORDER] if n in STORES_MEMORY_ORDER else []),
+                                               id=n) for n in ALL])
+def test_a_non_contiguous_source_is_refused_not_stored_wrong(open_engine, name):
+    """The interface takes contiguous tensors (io/base.py); one that is not must fail its write,
+    never come back as other bytes. A transposed 200x200 float32 matrix."""
+    engine = open_engine(name)
+    t = torch.arange(40000, dtype=torch.float32).view(200, 200).t()
+    assert not t.is_contiguous()
+    with pytest.raises((EngineError, RuntimeError)):
+        engine.write(0, t).result(30)
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in ALL])

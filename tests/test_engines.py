@@ -147,26 +147,36 @@ def test_a_full_disk_fails_the_write_future_and_keeps_nothing_once_released(open
 @pytest.mark.parametrize("name", [_param(n) for n in ["posix", "aio", "gds-fake"]])
 def test_the_callers_thread_never_reserves_space_or_does_io(open_engine, name, monkeypatch):
     """Handing a tensor over must not block the training thread on the disk: fallocate, the
-    writes and the reads all happen on the engine's threads."""
+    writes and the reads all happen on the engine's threads. Every read and write is seen at
+    the engine's syscall seam (``engine._sys``, through tests/faulty.py), whatever call the
+    engine makes there (the spies on os.pwrite/os.preadv this replaced never saw posix's
+    pwritev). Broken variant: PosixEngine._enqueue making one ``self._sys.pwritev`` on the
+    caller's thread before queueing: "IO on the caller's thread: [('write', ...), ...]"."""
     from ssdtrain_megatron.io import slab
 
     monkeypatch.setattr(slab, "GROW_BYTES", CHUNK)  # so that every write needs a reservation
-    engine = open_engine(name)
     caller = threading.get_ident()
     calls = []
-    for mod, fn in ((os, "posix_fallocate"), (os, "pwrite"), (os, "preadv")):
-        real = getattr(mod, fn)
+    real_fallocate = os.posix_fallocate
 
-        def spy(*args, _real=real, _fn=fn):
-            calls.append((_fn, threading.get_ident()))
-            return _real(*args)
+    def fallocate(*args):
+        calls.append(("posix_fallocate", threading.get_ident()))
+        return real_fallocate(*args)
 
-        monkeypatch.setattr(mod, fn, spy)
+    def seam(op, path, offset, nbytes):  # every pwritev/preadv, aio submission, kvikio call
+        calls.append((op, threading.get_ident()))
+        return None
+
+    engine = FaultyEngine(open_engine(name), seam)
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)  # after opening: the hand-over's calls
     tensors = [torch.full((3 * CHUNK + k,), k, dtype=torch.uint8) for k in range(8)]
     outs = _round_trip(engine, tensors)
-    assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
-    assert ("posix_fallocate", caller) not in calls and any(c[0] == "posix_fallocate" for c in calls)
-    assert not [c for c in calls if c[1] == caller], calls
+    assert len(outs) == len(tensors)
+    for o, t in zip(outs, tensors):
+        assert torch.equal(o, t)  # uint8: bytes
+    kinds = {c[0] for c in calls}
+    assert {"posix_fallocate", "write", "read"} <= kinds, f"the seam saw only {sorted(kinds)}"
+    assert not [c for c in calls if c[1] == caller], f"IO on the caller's thread: {[c for c in calls if c[1] == caller]}"
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in STAGED])  # chunks on several threads

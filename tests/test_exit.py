@@ -4,6 +4,7 @@ uninstall(), several runs in a row (real processes, PP=2 over gloo, megatron-cor
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from typing import List, Tuple
@@ -57,6 +58,8 @@ def test_a_job_that_never_uninstalls_exits_with_its_own_status(tmp_path, mode, s
             assert rc == status, f"run {run}, rank {rank} exited {rc}, expected {status}:\n{log[-3000:]}"
             assert "terminate called" not in log, log[-3000:]
             assert f"rank {rank}: trained 3 iterations" in log, log[-3000:]
+            read = re.search(rf"rank {rank}: trained 3 iterations, bytes_read=(\d+)", log)
+            assert read and int(read.group(1)) > 0, f"run {run}, rank {rank}: nothing was read back:\n{log[-3000:]}"
             if mode == "raise":
                 assert "deliberate failure at the end of training" in log
         # The exit path also removes what the job wrote.
@@ -64,15 +67,36 @@ def test_a_job_that_never_uninstalls_exits_with_its_own_status(tmp_path, mode, s
 
 
 EXIT_MID_WRITE = r"""
+import atexit
 import sys
+import threading
+import time
 import torch
-from ssdtrain_megatron import ActivationOffloader, OffloadConfig
-off = ActivationOffloader(OffloadConfig(dirs=[sys.argv[1]], engine=sys.argv[2], min_tensor_bytes=0,
-                                        keep_last_layers=0, io_threads=1))
+from ssdtrain_megatron import OffloadConfig
+from tests.faulty import faulty_offloader
+entered, go = threading.Event(), threading.Event()
+
+def io_threads_left():  # registered first: runs last, after the offloader's exit hook (LIFO)
+    left = [t.name for t in threading.enumerate() if t.name.startswith("ssdtrain-") and t.is_alive()]
+    print(f"IO threads alive at finalization: {left}", flush=True)
+
+def gate(op, path, offset, nbytes):  # the engine's syscall seam, on its IO thread
+    if op == "write" and not entered.is_set():
+        print(f"write entered: {nbytes} bytes", flush=True)
+        entered.set()
+        go.wait(60)
+        time.sleep(0.5)  # a slow drive: this write is still in flight when the exit hooks run
+    return None
+
+atexit.register(io_threads_left)
+off = faulty_offloader(OffloadConfig(dirs=[sys.argv[1]], engine=sys.argv[2], min_tensor_bytes=0,
+                                     keep_last_layers=0, io_threads=1), gate)
+atexit.register(go.set)  # registered last: runs first, as the job starts to leave
 x = torch.ones(128 << 20, requires_grad=True)  # 512 MiB
 with off.microbatch(0):
-    y = x.mul(2).sin()  # saves a 512 MiB activation: an IO thread is copying it as we leave
-sys.exit(3)  # no close(), no uninstall()
+    y = x.mul(2).sin()  # saves a 512 MiB activation
+assert entered.wait(60), "no write reached the engine's system calls"
+sys.exit(3)  # no close(), no uninstall(), an IO thread inside its first write
 """
 
 
@@ -82,8 +106,13 @@ def test_a_job_leaving_while_a_write_is_in_flight_exits_with_its_own_status(tmp_
     daemon IO thread that takes the GIL back (after a copy or a system call) is stopped with
     pthread_exit, and unwinding through C++ frames that way aborts the process ("terminate
     called without an active exception"). The exit path waits for the IO threads first
-    (slab_engine.join_before_exit). With that wait disabled, the code before this change
-    aborted in 3 of 3 runs of this child, the current code in 1 of 3."""
+    (slab_engine.join_before_exit).
+
+    The child holds its IO thread inside its first write (a gate on the engine's syscall
+    seam) until the exit hooks start, then lets it take 0.5 s more, and reports which IO
+    threads are still alive once every exit hook ran. Broken variant: ``return`` at the top of
+    join_before_exit: "IO threads alive at finalization: ['ssdtrain-io-0']" in 6 of 6 runs
+    (posix; aio 3 of 3); the abort itself came in 1-2 of 3 runs of the earlier, ungated child."""
     if engine == "aio":
         from ssdtrain_megatron.io.aio import AioEngine
 
@@ -98,6 +127,10 @@ def test_a_job_leaving_while_a_write_is_in_flight_exits_with_its_own_status(tmp_
         root = tmp_path / f"ssd{run}"
         p = subprocess.run([sys.executable, str(script), str(root), engine], env=env, cwd=REPO,
                            capture_output=True, text=True, timeout=240)
+        assert "write entered: " in p.stdout, f"run {run}: no write was in flight:\n{p.stdout}{p.stderr[-3000:]}"
+        # Deterministic (the abort below is a race the interpreter's finalization may lose or
+        # win): once the exit hooks have run, no IO thread is left to be killed mid-call.
+        assert "IO threads alive at finalization: []" in p.stdout, f"run {run}:\n{p.stdout}{p.stderr[-3000:]}"
         assert p.returncode == 3, f"run {run}: exit status {p.returncode}:\n{p.stderr[-3000:]}"
         assert "terminate called" not in p.stderr, p.stderr[-3000:]
         assert not any(files for _, _, files in os.walk(root)), "files left behind"

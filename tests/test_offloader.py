@@ -60,13 +60,14 @@ def test_split_views_are_not_deduplicated(offload_dir):
         with off.microbatch(0):
             q, k, v = lin(x).split(64, dim=-1)
             out = q.sin() + k.cos() + v.exp()  # each op saves its own view
+            del q, k, v  # only the offloader holds them: backward reads them back
         off.wait_writes()  # else a write still queued when backward is done with it is cancelled
         ref_grad = torch.autograd.grad(out.sum(), lin.weight, retain_graph=False)[0]
         st = off.end_step()
     assert st.bytes_deduplicated == 0
-    # Three views, plus x saved by the linear: four records. (How many of their writes ran
-    # depends on timing: a write still queued when backward released its tensor is cancelled.)
+    # Three views, plus x saved by the linear (x is alive: served from memory): four records.
     assert sum(layer.tensors for layer in st.layers) == 3 + 1
+    assert st.bytes_read == 3 * 128 * 64 * 4, st  # the three views came back from the drive
     q0, k0, v0 = lin(x).split(64, dim=-1)
     expected = torch.autograd.grad((q0.sin() + k0.cos() + v0.exp()).sum(), lin.weight)[0]
     assert bitwise_equal(ref_grad, expected)
@@ -79,12 +80,14 @@ def test_same_tensor_saved_by_two_ops_is_written_once(offload_dir):
         with off.microbatch(0):
             h = lin(x)
             out = h.sin() + h.cos()  # sin and cos both save h
+            del h  # only the offloader holds it: backward reads it back
         off.wait_writes()  # written before backward releases them (else they may be cancelled)
         g = torch.autograd.grad(out.sum(), lin.weight)[0]
         st = off.end_step()
     nbytes = 64 * 256 * 4
     assert st.bytes_deduplicated == nbytes
     assert st.bytes_offloaded == 2 * nbytes  # h once, plus x saved by the linear
+    assert st.bytes_read == nbytes  # h, read once for both users (x is alive: from memory)
     h0 = lin(x)
     assert bitwise_equal(g, torch.autograd.grad((h0.sin() + h0.cos()).sum(), lin.weight)[0])
 
@@ -111,9 +114,11 @@ def test_reallocated_memory_is_not_deduplicated(offload_dir):
                 del h2
                 if reused[-1]:
                     break
+        off.wait_writes()  # every h2 on the drive: backward gets the bytes read back
         sum(o.sum() for o in outs).backward()
-        off.end_step()
+        st = off.end_step()
     assert any(reused), "the premise never held: no new tensor got a freed address"
+    assert st.bytes_read == len(outs) * 256 * 256 * 4, st  # each h2 (x2 is alive: from memory)
     g = lin2.weight.grad.clone()
     lin2.weight.grad = None
     sum(lin2(x2).sin().sum() for _ in outs).backward()
@@ -346,6 +351,7 @@ def test_a_sparse_view_is_stored_compactly_and_restored_with_its_strides(offload
         (out.sum() + out2.sum()).backward()
         st = off.end_step()
     assert st.bytes_offloaded == 2 * 64 * 256 * 4 + 64 * 256 * 4  # x, exp output, v (compact)
+    assert st.bytes_read == 64 * 256 * 4  # v, compact (x and exp's output are alive: from memory)
     g = lin.weight.grad.clone()
     lin.weight.grad = None
     qkv = lin(x)

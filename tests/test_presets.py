@@ -17,8 +17,7 @@ from ssdtrain_megatron.megatron.args import megatron_args_from_preset
 from ssdtrain_megatron.tools.plan_cli import PRESET_SECTIONS, load_preset
 from ssdtrain_megatron.plan.model import ModelShape
 
-from bitwise import bitwise_equal
-from models import mlp, run_steps
+from models import assert_bitwise_equal, mlp, run_steps
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -89,6 +88,8 @@ def test_gpu_preset_becomes_megatron_flags_for_its_layout(name):
 
 
 def test_cpu_tiny_offloads_under_the_current_folder(tmp_path, monkeypatch):
+    """Broken variant: _write_done keeping every written tensor in memory (READY, never
+    ON_DISK): numerics stay equal, and "assert (1048576 > 0 and 0 > 0)" (nothing read back)."""
     cfg = OffloadConfig.from_yaml(_path("cpu-tiny"))
     assert all(not os.path.isabs(d) or d.startswith("/tmp/") for d in cfg.dirs)
     monkeypatch.chdir(tmp_path)
@@ -96,10 +97,10 @@ def test_cpu_tiny_offloads_under_the_current_folder(tmp_path, monkeypatch):
     batches = [torch.randn(128, 256) for _ in range(2)]  # 128 KiB activations: offloaded
     plain_losses, plain_grads, _ = run_steps(model, batches, steps=1)
     with ActivationOffloader(cfg) as off:
-        losses, grads, stats = run_steps(model, batches, off, steps=1)
+        # wait_writes: every write done before backward, which then reads the bytes back
+        losses, grads, stats = run_steps(model, batches, off, steps=1, wait_writes=True)
         assert all(d.startswith(str(tmp_path)) for d in off.rank_dirs)
-    assert all(bitwise_equal(a, b) for a, b in zip(losses, plain_losses))
-    assert all(bitwise_equal(grads[k], plain_grads[k]) for k in plain_grads)
-    assert stats[0].bytes_offloaded > 0
+    assert_bitwise_equal((plain_losses, plain_grads, None), (losses, grads, None))  # lengths, keys, bits
+    assert stats[0].bytes_offloaded > 0 and stats[0].bytes_read > 0, stats[0]
     leftovers = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
     assert leftovers == []

@@ -74,20 +74,51 @@ def test_live_micro_batches_share_the_budget():
     assert plan.decisions == ((OFFLOAD, OFFLOAD, KEEP, KEEP),)
 
 
-@pytest.mark.parametrize("bw,fallback", list(itertools.product((FAST, 50.0, SLOW), (False, True))))
+def _must_fit(layers, positions, budget: int, reserve: int, keep_last_layers: int = 1) -> bool:
+    """Whether some plan meets the budget, worked out here and not by the planner: every layer
+    but the ones the runtime keeps anyway (the last ``keep_last_layers`` where backward follows
+    at once) can be offloaded to 0 resident bytes, so a position fits iff those fit its share."""
+    free = max(0, budget - reserve)
+    for pos in positions:
+        tail = layers[len(layers) - keep_last_layers:] if pos.gap_s == 0 else []
+        if sum(layer.activation_bytes for layer in tail) > free // pos.live:
+            return False
+    return True
+
+
+_GREEDY_RECOMPUTE = pytest.mark.xfail(strict=True, reason=(
+    "planner bug found by this test: on a slow drive the greedy step recomputes layers first and, "
+    "with no kept layer left, stops at fits_budget=False although offloading those layers instead "
+    "fits (budget 111: offload+4x recompute keeps 132 bytes; offloading 5 keeps 100)"))
+
+
+@pytest.mark.parametrize("bw,fallback", [pytest.param(bw, fb, marks=[_GREEDY_RECOMPUTE] if (bw, fb) == (SLOW, True) else [])
+                                         for bw, fb in itertools.product((FAST, 50.0, SLOW), (False, True))])
 def test_the_budget_is_respected_or_the_plan_says_it_does_not_fit(bw, fallback):
+    """Broken variants (``fits = False`` / ``fits = True`` just before plan_step's last return):
+    "budget 111, reserve 0, 1 positions: a plan fits, the planner says it does not" and "budget
+    0, reserve 0, 1 positions: no plan fits, the planner says one does". The check it replaced
+    looked at the bytes only ``if plan.fits_budget`` and passed the first."""
     layers = [LayerMeasurement(forward_s=0.5 + i % 3, activation_bytes=60 + 40 * (i % 4), checkpoint_bytes=8)
               for i in range(6)]
+    seen = set()
     for budget in range(0, 900, 37):
         for reserve in (0, 120):
             for positions in ([Position()], [Position(gap_s=2.0, live=3), Position(live=2), Position()]):
                 plan = plan_step(layers, positions, write_bps=bw, read_bps=bw, budget_bytes=budget,
                                  reserve_bytes=reserve, recompute_fallback=fallback)
-                for pos, kept in zip(positions, plan.kept_bytes):
-                    if plan.fits_budget:
-                        assert kept * pos.live <= max(0, budget - reserve)
+                where = f"budget {budget}, reserve {reserve}, {len(positions)} positions"
+                must = _must_fit(layers, positions, budget, reserve)
+                assert plan.fits_budget == must, (f"{where}: a plan fits, the planner says it does not" if must
+                                                  else f"{where}: no plan fits, the planner says one does")
+                seen.add(must)
+                assert len(plan.kept_bytes) == len(positions)
+                if must:
+                    for pos, kept in zip(positions, plan.kept_bytes):
+                        assert kept * pos.live <= max(0, budget - reserve), where
                 # Never more freed than needed: keeping costs no time.
                 assert plan.extra_s >= 0
+    assert seen == {True, False}, "the sweep must meet budgets that fit and budgets that do not"
 
 
 def test_the_plan_prints_as_a_table_of_layers_by_micro_batch_position():

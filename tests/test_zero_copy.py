@@ -1,9 +1,12 @@
 """Zero-copy O_DIRECT: host chunks whose memory is already aligned skip the bounce buffer.
 
 Real posix engine, real slab files under the test's directory. The counters say which way the
-bytes went (``zero_copy_bytes``: in place; ``bounced_bytes``: through a worker's buffer)."""
+bytes went (``zero_copy_bytes``: in place; ``bounced_bytes``: through a worker's buffer); the
+kernel's view of each slab descriptor (/proc/self/fdinfo) says they went O_DIRECT."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -23,8 +26,29 @@ def _random(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
+def _o_direct(fd: int) -> bool:
+    """What the kernel says of the descriptor (/proc/self/fdinfo), not what the engine counts."""
+    with open(f"/proc/self/fdinfo/{fd}") as fh:
+        flags = next(int(line.split()[1], 8) for line in fh if line.startswith("flags:"))
+    return bool(flags & os.O_DIRECT)
+
+
 def _round_trip(engine, data: torch.Tensor, out: torch.Tensor) -> None:
+    """Write and read back; in between, every open slab file must be an O_DIRECT descriptor.
+    Broken variant: slab.py opening without O_DIRECT (``flags = os.O_RDWR``): the counters
+    still say zero-copy, and this fails with "not opened O_DIRECT"."""
+    probe = os.path.join(str(engine.test_roots[0]), "o_direct_probe")
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError as exc:
+        pytest.skip(f"the filesystem under the test's directory refuses O_DIRECT: {exc}")
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
     assert engine.write(7, data).result(30) == data.numel()
+    fds = [s.fd for s in engine._slabs if s.fd is not None]
+    assert fds, "no slab file is open after a write"
+    assert all(_o_direct(fd) for fd in fds), "a slab file was not opened O_DIRECT: the IO went through the page cache"
     assert engine.read(7, out).result(30) == out.numel()
     engine.release(7)
 

@@ -149,6 +149,12 @@ def _step_line(step: int, steps: int, rows: Dict[str, List[tuple]]) -> str:
             f"(keep {keep[1].peak_resident_bytes / 1e6:.1f} MB), {dt:.2f}s (keep {keep[2]:.2f}s)")
 
 
+def losses_bitwise_equal(a_rows: List[tuple], b_rows: List[tuple]) -> bool:
+    """Whether two runs' per-step losses (each row's first item) have the same bits, step for
+    step: compared as ``float.hex`` strings (``==`` on floats has 0.0 == -0.0 and nan != nan)."""
+    return [float(r[0]).hex() for r in a_rows] == [float(r[0]).hex() for r in b_rows]
+
+
 def _median(values: List[float]) -> float:
     v = sorted(values)
     return v[len(v) // 2]
@@ -157,7 +163,7 @@ def _median(values: List[float]) -> float:
 def _summary(args: argparse.Namespace, rows: Dict[str, List[tuple]], timelines: Dict[str, list],
              root: str, cfg) -> int:
     off_rows, keep_rows = rows["offload"], rows["keep"]
-    same = [a[0] for a in keep_rows] == [b[0] for b in off_rows]
+    same = losses_bitwise_equal(keep_rows, off_rows)
     skip = 1 if args.steps > 1 else 0  # the first step warms up allocator, page tables, threads
     med = {p: _median([r[2] for r in rows[p][skip:]]) for p in rows}
     cpu = {p: _median([r[3] for r in rows[p][skip:]]) for p in rows}
