@@ -243,26 +243,33 @@ def _free_to_budget(layers: Sequence[LayerMeasurement], decisions: List[str], mo
 def free_cheapest_first(layers: Sequence[LayerMeasurement], decisions: List[str], movable,
                         cost: Callable[[Sequence[str]], float], tolerance: float,
                         recompute_fallback: bool, too_big: Callable[[Sequence[str]], bool]) -> bool:
-    """Greedy, in place: while ``too_big(decisions)``, turn the kept layer whose offload (or,
-    with ``recompute_fallback``, recompute) adds the least ``cost`` per byte freed (an increase
-    within ``tolerance`` counts as none; ties: offload first, then the earlier layer). False
-    when no movable kept layer is left and it is still too big."""
+    """Greedy, in place: while ``too_big(decisions)``, make the move that adds the least
+    ``cost`` per byte freed (an increase within ``tolerance`` counts as none; ties: offload
+    first, then the earlier layer): a kept layer offloaded (or, with ``recompute_fallback``,
+    recomputed), or a recomputed layer offloaded, which frees the input its recompute keeps.
+    Recompute is often the cheaper first move on a slow drive; when no kept layer is left and
+    it is still too big, offloading recomputed layers is what makes it fit. False when no move
+    is left and it is still too big."""
     while too_big(decisions):
         base = cost(decisions)
         best = None
         for i in movable:
-            if decisions[i] != KEEP:
+            layer = layers[i]
+            if decisions[i] == KEEP:
+                options = [(OFFLOAD, layer.activation_bytes)]
+                if recompute_fallback:
+                    options.append((RECOMPUTE, layer.activation_bytes - layer.checkpoint_bytes))
+            elif decisions[i] == RECOMPUTE:
+                options = [(OFFLOAD, layer.checkpoint_bytes)]
+            else:
                 continue
-            options = [(OFFLOAD, layers[i].activation_bytes)]
-            if recompute_fallback:
-                options.append((RECOMPUTE,
-                                layers[i].activation_bytes - layers[i].checkpoint_bytes))
+            was = decisions[i]
             for rank, (decision, freed) in enumerate(options):
                 if freed <= 0:
                     continue
                 decisions[i] = decision
                 extra = max(0.0, cost(decisions) - base)
-                decisions[i] = KEEP
+                decisions[i] = was
                 key = (0.0 if extra <= tolerance else extra / freed, rank, i)
                 if best is None or key < best[0]:
                     best = (key, i, decision)
