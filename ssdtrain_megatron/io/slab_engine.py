@@ -140,6 +140,11 @@ class SlabEngine(IOEngine):
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         """Register ``key`` and queue the request: all the training thread does."""
         self._check_open()
+        if not data.is_contiguous():
+            # The IO threads move the bytes by address: a strided tensor would be stored in
+            # memory order and come back as other bytes.
+            raise EngineError(f"{self.name} engine: key {key}: the tensor to write is not "
+                              f"contiguous (shape {tuple(data.shape)}, stride {data.stride()})")
         placement = Placement(data.nbytes)
         n = self._n_chunks(placement.nbytes)
         with self._lock:
