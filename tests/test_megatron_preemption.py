@@ -1,0 +1,183 @@
+"""Preemption as a cluster does it, in Megatron-LM's own training loop (``megatron.training``
+from the megatron-core 0.17+ wheels) run through our launcher: SIGTERM with
+``--exit-signal-handler`` lets Megatron finish the iteration, save its checkpoint and exit 0,
+with ``--ssd-offload`` exactly as without it; the offload files are gone afterwards.
+
+The tiny GPT of ``tests/megatron_lm_wheel_pretrain.py`` trains with PP=2 on 2 CPU processes
+(gloo), 3 iterations; every rank sends itself SIGTERM at one named point of iteration 2
+(``tests/preempt_points.py``: inside forward, backward, the loss, the optimizer step, an offload
+write, a prefetch read, ...). Each run must save the checkpoint of iteration 2 (the iteration
+Megatron chose: it checks the signal at the end of each), whose model and optimizer tensors are
+bitwise equal (integer views) to those of the same run without offload; exit 0; no "closed"
+error; bytes read back from the drive; nothing left under the offload root.
+
+Before this worked, our SIGTERM handler removed the files and closed the engine, then called
+Megatron's, which only notes the signal: the iteration in flight then failed with "engine is
+closed" and no checkpoint was saved (issue 29). Break it by making ``cleanup._on_signal`` run
+``_clean_for(signum)`` before ``prev(signum, frame)``: every offloaded case fails.
+
+Time: a run takes about 20-30 s on 2 cores. The default suite runs the plain run, three points
+(a forward, an offload write, a prefetch read) and the run without Megatron's handler; the
+other seven points are marked slow (``pytest -m slow``). Skipped on megatron-core 0.16 (no
+``megatron.training`` in its wheel): ``make test-mcore-0.17`` (or 0.18, 0.19) runs them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+pytest.importorskip("megatron.core")
+
+from ssdtrain_megatron.megatron import compat  # noqa: E402
+from tests.bitwise import bitwise_equal  # noqa: E402
+from tests.preempt_points import POINTS  # noqa: E402
+from tests.tiny_gpt_flags import MEGATRON_LM_CPU, tiny_gpt  # noqa: E402
+
+_RELEASE = compat.release_for(compat.megatron_core_version())
+
+pytestmark = pytest.mark.skipif(
+    not _RELEASE.ships_training or importlib.util.find_spec("megatron.training") is None,
+    reason=f"megatron-core {compat.megatron_core_version()} ships no megatron.training (0.17+ "
+           "do): run `make test-mcore-0.17` (or 0.18, 0.19)")
+
+SCRIPT = os.path.join(HERE, "megatron_lm_wheel_pretrain.py")
+NPROC = 2  # PP=2: the 1F1B schedule, a forward and a backward of each stage per micro-batch
+PREEMPTED_AT = 2  # of 3 iterations
+RUN_TIMEOUT_S = 480
+DEFAULT_POINTS = ("forward", "write", "read")
+
+TINY_GPT = (["--pipeline-model-parallel-size", str(NPROC), "--position-embedding-type", "rope"]
+            + tiny_gpt(3) + MEGATRON_LM_CPU)
+# torch format: one file per rank, loadable here; save-interval: Megatron asserts one with --save.
+CHECKPOINTING = ["--ckpt-format", "torch", "--save-interval", "1000"]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> str:
+    import megatron_lm_cpu_compat
+
+    folder = str(tmp_path_factory.mktemp("site"))
+    megatron_lm_cpu_compat.write_sitecustomize(folder, None)
+    return folder
+
+
+class Run:
+    """One preempted training run: its exit status, output, checkpoint folder, offload root."""
+
+    def __init__(self, folder, proc: subprocess.CompletedProcess) -> None:
+        self.folder = folder
+        self.returncode = proc.returncode
+        self.output = proc.stdout
+        self.save = folder / "ckpt"
+        self.root = folder / "ssd"
+
+    def checkpoint_iteration(self) -> str:
+        path = self.save / "latest_checkpointed_iteration.txt"
+        return path.read_text().strip() if path.exists() else "(none)"
+
+    def tensors(self) -> Dict[str, "torch.Tensor"]:
+        """Every model and optimizer tensor of every rank's checkpoint, by its path in it."""
+        import torch
+
+        out: Dict[str, "torch.Tensor"] = {}
+        for rank_dir in sorted((self.save / f"iter_{PREEMPTED_AT:07d}").iterdir()):
+            state = torch.load(rank_dir / "model_optim_rng.pt", map_location="cpu",
+                               weights_only=False)
+            assert state["iteration"] == PREEMPTED_AT
+            for part in ("model", "optimizer"):
+                _flatten(f"{rank_dir.name}/{part}", state[part], out)
+        return out
+
+
+def _flatten(prefix: str, value, out: Dict[str, "torch.Tensor"]) -> None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        out[prefix] = value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(f"{prefix}.{key}", item, out)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _flatten(f"{prefix}[{i}]", item, out)
+
+
+def _run(folder, site: str, point: str, offload: bool, handler: bool = True) -> Run:
+    folder.mkdir()
+    (folder / "ssd").mkdir()
+    flags = [*TINY_GPT, *CHECKPOINTING, "--save", str(folder / "ckpt")]
+    if handler:
+        flags.append("--exit-signal-handler")
+    program = [SCRIPT, *flags]
+    if offload:
+        # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default.
+        program = ["-m", "ssdtrain_megatron.launch", *program, "--ssd-offload",
+                   "--ssd-offload-dir", str(folder / "ssd"), "--ssd-offload-min-tensor-bytes",
+                   "0", "--ssd-offload-stats-path", str(folder / "stats.jsonl")]
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
+               SSDTRAIN_TEST_PREEMPT=f"{point}@{PREEMPTED_AT}")
+    env["PYTHONPATH"] = os.pathsep.join([site, os.path.dirname(HERE)]
+                                        + [p for p in [env.get("PYTHONPATH")] if p])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(NPROC), *program]
+    proc = subprocess.run(cmd, cwd=str(folder), env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
+    return Run(folder, proc)
+
+
+def _left_on_disk(root) -> List[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), root)
+                  for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+@pytest.fixture(scope="module")
+def plain(site, tmp_path_factory) -> Run:
+    """The same run without offload: Megatron alone saves iteration 2's checkpoint."""
+    run = _run(tmp_path_factory.mktemp("preempt") / "plain", site, "forward", offload=False)
+    assert run.returncode == 0, run.output[-6000:]
+    assert run.checkpoint_iteration() == str(PREEMPTED_AT), run.output[-6000:]
+    return run
+
+
+@pytest.mark.parametrize("point", [
+    p if p in DEFAULT_POINTS else pytest.param(p, marks=pytest.mark.slow) for p in POINTS])
+def test_sigterm_lets_megatron_save_the_same_checkpoint_with_offload(point, plain, site,
+                                                                     tmp_path):
+    run = _run(tmp_path / point, site, point, offload=True)
+    tail = run.output[-6000:]
+    assert run.returncode == 0, tail
+    assert "closed" not in run.output, tail
+    assert run.checkpoint_iteration() == str(PREEMPTED_AT), tail
+    assert f"successfully saved checkpoint from iteration {PREEMPTED_AT:7d}" in run.output
+    assert "SIGTERM passed on to DistributedSignalHandler" in run.output, tail
+    expected, got = plain.tensors(), run.tensors()
+    assert sorted(got) == sorted(expected) and len(expected) > 0
+    assert [k for k in expected if not bitwise_equal(got[k], expected[k])] == []
+    with open(run.folder / "stats.jsonl", encoding="utf-8") as fh:
+        steps = [json.loads(line) for line in fh if line.strip()]
+    # Both ranks offloaded and read back in every step, the preempted iteration 2 included.
+    assert len(steps) == NPROC * PREEMPTED_AT, steps
+    assert all(s["bytes_offloaded"] > 0 and s["bytes_read"] > 0 for s in steps), steps
+    assert _left_on_disk(run.root) == [], "offload files were left behind"
+
+
+def test_without_megatrons_handler_sigterm_still_removes_the_files_and_ends_the_job(site,
+                                                                                   tmp_path):
+    """No ``--exit-signal-handler``: nobody in Python handles SIGTERM, so the workers die of it
+    (torchrun reports exit code -15 and fails), as without offload, and the offload files are
+    removed first."""
+    run = _run(tmp_path / "no-handler", site, "forward", offload=True, handler=False)
+    assert run.returncode != 0
+    assert "exitcode  : -15" in run.output, run.output[-6000:]
+    assert run.checkpoint_iteration() == "(none)"
+    assert _left_on_disk(run.root) == [], "offload files were left behind"
