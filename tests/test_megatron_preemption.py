@@ -181,3 +181,63 @@ def test_without_megatrons_handler_sigterm_still_removes_the_files_and_ends_the_
     assert "exitcode  : -15" in run.output, run.output[-6000:]
     assert run.checkpoint_iteration() == "(none)"
     assert _left_on_disk(run.root) == [], "offload files were left behind"
+
+
+RESTARTS = """
+import os, signal, sys, threading, time
+import torch
+from megatron.training.dist_signal_handler import DistributedSignalHandler
+from ssdtrain_megatron import OffloadConfig
+from ssdtrain_megatron.io import cleanup
+from ssdtrain_megatron.megatron import install, installed, uninstall
+
+root = sys.argv[1]
+threads_before = set(threading.enumerate())
+for attempt in range(3):
+    # What Megatron's in-process restart re-runs: initialize_megatron installs a new
+    # DistributedSignalHandler (the old one is dropped, not released), then the launcher's
+    # install(); the attempt ends with uninstall() (the launcher's hooks leave pretrain).
+    megatron_handler = DistributedSignalHandler(signal.SIGTERM).__enter__()
+    noted = signal.getsignal(signal.SIGTERM)
+    off = install(OffloadConfig(dirs=[os.path.join(root, f"attempt{attempt}")], job="t",
+                                min_tensor_bytes=0, keep_last_layers=0))
+    assert signal.getsignal(signal.SIGTERM) is cleanup._on_signal
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not megatron_handler._signal_received:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    leaf = torch.randn(8, 512, requires_grad=True)
+    with off.microbatch(0):
+        out = (leaf * 2.0).relu() * 3.0
+    off.wait_writes()
+    out.sum().backward()
+    stats = off.end_step()
+    assert stats.bytes_offloaded > 0 and stats.bytes_read > 0, stats
+    uninstall()
+    assert installed() is None
+    assert signal.getsignal(signal.SIGTERM) is noted, "Megatron's handler is back"
+    assert cleanup.registered() == 0 and not cleanup._atexit_registered
+    left = sorted(os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files)
+    assert left == [os.path.join(root, f"attempt{i}") for i in range(attempt + 1)], left
+    left = [t.name for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+    assert left == [], left
+    print("attempt", attempt, "ok", flush=True)
+"""
+
+
+def test_install_after_uninstall_in_one_process_as_in_process_restart_does(tmp_path):
+    """Megatron's ``--inprocess-restart`` re-enters training in the same process. Its wrapper
+    comes from nvidia-resiliency-ext (not installed here, and its monitors need CUDA), so the
+    test runs what it re-runs, three times in one process: Megatron's real
+    ``DistributedSignalHandler``, ``install()``, a SIGTERM that the handler notes while offload
+    goes on, an offloaded step, ``uninstall()``. Each time: our handler is in front of the new
+    Megatron handler and hands it the signal, and after ``uninstall()`` Megatron's is back, no
+    cleaner, atexit hook, thread or file is left."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-c", RESTARTS, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    attempts = [line for line in proc.stdout.split("\n") if line.startswith("attempt")]
+    assert attempts == [f"attempt {i} ok" for i in range(3)], proc.stdout
