@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import Dict, List
@@ -39,7 +40,7 @@ sys.path.insert(0, HERE)
 pytest.importorskip("megatron.core")
 
 from ssdtrain_megatron.megatron import compat  # noqa: E402
-from tests.bitwise import bitwise_equal  # noqa: E402
+from tests.bitwise import bitwise_equal, tensor_leaves  # noqa: E402
 from tests.preempt_points import POINTS  # noqa: E402
 from tests.tiny_gpt_flags import MEGATRON_LM_CPU, tiny_gpt  # noqa: E402
 
@@ -53,7 +54,7 @@ pytestmark = pytest.mark.skipif(
 SCRIPT = os.path.join(HERE, "megatron_lm_wheel_pretrain.py")
 NPROC = 2  # PP=2: the 1F1B schedule, a forward and a backward of each stage per micro-batch
 PREEMPTED_AT = 2  # of 3 iterations
-RUN_TIMEOUT_S = 480
+RUN_TIMEOUT_S = 300  # a run takes 20-30 s; one that hangs (a rank failed) is killed
 DEFAULT_POINTS = ("forward", "write", "read")
 
 TINY_GPT = (["--pipeline-model-parallel-size", str(NPROC), "--position-embedding-type", "rope"]
@@ -95,21 +96,8 @@ class Run:
                                weights_only=False)
             assert state["iteration"] == PREEMPTED_AT
             for part in ("model", "optimizer"):
-                _flatten(f"{rank_dir.name}/{part}", state[part], out)
+                tensor_leaves(f"{rank_dir.name}/{part}", state[part], out)
         return out
-
-
-def _flatten(prefix: str, value, out: Dict[str, "torch.Tensor"]) -> None:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        out[prefix] = value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _flatten(f"{prefix}.{key}", item, out)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _flatten(f"{prefix}[{i}]", item, out)
 
 
 def _run(folder, site: str, point: str, offload: bool, handler: bool = True) -> Run:
@@ -130,9 +118,38 @@ def _run(folder, site: str, point: str, offload: bool, handler: bool = True) -> 
                                         + [p for p in [env.get("PYTHONPATH")] if p])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(NPROC), *program]
-    proc = subprocess.run(cmd, cwd=str(folder), env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
-    return Run(folder, proc)
+    proc = subprocess.Popen(cmd, cwd=str(folder), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # A worker that failed can leave the others (and torchrun) waiting for ever; the
+        # workers run in sessions of their own: kill every descendant, then report.
+        _kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        out += f"\n(test: killed after {RUN_TIMEOUT_S} s)"
+    return Run(folder, subprocess.CompletedProcess(cmd, proc.returncode, out))
+
+
+def _kill_tree(root: int) -> None:
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [root], []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _left_on_disk(root) -> List[str]:
