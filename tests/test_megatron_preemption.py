@@ -14,7 +14,9 @@ error; bytes read back from the drive; nothing left under the offload root.
 Before this worked, our SIGTERM handler removed the files and closed the engine, then called
 Megatron's, which only notes the signal: the iteration in flight then failed with "engine is
 closed" and no checkpoint was saved (issue 29). Break it by making ``cleanup._on_signal`` run
-``_clean_for(signum)`` before ``prev(signum, frame)``: every offloaded case fails.
+``_clean_for(signum)`` before ``prev(signum, frame)``: rank 0 fails with "EngineError: engine is
+closed", rank 1 then waits in gloo and torchrun for both, the run is killed after
+RUN_TIMEOUT_S with its workers, and ``assert run.returncode == 0`` fails (-9).
 
 Time: a run takes about 20-30 s on 2 cores. The default suite runs the plain run, three points
 (a forward, an offload write, a prefetch read) and the run without Megatron's handler; the
@@ -133,7 +135,7 @@ def _run(folder, site: str, point: str, offload: bool, handler: bool = True) -> 
 
 def _kill_tree(root: int) -> None:
     children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as fh:
                 ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
@@ -245,8 +247,7 @@ for attempt in range(3):
 
 def test_install_after_uninstall_in_one_process_as_in_process_restart_does(tmp_path):
     """Megatron's ``--inprocess-restart`` re-enters training in the same process. Its wrapper
-    comes from nvidia-resiliency-ext (not installed here, and its monitors need CUDA), so the
-    test runs what it re-runs, three times in one process: Megatron's real
+    comes from nvidia-resiliency-ext (not installed here), so the test runs what it re-runs, three times in one process: Megatron's real
     ``DistributedSignalHandler``, ``install()``, a SIGTERM that the handler notes while offload
     goes on, an offloaded step, ``uninstall()``. Each time: our handler is in front of the new
     Megatron handler and hands it the signal, and after ``uninstall()`` Megatron's is back, no
