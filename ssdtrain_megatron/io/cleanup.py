@@ -16,8 +16,8 @@ handler has nothing else to reach them through. Its rules:
   the KeyboardInterrupt of the previous handler could not leave it (``_inside_del``).
 - Preemption (``_on_signal``): a signal is first given to the Python handler that was there
   before ours. If it returns, the job goes on (Megatron's ``--exit-signal-handler`` only notes
-  the signal, finishes the iteration, saves a checkpoint and exits; Megatron-DeepSpeed's, PyTorch
-  Lightning's do the same): the offloader keeps working, its files go at exit, at
+  the signal, finishes the iteration, saves a checkpoint and exits; PyTorch Lightning's also
+  only note it): the offloader keeps working, its files go at exit, at
   ``uninstall()`` or when the launcher's training run ends. If it raises (KeyboardInterrupt,
   SystemExit), the files are removed before the exception unwinds the job. With no Python
   handler (the default action), they are removed and the process dies of the signal; an
