@@ -32,10 +32,12 @@ MCORE_VENVS ?= .
 MCORE_VENV = $(MCORE_VENVS)/.venv-mcore-$*
 MCORE_SPEC = $(strip $(TORCH) megatron-core==$(MCORE_PIN_$*) pytest pyyaml numpy six regex $(MCORE_EXTRA_$*))
 # The megatron tests that need no checkout: install() on every layout, the CPU runtime, the
-# release table, and Megatron-LM's own training loop from the wheel (0.17+).
+# release table, and Megatron-LM's own training loop from the wheel (0.17+), also preempted
+# (SIGTERM with --exit-signal-handler: 3 of its 10 timings; the other 7 with PYTEST_ARGS='-m slow').
 MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
 	tests/test_megatron_versions.py tests/test_megatron_training_loop.py \
-	tests/test_args_launcher.py::test_the_stand_in_has_the_shape_of_the_real_megatron_training
+	tests/test_args_launcher.py::test_the_stand_in_has_the_shape_of_the_real_megatron_training \
+	tests/test_megatron_preemption.py
 
 # (venv-mcore-% and test-mcore-% are pattern rules: make skips implicit rules for .PHONY names.)
 .PHONY: install demo test test-all bench lint clean gpu-check gpu-bundle venv-megatron-deepspeed test-megatron-deepspeed

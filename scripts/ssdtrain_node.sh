@@ -97,7 +97,8 @@ fi
 
 trap cleanup EXIT
 # torchrun runs in the background so that SIGTERM (scancel, time limit) reaches this shell at
-# once: pass it on, let the workers close their offloaders, then the EXIT trap cleans up.
+# once: pass it on and wait for the workers (with Megatron's --exit-signal-handler they finish
+# the iteration and save a checkpoint first), then the EXIT trap cleans up.
 trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM
 trap 'kill -INT "$child" 2>/dev/null; wait "$child"; exit 130' INT
 

@@ -7,6 +7,8 @@ bits, through integer views of floating-point tensors.
 
 from __future__ import annotations
 
+from typing import Dict, Optional, Tuple
+
 import torch
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -31,3 +33,20 @@ def float_bits(values) -> list:
     """Python floats (or 0-d tensors) as ``float.hex`` strings: lists of them compare equal
     only when every value has the same bits (``==`` on floats says 0.0 == -0.0, nan != nan)."""
     return [float(v).hex() for v in values]
+
+
+def tensor_leaves(prefix: str, value, out: Optional[Dict[str, torch.Tensor]] = None,
+                  skip: Tuple[str, ...] = ()) -> Dict[str, torch.Tensor]:
+    """Every tensor inside ``value`` (nested dicts, lists, tuples: a checkpoint), by its path
+    from ``prefix``; keys containing one of ``skip`` are left out."""
+    out = {} if out is None else out
+    if isinstance(value, torch.Tensor):
+        out[prefix] = value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not any(s in str(key) for s in skip):
+                tensor_leaves(f"{prefix}.{key}", item, out, skip)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            tensor_leaves(f"{prefix}[{i}]", item, out, skip)
+    return out

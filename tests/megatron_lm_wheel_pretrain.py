@@ -35,8 +35,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.training import arguments, get_args, get_tokenizer, pretrain
 from megatron.training.arguments import core_transformer_config_from_args
 
+from preempt_points import Preemption
+
 _KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 _forward_calls = 0
+_PREEMPTION = Preemption.from_environment()  # SSDTRAIN_TEST_PREEMPT: see preempt_points.py
 
 
 def _record(entry: dict) -> None:
@@ -73,6 +76,8 @@ def get_batch(data_iterator):
     shape = (args.micro_batch_size, args.seq_length)
     dtypes = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32,
               "position_ids": torch.int64}
+    if _PREEMPTION is not None and _PREEMPTION.armed("batch", 0):
+        _PREEMPTION.send()
     if parallel_state.get_tensor_model_parallel_rank() == 0:
         sample = next(data_iterator)
         batch = {k: sample[k].to(dtypes[k]).contiguous() for k in _KEYS}
@@ -91,6 +96,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     _record({"loss": float(loss.detach()).hex(), "tokens": int(num_tokens)})
+    if _PREEMPTION is not None and _PREEMPTION.armed("loss", 1):
+        _PREEMPTION.send()
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1),
                                                     num_tokens.view(1)])}
 
@@ -109,6 +116,11 @@ def forward_step(data_iterator, model):
     per_iteration = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     if _forward_calls % per_iteration == 0:
         _record({"iteration": _forward_calls // per_iteration, "params": _parameter_hash(model)})
+    if _PREEMPTION is not None:
+        if _forward_calls == 0:
+            _PREEMPTION.hook_model(model)
+        _PREEMPTION.at(_forward_calls // per_iteration + 1, _forward_calls % per_iteration,
+                       per_iteration)
     _forward_calls += 1
     tokens, labels, loss_mask, position_ids = get_batch(data_iterator)
     output = model(tokens, position_ids, None, labels=labels)
@@ -132,6 +144,9 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 
 def main() -> None:
     datasets_provider.is_distributed = True
+    if _PREEMPTION is not None:
+        _PREEMPTION.hook_optimizer()
+        _PREEMPTION.hook_engine()
     common = dict(train_valid_test_dataset_provider=datasets_provider,
                   model_provider=model_provider, model_type=ModelType.encoder_or_decoder,
                   forward_step_func=forward_step)

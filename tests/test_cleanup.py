@@ -20,8 +20,8 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io import cleanup
 ROOT = sys.argv[1]
 
-def offloader(name):
-    return ActivationOffloader(OffloadConfig(dirs=[os.path.join(ROOT, name)], job="t"),
+def offloader(name, **kw):
+    return ActivationOffloader(OffloadConfig(dirs=[os.path.join(ROOT, name)], job="t", **kw),
                                device=torch.device("cpu"))
 
 def wait_for(cond):  # a signal raised here is handled at the next bytecode; poll, no fixed sleep
@@ -214,3 +214,108 @@ def test_a_ctrl_c_from_outside_stops_a_loop_that_spends_its_time_in_del(tmp_path
         assert proc.returncode == 0 and out == "interrupted\n", (out, err)
         assert "Exception ignored" not in err, err
         assert _entries(tmp_path / "a") == []
+
+
+def test_a_handler_that_lets_the_job_go_on_gets_the_signal_and_offload_goes_on(tmp_path):
+    """A Python handler installed before ours that only notes the signal (as Megatron's
+    ``--exit-signal-handler`` does: finish the iteration, save, exit) gets SIGTERM, SIGUSR1 and
+    SIGUSR2; the offloader keeps writing and reading, and its files go when it closes. Fails if
+    the cleaners run before the handler ("engine is closed", issue 29)."""
+    r = _run(tmp_path, """
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        got = []
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, lambda signum, frame: got.append(signum))
+        off = offloader("a", min_tensor_bytes=0, keep_last_layers=0)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+            assert signal.getsignal(sig) is cleanup._on_signal
+            signal.raise_signal(sig)
+        wait_for(lambda: len(got) == 3)
+        # A step after the signals: its activations go to the drive and come back, exactly.
+        leaf = torch.randn(8, 512, requires_grad=True)
+        with off.microbatch(0):
+            out = (leaf * 2.0).relu() * 3.0
+        off.wait_writes()
+        out.sum().backward()
+        st = off.end_step()
+        assert st.bytes_offloaded > 0 and st.bytes_read > 0, st
+        assert torch.equal(leaf.grad.view(torch.int32), torch.where(leaf > 0, 6.0, 0.0).view(torch.int32))
+        assert all(os.path.isdir(d) for d in off.rank_dirs)  # still there while the job runs
+        off.close()
+        print(sorted(got) == sorted([signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2]), flush=True)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True"], (r.stdout, r.stderr)
+    assert "passed on to" in r.stderr and "closed" not in r.stderr, r.stderr
+    assert _entries(tmp_path / "a") == []
+
+
+def test_a_handler_that_lets_the_job_go_on_still_leaves_nothing_at_exit(tmp_path):
+    """The job noted the signal and ends on its own (Megatron: ``sys.exit`` after saving),
+    without closing the offloader: the atexit cleaners remove the files."""
+    r = _run(tmp_path, """
+        got = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+        off = offloader("a")
+        signal.raise_signal(signal.SIGTERM)
+        wait_for(lambda: got)
+        assert all(os.path.isdir(d) for d in off.rank_dirs)
+        sys.exit(0)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert _entries(tmp_path / "a") == []
+
+
+def test_a_handler_that_ends_the_job_finds_the_files_already_removed(tmp_path):
+    """A handler that raises (SystemExit here, as Megatron's ``--exit-signal-handler-for-
+    training`` does): the files are gone before the exception unwinds the job."""
+    r = _run(tmp_path, """
+        def ends_the_job(signum, frame):
+            print("handler sees", [os.path.exists(d) for d in dirs], flush=True)
+            raise SystemExit(7)
+        signal.signal(signal.SIGTERM, ends_the_job)
+        off = offloader("a")
+        dirs = off.rank_dirs
+        try:
+            signal.raise_signal(signal.SIGTERM)
+            wait_for(lambda: False)
+        except SystemExit as exc:
+            print(exc.code, [os.path.exists(d) for d in dirs], flush=True)
+    """)
+    assert r.returncode == 0, r.stderr
+    # The handler runs first (the files are still there), the cleaners before the job unwinds.
+    assert r.stdout.split("\n")[:2] == ["handler sees [True]", "7 [False]"], (r.stdout, r.stderr)
+
+
+def test_an_ignored_signal_stays_ignored_and_offload_goes_on(tmp_path):
+    """SIGTERM ignored before the offloader started (nohup-like set-ups): the job goes on, so
+    must the offloader (it used to be closed under the running job)."""
+    r = _run(tmp_path, """
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        off = offloader("a")
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        f = off.engine.write(1, torch.ones(1024))
+        if f is not None:
+            f.result()
+        off.close()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        print("ok", flush=True)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ok"]
+    assert _entries(tmp_path / "a") == []
+
+
+def test_sigusr1_with_no_handler_removes_the_files_and_the_job_dies_of_it(tmp_path):
+    """Slurm's ``--signal=USR1@...`` sent to a job that does not handle it: the default action
+    ends it, as before; now its offload files go first."""
+    r = _run(tmp_path, """
+        off = offloader("a")
+        print("ready", flush=True)
+        signal.raise_signal(signal.SIGUSR1)
+        wait_for(lambda: False)
+    """)
+    assert r.returncode == -signal.SIGUSR1, r.stderr
+    assert _entries(tmp_path / "a") == []

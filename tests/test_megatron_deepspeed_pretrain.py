@@ -36,6 +36,7 @@ from typing import Dict, List
 
 import pytest
 
+from tests.bitwise import bitwise_equal, tensor_leaves
 from tests.tiny_gpt_flags import tiny_gpt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -125,6 +126,25 @@ if "LOCAL_RANK" in os.environ and os.environ.get("SSDTRAIN_TEST_RECORD"):
         return loss
 
     _pipe_engine.PipelineEngine.train_batch = train_batch
+
+if "LOCAL_RANK" in os.environ and os.environ.get("SSDTRAIN_TEST_PREEMPT_STEP"):
+    # Preemption: SIGTERM to this worker as pipeline step N starts (its handlers run before
+    # the step's first forward).
+    import signal
+
+    from deepspeed.runtime.pipe import engine as _preempted_engine
+
+    _preempt_at = int(os.environ["SSDTRAIN_TEST_PREEMPT_STEP"])
+    _steps_started = []
+    _unpreempted = _preempted_engine.PipelineEngine.train_batch
+
+    def preempted_train_batch(self, *args, **kwargs):
+        _steps_started.append(1)
+        if len(_steps_started) == _preempt_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return _unpreempted(self, *args, **kwargs)
+
+    _preempted_engine.PipelineEngine.train_batch = preempted_train_batch
 '''
 
 
@@ -171,10 +191,13 @@ class Run:
                 self.records[rank] = [json.loads(line) for line in fh if line.strip()]
 
 
-def _run(tmp_path, setup: Dict[str, str], name: str, extra: List[str], launcher: bool) -> Run:
+def _run(tmp_path, setup: Dict[str, str], name: str, extra: List[str], launcher: bool,
+         preempt_step: int = 0) -> Run:
     record = tmp_path / f"record-{name}"
     record.mkdir()
     env = dict(os.environ)
+    if preempt_step:
+        env["SSDTRAIN_TEST_PREEMPT_STEP"] = str(preempt_step)
     env["PYTHONPATH"] = os.pathsep.join([setup["site"], REPO]
                                         + [p for p in [env.get("PYTHONPATH")] if p])
     # DeepSpeed's CPU accelerator, as a user without a GPU runs it; LOCAL_SIZE: what that
@@ -232,4 +255,57 @@ def test_every_rank_wrote_and_read_back_bytes_in_every_step(runs):
     assert all(s["bytes_offloaded"] > 0 and s["bytes_read"] > 0 for s in steps), \
         [(s["bytes_offloaded"], s["bytes_read"]) for s in steps]
     assert all(s["bytes_on_disk"] == 0 for s in steps)
+    assert os.listdir(root) == [], "offload files were left behind"
+
+
+PREEMPTED_AT = 2
+
+
+def _checkpoint_tensors(save) -> Dict[str, "torch.Tensor"]:
+    """Every tensor of every file of the checkpoint (DeepSpeed's layout), but RNG states."""
+    import torch
+
+    out: Dict[str, "torch.Tensor"] = {}
+    for folder, _, files in os.walk(save):
+        for name in sorted(f for f in files if f.endswith(".pt")):
+            path = os.path.join(folder, name)
+            tensor_leaves(os.path.relpath(path, save),
+                          torch.load(path, map_location="cpu", weights_only=False), out,
+                          skip=("rng",))
+    return out
+
+
+@pytest.fixture(scope="module")
+def preempted(setup, tmp_path_factory):
+    """The same SIGTERM at the start of step 2, with --exit-signal-handler, without and with
+    offload (NOT RUN by the session that wrote it: no Megatron-DeepSpeed checkout was there)."""
+    tmp = tmp_path_factory.mktemp("preempted")
+    root = tmp / "ssd"
+    root.mkdir()
+    out = {}
+    for name, launcher, offload in (("plain", False, []),
+                                    ("offload", True, ["--ssd-offload", "--ssd-offload-dir",
+                                                       str(root), "--ssd-offload-min-tensor-bytes",
+                                                       "0"])):
+        save = tmp / f"ckpt-{name}"
+        run = _run(tmp, setup, f"preempted-{name}",
+                   ["--exit-signal-handler", "--save", str(save), "--save-interval", "1000",
+                    *offload], launcher=launcher, preempt_step=PREEMPTED_AT)
+        out[name] = (run, save)
+    return out, str(root)
+
+
+def test_sigterm_lets_megatron_deepspeed_save_the_same_checkpoint_with_offload(preempted):
+    """Megatron-DeepSpeed's --exit-signal-handler: the signal is passed on to its handler, the
+    step finishes with offload working, the checkpoint of step 2 is saved (exit 0: _run fails
+    otherwise), bitwise equal to the one saved without offload, and nothing is left on disk."""
+    runs, root = preempted
+    for name, (run, save) in runs.items():
+        assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == \
+            str(PREEMPTED_AT), (name, run.output[-4000:])
+    (plain, plain_save), (offload, offload_save) = runs["plain"], runs["offload"]
+    assert "closed" not in offload.output, offload.output[-4000:]
+    expected, got = _checkpoint_tensors(plain_save), _checkpoint_tensors(offload_save)
+    assert sorted(got) == sorted(expected) and len(expected) > 0
+    assert [k for k in expected if not bitwise_equal(got[k], expected[k])] == []
     assert os.listdir(root) == [], "offload files were left behind"

@@ -60,13 +60,25 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         p.add_argument(flag, type=float, default=0.0 if flag != "--lr" else 1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-interval", type=int, default=1)
+    p.add_argument("--exit-signal-handler", action="store_true")
+    p.add_argument("--save", default=None)
     if extra_args_provider is not None:
         p = extra_args_provider(p)
     return p.parse_args()
 '''
 
 GLOBAL_VARS = '''
+import signal
+
 _ARGS = None
+_SIGNAL_RECEIVED = []
+
+def set_signal_handler():
+    """As Megatron's --exit-signal-handler: note SIGTERM; the loop saves and exits."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: _SIGNAL_RECEIVED.append(signum))
+
+def signal_received():
+    return bool(_SIGNAL_RECEIVED)
 
 def set_args(args):
     global _ARGS
@@ -80,13 +92,15 @@ INITIALIZE = '''
 import os
 import torch
 from megatron.training.arguments import parse_args
-from megatron.training.global_vars import set_args
+from megatron.training.global_vars import set_args, set_signal_handler
 
 def initialize_megatron(extra_args_provider=None, args_defaults={}):
     args = parse_args(extra_args_provider)
     args.rank = int(os.environ["RANK"])
     args.world_size = int(os.environ["WORLD_SIZE"])
     set_args(args)
+    if args.exit_signal_handler:  # before the launcher's install(), as in Megatron-LM
+        set_signal_handler()
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     from ssdtrain_megatron.tools import megatron_cpu as cpu
@@ -161,6 +175,20 @@ for it in range(1, args.train_iters + 1):
     if args.rank == 0:
         print(f" iteration {it:8d}/{args.train_iters:8d} | lm loss: {float(losses[0]['lm loss']):.6E} |",
               flush=True)
+    if args.exit_signal_handler:  # as Megatron-LM: any rank signalled -> all save and exit
+        from megatron.training.global_vars import signal_received
+        flag = torch.tensor([int(signal_received())])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item():
+            folder = os.path.join(args.save, f"iter_{it:07d}")
+            os.makedirs(folder, exist_ok=True)
+            torch.save(model.state_dict(), os.path.join(folder, f"rank{args.rank}.pt"))
+            torch.distributed.barrier()
+            if args.rank == 0:
+                with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as fh:
+                    fh.write(str(it))
+                print(f"exiting program after receiving SIGTERM at iteration {it}", flush=True)
+            raise SystemExit(0)
 '''
 
 
@@ -311,3 +339,36 @@ def test_sbatch_refuses_the_scripts_gpu_line_on_a_cluster_without_gpus(cluster, 
     out = cluster.run("sbatch", "--parsable", SBATCH, check=False, cwd=str(tmp_path), env=env)
     assert out.returncode != 0
     assert "Invalid generic resource (gres) specification" in out.stderr
+
+
+def test_a_preempted_job_saves_its_checkpoint_and_leaves_no_offload_files(cluster, job_env):
+    """Preemption as the sbatch script sets it up (``#SBATCH --signal=TERM@...``,
+    ``--exit-signal-handler``): ``scancel --signal=TERM`` reaches every process of the job
+    step. The workers' SIGTERM handler (installed before ours, as Megatron's) notes it, the
+    iteration finishes with offload still working, every rank saves, the workers exit 0, and
+    the offload files are gone. Before issue 29 our handler closed the offloader first and the
+    iteration in flight failed with "engine is closed", saving nothing."""
+    env, tmp_path = job_env
+    save = tmp_path / "ckpt"
+    job = cluster.sbatch(*CLUSTER_OVERRIDES, f"--output={tmp_path}/%x-%j.out", SBATCH,
+                         "--train-iters", "100000", "--exit-signal-handler", "--save", str(save),
+                         cwd=str(tmp_path), env=env)
+    out_path = f"{tmp_path}/ssdtrain-pretrain-{job}.out"
+    deadline = time.monotonic() + 240
+    while not (os.path.exists(out_path) and "iteration        3/" in open(out_path).read()):
+        assert cluster.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), \
+            open(out_path).read()[-5000:] if os.path.exists(out_path) else job
+        assert time.monotonic() < deadline, "the job never reached its third iteration"
+        time.sleep(0.2)
+    cluster.run("scancel", "--signal=TERM", job)
+    info = cluster.wait(job, timeout=180)
+    with open(out_path) as fh:
+        output = fh.read()
+    iteration = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert iteration >= 3 and "exiting program after receiving SIGTERM" in output, output[-5000:]
+    assert sorted(os.listdir(save / f"iter_{iteration:07d}")) == ["rank0.pt", "rank1.pt"]
+    assert "closed" not in output, output[-5000:]
+    assert "exitcode" not in output or "exitcode  : 0" in output, output[-5000:]
+    assert _offload_dirs(tmp_path) == ["nvme0/ssdtrain", "nvme1/ssdtrain"], output[-5000:]
+    print(f"preempted job {job}: {info['JobState']} {info['ExitCode']}, checkpoint at "
+          f"iteration {iteration}")

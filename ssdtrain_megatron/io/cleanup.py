@@ -1,4 +1,4 @@
-"""Remove this process's offload directories on normal exit and on SIGINT/SIGTERM.
+"""Remove this process's offload directories on normal exit and on the signals that end a job.
 
 The registry of cleaners is the one piece of process-wide state the IO layer keeps: a signal
 handler has nothing else to reach them through. Its rules:
@@ -14,6 +14,15 @@ handler has nothing else to reach them through. Its rules:
   unregister elsewhere leaves ours in place, and they forward to the previous ones.
 - A signal that lands while a ``__del__`` runs is forwarded once that ``__del__`` is over:
   the KeyboardInterrupt of the previous handler could not leave it (``_inside_del``).
+- Preemption (``_on_signal``): a signal is first given to the Python handler that was there
+  before ours. If it returns, the job goes on (Megatron's ``--exit-signal-handler`` only notes
+  the signal, finishes the iteration, saves a checkpoint and exits; PyTorch Lightning's also
+  only note it): the offloader keeps working, its files go at exit, at
+  ``uninstall()`` or when the launcher's training run ends. If it raises (KeyboardInterrupt,
+  SystemExit), the files are removed before the exception unwinds the job. With no Python
+  handler (the default action), they are removed and the process dies of the signal; an
+  ignored signal stays ignored. A process killed outright (SIGKILL after the grace period,
+  ``os._exit`` in a handler) leaves its files to the next start's sweep or ``ssdtrain clean``.
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ from typing import Callable, Dict, Hashable, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+"""What a job is ended or preempted with: Ctrl-C, scancel and Slurm's time limit (SIGTERM), and
+the signals that ``#SBATCH --signal`` or Megatron's ``--exit-signal`` may name instead."""
 
 _lock = threading.RLock()  # re-entrant: a signal may arrive while this thread holds it
 _cleaners: Dict[Hashable, Callable[[], Optional[Callable[[], None]]]] = {}  # token -> getter
@@ -174,35 +185,56 @@ def _deliver_after_del(signum: int, since: float) -> None:
 
 
 def _on_signal(signum, frame) -> None:
-    global interrupted
-    if signum in _deferred:  # the cleaners ran; the previous handler waits for the __del__ to end
+    if signum in _deferred:  # the previous handler waited for a __del__ to end
         prev, put_back, since = _deferred.pop(signum)
     else:
-        prev = _previous.get(signum)  # before the cleaners: the last one puts the handlers back
+        prev = _previous.get(signum)
         put_back, since = False, time.monotonic()
-        interrupted = signum
-        try:
-            _run_all()
-        finally:
-            interrupted = None
-    if callable(prev):
-        if _inside_del(frame) and time.monotonic() - since <= DEFER_FOR_S:
-            # Call it once the __del__ is over: deliver the signal again, to this handler
-            # (which the cleaners may have replaced), from a helper thread that waits for the
-            # main thread to leave it. Not from here: a signal delivered from this thread is
-            # handled at its next bytecode checkpoint, inside this handler.
-            if signal.getsignal(signum) is not _on_signal:
-                signal.signal(signum, _on_signal)
-                put_back = True
-            _deferred[signum] = (prev, put_back, since)
-            threading.Thread(target=_deliver_after_del, args=(signum, since), daemon=True,
-                             name="ssdtrain-signal").start()
-            return
-        if put_back and signal.getsignal(signum) is _on_signal:
-            signal.signal(signum, prev)
-        prev(signum, frame)
-    elif prev == signal.SIG_IGN:
+    if prev == signal.SIG_IGN:  # ignored before us: the job goes on, and so does the offloader
         return
-    else:  # default action: die of the same signal, as the user expects
+    if not callable(prev):  # default action: clean up, then die of the same signal
+        _clean_for(signum)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+        return
+    if _inside_del(frame) and time.monotonic() - since <= DEFER_FOR_S:
+        # Call it once the __del__ is over: deliver the signal again, to this handler, from a
+        # helper thread that waits for the main thread to leave it. Not from here: a signal
+        # delivered from this thread is handled at its next bytecode checkpoint, inside this
+        # handler. (If the cleaners removed ours meanwhile, it is put back for that.)
+        if signal.getsignal(signum) is not _on_signal:
+            signal.signal(signum, _on_signal)
+            put_back = True
+        _deferred[signum] = (prev, put_back, since)
+        threading.Thread(target=_deliver_after_del, args=(signum, since), daemon=True,
+                         name="ssdtrain-signal").start()
+        return
+    if put_back and signal.getsignal(signum) is _on_signal:
+        signal.signal(signum, prev)
+    try:
+        prev(signum, frame)
+    except BaseException:
+        # The handler ends the job (KeyboardInterrupt, SystemExit): the files go before the
+        # exception unwinds it.
+        _clean_for(signum)
+        raise
+    # It returned: the job goes on (a preemption handler saves a checkpoint first), and needs
+    # its offloader until it ends; the files go at exit or uninstall().
+    if signum not in _forwarded:
+        _forwarded.add(signum)
+        log.info("ssdtrain: %s passed on to %s, which lets the job go on: offload goes on, "
+                 "and its files are removed when the job ends",
+                 signal.Signals(signum).name, getattr(prev, "__qualname__", prev))
+
+
+_forwarded: set = set()  # signals whose forwarding was logged (once each)
+
+
+def _clean_for(signum: int) -> None:
+    """Run the cleaners for signal ``signum`` (see ``interrupted``)."""
+    global interrupted
+    interrupted = signum
+    try:
+        _run_all()
+    finally:
+        interrupted = None
