@@ -17,8 +17,11 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   tensor and the copy event: its IO thread waits for that event only, then reads the host
   bytes. The device memory the copy reads is marked used by the offload stream
   (``record_stream``), so the allocator cannot hand it out again before the copy ran, whoever
-  drops the last reference. The staging block goes back to the pool when the engine's write
-  completed (the IO thread has consumed it).
+  drops the last reference. The staging block goes back to the pool when the engine is done
+  with it, *with the copy event*: a write that no IO thread ever waited for (taken back by
+  ``engine.cancel``, refused with ``PoolFull``, or raised on by the engine) may still have its
+  copy pending, and the next ``stage_in`` must not read disk bytes into a block that copy
+  will land on later.
 - Reload (``stage_in``, the thread that starts the read): the restored tensor is allocated on
   the current stream, and an *allocation event* is recorded there: memory freed on that
   stream may still be in use by kernels queued before, and the reload stream must not write
@@ -132,8 +135,10 @@ class _Block:
 class StagingPool:
     """Pinned host memory allocated once, carved into blocks; never blocks the caller.
 
-    A block given back with an event (a copy that may still read it) is reusable once that
-    event has completed: ``take`` reclaims such blocks with ``query()``, never ``synchronize()``.
+    A block given back with an event (a copy that may still read or write it) is reusable once
+    that event has completed: ``take`` reclaims such blocks with ``query()``, never
+    ``synchronize()``; a block whose copy has not run yet is skipped (the request takes another
+    block, or overflow memory), so the training thread never waits on the GPU here.
     """
 
     def __init__(self, nbytes: int, ops: StreamOps) -> None:
@@ -182,9 +187,17 @@ class StagingPool:
             return self._alloc.allocated
 
     def _reclaim(self) -> None:
-        while self._pending and self._pending[0][1].query():
-            block, _ = self._pending.popleft()
-            self._alloc.free(block.offset, block.size)
+        # Every pending block, not only the oldest: the events come from two streams (offload
+        # copies into blocks, reload copies out of them), which complete in any order.
+        if not self._pending:
+            return
+        still: Deque[Tuple[_Block, Any]] = deque()
+        for block, event in self._pending:
+            if event.query():
+                self._alloc.free(block.offset, block.size)
+            else:
+                still.append((block, event))
+        self._pending = still
 
 
 def _aligned(n: int) -> int:
@@ -194,10 +207,12 @@ def _aligned(n: int) -> int:
 class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
-    __slots__ = ("block", "source", "dest", "packed", "alloc_stream", "alloc_event", "ready_event")
+    __slots__ = ("block", "copy_event", "source", "dest", "packed", "alloc_stream", "alloc_event",
+                 "ready_event")
 
     def __init__(self) -> None:
         self.block: Optional[_Block] = None  # staging, until the engine (write) or the copy (read) is done
+        self.copy_event: Any = None  # write: recorded on the offload stream after the copy into block
         self.source: Optional[torch.Tensor] = None  # direct write: the bytes cuFile reads
         self.dest: Optional[torch.Tensor] = None  # read: device bytes the engine or the copy fills
         self.packed: Optional[torch.Tensor] = None  # read of a compact record: packed elements
@@ -244,25 +259,40 @@ class DeviceCopy:
             return view, produced, xfer
         xfer.block = self._take(view.numel())
         stream = self.offload_stream
+        copied = ops.new_event()
         try:
             stream.wait_event(produced)
             with ops.use(stream):
                 ops.copy(xfer.block.tensor, view)
-                copied = ops.new_event()
                 copied.record(stream)
         except BaseException:
-            self.written(xfer)  # the caller keeps the tensor in memory; the block is free
+            # The caller keeps the tensor in memory. The copy may have been queued before the
+            # error: the block goes back after an event behind it, or (when even that cannot
+            # be recorded) never, rather than while a copy may still land in it.
+            try:
+                with ops.use(stream):
+                    copied.record(stream)
+            except BaseException:  # noqa: BLE001 - the first error is the one the caller sees
+                log.error("ssdtrain: a staging block of %d bytes is withheld from the pool after a "
+                          "failed device->host copy", xfer.block.size)
+                xfer.block = None
+            xfer.copy_event = copied
+            self.written(xfer)
             raise
+        xfer.copy_event = copied
         # Whoever drops the last reference, the allocator waits for this copy first.
         ops.record_stream(view, stream)
         return xfer.block.tensor, copied, xfer
 
     def written(self, xfer: Transfer) -> None:
-        """The engine's write finished, failed, or never started: its staging is free (any
-        thread; takes only the pool's lock)."""
+        """The engine's write finished, failed, or never started (cancelled, refused): its
+        staging goes back to the pool, reusable once the copy into it has run (any thread;
+        takes only the pool's lock, never waits). After a completed write the IO thread has
+        already waited for that event; after the other outcomes nobody has."""
         block, xfer.block, xfer.source = xfer.block, None, None
+        event, xfer.copy_event = xfer.copy_event, None
         if block is not None:
-            self.pool.give(block)
+            self.pool.give(block, after=event)
 
     # -- reload -----------------------------------------------------------------------------
 
