@@ -178,6 +178,13 @@ def _settle(off: ActivationOffloader, rid: int, state: int = State.ON_DISK, time
         time.sleep(0.002)
 
 
+def _open_after_read_of(s: "Scene", key: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not s.rec.nodes("engine_read", key=key) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    s.gate.set()
+
+
 class Scene:
     """One offloader on a logged real engine, the streams of ``ops`` and tensors of NBYTES."""
 
@@ -185,7 +192,9 @@ class Scene:
         self.cuda = ops == "cuda"
         if self.cuda:
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.rec: Recorder = SlowReload(delay_s=0.05, reload_delay_s=0.15)
+            # _sleep counts GPU cycles (about 0.5 ns each): the compute stream sleeps ~0.25 s
+            # before each producer, the reload stream ~0.1 s before each copy.
+            self.rec: Recorder = SlowReload(delay_s=0.5, reload_delay_s=0.2)
         else:
             self.device = torch.device("cpu")
             self.rec = Recorder()
@@ -214,7 +223,8 @@ class Scene:
         x = torch.full((NBYTES // 4,), value, device=self.device).requires_grad_()
         with self.off.microbatch(name):
             y = Saves.apply(x, self.rec, self.seen)
-        self.expected[name] = (x.detach() + 1).cpu()
+        # Computed on the host: a device->host copy here would wait for the delayed stream.
+        self.expected[name] = torch.full((NBYTES // 4,), value) + 1
         return y
 
     def restored_bytes_match(self, name: str) -> None:
@@ -253,8 +263,9 @@ def test_a_cancelled_write_returns_its_staging_only_after_its_copy(tmp_path, ops
     s.off.poll()
     assert 2 not in s.off._records, "b's write was not taken back by cancel()"
     # a's read takes a staging block while d still holds the other one (b's is the only
-    # free one: it may be reused only after b's copy), then waits behind d in the one IO thread.
-    opener = threading.Timer(0.3, s.gate.set)
+    # free one: it may be reused only after b's copy), then waits behind d in the one IO
+    # thread; d is let go as soon as a's read was handed to the engine.
+    opener = threading.Thread(target=_open_after_read_of, args=(s, 0))
     opener.start()
     ya.sum().backward()
     opener.join()
