@@ -99,6 +99,10 @@ class StreamOps:
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
+    def capturing(self) -> bool:
+        """True while the calling thread's current stream is capturing a CUDA graph."""
+        return False
+
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """Page-locked host memory (uint8)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -118,6 +122,9 @@ class CudaStreams(StreamOps):
 
     def use(self, stream: Any) -> ContextManager:
         return torch.cuda.stream(stream)
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
 
 class _Block:

@@ -50,6 +50,11 @@ class SavedTensorHooks:
             # tensors are needed moments later by the same backward; keep them in memory.
             c.tensors_passed_through += 1
             return t
+        if self._capturing():
+            # A CUDA graph is being captured: no event, stream switch or IO may enter it (a
+            # replay would repeat none of the host side). The tensor stays with autograd.
+            c.captured_kept += 1
+            return t
         if t.nbytes < self._min_bytes:  # the cheapest test first
             c.tensors_passed_through += 1
             return t
@@ -122,6 +127,11 @@ class SavedTensorHooks:
         if not self._events.empty():
             self._drain()
         rec: TensorRecord = handle.record
+        if self._capturing():
+            raise RuntimeError(
+                f"ssdtrain: a {rec.describe()} offloaded outside CUDA graph capture is needed "
+                "inside one; capture the forward that saves it as well, or run this backward "
+                "without capturing it")
         # A tensor shared by several micro-batches says nothing about where any one of
         # their backwards is; one saved again by later layers is needed until the latest.
         mb = None if rec.shared else self._microbatches.get(rec.microbatch)

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 DECISIONS = ("offload", "keep", "recompute")
 
 
+def _never() -> bool:
+    return False
+
+
 class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
     """Offload the activations autograd saves to SSD (or another engine) and bring them back.
 
@@ -108,6 +112,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         if self._engine is not None and (self.device.type == "cuda" or self._streams is not None):
             self._copy = DeviceCopy(self.device, config.staging_bytes(), self._streams,
                                     direct=self._engine.device_direct)
+        # Is a CUDA graph being captured on this thread's stream? (pack and unpack ask)
+        self._capturing = self._copy.ops.capturing if self._copy is not None else _never
         self._ids = itertools.count()
         self._records: Dict[int, TensorRecord] = {}
         self._dedup: Dict[tuple, TensorRecord] = {}  # identity (identity.py) -> its record
