@@ -51,12 +51,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any, ContextManager, Deque, Optional, Tuple
+from typing import Any, Deque, Optional, Tuple
 
 import torch
 
 from ..io.base import as_bytes
 from ..io.layout import ALIGN, ExtentAllocator
+from .stream_ops import CudaStreams, StreamOps
 
 log = logging.getLogger(__name__)
 
@@ -68,63 +69,6 @@ STAGING_ALIGN = ALIGN
 
 class StagingUnavailable(RuntimeError):
     """The pinned staging pool could not be allocated; the message says what to change."""
-
-
-class StreamOps:
-    """Streams, events and copies as the device-copy layer uses them (torch.cuda's API shape:
-    a stream has ``wait_event(event)``; an event has ``record(stream)``, ``synchronize()`` and
-    ``query()``). Subclasses: :class:`CudaStreams`, and the tests' recording stand-in."""
-
-    def current_stream(self, device: torch.device) -> Any:
-        raise NotImplementedError
-
-    def new_stream(self, device: torch.device) -> Any:
-        raise NotImplementedError
-
-    def new_event(self) -> Any:
-        raise NotImplementedError
-
-    def use(self, stream: Any) -> ContextManager:
-        """Make ``stream`` current for the calling thread inside the block."""
-        raise NotImplementedError
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src, non_blocking=True)`` on the current stream."""
-        dst.copy_(src, non_blocking=True)
-
-    def compact(self, t: torch.Tensor) -> torch.Tensor:
-        """``t.contiguous()`` on the current stream."""
-        return t.contiguous()
-
-    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
-        t.record_stream(stream)
-
-    def capturing(self) -> bool:
-        """True while the calling thread's current stream is capturing a CUDA graph."""
-        return False
-
-    def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        """Page-locked host memory (uint8)."""
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-class CudaStreams(StreamOps):
-    """The real thing: torch.cuda streams and events."""
-
-    def current_stream(self, device: torch.device) -> Any:
-        return torch.cuda.current_stream(device)
-
-    def new_stream(self, device: torch.device) -> Any:
-        return torch.cuda.Stream(device)
-
-    def new_event(self) -> Any:
-        return torch.cuda.Event()
-
-    def use(self, stream: Any) -> ContextManager:
-        return torch.cuda.stream(stream)
-
-    def capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
 
 
 class _Block:

@@ -33,6 +33,7 @@ from .layout import Identity
 from .requests import Request
 from .slab import Slab
 from .slab_engine import SlabEngine
+from .gpu_wait import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class GdsEngine(SlabEngine):
         op = "write" if req.writing else "read"
         try:
             if req.ready_event is not None:
-                req.ready_event.synchronize()
+                wait_for(req.ready_event)
             # kvikio takes CUDA tensors through __cuda_array_interface__, host ones as numpy.
             data = req.bytes()
             buf = data if data.is_cuda else data.numpy()

@@ -29,6 +29,7 @@ import torch
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine, as_bytes
 from .layout import ExtentAllocator, Identity
+from .gpu_wait import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -211,13 +212,13 @@ class MemoryEngine(IOEngine):
 
     def _copy_in(self, data: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
         if ready_event is not None:
-            ready_event.synchronize()
+            wait_for(ready_event)
         if nbytes:
             self._pool[offset:offset + nbytes].copy_(as_bytes(data))
 
     def _wait_then_copy_out(self, out: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
         if ready_event is not None:  # kernels that used out's memory before must be done
-            ready_event.synchronize()
+            wait_for(ready_event)
         self._copy_out(out, offset, nbytes)
 
     def _copy_out(self, out: torch.Tensor, offset: int, nbytes: int) -> None:

@@ -34,6 +34,7 @@ from .base import EngineError
 from .layout import Identity
 from .requests import ChunkQueue, Request, Run
 from .slab_engine import SlabEngine, aligned_buffer, join_before_exit
+from .gpu_wait import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class PosixEngine(SlabEngine):
         for req, i in op.parts:
             source = self._direct_source(req, i, req.extents[i].length) if req.error is None else None
             if source is not None and req.ready_event is not None:
-                req.ready_event.synchronize()
+                wait_for(req.ready_event)
             direct.append(source)
         op.direct = direct if any(t is not None for t in direct) else None
 

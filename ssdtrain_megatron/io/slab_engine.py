@@ -36,6 +36,7 @@ from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels,
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 from .syscalls import OS, SysCalls
+from .gpu_wait import wait_for
 
 
 class SlabEngine(IOEngine):
@@ -294,7 +295,7 @@ class SlabEngine(IOEngine):
                 direct.append(None)
                 continue
             if req.ready_event is not None:
-                req.ready_event.synchronize()
+                wait_for(req.ready_event)
             source = self._direct_source(req, i, n)
             direct.append(source)
             if source is not None:
@@ -333,7 +334,7 @@ class SlabEngine(IOEngine):
                                           f"stored {ALGORITHM} {ext.crc:#010x}, read {crc:#010x}")
                 if exc is None and req.error is None and n and in_place is None:
                     if req.ready_event is not None:
-                        req.ready_event.synchronize()
+                        wait_for(req.ready_event)
                     memmove(self._chunk_address(req, i), at, n)
             except BaseException as e:  # noqa: BLE001 - surfaced through the Future
                 exc = as_engine_error(e, f"{self.name} read")
