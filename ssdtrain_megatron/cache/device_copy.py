@@ -94,8 +94,8 @@ class StagingPool:
 
     def __init__(self, nbytes: int, ops: StreamOps) -> None:
         try:
-            self._mem = ops.pinned_empty(nbytes)
-        except (RuntimeError, MemoryError) as exc:
+            self._mem = ops.pinned_pool(nbytes)
+        except (RuntimeError, MemoryError, OSError) as exc:
             raise StagingUnavailable(
                 f"could not allocate pinned_staging_bytes={nbytes} ({nbytes / 2**20:.0f} MiB) of "
                 f"page-locked host memory for GPU<->host copies: {exc}; lower pinned_staging_bytes "

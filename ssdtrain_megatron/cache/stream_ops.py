@@ -33,6 +33,8 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
+from ..io.pinned import pin_exact
+
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +76,13 @@ class StreamOps:
         return False
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        """Page-locked host memory (uint8)."""
+        """Page-locked host memory (uint8) from torch's caching host allocator (staging
+        overflow: reused without registering again)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def pinned_pool(self, nbytes: int) -> torch.Tensor:
+        """Page-locked host memory (uint8) allocated once for the job: the staging pool."""
+        return self.pinned_empty(nbytes)
 
 
 class CudaStreams(StreamOps):
@@ -95,6 +102,10 @@ class CudaStreams(StreamOps):
 
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
+
+    def pinned_pool(self, nbytes: int) -> torch.Tensor:
+        # Exactly the size asked (io/pinned.py), not the next power of two.
+        return pin_exact(nbytes)
 
 
 def dedicated_stream(device: torch.device, runtime: Any = None) -> Any:

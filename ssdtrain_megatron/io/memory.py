@@ -5,7 +5,8 @@ Why these choices:
   :class:`ExtentAllocator` the slab files use: no allocation (and, on CUDA machines, no
   ``cudaHostAlloc``, which synchronises the device) in the hot path.
 - The pool is pinned only where CUDA exists: pinning is what makes GPU<->host copies
-  asynchronous DMA; on a CPU-only machine it would only lock memory for nothing. Either way
+  asynchronous DMA; on a CPU-only machine it would only lock memory for nothing. It is pinned
+  at exactly its size (io/pinned.py; ``pinned_bytes``), not torch's next power of two. Either way
   every page is committed at construction (pinning does it; on CPU the pool is zero-filled):
   a pool that does not fit in RAM fails at start-up, not in the middle of a step, and the
   first step does not pay a page fault per 4 KiB.
@@ -30,6 +31,7 @@ from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine, as_bytes
 from .layout import ExtentAllocator, Identity
 from .gpu_wait import wait_for
+from .pinned import pin_exact, pinned_size
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +65,12 @@ class MemoryEngine(IOEngine):
         self.capacity = config.host_memory_bytes if capacity is None else capacity
         self.pinned = _cuda_available()
         # A zero-capacity pool is legal for 'tiered' (everything goes to SSD).
-        if self.pinned:
-            self._pool = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+        if self.pinned:  # exactly the size asked, not the next power of two (io/pinned.py)
+            self._pool = pin_exact(self.capacity)
         else:
             self._pool = torch.zeros(self.capacity, dtype=torch.uint8)
+        self.pinned_bytes = pinned_size(self.capacity) if self.pinned else 0
+        """Host memory page-locked for the pool (what a RAM check must count)."""
         self._alloc = ExtentAllocator(POOL_ALIGN)
         self._lock = threading.Lock()
         self._extents: Dict[int, Tuple[int, int]] = {}  # key -> (offset, nbytes)

@@ -37,6 +37,7 @@ from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 from .syscalls import OS, SysCalls
 from .gpu_wait import wait_for
+from .pinned import pin_exact
 
 
 class SlabEngine(IOEngine):
@@ -378,9 +379,8 @@ def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
 
     Host buffers are anonymous mmaps (the tensor keeps the mapping alive): in side-by-side runs
     of 64 MiB reads, O_DIRECT into them was a few percent faster than into torch's allocator's
-    memory. ``pin`` (CUDA) takes page-locked memory from torch and aligns a view of it."""
+    memory. ``pin`` (CUDA): the same mapping page-locked, pinning ``nbytes`` rounded up to a page
+    (io/pinned.py), not torch's next power of two."""
     if not pin:
         return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
-    raw = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + nbytes]
+    return pin_exact(nbytes)
