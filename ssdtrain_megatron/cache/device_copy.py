@@ -56,6 +56,7 @@ from typing import Any, Deque, Optional, Tuple
 import torch
 
 from ..io.base import as_bytes
+from ..io.gds import GDS_ALIGN
 from ..io.layout import ALIGN, ExtentAllocator
 from .stream_ops import CudaStreams, StreamOps
 
@@ -253,7 +254,8 @@ class DeviceCopy:
         ``rec.transfer``."""
         ops = self.ops
         alloc_stream = ops.current_stream(self.device)
-        restored, dest = rec.allocate_restore()  # on the current stream
+        # on the current stream; cuFile (direct) reads into 4 KiB-aligned memory without bouncing
+        restored, dest = rec.allocate_restore(GDS_ALIGN) if self.direct else rec.allocate_restore()
         xfer = Transfer()
         xfer.dest = as_bytes(dest)  # the staged bytes are copied in as bytes (finish_in)
         xfer.packed = rec.staging  # a compact record's packed elements (device), else None
