@@ -54,10 +54,11 @@ class Logged(IOEngine):
     ``write`` for chosen keys (``refuse``): what an engine bug looks like to the offloader.
     Everything else, ``cancel`` and ``completions`` included, is the inner engine's."""
 
-    def __init__(self, inner: IOEngine, rec: Recorder) -> None:
+    def __init__(self, inner: IOEngine, rec: Recorder, pooled: bool = True) -> None:
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "rec", rec)
         object.__setattr__(self, "refuse", {})
+        object.__setattr__(self, "pooled", pooled)  # False: hide the engine's pool_view
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -91,6 +92,15 @@ class Logged(IOEngine):
 
     def cancel(self, key):
         return self.inner.cancel(key)
+
+    def pool_view(self, key, nbytes):
+        return self.inner.pool_view(key, nbytes) if self.pooled else None
+
+    def pool_view_of(self, key):
+        return self.inner.pool_view_of(key) if self.pooled else None
+
+    def fence(self, key, event):
+        self.inner.fence(key, event)
 
     def end_step(self):
         self.inner.end_step()
@@ -188,7 +198,7 @@ def _open_after_read_of(s: "Scene", key: int, timeout: float = 60.0) -> None:
 class Scene:
     """One offloader on a logged real engine, the streams of ``ops`` and tensors of NBYTES."""
 
-    def __init__(self, tmp_path, ops: str, engine: str, **kw) -> None:
+    def __init__(self, tmp_path, ops: str, engine: str, pooled: bool = True, **kw) -> None:
         self.cuda = ops == "cuda"
         if self.cuda:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -205,7 +215,7 @@ class Scene:
         inner = make_engine(self.config)
         if engine == "posix":
             inner = FaultyEngine(inner, self._fault)
-        self.engine = Logged(inner, self.rec)
+        self.engine = Logged(inner, self.rec, pooled)
         self.off = ActivationOffloader(self.config, device=self.device, engine=self.engine, streams=self.rec)
         if self.cuda:
             self.rec.reload_name = self.off._copy.reload_stream.name
@@ -279,8 +289,10 @@ def test_a_cancelled_write_returns_its_staging_only_after_its_copy(tmp_path, ops
 @pytest.mark.parametrize("ops", OPS)
 def test_a_write_refused_by_a_full_host_pool_returns_its_staging_only_after_its_copy(tmp_path, ops):
     """The memory engine refuses a write (``PoolFull``): the tensor stays in memory, and its
-    staging block must not be read into before its device->host copy ran."""
-    s = Scene(tmp_path, ops, "memory", host_memory_bytes=NBYTES)
+    staging block must not be read into before its device->host copy ran. The engine's
+    ``pool_view`` is hidden (an engine without one, as the memory engine was before it copied
+    device -> pool directly): with it, the refusal comes before any copy (the test below)."""
+    s = Scene(tmp_path, ops, "memory", pooled=False, host_memory_bytes=NBYTES)
     ya = s.save("a", 1.0)
     _settle(s.off, 0)  # a fills the pool
     yb = s.save("b", 3.0)  # refused: kept in memory (a fallback), its staging given back
@@ -291,6 +303,20 @@ def test_a_write_refused_by_a_full_host_pool_returns_its_staging_only_after_its_
     pairs = s.finish()
     if ops == "stand-in":
         assert pairs > 0, "the scenario never reused a staging block (nothing was checked)"
+
+
+def test_with_pool_view_a_full_host_pool_refuses_before_any_copy(tmp_path):
+    s = Scene(tmp_path, "stand-in", "memory", host_memory_bytes=NBYTES)
+    ya = s.save("a", 1.0)
+    _settle(s.off, 0)
+    copies = len(s.rec.nodes("copy"))
+    yb = s.save("b", 3.0)
+    assert s.off._records[1].state == State.KEPT
+    assert len(s.rec.nodes("copy")) == copies, "b was copied although the pool had no room for it"
+    ya.sum().backward()
+    s.restored_bytes_match("a")
+    yb.sum().backward()
+    s.finish()
 
 
 @pytest.mark.parametrize("ops", OPS)

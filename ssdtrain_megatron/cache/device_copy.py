@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any, Deque, Optional, Tuple
+from typing import Any, Callable, Deque, Optional, Tuple
 
 import torch
 
@@ -159,11 +159,12 @@ def _aligned(n: int) -> int:
 class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
-    __slots__ = ("block", "copy_event", "source", "dest", "packed", "alloc_stream", "alloc_event",
-                 "ready_event")
+    __slots__ = ("block", "pooled", "copy_event", "source", "dest", "packed", "alloc_stream",
+                 "alloc_event", "ready_event")
 
     def __init__(self) -> None:
         self.block: Optional[_Block] = None  # staging, until the engine (write) or the copy (read) is done
+        self.pooled: Optional[torch.Tensor] = None  # instead of staging: the engine's pool_view memory
         self.copy_event: Any = None  # write: recorded on the offload stream after the copy into block
         self.source: Optional[torch.Tensor] = None  # direct write: the bytes cuFile reads
         self.dest: Optional[torch.Tensor] = None  # read: device bytes the engine or the copy fills
@@ -198,9 +199,14 @@ class DeviceCopy:
 
     # -- offload ----------------------------------------------------------------------------
 
-    def stage_out(self, rec) -> Tuple[torch.Tensor, Any, Transfer]:
+    def stage_out(self, rec, into: Optional[torch.Tensor] = None,
+                  fence: Optional[Callable[[Any], None]] = None) -> Tuple[torch.Tensor, Any, Transfer]:
         """Training thread: (bytes for the engine, the event the engine waits for before it
-        reads them, the transfer to pass to :meth:`written` once the engine is done)."""
+        reads them, the transfer to pass to :meth:`written` once the engine is done).
+
+        ``into``: the engine's own pinned memory for these bytes (``IOEngine.pool_view``, the
+        memory engine): the copy goes there, one copy instead of two, and ``fence`` gets its
+        event (the engine reuses that memory only after it completed)."""
         ops = self.ops
         view = as_bytes(rec.bytes_view(ops.compact))  # compaction first: the event below must cover it
         produced = ops.new_event()
@@ -209,13 +215,17 @@ class DeviceCopy:
         if self.direct:
             xfer.source = view  # cuFile reads it once `produced` completed; alive until then
             return view, produced, xfer
-        xfer.block = self._take(view.numel())
+        if into is not None:
+            target = xfer.pooled = into
+        else:
+            xfer.block = self._take(view.numel())
+            target = xfer.block.tensor
         stream = self.offload_stream
         copied = ops.new_event()
         try:
             stream.wait_event(produced)
             with ops.use(stream):
-                ops.copy(xfer.block.tensor, view)
+                ops.copy(target, view)
                 copied.record(stream)
         except BaseException:
             # The caller keeps the tensor in memory. The copy may have been queued before the
@@ -225,33 +235,38 @@ class DeviceCopy:
                 with ops.use(stream):
                     copied.record(stream)
             except BaseException:  # noqa: BLE001 - the first error is the one the caller sees
-                log.error("ssdtrain: a staging block of %d bytes is withheld from the pool after a "
-                          "failed device->host copy", xfer.block.size)
+                log.error("ssdtrain: %d bytes of staging are withheld from the pool after a failed "
+                          "device->host copy", target.numel())
                 xfer.block = None
+            if fence is not None:
+                fence(copied)
             xfer.copy_event = copied
             self.written(xfer)
             raise
+        if fence is not None:
+            fence(copied)
         xfer.copy_event = copied
         # Whoever drops the last reference, the allocator waits for this copy first.
         ops.record_stream(view, stream)
-        return xfer.block.tensor, copied, xfer
+        return target, copied, xfer
 
     def written(self, xfer: Transfer) -> None:
         """The engine's write finished, failed, or never started (cancelled, refused): its
         staging goes back to the pool, reusable once the copy into it has run (any thread;
         takes only the pool's lock, never waits). After a completed write the IO thread has
         already waited for that event; after the other outcomes nobody has."""
-        block, xfer.block, xfer.source = xfer.block, None, None
+        block, xfer.block, xfer.source, xfer.pooled = xfer.block, None, None, None
         event, xfer.copy_event = xfer.copy_event, None
         if block is not None:
             self.pool.give(block, after=event)
 
     # -- reload -----------------------------------------------------------------------------
 
-    def stage_in(self, rec) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+    def stage_in(self, rec, src: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Any]:
         """The thread that starts the read: (restored tensor, where the engine reads the bytes
         into, the event the engine waits for before it writes there, or None). Sets
-        ``rec.transfer``."""
+        ``rec.transfer``. ``src``: the engine's own memory that holds the bytes (its
+        ``pool_view``): no staging; :meth:`finish_in` copies from it."""
         ops = self.ops
         alloc_stream = ops.current_stream(self.device)
         # on the current stream; cuFile (direct) reads into 4 KiB-aligned memory without bouncing
@@ -266,6 +281,9 @@ class DeviceCopy:
         rec.transfer = xfer
         if self.direct:
             return restored, dest, xfer.alloc_event
+        if src is not None:
+            xfer.pooled = src
+            return restored, src, None
         xfer.block = self._take(rec.nbytes)
         return restored, xfer.block.tensor, None
 
@@ -280,8 +298,9 @@ class DeviceCopy:
         stream = self.reload_stream
         stream.wait_event(xfer.alloc_event)
         with ops.use(stream):
-            if xfer.block is not None:
-                ops.copy(xfer.dest, xfer.block.tensor)
+            source = xfer.block.tensor if xfer.block is not None else xfer.pooled
+            if source is not None:
+                ops.copy(xfer.dest, source)
             if xfer.packed is not None:
                 ops.copy(rec.tensor, xfer.packed)  # scatter into the strided places
             xfer.ready_event = ops.new_event()
@@ -291,7 +310,7 @@ class DeviceCopy:
         for t in (rec.tensor, xfer.packed):
             if t is not None:
                 ops.record_stream(t, stream)
-        xfer.dest = xfer.packed = None
+        xfer.dest = xfer.packed = xfer.pooled = None
         if xfer.block is not None:
             self.pool.give(xfer.block, after=xfer.ready_event)
             xfer.block = None
@@ -299,6 +318,8 @@ class DeviceCopy:
     def read_failed(self, rec) -> None:
         """The engine's read failed: nothing was copied; the staging block is free."""
         xfer, rec.transfer = rec.transfer, None
+        if xfer is not None:
+            xfer.pooled = None
         if xfer is not None and xfer.block is not None:
             self.pool.give(xfer.block)
             xfer.block = None
