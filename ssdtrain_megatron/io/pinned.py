@@ -59,13 +59,20 @@ def pin_exact(nbytes: int, runtime: Optional[Any] = None) -> torch.Tensor:
                            f"{_error_text(rt, err)}; lower the pool size, or raise the locked-memory "
                            f"limit (ulimit -l)")
     # The tensor's storage holds ``view``; when it goes, unregister, then let the mapping go
-    # (the finalizer's own reference to ``mm`` is the last one).
-    weakref.finalize(view, _unregister, rt, addr, mm)
+    # (the finalizer's own reference to ``mm`` is the last one). It may run on any thread (an
+    # IO thread dropping the last view): on this device, so that it creates no context on
+    # GPU 0, and restoring the thread's device after.
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    weakref.finalize(view, _unregister, rt, addr, mm, device)
     return t[:nbytes]
 
 
-def _unregister(rt: Any, addr: int, mm: mmap.mmap) -> None:
-    rt.cudaHostUnregister(addr)
+def _unregister(rt: Any, addr: int, mm: mmap.mmap, device: Optional[int]) -> None:
+    if device is None:
+        rt.cudaHostUnregister(addr)
+    else:
+        with torch.cuda.device(device):
+            rt.cudaHostUnregister(addr)
     del mm  # unmapped once nothing else refers to it (after the unregistration)
 
 
