@@ -10,6 +10,7 @@ rest (placement, staging copies, IO) to the engine's threads.
 from __future__ import annotations
 
 import queue
+from typing import Callable
 
 import torch
 
@@ -20,6 +21,16 @@ _graph_task_id = torch._C._current_graph_task_id
 
 _DROP = object()
 """Event outcome: the last reference to a handle went away (the event's first item is the record)."""
+
+
+def capture_query(copy) -> Callable[[], bool]:
+    """What pack and unpack ask: is a CUDA graph being captured on this thread's stream?
+    (the device-copy layer's streams answer; without one, never.)"""
+    return copy.ops.capturing if copy is not None else _never
+
+
+def _never() -> bool:
+    return False
 
 
 class _Handle:

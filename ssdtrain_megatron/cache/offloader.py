@@ -22,7 +22,7 @@ from .adaptive import AdaptivePlanner
 from .budget import ActivationBudget, resolve_budget
 from .budget_steps import BudgetSteps
 from .device_copy import DeviceCopy, StreamOps
-from .hooks import SavedTensorHooks
+from .hooks import SavedTensorHooks, capture_query
 from .microbatch import MicroBatch
 from .record import TensorRecord
 from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
@@ -32,10 +32,6 @@ __all__ = ["ActivationOffloader", "DECISIONS", "EXPECTED_WRITE_REFUSALS", "IOTim
 log = logging.getLogger(__name__)
 
 DECISIONS = ("offload", "keep", "recompute")
-
-
-def _never() -> bool:
-    return False
 
 
 class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
@@ -112,8 +108,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         if self._engine is not None and (self.device.type == "cuda" or self._streams is not None):
             self._copy = DeviceCopy(self.device, config.staging_bytes(), self._streams,
                                     direct=self._engine.device_direct)
-        # Is a CUDA graph being captured on this thread's stream? (pack and unpack ask)
-        self._capturing = self._copy.ops.capturing if self._copy is not None else _never
+        self._capturing = capture_query(self._copy)  # CUDA graphs (hooks.py)
         self._ids = itertools.count()
         self._records: Dict[int, TensorRecord] = {}
         self._dedup: Dict[tuple, TensorRecord] = {}  # identity (identity.py) -> its record
