@@ -106,8 +106,10 @@ class OffloadConfig:
     same command line) appends to the same file; a directory there is refused at start."""
 
     io_threads: int = knob(4, check=int_at_least(1), help=(
-        "Worker threads of the IO engine (each keeps one request in flight)"))
-    """Worker threads of the IO engine (each keeps one request in flight)."""
+        "Worker threads of the IO engine (each keeps one request in flight); gds: also the "
+        "size of kvikio's thread pool"))
+    """Worker threads of the IO engine (each keeps one request in flight); for 'gds' also the
+    size of kvikio's thread pool (unless KVIKIO_NTHREADS is set)."""
 
     chunk_bytes: int = knob(8 << 20, check=int_at_least(4096, multiple_of=4096), unit="bytes", help=(
         "Tensors are written in chunks of at most this many bytes, striped over the roots; a "

@@ -65,12 +65,36 @@ class CuFile:
             self._fd = None
 
 
-def install(monkeypatch) -> None:
-    """Make ``import kvikio`` give this stand-in, and let the gds engine run, for one test."""
+class Defaults:
+    """kvikio.defaults as the engine uses it (the current API): the thread pool's size and
+    whether kvikio prefers compat mode (POSIX IO, no GPUDirect Storage)."""
+
+    def __init__(self, compat: bool) -> None:
+        self.compat = compat
+        self.settings = {"num_threads": 1}  # kvikio's default
+
+    def set(self, key, value=None) -> None:
+        if isinstance(key, dict):
+            self.settings.update(key)
+        else:
+            self.settings[key] = value
+
+    def get(self, key):
+        return self.settings[key]
+
+    def is_compat_mode_preferred(self) -> bool:
+        return self.compat
+
+
+def install(monkeypatch, compat: bool = False) -> Defaults:
+    """Make ``import kvikio`` give this stand-in, and let the gds engine run, for one test.
+    ``compat``: what kvikio says of compat mode (default: GDS works). Returns its defaults."""
     from ssdtrain_megatron.io import gds
 
     module = types.ModuleType("kvikio")
     module.CuFile = CuFile
+    module.defaults = Defaults(compat)
     module.__doc__ = __doc__
     monkeypatch.setitem(__import__("sys").modules, "kvikio", module)
     monkeypatch.setattr(gds, "gds_unavailable_reason", lambda: "")
+    return module.defaults

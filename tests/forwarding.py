@@ -66,6 +66,15 @@ class ForwardingEngine(IOEngine):
     def cancel(self, key):
         return self.inner.cancel(key)
 
+    def pool_view(self, key, nbytes):
+        return self.inner.pool_view(key, nbytes)
+
+    def pool_view_of(self, key):
+        return self.inner.pool_view_of(key)
+
+    def fence(self, key, event):
+        self.inner.fence(key, event)
+
     def end_step(self):
         self.inner.end_step()
 

@@ -17,8 +17,11 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   tensor and the copy event: its IO thread waits for that event only, then reads the host
   bytes. The device memory the copy reads is marked used by the offload stream
   (``record_stream``), so the allocator cannot hand it out again before the copy ran, whoever
-  drops the last reference. The staging block goes back to the pool when the engine's write
-  completed (the IO thread has consumed it).
+  drops the last reference. The staging block goes back to the pool when the engine is done
+  with it, *with the copy event*: a write that no IO thread ever waited for (taken back by
+  ``engine.cancel``, refused with ``PoolFull``, or raised on by the engine) may still have its
+  copy pending, and the next ``stage_in`` must not read disk bytes into a block that copy
+  will land on later.
 - Reload (``stage_in``, the thread that starts the read): the restored tensor is allocated on
   the current stream, and an *allocation event* is recorded there: memory freed on that
   stream may still be in use by kernels queued before, and the reload stream must not write
@@ -48,12 +51,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any, ContextManager, Deque, Optional, Tuple
+from typing import Any, Callable, Deque, Optional, Tuple
 
 import torch
 
 from ..io.base import as_bytes
+from ..io.gds import GDS_ALIGN
 from ..io.layout import ALIGN, ExtentAllocator
+from .stream_ops import CudaStreams, StreamOps
 
 log = logging.getLogger(__name__)
 
@@ -65,56 +70,6 @@ STAGING_ALIGN = ALIGN
 
 class StagingUnavailable(RuntimeError):
     """The pinned staging pool could not be allocated; the message says what to change."""
-
-
-class StreamOps:
-    """Streams, events and copies as the device-copy layer uses them (torch.cuda's API shape:
-    a stream has ``wait_event(event)``; an event has ``record(stream)``, ``synchronize()`` and
-    ``query()``). Subclasses: :class:`CudaStreams`, and the tests' recording stand-in."""
-
-    def current_stream(self, device: torch.device) -> Any:
-        raise NotImplementedError
-
-    def new_stream(self, device: torch.device) -> Any:
-        raise NotImplementedError
-
-    def new_event(self) -> Any:
-        raise NotImplementedError
-
-    def use(self, stream: Any) -> ContextManager:
-        """Make ``stream`` current for the calling thread inside the block."""
-        raise NotImplementedError
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src, non_blocking=True)`` on the current stream."""
-        dst.copy_(src, non_blocking=True)
-
-    def compact(self, t: torch.Tensor) -> torch.Tensor:
-        """``t.contiguous()`` on the current stream."""
-        return t.contiguous()
-
-    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
-        t.record_stream(stream)
-
-    def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        """Page-locked host memory (uint8)."""
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-class CudaStreams(StreamOps):
-    """The real thing: torch.cuda streams and events."""
-
-    def current_stream(self, device: torch.device) -> Any:
-        return torch.cuda.current_stream(device)
-
-    def new_stream(self, device: torch.device) -> Any:
-        return torch.cuda.Stream(device)
-
-    def new_event(self) -> Any:
-        return torch.cuda.Event()
-
-    def use(self, stream: Any) -> ContextManager:
-        return torch.cuda.stream(stream)
 
 
 class _Block:
@@ -132,14 +87,16 @@ class _Block:
 class StagingPool:
     """Pinned host memory allocated once, carved into blocks; never blocks the caller.
 
-    A block given back with an event (a copy that may still read it) is reusable once that
-    event has completed: ``take`` reclaims such blocks with ``query()``, never ``synchronize()``.
+    A block given back with an event (a copy that may still read or write it) is reusable once
+    that event has completed: ``take`` reclaims such blocks with ``query()``, never
+    ``synchronize()``; a block whose copy has not run yet is skipped (the request takes another
+    block, or overflow memory), so the training thread never waits on the GPU here.
     """
 
     def __init__(self, nbytes: int, ops: StreamOps) -> None:
         try:
-            self._mem = ops.pinned_empty(nbytes)
-        except (RuntimeError, MemoryError) as exc:
+            self._mem = ops.pinned_pool(nbytes)
+        except (RuntimeError, MemoryError, OSError) as exc:
             raise StagingUnavailable(
                 f"could not allocate pinned_staging_bytes={nbytes} ({nbytes / 2**20:.0f} MiB) of "
                 f"page-locked host memory for GPU<->host copies: {exc}; lower pinned_staging_bytes "
@@ -182,9 +139,17 @@ class StagingPool:
             return self._alloc.allocated
 
     def _reclaim(self) -> None:
-        while self._pending and self._pending[0][1].query():
-            block, _ = self._pending.popleft()
-            self._alloc.free(block.offset, block.size)
+        # Every pending block, not only the oldest: the events come from two streams (offload
+        # copies into blocks, reload copies out of them), which complete in any order.
+        if not self._pending:
+            return
+        still: Deque[Tuple[_Block, Any]] = deque()
+        for block, event in self._pending:
+            if event.query():
+                self._alloc.free(block.offset, block.size)
+            else:
+                still.append((block, event))
+        self._pending = still
 
 
 def _aligned(n: int) -> int:
@@ -194,10 +159,13 @@ def _aligned(n: int) -> int:
 class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
-    __slots__ = ("block", "source", "dest", "packed", "alloc_stream", "alloc_event", "ready_event")
+    __slots__ = ("block", "pooled", "copy_event", "source", "dest", "packed", "alloc_stream",
+                 "alloc_event", "ready_event")
 
     def __init__(self) -> None:
         self.block: Optional[_Block] = None  # staging, until the engine (write) or the copy (read) is done
+        self.pooled: Optional[torch.Tensor] = None  # instead of staging: the engine's pool_view memory
+        self.copy_event: Any = None  # write: recorded on the offload stream after the copy into block
         self.source: Optional[torch.Tensor] = None  # direct write: the bytes cuFile reads
         self.dest: Optional[torch.Tensor] = None  # read: device bytes the engine or the copy fills
         self.packed: Optional[torch.Tensor] = None  # read of a compact record: packed elements
@@ -231,9 +199,14 @@ class DeviceCopy:
 
     # -- offload ----------------------------------------------------------------------------
 
-    def stage_out(self, rec) -> Tuple[torch.Tensor, Any, Transfer]:
+    def stage_out(self, rec, into: Optional[torch.Tensor] = None,
+                  fence: Optional[Callable[[Any], None]] = None) -> Tuple[torch.Tensor, Any, Transfer]:
         """Training thread: (bytes for the engine, the event the engine waits for before it
-        reads them, the transfer to pass to :meth:`written` once the engine is done)."""
+        reads them, the transfer to pass to :meth:`written` once the engine is done).
+
+        ``into``: the engine's own pinned memory for these bytes (``IOEngine.pool_view``, the
+        memory engine): the copy goes there, one copy instead of two, and ``fence`` gets its
+        event (the engine reuses that memory only after it completed)."""
         ops = self.ops
         view = as_bytes(rec.bytes_view(ops.compact))  # compaction first: the event below must cover it
         produced = ops.new_event()
@@ -242,37 +215,62 @@ class DeviceCopy:
         if self.direct:
             xfer.source = view  # cuFile reads it once `produced` completed; alive until then
             return view, produced, xfer
-        xfer.block = self._take(view.numel())
+        if into is not None:
+            target = xfer.pooled = into
+        else:
+            xfer.block = self._take(view.numel())
+            target = xfer.block.tensor
         stream = self.offload_stream
+        copied = ops.new_event()
         try:
             stream.wait_event(produced)
             with ops.use(stream):
-                ops.copy(xfer.block.tensor, view)
-                copied = ops.new_event()
+                ops.copy(target, view)
                 copied.record(stream)
         except BaseException:
-            self.written(xfer)  # the caller keeps the tensor in memory; the block is free
+            # The caller keeps the tensor in memory. The copy may have been queued before the
+            # error: the block goes back after an event behind it, or (when even that cannot
+            # be recorded) never, rather than while a copy may still land in it.
+            try:
+                with ops.use(stream):
+                    copied.record(stream)
+            except BaseException:  # noqa: BLE001 - the first error is the one the caller sees
+                log.error("ssdtrain: %d bytes of staging are withheld from the pool after a failed "
+                          "device->host copy", target.numel())
+                xfer.block = None
+            if fence is not None:
+                fence(copied)
+            xfer.copy_event = copied
+            self.written(xfer)
             raise
+        if fence is not None:
+            fence(copied)
+        xfer.copy_event = copied
         # Whoever drops the last reference, the allocator waits for this copy first.
         ops.record_stream(view, stream)
-        return xfer.block.tensor, copied, xfer
+        return target, copied, xfer
 
     def written(self, xfer: Transfer) -> None:
-        """The engine's write finished, failed, or never started: its staging is free (any
-        thread; takes only the pool's lock)."""
-        block, xfer.block, xfer.source = xfer.block, None, None
+        """The engine's write finished, failed, or never started (cancelled, refused): its
+        staging goes back to the pool, reusable once the copy into it has run (any thread;
+        takes only the pool's lock, never waits). After a completed write the IO thread has
+        already waited for that event; after the other outcomes nobody has."""
+        block, xfer.block, xfer.source, xfer.pooled = xfer.block, None, None, None
+        event, xfer.copy_event = xfer.copy_event, None
         if block is not None:
-            self.pool.give(block)
+            self.pool.give(block, after=event)
 
     # -- reload -----------------------------------------------------------------------------
 
-    def stage_in(self, rec) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+    def stage_in(self, rec, src: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Any]:
         """The thread that starts the read: (restored tensor, where the engine reads the bytes
         into, the event the engine waits for before it writes there, or None). Sets
-        ``rec.transfer``."""
+        ``rec.transfer``. ``src``: the engine's own memory that holds the bytes (its
+        ``pool_view``): no staging; :meth:`finish_in` copies from it."""
         ops = self.ops
         alloc_stream = ops.current_stream(self.device)
-        restored, dest = rec.allocate_restore()  # on the current stream
+        # on the current stream; cuFile (direct) reads into 4 KiB-aligned memory without bouncing
+        restored, dest = rec.allocate_restore(GDS_ALIGN) if self.direct else rec.allocate_restore()
         xfer = Transfer()
         xfer.dest = as_bytes(dest)  # the staged bytes are copied in as bytes (finish_in)
         xfer.packed = rec.staging  # a compact record's packed elements (device), else None
@@ -283,6 +281,9 @@ class DeviceCopy:
         rec.transfer = xfer
         if self.direct:
             return restored, dest, xfer.alloc_event
+        if src is not None:
+            xfer.pooled = src
+            return restored, src, None
         xfer.block = self._take(rec.nbytes)
         return restored, xfer.block.tensor, None
 
@@ -297,8 +298,9 @@ class DeviceCopy:
         stream = self.reload_stream
         stream.wait_event(xfer.alloc_event)
         with ops.use(stream):
-            if xfer.block is not None:
-                ops.copy(xfer.dest, xfer.block.tensor)
+            source = xfer.block.tensor if xfer.block is not None else xfer.pooled
+            if source is not None:
+                ops.copy(xfer.dest, source)
             if xfer.packed is not None:
                 ops.copy(rec.tensor, xfer.packed)  # scatter into the strided places
             xfer.ready_event = ops.new_event()
@@ -308,7 +310,7 @@ class DeviceCopy:
         for t in (rec.tensor, xfer.packed):
             if t is not None:
                 ops.record_stream(t, stream)
-        xfer.dest = xfer.packed = None
+        xfer.dest = xfer.packed = xfer.pooled = None
         if xfer.block is not None:
             self.pool.give(xfer.block, after=xfer.ready_event)
             xfer.block = None
@@ -316,6 +318,8 @@ class DeviceCopy:
     def read_failed(self, rec) -> None:
         """The engine's read failed: nothing was copied; the staging block is free."""
         xfer, rec.transfer = rec.transfer, None
+        if xfer is not None:
+            xfer.pooled = None
         if xfer is not None and xfer.block is not None:
             self.pool.give(xfer.block)
             xfer.block = None

@@ -20,7 +20,7 @@ object, which keeps the address from being reused by another storage while it is
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Iterable, Optional
 
 import torch
 
@@ -45,9 +45,13 @@ class HeldStorages:
     def __contains__(self, cdata: int) -> bool:
         return cdata in self.step or cdata in self.learned
 
-    def register(self, storage: torch.UntypedStorage) -> None:
-        if storage._cdata not in self.step:
-            self.step[storage._cdata] = storage._weak_ref()
+    def register(self, tensors: Iterable[Optional[torch.Tensor]], device: torch.device) -> None:
+        """The storages of ``tensors`` on ``device`` (others and None are skipped), for this step."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device == device:
+                storage = t.untyped_storage()
+                if storage._cdata not in self.step:
+                    self.step[storage._cdata] = storage._weak_ref()
 
     def learn(self, storage: torch.UntypedStorage) -> None:
         if storage._cdata not in self.learned and len(self.learned) < MAX_LEARNED:

@@ -10,6 +10,7 @@ rest (placement, staging copies, IO) to the engine's threads.
 from __future__ import annotations
 
 import queue
+from typing import Callable
 
 import torch
 
@@ -20,6 +21,16 @@ _graph_task_id = torch._C._current_graph_task_id
 
 _DROP = object()
 """Event outcome: the last reference to a handle went away (the event's first item is the record)."""
+
+
+def capture_query(copy) -> Callable[[], bool]:
+    """What pack and unpack ask: is a CUDA graph being captured on this thread's stream?
+    (the device-copy layer's streams answer; without one, never.)"""
+    return copy.ops.capturing if copy is not None else _never
+
+
+def _never() -> bool:
+    return False
 
 
 class _Handle:
@@ -49,6 +60,11 @@ class SavedTensorHooks:
             # Saved while autograd's engine runs: the recompute pass of checkpointing. These
             # tensors are needed moments later by the same backward; keep them in memory.
             c.tensors_passed_through += 1
+            return t
+        if self._capturing():
+            # A CUDA graph is being captured: no event, stream switch or IO may enter it (a
+            # replay would repeat none of the host side). The tensor stays with autograd.
+            c.captured_kept += 1
             return t
         if t.nbytes < self._min_bytes:  # the cheapest test first
             c.tensors_passed_through += 1
@@ -126,6 +142,11 @@ class SavedTensorHooks:
         if not self._events.empty():
             self._drain()
         rec: TensorRecord = handle.record
+        if self._capturing():
+            raise RuntimeError(
+                f"ssdtrain: a {rec.describe()} offloaded outside CUDA graph capture is needed "
+                "inside one; capture the forward that saves it as well, or run this backward "
+                "without capturing it")
         # A tensor shared by several micro-batches says nothing about where any one of
         # their backwards is; one saved again by later layers is needed until the latest.
         mb = None if rec.shared else self._microbatches.get(rec.microbatch)

@@ -23,7 +23,7 @@ from .budget import ActivationBudget, resolve_budget
 from .budget_steps import BudgetSteps
 from .device_copy import DeviceCopy, StreamOps
 from .held import HeldStorages
-from .hooks import SavedTensorHooks
+from .hooks import SavedTensorHooks, capture_query
 from .microbatch import MicroBatch
 from .record import TensorRecord
 from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
@@ -109,6 +109,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         if self._engine is not None and (self.device.type == "cuda" or self._streams is not None):
             self._copy = DeviceCopy(self.device, config.staging_bytes(), self._streams,
                                     direct=self._engine.device_direct)
+        self._capturing = capture_query(self._copy)  # CUDA graphs (hooks.py)
         self._ids = itertools.count()
         self._records: Dict[int, TensorRecord] = {}
         self._dedup: Dict[tuple, TensorRecord] = {}  # identity (identity.py) -> its record
@@ -180,14 +181,10 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             self._param_storages.add(p.untyped_storage()._cdata)
 
     def register_held(self, tensors: Iterable[Optional[torch.Tensor]]) -> None:
-        """Tensors something else keeps in memory until this step's backward needs them (a
-        pipeline stage's received input, which the schedule holds until that micro-batch's
-        backward): saved tensors on their storage pass through, counted in
-        ``tensors_held_by_schedule``, because writing them would free nothing (held.py).
-        Forgotten at the step's end; None entries are skipped."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device == self.device:
-                self._held.register(t.untyped_storage())
+        """Tensors something else keeps in memory until this step's backward (a pipeline
+        stage's received input): saved tensors on their storage pass through, counted in
+        ``tensors_held_by_schedule`` (held.py). Forgotten at the step's end; None is skipped."""
+        self._held.register(tensors, self.device)
 
     def set_layer_decision(self, layer: Hashable, decision: str) -> None:
         """Plan for a layer: 'offload', 'keep' (stay in memory) or 'recompute' (labelled; the

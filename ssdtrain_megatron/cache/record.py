@@ -190,22 +190,25 @@ class TensorRecord:
             t = self.tensor = t.detach()
         return t
 
-    def allocate_restore(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def allocate_restore(self, align: int = ALIGN_RESIDUE) -> Tuple[torch.Tensor, torch.Tensor]:
         """(tensor with the saved shape/stride, contiguous tensor to read the bytes into: the
         first itself when it is dense, io/base.py).
 
         The new tensor sits at the same address alignment (mod 512) as the original: some
         CPU kernels choose their vector path by alignment, and bitwise-equal gradients must
-        not depend on where the bytes came back to.
+        not depend on where the bytes came back to. ``align`` (a multiple of 512, e.g. 4096
+        for cuFile, which bounces unaligned device buffers) makes it the same residue modulo
+        ``align``: a tensor that started on a 512-byte boundary (most do) comes back on an
+        ``align`` boundary; a compact record's packed bytes start on one.
         """
         itemsize = self.dtype.itemsize
-        extra = ALIGN_RESIDUE // itemsize
+        extra = align // itemsize
         storage = torch.empty(self.span + extra, dtype=self.dtype, device=self.device)
-        delta = (self.residue - storage.data_ptr() % ALIGN_RESIDUE) % ALIGN_RESIDUE
+        delta = (self.residue - storage.data_ptr() % align) % align
         pad = delta // itemsize if delta % itemsize == 0 else 0
         restored = storage.as_strided(self.shape, self.stride, pad)
         if self.compact:  # read packed elements, scatter them into the strided view after
-            self.staging = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.staging = _aligned_empty(self.shape, self.dtype, self.device, align)
             return restored, self.staging
         if self.dense:
             return restored, restored
@@ -226,6 +229,19 @@ class TensorRecord:
                 f"a {self.describe()} saved for backward was modified in place after it was saved "
                 f"(version {self.version} -> {t._version}); its gradient would be wrong. "
                 f"Clone it before the in-place op, or make the op out-of-place.")
+
+
+def _aligned_empty(shape, dtype: torch.dtype, device: torch.device, align: int) -> torch.Tensor:
+    """A contiguous tensor whose first byte is on an ``align`` boundary (when the allocator's
+    own alignment is a multiple of the element size, as it is)."""
+    itemsize = dtype.itemsize
+    n = 1
+    for s in shape:
+        n *= s
+    raw = torch.empty(n + align // itemsize, dtype=dtype, device=device)
+    delta = (-raw.data_ptr()) % align
+    skip = delta // itemsize if delta % itemsize == 0 else 0
+    return raw[skip:skip + n].view(shape)
 
 
 def span_elements(t: torch.Tensor) -> int:

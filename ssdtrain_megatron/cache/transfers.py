@@ -141,7 +141,13 @@ class RecordIO:
         t_submit = time.perf_counter()  # budget/plan: the training thread's cost of offloading
         try:
             if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
-                data, event, rec.transfer = self._copy.stage_out(rec)
+                # The memory engine's pool is pinned: copy straight into it (one copy, no staging).
+                into = None if self._copy.direct else self._engine.pool_view(rec.id, rec.nbytes)
+                if into is None:
+                    data, event, rec.transfer = self._copy.stage_out(rec)
+                else:
+                    fence = functools.partial(self._engine.fence, rec.id)
+                    data, event, rec.transfer = self._copy.stage_out(rec, into, fence)
             else:
                 data, event = rec.bytes_view(), None
             fut = self._engine.write(rec.id, data, event)
@@ -249,7 +255,9 @@ class RecordIO:
             return
         event = None
         if self._copy is not None:  # GPU: the engine reads into pinned staging (gds: in place)
-            restored, target, event = self._copy.stage_in(rec)
+            # Bytes in the memory engine's pool are copied from there (no staging, no engine copy).
+            src = None if self._copy.direct else self._engine.pool_view_of(rec.id)
+            restored, target, event = self._copy.stage_in(rec, src) if src is not None else self._copy.stage_in(rec)
         else:
             restored, target = rec.allocate_restore()
         rec.tensor = restored
@@ -273,7 +281,10 @@ class RecordIO:
         else:
             try:
                 if self._copy is not None:
+                    pooled = rec.transfer.pooled is not None
                     self._copy.finish_in(rec)  # host->device on the reload stream
+                    if pooled:  # out of the engine's pool: not reused before the copy ran
+                        self._engine.fence(rec.id, rec.transfer.ready_event)
                 else:
                     rec.finish_read()
             except BaseException:

@@ -112,6 +112,26 @@ class IOEngine(abc.ABC):
         to completion as usual. Default: never."""
         return False
 
+    def pool_view(self, key: int, nbytes: int) -> Optional[torch.Tensor]:
+        """Host memory of the engine's own (page-locked) where the bytes of ``key`` are to be
+        stored, allocated now, or None (the default: the engine has none). With a view, the
+        offloader copies the device tensor straight into it and then calls
+        ``write(key, view, copy_event)``; a later ``read(key, view)`` finds the bytes in place
+        and the offloader copies them to the device itself. Raises what ``write`` raises for
+        a tensor it cannot take (PoolFull)."""
+        return None
+
+    def pool_view_of(self, key: int) -> Optional[torch.Tensor]:
+        """The engine's own (page-locked) memory that holds the stored bytes of ``key``, for
+        the offloader to copy to the device from; None (the default) when they are not in
+        such memory: ``read`` then brings them."""
+        return None
+
+    def fence(self, key: int, event: object) -> None:
+        """A device copy into or out of ``key``'s ``pool_view`` memory completes with
+        ``event``: after ``release(key)`` the memory is reused only once the event completed.
+        Default: nothing (no engine memory is handed out)."""
+
     def end_step(self) -> None:
         """Called when no key is live: engines drop per-step files and state here."""
 

@@ -12,7 +12,19 @@ Why these choices:
   4 KiB boundaries (GDS's alignment); kvikio handles unaligned tails.
 - kvikio's own thread pool does the IO; our worker threads wait for ``ready_event``, reserve
   the slab space and hand the buffer over, so the training thread only places the chunks and
-  queues the request. cuFile reads and writes device memory outside any CUDA stream, so the
+  queues the request. kvikio's pool has one thread unless told otherwise: it gets
+  ``io_threads`` (``KVIKIO_NTHREADS``, when set, wins), so a tensor's chunks are in flight on
+  several threads at once.
+- Compat mode (no GDS) moves device memory through kvikio's own bounce buffers with copies on
+  a stream kvikio makes per thread (blocking, so ordered with the legacy default stream that
+  torch computes on by default) or on the legacy default stream itself: every such copy
+  would wait for the training step's kernels and they for it. So where kvikio prefers compat
+  mode the engine is not ``device_direct``: the offloader stages through pinned host memory
+  on its own non-blocking streams (cache/device_copy.py), and kvikio does plain POSIX IO on
+  those host blocks, no CUDA stream at all. Said once in the log.
+- With GDS, a read lands in device memory that the offloader allocates at 4 KiB alignment
+  (``GDS_ALIGN``, cache/record.py): cuFile DMAs an aligned buffer directly and bounces an
+  unaligned one through its own buffers. cuFile reads and writes device memory outside any CUDA stream, so the
   event is what orders it: on a write, the producer's event (recorded after any compaction);
   on a read, the event recorded where the destination was allocated (kernels that used that
   memory before may still run). See cache/device_copy.py.
@@ -22,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Tuple
 
@@ -33,8 +46,12 @@ from .layout import Identity
 from .requests import Request
 from .slab import Slab
 from .slab_engine import SlabEngine
+from .gpu_wait import wait_for
 
 log = logging.getLogger(__name__)
+
+GDS_ALIGN = 4096
+"""Device buffers cuFile reads into without bouncing start on this boundary."""
 
 
 def gds_unavailable_reason() -> str:
@@ -77,6 +94,11 @@ class GdsEngine(SlabEngine):
         import kvikio
 
         self._kvikio = kvikio
+        compat = configure_kvikio(kvikio, config.io_threads)
+        self.device_direct = not compat
+        if compat:
+            log.info("ssdtrain: kvikio runs in compat mode (no GPUDirect Storage here): engine 'gds' "
+                     "stages through pinned host memory on the offloader's own streams, as 'posix' does")
         self._init_common(config, ident)
         # kvikio opens the file itself (O_DIRECT where GDS or the filesystem allows it); our
         # descriptor only reserves space.
@@ -117,7 +139,7 @@ class GdsEngine(SlabEngine):
         op = "write" if req.writing else "read"
         try:
             if req.ready_event is not None:
-                req.ready_event.synchronize()
+                wait_for(req.ready_event)
             # kvikio takes CUDA tensors through __cuda_array_interface__, host ones as numpy.
             data = req.bytes()
             buf = data if data.is_cuda else data.numpy()
@@ -157,6 +179,26 @@ class GdsEngine(SlabEngine):
             except BaseException as e:  # noqa: BLE001 - surfaced through the Future
                 exc = _gds_error(op, ext.length, ext.offset, path, e)
             self._finish_chunk(req, i, exc)
+
+
+def configure_kvikio(kvikio, threads: int) -> bool:
+    """Give kvikio's thread pool ``threads`` threads (unless ``KVIKIO_NTHREADS`` is set);
+    True when kvikio prefers compat mode (POSIX IO instead of cuFile). Both the current
+    (``defaults.set`` / ``is_compat_mode_preferred``) and the older (``num_threads_reset`` /
+    ``compat_mode``) kvikio APIs."""
+    defaults = kvikio.defaults
+    if "KVIKIO_NTHREADS" not in os.environ:
+        if hasattr(defaults, "set"):
+            defaults.set("num_threads", threads)
+        elif hasattr(defaults, "num_threads_reset"):
+            defaults.num_threads_reset(threads)
+    if hasattr(defaults, "is_compat_mode_preferred"):
+        return bool(defaults.is_compat_mode_preferred())
+    if hasattr(defaults, "compat_mode"):
+        mode = defaults.compat_mode()
+        off = getattr(getattr(kvikio, "CompatMode", None), "OFF", False)
+        return mode != off
+    return False
 
 
 def _gds_error(op: str, length: int, offset: int, path: str, exc: BaseException) -> BaseException:

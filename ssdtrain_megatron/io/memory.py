@@ -5,7 +5,8 @@ Why these choices:
   :class:`ExtentAllocator` the slab files use: no allocation (and, on CUDA machines, no
   ``cudaHostAlloc``, which synchronises the device) in the hot path.
 - The pool is pinned only where CUDA exists: pinning is what makes GPU<->host copies
-  asynchronous DMA; on a CPU-only machine it would only lock memory for nothing. Either way
+  asynchronous DMA; on a CPU-only machine it would only lock memory for nothing. It is pinned
+  at exactly its size (io/pinned.py; ``pinned_bytes``), not torch's next power of two. Either way
   every page is committed at construction (pinning does it; on CPU the pool is zero-filled):
   a pool that does not fit in RAM fails at start-up, not in the middle of a step, and the
   first step does not pay a page fault per 4 KiB.
@@ -13,6 +14,12 @@ Why these choices:
   an extent allocation and a queue push.
 - A full pool is a :class:`PoolFull` error raised in the caller's thread, before anything is in
   flight; the 'tiered' engine catches it and sends the tensor to SSD instead.
+- On a GPU the pool is the staging: ``pool_view`` allocates a key's extent up front and the
+  offloader copies device -> extent (and back) on its own streams, one copy each way instead
+  of device -> pinned staging -> pool. The engine then only waits for the copy's event.
+  ``fence`` names the event of the last copy into or out of an extent: a released extent is
+  handed out again only once that event completed (``query``, never a wait), like a staging
+  block (cache/device_copy.py).
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine, as_bytes
 from .layout import ExtentAllocator, Identity
+from .gpu_wait import wait_for
+from .pinned import pin_exact, pinned_size
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +71,18 @@ class MemoryEngine(IOEngine):
         self.capacity = config.host_memory_bytes if capacity is None else capacity
         self.pinned = _cuda_available()
         # A zero-capacity pool is legal for 'tiered' (everything goes to SSD).
-        if self.pinned:
-            self._pool = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+        if self.pinned:  # exactly the size asked, not the next power of two (io/pinned.py)
+            self._pool = pin_exact(self.capacity)
         else:
             self._pool = torch.zeros(self.capacity, dtype=torch.uint8)
+        self.pinned_bytes = pinned_size(self.capacity) if self.pinned else 0
+        """Host memory page-locked for the pool (what a RAM check must count)."""
         self._alloc = ExtentAllocator(POOL_ALIGN)
         self._lock = threading.Lock()
         self._extents: Dict[int, Tuple[int, int]] = {}  # key -> (offset, nbytes)
+        self._in_place: Set[int] = set()  # keys whose extent pool_view handed out, not yet written
+        self._fences: Dict[int, Any] = {}  # key -> event of the last device copy into/out of it
+        self._fenced: List[Tuple[Tuple[int, int], Any]] = []  # released extents, until the event
         # Own threads, started now and fed through a SimpleQueue: a ThreadPoolExecutor would
         # start its threads inside the first submit() calls, on the training thread.
         self._requests: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
@@ -101,25 +115,78 @@ class MemoryEngine(IOEngine):
 
     # -- requests ---------------------------------------------------------------------------
 
+    def pool_view(self, key: int, nbytes: int) -> Optional[torch.Tensor]:
+        """The pool memory ``key``'s bytes will live in, allocated now (see the module
+        docstring); ``write(key, <this view>, event)`` follows.
+
+        Raises:
+            PoolFull: no room (nothing is allocated)."""
+        self._check_open()
+        with self._lock:
+            if key in self._extents:
+                raise EngineError(f"key {key} written twice")
+            offset = self._allocate(nbytes)
+            self._extents[key] = (offset, nbytes)
+            self._in_place.add(key)
+        return self._pool[offset:offset + nbytes]
+
+    def pool_view_of(self, key: int) -> Optional[torch.Tensor]:
+        with self._lock:
+            where = self._extents.get(key)
+        if where is None or key in self._in_place:
+            return None
+        return self._pool[where[0]:where[0] + where[1]]
+
+    def fence(self, key: int, event: Any) -> None:
+        with self._lock:
+            if key in self._extents:
+                self._fences[key] = event
+
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         self._check_open()
         nbytes = data.nbytes
         with self._lock:
-            if key in self._extents:
+            in_place = key in self._in_place  # already copied into its extent (pool_view)
+            if in_place:
+                self._in_place.discard(key)
+                offset, nbytes = self._extents[key]
+            elif key in self._extents:
                 raise EngineError(f"key {key} written twice")
-            offset = self._alloc.allocate(nbytes)
-            # The allocator grows without bound; the pool does not. An extent past the end is
-            # given back (its bookkeeping beyond the pool stays free, never handed out whole).
-            if offset + _padded(nbytes) > self.capacity:
-                self._alloc.free(offset, nbytes)
-                raise PoolFull(
-                    f"host memory pool full: {nbytes} bytes requested, "
-                    f"{self.capacity - self._alloc.allocated} of host_memory_bytes={self.capacity} free "
-                    f"(possibly fragmented); raise host_memory_bytes, or use engine='tiered' to spill "
-                    f"to SSD")
-            self._extents[key] = (offset, nbytes)
+            else:
+                offset = self._allocate(nbytes)
+                self._extents[key] = (offset, nbytes)
+        if in_place:
+            if data.data_ptr() != self._pool.data_ptr() + offset or data.nbytes != nbytes:
+                raise EngineError(f"key {key}: written from other memory than its pool_view")
+            return self._start("write", key, offset, nbytes, self.write_meter, _wait, ready_event)
         return self._start("write", key, offset, nbytes, self.write_meter,
                            self._copy_in, data, offset, nbytes, ready_event)
+
+    def _allocate(self, nbytes: int) -> int:
+        """Under the lock: an extent for ``nbytes``, or PoolFull."""
+        self._reclaim()
+        offset = self._alloc.allocate(nbytes)
+        # The allocator grows without bound; the pool does not. An extent past the end is
+        # given back (its bookkeeping beyond the pool stays free, never handed out whole).
+        if offset + _padded(nbytes) > self.capacity:
+            self._alloc.free(offset, nbytes)
+            raise PoolFull(
+                f"host memory pool full: {nbytes} bytes requested, "
+                f"{self.capacity - self._alloc.allocated} of host_memory_bytes={self.capacity} free "
+                f"(possibly fragmented); raise host_memory_bytes, or use engine='tiered' to spill "
+                f"to SSD")
+        return offset
+
+    def _reclaim(self) -> None:
+        """Under the lock: free the released extents whose last device copy has run."""
+        if self._fenced:
+            still = []
+            for where, event in self._fenced:
+                if event.query():
+                    self._alloc.free(*where)
+                else:
+                    still.append((where, event))
+            self._fenced = still
 
     def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         self._check_open()
@@ -130,6 +197,9 @@ class MemoryEngine(IOEngine):
         offset, nbytes = where
         if out.nbytes != nbytes:
             raise EngineError(f"read of key {key} into {out.nbytes} bytes; {nbytes} were written")
+        if out.device.type == "cpu" and out.data_ptr() == self._pool.data_ptr() + offset:
+            # Its own extent (pool_view): the bytes are there; the device copy is the caller's.
+            return self._start("read", key, offset, nbytes, self.read_meter, _wait, None)
         return self._start("read", key, offset, nbytes, self.read_meter,
                            self._wait_then_copy_out, out, offset, nbytes, ready_event)
 
@@ -182,12 +252,18 @@ class MemoryEngine(IOEngine):
     def release(self, key: int) -> None:
         with self._lock:
             where = self._extents.pop(key, None)
+            fence = self._fences.pop(key, None)
+            self._in_place.discard(key)
             if where is not None:
-                self._alloc.free(*where)
+                if fence is None or fence.query():
+                    self._alloc.free(*where)
+                else:  # a device copy into or out of it may still run: free it after
+                    self._fenced.append((where, fence))
 
     def end_step(self) -> None:
         with self._lock:
-            if not self._extents:
+            self._reclaim()
+            if not self._extents and not self._fenced:
                 self._alloc.reset()
 
     def close(self) -> None:
@@ -199,7 +275,13 @@ class MemoryEngine(IOEngine):
         for t in self._workers:
             t.join()
         with self._lock:
+            # The pool goes below: device copies into or out of it must have run (close, not
+            # the hot path, may wait).
+            for event in [e for _, e in self._fenced] + list(self._fences.values()):
+                wait_for(event)
             self._extents.clear()
+            self._fences.clear()
+            self._fenced = []
             self._alloc.reset()
         self._pool = torch.empty(0, dtype=torch.uint8)
 
@@ -211,18 +293,24 @@ class MemoryEngine(IOEngine):
 
     def _copy_in(self, data: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
         if ready_event is not None:
-            ready_event.synchronize()
+            wait_for(ready_event)
         if nbytes:
             self._pool[offset:offset + nbytes].copy_(as_bytes(data))
 
     def _wait_then_copy_out(self, out: torch.Tensor, offset: int, nbytes: int, ready_event) -> None:
         if ready_event is not None:  # kernels that used out's memory before must be done
-            ready_event.synchronize()
+            wait_for(ready_event)
         self._copy_out(out, offset, nbytes)
 
     def _copy_out(self, out: torch.Tensor, offset: int, nbytes: int) -> None:
         if nbytes:
             as_bytes(out).copy_(self._pool[offset:offset + nbytes])
+
+
+def _wait(ready_event) -> None:
+    """An in-place request: the bytes are where they belong once the event completed."""
+    if ready_event is not None:
+        wait_for(ready_event)
 
 
 def _padded(nbytes: int) -> int:

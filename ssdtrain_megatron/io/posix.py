@@ -31,6 +31,7 @@ import torch
 
 from ..config import OffloadConfig
 from .base import EngineError
+from .gpu_wait import wait_for
 from .layout import Identity
 from .requests import ChunkQueue, Request, Run
 from .slab_engine import SlabEngine, aligned_buffer, join_before_exit
@@ -140,7 +141,7 @@ class PosixEngine(SlabEngine):
         for req, i in op.parts:
             source = self._direct_source(req, i, req.extents[i].length) if req.error is None else None
             if source is not None and req.ready_event is not None:
-                req.ready_event.synchronize()
+                wait_for(req.ready_event)
             direct.append(source)
         op.direct = direct if any(t is not None for t in direct) else None
 

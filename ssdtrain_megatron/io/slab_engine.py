@@ -36,6 +36,8 @@ from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels,
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 from .syscalls import OS, SysCalls
+from .gpu_wait import wait_for
+from .pinned import pin_exact
 
 
 class SlabEngine(IOEngine):
@@ -299,7 +301,7 @@ class SlabEngine(IOEngine):
                 direct.append(None)
                 continue
             if req.ready_event is not None:
-                req.ready_event.synchronize()
+                wait_for(req.ready_event)
             source = self._direct_source(req, i, n)
             direct.append(source)
             if source is not None:
@@ -338,7 +340,7 @@ class SlabEngine(IOEngine):
                                           f"stored {ALGORITHM} {ext.crc:#010x}, read {crc:#010x}")
                 if exc is None and req.error is None and n and in_place is None:
                     if req.ready_event is not None:
-                        req.ready_event.synchronize()
+                        wait_for(req.ready_event)
                     memmove(self._chunk_address(req, i), at, n)
             except BaseException as e:  # noqa: BLE001 - surfaced through the Future
                 exc = as_engine_error(e, f"{self.name} read")
@@ -382,9 +384,8 @@ def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
 
     Host buffers are anonymous mmaps (the tensor keeps the mapping alive): in side-by-side runs
     of 64 MiB reads, O_DIRECT into them was a few percent faster than into torch's allocator's
-    memory. ``pin`` (CUDA) takes page-locked memory from torch and aligns a view of it."""
+    memory. ``pin`` (CUDA): the same mapping page-locked, pinning ``nbytes`` rounded up to a page
+    (io/pinned.py), not torch's next power of two."""
     if not pin:
         return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
-    raw = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + nbytes]
+    return pin_exact(nbytes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -42,6 +42,7 @@ class TieredEngine(IOEngine):
         self.ident = self.ssd.ident
         self.rank_dirs: List[str] = self.ssd.rank_dirs
         self._tier: Dict[int, IOEngine] = {}
+        self._reserved: Set[int] = set()  # keys with a memory-tier pool_view, not yet written
         self._pending: Dict[int, Tuple[BusyMeter, int]] = {}  # key -> its request's meter, bytes
         self._completions = None
         self._lock = threading.Lock()
@@ -93,10 +94,31 @@ class TieredEngine(IOEngine):
         self.memory.completions = relay
         self.ssd.completions = relay
 
+    def pool_view(self, key: int, nbytes: int) -> Optional[torch.Tensor]:
+        """The memory tier's extent for ``key`` (see IOEngine.pool_view), or None when it is
+        full: the tensor then goes to SSD through the offloader's staging."""
+        try:
+            view = self.memory.pool_view(key, nbytes)
+        except PoolFull:
+            return None
+        with self._lock:
+            self._reserved.add(key)
+        return view
+
+    def pool_view_of(self, key: int) -> Optional[torch.Tensor]:
+        with self._lock:
+            tier = self._tier.get(key)
+        return self.memory.pool_view_of(key) if tier is self.memory else None
+
+    def fence(self, key: int, event: object) -> None:
+        self.memory.fence(key, event)  # only memory-tier keys have pool_view memory
+
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         with self._lock:
             if key in self._tier:
                 raise EngineError(f"key {key} written twice")
+            reserved = key in self._reserved
+            self._reserved.discard(key)
         nbytes = data.nbytes
         queued = self._completions is not None
         if queued:  # before the request exists: it may complete before write() returns
@@ -106,6 +128,8 @@ class TieredEngine(IOEngine):
                 fut = self.memory.write(key, data, ready_event)
                 tier: IOEngine = self.memory
             except PoolFull:
+                if reserved:
+                    raise
                 fut = self.ssd.write(key, data, ready_event)
                 tier = self.ssd
                 with self._lock:
@@ -180,6 +204,9 @@ class TieredEngine(IOEngine):
     def release(self, key: int) -> None:
         with self._lock:
             tier = self._tier.pop(key, None)
+            if key in self._reserved:  # a pool_view that was never written
+                self._reserved.discard(key)
+                tier = self.memory
         if tier is not None:
             tier.release(key)
 

@@ -50,7 +50,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = ["Release", "RELEASES", "SUPPORTED_MEGATRON_CORE", "UnsupportedMegatronVersion",
            "megatron_core_version", "release_for", "recompute_patch_point", "verify",
-           "megatron_offloading_in_use", "refuse_megatron_offloading", "pipeline_position"]
+           "megatron_offloading_in_use", "refuse_megatron_offloading", "cuda_graphs_in_use",
+           "refuse_cuda_graphs", "pipeline_position"]
 
 
 class UnsupportedMegatronVersion(RuntimeError):
@@ -275,6 +276,45 @@ def refuse_megatron_offloading(obj: Any) -> None:
         raise ValueError(
             f"--ssd-offload cannot run together with megatron-core's own activation offloading "
             f"to host memory: turn off {names}, or run without --ssd-offload")
+
+
+# -- CUDA graphs -------------------------------------------------------------------------------
+
+
+def cuda_graphs_in_use(obj: Any) -> List[str]:
+    """The flags that turn on megatron's CUDA graphs in ``obj`` (a TransformerConfig or
+    Megatron's parsed arguments), as the user typed them: ``--enable-cuda-graph``,
+    ``--external-cuda-graph`` (both deprecated for ``--cuda-graph-impl``) and
+    ``--cuda-graph-impl local|transformer_engine``.
+
+    Why they do not compose with ``--ssd-offload``: a replayed graph's tensors live in
+    static buffers that the next replay overwrites in place, with no version-counter bump and
+    no event that orders an offload copy before it (the local implementation's replay node
+    saves such buffers for backward); and what a capture records cannot contain the host-side
+    IO offloading is made of. Graphed layers would therefore have to stay in memory, which is
+    all that CUDA graphs and offload would share; ``--ssd-offload`` stops instead."""
+    found = []
+    if getattr(obj, "enable_cuda_graph", False) is True:
+        found.append("--enable-cuda-graph")
+    if getattr(obj, "external_cuda_graph", False) is True:
+        found.append("--external-cuda-graph")
+    impl = getattr(obj, "cuda_graph_impl", None)
+    if isinstance(impl, str) and impl not in ("none", "") and not found:
+        found.append(f"--cuda-graph-impl {impl}")
+    return found
+
+
+def refuse_cuda_graphs(obj: Any) -> None:
+    """Raise ValueError, one line naming the flag to drop, when megatron's CUDA graphs are on
+    in ``obj`` together with ``--ssd-offload``."""
+    found = cuda_graphs_in_use(obj)
+    if found:
+        raise ValueError(cuda_graph_conflict(found))
+
+
+def cuda_graph_conflict(flags: List[str]) -> str:
+    return (f"--ssd-offload cannot run together with megatron's CUDA graphs: remove "
+            f"{' and '.join(flags)}, or run without --ssd-offload")
 
 
 # -- pipeline position -------------------------------------------------------------------------

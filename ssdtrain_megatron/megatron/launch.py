@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 from .args import add_ssd_offload_args, config_from_args, given_flags, with_ssd_offload_args
-from .compat import megatron_offloading_in_use
+from .compat import cuda_graph_conflict, cuda_graphs_in_use, megatron_offloading_in_use
 from .patching import Patcher
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,9 @@ def install_from_args(args: argparse.Namespace, target: Target = MEGATRON_LM) ->
 
     Raises:
         LaunchError: megatron-core's own activation offloading (``--cpu-offloading-num-layers``,
-            ``--fine-grained-activation-offloading``) is on too; the message names the flags.
+            ``--fine-grained-activation-offloading``) is on too, or megatron's CUDA graphs
+            (``--enable-cuda-graph``, ``--external-cuda-graph``, ``--cuda-graph-impl``); the
+            one-line message names the flags to remove.
 
     Idempotent: when offload is already installed (a patched script run by the launcher),
     the installed offloader is returned. Without ``--ssd-offload`` nothing is installed, and a
@@ -135,6 +137,9 @@ def install_from_args(args: argparse.Namespace, target: Target = MEGATRON_LM) ->
             "--ssd-offload cannot run together with megatron-core's own activation offloading "
             "to host memory: remove " + " and ".join(flag for _, flag in conflicts)
             + ", or run without --ssd-offload")
+    graphs = cuda_graphs_in_use(args)
+    if graphs:
+        raise LaunchError(cuda_graph_conflict(graphs))
     backend = _installer(target)
     current = getattr(backend, "installed", lambda: None)()
     if current is not None:

@@ -20,7 +20,8 @@ three schedules (no pipelining, 1F1B, interleaved), and the training loop gets t
 Only steps started through that function are recorded; ``forward_only`` steps (evaluation)
 are not, and neither is anything outside ``forward_step``. A step whose model config turns on
 megatron-core's own activation offloading (``cpu_offloading``,
-``fine_grained_activation_offloading``) is refused before it starts (:mod:`.compat`).
+``fine_grained_activation_offloading``) or megatron's CUDA graphs (``cuda_graph_impl``,
+``enable_cuda_graph``, ``external_cuda_graph``) is refused before it starts (:mod:`.compat`).
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ class PipelineHooks:
         from megatron.core.utils import get_model_config
 
         chunks = model if isinstance(model, list) else [model]
-        compat.refuse_megatron_offloading(get_model_config(chunks[0]))
+        config = get_model_config(chunks[0])
+        compat.refuse_megatron_offloading(config)
+        compat.refuse_cuda_graphs(config)
 
     def _backward_order(self, kind: Optional[str], kwargs: Dict[str, Any]) -> Optional[BackwardOrder]:
         from megatron.core import parallel_state

@@ -108,6 +108,9 @@ class StepStats:
     """Times nothing could make room and resident bytes went over the budget (warned)."""
     plan: Tuple[Tuple[int, str, str], ...] = ()
     """Adaptive: the plan in force, (micro-batch position, layer, decision) per row."""
+    captured_kept: int = 0
+    """Saved tensors left to autograd because a CUDA graph was being captured: a capture
+    cannot hold the events and host-side IO of an offload, so they stay in (graph) memory."""
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -151,6 +154,7 @@ class StepCounters:
     tensors_held_by_schedule: int = 0
     writes_taken_back: int = 0
     bytes_wasted_held: int = 0
+    captured_kept: int = 0
     io_wait_s: float = 0.0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
@@ -189,7 +193,7 @@ class StepCounters:
             io_wait_s=self.io_wait_s,
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
             bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,
-            iteration_time_s=iteration_time_s)
+            iteration_time_s=iteration_time_s, captured_kept=self.captured_kept)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

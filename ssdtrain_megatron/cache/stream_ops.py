@@ -1,0 +1,161 @@
+"""Streams, events and copies as the device-copy layer uses them, and the real CUDA ones.
+
+Why these choices:
+
+- **Streams outside torch's pool.** ``torch.cuda.Stream()`` does not create a stream: it hands
+  out, round-robin, one of a small per-device pool (32 low-priority and 32 high-priority
+  streams), the pool NCCL's process groups take their communication streams from too.
+  Megatron makes many process groups (data, tensor, pipeline, context, expert, embedding
+  ...); once the counter wraps, our offload stream can be the very stream a collective or a
+  pipeline send runs on, and copies that should overlap communication queue behind it
+  instead. So each stream is created for us alone, with ``cudaStreamCreateWithPriority``
+  (non-blocking: no implicit ordering with the legacy default stream, which is torch's
+  default compute stream) from the CUDA runtime this process already loaded (the same
+  library torch calls, found in ``/proc/self/maps``), and wrapped in
+  ``torch.cuda.ExternalStream``. Where that runtime cannot be found (torch linked it
+  statically) or the call fails, the fallback is ``torch.cuda.Stream(priority=<highest>)``:
+  the high-priority pool, which NCCL uses only for process groups created with
+  ``is_high_priority_stream``; a warning says so. The two streams live as long as the
+  process (they are never destroyed: an ExternalStream does not own its handle).
+- **Blocking-sync events.** IO threads wait for copy events with ``synchronize()``. A
+  default event spins a CPU core at 100% while it waits; on a node where every core also
+  feeds a GPU (data loading, kernel launches) that costs step time. Events are created with
+  ``blocking=True`` (``cudaEventBlockingSync``): the waiting thread sleeps.
+- **The capture query** for CUDA graphs (``torch.cuda.is_current_stream_capturing()``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Any, ContextManager, Optional
+
+import torch
+
+from ..io.pinned import pin_exact
+
+
+log = logging.getLogger(__name__)
+
+CUDA_STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking
+MAPS = "/proc/self/maps"
+
+
+class StreamOps:
+    """Streams, events and copies as the device-copy layer uses them (torch.cuda's API shape:
+    a stream has ``wait_event(event)``; an event has ``record(stream)``, ``synchronize()`` and
+    ``query()``). Subclasses: :class:`CudaStreams`, and the tests' recording stand-in."""
+
+    def current_stream(self, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def new_stream(self, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def new_event(self) -> Any:
+        raise NotImplementedError
+
+    def use(self, stream: Any) -> ContextManager:
+        """Make ``stream`` current for the calling thread inside the block."""
+        raise NotImplementedError
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src, non_blocking=True)`` on the current stream."""
+        dst.copy_(src, non_blocking=True)
+
+    def compact(self, t: torch.Tensor) -> torch.Tensor:
+        """``t.contiguous()`` on the current stream."""
+        return t.contiguous()
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def capturing(self) -> bool:
+        """True while the calling thread's current stream is capturing a CUDA graph."""
+        return False
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """Page-locked host memory (uint8) from torch's caching host allocator (staging
+        overflow: reused without registering again)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def pinned_pool(self, nbytes: int) -> torch.Tensor:
+        """Page-locked host memory (uint8) allocated once for the job: the staging pool."""
+        return self.pinned_empty(nbytes)
+
+
+class CudaStreams(StreamOps):
+    """torch.cuda streams (our own, see the module docstring) and blocking-sync events."""
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return dedicated_stream(device)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event(blocking=True)
+
+    def use(self, stream: Any) -> ContextManager:
+        return torch.cuda.stream(stream)
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def pinned_pool(self, nbytes: int) -> torch.Tensor:
+        # Exactly the size asked (io/pinned.py), not the next power of two.
+        return pin_exact(nbytes)
+
+
+def dedicated_stream(device: torch.device, runtime: Any = None) -> Any:
+    """A stream of our own on ``device``, outside torch's stream pool (module docstring).
+
+    ``runtime``: the CUDA runtime library (a ctypes CDLL); default: the one this process
+    loaded. Tests pass a stand-in."""
+    lib = runtime if runtime is not None else cuda_runtime()
+    if lib is not None:
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            err = lib.cudaStreamCreateWithPriority(ctypes.byref(handle), CUDA_STREAM_NON_BLOCKING, 0)
+        if err == 0 and handle.value:
+            return torch.cuda.ExternalStream(handle.value, device=device)
+        why = f"cudaStreamCreateWithPriority returned error {err}"
+    else:
+        why = "the CUDA runtime library is not among this process's shared libraries"
+    _least, greatest = torch.cuda.Stream.priority_range()
+    log.warning("ssdtrain: could not create a dedicated CUDA stream (%s); using a high-priority "
+                "stream from torch's pool, which communication may share only if a process group "
+                "was created with is_high_priority_stream", why)
+    return torch.cuda.Stream(device, priority=greatest)
+
+
+def cuda_runtime(maps: str = MAPS) -> Optional[Any]:
+    """The CUDA runtime library torch uses (ctypes), when it is a shared library this process
+    has mapped; else None."""
+    path = loaded_library("libcudart.so", maps)
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)  # already loaded: the same handle, the same runtime state
+        lib.cudaStreamCreateWithPriority.restype = ctypes.c_int
+        lib.cudaStreamCreateWithPriority.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
+    except (OSError, AttributeError) as exc:
+        log.debug("ssdtrain: %s: %s", path, exc)
+        return None
+    return lib
+
+
+def loaded_library(prefix: str, maps: str = MAPS) -> Optional[str]:
+    """The path of the first mapped shared library whose file name starts with ``prefix``."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                parts = line.split(None, 5)
+                if len(parts) == 6:
+                    path = parts[5].strip()
+                    if os.path.basename(path).startswith(prefix):
+                        return path
+    except OSError:
+        return None
+    return None
