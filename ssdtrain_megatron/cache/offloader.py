@@ -134,7 +134,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             self._budget_wait_event, lambda: self._inflight_bytes, self._budget_pinned)
         # plan: the adaptive planner decides per (micro-batch position, layer) under the budget.
         self._planner = AdaptivePlanner(config, limit) if config.policy == "adaptive" else None
-        self._submit_s = 0.0  # budget/plan: training-thread seconds spent handing writes over
+        # budget/plan: training-thread seconds spent handing writes over (no clock read without)
+        self._submit_s, self._time_submit = 0.0, self._budget is not None or self._planner is not None
         self._step = 0
         self._step_started = self._step_first = time.perf_counter()
         self._warned: Set[str] = set()

@@ -138,7 +138,7 @@ class RecordIO:
         self._inflight_bytes += rec.nbytes
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
-        t_submit = time.perf_counter()  # budget/plan: the training thread's cost of offloading
+        t_submit = time.perf_counter() if self._time_submit else 0.0  # budget/plan: its cost
         try:
             if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
                 # The memory engine's pool is pinned: copy straight into it (one copy, no staging).
@@ -162,7 +162,8 @@ class RecordIO:
             rec.hold()
             self._move(rec, State.KEPT)
             raise
-        self._submit_s += time.perf_counter() - t_submit  # budget/plan: (end of the measured part)
+        if self._time_submit:  # budget/plan: (end of the measured part)
+            self._submit_s += time.perf_counter() - t_submit
         if fut is not None:  # an engine without ``completions``
             fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
 

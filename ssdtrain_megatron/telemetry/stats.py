@@ -89,7 +89,7 @@ class StepStats:
     first: forwarded from memory with nothing written (counted in tensors_forwarded too)."""
     offload_submit_s: float = 0.0
     """Training-thread seconds spent handing writes to the engine (the planner's CPU cost of
-    offloading)."""
+    offloading); measured only under a budget or the adaptive policy, else 0."""
     budget_bytes: Optional[int] = None
     """activation_budget_bytes in bytes (None: no budget); the budget_* counts below say what
     keeping peak_resident_bytes under it took."""
