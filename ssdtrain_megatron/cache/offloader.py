@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -26,6 +27,7 @@ from .held import HeldStorages
 from .hooks import SavedTensorHooks
 from .microbatch import MicroBatch
 from .record import TensorRecord
+from .silence import OffloadWatch
 from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
 
 __all__ = ["ActivationOffloader", "DECISIONS", "EXPECTED_WRITE_REFUSALS", "IOTimeout"]
@@ -137,6 +139,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         self._step = 0
         self._step_started = self._step_first = time.perf_counter()
         self._warned: Set[str] = set()
+        self.watch = OffloadWatch(self.device, config.min_tensor_bytes,
+                                  self._engine is not None and not self._keep_all)  # silence.py
         self.last_step_stats: Optional[StepStats] = None
         self.record_memory_timeline = False
         self.last_memory_timeline: List[tuple] = []
@@ -299,6 +303,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
                                self._engine.bytes_on_disk if self._engine else 0, now - first,
                                now - (first if self._step == 0 else self._step_started))
         stats = self._budget_step_end(stats)  # budget/plan: counters and what the planner needs
+        why = self.watch.check(stats, self._c)  # offload that does not happen says why
+        stats = dataclasses.replace(stats, not_offloaded_why=why) if why else stats
         if self._planner is not None:
             order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
             self._planner.update(stats, order, {r.layer: r for r in stats.layers},
