@@ -134,3 +134,27 @@ def test_every_reason_has_a_fix_in_words(reason):
     from ssdtrain_megatron.cache.silence import reason_text
 
     assert not reason_text(reason, "cpu", torch.device("cuda", 0), 1).startswith("reason ")
+
+
+def test_report_stats_shows_the_reasons_and_why_nothing_was_offloaded(offload_dir, tmp_path, capsys):
+    """Break: drop the not_offloaded_why loop in render_stats_summary -> NOT OFFLOADING missing."""
+    import argparse
+    import json
+
+    from ssdtrain_megatron.tools.report import add_report_parser
+
+    stats = str(tmp_path / "stats.jsonl")
+    x = torch.randn(64, 64, requires_grad=True)
+    with ActivationOffloader(cfg(offload_dir, stats_path=stats, min_tensor_bytes=1 << 30)) as off:
+        _, second = _steps(off, lambda: x.mul(2).sin().sum())
+    parser = argparse.ArgumentParser()
+    add_report_parser(parser.add_subparsers())
+    for extra in ([], ["--json"]):
+        args = parser.parse_args(["report", "--stats", stats, *extra])
+        assert args.func(args) == 0
+    text, js = capsys.readouterr().out.split("\n{", 1)
+    assert "Saved tensors left to autograd: 2 (small: 2)" in text
+    assert f"- NOT OFFLOADING (iteration 2): {second.not_offloaded_why}" in text
+    obj = json.loads("{" + js)
+    assert obj["passed_through_by_reason"] == {"small": 2}
+    assert obj["not_offloaded"] == [{"why": second.not_offloaded_why, "iterations": [2]}]
