@@ -115,6 +115,9 @@ class StepStats:
     """Adaptive: the plan in force, (micro-batch position, layer, decision) per row."""
     passed_through_by_reason: Dict[str, int] = field(default_factory=dict)
     """tensors_passed_through by reason (PASS_REASONS; reasons with no tensor are left out)."""
+    read_retries: int = 0
+    """Failed reads started again (at most READ_RETRIES per tensor, cache/transfers.py); a
+    read whose retries all failed stops the step with an error naming layer and file."""
     not_offloaded_why: str = ""
     """Non-empty when offload is on and this step (after the first) offloaded nothing, or a
     layer whose decision is offload recorded nothing: the dominant reason and its fix
@@ -172,6 +175,7 @@ class StepCounters:
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
     fallbacks: int = 0
+    read_retries: int = 0
     layers: Dict[Hashable, _LayerAcc] = field(default_factory=dict)
     passed: Dict[Tuple[Hashable, str], int] = field(default_factory=dict)
     """Pass-through count by (layer scope, reason) (silence.py names a layer's reason)."""
@@ -224,7 +228,8 @@ class StepCounters:
             io_wait_s=self.io_wait_s,
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
             bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,
-            iteration_time_s=iteration_time_s, passed_through_by_reason=self.passed_by_reason())
+            iteration_time_s=iteration_time_s, passed_through_by_reason=self.passed_by_reason(),
+            read_retries=self.read_retries)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
