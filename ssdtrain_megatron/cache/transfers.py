@@ -275,7 +275,8 @@ class RecordIO:
             return
         if exc is not None:
             tries = f" ({rec.read_retries + 1} attempts)" if rec.read_retries else ""
-            rec.error = (f"reading back a {rec.describe()} of layer {rec.layer} (micro-batch "
+            where = f"layer {rec.layer}" if rec.layer is not None else "no layer scope"
+            rec.error = (f"reading back a {rec.describe()} of {where} (micro-batch "
                          f"{rec.microbatch}) failed{tries}, the only copy is lost: {exc}")
             rec.tensor = None
             if self._copy is not None:
