@@ -158,3 +158,20 @@ def test_report_stats_shows_the_reasons_and_why_nothing_was_offloaded(offload_di
     obj = json.loads("{" + js)
     assert obj["passed_through_by_reason"] == {"small": 2}
     assert obj["not_offloaded"] == [{"why": second.not_offloaded_why, "iterations": [2]}]
+
+
+def test_tensorboard_gets_one_scalar_per_reason_and_no_text():
+    """Break: drop the passed_through loop in megatron/telemetry.step_scalars -> KeyError."""
+    import dataclasses
+
+    from ssdtrain_megatron.megatron.telemetry import step_scalars
+    from ssdtrain_megatron.telemetry.stats import StepCounters
+
+    st = StepCounters().freeze(1, (0, 0.0), (0, 0.0), 0, 1.0)
+    st = dataclasses.replace(st, passed_through_by_reason={"small": 3, "device": 1},
+                             not_offloaded_why="step 2 offloaded nothing: ...")
+    scalars = step_scalars(st)
+    assert scalars["ssd_offload/passed_through/small"] == 3
+    assert scalars["ssd_offload/passed_through/device"] == 1
+    assert all(isinstance(v, (int, float)) for v in scalars.values())
+    assert "ssd_offload/not_offloaded_why" not in scalars
