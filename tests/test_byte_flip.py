@@ -55,7 +55,7 @@ def test_with_checksums_a_flipped_byte_is_a_loud_error_naming_layer_and_file(off
     exc, lin, slab, _ = _run(offload_dir, checksum=True)
     assert exc is not None, "a flipped byte reached backward without an error"
     msg = str(exc)
-    assert re.search(r"of layer 5 \(micro-batch 0\) failed \(3 attempts\), the only copy is lost: "
+    assert re.search(r"\(layer 5, micro-batch 0\) failed \(3 attempts\), the only copy is lost: "
                      r"checksum mismatch reading \d+ bytes from " + re.escape(slab), msg), msg
     assert lin.weight.grad is None  # nothing computed from the corrupted tensor
     assert files_under(offload_dir) == []

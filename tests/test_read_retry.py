@@ -61,13 +61,13 @@ def test_a_read_that_fails_once_is_retried_and_the_gradient_is_bitwise_right(off
 
 
 def test_a_read_whose_retries_all_fail_names_layer_and_file_and_leaves_no_file(offload_dir):
-    """Break: drop the layer from the message in _read_done -> the match fails."""
+    """Break: drop the layer from TensorRecord.describe() -> the match fails."""
     lin = nn.Linear(128, 128)
     with faulty_offloader(_conf(offload_dir)) as off:
         out = _step(off, lin, torch.randn(128, 128))
         off.engine.fault, calls = _failing_reads(10 ** 6)
-        with pytest.raises(RuntimeError, match=rf"reading back a tensor of shape \[128, 128\] .* of layer 3 "
-                                               rf"\(micro-batch 0\) failed \({READ_RETRIES + 1} attempts\), "
+        with pytest.raises(RuntimeError, match=rf"reading back a tensor of shape \[128, 128\] .* \(layer 3, "
+                                               rf"micro-batch 0\) failed \({READ_RETRIES + 1} attempts\), "
                                                rf"the only copy is lost: .*{offload_dir}.*slab.bin.*Input/output error"):
             out.sum().backward()
         assert lin.weight.grad is None  # nothing computed from a wrong tensor

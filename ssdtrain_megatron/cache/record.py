@@ -222,7 +222,10 @@ class TensorRecord:
             self.staging = None
 
     def describe(self) -> str:
-        return f"tensor of shape {list(self.shape)} and dtype {self.dtype}"
+        """The tensor in an error message: geometry, and where the model saved it."""
+        where = f"layer {self.layer}" if self.layer is not None else "no layer scope"
+        return (f"tensor of shape {list(self.shape)} and dtype {self.dtype} ({where}, "
+                f"micro-batch {self.microbatch})")
 
     def check_version(self, t: Any) -> None:
         if t is not None and t._version != self.version:

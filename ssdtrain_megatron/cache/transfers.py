@@ -275,9 +275,7 @@ class RecordIO:
             return
         if exc is not None:
             tries = f" ({rec.read_retries + 1} attempts)" if rec.read_retries else ""
-            where = f"layer {rec.layer}" if rec.layer is not None else "no layer scope"
-            rec.error = (f"reading back a {rec.describe()} of {where} (micro-batch "
-                         f"{rec.microbatch}) failed{tries}, the only copy is lost: {exc}")
+            rec.error = f"reading back a {rec.describe()} failed{tries}, the only copy is lost: {exc}"
             rec.tensor = None
             if self._copy is not None:
                 self._copy.read_failed(rec)  # its staging is free
