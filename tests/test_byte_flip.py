@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 
-import pytest
 import torch
 from torch import nn
 

@@ -26,7 +26,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 # torch and megatron-core are imported when the command runs (`ssdtrain --help` stays light).
 
@@ -78,17 +78,13 @@ def _spec():
 
 def _fingerprint(loss: float, model) -> Tuple[str, str]:
     """(the loss as float.hex, sha256 of every gradient's bytes): bitwise, not approximate."""
+    import torch
+
     h = hashlib.sha256()
     for p in model.params:
         g = p.grad
-        h.update(b"-" if g is None else g.detach().contiguous().view(-1).view(torch_uint8()).numpy().tobytes())
+        h.update(b"-" if g is None else g.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return float(loss).hex(), h.hexdigest()
-
-
-def torch_uint8():
-    import torch
-
-    return torch.uint8
 
 
 def _files(root: str) -> List[str]:
