@@ -257,7 +257,8 @@ def test_every_numeric_field_is_a_scalar_at_megatrons_iteration_and_interval():
         ("ssd_offload/budget_waits", 0, 2), ("ssd_offload/budget_wait_s", 0.0, 2),
         ("ssd_offload/budget_deferred_written", 0, 2), ("ssd_offload/budget_readahead_cuts", 0, 2),
         ("ssd_offload/budget_forced_offloads", 0, 2), ("ssd_offload/budget_recomputes", 0, 2),
-        ("ssd_offload/budget_overruns", 0, 2)]
+        ("ssd_offload/budget_overruns", 0, 2), ("ssd_offload/captured_kept", 0, 2),
+        ("ssd_offload/read_retries", 0, 2)]
 
 
 def test_without_a_megatron_training_loop_nothing_is_published(monkeypatch):
@@ -275,7 +276,7 @@ def test_args_not_yet_initialised_still_use_the_writer(monkeypatch):
     gv = types.SimpleNamespace(get_tensorboard_writer=lambda: w, get_args=get_args)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
     assert telemetry.publish_step(_stats(step=6)) == 7  # the offloader's count, plus one
-    assert len(w.scalars) == 27  # every numeric StepStats field, iteration_time_s and budget_* included
+    assert len(w.scalars) == 29  # every numeric StepStats field, iteration_time_s and budget_* included
 
 
 def test_megatron_training_steps_reach_the_writer_and_the_log(monkeypatch, tmp_path, caplog):

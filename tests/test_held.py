@@ -127,3 +127,17 @@ def test_a_queued_write_that_backward_wants_is_taken_back(offload_dir):
     assert st.bytes_wasted == st.bytes_offloaded and st.bytes_read == 0  # only the held run
     assert st.bytes_wasted_held == 0 and st.bytes_on_disk == 0
     assert files_under(offload_dir) == []
+
+
+def test_every_transition_effect_is_counted():
+    """record.TRANSITIONS names what each transition counts; StepCounters.count must know
+    each effect (a new one left out would raise KeyError inside a step)."""
+    from ssdtrain_megatron.cache.record import TRANSITIONS
+    from ssdtrain_megatron.telemetry.stats import StepCounters
+
+    effects = {e for names in TRANSITIONS.values() for e in names}
+    assert effects >= {"offloaded", "read", "forwarded", "taken_back", "held"}
+    for e in effects:
+        c = StepCounters()
+        c.count(e, 8, "layer", "offload")
+        assert c != StepCounters(), e  # it moved some counter

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .identity import offloadable_storage
+from .identity import offloadable_storage, pass_reason
 from .record import State, TensorRecord
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -59,7 +59,7 @@ class SavedTensorHooks:
         if _graph_task_id() != -1:
             # Saved while autograd's engine runs: the recompute pass of checkpointing. These
             # tensors are needed moments later by the same backward; keep them in memory.
-            c.tensors_passed_through += 1
+            c.pass_through("recompute", self._layer)
             return t
         if self._capturing():
             # A CUDA graph is being captured: no event, stream switch or IO may enter it (a
@@ -67,14 +67,14 @@ class SavedTensorHooks:
             c.captured_kept += 1
             return t
         if t.nbytes < self._min_bytes:  # the cheapest test first
-            c.tensors_passed_through += 1
+            c.pass_through("small", self._layer)
             return t
         storage = offloadable_storage(t, self.device, self._param_storages)
         if storage is None:
-            c.tensors_passed_through += 1
+            self._pass_other(t)
             return t
         if storage._cdata in self._held:  # held until backward anyway: writing frees nothing
-            c.tensors_passed_through += 1
+            c.pass_through("held_by_schedule", self._layer)
             c.tensors_held_by_schedule += 1
             return t
         if not self._events.empty():
@@ -120,6 +120,11 @@ class SavedTensorHooks:
         else:
             self._submit(rec)  # the record holds the tensor itself until written (record.py)
         return _Handle(rec, self._events)
+
+    def _pass_other(self, t: torch.Tensor) -> None:
+        """Count a tensor offloadable_storage refused, by its reason (pass_reason's words)."""
+        reason = pass_reason(t, self.device, self._param_storages, 0) or "parameter"
+        self._c.pass_through(reason, self._layer, str(t.device) if reason == "device" else "")
 
     def _saved_again(self, rec: TensorRecord) -> _Handle:
         """A deduplication hit: the same tensor (identity.py) saved again while its record lives."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -13,7 +14,7 @@ import torch
 
 from ..config import OffloadConfig
 from ..io import IOEngine, make_engine
-from ..io.layout import Identity, expand_file, free_bytes
+from ..io.layout import Identity, expand_file, space_shortfalls
 from ..io import cleanup
 from ..io.where import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl, append_line, run_header
@@ -26,6 +27,7 @@ from .held import HeldStorages
 from .hooks import SavedTensorHooks, capture_query
 from .microbatch import MicroBatch
 from .record import TensorRecord
+from .silence import OffloadWatch
 from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
 
 __all__ = ["ActivationOffloader", "DECISIONS", "EXPECTED_WRITE_REFUSALS", "IOTimeout"]
@@ -139,6 +141,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         self._step = 0
         self._step_started = self._step_first = time.perf_counter()
         self._warned: Set[str] = set()
+        self.watch = OffloadWatch(self.device, config.min_tensor_bytes,
+                                  self._engine is not None and not self._keep_all)  # silence.py
         self.last_step_stats: Optional[StepStats] = None
         self.record_memory_timeline = False
         self.last_memory_timeline: List[tuple] = []
@@ -308,6 +312,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
                                self._engine.bytes_on_disk if self._engine else 0, now - first,
                                now - (first if self._step == 0 else self._step_started))
         stats = self._budget_step_end(stats)  # budget/plan: counters and what the planner needs
+        why = self.watch.check(stats, self._c)  # offload that does not happen says why
+        stats = dataclasses.replace(stats, not_offloaded_why=why) if why else stats
         if self._planner is not None:
             order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
             self._planner.update(stats, order, {r.layer: r for r in stats.layers},
@@ -337,19 +343,10 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         Warns once per directory, saying how much is missing; returns the warnings."""
         need = plan_bytes if plan_bytes is not None else (
             self._engine.step_peak_bytes if self._engine is not None else None)
-        dirs = self.rank_dirs
-        if not need or len(need) != len(dirs):
-            return []
-        short = []
-        for d, n in zip(dirs, need):
-            free = free_bytes(d)
-            if n > free:
-                msg = (f"the next step needs about {n / 2**20:.1f} MiB in {d} but only "
-                       f"{free / 2**20:.1f} MiB are free: {(n - free) / 2**20:.1f} MiB missing; writes "
-                       f"that do not fit will stay in memory (counted in StepStats.fallbacks)")
-                short.append(msg)
-                self._warn_once(f"space:{d}", msg)
-        return short
+        short = space_shortfalls(self.rank_dirs, need)
+        for d, msg in short.items():
+            self._warn_once(f"space:{d}", msg)
+        return list(short.values())
 
     def close(self) -> None:
         """Release everything and remove every file and directory this offloader created."""

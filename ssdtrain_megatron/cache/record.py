@@ -12,6 +12,7 @@ same table, so a tensor is counted once per thing that happened to it.
       │              │ WRITING_WANTED ──ok────┼───────────────────────────────┘
       │              │  (error: fallback)     │
       └──keep──▶ KEPT ◀┘                      READING ──error / WRITING ──modified in place──▶ BROKEN
+                                             READING ──error, retries left──▶ ON_DISK (read again)
     WRITING*, READING ──last handle dropped──▶ WRITE_DROPPED / READ_DROPPED ──IO ends──▶ … ▶ RELEASED
     every other state ──last handle dropped──▶ RELEASED
 """
@@ -87,6 +88,7 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.ON_DISK, S.RELEASED): (),
     (S.READING, S.READY): ("read",),
     (S.READING, S.BROKEN): (),
+    (S.READING, S.ON_DISK): ("read_retried",),  # a failed read, tried again (READ_RETRIES)
     (S.READING, S.READ_DROPPED): (),
     (S.READING, S.RELEASED): (),
     (S.READ_DROPPED, S.READING): (),  # saved again (dedup) before its read completed
@@ -103,7 +105,8 @@ class TensorRecord:
 
     __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "storage_ref", "version", "shape",
                  "stride", "dtype", "device", "span", "dense", "nbytes", "residue", "compact", "staging", "handles",
-                 "error", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "__weakref__")
+                 "error", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "read_retries",
+                 "__weakref__")
 
     def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable,
                  geometry: Optional[Tuple] = None, storage_ref: int = 0) -> None:
@@ -150,6 +153,7 @@ class TensorRecord:
         self.last_pos = -1  # position of its latest save (dedup hits in later layers)
         self.shared = False  # also saved by another micro-batch (a shared mask, RoPE table)
         self.transfer = None  # its GPU copy in flight (cache/device_copy.py), if any
+        self.read_retries = 0  # failed reads retried so far (transfers.py: READ_RETRIES)
 
     def storage_alive(self) -> bool:
         """The saved tensor's storage still exists (a deduplication hit may use this record)."""
@@ -221,7 +225,10 @@ class TensorRecord:
             self.staging = None
 
     def describe(self) -> str:
-        return f"tensor of shape {list(self.shape)} and dtype {self.dtype}"
+        """The tensor in an error message: geometry, and where the model saved it."""
+        where = f"layer {self.layer}" if self.layer is not None else "no layer scope"
+        return (f"tensor of shape {list(self.shape)} and dtype {self.dtype} ({where}, "
+                f"micro-batch {self.microbatch})")
 
     def check_version(self, t: Any) -> None:
         if t is not None and t._version != self.version:

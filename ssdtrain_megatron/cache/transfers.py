@@ -21,6 +21,7 @@ from typing import List, Optional
 
 import torch
 
+from ..io.base import EngineError
 from ..io.memory import PoolFull
 from .budget import give_back_readahead
 from .hooks import _DROP
@@ -46,6 +47,10 @@ class IOTimeout(RuntimeError):
 # instead": the host pool is full. Anything else raised there is a bug and propagates.
 EXPECTED_WRITE_REFUSALS = (PoolFull,)
 
+READ_RETRIES = 2
+"""A failed read is started again this many times before the step fails: a read that fails
+has lost the only copy, and transient errors (a bus reset, a flaky link) pass on a retry."""
+
 
 def _relay(events: "queue.SimpleQueue", key: int, fut) -> None:
     """For an engine that returns Futures instead of reporting to ``completions``."""
@@ -65,22 +70,7 @@ class RecordIO:
         if was != now:
             c.add_resident(rec.nbytes if now else -rec.nbytes)
         for e in effects:
-            if e == "offloaded":
-                c.bytes_offloaded += rec.nbytes
-                c.tensors_offloaded += 1
-                c.layer(rec.layer, rec.decision).bytes_offloaded += rec.nbytes
-            elif e == "forwarded":
-                c.tensors_forwarded += 1
-            elif e == "taken_back":
-                c.writes_taken_back += 1
-            elif e == "held":
-                c.bytes_wasted_held += rec.nbytes
-            elif e == "read":
-                c.bytes_read += rec.nbytes
-            elif e == "kept":
-                c.tensors_kept += 1
-            elif e == "fallback":
-                c.fallbacks += 1
+            c.count(e, rec.nbytes, rec.layer, rec.decision)
 
     def _drain(self) -> None:
         """Process every event queued so far (IO completions, dropped handles)."""
@@ -273,8 +263,11 @@ class RecordIO:
         """A read finished (or failed). ``finish_read`` runs here, on the training thread: if
         it raises (out of memory), the caller of pack/unpack/end_step gets that error."""
         dropped = rec.state == State.READ_DROPPED
+        if exc is not None and self._retry_read(rec, exc):
+            return
         if exc is not None:
-            rec.error = f"reading back a {rec.describe()} failed: {exc}"
+            tries = f" ({rec.read_retries + 1} attempts)" if rec.read_retries else ""
+            rec.error = f"reading back a {rec.describe()} failed{tries}, the only copy is lost: {exc}"
             rec.tensor = None
             if self._copy is not None:
                 self._copy.read_failed(rec)  # its staging is free
@@ -296,6 +289,22 @@ class RecordIO:
             self._move(rec, State.READY)
         if dropped:
             self._release(rec)
+
+    def _retry_read(self, rec: TensorRecord, exc: BaseException) -> bool:
+        """A read failed in the engine (EngineError: IO error, short read, checksum) starts
+        again, READ_RETRIES times at most; True when it did. Other errors (bugs) do not."""
+        if rec.state != State.READING or rec.read_retries >= READ_RETRIES \
+                or not isinstance(exc, EngineError):
+            return False
+        rec.read_retries += 1
+        rec.tensor = None
+        if self._copy is not None:
+            self._copy.read_failed(rec)  # its staging is free
+        self._move(rec, State.ON_DISK)
+        self._warn_once("read-retry", f"a read failed and is retried (at most {READ_RETRIES} "
+                        f"times, counted in StepStats.read_retries): {exc}")
+        self._start_read(rec)
+        return True
 
     def _materialize(self, rec: TensorRecord) -> torch.Tensor:
         """The record's tensor for backward, waiting for IO if needed."""

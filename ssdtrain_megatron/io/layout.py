@@ -170,6 +170,22 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def space_shortfalls(dirs: List[str], need: Optional[List[int]]) -> Dict[str, str]:
+    """Per directory whose free space is below what ``need`` (bytes, one per directory) asks,
+    one line saying how much is missing; empty when ``need`` does not match ``dirs``."""
+    if not need or len(need) != len(dirs):
+        return {}
+    short = {}
+    for d, n in zip(dirs, need):
+        free = free_bytes(d)
+        if n > free:
+            short[d] = (f"the next step needs about {n / 2**20:.1f} MiB in {d} but only "
+                        f"{free / 2**20:.1f} MiB are free: {(n - free) / 2**20:.1f} MiB missing; "
+                        "writes that do not fit will stay in memory (counted in "
+                        "StepStats.fallbacks)")
+    return short
+
+
 def expand_roots(templates: List[str], ident: Identity) -> List[str]:
     """The roots ``templates`` name for this process; two templates naming one root are refused
     (two slabs of one rank in one directory would collide)."""

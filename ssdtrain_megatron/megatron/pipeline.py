@@ -37,7 +37,7 @@ import torch
 
 from . import compat
 from .schedule import BackwardOrder
-from .scopes import LayerScopes
+from .scopes import LayerScopes, unscoped_layers
 from .telemetry import publish_step
 
 log = logging.getLogger(__name__)
@@ -238,6 +238,9 @@ class PipelineHooks:
         if isinstance(model, torch.nn.Module) and model not in self._models:
             self._models.add(model)
             self.offloader.register_parameters(model.parameters())
+            # Layers whose class bypasses the patched forward save outside any layer scope:
+            # the offloader's watch names them if they do (cache/silence.py).
+            self.offloader.watch.expect_layers(unscoped_layers(model))
 
 
 def _tensors(obj) -> List[torch.Tensor]:

@@ -143,6 +143,26 @@ class LayerScopes:
             return self._checkpoint(function, distribute_saved_activations, *args)
 
 
+def unscoped_layers(model: torch.nn.Module) -> Dict[Any, str]:
+    """Layers of ``model`` (the entries of a block's ``layers`` list that have a
+    ``layer_number``) whose class's forward is not the patched ``TransformerLayer.forward``:
+    layer number -> class name. A subclass that overrides forward without calling it, or
+    another layer class (a release's new one), never enters a layer scope."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    scoped = TransformerLayer.forward
+    out: Dict[Any, str] = {}
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            continue
+        for layer in layers:
+            number = getattr(layer, "layer_number", None)
+            if number is not None and type(layer).forward is not scoped:
+                out[number] = f"{type(layer).__module__}.{type(layer).__qualname__}"
+    return out
+
+
 class _LayerCall:
     """The run function of a fallback checkpoint: rebuilds the layer's call from the tensors
     CheckpointFunction passes (the originals in forward, detached copies in recompute)."""

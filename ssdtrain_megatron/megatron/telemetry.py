@@ -4,7 +4,7 @@
   (``global_vars.get_tensorboard_writer()``; Megatron builds one with ``--tensorboard-dir``, on
   the last rank only), every numeric StepStats field becomes a scalar ``ssd_offload/<field>``
   at the iteration Megatron logs its own scalars at, every ``--tensorboard-log-interval``
-  iterations.
+  iterations; ``passed_through_by_reason`` becomes ``ssd_offload/passed_through/<reason>``.
 - **The log**: one INFO line with ``StepStats.summary()`` every ``--log-interval`` iterations,
   next to Megatron's own iteration line. Without Megatron's arguments (megatron-core in your own
   loop, the demo, the benchmarks) the offloader's DEBUG line after every step is the log.
@@ -32,13 +32,16 @@ GLOBAL_VARS_MODULES = ("megatron.training.global_vars", "megatron.global_vars")
 
 SCALAR_PREFIX = "ssd_offload/"
 
-_NOT_SCALARS = ("step", "layers", "plan")
+_NOT_SCALARS = ("step", "layers", "plan", "passed_through_by_reason", "not_offloaded_why")
 
 
 def step_scalars(stats: StepStats) -> Dict[str, float]:
     """The StepStats fields written as TensorBoard scalars, by tag (``ssd_offload/<field>``)."""
-    return {SCALAR_PREFIX + f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
-            if f.name not in _NOT_SCALARS and getattr(stats, f.name) is not None}
+    out = {SCALAR_PREFIX + f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
+           if f.name not in _NOT_SCALARS and isinstance(getattr(stats, f.name), (int, float))}
+    for reason, n in sorted(stats.passed_through_by_reason.items()):  # only the reasons seen
+        out[f"{SCALAR_PREFIX}passed_through/{reason}"] = n
+    return out
 
 
 def megatron_training_globals() -> Tuple[Any, Any]:

@@ -11,6 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, Optional, Tuple
 
+PASS_REASONS = ("recompute", "small", "device", "parameter", "subclass", "layout",
+                "held_by_schedule", "cuda_graph_capture")
+"""Why a saved tensor was left to autograd (StepStats.passed_through_by_reason): saved during
+the recompute pass of checkpointing; below min_tensor_bytes; on another device than the
+offloader's; a parameter or a view of one; a tensor subclass; a non-strided layout; held until
+backward by something else (held.py); saved while a CUDA graph was being captured."""
+
 
 @dataclass(frozen=True)
 class LayerStats:
@@ -111,6 +118,15 @@ class StepStats:
     captured_kept: int = 0
     """Saved tensors left to autograd because a CUDA graph was being captured: a capture
     cannot hold the events and host-side IO of an offload, so they stay in (graph) memory."""
+    passed_through_by_reason: Dict[str, int] = field(default_factory=dict)
+    """tensors_passed_through by reason (PASS_REASONS; reasons with no tensor are left out)."""
+    read_retries: int = 0
+    """Failed reads started again (at most READ_RETRIES per tensor, cache/transfers.py); a
+    read whose retries all failed stops the step with an error naming layer and file."""
+    not_offloaded_why: str = ""
+    """Non-empty when offload is on and this step (after the first) offloaded nothing, or a
+    layer whose decision is offload recorded nothing: the dominant reason and its fix
+    (cache/silence.py). Logged as a warning once per job."""
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -127,7 +143,13 @@ class StepStats:
                 f"forwarded {self.tensors_forwarded}, wasted {self.bytes_wasted / 1e6:.1f} MB, "
                 f"held {self.tensors_held_by_schedule}), write {self.write_gbps:.2f} GB/s, "
                 f"read {self.read_gbps:.2f} GB/s, io wait {self.io_wait_s * 1e3:.1f} ms, "
-                f"peak resident {self.peak_resident_bytes / 1e6:.1f} MB{fell}")
+                f"peak resident {self.peak_resident_bytes / 1e6:.1f} MB{fell}{self._why_summary()}")
+
+    def _why_summary(self) -> str:
+        """Pass-through by reason, and why nothing was offloaded when that happened."""
+        passed = ", ".join(f"{r} {n}" for r, n in sorted(self.passed_through_by_reason.items()))
+        text = f"; passed through: {passed}" if passed else ""
+        return text + (f"; NOT OFFLOADING: {self.not_offloaded_why}" if self.not_offloaded_why else "")
 
 
 @dataclass
@@ -138,6 +160,19 @@ class _LayerAcc:
     decision: str = "offload"
     io_wait_s: float = 0.0
     forward_s: float = 0.0
+
+
+# A record transition's effect (cache/record.py) -> the tensor count and the byte count it adds to.
+_EFFECTS: Dict[str, Tuple[Optional[str], Optional[str]]] = {
+    "offloaded": ("tensors_offloaded", "bytes_offloaded"),
+    "forwarded": ("tensors_forwarded", None),
+    "taken_back": ("writes_taken_back", None),
+    "held": (None, "bytes_wasted_held"),
+    "read": (None, "bytes_read"),
+    "kept": ("tensors_kept", None),
+    "fallback": ("fallbacks", None),
+    "read_retried": ("read_retries", None),
+}
 
 
 @dataclass
@@ -159,7 +194,12 @@ class StepCounters:
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
     fallbacks: int = 0
+    read_retries: int = 0
     layers: Dict[Hashable, _LayerAcc] = field(default_factory=dict)
+    passed: Dict[Tuple[Hashable, str], int] = field(default_factory=dict)
+    """Pass-through count by (layer scope, reason) (silence.py names a layer's reason)."""
+    pass_detail: Dict[str, str] = field(default_factory=dict)
+    """The first detail seen per reason (e.g. the device the tensors were on)."""
     timeline: Optional[list] = None
     """When a list: (perf_counter time, resident bytes) at every change (plots)."""
 
@@ -168,6 +208,30 @@ class StepCounters:
         if acc is None:
             acc = self.layers[key] = _LayerAcc(decision=decision)
         return acc
+
+    def count(self, effect: str, nbytes: int, layer: Hashable, decision: str) -> None:
+        """What one record transition did (an effect of cache/record.py's TRANSITIONS)."""
+        tensors, byte_field = _EFFECTS[effect]
+        if tensors:
+            setattr(self, tensors, getattr(self, tensors) + 1)
+        if byte_field:
+            setattr(self, byte_field, getattr(self, byte_field) + nbytes)
+        if effect == "offloaded":
+            self.layer(layer, decision).bytes_offloaded += nbytes
+
+    def pass_through(self, reason: str, layer: Hashable, detail: str = "") -> None:
+        """A saved tensor left to autograd, for ``reason`` (PASS_REASONS)."""
+        self.tensors_passed_through += 1
+        key = (layer, reason)
+        self.passed[key] = self.passed.get(key, 0) + 1
+        if detail and reason not in self.pass_detail:
+            self.pass_detail[reason] = detail
+
+    def passed_by_reason(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for (_, reason), n in self.passed.items():
+            out[reason] = out.get(reason, 0) + n
+        return out
 
     def add_resident(self, delta: int) -> None:
         self.resident_bytes += delta
@@ -193,7 +257,8 @@ class StepCounters:
             io_wait_s=self.io_wait_s,
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
             bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,
-            iteration_time_s=iteration_time_s, captured_kept=self.captured_kept)
+            iteration_time_s=iteration_time_s, captured_kept=self.captured_kept,
+            passed_through_by_reason=self.passed_by_reason(), read_retries=self.read_retries)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

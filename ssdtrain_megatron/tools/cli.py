@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .clean import add_clean_parser
     from .plan_cli import add_lifespan_parser, add_plan_parser
     from .report import add_report_parser
+    from .soak import add_soak_parser
 
     add_demo_parser(sub)
     add_doctor_parser(sub)
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_io_bench_parser(sub)
     add_clean_parser(sub)
+    add_soak_parser(sub)
     for command in sub.choices.values():  # --debug after the command too
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help=argparse.SUPPRESS)

@@ -12,6 +12,7 @@ import sys
 from typing import Any, List
 
 from ..telemetry.report import DEFAULT_DRIVE_TB, TIMELINE_BUCKETS, TraceError, analyze, load_trace
+from ..telemetry.stats_summary import render_stats_summary, summarize_stats
 from .cli_types import positive_float
 from .report_render import PLOTS_NEED, render_markdown, write_outputs
 
@@ -25,8 +26,12 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "depth, bandwidth per phase over time, bytes written per step and drive "
                     "writes per day. Prints Markdown; with --out also writes report.md and PNG "
                     "plots there. Decimal units: 1 GB = 1e9 B, 1 TB = 1e12 B.")
-    parser.add_argument("trace", metavar="TRACE", help="IO trace file (several ranks' traces "
-                                                       "may be concatenated)")
+    parser.add_argument("trace", metavar="TRACE", nargs="?", default=None,
+                        help="IO trace file (several ranks' traces may be concatenated)")
+    parser.add_argument("--stats", metavar="STATS", default=None,
+                        help="also (or only) summarize a stats JSONL (stats_path): tensors "
+                             "passed through by reason, and every step that offloaded nothing "
+                             "with the reason and its fix")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="write report.md and the plots (request_sizes.png, "
                              "queue_depth.png, bandwidth.png) to DIR, created if missing")
@@ -43,6 +48,19 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    if args.trace is None and args.stats is None:
+        print("ssdtrain report: error: give a TRACE, --stats STATS, or both", file=sys.stderr)
+        return 2
+    silence = None
+    if args.stats is not None:
+        try:
+            silence = summarize_stats(args.stats)
+        except TraceError as exc:
+            print(f"ssdtrain report: error: {exc}", file=sys.stderr)
+            return 2
+    if args.trace is None:
+        print(json.dumps(silence) if args.json else render_stats_summary(silence), end="\n" if args.json else "")
+        return 0
     try:
         records = load_trace(args.trace)
     except TraceError as exc:
@@ -62,7 +80,8 @@ def run_report(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     if args.json:
-        print(json.dumps({"trace": args.trace, **figures, "files": files}))
+        print(json.dumps({"trace": args.trace, **figures, "files": files,
+                          **({"not_offloaded": silence} if silence else {})}))
     else:
-        print(markdown, end="")
+        print(markdown + ("\n" + render_stats_summary(silence) if silence else ""), end="")
     return 0

@@ -1,0 +1,189 @@
+"""`ssdtrain soak`: train a small megatron-core GPT for N steps with IO faults injected at
+random (from a seed) and count what happened to each.
+
+Two runs of the same model, batches and seed: a plain one (no offload: the fault-free
+reference) and one offloaded through a FaultyEngine (tools/faults.py) on a posix engine, which
+injects, per IO call, write EIO, ENOSPC, short writes, read EIO, short reads, latency spikes
+(100x a call) and IO-thread stalls past io_timeout_s. For each step of the offloaded run:
+
+- the step completes: its faults were *survived* (a failed write kept the tensor in memory,
+  a failed read was retried, a slow call waited), and its loss and every gradient must be
+  bitwise equal to the reference's (a difference is a *lost* step: a wrong tensor);
+- the step raises: it *failed loudly* (a read whose retries all failed, an IO timeout). As a
+  job would, the offloader is closed (its files must be gone) and the step runs again on a
+  new offloader with faults paused (the job's restart), so later steps stay comparable.
+
+Printed (or ``--json``/``--out``): faults injected by kind, survived, failed loudly, lost,
+steps bitwise equal, files left after every close; the exit status is 0 only with 0 lost, 0
+files left and every survived step bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+from typing import Dict, List, Tuple
+
+# torch and megatron-core are imported when the command runs (`ssdtrain --help` stays light).
+
+
+def add_soak_parser(subparsers) -> None:
+    from .fault_kinds import KINDS
+
+    p = subparsers.add_parser("soak", help="train with IO faults injected; count survived, "
+                                           "failed loudly and lost", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200, help="training steps (default %(default)s)")
+    p.add_argument("--faults", default="all",
+                   help=f"comma-separated kinds, or 'all' ({', '.join(KINDS)}); 'none': no faults")
+    p.add_argument("--seed", type=int, default=1, help="fault seed (default %(default)s)")
+    p.add_argument("--rate", type=float, default=0.002,
+                   help="probability per IO call of each error kind (default %(default)s)")
+    p.add_argument("--stall-rate", type=float, default=0.0002,
+                   help="probability per IO call of a stall past io_timeout_s (default %(default)s)")
+    p.add_argument("--io-timeout-s", type=float, default=1.0,
+                   help="the offloader's io_timeout_s; stalls last 1.5x it (default %(default)s)")
+    p.add_argument("--dir", default=None, help="offload root (default: a temporary folder)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--out", metavar="FILE", default=None, help="also write the JSON result to FILE")
+    p.set_defaults(func=run_soak)
+
+
+def _kinds(text: str) -> Tuple[str, ...]:
+    from .cli_types import UsageError
+    from .fault_kinds import KINDS
+
+    if text == "all":
+        return KINDS
+    if text == "none":
+        return ()
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise UsageError(f"--faults: unknown kind {', '.join(bad)}; expected 'all', 'none' "
+                         f"or some of {', '.join(KINDS)}")
+    return kinds
+
+
+def _spec():
+    from .minigpt import GPTSpec
+
+    return GPTSpec(layers=2, hidden=64, heads=4, seq=64, vocab=128, micro_batch=2,
+                   num_microbatches=2)
+
+
+def _fingerprint(loss: float, model) -> Tuple[str, str]:
+    """(the loss as float.hex, sha256 of every gradient's bytes): bitwise, not approximate."""
+    import torch
+
+    h = hashlib.sha256()
+    for p in model.params:
+        g = p.grad
+        h.update(b"-" if g is None else g.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return float(loss).hex(), h.hexdigest()
+
+
+def _files(root: str) -> List[str]:
+    return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+
+
+def reference_run(steps: int, device) -> List[Tuple[str, str]]:
+    """The fault-free run: plain megatron-core training, no offloader."""
+    from .minigpt import MiniGPT
+
+    model = MiniGPT(_spec(), device)
+    out = []
+    for _ in range(steps):
+        out.append(_fingerprint(model.step(), model))
+    return out
+
+
+def faulty_run(args, kinds, root: str, device, reference) -> Dict[str, object]:
+    """The offloaded run with faults (module docstring); the figures of the result."""
+    from ..config import OffloadConfig
+    from .faults import SeededFaults, faulty_offloader
+    from .minigpt import MiniGPT, installed_step
+
+    config = OffloadConfig(dirs=[root], min_tensor_bytes=4096, chunk_bytes=16384,
+                           keep_last_layers=0, io_timeout_s=args.io_timeout_s)
+    faults = SeededFaults(args.seed, kinds, rate=args.rate, stall_s=1.5 * args.io_timeout_s,
+                          stall_rate=args.stall_rate)
+    model = MiniGPT(_spec(), device)
+    off = faulty_offloader(config, faults)
+    r = {"steps": args.steps, "failed_loudly": [], "lost_steps": [], "bitwise_equal_steps": 0,
+         "survivable_steps": 0, "files_left": 0, "fallbacks": 0, "read_retries": 0}
+    for step in range(args.steps):
+        faults.new_step(step)
+        try:
+            loss, _ = installed_step(model, off)
+            stats = off.last_step_stats
+            r["fallbacks"] += stats.fallbacks
+            r["read_retries"] += stats.read_retries
+            r["survivable_steps"] += 1
+            if _fingerprint(loss, model) == reference[step]:
+                r["bitwise_equal_steps"] += 1
+            else:
+                r["lost_steps"].append(step + 1)
+        except Exception as exc:  # noqa: BLE001 - a loud failure is what is counted here
+            r["failed_loudly"].append({"step": step + 1, "error": f"{type(exc).__name__}: "
+                                       f"{str(exc).splitlines()[0] if str(exc) else ''}"})
+            off.close()  # as the job's exit would: the files go
+            r["files_left"] += len(_files(root))
+            off = faulty_offloader(config, faults)
+            faults.enabled = False  # the restarted job redoes the step
+            loss, _ = installed_step(model, off)
+            faults.enabled = True
+            if _fingerprint(loss, model) != reference[step]:
+                r["lost_steps"].append(step + 1)
+    off.close()
+    r["files_left"] += len(_files(root))
+    r["faults_injected"] = dict(faults.counts)
+    r["faults_total"] = faults.total()
+    return r
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    import torch
+
+    from .cli_types import UsageError
+    from .minigpt import MegatronRuntime
+
+    kinds = _kinds(args.faults)
+    if args.steps < 1:
+        raise UsageError("--steps: expected at least 1")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ssdtrain-soak-") as tmp:
+        root = args.dir or tmp
+        with MegatronRuntime() as rt:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            reference = reference_run(args.steps, rt.device)
+            result = faulty_run(args, kinds, root, rt.device, reference)
+    failed = len(result["failed_loudly"])
+    lost = len(result["lost_steps"]) + result["files_left"]
+    ok = lost == 0 and result["bitwise_equal_steps"] == result["survivable_steps"]
+    result.update(seed=args.seed, kinds=list(kinds), seconds=round(time.monotonic() - t0, 1),
+                  survived_steps=result["survivable_steps"], failed_steps=failed, lost=lost,
+                  exit_status=0 if ok else 1)
+    text = json.dumps(result)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    print(text if args.json else _summary(result))
+    return result["exit_status"]
+
+
+def _summary(r: Dict[str, object]) -> str:
+    kinds = ", ".join(f"{k} {n}" for k, n in r["faults_injected"].items())
+    return (f"ssdtrain soak: {r['steps']} steps, seed {r['seed']}, {r['seconds']} s\n"
+            f"faults injected: {r['faults_total']} ({kinds or 'none'})\n"
+            f"survived: {r['survived_steps']} steps ({r['fallbacks']} writes kept in memory, "
+            f"{r['read_retries']} reads retried); bitwise equal to the fault-free run: "
+            f"{r['bitwise_equal_steps']} of {r['survivable_steps']}\n"
+            f"failed loudly: {r['failed_steps']} steps"
+            + "".join(f"\n  step {f['step']}: {f['error']}" for f in r["failed_loudly"])
+            + f"\nlost: {r['lost']} (wrong steps {r['lost_steps']}, files left {r['files_left']})\n"
+            f"exit status: {r['exit_status']}")

@@ -1,0 +1,72 @@
+"""What comes back is what went out (issue 28, section 3): one byte of a slab file flipped
+between a tensor's write and its read. With checksums, backward fails with one error naming the
+tensor's layer and the file (never a wrong tensor); without, the wrong bytes reach backward,
+which is what the README says can happen (a real file, a real flip, the posix engine)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+from torch import nn
+
+from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from tests.test_offloader import files_under
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x5A]))
+
+
+def _run(offload_dir, checksum: bool):
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 128)
+    x = torch.randn(128, 128, requires_grad=True)
+    conf = OffloadConfig(dirs=[str(offload_dir)], min_tensor_bytes=1024, keep_last_layers=0,
+                         checksum=checksum)
+    with ActivationOffloader(conf) as off:
+        with off.microbatch(0):
+            with off.layer(5):
+                out = lin(x).sin()  # lin's output (64 KiB) is saved by sin and dropped here
+        off.wait_writes()
+        slab = os.path.join(off.rank_dirs[0], "slab.bin")
+        for offset in range(0, os.path.getsize(slab), 4096):
+            _flip(slab, offset + 100)  # one byte in every page: whichever holds the tensor
+        try:
+            out.sum().backward()
+            return None, lin, slab, off.end_step()
+        except RuntimeError as exc:
+            off.end_step()
+            return exc, lin, slab, None
+        finally:
+            assert x.grad is None or checksum is False
+
+
+def test_with_checksums_a_flipped_byte_is_a_loud_error_naming_layer_and_file(offload_dir):
+    """Break: checksum=False here -> no error is raised (the wrong bytes reach backward)."""
+    exc, lin, slab, _ = _run(offload_dir, checksum=True)
+    assert exc is not None, "a flipped byte reached backward without an error"
+    msg = str(exc)
+    assert re.search(r"\(layer 5, micro-batch 0\) failed \(3 attempts\), the only copy is lost: "
+                     r"checksum mismatch reading \d+ bytes from " + re.escape(slab), msg), msg
+    assert lin.weight.grad is None  # nothing computed from the corrupted tensor
+    assert files_under(offload_dir) == []
+
+
+def test_without_checksums_the_flipped_byte_reaches_backward_as_the_readme_says(offload_dir):
+    exc, lin, _, st = _run(offload_dir, checksum=False)
+    assert exc is None and st.bytes_read > 0  # read back from the (corrupted) file
+    torch.manual_seed(0)
+    ref = nn.Linear(128, 128)
+    x = torch.randn(128, 128, requires_grad=True)
+    ref(x).sin().sum().backward()
+    assert not torch.equal(lin.weight.grad.view(torch.int32), ref.weight.grad.view(torch.int32))
+    text = open(README, encoding="utf-8").read()
+    assert "Without verification, a byte changed on the drive" in text
