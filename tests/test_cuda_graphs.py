@@ -59,6 +59,7 @@ def test_tensors_saved_while_a_graph_is_captured_stay_with_autograd_and_are_coun
         (g,) = torch.autograd.grad(loss, x)
         stats = off.end_step()
     assert stats.captured_kept == 1
+    assert stats.passed_through_by_reason.get("cuda_graph_capture") == 1
     assert stats.tensors_offloaded == 0 and stats.bytes_offloaded == 0
     assert torch.equal(g.view(torch.int32), ref.view(torch.int32))
 

@@ -65,6 +65,7 @@ class SavedTensorHooks:
             # A CUDA graph is being captured: no event, stream switch or IO may enter it (a
             # replay would repeat none of the host side). The tensor stays with autograd.
             c.captured_kept += 1
+            c.pass_through("cuda_graph_capture", self._layer)
             return t
         if t.nbytes < self._min_bytes:  # the cheapest test first
             c.pass_through("small", self._layer)
