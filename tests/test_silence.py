@@ -81,6 +81,7 @@ def test_parameters_and_recompute_and_held_are_counted_by_reason(offload_dir):
                     loss = (y * h).sum() + lin(held.sin()).sum()  # h (held), lin.weight, a sin
 
                 # Backward inside the hooks: the reentrant checkpoint's recompute pass is seen.
+                off.wait_writes()  # the sin output written, not taken back by backward
                 loss.backward()
             st = off.end_step()
     by = st.passed_through_by_reason
@@ -103,6 +104,7 @@ def test_an_offload_layer_that_records_nothing_is_named_with_its_reason(offload_
                         a = big.mul(2).sin()
                     with off.layer(1):
                         b = small.mul(2).sin()
+                off.wait_writes()  # written before backward: read back, not forwarded
                 (a.sum() + b.sum()).backward()
                 st = off.end_step()
         assert files_under(offload_dir) == []
