@@ -248,8 +248,11 @@ def free_cheapest_first(layers: Sequence[LayerMeasurement], decisions: List[str]
     first, then the earlier layer): a kept layer offloaded (or, with ``recompute_fallback``,
     recomputed), or a recomputed layer offloaded, which frees the input its recompute keeps.
     Recompute is often the cheaper first move on a slow drive; when no kept layer is left and
-    it is still too big, offloading recomputed layers is what makes it fit. False when no move
-    is left and it is still too big."""
+    it is still too big, offloading recomputed layers is what makes it fit, so those moves are
+    made only where offloading every movable layer would fit (else they would slow the step
+    for nothing). False when no move is left and it is still too big."""
+    floor = [OFFLOAD if i in set(movable) else d for i, d in enumerate(decisions)]
+    reachable = not too_big(floor)
     while too_big(decisions):
         base = cost(decisions)
         best = None
@@ -259,7 +262,7 @@ def free_cheapest_first(layers: Sequence[LayerMeasurement], decisions: List[str]
                 options = [(OFFLOAD, layer.activation_bytes)]
                 if recompute_fallback:
                     options.append((RECOMPUTE, layer.activation_bytes - layer.checkpoint_bytes))
-            elif decisions[i] == RECOMPUTE:
+            elif decisions[i] == RECOMPUTE and reachable:
                 options = [(OFFLOAD, layer.checkpoint_bytes)]
             else:
                 continue
