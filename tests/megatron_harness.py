@@ -92,12 +92,24 @@ class LayoutSpec:
     """"local" (get_gpt_layer_local_spec) or "transformer_engine" (needs CUDA and TE)."""
     sequence_parallel: bool = False
     add_bias_linear: bool = True
+    dp: int = 1
+    """Data-parallel ranks: each trains its own micro-batches; dense gradients are averaged
+    over them before the optimizer step (expert gradients over the expert-data-parallel
+    group), as megatron's DDP does."""
+    ep: int = 1
+    """Expert-parallel ranks (megatron carves them out of the data-parallel ranks)."""
+    num_moe_experts: Optional[int] = None
+    """Mixture of experts in every layer (SequentialMLP experts on the local spec) when set."""
+    moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "allgather"
+    moe_aux_loss_coeff: float = 1e-2
+    multi_latent_attention: bool = False
     phases: List[Phase] = field(default_factory=lambda: [Phase("plain")])
     timeout_s: float = 240.0
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.dp
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -230,6 +242,7 @@ def _train_all_phases(spec: LayoutSpec, workdir: str) -> RankResult:
             tensor_model_parallel_size=spec.tp,
             pipeline_model_parallel_size=spec.pp,
             virtual_pipeline_model_parallel_size=spec.vp,
+            expert_model_parallel_size=spec.ep,
         )
         try:
             result = RankResult(
@@ -282,7 +295,19 @@ def make_config(spec: LayoutSpec):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **kwargs,
+        **_moe_kwargs(spec),
     )
+
+
+def _moe_kwargs(spec: LayoutSpec) -> Dict[str, Any]:
+    """TransformerConfig fields of a mixture-of-experts layout (none for a dense one)."""
+    if spec.num_moe_experts is None:
+        return {}
+    return dict(num_moe_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
+                expert_model_parallel_size=spec.ep,
+                moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+                moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=spec.moe_aux_loss_coeff)
 
 
 def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
@@ -294,7 +319,9 @@ def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
     if spec.layer_spec == "transformer_engine":
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     else:
-        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec()
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=spec.num_moe_experts, moe_grouped_gemm=False,
+            multi_latent_attention=spec.multi_latent_attention)
     chunks = []
     for vp_stage in range(spec.vp or 1):
         vp = vp_stage if spec.vp is not None else None
@@ -318,7 +345,10 @@ def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
 
 def make_batches(spec: LayoutSpec, iteration: int) -> List[Dict[str, torch.Tensor]]:
     """The micro-batches of one iteration: random tokens, next-token labels, a loss mask."""
-    gen = torch.Generator().manual_seed(spec.seed * 1000 + iteration)
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank() if spec.dp > 1 else 0
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + iteration + 7919 * dp_rank)
     batches = []
     s, b = spec.seq_length, spec.micro_batch_size
     for _ in range(spec.num_microbatches):
@@ -462,6 +492,25 @@ def _run_step(spec: LayoutSpec, chunks, mask: torch.Tensor, device: torch.device
     return step_losses
 
 
+def _average_data_parallel_grads(spec: LayoutSpec, params: List[torch.nn.Parameter]) -> None:
+    """What megatron's DDP does to gradients before the step: dense ones averaged over the
+    data-parallel group, expert ones (``allreduce`` False) over the expert-data-parallel one."""
+    from megatron.core import parallel_state
+
+    if spec.dp == 1:
+        return
+    groups = {True: parallel_state.get_data_parallel_group(),
+              False: parallel_state.get_expert_data_parallel_group()}
+    for p in params:
+        if p.grad is None:
+            continue
+        group = groups[getattr(p, "allreduce", True)]
+        size = torch.distributed.get_world_size(group)
+        if size > 1:
+            torch.distributed.all_reduce(p.grad, group=group)
+            p.grad.div_(size)
+
+
 def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
     # install() first: the training loop looks get_forward_backward_func up afterwards, as a
     # Megatron-LM training script that imports it at module level would see the patched one.
@@ -492,6 +541,7 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
             step_losses = _run_step(spec, chunks, mask, device, offload, it, forward_only=False)
             if offload is not None:
                 offload.end_of_iteration()
+            _average_data_parallel_grads(spec, params)
             grads.append({n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
                           for n, p in named})
             opt.step()
