@@ -103,6 +103,8 @@ class LayoutSpec:
     moe_router_topk: int = 2
     moe_token_dispatcher_type: str = "allgather"
     moe_aux_loss_coeff: float = 1e-2
+    moe_grouped_gemm: bool = False
+    """Grouped-GEMM experts (CUDA only) instead of SequentialMLP."""
     multi_latent_attention: bool = False
     phases: List[Phase] = field(default_factory=lambda: [Phase("plain")])
     timeout_s: float = 240.0
@@ -153,6 +155,9 @@ class RankResult:
 # Parent side
 
 
+_MOE: Dict[str, Any] = dict(dp=2, ep=2, num_moe_experts=4, moe_router_topk=2, num_layers=2,
+                            num_microbatches=2)
+
 # The parallel layouts the megatron tests train (test_megatron_cpu, test_megatron_integration).
 LAYOUTS = {
     "tp1_pp1": LayoutSpec(),
@@ -171,7 +176,26 @@ LAYOUTS = {
                                           add_bias_linear=False),
     "pp2_recompute_full": LayoutSpec(pp=2, recompute_granularity="full",
                                      recompute_method="uniform", recompute_num_layers=1),
+    # Mixture of experts (4 SequentialMLP experts, top-2, aux loss), expert parallel over the
+    # two data-parallel ranks: two layers and two micro-batches keep each one ~15 s a run.
+    "moe_ep2_allgather": LayoutSpec(**_MOE),
+    "moe_ep2_alltoall_recompute_selective": LayoutSpec(
+        **_MOE, moe_token_dispatcher_type="alltoall", recompute_granularity="selective"),
+    "moe_ep2_recompute_full": LayoutSpec(**_MOE, recompute_granularity="full",
+                                         recompute_method="uniform", recompute_num_layers=1),
+    # Four processes (EP=2 x PP=2): ~70 s a run on two loaded cores, so -m slow (SLOW_LAYOUTS).
+    "moe_ep2_pp2": LayoutSpec(**_MOE, pp=2),
 }
+
+SLOW_LAYOUTS = {"moe_ep2_pp2"}
+
+
+def layout_params() -> list:
+    """LAYOUTS' names for pytest.mark.parametrize, the SLOW_LAYOUTS marked slow."""
+    import pytest
+
+    return [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
+            for name in LAYOUTS]
 
 
 def run_layout(spec: LayoutSpec, workdir: str, in_process: Optional[bool] = None
@@ -307,7 +331,7 @@ def _moe_kwargs(spec: LayoutSpec) -> Dict[str, Any]:
                 expert_model_parallel_size=spec.ep,
                 moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
                 moe_router_load_balancing_type="aux_loss",
-                moe_aux_loss_coeff=spec.moe_aux_loss_coeff)
+                moe_aux_loss_coeff=spec.moe_aux_loss_coeff, moe_grouped_gemm=spec.moe_grouped_gemm)
 
 
 def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
@@ -317,10 +341,11 @@ def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec.layer_spec == "transformer_engine":
-        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm)
     else:
         layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            num_experts=spec.num_moe_experts, moe_grouped_gemm=False,
+            num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm,
             multi_latent_attention=spec.multi_latent_attention)
     chunks = []
     for vp_stage in range(spec.vp or 1):

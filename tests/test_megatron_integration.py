@@ -48,6 +48,10 @@ EXPECTED_LAYERS = {
     "recompute_selective": [[1, 2, 3, 4]],
     "recompute_selective_mlp": [[1, 2, 3, 4]],
     "pp2_recompute_full": [[1, 2], [3, 4]],
+    "moe_ep2_allgather": [[1, 2], [1, 2]],
+    "moe_ep2_alltoall_recompute_selective": [[1, 2], [1, 2]],
+    "moe_ep2_recompute_full": [[1, 2], [1, 2]],
+    "moe_ep2_pp2": [[1], [1], [2], [2]],
 }
 
 
@@ -81,7 +85,7 @@ NOTHING_TO_READ = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", harness.layout_params())
 def test_offloaded_training_is_bitwise_equal_to_plain_training(layout, runs):
     read = {}
     for r in runs(layout):
@@ -93,7 +97,7 @@ def test_offloaded_training_is_bitwise_equal_to_plain_training(layout, runs):
     assert sum(read.values()) > 0, read
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", harness.layout_params())
 def test_written_bytes_earn_their_keep(layout, runs):
     """Bytes written for tensors that something else holds until backward (the schedule's
     received input, the batch's labels, the causal mask, the rotary table) free nothing: from
@@ -115,13 +119,13 @@ def test_written_bytes_earn_their_keep(layout, runs):
         assert all(s["tensors_held_by_schedule"] > 0 for s in later), (r.rank, later)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", harness.layout_params())
 def test_training_after_uninstall_matches_a_never_patched_run(layout, runs):
     for r in runs(layout):
         assert harness.phase_differences(r.phases["plain"], r.phases["after_uninstall"]) == []
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", harness.layout_params())
 def test_every_rank_offloads_in_every_step_and_names_its_real_layers(layout, runs):
     spec = LAYOUTS[layout]
     for r in runs(layout):
@@ -135,7 +139,7 @@ def test_every_rank_offloads_in_every_step_and_names_its_real_layers(layout, run
             assert sum(row["bytes"] for row in s["layers"]) > 0
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", harness.layout_params())
 def test_backward_order_prediction_matches_megatrons_schedule(layout, runs):
     spec = LAYOUTS[layout]
     for r in runs(layout):
@@ -144,7 +148,7 @@ def test_backward_order_prediction_matches_megatrons_schedule(layout, runs):
         assert info["mispredictions"] == 0
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", harness.layout_params())
 def test_files_stay_in_each_ranks_own_directories(layout, runs):
     results = runs(layout)
     dirs = {r.rank: r.phases["offload"].offload["rank_dirs"] for r in results}
@@ -163,7 +167,7 @@ def test_files_stay_in_each_ranks_own_directories(layout, runs):
         assert any(o == [rank] for o in owners.values()), f"rank {rank} wrote no file"
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", harness.layout_params())
 def test_nothing_is_left_on_disk_after_each_step_or_after_close(layout, runs):
     for r in runs(layout):
         info = r.phases["offload"].offload
