@@ -34,7 +34,7 @@ MCORE_SPEC = $(strip $(TORCH) megatron-core==$(MCORE_PIN_$*) pytest pyyaml numpy
 # The megatron tests that need no checkout: install() on every layout, the CPU runtime, the
 # release table, and Megatron-LM's own training loop from the wheel (0.17+).
 MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
-	tests/test_megatron_versions.py tests/test_megatron_training_loop.py
+	tests/test_megatron_versions.py tests/test_megatron_training_loop.py tests/test_megatron_moe.py
 
 # (venv-mcore-% and test-mcore-% are pattern rules: make skips implicit rules for .PHONY names.)
 .PHONY: install demo test test-all bench lint clean gpu-check gpu-bundle venv-megatron-deepspeed test-megatron-deepspeed

@@ -106,6 +106,8 @@ class LayoutSpec:
     moe_grouped_gemm: bool = False
     """Grouped-GEMM experts (CUDA only) instead of SequentialMLP."""
     multi_latent_attention: bool = False
+    """Multi-latent attention (MLATransformerConfig). The local spec's DotProductAttention
+    takes no ``k_channels`` (megatron-core 0.16.1, 0.17.1), so MLA needs the TE spec."""
     phases: List[Phase] = field(default_factory=lambda: [Phase("plain")])
     timeout_s: float = 240.0
 
@@ -183,8 +185,10 @@ LAYOUTS = {
         **_MOE, moe_token_dispatcher_type="alltoall", recompute_granularity="selective"),
     "moe_ep2_recompute_full": LayoutSpec(**_MOE, recompute_granularity="full",
                                          recompute_method="uniform", recompute_num_layers=1),
-    # Four processes (EP=2 x PP=2): ~70 s a run on two loaded cores, so -m slow (SLOW_LAYOUTS).
-    "moe_ep2_pp2": LayoutSpec(**_MOE, pp=2),
+    # Four processes (EP=2 x PP=2), two layers a stage (with one, the last stage's only layer
+    # is the last layer, whose backward follows its forward at once: nothing to read back).
+    # ~90 s a run on two loaded cores, so -m slow (SLOW_LAYOUTS).
+    "moe_ep2_pp2": LayoutSpec(**{**_MOE, "num_layers": 4}, pp=2),
 }
 
 SLOW_LAYOUTS = {"moe_ep2_pp2"}
@@ -287,9 +291,16 @@ def _train_all_phases(spec: LayoutSpec, workdir: str) -> RankResult:
 
 def make_config(spec: LayoutSpec):
     """The TransformerConfig of ``spec`` (fp32, no fusions, CPU initialisation)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     kwargs: Dict[str, Any] = {}
+    config_cls = TransformerConfig
+    if spec.multi_latent_attention:
+        # Low-rank queries and keys/values, decoupled rotary part: DeepSeek's shape, tiny. The
+        # local spec's torch norms take LayerNorm; "rope" keeps yarn's scaling out of it.
+        config_cls = MLATransformerConfig
+        kwargs.update(q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                      v_head_dim=8, normalization="LayerNorm", rope_type="rope")
     if spec.recompute_granularity is not None:
         kwargs["recompute_granularity"] = spec.recompute_granularity
     if spec.recompute_method is not None:
@@ -298,7 +309,7 @@ def make_config(spec: LayoutSpec):
         kwargs["recompute_num_layers"] = spec.recompute_num_layers
     if spec.recompute_modules is not None:
         kwargs["recompute_modules"] = list(spec.recompute_modules)
-    return TransformerConfig(
+    return config_cls(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -342,7 +353,8 @@ def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
 
     if spec.layer_spec == "transformer_engine":
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm)
+            num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm,
+            multi_latent_attention=spec.multi_latent_attention)
     else:
         layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(
             num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm,
