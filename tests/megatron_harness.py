@@ -187,7 +187,7 @@ LAYOUTS = {
                                          recompute_method="uniform", recompute_num_layers=1),
     # Four processes (EP=2 x PP=2), two layers a stage (with one, the last stage's only layer
     # is the last layer, whose backward follows its forward at once: nothing to read back).
-    # ~90 s a run on two loaded cores, so -m slow (SLOW_LAYOUTS).
+    # ~50 s for its integration tests on two cores (4 processes), so -m slow (SLOW_LAYOUTS).
     "moe_ep2_pp2": LayoutSpec(**{**_MOE, "num_layers": 4}, pp=2),
 }
 
