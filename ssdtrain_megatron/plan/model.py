@@ -60,7 +60,6 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
     d = shape.dtype_bytes
     t = shape.tp
     s, b, h = shape.seq_len, shape.micro_batch, shape.hidden
-    f = shape.ffn_hidden
     mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
     # Norms, dropouts and linear inputs see the whole sequence unless sequence parallel
     # splits it; everything between the column- and row-parallel linears is split by heads.
@@ -89,6 +88,20 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
     if shape.hidden_dropout > 0:
         terms["attn_residual_dropout_mask"] = mask_b * sp_tokens * h
     norm("mlp_norm")
+    if shape.num_experts is not None:
+        _moe_terms(terms, shape)
+    else:
+        _mlp_terms(terms, shape, profile)
+    if shape.hidden_dropout > 0:
+        terms["mlp_residual_dropout_mask"] = mask_b * sp_tokens * h
+    return terms
+
+
+def _mlp_terms(terms: Dict[str, int], shape: ModelShape, profile: SaveProfile) -> None:
+    """The dense MLP's saved tensors (fc1, activation, fc2)."""
+    d, t, h, f = shape.dtype_bytes, shape.tp, shape.hidden, shape.ffn_hidden
+    tokens = shape.seq_len * shape.micro_batch
+    sp_tokens = (shape.seq_len // t if shape.sequence_parallel else shape.seq_len) * shape.micro_batch
     terms["fc1_input"] = d * sp_tokens * h
     if shape.swiglu and shape.swiglu_fusion:
         # Megatron's fused SwiGLU saves the whole fc1 output (gate and up halves) once.
@@ -104,9 +117,41 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
     else:
         terms["activation_input"] = d * tokens * f // t
     terms["fc2_input"] = d * tokens * f // t
-    if shape.hidden_dropout > 0:
-        terms["mlp_residual_dropout_mask"] = mask_b * sp_tokens * h
-    return terms
+
+
+_INT64 = 8
+
+
+def _moe_terms(terms: Dict[str, int], shape: ModelShape) -> None:
+    """A mixture-of-experts MLP: megatron-core's router (softmax top-k, aux loss), the alltoall
+    dispatcher, SequentialMLP experts, no capacity factor (no token dropped). Every token goes
+    to top-k experts, so the experts see tokens * k rows in all: per rank on average under
+    expert parallelism (the split between experts is the router's). Router probabilities are
+    fp32, indices int64, the routing map bool (1 byte). Checked at fp32 on the CPU
+    (tests/test_plan_vs_megatron.py); under bf16 the expert terms scale with dtype_bytes."""
+    d, h = shape.dtype_bytes, shape.hidden
+    tokens = shape.seq_len * shape.micro_batch
+    experts, k = shape.num_experts, shape.moe_topk
+    f = shape.moe_ffn_hidden or shape.ffn_hidden
+    rows = tokens * k
+    terms["router_input"] = d * tokens * h
+    terms["router_scores"] = _FP32 * tokens * experts
+    terms["router_topk_probs"] = _FP32 * rows
+    terms["router_topk_indices"] = _INT64 * rows
+    terms["aux_loss_topk_indices"] = _INT64 * rows
+    terms["tokens_per_expert"] = _INT64 * experts
+    terms["aux_loss"] = _FP32
+    terms["routing_map"] = tokens * experts
+    terms["routing_probs"] = _FP32 * tokens * experts
+    terms["permutation_indices"] = _INT64 * rows
+    terms["expert_fc1_input"] = d * rows * h
+    terms["expert_activation_input"] = d * rows * f
+    terms["expert_probs"] = _FP32 * rows
+    terms["expert_activation_output"] = d * rows * f
+    terms["expert_fc2_input"] = d * rows * f
+    # Unpermute scatters with the indices expanded over h (a stride-0 view: its span is
+    # what is saved).
+    terms["unpermute_indices"] = _INT64 * rows
 
 
 def _attention_terms(terms: Dict[str, int], shape: ModelShape, profile: SaveProfile,

@@ -95,6 +95,15 @@ class ModelShape:
     hidden_dropout: float = 0.1
     """Dropout before each residual add (megatron's default 0.1); 0 saves no mask."""
 
+    num_experts: Optional[int] = None
+    """Mixture of experts in every layer (megatron's --num-experts); None: a dense MLP."""
+
+    moe_topk: int = 2
+    """Experts each token is routed to (--moe-router-topk). Only read with num_experts."""
+
+    moe_ffn_hidden: Optional[int] = None
+    """Each expert's FFN width (--moe-ffn-hidden-size); None: ffn_hidden."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
                      "tp", "pp"):
@@ -110,6 +119,12 @@ class ModelShape:
                 _fail(name, getattr(self, name), "expected true or false")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             _fail("recompute", self.recompute, "allowed: " + ", ".join(RECOMPUTE_GRANULARITIES))
+        for name in ("num_experts", "moe_ffn_hidden"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                _fail(name, value, "expected an integer >= 1 or null")
+        if not _is_int(self.moe_topk) or not 1 <= self.moe_topk <= (self.num_experts or 1 << 30):
+            _fail("moe_topk", self.moe_topk, "expected an integer from 1 to num_experts")
         if self.vocab is not None and (not _is_int(self.vocab) or self.vocab < 1):
             _fail("vocab", self.vocab, "expected an integer >= 1 or null")
         for name in ("attention_dropout", "hidden_dropout"):
