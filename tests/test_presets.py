@@ -15,7 +15,7 @@ from ssdtrain_megatron.cache import ActivationOffloader
 from ssdtrain_megatron.config import OffloadConfig
 from ssdtrain_megatron.megatron.args import megatron_args_from_preset
 from ssdtrain_megatron.tools.plan_cli import PRESET_SECTIONS, load_preset
-from ssdtrain_megatron.plan.model import ModelShape
+from ssdtrain_megatron.plan.model import ModelShape, SaveProfile, layer_activation_terms
 
 from bitwise import bitwise_equal
 from models import mlp, run_steps
@@ -28,6 +28,8 @@ LAYOUTS = {  # preset: (tp, pp)
     "llama2-13b": (4, 2),
     "llama3-8b": (2, 2),
     "llama3-70b": (8, 4),
+    "mixtral-8x7b": (1, 4),
+    "qwen3-30b-a3b": (1, 2),
     "cpu-tiny": (1, 1),
 }
 GPU_PRESETS = [name for name in LAYOUTS if name != "cpu-tiny"]
@@ -103,3 +105,18 @@ def test_cpu_tiny_offloads_under_the_current_folder(tmp_path, monkeypatch):
     assert stats[0].bytes_offloaded > 0
     leftovers = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
     assert leftovers == []
+
+
+@pytest.mark.parametrize("name, experts, topk, ep", [("mixtral-8x7b", 8, 2, 8),
+                                                     ("qwen3-30b-a3b", 128, 8, 8)])
+def test_moe_preset_plans_experts_and_becomes_megatron_moe_flags(name, experts, topk, ep):
+    """Broken variant: drop the MoE fields from megatron_args_from_preset -> ValueError:
+    '--num-experts' is not in list."""
+    flags = megatron_args_from_preset(_path(name))
+    assert flags[flags.index("--num-experts") + 1] == str(experts)
+    assert flags[flags.index("--moe-router-topk") + 1] == str(topk)
+    assert flags[flags.index("--expert-model-parallel-size") + 1] == str(ep)
+    shape, _ = load_preset(_path(name))
+    terms = layer_activation_terms(shape, SaveProfile.paper())
+    assert terms["routing_map"] == shape.seq_len * shape.micro_batch * experts  # bool: 1 B
+    assert "fc1_input" not in terms and terms["expert_fc1_input"] > 0

@@ -129,11 +129,15 @@ def _moe_terms(terms: Dict[str, int], shape: ModelShape) -> None:
     expert parallelism (the split between experts is the router's). Router probabilities are
     fp32, indices int64, the routing map bool (1 byte). Checked at fp32 on the CPU
     (tests/test_plan_vs_megatron.py); under bf16 the expert terms scale with dtype_bytes."""
-    d, h = shape.dtype_bytes, shape.hidden
-    tokens = shape.seq_len * shape.micro_batch
+    d, h, t = shape.dtype_bytes, shape.hidden, shape.tp
+    # With TP (megatron requires sequence parallel then) the router sees this rank's part of
+    # the sequence; the experts (expert TP = TP) see the whole TP group's rows, f split by t.
+    # Not measured: MoE with TP needs the Transformer Engine spec (CUDA).
+    tokens = (shape.seq_len // t if shape.sequence_parallel else shape.seq_len) * shape.micro_batch
     experts, k = shape.num_experts, shape.moe_topk
-    f = shape.moe_ffn_hidden or shape.ffn_hidden
+    f = (shape.moe_ffn_hidden or shape.ffn_hidden) // t
     rows = tokens * k
+    expert_rows = shape.seq_len * shape.micro_batch * k
     terms["router_input"] = d * tokens * h
     terms["router_scores"] = _FP32 * tokens * experts
     terms["router_topk_probs"] = _FP32 * rows
@@ -144,11 +148,15 @@ def _moe_terms(terms: Dict[str, int], shape: ModelShape) -> None:
     terms["routing_map"] = tokens * experts
     terms["routing_probs"] = _FP32 * tokens * experts
     terms["permutation_indices"] = _INT64 * rows
-    terms["expert_fc1_input"] = d * rows * h
-    terms["expert_activation_input"] = d * rows * f
-    terms["expert_probs"] = _FP32 * rows
-    terms["expert_activation_output"] = d * rows * f
-    terms["expert_fc2_input"] = d * rows * f
+    terms["expert_fc1_input"] = d * expert_rows * h
+    # SwiGLU experts (Mixtral, Qwen3, DeepSeek): the fused function saves the 2f-wide fc1
+    # output; unfused, about 4f (the gate's strided span, silu's output, the up half). Only
+    # the GeLU experts were measured.
+    width = (2 if shape.swiglu_fusion else 4) * f if shape.swiglu else f
+    terms["expert_activation_input"] = d * expert_rows * width
+    terms["expert_probs"] = _FP32 * expert_rows
+    terms["expert_activation_output"] = d * expert_rows * f
+    terms["expert_fc2_input"] = d * expert_rows * f
     # Unpermute scatters with the indices expanded over h (a stride-0 view: its span is
     # what is saved).
     terms["unpermute_indices"] = _INT64 * rows
@@ -237,13 +245,20 @@ def forward_flops_per_layer(shape: ModelShape) -> int:
 
     QKV 2sbh(h + 2*g*hd), scores and attention over values 4bs^2h (the full square, as
     megatron's own formula counts it), output projection 2sbh^2, MLP 4sbhf (6sbhf with SwiGLU).
+    A mixture of experts runs each token through top-k experts of width f_e (k times the MLP
+    at f_e) plus the router 2sbhE.
     """
     s, b, h, f = shape.seq_len, shape.micro_batch, shape.hidden, shape.ffn_hidden
     kv_width = shape.groups * shape.head_dim
     qkv = 2 * s * b * h * (h + 2 * kv_width)
     attention = 4 * b * s * s * h
     proj = 2 * s * b * h * h
-    mlp = 2 * s * b * h * f * (3 if shape.swiglu else 2)
+    if shape.num_experts is not None:
+        f_e = shape.moe_ffn_hidden or f
+        mlp = shape.moe_topk * 2 * s * b * h * f_e * (3 if shape.swiglu else 2) \
+            + 2 * s * b * h * shape.num_experts
+    else:
+        mlp = 2 * s * b * h * f * (3 if shape.swiglu else 2)
     return qkv + attention + proj + mlp
 
 

@@ -104,6 +104,11 @@ class ModelShape:
     moe_ffn_hidden: Optional[int] = None
     """Each expert's FFN width (--moe-ffn-hidden-size); None: ffn_hidden."""
 
+    ep: int = 1
+    """Expert-parallel degree (--expert-model-parallel-size): experts split over ep of the
+    data-parallel ranks. Per-rank activation bytes do not depend on it (on average each rank's
+    experts see as many rows as its own tokens send out); it sets the launch flags."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
                      "tp", "pp"):
@@ -119,6 +124,8 @@ class ModelShape:
                 _fail(name, getattr(self, name), "expected true or false")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             _fail("recompute", self.recompute, "allowed: " + ", ".join(RECOMPUTE_GRANULARITIES))
+        if not _is_int(self.ep) or self.ep < 1 or (self.num_experts or 1) % self.ep:
+            _fail("ep", self.ep, "expected an integer >= 1 that divides num_experts")
         for name in ("num_experts", "moe_ffn_hidden"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
@@ -170,8 +177,9 @@ class ModelShape:
 
     PRESET_MODEL_KEYS = ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
                          "kv_groups", "dtype", "swiglu", "swiglu_fusion", "flash_attention",
-                         "recompute", "vocab", "attention_dropout", "hidden_dropout")
-    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel")
+                         "recompute", "vocab", "attention_dropout", "hidden_dropout",
+                         "num_experts", "moe_topk", "moe_ffn_hidden")
+    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel", "ep")
 
     @classmethod
     def from_preset(cls, model: Mapping, parallel: Optional[Mapping] = None) -> "ModelShape":
