@@ -109,7 +109,9 @@ def test_moe_saved_tensors_of_every_dtype_are_read_back_byte_for_byte(tmp_path, 
 
 def test_cpu_runtime_moe_stand_ins_are_named_and_undone():
     """The alltoall dispatcher's side stream and megatron-core 0.16's missing TE gemm name
-    exist only while the CPU runtime is enabled, as stand-ins; disable() puts back torch's own."""
+    exist only while the CPU runtime is enabled, as stand-ins; disable() puts back torch's own.
+    Broken variants: no _patch_moe_stand_ins -> "RuntimeError: torch.cuda.Stream requires CUDA
+    support"; no patch of the class's cuda_dtoh_stream -> "assert <...CpuStreamStandIn ...> is None"."""
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     from ssdtrain_megatron.tools.megatron_cpu import CpuStreamStandIn
@@ -117,7 +119,10 @@ def test_cpu_runtime_moe_stand_ins_are_named_and_undone():
     stream_cls, had_gemm = torch.cuda.Stream, hasattr(moe_utils, "te_general_gemm")
     apply = torch.autograd.function.BackwardCFunction.__dict__["apply"]
     move = token_dispatcher.maybe_move_tensor_to_cpu
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    class_stream = dispatcher.cuda_dtoh_stream
     with megatron_cpu_compat.enabled():
+        dispatcher.cuda_dtoh_stream = torch.cuda.Stream()  # what the first dispatcher does
         side = torch.cuda.Stream()
         assert isinstance(side, CpuStreamStandIn) and side != torch.cuda.current_stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -130,6 +135,7 @@ def test_cpu_runtime_moe_stand_ins_are_named_and_undone():
     assert hasattr(moe_utils, "te_general_gemm") == had_gemm
     assert torch.autograd.function.BackwardCFunction.__dict__["apply"] is apply
     assert token_dispatcher.maybe_move_tensor_to_cpu is move
+    assert dispatcher.cuda_dtoh_stream is class_stream  # no stand-in left on the class
 
 
 @pytest.mark.cuda

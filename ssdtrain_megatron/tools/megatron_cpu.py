@@ -19,7 +19,7 @@ enabled, this module redirects all of them to the CPU:
   recomputation (``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) act on
   exactly the numbers the kernels use, and recomputed dropout masks equal the original ones;
 * ``GlobalMemoryBuffer.get_tensor`` allocates on the CPU;
-* mixture-of-experts layers get two stand-ins: ``torch.cuda.Stream`` / ``current_stream`` /
+* mixture-of-experts layers get three stand-ins: ``torch.cuda.Stream`` / ``current_stream`` /
   ``stream`` are a :class:`CpuStreamStandIn` (the ``alltoall`` token dispatcher and the shared
   experts create a side stream in their constructor; on the CPU every op runs in program order,
   so waiting on or recording one has nothing to do), and megatron-core 0.16's ``moe_utils``,
@@ -200,7 +200,7 @@ def _stream_context(stream: Any = None):
 
 
 def _patch_moe_stand_ins(state: "_State") -> None:
-    """The two CUDA-/TE-only names megatron-core's MoE layers touch (see the module docstring)."""
+    """The CUDA-/TE-only names megatron-core's MoE layers touch (see the module docstring)."""
     state.patch(torch.cuda, "Stream", CpuStreamStandIn)
     state.patch(torch.cuda, "current_stream", lambda device=None: _CURRENT_STREAM)
     state.patch(torch.cuda, "stream", _stream_context)
@@ -214,6 +214,11 @@ def _patch_moe_stand_ins(state: "_State") -> None:
 
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
         state.patch(token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_cpu)
+    # The alltoall dispatcher keeps its side stream on the class, made by the first instance:
+    # disable() puts the class's own value back, so no stand-in outlives the runtime.
+    dispatcher_cls = getattr(token_dispatcher, "MoEAlltoAllTokenDispatcher", None)
+    if dispatcher_cls is not None and "cuda_dtoh_stream" in vars(dispatcher_cls):
+        state.patch(dispatcher_cls, "cuda_dtoh_stream", dispatcher_cls.cuda_dtoh_stream)
 
 
 def _split_sizes_on_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
