@@ -284,7 +284,7 @@ def megatron_args_from_preset(path: str) -> List[str]:
 
     Covers the shape, the micro-batch, dtype, grouped-query attention, SwiGLU, dropout,
     mixture of experts (experts, top-k, expert FFN width, EP; the alltoall dispatcher),
-    recomputation and the TP / PP / sequence-parallel layout. Everything else about the model
+    recomputation and the TP / PP / sequence- and context-parallel layout. Everything else about the model
     (position embeddings, normalization, tokenizer, data) stays in the launch script.
 
     Raises:
@@ -325,6 +325,8 @@ def megatron_args_from_preset(path: str) -> List[str]:
             flags.append("--no-bias-swiglu-fusion")
     if shape.sequence_parallel:
         flags.append("--sequence-parallel")
+    if shape.cp > 1:
+        flags += ["--context-parallel-size", str(shape.cp)]
     if shape.num_experts is not None:
         flags += ["--num-experts", str(shape.num_experts), "--moe-router-topk",
                   str(shape.moe_topk), "--expert-model-parallel-size", str(shape.ep),

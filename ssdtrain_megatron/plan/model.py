@@ -34,6 +34,7 @@ Units: bytes and FLOPs are exact integers; bandwidths are decimal (1 GB/s = 1e9 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, Optional
 
 from .shape import _FP32, DTYPE_BYTES, PAPER, RECOMPUTE_GRANULARITIES, ModelShape, SaveProfile
@@ -57,6 +58,8 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
     object (the causal attention mask); an offloader that deduplicates writes it once, in the
     first layer.
     """
+    if shape.cp > 1:
+        return _context_parallel_terms(shape, profile, include_shared)
     d = shape.dtype_bytes
     t = shape.tp
     s, b, h = shape.seq_len, shape.micro_batch, shape.hidden
@@ -94,6 +97,25 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
         _mlp_terms(terms, shape, profile)
     if shape.hidden_dropout > 0:
         terms["mlp_residual_dropout_mask"] = mask_b * sp_tokens * h
+    return terms
+
+
+def local_sequence_shape(shape: ModelShape) -> ModelShape:
+    """What one context-parallel rank holds: the same model on seq_len / cp tokens."""
+    return dataclasses.replace(shape, seq_len=shape.seq_len // shape.cp, cp=1)
+
+
+def _context_parallel_terms(shape: ModelShape, profile: SaveProfile,
+                            include_shared: bool) -> Dict[str, int]:
+    """A context-parallel rank's terms: every tensor holds seq_len / cp tokens, but the
+    attention saves keys and values all-gathered over the cp ranks (Transformer Engine's
+    all-gather CP; its ring variant saves per-step chunks instead: read these as an upper
+    bound there). Modelled, not measured: CP needs TE and two GPUs."""
+    terms = layer_activation_terms(local_sequence_shape(shape), profile,
+                                   include_shared=include_shared)
+    for name in ("key", "value"):
+        if name in terms:
+            terms[name] *= shape.cp
     return terms
 
 
@@ -221,6 +243,8 @@ def head_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER) -> Di
     up to a multiple of tp)."""
     if shape.vocab is None:
         return {}
+    if shape.cp > 1:  # the head sees this rank's seq_len / cp tokens
+        return head_activation_terms(local_sequence_shape(shape), profile)
     d, t = shape.dtype_bytes, shape.tp
     s, b, h = shape.seq_len, shape.micro_batch, shape.hidden
     mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
@@ -278,12 +302,12 @@ def training_flops_per_micro_batch(shape: ModelShape) -> int:
 
 def estimate_step_time_s(shape: ModelShape, sustained_tflops: float,
                          num_micro_batches: int = 1) -> float:
-    """Seconds per training step on one GPU: the step's FLOPs split over tp * pp GPUs at a
+    """Seconds per training step on one GPU: the step's FLOPs split over tp * pp * cp GPUs at a
     sustained ``sustained_tflops`` (1e12 FLOP/s); pipeline bubbles are not counted."""
     if not sustained_tflops > 0:
         raise ValueError(f"sustained_tflops={sustained_tflops!r} is invalid: expected > 0")
     flops = training_flops_per_micro_batch(shape) * num_micro_batches
-    return flops / (shape.tp * shape.pp) / (sustained_tflops * 1e12)
+    return flops / (shape.tp * shape.pp * shape.cp) / (sustained_tflops * 1e12)
 
 
 def required_write_gbps(offloaded_bytes_per_step: float, step_time_s: float) -> float:

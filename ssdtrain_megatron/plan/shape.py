@@ -104,6 +104,11 @@ class ModelShape:
     moe_ffn_hidden: Optional[int] = None
     """Each expert's FFN width (--moe-ffn-hidden-size); None: ffn_hidden."""
 
+    cp: int = 1
+    """Context-parallel degree (--context-parallel-size): each rank holds seq_len / cp tokens;
+    attention (Transformer Engine's, the only one megatron runs CP with) saves the keys and
+    values all-gathered over the cp ranks. Needs flash_attention."""
+
     ep: int = 1
     """Expert-parallel degree (--expert-model-parallel-size): experts split over ep of the
     data-parallel ranks. Per-rank activation bytes do not depend on it (on average each rank's
@@ -124,6 +129,11 @@ class ModelShape:
                 _fail(name, getattr(self, name), "expected true or false")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             _fail("recompute", self.recompute, "allowed: " + ", ".join(RECOMPUTE_GRANULARITIES))
+        if not _is_int(self.cp) or self.cp < 1 or self.seq_len % self.cp:
+            _fail("cp", self.cp, f"expected an integer >= 1 that divides seq_len ({self.seq_len})")
+        if self.cp > 1 and not self.flash_attention:
+            _fail("cp", self.cp, "context parallelism needs flash_attention: true (megatron "
+                  "runs it with Transformer Engine's fused attention only)")
         if not _is_int(self.ep) or self.ep < 1 or (self.num_experts or 1) % self.ep:
             _fail("ep", self.ep, "expected an integer >= 1 that divides num_experts")
         for name in ("num_experts", "moe_ffn_hidden"):
@@ -179,7 +189,7 @@ class ModelShape:
                          "kv_groups", "dtype", "swiglu", "swiglu_fusion", "flash_attention",
                          "recompute", "vocab", "attention_dropout", "hidden_dropout",
                          "num_experts", "moe_topk", "moe_ffn_hidden")
-    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel", "ep")
+    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel", "ep", "cp")
 
     @classmethod
     def from_preset(cls, model: Mapping, parallel: Optional[Mapping] = None) -> "ModelShape":
