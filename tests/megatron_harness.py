@@ -96,6 +96,9 @@ class LayoutSpec:
     """Data-parallel ranks: each trains its own micro-batches; dense gradients are averaged
     over them before the optimizer step (expert gradients over the expert-data-parallel
     group), as megatron's DDP does."""
+    cp: int = 1
+    """Context-parallel ranks: each trains its slice of every sequence (megatron's
+    get_batch_on_this_cp_rank); needs the Transformer Engine spec (CUDA)."""
     ep: int = 1
     """Expert-parallel ranks (megatron carves them out of the data-parallel ranks)."""
     num_moe_experts: Optional[int] = None
@@ -113,7 +116,7 @@ class LayoutSpec:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -271,6 +274,7 @@ def _train_all_phases(spec: LayoutSpec, workdir: str) -> RankResult:
             pipeline_model_parallel_size=spec.pp,
             virtual_pipeline_model_parallel_size=spec.vp,
             expert_model_parallel_size=spec.ep,
+            context_parallel_size=spec.cp,
         )
         try:
             result = RankResult(
@@ -321,6 +325,7 @@ def make_config(spec: LayoutSpec):
         params_dtype=torch.float32,
         use_cpu_initialization=True,
         sequence_parallel=spec.sequence_parallel,
+        context_parallel_size=spec.cp,
         add_bias_linear=spec.add_bias_linear,
         hidden_dropout=spec.dropout,
         attention_dropout=spec.dropout,
@@ -493,13 +498,18 @@ def _make_optimizer(spec: LayoutSpec, params: List[torch.nn.Parameter]) -> torch
     raise ValueError(f"optimizer {spec.optimizer!r}: expected 'adam' or 'sgd'")
 
 
-def _run_step(spec: LayoutSpec, chunks, mask: torch.Tensor, device: torch.device,
+def _run_step(spec: LayoutSpec, chunks, mask: Optional[torch.Tensor], device: torch.device,
               offload: Optional["_OffloadPhase"], iteration: int, forward_only: bool) -> List[torch.Tensor]:
     """One step through megatron's own forward_backward_func (looked up now, as a training
     script does); the loss of each micro-batch, in order."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batches = [{k: v.to(device) for k, v in b.items()} for b in make_batches(spec, iteration)]
+    if spec.cp > 1:  # this rank's slices of each sequence; TE's attention is causal by type
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        batches = [get_batch_on_this_cp_rank(b) for b in batches]
+        mask = None
     iterators = [iter(batches) for _ in chunks]
     step_losses: List[torch.Tensor] = []
 
@@ -534,9 +544,9 @@ def _average_data_parallel_grads(spec: LayoutSpec, params: List[torch.nn.Paramet
     data-parallel group, expert ones (``allreduce`` False) over the expert-data-parallel one."""
     from megatron.core import parallel_state
 
-    if spec.dp == 1:
+    if spec.dp * spec.cp == 1:
         return
-    groups = {True: parallel_state.get_data_parallel_group(),
+    groups = {True: parallel_state.get_data_parallel_group(with_context_parallel=True),
               False: parallel_state.get_expert_data_parallel_group()}
     for p in params:
         if p.grad is None:
@@ -557,6 +567,12 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
 
         torch.manual_seed(spec.seed)
         model_parallel_cuda_manual_seed(spec.seed, force_reset_rng=True)
+        if spec.num_moe_experts is not None:
+            # megatron-core's process-wide aux-loss tracker is sized by the first MoE model's
+            # layer count: start each phase as a fresh training process would.
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+            get_moe_layer_wise_logging_tracker().clear()
         config = make_config(spec)
         chunks = build_model(spec, config)
         named = _param_name_map(chunks)

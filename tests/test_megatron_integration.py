@@ -336,3 +336,15 @@ def test_moe_with_tensor_parallel_and_multi_latent_attention_on_te_spec_is_bitwi
     for r in harness.run_layout(spec, str(tmp_path)):
         assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == []
         assert sum(s["bytes_read"] for s in r.phases["offload"].offload["steps"]) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_te_skip_reason() is not None, reason=str(_te_skip_reason()))
+def test_context_parallel_with_transformer_engine_spec_is_bitwise(tmp_path):
+    """Context parallelism (CP=2: each GPU its slices of every sequence, keys and values
+    exchanged by TE's attention) through install(). Needs TE and 2 GPUs. Not yet run."""
+    spec = LayoutSpec(cp=2, phases=list(PHASES), device="cuda", layer_spec="transformer_engine",
+                      seq_length=32, dropout=0.0)
+    for r in harness.run_layout(spec, str(tmp_path)):
+        assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == []
+        assert sum(s["bytes_read"] for s in r.phases["offload"].offload["steps"]) > 0
