@@ -35,7 +35,7 @@ MCORE_SPEC = $(strip $(TORCH) megatron-core==$(MCORE_PIN_$*) pytest pyyaml numpy
 # release table, and Megatron-LM's own training loop from the wheel (0.17+), also preempted
 # (SIGTERM with --exit-signal-handler: 3 of its 10 timings; the other 7 with PYTEST_ARGS='-m slow').
 MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
-	tests/test_megatron_versions.py tests/test_megatron_training_loop.py \
+	tests/test_megatron_versions.py tests/test_megatron_training_loop.py tests/test_megatron_moe.py \
 	tests/test_args_launcher.py::test_the_stand_in_has_the_shape_of_the_real_megatron_training \
 	tests/test_megatron_preemption.py
 

@@ -92,12 +92,31 @@ class LayoutSpec:
     """"local" (get_gpt_layer_local_spec) or "transformer_engine" (needs CUDA and TE)."""
     sequence_parallel: bool = False
     add_bias_linear: bool = True
+    dp: int = 1
+    """Data-parallel ranks: each trains its own micro-batches; dense gradients are averaged
+    over them before the optimizer step (expert gradients over the expert-data-parallel
+    group), as megatron's DDP does."""
+    cp: int = 1
+    """Context-parallel ranks: each trains its slice of every sequence (megatron's
+    get_batch_on_this_cp_rank); needs the Transformer Engine spec (CUDA)."""
+    ep: int = 1
+    """Expert-parallel ranks (megatron carves them out of the data-parallel ranks)."""
+    num_moe_experts: Optional[int] = None
+    """Mixture of experts in every layer (SequentialMLP experts on the local spec) when set."""
+    moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "allgather"
+    moe_aux_loss_coeff: float = 1e-2
+    moe_grouped_gemm: bool = False
+    """Grouped-GEMM experts (CUDA only) instead of SequentialMLP."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (MLATransformerConfig). The local spec's DotProductAttention
+    takes no ``k_channels`` (megatron-core 0.16.1, 0.17.1), so MLA needs the TE spec."""
     phases: List[Phase] = field(default_factory=lambda: [Phase("plain")])
     timeout_s: float = 240.0
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.dp * self.cp
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -141,6 +160,9 @@ class RankResult:
 # Parent side
 
 
+_MOE: Dict[str, Any] = dict(dp=2, ep=2, num_moe_experts=4, moe_router_topk=2, num_layers=2,
+                            num_microbatches=2)
+
 # The parallel layouts the megatron tests train (test_megatron_cpu, test_megatron_integration).
 LAYOUTS = {
     "tp1_pp1": LayoutSpec(),
@@ -159,7 +181,28 @@ LAYOUTS = {
                                           add_bias_linear=False),
     "pp2_recompute_full": LayoutSpec(pp=2, recompute_granularity="full",
                                      recompute_method="uniform", recompute_num_layers=1),
+    # Mixture of experts (4 SequentialMLP experts, top-2, aux loss), expert parallel over the
+    # two data-parallel ranks: two layers and two micro-batches keep each one ~15 s a run.
+    "moe_ep2_allgather": LayoutSpec(**_MOE),
+    "moe_ep2_alltoall_recompute_selective": LayoutSpec(
+        **_MOE, moe_token_dispatcher_type="alltoall", recompute_granularity="selective"),
+    "moe_ep2_recompute_full": LayoutSpec(**_MOE, recompute_granularity="full",
+                                         recompute_method="uniform", recompute_num_layers=1),
+    # Four processes (EP=2 x PP=2), two layers a stage (with one, the last stage's only layer
+    # is the last layer, whose backward follows its forward at once: nothing to read back).
+    # ~50 s for its integration tests on two cores (4 processes), so -m slow (SLOW_LAYOUTS).
+    "moe_ep2_pp2": LayoutSpec(**{**_MOE, "num_layers": 4}, pp=2),
 }
+
+SLOW_LAYOUTS = {"moe_ep2_pp2"}
+
+
+def layout_params() -> list:
+    """LAYOUTS' names for pytest.mark.parametrize, the SLOW_LAYOUTS marked slow."""
+    import pytest
+
+    return [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
+            for name in LAYOUTS]
 
 
 def run_layout(spec: LayoutSpec, workdir: str, in_process: Optional[bool] = None
@@ -230,6 +273,8 @@ def _train_all_phases(spec: LayoutSpec, workdir: str) -> RankResult:
             tensor_model_parallel_size=spec.tp,
             pipeline_model_parallel_size=spec.pp,
             virtual_pipeline_model_parallel_size=spec.vp,
+            expert_model_parallel_size=spec.ep,
+            context_parallel_size=spec.cp,
         )
         try:
             result = RankResult(
@@ -250,9 +295,16 @@ def _train_all_phases(spec: LayoutSpec, workdir: str) -> RankResult:
 
 def make_config(spec: LayoutSpec):
     """The TransformerConfig of ``spec`` (fp32, no fusions, CPU initialisation)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     kwargs: Dict[str, Any] = {}
+    config_cls = TransformerConfig
+    if spec.multi_latent_attention:
+        # Low-rank queries and keys/values, decoupled rotary part: DeepSeek's shape, tiny. The
+        # local spec's torch norms take LayerNorm; "rope" keeps yarn's scaling out of it.
+        config_cls = MLATransformerConfig
+        kwargs.update(q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                      v_head_dim=8, normalization="LayerNorm", rope_type="rope")
     if spec.recompute_granularity is not None:
         kwargs["recompute_granularity"] = spec.recompute_granularity
     if spec.recompute_method is not None:
@@ -261,7 +313,7 @@ def make_config(spec: LayoutSpec):
         kwargs["recompute_num_layers"] = spec.recompute_num_layers
     if spec.recompute_modules is not None:
         kwargs["recompute_modules"] = list(spec.recompute_modules)
-    return TransformerConfig(
+    return config_cls(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -273,6 +325,7 @@ def make_config(spec: LayoutSpec):
         params_dtype=torch.float32,
         use_cpu_initialization=True,
         sequence_parallel=spec.sequence_parallel,
+        context_parallel_size=spec.cp,
         add_bias_linear=spec.add_bias_linear,
         hidden_dropout=spec.dropout,
         attention_dropout=spec.dropout,
@@ -282,7 +335,19 @@ def make_config(spec: LayoutSpec):
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **kwargs,
+        **_moe_kwargs(spec),
     )
+
+
+def _moe_kwargs(spec: LayoutSpec) -> Dict[str, Any]:
+    """TransformerConfig fields of a mixture-of-experts layout (none for a dense one)."""
+    if spec.num_moe_experts is None:
+        return {}
+    return dict(num_moe_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
+                expert_model_parallel_size=spec.ep,
+                moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+                moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=spec.moe_aux_loss_coeff, moe_grouped_gemm=spec.moe_grouped_gemm)
 
 
 def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
@@ -292,9 +357,13 @@ def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec.layer_spec == "transformer_engine":
-        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm,
+            multi_latent_attention=spec.multi_latent_attention)
     else:
-        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec()
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm,
+            multi_latent_attention=spec.multi_latent_attention)
     chunks = []
     for vp_stage in range(spec.vp or 1):
         vp = vp_stage if spec.vp is not None else None
@@ -318,7 +387,10 @@ def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
 
 def make_batches(spec: LayoutSpec, iteration: int) -> List[Dict[str, torch.Tensor]]:
     """The micro-batches of one iteration: random tokens, next-token labels, a loss mask."""
-    gen = torch.Generator().manual_seed(spec.seed * 1000 + iteration)
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank() if spec.dp > 1 else 0
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + iteration + 7919 * dp_rank)
     batches = []
     s, b = spec.seq_length, spec.micro_batch_size
     for _ in range(spec.num_microbatches):
@@ -426,13 +498,18 @@ def _make_optimizer(spec: LayoutSpec, params: List[torch.nn.Parameter]) -> torch
     raise ValueError(f"optimizer {spec.optimizer!r}: expected 'adam' or 'sgd'")
 
 
-def _run_step(spec: LayoutSpec, chunks, mask: torch.Tensor, device: torch.device,
+def _run_step(spec: LayoutSpec, chunks, mask: Optional[torch.Tensor], device: torch.device,
               offload: Optional["_OffloadPhase"], iteration: int, forward_only: bool) -> List[torch.Tensor]:
     """One step through megatron's own forward_backward_func (looked up now, as a training
     script does); the loss of each micro-batch, in order."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batches = [{k: v.to(device) for k, v in b.items()} for b in make_batches(spec, iteration)]
+    if spec.cp > 1:  # this rank's slices of each sequence; TE's attention is causal by type
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        batches = [get_batch_on_this_cp_rank(b) for b in batches]
+        mask = None
     iterators = [iter(batches) for _ in chunks]
     step_losses: List[torch.Tensor] = []
 
@@ -462,6 +539,25 @@ def _run_step(spec: LayoutSpec, chunks, mask: torch.Tensor, device: torch.device
     return step_losses
 
 
+def _average_data_parallel_grads(spec: LayoutSpec, params: List[torch.nn.Parameter]) -> None:
+    """What megatron's DDP does to gradients before the step: dense ones averaged over the
+    data-parallel group, expert ones (``allreduce`` False) over the expert-data-parallel one."""
+    from megatron.core import parallel_state
+
+    if spec.dp * spec.cp == 1:
+        return
+    groups = {True: parallel_state.get_data_parallel_group(with_context_parallel=True),
+              False: parallel_state.get_expert_data_parallel_group()}
+    for p in params:
+        if p.grad is None:
+            continue
+        group = groups[getattr(p, "allreduce", True)]
+        size = torch.distributed.get_world_size(group)
+        if size > 1:
+            torch.distributed.all_reduce(p.grad, group=group)
+            p.grad.div_(size)
+
+
 def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
     # install() first: the training loop looks get_forward_backward_func up afterwards, as a
     # Megatron-LM training script that imports it at module level would see the patched one.
@@ -471,6 +567,12 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
 
         torch.manual_seed(spec.seed)
         model_parallel_cuda_manual_seed(spec.seed, force_reset_rng=True)
+        if spec.num_moe_experts is not None:
+            # megatron-core's process-wide aux-loss tracker is sized by the first MoE model's
+            # layer count: start each phase as a fresh training process would.
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+            get_moe_layer_wise_logging_tracker().clear()
         config = make_config(spec)
         chunks = build_model(spec, config)
         named = _param_name_map(chunks)
@@ -492,6 +594,7 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
             step_losses = _run_step(spec, chunks, mask, device, offload, it, forward_only=False)
             if offload is not None:
                 offload.end_of_iteration()
+            _average_data_parallel_grads(spec, params)
             grads.append({n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
                           for n, p in named})
             opt.step()

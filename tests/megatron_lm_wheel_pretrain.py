@@ -56,7 +56,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    # --num-experts: MoE layers with SequentialMLP experts (the local spec; grouped GEMM is TE's).
+    layer_spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    return GPTModel(config=config, transformer_layer_spec=layer_spec,
                     vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                     post_process=post_process, position_embedding_type="rope",
@@ -115,7 +117,8 @@ def forward_step(data_iterator, model):
     args = get_args()
     per_iteration = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     if _forward_calls % per_iteration == 0:
-        _record({"iteration": _forward_calls // per_iteration, "params": _parameter_hash(model)})
+        _record({"iteration": _forward_calls // per_iteration, "params": _parameter_hash(model),
+                 "expert_params": sum(".experts." in n for n, _ in model.named_parameters())})
     if _PREEMPTION is not None:
         if _forward_calls == 0:
             _PREEMPTION.hook_model(model)

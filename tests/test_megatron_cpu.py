@@ -45,7 +45,7 @@ def layout_results(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", harness.layout_params())
 def test_layout_trains_with_finite_losses_and_is_deterministic(layout, layout_results):
     spec = LAYOUTS[layout]
     results = layout_results(layout)

@@ -15,8 +15,9 @@ every rank's parameters at the start of each iteration. Every rank must have wri
 back bytes in every step, and left nothing on disk.
 
 Skipped on megatron-core 0.16 (its wheel has no ``megatron.training``); run in the default
-suite only where the installed megatron-core is 0.17+ (``make test-mcore-0.19`` etc.). A run
-takes about 1-2 minutes on 2 cores.
+suite only where the installed megatron-core is 0.17+ (``make test-mcore-0.19`` etc.). Two layouts: dense TP=2 x PP=2, and
+mixture of experts (``--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2``)
+with PP=2. A layout takes about 1-2 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -48,14 +49,25 @@ pytestmark = pytest.mark.skipif(
 
 SCRIPT = os.path.join(HERE, "megatron_lm_wheel_pretrain.py")
 ITERATIONS = 3
-NPROC = 4  # TP=2 x PP=2
-MICROBATCHES = 4  # global 8 / micro 2 / data-parallel 1
+NPROC = 4  # TP=2 x PP=2, or EP=2 (data parallel 2) x PP=2
 RUN_TIMEOUT_S = 480
 
 # A tiny GPT; --clip-grad 0: Megatron's clipping asserts CUDA gradients. -- the fusions and
 # CUDA-only kernels are off (the local layer spec on the CPU).
-TINY_GPT = (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-             "--position-embedding-type", "rope"] + tiny_gpt(ITERATIONS) + MEGATRON_LM_CPU)
+TINY_GPT = ["--pipeline-model-parallel-size", "2", "--position-embedding-type", "rope"] + \
+    tiny_gpt(ITERATIONS) + MEGATRON_LM_CPU
+
+# The layouts of the runs: (flags, micro-batches per iteration per data-parallel rank, ranks
+# of the last stage). Mixture of experts: megatron-core requires sequence parallel with
+# MoE and TP > 1, which the local spec's LayerNorm refuses, so experts are parallel over the
+# two data-parallel ranks instead (TP=1); 4 SequentialMLP experts, top-2, aux loss.
+LOOPS = {
+    "dense_tp2_pp2": (["--tensor-model-parallel-size", "2"], 4, 2),
+    "moe_ep2_pp2": (["--tensor-model-parallel-size", "1", "--num-experts", "4",
+                     "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                     "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff",
+                     "1e-2", "--moe-token-dispatcher-type", "alltoall"], 2, 2),
+}
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
 
@@ -104,6 +116,10 @@ class Run:
     def parameter_hashes(self, rank: int) -> List[str]:
         return [r["params"] for r in self.records[rank] if "params" in r]
 
+    def expert_parameters(self, rank: int) -> List[int]:
+        """Per iteration, how many of the rank's parameters belong to MoE experts."""
+        return [r["expert_params"] for r in self.records[rank] if "params" in r]
+
 
 def _run(tmp_path, site: str, name: str, extra: List[str], launcher: bool) -> Run:
     record = tmp_path / f"record-{name}"
@@ -113,42 +129,55 @@ def _run(tmp_path, site: str, name: str, extra: List[str], launcher: bool) -> Ru
     return Run(_torchrun(program, site, str(tmp_path), str(record)), str(record))
 
 
-@pytest.fixture(scope="module")
-def runs(site, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("training-loop")
+@pytest.fixture(scope="module", params=list(LOOPS))
+def runs(site, tmp_path_factory, request):
+    tmp = tmp_path_factory.mktemp(request.param)
+    layout = LOOPS[request.param][0]
     root, stats = tmp / "ssd", tmp / "stats.jsonl"
     root.mkdir()
-    plain = _run(tmp, site, "plain", [], launcher=False)
+    plain = _run(tmp, site, "plain", layout, launcher=False)
     # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default.
     offload = _run(tmp, site, "offload",
-                   ["--ssd-offload", "--ssd-offload-dir", str(root),
+                   layout + ["--ssd-offload", "--ssd-offload-dir", str(root),
                     "--ssd-offload-stats-path", str(stats), "--ssd-offload-min-tensor-bytes",
                     "0"], launcher=True)
     with open(stats, encoding="utf-8") as fh:
         steps = [r for r in (json.loads(line) for line in fh if line.strip())
                  if "run" not in r]  # each run (and rank) starts with a header line
-    return plain, offload, steps, str(root)
+    return plain, offload, steps, str(root), LOOPS[request.param]
 
 
 def test_megatron_logs_the_same_lm_loss_with_and_without_ssd_offload(runs):
-    plain, offload, _, _ = runs
+    plain, offload, _, _, _ = runs
     assert [i for i, _ in plain.logged] == list(range(1, ITERATIONS + 1)), plain.output[-4000:]
     assert offload.logged == plain.logged
     assert "ssdtrain: rank 0 offloads activations to" in offload.output
     assert "ssdtrain: rank 0 offloads activations to" not in plain.output
 
 
+def test_the_layout_trains_the_model_it_names(runs):
+    """The MoE run has experts on every rank (2 of 4 per rank, fc1 and fc2 weights and biases
+    of each, 2 layers a stage: 16), the dense one none: flags that were silently dropped would
+    otherwise compare two dense runs. Broken variant: the script's layer spec without
+    num_experts -> "assert [0, 0, 0] == [16, 16, 16]"."""
+    plain, offload, _, _, (layout, _, _) = runs
+    experts = 16 if "--num-experts" in layout else 0
+    for rank in range(NPROC):
+        assert plain.expert_parameters(rank) == [experts] * ITERATIONS, rank
+        assert offload.expert_parameters(rank) == [experts] * ITERATIONS, rank
+
+
 def test_every_micro_batch_loss_is_bitwise_equal(runs):
-    plain, offload, _, _ = runs
+    plain, offload, _, _, (_, microbatches, last_stage_ranks) = runs
     last_stage = [rank for rank in range(NPROC) if plain.losses(rank)]
-    assert len(last_stage) == 2  # the two tensor-parallel ranks of the last pipeline stage
+    assert len(last_stage) == last_stage_ranks  # the two TP (or DP) ranks of the last stage
     for rank in last_stage:
-        assert len(plain.losses(rank)) == ITERATIONS * MICROBATCHES
+        assert len(plain.losses(rank)) == ITERATIONS * microbatches
         assert offload.losses(rank) == plain.losses(rank), rank
 
 
 def test_parameters_are_bitwise_equal_at_every_iteration_on_every_rank(runs):
-    plain, offload, _, _ = runs
+    plain, offload, _, _, _ = runs
     for rank in range(NPROC):
         hashes = plain.parameter_hashes(rank)
         assert len(hashes) == ITERATIONS
@@ -157,7 +186,7 @@ def test_parameters_are_bitwise_equal_at_every_iteration_on_every_rank(runs):
 
 
 def test_every_rank_wrote_and_read_back_bytes_in_every_step(runs):
-    _, _, steps, root = runs
+    _, _, steps, root, _ = runs
     assert len(steps) == NPROC * ITERATIONS, steps
     assert all(s["bytes_offloaded"] > 0 and s["bytes_read"] > 0 for s in steps), \
         [(s["bytes_offloaded"], s["bytes_read"]) for s in steps]
@@ -166,11 +195,11 @@ def test_every_rank_wrote_and_read_back_bytes_in_every_step(runs):
 
 
 def test_bytes_written_for_tensors_held_elsewhere_stay_under_5_percent(runs):
-    """Megatron-LM's own loop (TP=2, PP=2): from the second iteration on, bytes written for
+    """Megatron-LM's own loop (each of LOOPS): from the second iteration on, bytes written for
     tensors that something else held until backward (the schedule's received input, the
     batch, Megatron's cached masks and rotary tables) are at most 5% of the bytes written
     on every rank (cache/held.py). Broken variant: make HeldStorages.learn a no-op."""
-    _, _, steps, _ = runs
+    _, _, steps, _, _ = runs
     later = [s for s in steps if s["step"] > 0]
     assert len(later) == NPROC * (ITERATIONS - 1)
     written = sum(s["bytes_offloaded"] for s in later)

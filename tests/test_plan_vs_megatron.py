@@ -46,3 +46,33 @@ def test_local_spec_bytes_per_layer_within_5_percent(tmp_path, recompute, mlp):
         if layer == 1:
             predicted += (layer_activation_bytes(shape, profile) - predicted) / spec.num_microbatches
         assert abs(measured - predicted) <= 0.05 * predicted, (layer, measured, predicted)
+
+
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_moe_layer_bytes_within_5_percent(tmp_path, recompute):
+    """A mixture-of-experts layer (4 experts, top-2, alltoall dispatcher, SequentialMLP): the
+    router's fp32 scores and probabilities, int64 indices, the bool routing map and the
+    experts' tokens * k rows, against what the offloader measures per layer. Broken variant:
+    count the experts' rows as tokens (no top-k) -> "AssertionError: (2, 393508.0, 292644)"."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import megatron_harness as harness
+
+    spec = harness.LayoutSpec(
+        num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+        num_layers=3, hidden_size=64, ffn_hidden_size=96, seq_length=32, micro_batch_size=2,
+        num_microbatches=2, iterations=1, dropout=0.0, add_bias_linear=False,
+        recompute_granularity=recompute,
+        phases=[harness.Phase("offload", offload=dict(dirs=["{root}/a"], min_tensor_bytes=0))])
+    (r,) = harness.run_layout(spec, str(tmp_path), in_process=True)
+    rows = {row["layer"]: row for row in r.phases["offload"].offload["steps"][0]["layers"]}
+    shape = ModelShape(num_layers=3, hidden=64, heads=4, ffn_hidden=96, seq_len=32,
+                       micro_batch=2, dtype_bytes=4, attention_dropout=0.0, hidden_dropout=0.0,
+                       recompute=recompute or "none", num_experts=4, moe_topk=2)
+    predicted = layer_activation_bytes(shape, SaveProfile.megatron_local_cpu(),
+                                       include_shared=False)
+    for layer in (2, 3):  # the first also writes the shared causal mask
+        measured = rows[str(layer)]["bytes"] / spec.num_microbatches
+        assert abs(measured - predicted) <= 0.05 * predicted, (layer, measured, predicted)

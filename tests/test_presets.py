@@ -15,7 +15,8 @@ from ssdtrain_megatron.cache import ActivationOffloader
 from ssdtrain_megatron.config import OffloadConfig
 from ssdtrain_megatron.megatron.args import megatron_args_from_preset
 from ssdtrain_megatron.tools.plan_cli import PRESET_SECTIONS, load_preset
-from ssdtrain_megatron.plan.model import ModelShape
+from ssdtrain_megatron.plan.model import (ModelShape, SaveProfile, layer_activation_bytes,
+                                          layer_activation_terms)
 
 from models import assert_bitwise_equal, mlp, run_steps
 
@@ -27,6 +28,9 @@ LAYOUTS = {  # preset: (tp, pp)
     "llama2-13b": (4, 2),
     "llama3-8b": (2, 2),
     "llama3-70b": (8, 4),
+    "mixtral-8x7b": (1, 4),
+    "qwen3-30b-a3b": (1, 2),
+    "llama3-8b-128k": (2, 1),
     "cpu-tiny": (1, 1),
 }
 GPU_PRESETS = [name for name in LAYOUTS if name != "cpu-tiny"]
@@ -104,3 +108,34 @@ def test_cpu_tiny_offloads_under_the_current_folder(tmp_path, monkeypatch):
     assert stats[0].bytes_offloaded > 0 and stats[0].bytes_read > 0, stats[0]
     leftovers = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
     assert leftovers == []
+
+
+@pytest.mark.parametrize("name, experts, topk, ep", [("mixtral-8x7b", 8, 2, 8),
+                                                     ("qwen3-30b-a3b", 128, 8, 8)])
+def test_moe_preset_plans_experts_and_becomes_megatron_moe_flags(name, experts, topk, ep):
+    """Broken variant: drop the MoE fields from megatron_args_from_preset -> ValueError:
+    '--num-experts' is not in list."""
+    flags = megatron_args_from_preset(_path(name))
+    assert flags[flags.index("--num-experts") + 1] == str(experts)
+    assert flags[flags.index("--moe-router-topk") + 1] == str(topk)
+    assert flags[flags.index("--expert-model-parallel-size") + 1] == str(ep)
+    shape, _ = load_preset(_path(name))
+    terms = layer_activation_terms(shape, SaveProfile.paper())
+    assert terms["routing_map"] == shape.seq_len * shape.micro_batch * experts  # bool: 1 B
+    assert "fc1_input" not in terms and terms["expert_fc1_input"] > 0
+
+
+def test_long_context_preset_plans_per_context_parallel_rank():
+    """Llama-3 8B at 128k with CP=8: a layer holds what the 8k preset's layer holds at 16k
+    tokens (twice the 8k figure), plus the keys and values all-gathered to the whole 128k.
+    Broken variant: drop the K/V all-gather from _context_parallel_terms ->
+    "assert 1140850688 == 1375731712" (twice the 8k preset's layer)."""
+    shape, _ = load_preset(_path("llama3-8b-128k"))
+    assert shape.cp == 8 and shape.seq_len == 131072
+    eight_k, _ = load_preset(_path("llama3-8b"))
+    kv = 2 * shape.dtype_bytes * shape.micro_batch * shape.groups * shape.head_dim // shape.tp
+    expected = 2 * layer_activation_bytes(eight_k.replace(pp=1), SaveProfile.paper()) \
+        + kv * (shape.seq_len - shape.seq_len // shape.cp)
+    assert layer_activation_bytes(shape, SaveProfile.paper()) == expected
+    flags = megatron_args_from_preset(_path("llama3-8b-128k"))
+    assert flags[flags.index("--context-parallel-size") + 1] == "8"

@@ -283,7 +283,8 @@ def megatron_args_from_preset(path: str) -> List[str]:
     launch script trains exactly the shape that ``ssdtrain plan --config`` planned for.
 
     Covers the shape, the micro-batch, dtype, grouped-query attention, SwiGLU, dropout,
-    recomputation and the TP / PP / sequence-parallel layout. Everything else about the model
+    mixture of experts (experts, top-k, expert FFN width, EP; the alltoall dispatcher),
+    recomputation and the TP / PP / sequence- and context-parallel layout. Everything else about the model
     (position embeddings, normalization, tokenizer, data) stays in the launch script.
 
     Raises:
@@ -324,6 +325,14 @@ def megatron_args_from_preset(path: str) -> List[str]:
             flags.append("--no-bias-swiglu-fusion")
     if shape.sequence_parallel:
         flags.append("--sequence-parallel")
+    if shape.cp > 1:
+        flags += ["--context-parallel-size", str(shape.cp)]
+    if shape.num_experts is not None:
+        flags += ["--num-experts", str(shape.num_experts), "--moe-router-topk",
+                  str(shape.moe_topk), "--expert-model-parallel-size", str(shape.ep),
+                  "--moe-token-dispatcher-type", "alltoall"]
+        if shape.moe_ffn_hidden is not None:
+            flags += ["--moe-ffn-hidden-size", str(shape.moe_ffn_hidden)]
     if shape.recompute == "selective":
         flags += ["--recompute-granularity", "selective"]
     elif shape.recompute == "full":

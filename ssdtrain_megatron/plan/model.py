@@ -34,6 +34,7 @@ Units: bytes and FLOPs are exact integers; bandwidths are decimal (1 GB/s = 1e9 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, Optional
 
 from .shape import _FP32, DTYPE_BYTES, PAPER, RECOMPUTE_GRANULARITIES, ModelShape, SaveProfile
@@ -57,10 +58,11 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
     object (the causal attention mask); an offloader that deduplicates writes it once, in the
     first layer.
     """
+    if shape.cp > 1:
+        return _context_parallel_terms(shape, profile, include_shared)
     d = shape.dtype_bytes
     t = shape.tp
     s, b, h = shape.seq_len, shape.micro_batch, shape.hidden
-    f = shape.ffn_hidden
     mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
     # Norms, dropouts and linear inputs see the whole sequence unless sequence parallel
     # splits it; everything between the column- and row-parallel linears is split by heads.
@@ -89,6 +91,39 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
     if shape.hidden_dropout > 0:
         terms["attn_residual_dropout_mask"] = mask_b * sp_tokens * h
     norm("mlp_norm")
+    if shape.num_experts is not None:
+        _moe_terms(terms, shape)
+    else:
+        _mlp_terms(terms, shape, profile)
+    if shape.hidden_dropout > 0:
+        terms["mlp_residual_dropout_mask"] = mask_b * sp_tokens * h
+    return terms
+
+
+def local_sequence_shape(shape: ModelShape) -> ModelShape:
+    """What one context-parallel rank holds: the same model on seq_len / cp tokens."""
+    return dataclasses.replace(shape, seq_len=shape.seq_len // shape.cp, cp=1)
+
+
+def _context_parallel_terms(shape: ModelShape, profile: SaveProfile,
+                            include_shared: bool) -> Dict[str, int]:
+    """A context-parallel rank's terms: every tensor holds seq_len / cp tokens, but the
+    attention saves keys and values all-gathered over the cp ranks (Transformer Engine's
+    all-gather CP; its ring variant saves per-step chunks instead: read these as an upper
+    bound there). Modelled, not measured: CP needs TE and two GPUs."""
+    terms = layer_activation_terms(local_sequence_shape(shape), profile,
+                                   include_shared=include_shared)
+    for name in ("key", "value"):
+        if name in terms:
+            terms[name] *= shape.cp
+    return terms
+
+
+def _mlp_terms(terms: Dict[str, int], shape: ModelShape, profile: SaveProfile) -> None:
+    """The dense MLP's saved tensors (fc1, activation, fc2)."""
+    d, t, h, f = shape.dtype_bytes, shape.tp, shape.hidden, shape.ffn_hidden
+    tokens = shape.seq_len * shape.micro_batch
+    sp_tokens = (shape.seq_len // t if shape.sequence_parallel else shape.seq_len) * shape.micro_batch
     terms["fc1_input"] = d * sp_tokens * h
     if shape.swiglu and shape.swiglu_fusion:
         # Megatron's fused SwiGLU saves the whole fc1 output (gate and up halves) once.
@@ -104,9 +139,49 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
     else:
         terms["activation_input"] = d * tokens * f // t
     terms["fc2_input"] = d * tokens * f // t
-    if shape.hidden_dropout > 0:
-        terms["mlp_residual_dropout_mask"] = mask_b * sp_tokens * h
-    return terms
+
+
+_INT64 = 8
+
+
+def _moe_terms(terms: Dict[str, int], shape: ModelShape) -> None:
+    """A mixture-of-experts MLP: megatron-core's router (softmax top-k, aux loss), the alltoall
+    dispatcher, SequentialMLP experts, no capacity factor (no token dropped). Every token goes
+    to top-k experts, so the experts see tokens * k rows in all: per rank on average under
+    expert parallelism (the split between experts is the router's). Router probabilities are
+    fp32, indices int64, the routing map bool (1 byte). Checked at fp32 on the CPU
+    (tests/test_plan_vs_megatron.py); under bf16 the expert terms scale with dtype_bytes."""
+    d, h, t = shape.dtype_bytes, shape.hidden, shape.tp
+    # With TP (megatron requires sequence parallel then) the router sees this rank's part of
+    # the sequence; the experts (expert TP = TP) see the whole TP group's rows, f split by t.
+    # Not measured: MoE with TP needs the Transformer Engine spec (CUDA).
+    tokens = (shape.seq_len // t if shape.sequence_parallel else shape.seq_len) * shape.micro_batch
+    experts, k = shape.num_experts, shape.moe_topk
+    f = (shape.moe_ffn_hidden or shape.ffn_hidden) // t
+    rows = tokens * k
+    expert_rows = shape.seq_len * shape.micro_batch * k
+    terms["router_input"] = d * tokens * h
+    terms["router_scores"] = _FP32 * tokens * experts
+    terms["router_topk_probs"] = _FP32 * rows
+    terms["router_topk_indices"] = _INT64 * rows
+    terms["aux_loss_topk_indices"] = _INT64 * rows
+    terms["tokens_per_expert"] = _INT64 * experts
+    terms["aux_loss"] = _FP32
+    terms["routing_map"] = tokens * experts
+    terms["routing_probs"] = _FP32 * tokens * experts
+    terms["permutation_indices"] = _INT64 * rows
+    terms["expert_fc1_input"] = d * expert_rows * h
+    # SwiGLU experts (Mixtral, Qwen3, DeepSeek): the fused function saves the 2f-wide fc1
+    # output; unfused, about 4f (the gate's strided span, silu's output, the up half). Only
+    # the GeLU experts were measured.
+    width = (2 if shape.swiglu_fusion else 4) * f if shape.swiglu else f
+    terms["expert_activation_input"] = d * expert_rows * width
+    terms["expert_probs"] = _FP32 * expert_rows
+    terms["expert_activation_output"] = d * expert_rows * f
+    terms["expert_fc2_input"] = d * expert_rows * f
+    # Unpermute scatters with the indices expanded over h (a stride-0 view: its span is
+    # what is saved).
+    terms["unpermute_indices"] = _INT64 * rows
 
 
 def _attention_terms(terms: Dict[str, int], shape: ModelShape, profile: SaveProfile,
@@ -168,6 +243,8 @@ def head_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER) -> Di
     up to a multiple of tp)."""
     if shape.vocab is None:
         return {}
+    if shape.cp > 1:  # the head sees this rank's seq_len / cp tokens
+        return head_activation_terms(local_sequence_shape(shape), profile)
     d, t = shape.dtype_bytes, shape.tp
     s, b, h = shape.seq_len, shape.micro_batch, shape.hidden
     mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
@@ -192,13 +269,20 @@ def forward_flops_per_layer(shape: ModelShape) -> int:
 
     QKV 2sbh(h + 2*g*hd), scores and attention over values 4bs^2h (the full square, as
     megatron's own formula counts it), output projection 2sbh^2, MLP 4sbhf (6sbhf with SwiGLU).
+    A mixture of experts runs each token through top-k experts of width f_e (k times the MLP
+    at f_e) plus the router 2sbhE.
     """
     s, b, h, f = shape.seq_len, shape.micro_batch, shape.hidden, shape.ffn_hidden
     kv_width = shape.groups * shape.head_dim
     qkv = 2 * s * b * h * (h + 2 * kv_width)
     attention = 4 * b * s * s * h
     proj = 2 * s * b * h * h
-    mlp = 2 * s * b * h * f * (3 if shape.swiglu else 2)
+    if shape.num_experts is not None:
+        f_e = shape.moe_ffn_hidden or f
+        mlp = shape.moe_topk * 2 * s * b * h * f_e * (3 if shape.swiglu else 2) \
+            + 2 * s * b * h * shape.num_experts
+    else:
+        mlp = 2 * s * b * h * f * (3 if shape.swiglu else 2)
     return qkv + attention + proj + mlp
 
 
@@ -218,12 +302,12 @@ def training_flops_per_micro_batch(shape: ModelShape) -> int:
 
 def estimate_step_time_s(shape: ModelShape, sustained_tflops: float,
                          num_micro_batches: int = 1) -> float:
-    """Seconds per training step on one GPU: the step's FLOPs split over tp * pp GPUs at a
+    """Seconds per training step on one GPU: the step's FLOPs split over tp * pp * cp GPUs at a
     sustained ``sustained_tflops`` (1e12 FLOP/s); pipeline bubbles are not counted."""
     if not sustained_tflops > 0:
         raise ValueError(f"sustained_tflops={sustained_tflops!r} is invalid: expected > 0")
     flops = training_flops_per_micro_batch(shape) * num_micro_batches
-    return flops / (shape.tp * shape.pp) / (sustained_tflops * 1e12)
+    return flops / (shape.tp * shape.pp * shape.cp) / (sustained_tflops * 1e12)
 
 
 def required_write_gbps(offloaded_bytes_per_step: float, step_time_s: float) -> float:

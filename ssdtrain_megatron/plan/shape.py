@@ -95,6 +95,25 @@ class ModelShape:
     hidden_dropout: float = 0.1
     """Dropout before each residual add (megatron's default 0.1); 0 saves no mask."""
 
+    num_experts: Optional[int] = None
+    """Mixture of experts in every layer (megatron's --num-experts); None: a dense MLP."""
+
+    moe_topk: int = 2
+    """Experts each token is routed to (--moe-router-topk). Only read with num_experts."""
+
+    moe_ffn_hidden: Optional[int] = None
+    """Each expert's FFN width (--moe-ffn-hidden-size); None: ffn_hidden."""
+
+    cp: int = 1
+    """Context-parallel degree (--context-parallel-size): each rank holds seq_len / cp tokens;
+    attention (Transformer Engine's, the only one megatron runs CP with) saves the keys and
+    values all-gathered over the cp ranks. Needs flash_attention."""
+
+    ep: int = 1
+    """Expert-parallel degree (--expert-model-parallel-size): experts split over ep of the
+    data-parallel ranks. Per-rank activation bytes do not depend on it (on average each rank's
+    experts see as many rows as its own tokens send out); it sets the launch flags."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
                      "tp", "pp"):
@@ -110,6 +129,19 @@ class ModelShape:
                 _fail(name, getattr(self, name), "expected true or false")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             _fail("recompute", self.recompute, "allowed: " + ", ".join(RECOMPUTE_GRANULARITIES))
+        if not _is_int(self.cp) or self.cp < 1 or self.seq_len % self.cp:
+            _fail("cp", self.cp, f"expected an integer >= 1 that divides seq_len ({self.seq_len})")
+        if self.cp > 1 and not self.flash_attention:
+            _fail("cp", self.cp, "context parallelism needs flash_attention: true (megatron "
+                  "runs it with Transformer Engine's fused attention only)")
+        if not _is_int(self.ep) or self.ep < 1 or (self.num_experts or 1) % self.ep:
+            _fail("ep", self.ep, "expected an integer >= 1 that divides num_experts")
+        for name in ("num_experts", "moe_ffn_hidden"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                _fail(name, value, "expected an integer >= 1 or null")
+        if not _is_int(self.moe_topk) or not 1 <= self.moe_topk <= (self.num_experts or 1 << 30):
+            _fail("moe_topk", self.moe_topk, "expected an integer from 1 to num_experts")
         if self.vocab is not None and (not _is_int(self.vocab) or self.vocab < 1):
             _fail("vocab", self.vocab, "expected an integer >= 1 or null")
         for name in ("attention_dropout", "hidden_dropout"):
@@ -155,8 +187,9 @@ class ModelShape:
 
     PRESET_MODEL_KEYS = ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
                          "kv_groups", "dtype", "swiglu", "swiglu_fusion", "flash_attention",
-                         "recompute", "vocab", "attention_dropout", "hidden_dropout")
-    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel")
+                         "recompute", "vocab", "attention_dropout", "hidden_dropout",
+                         "num_experts", "moe_topk", "moe_ffn_hidden")
+    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel", "ep", "cp")
 
     @classmethod
     def from_preset(cls, model: Mapping, parallel: Optional[Mapping] = None) -> "ModelShape":

@@ -18,7 +18,15 @@ enabled, this module redirects all of them to the CPU:
   generator, so forking the tracker (tensor-parallel regions) and restoring states for
   recomputation (``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``) act on
   exactly the numbers the kernels use, and recomputed dropout masks equal the original ones;
-* ``GlobalMemoryBuffer.get_tensor`` allocates on the CPU.
+* ``GlobalMemoryBuffer.get_tensor`` allocates on the CPU;
+* mixture-of-experts layers get three stand-ins: ``torch.cuda.Stream`` / ``current_stream`` /
+  ``stream`` are a :class:`CpuStreamStandIn` (the ``alltoall`` token dispatcher and the shared
+  experts create a side stream in their constructor; on the CPU every op runs in program order,
+  so waiting on or recording one has nothing to do), and megatron-core 0.16's ``moe_utils``,
+  which names ``te_general_gemm`` only when Transformer Engine imports, gets it as None, so the
+  router's gating GEMM takes its own torch.mm path (what a build with the name defined but TE
+  absent does); the alltoall dispatcher's "move the split sizes to the host as numpy" step,
+  which skips tensors already on the CPU, converts them here too.
 
 ``enable()`` is idempotent; ``disable()`` puts back every attribute it replaced, the same objects
 as before. It refuses to enable where CUDA is available: there, megatron runs as it is.
@@ -34,7 +42,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable", "disable", "is_enabled", "enabled", "CpuDeviceMode"]
+__all__ = ["enable", "disable", "is_enabled", "enabled", "CpuDeviceMode", "CpuStreamStandIn"]
 
 
 def _to_cpu_device(device: Any) -> Any:
@@ -68,6 +76,21 @@ class CpuDeviceMode(TorchFunctionMode):
             if isinstance(first, (str, int, torch.device)) and not isinstance(first, bool):
                 args = (args[0], _to_cpu_device(first)) + tuple(args[2:])
         return func(*args, **kwargs)
+
+
+def _backward_under_cpu_mode(original: Callable) -> Callable:
+    """Wrap ``BackwardCFunction.apply`` so a custom autograd function's backward runs under a
+    CpuDeviceMode. torch runs a mode's handler with that mode switched off, and the whole
+    backward pass runs inside the handler of ``torch.autograd.backward``: without this, a
+    backward that allocates on "the current CUDA device" (megatron's gather / reduce-scatter
+    along the first dimension, which the MoE allgather dispatcher runs) would ask for CUDA."""
+
+    @functools.wraps(original)
+    def apply(self, *args):
+        with CpuDeviceMode():
+            return original(self, *args)
+
+    return apply
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
@@ -130,6 +153,83 @@ def _buffer_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
     return buf[0:required_len].view(*tensor_shape)
 
 
+class _CpuEventStandIn:
+    """What ``CpuStreamStandIn.record_event()`` returns: already complete."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+
+class CpuStreamStandIn:
+    """Stand-in for ``torch.cuda.Stream`` on a CPU-only torch (not a stream: CPU ops run in
+    program order, so there is nothing to wait for or record). One instance is "the current
+    stream"; every other one compares unequal to it, as a side stream does."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEventStandIn:
+        return _CpuEventStandIn()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = CpuStreamStandIn()
+
+
+@contextlib.contextmanager
+def _stream_context(stream: Any = None):
+    """``torch.cuda.stream(s)`` stand-in: CPU ops run where they are issued."""
+    yield
+
+
+def _patch_moe_stand_ins(state: "_State") -> None:
+    """The CUDA-/TE-only names megatron-core's MoE layers touch (see the module docstring)."""
+    state.patch(torch.cuda, "Stream", CpuStreamStandIn)
+    state.patch(torch.cuda, "current_stream", lambda device=None: _CURRENT_STREAM)
+    state.patch(torch.cuda, "stream", _stream_context)
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # a megatron-core without MoE: nothing to stand in for
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        state.patch(moe_utils, "te_general_gemm", None)
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        state.patch(token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_cpu)
+    # The alltoall dispatcher keeps its side stream on the class, made by the first instance:
+    # disable() puts the class's own value back, so no stand-in outlives the runtime.
+    dispatcher_cls = getattr(token_dispatcher, "MoEAlltoAllTokenDispatcher", None)
+    if dispatcher_cls is not None and "cuda_dtoh_stream" in vars(dispatcher_cls):
+        state.patch(dispatcher_cls, "cuda_dtoh_stream", dispatcher_cls.cuda_dtoh_stream)
+
+
+def _split_sizes_on_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Stand-in for moe_utils.maybe_move_tensor_to_cpu, which converts only CUDA tensors: the
+    alltoall dispatcher's split sizes are already on the CPU here, and still have to become the
+    numpy arrays ``all_to_all_single`` takes as split sizes, as they do on a GPU."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 class _State:
     """What enable() replaced: (owner, attribute name, original value), in patch order."""
 
@@ -178,6 +278,9 @@ def enable() -> None:
     state.patch(tracker_cls, "fork",
                 _make_tracker_fork(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME))
     state.patch(mcore_utils.GlobalMemoryBuffer, "get_tensor", _buffer_get_tensor)
+    _patch_moe_stand_ins(state)
+    backward_cls = torch.autograd.function.BackwardCFunction
+    state.patch(backward_cls, "apply", _backward_under_cpu_mode(backward_cls.apply))
     state.mode = CpuDeviceMode()
     state.mode.__enter__()
     _STATE = state

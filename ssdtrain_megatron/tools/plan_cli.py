@@ -207,7 +207,7 @@ def load_preset(path: str) -> Tuple[ModelShape, int]:
 
 def _layer_measurements(shape: ModelShape, profile: SaveProfile,
                         tflops: float) -> Tuple[LayerMeasurement, ...]:
-    forward_s = forward_flops_per_layer(shape) / shape.tp / (tflops * 1e12)
+    forward_s = forward_flops_per_layer(shape) / (shape.tp * shape.cp) / (tflops * 1e12)
     layer = LayerMeasurement(
         forward_s=forward_s,
         activation_bytes=layer_activation_bytes(shape, profile),
@@ -300,8 +300,12 @@ def _print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
           f"stage), h={shape.hidden}, heads={shape.heads}, kv_groups={shape.groups}, "
           f"ffn={shape.ffn_hidden}, s={shape.seq_len}, b={shape.micro_batch}, {dtype}, "
           f"tp={shape.tp}, pp={shape.pp}, sp={shape.sequence_parallel}, "
+          + (f"cp={shape.cp}, " if shape.cp > 1 else "") +
           f"flash={shape.flash_attention}, recompute={shape.recompute}"
-          + (f", swiglu ({'fused' if shape.swiglu_fusion else 'unfused'})" if shape.swiglu else ""))
+          + (f", swiglu ({'fused' if shape.swiglu_fusion else 'unfused'})" if shape.swiglu else "")
+          + (f", experts={shape.num_experts} top-{shape.moe_topk} (width "
+             f"{shape.moe_ffn_hidden or shape.ffn_hidden}), ep={shape.ep}"
+             if shape.num_experts is not None else ""))
     print(f"{'layer':>5}  {'bytes':>18}  decision   (layers numbered from 1, as Megatron does)")
     for row in r["layers"]:
         print(f"{row['layer']:>5}  {row['bytes']:>18,}  {row['decision']}")
