@@ -34,7 +34,7 @@ from ssdtrain_megatron.config import ConfigError
 from ssdtrain_megatron.io import IOEngine, make_engine
 from ssdtrain_megatron.io.base import as_bytes
 from tests import fake_kvikio
-from tests.faulty import FaultyEngine
+from tests.faulty import FaultyEngine, HeldWrites
 from tests.forwarding import ForwardingEngine
 from tests.recording_streams import Node, Recorder, _range, contains, overlaps
 
@@ -343,19 +343,6 @@ def test_the_wrapper_forwards_every_name_the_engine_interface_declares():
         inner.close()
 
 
-class _HeldWrites:
-    """A fault hook that holds the IO thread inside the first write after ``held`` is set."""
-
-    def __init__(self) -> None:
-        self.held, self.entered, self.go = False, threading.Event(), threading.Event()
-
-    def __call__(self, op, path, offset, nbytes):
-        if op == "write" and self.held and not self.go.is_set():
-            self.entered.set()
-            self.go.wait(60)
-        return None
-
-
 def test_a_write_released_before_it_starts_is_cancelled_by_the_real_engine(tmp_path):
     """The offloader's cancel reaches the real engine through the wrapper and takes back the
     writes still queued behind a held one. Broken variant: LoggedEngine without the forwarding
@@ -363,7 +350,7 @@ def test_a_write_released_before_it_starts_is_cancelled_by_the_real_engine(tmp_p
     rec = Recorder()
     cpu = torch.device("cpu")
     config = _config(tmp_path, "posix", io_threads=1)
-    gate = _HeldWrites()
+    gate = HeldWrites()
     logged = LoggedEngine(FaultyEngine(make_engine(config), gate), rec)
     with ActivationOffloader(config, device=cpu, engine=logged, streams=rec) as off:
         gate.held = True

@@ -12,8 +12,7 @@ from torch import nn
 
 from ssdtrain_megatron import ActivationOffloader
 from tests.bitwise import bitwise_equal
-from tests.faulty import faulty_offloader
-from tests.test_hot_path import HeldWrites
+from tests.faulty import HeldWrites, faulty_offloader
 from tests.test_offloader import cfg, files_under
 
 ROWS, WIDTH = 64, 256

@@ -19,7 +19,7 @@ from ssdtrain_megatron import ActivationOffloader
 from ssdtrain_megatron.cache.record import TensorRecord
 from ssdtrain_megatron.io.memory import PoolFull
 import tests.test_engines as engine_suite
-from tests.faulty import FaultyEngine, faulty_offloader
+from tests.faulty import FaultyEngine, HeldWrites, faulty_offloader
 from tests.test_engines import ALL, _param
 from tests.test_offloader import cfg, files_under
 
@@ -187,19 +187,6 @@ def test_a_tensor_forwarded_while_its_write_is_in_flight_counts_once(offload_dir
 
 
 # -- reads before writes; writes of released tensors are cancelled ----------------------------
-
-
-class HeldWrites:
-    """Holds the IO thread inside the first write after ``hold()`` until ``release()``."""
-
-    def __init__(self) -> None:
-        self.held, self.entered, self.go = False, threading.Event(), threading.Event()
-
-    def __call__(self, op, path, offset, nbytes):
-        if op == "write" and self.held and not self.go.is_set():
-            self.entered.set()
-            self.go.wait(60)
-        return None
 
 
 # posix: its queue is ours, and reads are served first. aio's writes race each other across

@@ -26,7 +26,6 @@ other seven points are marked slow (``pytest -m slow``). Skipped on megatron-cor
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -41,17 +40,11 @@ sys.path.insert(0, HERE)
 
 pytest.importorskip("megatron.core")
 
-from ssdtrain_megatron.megatron import compat  # noqa: E402
 from tests.bitwise import bitwise_equal, tensor_leaves  # noqa: E402
 from tests.preempt_points import POINTS  # noqa: E402
-from tests.tiny_gpt_flags import MEGATRON_LM_CPU, tiny_gpt  # noqa: E402
+from tests.tiny_gpt_flags import MEGATRON_LM_CPU, needs_megatron_training, tiny_gpt  # noqa: E402
 
-_RELEASE = compat.release_for(compat.megatron_core_version())
-
-pytestmark = pytest.mark.skipif(
-    not _RELEASE.ships_training or importlib.util.find_spec("megatron.training") is None,
-    reason=f"megatron-core {compat.megatron_core_version()} ships no megatron.training (0.17+ "
-           "do): run `make test-mcore-0.17` (or 0.18, 0.19)")
+pytestmark = needs_megatron_training()
 
 SCRIPT = os.path.join(HERE, "megatron_lm_wheel_pretrain.py")
 NPROC = 2  # PP=2: the 1F1B schedule, a forward and a backward of each stage per micro-batch

@@ -22,7 +22,6 @@ with PP=2. A layout takes about 1-2 minutes on 2 cores.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -37,15 +36,9 @@ sys.path.insert(0, HERE)
 
 pytest.importorskip("megatron.core")
 
-from ssdtrain_megatron.megatron import compat  # noqa: E402
-from tests.tiny_gpt_flags import MEGATRON_LM_CPU, tiny_gpt  # noqa: E402
+from tests.tiny_gpt_flags import MEGATRON_LM_CPU, needs_megatron_training, tiny_gpt  # noqa: E402
 
-_RELEASE = compat.release_for(compat.megatron_core_version())
-
-pytestmark = pytest.mark.skipif(
-    not _RELEASE.ships_training or importlib.util.find_spec("megatron.training") is None,
-    reason=f"megatron-core {compat.megatron_core_version()} ships no megatron.training (0.17+ "
-           "do): run `make test-mcore-0.17` (or 0.18, 0.19)")
+pytestmark = needs_megatron_training()
 
 SCRIPT = os.path.join(HERE, "megatron_lm_wheel_pretrain.py")
 ITERATIONS = 3

@@ -66,7 +66,10 @@ def test_moe_layer_bytes_within_5_percent(tmp_path, recompute):
         num_microbatches=2, iterations=1, dropout=0.0, add_bias_linear=False,
         recompute_granularity=recompute,
         phases=[harness.Phase("offload", offload=dict(dirs=["{root}/a"], min_tensor_bytes=0))])
-    (r,) = harness.run_layout(spec, str(tmp_path), in_process=True)
+    # A process of its own: run after the rest of the suite in one process, this layer saved
+    # about 40 KB more per micro-batch (state some earlier test leaves in megatron-core; not
+    # yet found), while alone and in its own process it measures as modelled.
+    (r,) = harness.run_layout(spec, str(tmp_path), in_process=False)
     rows = {row["layer"]: row for row in r.phases["offload"].offload["steps"][0]["layers"]}
     shape = ModelShape(num_layers=3, hidden=64, heads=4, ffn_hidden=96, seq_len=32,
                        micro_batch=2, dtype_bytes=4, attention_dropout=0.0, hidden_dropout=0.0,

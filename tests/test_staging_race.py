@@ -40,6 +40,7 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.cache.record import State
 from ssdtrain_megatron.io import IOEngine, make_engine
 from tests.faulty import FaultyEngine
+from tests.forwarding import ForwardingEngine
 from tests.recording_streams import Recorder, _range, overlaps
 
 CUDA = torch.cuda.is_available()
@@ -48,34 +49,19 @@ OPS = ["stand-in", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.ski
     not CUDA, reason="needs a CUDA device")])]
 
 
-class Logged(IOEngine):
+class Logged(ForwardingEngine):
     """A real engine, with each submission logged as a host operation (key, the memory it
     reads from or writes into), and, for the engine-error path, a synchronous failure of
     ``write`` for chosen keys (``refuse``): what an engine bug looks like to the offloader.
-    Everything else, ``cancel`` and ``completions`` included, is the inner engine's."""
+    Everything else, ``cancel`` and ``completions`` included, is the inner engine's
+    (tests/forwarding.py)."""
+
+    _own = ("rec", "refuse", "pooled")
 
     def __init__(self, inner: IOEngine, rec: Recorder, pooled: bool = True) -> None:
-        object.__setattr__(self, "inner", inner)
-        object.__setattr__(self, "rec", rec)
-        object.__setattr__(self, "refuse", {})
-        object.__setattr__(self, "pooled", pooled)  # False: hide the engine's pool_view
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):
-        setattr(self.inner, name, value)
-
-    name = property(lambda self: self.inner.name)
-    completions = property(lambda self: self.inner.completions)
-    device_direct = property(lambda self: self.inner.device_direct)
-    ident = property(lambda self: self.inner.ident)
-    rank_dirs = property(lambda self: self.inner.rank_dirs)
-    step_peak_bytes = property(lambda self: self.inner.step_peak_bytes)
-    tracer = property(lambda self: self.inner.tracer)
-    write_meter = property(lambda self: self.inner.write_meter)
-    read_meter = property(lambda self: self.inner.read_meter)
-    bytes_on_disk = property(lambda self: self.inner.bytes_on_disk)
+        super().__init__(inner)
+        self.rec, self.refuse = rec, {}
+        self.pooled = pooled  # False: hide the engine's pool_view
 
     def write(self, key, data, ready_event=None):
         self.rec.host("engine_write", key=key, ptr=_range(data))
@@ -87,26 +73,11 @@ class Logged(IOEngine):
         self.rec.host("engine_read", key=key, ptr=_range(out))
         return self.inner.read(key, out, ready_event)
 
-    def release(self, key):
-        self.inner.release(key)
-
-    def cancel(self, key):
-        return self.inner.cancel(key)
-
     def pool_view(self, key, nbytes):
         return self.inner.pool_view(key, nbytes) if self.pooled else None
 
     def pool_view_of(self, key):
         return self.inner.pool_view_of(key) if self.pooled else None
-
-    def fence(self, key, event):
-        self.inner.fence(key, event)
-
-    def end_step(self):
-        self.inner.end_step()
-
-    def close(self):
-        self.inner.close()
 
 
 class SlowReload(Recorder):

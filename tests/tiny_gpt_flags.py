@@ -26,3 +26,21 @@ def tiny_gpt(iterations: int, micro_batch: int = 2, global_batch: int = 8) -> Li
         "--distributed-backend", "gloo", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
         "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
     ]
+
+
+def needs_megatron_training():
+    """The skip mark of the tests that run Megatron-LM's own training loop from the wheel:
+    megatron-core 0.17+ ships ``megatron.training``, 0.16 does not."""
+    import importlib.util
+
+    import pytest
+
+    from ssdtrain_megatron.megatron import compat
+
+    version = compat.megatron_core_version()
+    return pytest.mark.skipif(
+        not compat.release_for(version).ships_training
+        or importlib.util.find_spec("megatron.training") is None,
+        reason=f"megatron-core {version} ships no megatron.training (0.17+ do): run "
+               "`make test-mcore-0.17` (or 0.18, 0.19)")
+
