@@ -81,23 +81,27 @@ def _stall(engine: str, step: dict) -> Verdict:
                                f"step {off['step_s'] * 1e3:.0f} ms; submitting writes {off.get('submit_s', 0) * 1e3:.1f} ms)")
 
 
-def _peak(engine: str, step: dict) -> Verdict:
+def _keep_and_offload(engine: str, step: dict):
+    """The keep and offload points at the step's micro-batch, or Nones and why one is missing."""
     k = step.get("micro_batch", 1)
     keep, why = _point(step, f"keep@{k}")
     off, why2 = _point(step, f"offload-{engine}@{k}")
+    return keep, off, why or why2
+
+
+def _peak(engine: str, step: dict) -> Verdict:
+    keep, off, why = _keep_and_offload(engine, step)
     if keep is None or off is None:
-        return None, why or why2
+        return None, why
     r = off["peak_reserved"] / keep["peak_reserved"]
     return r <= PEAK_MAX, (f"{r:.2f}x reserved ({off['peak_reserved'] / 2**30:.1f} vs {keep['peak_reserved'] / 2**30:.1f}"
                            f" GiB; allocated {off['peak_bytes'] / 2**30:.1f} vs {keep['peak_bytes'] / 2**30:.1f} GiB)")
 
 
 def _overlap(engine: str, step: dict) -> Verdict:
-    k = step.get("micro_batch", 1)
-    keep, why = _point(step, f"keep@{k}")
-    off, why2 = _point(step, f"offload-{engine}@{k}")
+    keep, off, why = _keep_and_offload(engine, step)
     if keep is None or off is None:
-        return None, why or why2
+        return None, why
     bw = step.get("bandwidth", {}).get(engine)
     if not bw:
         return None, f"no {engine} bandwidth measured (io-bench did not pass)" if engine == "posix" else "no bandwidth"
