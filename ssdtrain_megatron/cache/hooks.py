@@ -64,8 +64,7 @@ class SavedTensorHooks:
         if self._capturing():
             # A CUDA graph is being captured: no event, stream switch or IO may enter it (a
             # replay would repeat none of the host side). The tensor stays with autograd.
-            c.captured_kept += 1
-            c.pass_through("cuda_graph_capture", self._layer)
+            c.pass_through("cuda_graph_capture", self._layer)  # StepStats.captured_kept
             return t
         if t.nbytes < self._min_bytes:  # the cheapest test first
             c.pass_through("small", self._layer)
@@ -75,8 +74,7 @@ class SavedTensorHooks:
             self._pass_other(t)
             return t
         if storage._cdata in self._held:  # held until backward anyway: writing frees nothing
-            c.pass_through("held_by_schedule", self._layer)
-            c.tensors_held_by_schedule += 1
+            c.pass_through("held_by_schedule", self._layer)  # StepStats.tensors_held_by_schedule
             return t
         if not self._events.empty():
             self._drain()

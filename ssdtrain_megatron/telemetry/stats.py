@@ -186,10 +186,8 @@ class StepCounters:
     tensors_passed_through: int = 0
     tensors_kept: int = 0
     tensors_forwarded: int = 0
-    tensors_held_by_schedule: int = 0
     writes_taken_back: int = 0
     bytes_wasted_held: int = 0
-    captured_kept: int = 0
     io_wait_s: float = 0.0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
@@ -246,19 +244,20 @@ class StepCounters:
                                 tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s,
                                 forward_s=a.forward_s)
                      for k, a in sorted(self.layers.items(), key=lambda kv: _sort_key(kv[0])))
+        by_reason = self.passed_by_reason()
         return StepStats(
             step=step, bytes_offloaded=self.bytes_offloaded, bytes_read=self.bytes_read,
             bytes_deduplicated=self.bytes_deduplicated, tensors_offloaded=self.tensors_offloaded,
             tensors_passed_through=self.tensors_passed_through, tensors_kept=self.tensors_kept,
             tensors_forwarded=self.tensors_forwarded,
             bytes_wasted=max(0, self.bytes_offloaded - self.bytes_read),
-            tensors_held_by_schedule=self.tensors_held_by_schedule,
+            tensors_held_by_schedule=by_reason.get("held_by_schedule", 0),
             writes_taken_back=self.writes_taken_back, bytes_wasted_held=self.bytes_wasted_held,
             io_wait_s=self.io_wait_s,
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
             bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,
-            iteration_time_s=iteration_time_s, captured_kept=self.captured_kept,
-            passed_through_by_reason=self.passed_by_reason(), read_retries=self.read_retries)
+            iteration_time_s=iteration_time_s, captured_kept=by_reason.get("cuda_graph_capture", 0),
+            passed_through_by_reason=by_reason, read_retries=self.read_retries)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
