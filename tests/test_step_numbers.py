@@ -125,7 +125,9 @@ def _need_after_full_disk(offload_dir, limit):
         if limit is not None:
             off.engine.fault = (lambda op, path, offset, nbytes: OSError(28, "No space left on device")
                                 if op == "write" and offset + nbytes > limit else None)
-        _, _, stats = run_steps(tiny_gpt(), batches, off, steps=1)
+        # Every write runs before backward: one taken back would never take an extent, and the
+        # high-water mark would depend on how far the IO threads had got.
+        _, _, stats = run_steps(tiny_gpt(), batches, off, steps=1, wait_writes=True)
         return list(off.engine.step_peak_bytes), stats[-1].fallbacks
 
 
