@@ -59,6 +59,13 @@ class Phase:
     save: Optional[str] = None
     """A folder to write a checkpoint to after the last iteration (one file per rank)."""
 
+    settle_writes: bool = True
+    """Offload-phase only: every queued write finishes before a backward is announced (as
+    ``run_steps(wait_writes=True)``). A write still queued when backward wants its tensor is
+    taken back, so without this what a step writes and reads depends on how far the IO threads
+    got, and a loaded 2-core machine can take back every write of a small stage. Take-back and
+    forwarding from memory have their own tests (tests/test_held.py, tests/test_offloader.py)."""
+
 
 @dataclass
 class LayoutSpec:
@@ -431,6 +438,14 @@ class _OffloadPhase:
         if phase.recompute_layers is not None:
             kwargs.update(recompute_fallback=True, recompute_layers=list(phase.recompute_layers))
         self.offloader = install(OffloadConfig(**kwargs))
+        if phase.settle_writes:
+            announce = self.offloader.begin_backward
+
+            def begin_backward_after_writes(key) -> None:
+                self.offloader.wait_writes()
+                announce(key)
+
+            self.offloader.begin_backward = begin_backward_after_writes
         self.rank_dirs = [os.path.realpath(d) for d in self.offloader.rank_dirs]
         self.steps: List[Dict[str, Any]] = []
         self.files_seen: set = set()
