@@ -13,15 +13,21 @@ then with install(), offloading to two roots whose templates give one a shared f
 In iteration 1, with activations on disk, both ranks wait; meanwhile a dead process of each
 node has left a rank directory in the shared folder, and ``ssdtrain clean`` runs on node1 (in
 its namespaces, nsenter) over the whole offload root. It must remove node1's dead directory
-and nothing else: node0's live job directories (its pid is gone from node1's view and its
-boot id is not node1's: only the host name in owner.json protects them) and node0's dead
-one, which only node0 can judge. After the job, ``ssdtrain clean`` on node0 removes that one.
+and nothing else: not node0's live job directories (their owner.json names a boot id that
+is not node1's, so by boot id they look dead: only the host name protects them, as on real
+nodes, whose pid namespaces all look alike), nor node0's dead one, which only node0 can
+judge. After the job, ``ssdtrain clean`` on node0 removes that one.
 
-Break it: in ``io/clean.py`` ``_judge``, drop the ``owner["hostname"] != hostname`` test: the
-clean on node1 removes node0's live directories (node0's boot id differs from node1's, so
-``owner_alive`` calls them stale), and test_clean_on_one_node_never_touches_the_other_nodes_job
-fails listing them. Give both roots the same template (``{root}/shared/{job}`` twice, after
-``{hostname}`` is dropped from the rank directory name) and the collision tests fail.
+Break it: in ``io/clean.py`` ``_judge``, drop the ``owner["hostname"] != hostname`` test. The
+node that starts second then removes the other's live rank directory in the shared folder in
+its start-up sweep (node0's boot id is not node1's: ``owner_alive`` calls it dead), and the
+job fails ("FileNotFoundError: ... shared/job42/ssdtrain.job42.node1.rank1.pid..."). With
+the start-up sweep off as well (``sweep_before_start`` returning []), the job reaches the
+pause and the clean on node1 removes node0's live directories:
+test_clean_on_one_node_never_touches_the_other_nodes_job fails listing them. Expand
+``{hostname}`` to "localhost" in ``layout.expand_root`` and the per-node directory test fails;
+in ``layout.expand_file``, and the stats file test does; flip one bit of every posix read and
+the bitwise test does.
 
 Skipped, with the reason, where namespaces cannot be made (not root, or unshare refused).
 """
@@ -30,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
@@ -181,8 +186,7 @@ def job(tmp_path_factory) -> TwoNodeJob:
     job = TwoNodeJob(str(tmp_path_factory.mktemp("two_nodes")))
     try:
         job.run()
-    except BaseException as exc:
-        job.stop()
+    except Exception as exc:
         raise RuntimeError(f"the two-node job failed: {exc}\n{job.log_tails()}") from exc
     finally:
         job.stop()
