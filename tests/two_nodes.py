@@ -57,7 +57,7 @@ class Node:
             fh.write("127.0.0.1 localhost " + " ".join(all_names) + "\n")
         self.proc: Optional[subprocess.Popen] = None
 
-    def _enter(self, argv: Sequence[str]) -> List[str]:
+    def enter(self, argv: Sequence[str]) -> List[str]:
         """``argv`` inside this node: a fresh namespace set up as the node's."""
         script = (f"mount --bind {self.hosts_file} /etc/hosts && "
                   f"mount --bind {self.boot_id_file} {BOOT_ID} && hostname {self.name} && exec \"$@\"")
@@ -68,7 +68,7 @@ class Node:
         with open(log_path, "w") as log:
             # A session of its own: a kill reaches the agent's group; its workers, in sessions
             # of their own (torchrun starts them so), are found through kill_tree.
-            self.proc = subprocess.Popen(self._enter(argv), env=env, stdout=log,
+            self.proc = subprocess.Popen(self.enter(argv), env=env, stdout=log,
                                          stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
 
     def run(self, argv: Sequence[str], env: Dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
@@ -77,7 +77,7 @@ class Node:
         if self.proc is not None and self.proc.poll() is None:
             cmd = ["nsenter", "--target", str(self.proc.pid), "--uts", "--mount", *argv]
         else:
-            cmd = self._enter(argv)
+            cmd = self.enter(argv)
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
 
     def stop(self) -> None:
