@@ -34,6 +34,7 @@ Skipped, with the reason, where namespaces cannot be made (not root, or unshare 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -41,6 +42,7 @@ import time
 from typing import Dict, List, Optional
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -52,8 +54,8 @@ import two_nodes  # noqa: E402
 from megatron_harness import LAYOUTS, Phase  # noqa: E402
 from ranks import REPO, free_port  # noqa: E402
 
-pytestmark = pytest.mark.skipif(two_nodes.namespaces_refused() is not None,
-                                reason=str(two_nodes.namespaces_refused()))
+_REFUSED = two_nodes.namespaces_refused()
+pytestmark = pytest.mark.skipif(_REFUSED is not None, reason=str(_REFUSED))
 
 NODES = ("node0", "node1")
 JOB = "job42"  # torchrun's --rdzv-id: the {job} of both nodes (TORCHELASTIC_RUN_ID)
@@ -114,9 +116,8 @@ class TwoNodeJob:
         self.failure: Optional[str] = None
 
     def run(self) -> None:
-        spec = LAYOUTS["tp2"]
-        spec = harness.LayoutSpec(**{**spec.__dict__, "timeout_s": RUN_TIMEOUT_S, "phases": [
-            Phase("plain"), Phase("offload", offload=OFFLOAD, pause=self.pause)]})
+        spec = dataclasses.replace(LAYOUTS["tp2"], timeout_s=RUN_TIMEOUT_S, phases=[
+            Phase("plain"), Phase("offload", offload=OFFLOAD, pause=self.pause)])
         spec_path = os.path.join(self.workdir, "spec.json")
         with open(spec_path, "w") as fh:
             fh.write(spec.to_json())
@@ -143,7 +144,7 @@ class TwoNodeJob:
         except RuntimeError as exc:  # the sweep's tests still have what they look at
             self.failure = f"the two-node job failed after the pause: {exc}\n{self.log_tails()}"
             return
-        self.results = [harness.torch.load(os.path.join(self.workdir, f"result{r}.pt"), weights_only=False)
+        self.results = [torch.load(os.path.join(self.workdir, f"result{r}.pt"), weights_only=False)
                         for r in (0, 1)]
         self.after_job = _tree(self.root)
         self.clean_node0 = self.nodes[0].run([sys.executable, "-m", "ssdtrain_megatron.tools.cli",
