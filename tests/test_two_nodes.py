@@ -206,7 +206,10 @@ def test_tensor_parallel_across_two_nodes_is_bitwise_equal_and_reads_back(job):
     for r in job.finished():
         assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == [], r.rank
         steps = r.phases["offload"].offload["steps"]
-        assert all(s["bytes_offloaded"] > 0 and s["bytes_read"] > 0 for s in steps), (r.rank, steps)
+        assert all(s["bytes_offloaded"] > 0 for s in steps), (r.rank, steps)
+        # Read back from the disk: surely in iteration 1, whose writes the pause waited for; in
+        # the others, writes still queued at backward are taken back instead (IO timing).
+        assert sum(s["bytes_read"] for s in steps) > 0, (r.rank, steps)
 
 
 def test_rank_directories_are_per_node_per_rank_and_never_collide(job):
@@ -241,7 +244,7 @@ def test_each_rank_writes_its_own_stats_file(job):
             rows = [json.loads(line) for line in fh if line.strip()]
         steps = [row for row in rows if "run" not in row]  # the per-run header line
         assert len(steps) == len(r.phases["offload"].offload["steps"]) == LAYOUTS["tp2"].iterations
-        assert all(s["bytes_read"] > 0 for s in steps), steps
+        assert sum(s["bytes_read"] for s in steps) > 0, steps
 
 
 def test_clean_on_one_node_never_touches_the_other_nodes_job(job):
