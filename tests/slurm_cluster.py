@@ -9,6 +9,14 @@ ProctrackType=proctrack/linuxproc, TaskPlugin=task/none, no accounting.
 
 :func:`unavailable` says why a cluster cannot be started here (binaries missing, not root),
 for a skip message.
+
+``SlurmCluster(nodes=["n1", "n2"])`` makes a cluster of several nodes on this one host: one
+slurmd per node, each with its own port, spool folder and log, and each in a node of
+``two_nodes`` (its own UTS and mount namespace: the node's hostname, its own boot id, an
+/etc/hosts that resolves every node's name), so the jobs' processes on each node see that
+node's name, as on a real cluster. Debian's slurm-wlm needs no multiple-slurmd build for this:
+each slurmd is alone in its namespace with the name it runs as. The nodes share this host's
+disk and cores (``cpus`` is split between them).
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
+
+import two_nodes
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "sinfo")
@@ -59,13 +69,16 @@ def _free_port() -> int:
 
 
 class SlurmCluster:
-    """munged + slurmctld + slurmd on this host, one partition ``test`` with this node."""
+    """munged + slurmctld + slurmd on this host, one partition ``test`` with this node (or
+    with ``nodes``, one slurmd each, see the module docstring)."""
 
-    def __init__(self, cpus: int = 2) -> None:
+    def __init__(self, cpus: int = 2, nodes: Optional[Sequence[str]] = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="slurm-", dir="/tmp")
         self.conf = os.path.join(self.dir, "slurm.conf")
         self.host = socket.gethostname().split(".")[0]
         self.cpus = cpus
+        self.nodes = [two_nodes.Node(n, os.path.join(self.dir, "nodes"), list(nodes))
+                      for n in nodes] if nodes else []
         self._procs: Dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ, SLURM_CONF=self.conf)
 
@@ -96,11 +109,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={sock}
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool{"-%n" if self.nodes else ""}
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd{"-%n" if self.nodes else ""}.pid
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+SlurmdLogFile={d}/slurmd{"-%n" if self.nodes else ""}.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -117,13 +130,29 @@ ReturnToService=2
 KillWait=5
 MinJobAge=600
 SlurmdParameters=config_overrides
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={max(mem - 1024, 1024)} State=UNKNOWN
-PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
-""")
+{self._node_lines(max(mem - 1024, 1024))}""")
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", self.conf])
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-f", self.conf, "-N", self.host])
+        if not self.nodes:
+            self._spawn("slurmd", [_which("slurmd"), "-D", "-f", self.conf, "-N", self.host])
+        for node in self.nodes:
+            os.makedirs(os.path.join(d, f"spool-{node.name}"), mode=0o700)
+            self._spawn(f"slurmd-{node.name}",
+                        node.enter([_which("slurmd"), "-D", "-f", self.conf, "-N", node.name]))
         self._wait_for(self._node_idle, timeout, "the node did not come up idle")
         return self
+
+    def _node_lines(self, mem_mb: int) -> str:
+        """slurm.conf's NodeName and PartitionName lines."""
+        if not self.nodes:
+            return (f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={mem_mb} "
+                    f"State=UNKNOWN\nPartitionName=test Nodes={self.host} Default=YES "
+                    "MaxTime=INFINITE State=UP\n")
+        cpus = max(self.cpus // len(self.nodes), 1)
+        mem = max(mem_mb // len(self.nodes), 512)
+        lines = [f"NodeName={n.name} NodeAddr=127.0.0.1 NodeHostname={n.name} Port={_free_port()} "
+                 f"CPUs={cpus} RealMemory={mem} State=UNKNOWN" for n in self.nodes]
+        names = ",".join(n.name for n in self.nodes)
+        return "\n".join(lines) + f"\nPartitionName=test Nodes={names} Default=YES MaxTime=INFINITE State=UP\n"
 
     def job_processes(self) -> List[int]:
         """Processes started for this cluster's jobs (slurmstepd, the job's own), found by the
@@ -167,7 +196,8 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
             deadline = time.monotonic() + 60
             while self.job_processes() and time.monotonic() < deadline:
                 time.sleep(0.2)
-        for name in ("slurmd", "slurmctld", "munged"):
+        slurmds = [n for n in self._procs if n.startswith("slurmd")]
+        for name in slurmds + ["slurmctld", "munged"]:
             proc = self._procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue
@@ -209,7 +239,7 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
 
     def _node_idle(self) -> bool:
         out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False)
-        return out.returncode == 0 and out.stdout.strip() == "idle"
+        return out.returncode == 0 and out.stdout.split() == ["idle"] * max(len(self.nodes), 1)
 
     # -- clients ------------------------------------------------------------------------------
 
@@ -251,7 +281,8 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         return text
 
     def logs(self) -> str:
-        return "\n".join(f"== {n}\n{self.log(n)[-2000:]}" for n in DAEMONS)
+        names = ["munged", "slurmctld"] + ([f"slurmd-{n.name}" for n in self.nodes] or ["slurmd"])
+        return "\n".join(f"== {n}\n{self.log(n)[-2000:]}" for n in names)
 
     def __enter__(self) -> "SlurmCluster":
         return self.start()
