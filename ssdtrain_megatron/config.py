@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from .config_checks import (TEMPLATE_KEYS, ConfigError, activation_budget, boolean, fail,
+from .config_checks import (TEMPLATE_KEYS, ConfigError, activation_budget, boolean, choice_or_switch, fail,
                             field_checks, int_at_least, job_name, knob, layer_numbers, number_in,
                             one_of, optional_path_template, path_templates, warn_deprecated)
 
@@ -92,7 +92,7 @@ class OffloadConfig:
     between the GPU and the engine (writes and reads in flight share it). None: twice
     max_inflight_bytes. A copy that does not fit uses torch's pinned allocator (warned)."""
 
-    verify: str = knob("off", check=one_of(VERIFY), choices=VERIFY,
+    verify: str = knob("off", check=choice_or_switch(VERIFY, "off", "crc32c"), choices=VERIFY,
                        deprecated_switch=("--ssd-offload-checksum", "crc32c", "off"), help=(
         "'crc32c': store a CRC32C (io/checksum.py) of every written chunk and verify it on read; "
         "a mismatch stops the step with an error naming the layer and the file (posix, aio and "
@@ -103,6 +103,7 @@ class OffloadConfig:
     file. Works with posix, aio and the SSD tier of tiered; refused with gds, which keeps no
     host copy to check, and with memory, which writes no file. 'off': a byte changed on the
     drive between write and read reaches backward as a wrong activation, unreported.
+    In YAML an unquoted ``off`` reads as false, which means 'off' here (true means 'crc32c').
     Replaces the boolean ``checksum`` (still accepted, deprecated: true is 'crc32c')."""
 
     stats_path: Optional[str] = knob(None, check=optional_path_template("expected a file path or null"),

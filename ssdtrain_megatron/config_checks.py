@@ -145,6 +145,18 @@ def activation_budget(name: str, value: Any) -> Any:
     return int(value) if isinstance(value, float) and value > 1 else value
 
 
+def choice_or_switch(choices: Sequence[str], off: str, on: str) -> Check:
+    """One of ``choices``; a boolean too, since YAML reads an unquoted ``off`` / ``on`` as
+    false / true: false is ``off``, true is ``on``."""
+    pick = one_of(choices)
+
+    def check(name: str, value: Any) -> Any:
+        if isinstance(value, bool):
+            return on if value else off
+        return pick(name, value)
+    return check
+
+
 def boolean(name: str, value: Any) -> Any:
     if not isinstance(value, bool):
         fail(name, value, "expected true or false")

@@ -111,3 +111,16 @@ def test_the_deprecated_checksum_key_sets_verify_and_says_so_once(tmp_path, capl
         OffloadConfig(verify="crc32c", checksum=False)
     assert (err.value.field, err.value.value) == ("checksum", False)
     assert "contradicts verify='crc32c'" in str(err.value)
+
+
+def test_verify_off_unquoted_in_yaml_is_off_not_an_error(tmp_path):
+    """YAML 1.1 reads ``verify: off`` as false (and ``on`` as true): the preset a user writes
+    the natural way must load. Break: check verify with one_of(VERIFY) in config.py ->
+    "OffloadConfig.verify=False is invalid"."""
+    path = tmp_path / "p.yaml"
+    path.write_text("offload:\n  verify: off\n")
+    assert OffloadConfig.from_yaml(str(path)).verify == "off"
+    path.write_text("offload:\n  verify: on\n")
+    assert OffloadConfig.from_yaml(str(path)).verify == "crc32c"
+    path.write_text("offload:\n  verify: crc32c\n")
+    assert OffloadConfig.from_yaml(str(path)).verify == "crc32c"
