@@ -253,9 +253,7 @@ def contender_label(engine: str, verify: str) -> str:
 def bench_engine(name: str, directory: str, n_tensors: int, tensor_bytes: int,
                  progress: Progress, base: Optional[OffloadConfig] = None) -> Dict[str, object]:
     """Write then read ``n_tensors`` tensors through engine ``name``; verify a sample bitwise.
-
-    ``{op}_gb_per_core_s`` is GB moved per CPU-second of the whole process (every thread: the
-    caller's and the IO threads', where copies and checksums run): GB/s per core."""
+    ``{op}_gb_per_core_s``: GB per CPU-second of the process, IO threads included."""
     import torch
 
     from ..io import make_engine
