@@ -13,6 +13,8 @@ kvikio, libaio) happen where an engine is built.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import string
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -59,7 +61,8 @@ def fail(name: str, value: Any, allowed: str, item: Optional[int] = None) -> Non
 def knob(default: Any = dataclasses.MISSING, *, check: Check, help: str,
          default_factory: Any = dataclasses.MISSING, flag: Optional[str] = None,
          metavar: Optional[str] = None, choices: Optional[Sequence[str]] = None,
-         unit: Optional[str] = None, deprecated_flags: Sequence[str] = ()) -> Any:
+         unit: Optional[str] = None, deprecated_flags: Sequence[str] = (),
+         deprecated_switch: Optional[Tuple[str, Any, Any]] = None) -> Any:
     """A dataclass field of OffloadConfig that carries everything about it.
 
     Args:
@@ -70,11 +73,20 @@ def knob(default: Any = dataclasses.MISSING, *, check: Check, help: str,
         choices: the allowed strings (shown as the metavar ``{a,b,c}``).
         unit: ``"bytes"``: the flag takes a size with an optional KiB/MiB/GiB/TiB suffix.
         deprecated_flags: older flag names that still work, hidden from --help.
+        deprecated_switch: ``(flag, on, off)``: an older on/off flag (with its ``--no-`` form)
+            that still works, hidden from --help, and sets this field to ``on`` or ``off``.
     """
     metadata = {"check": check, "help": help, "flag": flag, "metavar": metavar,
                 "choices": tuple(choices) if choices else None, "unit": unit,
-                "deprecated_flags": tuple(deprecated_flags)}
+                "deprecated_flags": tuple(deprecated_flags), "deprecated_switch": deprecated_switch}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+@functools.lru_cache(maxsize=None)
+def warn_deprecated(old: str, new: str) -> None:
+    """Log once per process that ``old`` (a flag or a config key) is deprecated for ``new``."""
+    logging.getLogger("ssdtrain_megatron.config").warning(
+        "ssdtrain: %s is deprecated and will be removed; use %s", old, new)
 
 
 # -- checks ---------------------------------------------------------------------------------
@@ -131,6 +143,18 @@ def activation_budget(name: str, value: Any) -> Any:
         fail(name, value, "expected a byte count >= 1 (e.g. 12GiB), a fraction of device memory "
              "in (0, 1] (CUDA), or null")
     return int(value) if isinstance(value, float) and value > 1 else value
+
+
+def choice_or_switch(choices: Sequence[str], off: str, on: str) -> Check:
+    """One of ``choices``; a boolean too, since YAML reads an unquoted ``off`` / ``on`` as
+    false / true: false is ``off``, true is ``on``."""
+    pick = one_of(choices)
+
+    def check(name: str, value: Any) -> Any:
+        if isinstance(value, bool):
+            return on if value else off
+        return pick(name, value)
+    return check
 
 
 def boolean(name: str, value: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -51,9 +52,13 @@ def test_group_has_the_named_flags_and_one_flag_per_remaining_field():
     assert named <= flags
     for f in dataclasses.fields(OffloadConfig):
         assert flag_for(f.name) in flags, f.name
-    # Exactly: --ssd-offload, --ssd-offload-config, one per field, and --no- forms of booleans.
+    # Exactly: --ssd-offload, --ssd-offload-config, one per field, and --no- forms of booleans,
+    # plus the hidden deprecated spellings (an old on/off switch has a --no- form too).
     booleans = [f.name for f in dataclasses.fields(OffloadConfig) if f.type in (bool, "bool")]
-    assert len(flags) == 2 + len(dataclasses.fields(OffloadConfig)) + len(booleans)
+    old = [n for f in dataclasses.fields(OffloadConfig) for n in f.metadata["deprecated_flags"]]
+    switches = [f.name for f in dataclasses.fields(OffloadConfig) if f.metadata["deprecated_switch"]]
+    assert len(flags) == 2 + len(dataclasses.fields(OffloadConfig)) + len(booleans) + len(old) \
+        + 2 * len(switches)
 
 
 def test_flag_names_follow_the_fields():
@@ -76,36 +81,36 @@ def test_flags_set_their_fields():
         "--ssd-offload", "--ssd-offload-dir", "/mnt/nvme{local_rank}/a/{job}, /mnt/b",
         "--ssd-offload-engine", "tiered", "--ssd-offload-policy", "keep",
         "--ssd-offload-io-threads", "8", "--ssd-offload-chunk-bytes", "4MiB",
-        "--ssd-offload-checksum", "--ssd-offload-io-timeout-s", "12.5",
+        "--ssd-offload-verify", "crc32c", "--ssd-offload-io-timeout-s", "12.5",
         "--ssd-offload-recompute-fallback", "--ssd-offload-recompute-layers", "1,3-5",
         "--ssd-offload-job", "j42"])
     cfg = config_from_args(args)
     assert cfg.dirs == ["/mnt/nvme{local_rank}/a/{job}", "/mnt/b"]
     assert (cfg.engine, cfg.policy, cfg.io_threads) == ("tiered", "keep", 8)
     assert cfg.chunk_bytes == 4 << 20
-    assert cfg.checksum is True and cfg.io_timeout_s == 12.5
+    assert cfg.verify == "crc32c" and cfg.io_timeout_s == 12.5
     assert cfg.recompute_fallback is True and cfg.recompute_layers == [1, 3, 4, 5]
     assert cfg.job == "j42"
     assert cfg.min_tensor_bytes == OffloadConfig().min_tensor_bytes
 
 
 def test_no_form_of_a_boolean_sets_false():
-    args = _parser().parse_args(["--no-ssd-offload-checksum"])
-    assert explicit_fields(args) == {"checksum": False}
+    args = _parser().parse_args(["--no-ssd-offload-recompute-fallback"])
+    assert explicit_fields(args) == {"recompute_fallback": False}
 
 
 def test_preset_overrides_defaults_and_flags_override_preset(tmp_path):
     preset = _preset(tmp_path, "  dirs: ['/mnt/nvme{local_rank}/p/{job}']\n  io_threads: 6\n"
-                               "  policy: adaptive\n  checksum: true\n")
+                               "  policy: adaptive\n  verify: crc32c\n")
     args = _parser().parse_args(["--ssd-offload", "--ssd-offload-config", preset,
-                                 "--ssd-offload-io-threads", "2", "--no-ssd-offload-checksum"])
+                                 "--ssd-offload-io-threads", "2", "--ssd-offload-verify", "off"])
     cfg = config_from_args(args)
     assert cfg.dirs == ["/mnt/nvme{local_rank}/p/{job}"]  # preset
     assert cfg.policy == "adaptive"                       # preset
     assert cfg.io_threads == 2                            # flag over preset
-    assert cfg.checksum is False                          # flag over preset
+    assert cfg.verify == "off"                            # flag over preset
     assert cfg.prefetch_layers == OffloadConfig().prefetch_layers  # default
-    assert given_flags(args) == ["--ssd-offload-config", "--ssd-offload-checksum",
+    assert given_flags(args) == ["--ssd-offload-config", "--ssd-offload-verify",
                                  "--ssd-offload-io-threads"]  # in OffloadConfig's field order
 
 
@@ -263,3 +268,30 @@ def test_megatron_args_command_prints_one_line_and_rejects_bad_presets(tmp_path)
     assert out.stderr.strip() == (f"python -m ssdtrain_megatron.megatron.args: error: {bad}: "
                                   "model: missing key(s) hidden, heads, ffn_hidden, seq_len, "
                                   "micro_batch")
+
+
+def test_verify_is_a_choice_flag_and_the_old_checksum_switch_is_its_deprecated_alias(capsys, caplog):
+    """``--ssd-offload-verify {off,crc32c}`` is the documented flag; ``--ssd-offload-checksum`` /
+    ``--no-ssd-offload-checksum`` still work, set the same field, are hidden from --help, and
+    log one warning naming the new flag. Break: drop the deprecated_switch of ``verify`` in
+    config.py -> 'unrecognized arguments: --ssd-offload-checksum'."""
+    from ssdtrain_megatron.config_checks import warn_deprecated
+
+    warn_deprecated.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="ssdtrain_megatron.config"):
+        on = _parser().parse_args(["--ssd-offload", "--ssd-offload-checksum"])
+        off = _parser().parse_args(["--ssd-offload", "--no-ssd-offload-checksum"])
+        again = _parser().parse_args(["--ssd-offload", "--ssd-offload-checksum"])
+    assert config_from_args(on).verify == "crc32c" == config_from_args(again).verify
+    assert config_from_args(off).verify == "off"
+    assert explicit_fields(on) == {"verify": "crc32c"} and given_flags(off) == ["--ssd-offload-verify"]
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["ssdtrain: --ssd-offload-checksum is deprecated and will be removed; use "
+                    "--ssd-offload-verify crc32c",
+                    "ssdtrain: --no-ssd-offload-checksum is deprecated and will be removed; use "
+                    "--ssd-offload-verify off"], said  # once each, not once per parse
+    assert config_from_args(_parser().parse_args(["--ssd-offload-verify", "crc32c"])).verify == "crc32c"
+    assert "'sha256' is invalid" in _fails(["--ssd-offload-verify", "sha256"], capsys)
+    _parser().print_help()
+    text = capsys.readouterr().out
+    assert "--ssd-offload-verify {off,crc32c}" in text and "-checksum" not in text

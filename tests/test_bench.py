@@ -345,3 +345,4 @@ def test_the_bench_sets_a_passive_openmp_wait_policy_unless_the_environment_sets
     assert run(code, OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE (from the environment)", "ACTIVE"]
     said, value = run("import torch; " + code)  # too late: the bench says so and sets nothing
     assert said.startswith("the OpenMP runtime's default") and value == "None"
+

@@ -1,4 +1,4 @@
-"""checksum: true uses the hardware CRC32C of the crc32c package, and says so when it cannot."""
+"""verify: crc32c uses the hardware CRC32C of the crc32c package, and says so when it cannot."""
 
 import logging
 import subprocess
@@ -25,7 +25,7 @@ def test_the_engine_stores_crc32c_of_each_chunk(tmp_path):
     """The extent's stored value is the CRC32C of the chunk's bytes (not zlib's CRC32)."""
     data = torch.randint(0, 256, (3 * 4096 + 10,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(0))
-    eng = PosixEngine(OffloadConfig(dirs=[str(tmp_path)], chunk_bytes=4096, checksum=True))
+    eng = PosixEngine(OffloadConfig(dirs=[str(tmp_path)], chunk_bytes=4096, verify="crc32c"))
     try:
         eng.write(0, data).result(30)
         extents = eng._placed[0].extents

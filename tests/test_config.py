@@ -37,6 +37,7 @@ def test_defaults_are_valid_and_documented():
     ("keep_last_layers", True, "integer >= 0"),
     ("prefetch_layers", 0, "integer >= 1"),
     ("max_inflight_bytes", 0, "integer >= 1"),
+    ("verify", "md5", "allowed: off, crc32c"),
     ("checksum", "yes", "true or false"),
     ("stats_path", "", "file path or null"),
     ("io_threads", 0, "integer >= 1"),
@@ -56,7 +57,7 @@ def test_every_invalid_field_raises_its_named_error(field, value, message):
 
 
 def test_yaml_round_trip(tmp_path):
-    cfg = OffloadConfig(dirs=["/mnt/nvme{local_rank}/act/{job}"], policy="keep", checksum=True,
+    cfg = OffloadConfig(dirs=["/mnt/nvme{local_rank}/act/{job}"], policy="keep", verify="crc32c",
                         min_tensor_bytes=0, stats_path="/tmp/s.jsonl")
     path = tmp_path / "c.yaml"
     path.write_text(cfg.to_yaml())
@@ -82,3 +83,44 @@ def test_yaml_bad_value_names_field(tmp_path):
     path.write_text("policy: sometimes\n")
     with pytest.raises(ConfigError, match=r"OffloadConfig.policy='sometimes' is invalid"):
         OffloadConfig.from_yaml(str(path))
+
+
+def test_the_deprecated_checksum_key_sets_verify_and_says_so_once(tmp_path, caplog):
+    """YAML presets and Python code written for ``checksum: true`` keep working: the key sets
+    ``verify`` (true: crc32c, false: off), logs one warning naming ``verify``, is not written
+    back (to_dict has ``verify`` only), and may not contradict an explicit ``verify``.
+    Break: drop "checksum" from DEPRECATED_KEYS in config.py -> 'unknown key(s) checksum'."""
+    import logging
+
+    from ssdtrain_megatron.config_checks import warn_deprecated
+
+    warn_deprecated.cache_clear()
+    path = tmp_path / "old.yaml"
+    path.write_text("offload:\n  checksum: true\n  io_threads: 2\n")
+    with caplog.at_level(logging.WARNING, logger="ssdtrain_megatron.config"):
+        cfg = OffloadConfig.from_yaml(str(path))
+        assert OffloadConfig(checksum=False).verify == "off"
+        assert OffloadConfig.from_dict({"checksum": True}).verify == "crc32c"
+    assert cfg.verify == "crc32c" and cfg == OffloadConfig(verify="crc32c", io_threads=2)
+    assert "checksum" not in cfg.to_dict() and cfg.to_dict()["verify"] == "crc32c"
+    assert cfg.replace(io_threads=3).verify == "crc32c"  # replace keeps it without the old key
+    assert [r.getMessage() for r in caplog.records] == [
+        "ssdtrain: OffloadConfig key 'checksum' is deprecated and will be removed; use verify: "
+        "crc32c (or off; flag --ssd-offload-verify)"]
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig(verify="crc32c", checksum=False)
+    assert (err.value.field, err.value.value) == ("checksum", False)
+    assert "contradicts verify='crc32c'" in str(err.value)
+
+
+def test_verify_off_unquoted_in_yaml_is_off_not_an_error(tmp_path):
+    """YAML 1.1 reads ``verify: off`` as false (and ``on`` as true): the preset a user writes
+    the natural way must load. Break: check verify with one_of(VERIFY) in config.py ->
+    "OffloadConfig.verify=False is invalid"."""
+    path = tmp_path / "p.yaml"
+    path.write_text("offload:\n  verify: off\n")
+    assert OffloadConfig.from_yaml(str(path)).verify == "off"
+    path.write_text("offload:\n  verify: on\n")
+    assert OffloadConfig.from_yaml(str(path)).verify == "crc32c"
+    path.write_text("offload:\n  verify: crc32c\n")
+    assert OffloadConfig.from_yaml(str(path)).verify == "crc32c"

@@ -94,8 +94,8 @@ def test_config_error_carries_field_value_and_allowed():
     assert (e.field, e.value) == ("dirs", "/mnt/{drive}")
     assert str(e).startswith("OffloadConfig.dirs[1]='/mnt/{drive}' is invalid: unknown placeholder")
     with pytest.raises(ConfigError) as err:  # a rule between two fields names the one to change
-        OffloadConfig(engine="memory", checksum=True, host_memory_bytes=1 << 20)
-    assert (err.value.field, err.value.value) == ("checksum", True)
+        OffloadConfig(engine="memory", verify="crc32c", host_memory_bytes=1 << 20)
+    assert (err.value.field, err.value.value) == ("verify", "crc32c")
     assert "engine='tiered'" in err.value.allowed
 
 

@@ -25,7 +25,7 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert any(ln.startswith("where the time went: CPU time per step") for ln in lines)
     # The header names every setting that changes the numbers.
     header = out.out.split("\n\n")[0]
-    for setting in ("engine posix", "io_threads 4", "chunk_bytes 8.0 MiB", "checksum off",
+    for setting in ("engine posix", "io_threads 4", "chunk_bytes 8.0 MiB", "verify off",
                     "min_tensor_bytes 4.0 KiB", "keep_last_layers 1", "prefetch_layers 2", " free of ",
                     "OpenMP wait policy: "):
         assert setting in header, setting

@@ -163,14 +163,14 @@ def test_every_configurable_engine_has_a_class_named_after_it():
 
 def test_gds_refuses_checksums_it_could_not_compute():
     assert OffloadConfig(engine="gds").engine == "gds"  # the config probes nothing (test_capability.py)
-    with pytest.raises(ConfigError, match=r"OffloadConfig.checksum=True.*engine='gds'.*'posix' or 'aio'"):
-        OffloadConfig(engine="gds", checksum=True)
+    with pytest.raises(ConfigError, match=r"OffloadConfig.verify='crc32c'.*engine='gds'.*'posix' or 'aio'"):
+        OffloadConfig(engine="gds", verify="crc32c")
 
 
 def test_memory_refuses_checksums_it_would_not_compute():
-    with pytest.raises(ConfigError, match=r"OffloadConfig.checksum=True.*engine='memory'.*engine='tiered'"):
-        OffloadConfig(engine="memory", host_memory_bytes=1 << 20, checksum=True)
-    assert OffloadConfig(engine="tiered", checksum=True).checksum
+    with pytest.raises(ConfigError, match=r"OffloadConfig.verify='crc32c'.*engine='memory'.*engine='tiered'"):
+        OffloadConfig(engine="memory", host_memory_bytes=1 << 20, verify="crc32c")
+    assert OffloadConfig(engine="tiered", verify="crc32c").verify == "crc32c"
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -206,7 +206,7 @@ def test_a_failed_chunk_fails_the_future_only_once_no_chunk_is_in_flight(open_en
 
 @pytest.mark.parametrize("name", [_param(n) for n in ["posix", "aio"]])
 def test_checksum_catches_bytes_changed_on_disk(open_engine, name):
-    engine = open_engine(name, checksum=True)
+    engine = open_engine(name, verify="crc32c")
     data = torch.randint(0, 256, (2 * CHUNK,), dtype=torch.uint8)
     engine.write(0, data).result(30)
     slab = next(engine.test_roots[0].rglob("slab.bin"))
@@ -266,7 +266,7 @@ def test_small_chunks_queued_together_merge_into_one_request(open_engine, name, 
 
 @pytest.mark.parametrize("name", [_param(n) for n in STAGED])
 def test_a_bad_chunk_in_a_merged_read_fails_only_its_own_tensor(open_engine, name):
-    engine = open_engine(name, io_threads=1, checksum=True)
+    engine = open_engine(name, io_threads=1, verify="crc32c")
     tensors = [torch.full((3000,), k, dtype=torch.uint8) for k in range(6)]
     _round_trip(engine, tensors)
     slab = next(engine.test_roots[0].rglob("slab.bin"))

@@ -40,7 +40,8 @@ def test_json_has_exactly_the_documented_shape_with_positive_figures(tmp_path, c
     assert set(report["baseline"]) == {"write_gbps", "read_gbps"}
     assert set(report["engines"]) == {"posix"}
     figures = report["engines"]["posix"]
-    assert set(figures) == {"write_gbps", "read_gbps", "write_ratio", "read_ratio", "cpu_us_per_tensor"}
+    assert set(figures) == {"write_gbps", "read_gbps", "write_ratio", "read_ratio", "cpu_us_per_tensor",
+                            "write_gb_per_core_s", "read_gb_per_core_s"}
     assert all(v > 0 for v in list(figures.values()) + list(report["baseline"].values()))
     assert report["tensor_mib"] == 1
     assert report["page_cache_bypassed"] is _direct_io_works(tmp_path)
@@ -174,6 +175,7 @@ def test_each_engine_is_compared_with_the_baselines_measured_around_it(tmp_path,
         calls.append((name, None))
         return {"write_gbps": 4.0, "read_gbps": 2.0, "write_cpu_s_per_gb": 0.1, "read_cpu_s_per_gb": 0.1,
                 "write_call_us": 10.0, "read_call_us": 20.0, "cpu_us_per_tensor": 20.0,
+                "write_gb_per_core_s": 2.0, "read_gb_per_core_s": 3.0,
                 "page_cache_bypassed": True, "on_disk": True}
 
     monkeypatch.setattr(bench, "raw_baseline", fake_baseline)
@@ -187,3 +189,45 @@ def test_each_engine_is_compared_with_the_baselines_measured_around_it(tmp_path,
     # memory: 4 / mean(3, 2) = 1.6; 4 / mean(4, 6) = 0.8 -> median 1.2.
     assert report["engines"]["memory"]["write_ratio"] == pytest.approx(1.2)
     assert report["baseline"]["write_gbps"] == pytest.approx(2.5)  # median of all six
+
+
+def test_verify_off_and_crc32c_measures_each_engine_both_ways_and_reports_the_cost(tmp_path, capsys, monkeypatch):
+    """``--verify off,crc32c``: posix and posix+crc32c in one run, the cost as ratios; only the
+    crc32c contender checksums (the function is wrapped to count); memory has no file to
+    verify and says so. Break: drop ``verify=v`` in io_bench._contenders -> 'checksummed
+    bytes: 0'."""
+    from ssdtrain_megatron.io import slab_engine
+
+    seen = {"posix": 0, "posix+crc32c": 0}
+    current = []
+    real_bench, real_crc = bench.bench_engine, slab_engine.checksum
+
+    def counted_bench(name, directory, n, size, progress, base=None):
+        current[:] = [bench.contender_label(name, base.verify)]
+        return real_bench(name, directory, n, size, progress, base)
+
+    def counted_crc(buf):
+        seen[current[0]] += len(memoryview(buf).cast("B"))
+        return real_crc(buf)
+
+    monkeypatch.setattr(bench, "bench_engine", counted_bench)
+    monkeypatch.setattr(slab_engine, "checksum", counted_crc)
+    rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "posix", "--json", "--verify",
+                              "off,crc32c"] + SMALL, capsys)
+    assert rc == 0, err
+    report = json.loads(out)
+    assert set(report["engines"]) == {"posix", "posix+crc32c"}
+    assert seen["posix"] == 0 and seen["posix+crc32c"] > 0, f"checksummed bytes: {seen}"
+    cost = report["verify_cost"]["posix+crc32c"]
+    assert set(cost) == {f"{op}_{k}_ratio" for op in ("write", "read") for k in ("gbps", "gb_per_core_s")}
+    e = report["engines"]
+    assert cost["write_gbps_ratio"] == e["posix+crc32c"]["write_gbps"] / e["posix"]["write_gbps"]
+    assert cost["read_gb_per_core_s_ratio"] == \
+        e["posix+crc32c"]["read_gb_per_core_s"] / e["posix"]["read_gb_per_core_s"]
+
+    rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "memory", "--quiet", "--verify",
+                              "off,crc32c"] + SMALL, capsys)
+    assert rc == 0 and "memory+crc32c skipped: engine='memory' keeps tensors in host RAM" in out
+    rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "memory", "--quiet", "--verify",
+                              "crc32c"] + SMALL, capsys)
+    assert rc == 2 and err.startswith("ssdtrain io-bench: nothing to measure: memory+crc32c: "), err

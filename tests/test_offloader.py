@@ -274,7 +274,7 @@ def test_read_error_raises_naming_file_offset_and_cause(offload_dir):
 
 def test_checksum_detects_a_flipped_byte(offload_dir):
     lin = nn.Linear(256, 256)
-    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, checksum=True)) as off:
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, verify="crc32c")) as off:
         with off.microbatch(0):
             h = lin(torch.randn(64, 256))
             out = h.sin()

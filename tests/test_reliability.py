@@ -267,7 +267,7 @@ def test_checksum_catches_every_flipped_byte(tmp_path):
     middle or end of any chunk, or several at once, is caught by every read."""
     chunk = 16384
     roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
-    eng = PosixEngine(OffloadConfig(dirs=roots, chunk_bytes=chunk, checksum=True, io_timeout_s=30))
+    eng = PosixEngine(OffloadConfig(dirs=roots, chunk_bytes=chunk, verify="crc32c", io_timeout_s=30))
     try:
         data = torch.randint(0, 256, (4 * chunk + 1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
         eng.write(0, data).result(30)
@@ -321,7 +321,7 @@ def test_checksum_cost_is_measured(offload_dir):
     data = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8)
     timings = {}
     for checksum in (False, True, False, True):
-        eng = PosixEngine(OffloadConfig(dirs=[str(offload_dir)], checksum=checksum))
+        eng = PosixEngine(OffloadConfig(dirs=[str(offload_dir)], verify="crc32c" if checksum else "off"))
         try:
             t0 = time.perf_counter()
             eng.write(0, data).result(60)

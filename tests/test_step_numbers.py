@@ -100,7 +100,7 @@ def test_an_offloader_says_where_its_bytes_go_and_warns_about_ram(tmp_path, capl
     assert any(m.startswith(f"ssdtrain: offload files in {d}: ") and " free of " in m for m in infos), infos
     assert ("ssdtrain: engine posix, policy offload, min_tensor_bytes 1.0 KiB, keep_last_layers 1, "
             "prefetch_layers 2, io_threads 4, chunk_bytes 8.0 MiB, max_inflight_bytes 1.0 GiB, "
-            "checksum off") in infos, infos
+            "verify off") in infos, infos
     if filesystem_of(str(tmp_path))[0] not in ("tmpfs", "ramfs"):
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     if os.path.isdir("/dev/shm") and filesystem_of("/dev/shm")[0] == "tmpfs":

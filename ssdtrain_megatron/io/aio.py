@@ -19,7 +19,7 @@ Why these choices:
   * ``async_pwrite``/``async_pread`` return 0 or -1 and ``wait()`` the number of operations
     completed: both are checked, and anything else is an :class:`EngineError`. The library does
     not expose the per-request kernel result (``io_event.res``): a device error (EIO) would go
-    unseen. ``checksum: true`` catches that, at the cost of a CRC32 per chunk.
+    unseen. ``verify: crc32c`` catches that, at the cost of a CRC32C per chunk.
   * Buffers that DeepNVMe did not lock itself are bounced through a buffer it allocates and
     copies *in the calling thread*. Each lane therefore owns two page-locked staging buffers
     (``new_cpu_locked_tensor``; CUDA-pinned memory where CUDA exists) and does the copy itself,

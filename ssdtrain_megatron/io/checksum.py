@@ -1,4 +1,4 @@
-"""The checksum kept per written chunk when ``checksum: true``: CRC32C in hardware.
+"""The checksum kept per written chunk when ``verify: crc32c``: CRC32C in hardware.
 
 Chunks are checksummed on the IO threads, right after the bytes are staged for a write and
 right after a read lands, so the checksum's cost adds to every byte's trip to the drive and

@@ -10,7 +10,8 @@ Why these choices:
   tensor's first chunk on the next root in turn; each root holds its chunks of a tensor back
   to back in one extent.
 - Staged engines (posix, aio) copy through page-aligned bounce buffers on the IO threads,
-  zero the padding that reaches the disk, and keep a CRC32C per chunk when ``checksum`` is on (io/checksum.py).
+  zero the padding that reaches the disk, and keep a CRC32C per chunk when ``verify`` is
+  'crc32c' (io/checksum.py).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class SlabEngine(IOEngine):
         self.rank_dirs: List[str] = []
         self._slabs: List[Slab] = []
         self._chunk = config.chunk_bytes
-        self._checksum = config.checksum
+        self._checksum = config.verify != "off"
         self._placed: Dict[int, Placement] = {}  # key -> where its chunks are
         self._write_requests: Dict[int, Request] = {}  # key -> its write (until release)
         self._write_queue: Optional[ChunkQueue] = None  # where cancel() takes writes back from

@@ -79,7 +79,7 @@ def settings(config, policy: bool = True) -> str:
             f"{binary(config.min_tensor_bytes)}, keep_last_layers {config.keep_last_layers}, "
             f"prefetch_layers {config.prefetch_layers}, io_threads {config.io_threads}, chunk_bytes "
             f"{binary(config.chunk_bytes)}, max_inflight_bytes {binary(config.max_inflight_bytes)}, "
-            f"checksum {ALGORITHM if config.checksum else 'off'}")
+            f"verify {ALGORITHM if config.verify != 'off' else 'off'}")
 
 
 def log_roots(directories: List[str], config=None) -> List[str]:

@@ -130,6 +130,10 @@ def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         for old in field.metadata.get("deprecated_flags", ()):
             group.add_argument(old, **dict(kwargs, help=argparse.SUPPRESS,
                                            action=_deprecated(kwargs.get("action"), flag_for(field.name))))
+        switch = field.metadata.get("deprecated_switch")
+        if switch:
+            group.add_argument(switch[0], dest=dest_for(field.name), default=None, help=argparse.SUPPRESS,
+                               action=_deprecated_switch(flag_for(field.name), switch[1], switch[2]))
     _check_after_parsing(parser)
     return parser
 
@@ -161,6 +165,21 @@ def _deprecated(action: Optional[type], new_flag: str) -> type:
             super().__call__(parser, namespace, values, option_string)
 
     return Deprecated
+
+
+def _deprecated_switch(new_flag: str, on: Any, off: Any) -> type:
+    """An argparse action for an old on/off flag (``--x`` / ``--no-x``) that a choice flag
+    replaced: stores ``on`` or ``off`` in the new flag's dest, and logs once that ``new_flag``
+    replaces it."""
+    from ..config_checks import warn_deprecated
+
+    class DeprecatedSwitch(argparse.BooleanOptionalAction):
+        def __call__(self, parser, namespace, values, option_string=None):
+            value = off if option_string.startswith("--no-") else on
+            warn_deprecated(option_string, f"{new_flag} {value}")
+            setattr(namespace, self.dest, value)
+
+    return DeprecatedSwitch
 
 
 def _help(text: str, default: Any) -> str:

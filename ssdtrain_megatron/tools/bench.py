@@ -49,10 +49,11 @@ import sys
 from typing import Dict, List, Optional
 
 from .bench_budget import budget_comparison, render_lines
-from .bench_measure import SAME_LOSSES, STRATEGIES, BenchRun, Point, measure
+from .bench_measure import (ALL_STRATEGIES, SAME_LOSSES, STRATEGIES, VERIFIED, BenchRun, Point, measure,
+                            verify_ratios)
 from .bench_spread import ratio_spread, render_spread
 from .cli_types import (byte_count, check_engine, deprecated_alias, openmp_wait_policy, positive_int,
-                        quiet_megatron_warnings, writable_dir)
+                        quiet_megatron_warnings, verify_methods, writable_dir)
 from ..config import OffloadConfig
 
 TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
@@ -95,6 +96,13 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--engine", help="IO engine (default: the preset's, else posix)")
     p.add_argument("--min-tensor-bytes", type=byte_count, metavar="BYTES",
                    help="smaller saved tensors stay in memory (default: the preset's, else 256KiB)")
+    p.add_argument("--strategies", type=_strategies, default=[s.name for s in STRATEGIES],
+                   metavar="NAME[,NAME...]", help="which strategies to run; keep (the baseline) "
+                   "always runs (default: keep,offload,adaptive,recompute)")
+    p.add_argument("--verify", type=verify_methods, default=None, metavar="{off,crc32c}[,...]",
+                   help="OffloadConfig.verify of every strategy; 'off,crc32c' also runs "
+                        "offload+crc32c beside offload, for the cost of verification as one "
+                        "run's ratio (default: the preset's, else off)")
     shape = p.add_argument_group("shape, Megatron's flag names (default: 8 layers, hidden 512, seq 512; "
                                  "--quick: 4, 256, 256)")
     for new, old, dest in (("--num-layers", "--layers", "layers"), ("--hidden-size", "--hidden", "hidden"),
@@ -116,6 +124,14 @@ def _sizes(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, "
                                          f"got {text!r}") from None
     return sizes
+
+
+def _strategies(text: str) -> List[str]:
+    names = [s.name for s in STRATEGIES]
+    items = [t.strip() for t in text.split(",")]
+    if any(t not in names for t in items):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected names among {', '.join(names)}")
+    return ["keep"] + [n for n in names if n in items and n != "keep"]
 
 
 def _non_negative(text: str) -> int:
@@ -141,12 +157,17 @@ def run_bench(args: argparse.Namespace) -> int:
         changes["engine"] = args.engine
     if args.min_tensor_bytes is not None:
         changes["min_tensor_bytes"] = args.min_tensor_bytes
+    strategies = [s for s in STRATEGIES if s.name in args.strategies]
+    if args.verify:
+        changes["verify"] = args.verify[0] if len(args.verify) == 1 else "off"
+        if len(args.verify) > 1 and "offload" in args.strategies:
+            strategies.insert(strategies.index(STRATEGIES[1]) + 1, VERIFIED)
     cfg = base.replace(**changes)
     check_engine("--engine" if args.engine else "engine (from --config)", cfg.engine)
     spec = GPTSpec(layers=shape["layers"], hidden=shape["hidden"], heads=shape["heads"], seq=shape["seq"],
                    vocab=shape["vocab"], num_microbatches=shape["num_microbatches"])
     args.offload_files.watch(root)
-    result = measure(spec, cfg, args.micro_batches, shape["steps"], shape["warmup"],
+    result = measure(spec, cfg, args.micro_batches, shape["steps"], shape["warmup"], strategies,
                      budget=args.memory_budget, background_load=args.background_load)
     summary = summarize(result, args.memory_budget)
     summary["omp_wait_policy"] = omp
@@ -174,7 +195,7 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
         tokens = spec.seq * mb * spec.num_microbatches
         points.append(ser.point(name, mb, tokens, run.warmup))
     at = {(p.strategy, p.micro_batch): p for p in points}
-    names = sorted({p.strategy for p in points}, key=[s.name for s in STRATEGIES].index)
+    names = sorted({p.strategy for p in points}, key=[s.name for s in ALL_STRATEGIES].index)
     sizes = sorted({p.micro_batch for p in points})
     common = [mb for mb in sizes if all((n, mb) in at for n in names)]
     ratio_mb = common[-1] if common else None
@@ -187,6 +208,7 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
         if (other, ratio_mb) in run.series and ("keep", ratio_mb) in run.series:
             cpu = [statistics.median(run.series[(n, ratio_mb)].cpu[run.warmup:]) for n in (other, "keep")]
             ratios[f"{other}_vs_keep_cpu_time"] = cpu[0] / max(cpu[1], 1e-12)
+    ratios.update(verify_ratios(run, at, ratio_mb))
     if memory_budget is None and ("keep", sizes[len(sizes) // 2] if sizes else None) in at:
         budget_from = sizes[len(sizes) // 2]
         memory_budget = at[("keep", budget_from)].peak_activation_bytes
@@ -300,7 +322,9 @@ def render(summary: dict) -> str:
               ("adaptive_vs_keep_peak_activation", "adaptive / keep peak activations"),
               ("offload_vs_keep_cpu_time", "offload / keep CPU time"),
               ("adaptive_vs_keep_cpu_time", "adaptive / keep CPU time"),
-              ("recompute_vs_keep_cpu_time", "recompute / keep CPU time"))
+              ("recompute_vs_keep_cpu_time", "recompute / keep CPU time"),
+              ("offload+crc32c_vs_offload_step_time", "offload+crc32c / offload step time"),
+              ("offload+crc32c_vs_offload_cpu_time", "offload+crc32c / offload CPU time"))
     for key, label in labels:
         if key in r:
             lines.append(f"  {label:<34} {r[key]:6.2f}")
@@ -321,7 +345,8 @@ def render(summary: dict) -> str:
     lines.append(f"largest micro-batch within {_mb(budget)} of activations"
                  f"{f' (keep at micro-batch {src})' if src else ''}: {fits}"
                  f"{'  (+: the largest measured)' if '+' in fits else ''}")
-    lines.append(f"losses bitwise equal (keep, offload, adaptive): {summary['losses_bitwise_equal']}; "
+    same = ", ".join(n for n in SAME_LOSSES if any(p["strategy"] == n for p in summary["points"]))
+    lines.append(f"losses bitwise equal ({same}): {summary['losses_bitwise_equal']}; "
                  f"recompute equal to keep: {summary['recompute_losses_bitwise_equal']}")
     fell = {k: d.get("fallbacks", 0) for k, d in diag.items() if d.get("fallbacks")}
     if fell:
@@ -344,7 +369,7 @@ def plot_rok(summary: dict, path: str) -> bool:
     fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for s in STRATEGIES:
+    for s in ALL_STRATEGIES:
         pts = [p for p in summary["points"] if p["strategy"] == s.name]
         if not pts:
             continue

@@ -30,11 +30,18 @@ class Strategy:
     """OffloadConfig.policy of the offloader installed for it."""
     recompute: Optional[str] = None
     """GPTSpec.recompute: megatron's activation recomputation."""
+    verify: Optional[str] = None
+    """OffloadConfig.verify of its offloader (None: the bench's config's)."""
 
 
 STRATEGIES = (Strategy("keep", "keep"), Strategy("offload", "offload"),
               Strategy("adaptive", "adaptive"), Strategy("recompute", "keep", "full"))
-SAME_LOSSES = ("keep", "offload", "adaptive")
+VERIFIED = Strategy("offload+crc32c", "offload", verify="crc32c")
+"""offload with every chunk checksummed and verified: ``--verify off,crc32c`` runs it beside
+offload (verify off), so the cost of verification is a ratio of one run."""
+ALL_STRATEGIES = STRATEGIES[:2] + (VERIFIED,) + STRATEGIES[2:]
+"""Every strategy the bench knows, in the order the report lists them."""
+SAME_LOSSES = ("keep", "offload", "offload+crc32c", "adaptive")
 """Strategies whose losses must be bitwise equal (recompute's are compared and reported)."""
 
 @dataclass
@@ -105,6 +112,17 @@ class BenchRun:
     """activation_budget_bytes adaptive ran with, per micro-batch size (None: keep everything)."""
     background_load: int = 0
     """Busy processes that competed for the CPU during every strategy's steps."""
+
+
+def verify_ratios(run: BenchRun, at: dict, mb: Optional[int]) -> Dict[str, float]:
+    """offload+crc32c against offload at micro-batch ``mb`` (step time, process CPU time),
+    when both ran; ``at``: (strategy, micro-batch) -> Point."""
+    a, b = at.get((VERIFIED.name, mb)), at.get(("offload", mb))
+    if a is None or b is None:
+        return {}
+    cpu = [statistics.median(run.series[(n, mb)].cpu[run.warmup:]) for n in (VERIFIED.name, "offload")]
+    return {f"{VERIFIED.name}_vs_offload_step_time": a.step_s / max(b.step_s, 1e-12),
+            f"{VERIFIED.name}_vs_offload_cpu_time": cpu[0] / max(cpu[1], 1e-12)}
 
 
 def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, warmup: int,
@@ -220,7 +238,9 @@ class _Contender:
         self.spec = dataclasses.replace(spec, recompute=strategy.recompute)
         self.model: Optional[MiniGPT] = MiniGPT(self.spec, device)
         # A job name per strategy: each offloader gets its own directory in the root.
-        self.offloader = ActivationOffloader(cfg.replace(policy=strategy.policy, job=f"bench-{strategy.name}"),
+        changes = {"verify": strategy.verify} if strategy.verify else {}
+        job = f"bench-{strategy.name.replace('+', '-')}"
+        self.offloader = ActivationOffloader(cfg.replace(policy=strategy.policy, job=job, **changes),
                                              device=device)
         self.series = _Series()
 

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 
 class CommandError(Exception):
@@ -73,6 +73,18 @@ def byte_count(text: str) -> int:
                                          f"KiB, MiB, GiB or TiB (e.g. 512MiB), got {text!r}")
     return int(match.group(1)) * _BINARY[unit]
 
+
+
+def verify_methods(text: str) -> List[str]:
+    """``--verify``: one or both of OffloadConfig's verify values, comma-separated
+    ('off,crc32c' measures both side by side)."""
+    from ..config import VERIFY
+
+    items = [t.strip() for t in text.split(",")]
+    if any(t not in VERIFY for t in items) or len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected one or both of "
+                                         + ", ".join(VERIFY) + ", comma-separated")
+    return items
 
 # -- deprecated spellings ---------------------------------------------------------------------
 

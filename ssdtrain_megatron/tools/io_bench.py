@@ -27,13 +27,13 @@ import shutil
 import statistics
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .cli_types import (EnvironmentProblem, UsageError, check_engine, deprecated_alias, positive_float,
-                         positive_int, writable_dir)
+                         positive_int, verify_methods, writable_dir)
 from ..config import ConfigError, OffloadConfig
 from .io_measure import (BASELINE_BLOCK, BASELINE_THREADS, GiB, MiB, BenchError, Progress, bench_engine,
-                         layout_compare, raw_baseline)
+                         contender_label, layout_compare, raw_baseline)
 
 ENGINE_CHOICES = ("posix", "aio", "memory", "tiered", "gds", "all")
 ALL_ENGINES = ("posix", "aio", "memory")
@@ -94,8 +94,37 @@ class _Rounds:
             self.ratios[name][op].append(got[f"{op}_gbps"] / mean)
 
 
+def _contenders(engines: List[str], verify: List[str], base: OffloadConfig,
+                skipped: Dict[str, str]) -> Dict[str, Tuple[str, OffloadConfig]]:
+    """{label: (engine, config)}: each engine once per ``verify`` value ('posix',
+    'posix+crc32c'); a combination the config refuses (memory has no file to verify) is
+    reported in ``skipped`` with the reason."""
+    out: Dict[str, Tuple[str, OffloadConfig]] = {}
+    for name in engines:
+        for v in verify:
+            label = contender_label(name, v)
+            try:
+                out[label] = (name, base.replace(engine=name, verify=v))
+            except ConfigError as exc:
+                skipped[label] = exc.allowed or str(exc)
+    return out
+
+
+def verify_cost(engines: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, float]]:
+    """Per engine measured both ways: crc32c against off, as ratios of GB/s and of GB per
+    core-second (< 1: verification costs that much)."""
+    out = {}
+    for label, on in engines.items():
+        name, _, v = label.partition("+")
+        off = engines.get(name)
+        if v and off is not None:
+            out[label] = {f"{op}_{k}_ratio": on[f"{op}_{k}"] / max(off[f"{op}_{k}"], 1e-12)
+                          for op in ("write", "read") for k in ("gbps", "gb_per_core_s")}
+    return out
+
+
 def _measure_rounds(m: _Rounds, runnable: List[str], rounds: int, n_tensors: int, tensor_bytes: int,
-                    base_config: Optional[OffloadConfig], skipped: Dict[str, str]) -> None:
+                    configs: Dict[str, Tuple[str, OffloadConfig]], skipped: Dict[str, str]) -> None:
     """Each round: baseline, then each engine followed by a baseline. An engine that turns out
     unavailable when built is dropped from ``runnable`` and reported in ``skipped``."""
     from ..io.base import EngineUnavailable
@@ -113,9 +142,10 @@ def _measure_rounds(m: _Rounds, runnable: List[str], rounds: int, n_tensors: int
                 continue
             progress.say(f"{name}: {n_tensors} tensors of {tensor_bytes / MiB:g} MiB")
             try:
-                got = bench_engine(name, m.scratch, n_tensors, tensor_bytes, progress, base_config)
+                engine, cfg = configs[name]
+                got = bench_engine(engine, m.scratch, n_tensors, tensor_bytes, progress, cfg)
             except EngineUnavailable as exc:
-                why = str(exc).replace(f"engine {name!r} cannot run here: ", "")
+                why = str(exc).replace(f"engine {engine!r} cannot run here: ", "")
                 progress.say(f"skipping {name}: {why}")
                 skipped[name] = why
                 runnable.remove(name)
@@ -144,20 +174,25 @@ def _summarize(m: _Rounds, runnable: List[str], report: Dict[str, object]) -> No
             "write_gbps": detail["write_gbps"], "read_gbps": detail["read_gbps"],
             "write_ratio": detail["write_ratio"], "read_ratio": detail["read_ratio"],
             "cpu_us_per_tensor": detail["cpu_us_per_tensor"],
+            "write_gb_per_core_s": detail["write_gb_per_core_s"],
+            "read_gb_per_core_s": detail["read_gb_per_core_s"],
         }
         if got[0]["on_disk"] and not all(s["page_cache_bypassed"] for s in got):
             m.progress.say(f"WARNING: {name} read through the page cache; its read figures are inflated")
             bypassed = False
     report["engines"] = engines_out
+    if any("+" in label for label in engines_out):
+        report["verify_cost"] = verify_cost(engines_out)
     report["page_cache_bypassed"] = bypassed
 
 
 def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
         progress: Progress, compare_layout: bool = False, rounds: int = 1,
-        base_config: Optional[OffloadConfig] = None) -> Dict[str, object]:
+        base_config: Optional[OffloadConfig] = None, verify: Optional[List[str]] = None) -> Dict[str, object]:
     """Measure the baseline and each engine, ``rounds`` times interleaved (the drive's speed
-    drifts; each figure is the median over rounds). Returns the report: the --json object plus
-    private keys, starting with '_', for the table."""
+    drifts; each figure is the median over rounds), each engine once per ``verify`` value
+    (default: the config's). Returns the report: the --json object plus private keys,
+    starting with '_', for the table."""
     tensor_bytes = int(round(tensor_mib * MiB))
     n_tensors = max(1, int(round(total_gib * GiB / max(tensor_bytes, 1))))
     total = n_tensors * tensor_bytes
@@ -166,9 +201,12 @@ def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
     report: Dict[str, object] = {"_skipped": {}, "_detail": {}, "_n_tensors": n_tensors,
                                  "_total": total, "_dir": directory, "_rounds": rounds}
     try:
-        runnable = _runnable(engines, progress, report["_skipped"])
+        base = base_config or OffloadConfig()
+        configs = _contenders(_runnable(engines, progress, report["_skipped"]), verify or [base.verify],
+                              base, report["_skipped"])
+        runnable = list(configs)
         m = _Rounds(scratch, directory, total, runnable, progress)
-        _measure_rounds(m, runnable, rounds, n_tensors, tensor_bytes, base_config, report["_skipped"])
+        _measure_rounds(m, runnable, rounds, n_tensors, tensor_bytes, configs, report["_skipped"])
         _summarize(m, runnable, report)
         report["tensor_mib"] = tensor_mib
         if compare_layout:
@@ -182,7 +220,8 @@ def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
 
 def public(report: Dict[str, object]) -> Dict[str, object]:
     """The --json object: the report without its private keys."""
-    return {k: report[k] for k in ("baseline", "engines", "tensor_mib", "page_cache_bypassed", "layout")
+    return {k: report[k] for k in ("baseline", "engines", "verify_cost", "tensor_mib", "page_cache_bypassed",
+                                   "layout")
             if k in report}
 
 
@@ -217,6 +256,11 @@ def format_table(report: Dict[str, object]) -> str:
               "cpu_us_per_tensor is the larger of the two per-call figures."]
     if "memory" in report["engines"]:
         lines.append("memory: host RAM, no disk; its ratios only compare it with the drive.")
+    for label, cost in report.get("verify_cost", {}).items():
+        off = label.partition("+")[0]
+        lines.append(f"{label} / {off}: GB/s write {cost['write_gbps_ratio']:.3f}, read "
+                     f"{cost['read_gbps_ratio']:.3f}; GB per CPU-second of the process (all threads) "
+                     f"write {cost['write_gb_per_core_s_ratio']:.3f}, read {cost['read_gb_per_core_s_ratio']:.3f}")
     if "layout" in report:
         lay = report["layout"]
         lines += ["", "layout (same threads and request size, no engine):",
@@ -257,9 +301,13 @@ def add_io_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="an OffloadConfig field for the engines, e.g. --set io_threads=8 "
                         "(YAML value; repeatable)")
+    p.add_argument("--verify", type=verify_methods, default=None, metavar="{off,crc32c}[,...]",
+                   help="measure each engine with this verification (OffloadConfig.verify); "
+                        "'off,crc32c' measures both side by side and reports the cost as ratios "
+                        "(default: the --set value, else off)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=run_io_bench)
-    return p
+
 
 
 @contextlib.contextmanager
@@ -310,7 +358,7 @@ def run_io_bench(args: argparse.Namespace) -> int:
     try:
         with _stdout_to_stderr(args.json):
             report = run(directory, engines, args.tensor_mib, args.total_gib, progress,
-                         args.compare_layout, args.rounds, base_config)
+                         args.compare_layout, args.rounds, base_config, args.verify)
     except BenchError as exc:
         raise EnvironmentProblem(str(exc)) from exc
     finally:
@@ -318,6 +366,8 @@ def run_io_bench(args: argparse.Namespace) -> int:
     if args.engine != "all" and args.engine in report["_skipped"]:
         raise EnvironmentProblem(f"--engine {args.engine}: cannot run here: "
                                  f"{report['_skipped'][args.engine]}")
+    if not report["engines"]:
+        raise UsageError("nothing to measure: " + "; ".join(f"{k}: {v}" for k, v in report["_skipped"].items()))
     if args.json:
         print(json.dumps(public(report)))
     else:

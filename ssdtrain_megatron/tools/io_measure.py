@@ -245,9 +245,15 @@ def layout_compare(directory: str, n_tensors: int, tensor_bytes: int, threads: i
 # -- engines -------------------------------------------------------------------------------
 
 
+def contender_label(engine: str, verify: str) -> str:
+    """How the report names an engine measured with ``verify``: 'posix', 'posix+crc32c'."""
+    return engine if verify == "off" else f"{engine}+{verify}"
+
+
 def bench_engine(name: str, directory: str, n_tensors: int, tensor_bytes: int,
                  progress: Progress, base: Optional[OffloadConfig] = None) -> Dict[str, object]:
-    """Write then read ``n_tensors`` tensors through engine ``name``; verify a sample bitwise."""
+    """Write then read ``n_tensors`` tensors through engine ``name``; verify a sample bitwise.
+    ``{op}_gb_per_core_s``: GB per CPU-second of the process, IO threads included."""
     import torch
 
     from ..io import make_engine
@@ -259,6 +265,7 @@ def bench_engine(name: str, directory: str, n_tensors: int, tensor_bytes: int,
     elif name == "tiered":
         overrides["host_memory_bytes"] = total // 2  # half in memory, half spilled to SSD
     cfg = (base or OffloadConfig()).replace(**overrides)
+    label = contender_label(name, cfg.verify)
     window = max(cfg.max_inflight_bytes, 2 * tensor_bytes)
     gen = torch.Generator().manual_seed(0)
     sources = [torch.randint(0, 256, (tensor_bytes,), dtype=torch.uint8, generator=gen)
@@ -279,7 +286,7 @@ def bench_engine(name: str, directory: str, n_tensors: int, tensor_bytes: int,
             pending: Deque[Tuple[object, int]] = collections.deque()
             inflight = 0
             hand_cpu = 0.0
-            cpu0, t0 = time.thread_time(), time.perf_counter()
+            cpu0, proc0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
             for i in range(n_tensors):
                 # At most len(outs) - 1 reads pending: outs[i % len(outs)] is free again.
                 while pending and inflight + tensor_bytes > window:
@@ -294,14 +301,16 @@ def bench_engine(name: str, directory: str, n_tensors: int, tensor_bytes: int,
                 hand_cpu += time.thread_time() - h0
                 pending.append((fut, tensor_bytes))
                 inflight += tensor_bytes
-                progress.tick(f"{name} {op}", i + 1, n_tensors, tensor_bytes)
+                progress.tick(f"{label} {op}", i + 1, n_tensors, tensor_bytes)
             for fut, _ in pending:
                 fut.result(cfg.io_timeout_s)
             elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+            proc = time.process_time() - proc0  # every thread: the IO threads' copies and checksums
             result[f"{op}_gbps"] = total / elapsed / GB
             result[f"{op}_cpu_s_per_gb"] = cpu / (total / GB)
+            result[f"{op}_gb_per_core_s"] = total / GB / max(proc, 1e-9)
             result[f"{op}_call_us"] = hand_cpu / n_tensors * 1e6
-            progress.say(f"{name} {op}: {result[f'{op}_gbps']:.2f} GB/s")
+            progress.say(f"{label} {op}: {result[f'{op}_gbps']:.2f} GB/s")
         for key in sorted({0, n_tensors // 2, n_tensors - 1}):
             got = torch.empty(tensor_bytes, dtype=torch.uint8)
             engine.read(key, got).result(cfg.io_timeout_s)

@@ -16,6 +16,15 @@ injects, per IO call, write EIO, ENOSPC, short writes, read EIO, short reads, la
 Printed (or ``--json``/``--out``): faults injected by kind, survived, failed loudly, lost,
 steps bitwise equal, files left after every close; the exit status is 0 only with 0 lost, 0
 files left and every survived step bitwise equal.
+
+``--config PRESET`` soaks a preset's kind of model, shrunk to CPU size: its layer count (at
+most 4), micro-batch (at most 2), recomputation and SwiGLU are kept, the widths become the
+small GPT's, and what a single CPU process cannot run (tensor / pipeline / sequence parallel,
+experts, bf16) is named in the result's ``shrunk`` list. The preset's offload settings are
+used (its engine, IO threads, prefetch, verify) except what the soak sets so that a tiny model
+does IO: policy offload, min_tensor_bytes 4 KiB, chunk_bytes 16 KiB, keep_last_layers 0, no
+activation budget. ``--engine`` picks the engine faults go into: posix, aio (DeepNVMe; the
+faults are what its C submission path returns) or tiered (its SSD tier).
 """
 
 from __future__ import annotations
@@ -48,6 +57,11 @@ def add_soak_parser(subparsers) -> None:
     p.add_argument("--io-timeout-s", type=float, default=1.0,
                    help="the offloader's io_timeout_s; stalls last 1.5x it (default %(default)s)")
     p.add_argument("--dir", default=None, help="offload root (default: a temporary folder)")
+    p.add_argument("--config", metavar="PRESET", default=None,
+                   help="YAML preset (configs/*.yaml): its model shrunk to CPU size and its offload "
+                        "settings (default: a 2-layer GPT on posix)")
+    p.add_argument("--engine", choices=SOAK_ENGINES, default=None,
+                   help="engine the faults go into (default: the preset's, else posix)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--out", metavar="FILE", default=None, help="also write the JSON result to FILE")
     p.set_defaults(func=run_soak)
@@ -69,11 +83,68 @@ def _kinds(text: str) -> Tuple[str, ...]:
     return kinds
 
 
+SOAK_ENGINES = ("posix", "aio", "tiered")
+"""Engines whose IO calls the fault wrapper reaches (memory makes none; gds needs CUDA)."""
+
+
 def _spec():
     from .minigpt import GPTSpec
 
     return GPTSpec(layers=2, hidden=64, heads=4, seq=64, vocab=128, micro_batch=2,
                    num_microbatches=2)
+
+
+def preset_spec(path: str) -> Tuple[object, List[str]]:
+    """(GPTSpec, what was shrunk away) for preset ``path``: its kind of model at CPU size.
+
+    Raises:
+        UsageError: the preset cannot be read or is invalid (one line, from load_preset).
+    """
+    from .cli_types import UsageError
+    from .minigpt import GPTSpec
+    from .plan_cli import load_preset
+
+    try:
+        shape, _ = load_preset(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    recompute = shape.recompute if shape.recompute in ("full", "selective") else None
+    spec = GPTSpec(layers=min(shape.num_layers, 4), hidden=64, heads=4, seq=64, vocab=128,
+                   micro_batch=min(shape.micro_batch, 2), num_microbatches=2, recompute=recompute,
+                   swiglu=bool(shape.swiglu), swiglu_fusion=bool(shape.swiglu and shape.swiglu_fusion))
+    shrunk = [f"{shape.num_layers} layers -> {spec.layers}",
+              f"hidden {shape.hidden}, {shape.heads} heads, seq {shape.seq_len} -> 64, 4, 64"]
+    for name, value in (("tp", shape.tp), ("pp", shape.pp), ("cp", shape.cp), ("ep", shape.ep)):
+        if value > 1:
+            shrunk.append(f"{name} {value} -> 1 (one process)")
+    if shape.sequence_parallel:
+        shrunk.append("sequence parallel -> off")
+    if shape.num_experts:
+        shrunk.append(f"{shape.num_experts} experts -> a dense MLP")
+    if shape.dtype_bytes != 4:
+        shrunk.append("dtype -> fp32")
+    return spec, shrunk
+
+
+def soak_config(args, root: str):
+    """The offloader's config: the preset's offload section (or the defaults), with what the
+    soak needs for a tiny model to do IO (module docstring)."""
+    from ..config import OffloadConfig
+
+    base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
+    engine = args.engine or (base.engine if args.config else "posix")
+    if engine not in SOAK_ENGINES:
+        from .cli_types import UsageError
+
+        raise UsageError(f"engine {engine!r} (from --config): faults are injected into the IO "
+                         f"calls of {', '.join(SOAK_ENGINES)} only; pass --engine")
+    changes = dict(dirs=[root], engine=engine, policy="offload", min_tensor_bytes=4096,
+                   chunk_bytes=16384, keep_last_layers=0, io_timeout_s=args.io_timeout_s,
+                   activation_budget_bytes=None, memory_budget_bytes=None, stats_path=None,
+                   trace_path=None, job=None, recompute_fallback=False, recompute_layers=[])
+    if engine == "tiered":  # a small memory tier: most tensors spill to the SSD, where faults are
+        changes["host_memory_bytes"] = min(base.host_memory_bytes, 256 << 10)
+    return base.replace(**changes)
 
 
 def _fingerprint(loss: float, model) -> Tuple[str, str]:
@@ -91,31 +162,30 @@ def _files(root: str) -> List[str]:
     return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
 
 
-def reference_run(steps: int, device) -> List[Tuple[str, str]]:
+def reference_run(steps: int, device, spec=None) -> List[Tuple[str, str]]:
     """The fault-free run: plain megatron-core training, no offloader."""
     from .minigpt import MiniGPT
 
-    model = MiniGPT(_spec(), device)
+    model = MiniGPT(spec or _spec(), device)
     out = []
     for _ in range(steps):
         out.append(_fingerprint(model.step(), model))
     return out
 
 
-def faulty_run(args, kinds, root: str, device, reference) -> Dict[str, object]:
+def faulty_run(args, kinds, root: str, device, reference, spec=None, config=None) -> Dict[str, object]:
     """The offloaded run with faults (module docstring); the figures of the result."""
-    from ..config import OffloadConfig
     from .faults import SeededFaults, faulty_offloader
     from .minigpt import MiniGPT, installed_step
 
-    config = OffloadConfig(dirs=[root], min_tensor_bytes=4096, chunk_bytes=16384,
-                           keep_last_layers=0, io_timeout_s=args.io_timeout_s)
+    config = config or soak_config(args, root)
     faults = SeededFaults(args.seed, kinds, rate=args.rate, stall_s=1.5 * args.io_timeout_s,
                           stall_rate=args.stall_rate)
-    model = MiniGPT(_spec(), device)
+    model = MiniGPT(spec or _spec(), device)
     off = faulty_offloader(config, faults)
-    r = {"steps": args.steps, "failed_loudly": [], "lost_steps": [], "bitwise_equal_steps": 0,
-         "survivable_steps": 0, "files_left": 0, "fallbacks": 0, "read_retries": 0}
+    r = {"steps": args.steps, "engine": config.engine, "verify": config.verify, "failed_loudly": [],
+         "lost_steps": [], "bitwise_equal_steps": 0, "survivable_steps": 0, "files_left": 0,
+         "fallbacks": 0, "read_retries": 0, "bytes_offloaded": 0}
     for step in range(args.steps):
         faults.new_step(step)
         try:
@@ -123,6 +193,7 @@ def faulty_run(args, kinds, root: str, device, reference) -> Dict[str, object]:
             stats = off.last_step_stats
             r["fallbacks"] += stats.fallbacks
             r["read_retries"] += stats.read_retries
+            r["bytes_offloaded"] += stats.bytes_offloaded
             r["survivable_steps"] += 1
             if _fingerprint(loss, model) == reference[step]:
                 r["bitwise_equal_steps"] += 1
@@ -149,19 +220,26 @@ def faulty_run(args, kinds, root: str, device, reference) -> Dict[str, object]:
 def run_soak(args: argparse.Namespace) -> int:
     import torch
 
-    from .cli_types import UsageError
+    from .cli_types import UsageError, check_engine
     from .minigpt import MegatronRuntime
 
     kinds = _kinds(args.faults)
     if args.steps < 1:
         raise UsageError("--steps: expected at least 1")
+    spec, shrunk = preset_spec(args.config) if args.config else (_spec(), [])
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ssdtrain-soak-") as tmp:
         root = args.dir or tmp
+        config = soak_config(args, root)
+        check_engine("--engine" if args.engine else "engine (from --config)", config.engine)
         with MegatronRuntime() as rt:
             torch.use_deterministic_algorithms(True, warn_only=True)
-            reference = reference_run(args.steps, rt.device)
-            result = faulty_run(args, kinds, root, rt.device, reference)
+            reference = reference_run(args.steps, rt.device, spec)
+            result = faulty_run(args, kinds, root, rt.device, reference, spec, config)
+    result.update(config=args.config, shrunk=shrunk,
+                  shape={"layers": spec.layers, "hidden": spec.hidden, "seq": spec.seq,
+                         "micro_batch": spec.micro_batch, "recompute": spec.recompute,
+                         "swiglu": spec.swiglu})
     failed = len(result["failed_loudly"])
     lost = len(result["lost_steps"]) + result["files_left"]
     ok = lost == 0 and result["bitwise_equal_steps"] == result["survivable_steps"]
@@ -178,7 +256,10 @@ def run_soak(args: argparse.Namespace) -> int:
 
 def _summary(r: Dict[str, object]) -> str:
     kinds = ", ".join(f"{k} {n}" for k, n in r["faults_injected"].items())
-    return (f"ssdtrain soak: {r['steps']} steps, seed {r['seed']}, {r['seconds']} s\n"
+    return (f"ssdtrain soak: {r['steps']} steps, seed {r['seed']}, {r['seconds']} s, engine "
+            f"{r['engine']}, verify {r['verify']}"
+            + (f", {r['config']} shrunk to CPU size ({'; '.join(r['shrunk'])})" if r["config"] else "")
+            + "\n"
             f"faults injected: {r['faults_total']} ({kinds or 'none'})\n"
             f"survived: {r['survived_steps']} steps ({r['fallbacks']} writes kept in memory, "
             f"{r['read_retries']} reads retried); bitwise equal to the fault-free run: "
