@@ -86,7 +86,7 @@ def add_bench_parser(subparsers) -> None:
                    help="N busy processes compete for the CPU during every strategy's steps (started "
                         "and stopped by the bench; default: 0)")
     p.add_argument("--quick", action="store_true",
-                   help="CI-sized shape, fewer steps (about 3 minutes on 2 cores)")
+                   help="CI-sized shape, fewer steps (about a minute on 2 cores: docs/benchmarks.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", default="./bench-results", help="rok.png and points.json go here "
                                                             "(default: %(default)s)")

@@ -276,6 +276,12 @@ def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespac
         "memory_budget_bytes": budget,
         "largest_micro_batch": {mode: largest_micro_batch(fits(mode))
                                 for mode in ("keep", "offload", "recompute")},
+        # At the preset's micro-batch, on the first pipeline stage (pp micro-batches in flight).
+        "peak_activation_bytes": {
+            "keep": peak_activation_bytes(shape, "keep", profile),
+            "offload": peak_activation_bytes(shape, "offload", profile,
+                                             resident_bytes=plan.resident_bytes),
+            "recompute": peak_activation_bytes(shape, "recompute", profile)},
     }
 
 
