@@ -1,5 +1,7 @@
 """ssdtrain-megatron: SSD activation offloading for Megatron training."""
 
+import glob
+
 from setuptools import find_packages, setup
 
 setup(
@@ -30,6 +32,9 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "plot": ["matplotlib"],
     },
+    # The presets, so that an installed package finds `--config llama3-70b` too
+    # (ssdtrain_megatron/presets.py looks in <prefix>/share/ssdtrain-megatron/configs).
+    data_files=[("share/ssdtrain-megatron/configs", sorted(glob.glob("configs/*.yaml")))],
     entry_points={
         "console_scripts": [
             "ssdtrain=ssdtrain_megatron.tools.cli:main",

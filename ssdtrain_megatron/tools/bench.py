@@ -51,8 +51,8 @@ from typing import Dict, List, Optional
 from .bench_budget import budget_comparison, render_lines
 from .bench_measure import SAME_LOSSES, STRATEGIES, BenchRun, Point, measure
 from .bench_spread import ratio_spread, render_spread
-from .cli_types import (byte_count, check_engine, deprecated_alias, openmp_wait_policy, positive_int,
-                        quiet_megatron_warnings, writable_dir)
+from .cli_types import (PRESET_HELP, byte_count, check_engine, deprecated_alias, openmp_wait_policy, positive_int,
+                        quiet_megatron_warnings, preset_arg, writable_dir)
 from ..config import OffloadConfig
 
 TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
@@ -91,7 +91,8 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--out", default="./bench-results", help="rok.png and points.json go here "
                                                             "(default: %(default)s)")
     p.add_argument("--dir", default="./ssd-offload-bench", help="offload root (default: %(default)s)")
-    p.add_argument("--config", help="YAML preset: its offload: section (--dir replaces its dirs)")
+    p.add_argument("--config", metavar="PRESET", type=preset_arg,
+                   help=f"{PRESET_HELP}: its offload: section (--dir replaces its dirs)")
     p.add_argument("--engine", help="IO engine (default: the preset's, else posix)")
     p.add_argument("--min-tensor-bytes", type=byte_count, metavar="BYTES",
                    help="smaller saved tensors stay in memory (default: the preset's, else 256KiB)")
