@@ -299,3 +299,23 @@ def test_demo_with_a_fraction_budget_preset_runs_on_cpu_and_says_what_to_pass(tm
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "activation budget 1.0 MiB (offload run" in out
+
+
+@pytest.mark.parametrize("command", ["plan", "doctor", "clean", "demo", "bench"])
+def test_an_invalid_preset_is_a_usage_error_in_every_subcommand(command, tmp_path, capsys):
+    """The same mistake, the same exit status: 2, with one line naming the bad key."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.replace("keep_last_layers: 1", "keep_last_layers: -1"))
+    extra = ["--dir", str(tmp_path / "root")] if command in ("demo", "bench") else []
+    assert main([command, "--config", str(bad), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "keep_last_layers=-1 is invalid" in err[0], err
+
+
+def test_a_bad_size_is_a_usage_error_in_every_size_flag(capsys):
+    required = {"plan": ["--config", "llama3-8b"]}
+    for command, flag, _ in _byte_flags():
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, *required.get(command, []), flag, "12parsecs"])
+        assert exit_info.value.code == 2, (command, flag)
+        assert f"argument {flag}: " in capsys.readouterr().err
