@@ -21,8 +21,8 @@ from typing import Dict, Iterator, List, Set, Tuple
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
-                              if f.endswith(".md"))
+DOCS = ["README.md", os.path.join("configs", "README.md"), os.path.join("scripts", "README.md")] \
+    + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md"))
 SHELL_FENCES = ("```bash", "```sh", "```shell", "```console", "```")
 
 
