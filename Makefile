@@ -64,7 +64,7 @@ bench: install
 	$(VENV)/bin/ssdtrain bench
 
 # The GPU check runs on a bare GPU box: no venv, no network, the wheels of `make gpu-bundle` in
-# .whl/ (see README "gpu-check"). Exit status 0 only when every target passed. GPU_CHECK_DRY=1
+# .whl/ (see docs/gpu-check.md). Exit status 0 only when every target passed. GPU_CHECK_DRY=1
 # prints the time plan only. Options: GPU_CHECK_ARGS="--out DIR ...".
 GPU_CHECK_ARGS ?=
 gpu-check:

@@ -1,5 +1,7 @@
 """ssdtrain-megatron: SSD activation offloading for Megatron training."""
 
+import glob
+
 from setuptools import find_packages, setup
 
 setup(
@@ -20,7 +22,7 @@ setup(
         "test": ["pytest>=7", "matplotlib"],
         # 0.16-0.19 (ssdtrain_megatron/megatron/compat.py). The 0.17+ wheels declare
         # Requires-Python >=3.12: on 3.11 pip picks 0.16.1 here; a newer one installs with
-        # `pip install --ignore-requires-python --no-deps megatron-core==X` (README).
+        # `pip install --ignore-requires-python --no-deps megatron-core==X` (docs/install.md).
         "megatron": ["megatron-core>=0.16,<0.20"],
         "aio": ["deepspeed>=0.19.8,<0.20"],
         # Megatron-DeepSpeed (master 4efb479d) imports deepspeed.compression.compress, which
@@ -30,6 +32,9 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "plot": ["matplotlib"],
     },
+    # The presets, so that an installed package finds `--config llama3-70b` too
+    # (ssdtrain_megatron/presets.py looks in <prefix>/share/ssdtrain-megatron/configs).
+    data_files=[("share/ssdtrain-megatron/configs", sorted(glob.glob("configs/*.yaml")))],
     entry_points={
         "console_scripts": [
             "ssdtrain=ssdtrain_megatron.tools.cli:main",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make gpu-bundle`: the wheels `make gpu-check` needs on the bare GPU box, and proof they suffice.
 
-The box (see README "GPU data path and `make gpu-check`") has Python 3.12, torch 2.11 built for
+The box (see docs/gpu-check.md) has Python 3.12, torch 2.11 built for
 CUDA 13 with everything torch itself requires, and cupy-cuda13x; it has no network. This script,
 run on a machine with network (any Python with pip >= 22.2; no GPU):
 

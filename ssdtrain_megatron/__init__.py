@@ -1,4 +1,4 @@
-"""SSD activation offloading for Megatron training (see README.md and DESIGN.md).
+"""SSD activation offloading for Megatron training (see README.md and docs/).
 
 Where things live, top to bottom (imports go only downwards): ``tools/`` (the ``ssdtrain``
 command, demo and benchmarks; never imported by the library) -> ``megatron/`` (``install()``,

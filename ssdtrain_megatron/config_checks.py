@@ -71,7 +71,7 @@ def knob(default: Any = dataclasses.MISSING, *, check: Check, help: str,
         flag: the command-line flag, when not ``--ssd-offload-<field-with-dashes>``.
         metavar: the flag's placeholder in --help (default: from the type).
         choices: the allowed strings (shown as the metavar ``{a,b,c}``).
-        unit: ``"bytes"``: the flag takes a size with an optional KiB/MiB/GiB/TiB suffix.
+        unit: ``"bytes"``: the flag takes a size (ssdtrain_megatron/sizes.py: 80GB, 80GiB, 4096).
         deprecated_flags: older flag names that still work, hidden from --help.
         deprecated_switch: ``(flag, on, off)``: an older on/off flag (with its ``--no-`` form)
             that still works, hidden from --help, and sets this field to ``on`` or ``off``.

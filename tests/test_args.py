@@ -140,7 +140,8 @@ def test_every_shipped_preset_composes_with_flags():
      "expected a multiple of 4096"),
     (["--ssd-offload-chunk-bytes", "3PB"],
      "pretrain_gpt.py: error: argument --ssd-offload-chunk-bytes: '3PB' is invalid: "
-     "expected an integer, optionally with a unit KiB, MiB, GiB or TiB"),
+     "expected a size: bytes, or a number with a unit kB, MB, GB, TB (10^3...) or KiB, MiB, "
+     "GiB, TiB (2^10...), e.g. 80GB or 512MiB"),
     (["--ssd-offload-engine", "nvme"],
      "pretrain_gpt.py: error: argument --ssd-offload-engine: 'nvme' is invalid: "
      "allowed: posix, aio, gds, memory, tiered"),
@@ -160,8 +161,9 @@ def test_every_shipped_preset_composes_with_flags():
      "pretrain_gpt.py: error: argument --ssd-offload-recompute-layers: [0, 1] is invalid: "
      "expected a list of layer numbers >= 1"),
     (["--ssd-offload-config", "/nonexistent/preset.yaml"],
-     "pretrain_gpt.py: error: argument --ssd-offload-config: cannot read "
-     "'/nonexistent/preset.yaml': No such file or directory"),
+     "pretrain_gpt.py: error: argument --ssd-offload-config: /nonexistent/preset.yaml: no such "
+     "file and no preset of that name; presets: cpu-tiny, gpt3-1.3b, llama2-13b, llama2-7b, "
+     "llama3-70b, llama3-8b, llama3-8b-128k, mixtral-8x7b, qwen3-30b-a3b"),
 ])
 def test_bad_value_fails_at_parse_time_naming_the_flag(argv, line, capsys):
     assert _fails(argv, capsys) == line
@@ -241,7 +243,7 @@ def test_megatron_args_from_preset_carry_shape_layout_and_precision():
         "--micro-batch-size", "1", "--attention-dropout", "0", "--hidden-dropout", "0",
         "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
         "--group-query-attention", "--num-query-groups", "8", "--bf16", "--swiglu",
-        "--sequence-parallel"]
+        "--sequence-parallel", "--use-distributed-optimizer"]
 
 
 def test_a_preset_with_unfused_swiglu_asks_megatron_for_it(tmp_path):

@@ -184,8 +184,8 @@ def test_losses_that_differ_in_the_last_bit_are_reported_unequal():
 
 @pytest.mark.parametrize("argv, message", [
     (["--micro-batch-size", "1,0"], "expected positive integers separated by commas"),
-    (["--memory-budget", "12parsecs"], "expected a byte count > 0, optionally with a unit"),
-    (["--memory-budget", "0"], "expected a byte count > 0"),
+    (["--memory-budget", "12parsecs"], "expected a size: bytes, or a number with a unit kB"),
+    (["--memory-budget", "0"], "e.g. 80GB or 512MiB, above 0; got '0'"),
 ])
 def test_bad_flags_are_refused_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

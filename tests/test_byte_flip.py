@@ -1,8 +1,8 @@
 """What comes back is what went out (issue 28, section 3): one byte of a slab file flipped
 between a tensor's write and its read. With ``--ssd-offload-verify crc32c`` (or its deprecated
 spelling ``--ssd-offload-checksum``), backward fails with one error naming the tensor's layer
-and the file (never a wrong tensor); without, the wrong bytes reach backward, which is what the
-README says can happen (a real file, a real flip, the posix engine). The config is built from
+and the file (never a wrong tensor); without, the wrong bytes reach backward, which is what
+docs/design.md says can happen (a real file, a real flip, the posix engine). The config is built from
 the flags, as a Megatron job builds it."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from ssdtrain_megatron import ActivationOffloader
 from ssdtrain_megatron.megatron.args import add_ssd_offload_args, config_from_args
 from tests.test_offloader import files_under
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+DESIGN_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                          "design.md")
 
 
 def _flip(path: str, offset: int) -> None:
@@ -85,5 +86,5 @@ def test_without_verify_the_flipped_byte_reaches_backward_as_the_readme_says(off
     x = torch.randn(128, 128, requires_grad=True)
     ref(x).sin().sum().backward()
     assert not torch.equal(lin.weight.grad.view(torch.int32), ref.weight.grad.view(torch.int32))
-    text = open(README, encoding="utf-8").read()
+    text = open(DESIGN_DOC, encoding="utf-8").read()
     assert "Without verification, a byte changed on the drive" in text

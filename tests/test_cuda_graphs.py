@@ -6,7 +6,7 @@ none of the host side. The pack hook therefore leaves every tensor saved during 
 autograd and counts it (``StepStats.captured_kept``). On this CPU machine the capture query
 (``torch.cuda.is_current_stream_capturing()``) is a stand-in flag on the recording streams
 (tests/recording_streams.py); the offloader, engine and files are real. Megatron's own
-CUDA-graph flags do not compose with ``--ssd-offload`` (README, "CUDA graphs"): the launcher
+CUDA-graph flags do not compose with ``--ssd-offload`` (docs/megatron.md, "CUDA graphs"): the launcher
 and the first step stop with one line naming the flag to remove.
 """
 

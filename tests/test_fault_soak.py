@@ -1,7 +1,7 @@
 """`ssdtrain soak`, short (issue 28, section 2): faults of every kind injected into a
 megatron-core GPT's offloaded training on this CPU; every step that completes is bitwise equal
 to the fault-free run, every failure is an error, no file is left. The 200-step run of the
-issue is the command in the README; CI runs this one."""
+issue is the command in docs/commands.md; CI runs this one."""
 
 from __future__ import annotations
 

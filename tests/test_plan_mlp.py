@@ -1,7 +1,7 @@
 """The analytic model's MLP terms: SwiGLU fused (Megatron-LM's default) and unfused.
 
 What the offloader really writes for each is checked in test_plan_vs_megatron.py; the preset
-figures here are the README's planning table.
+figures here are docs/models.md's planning table.
 """
 
 import pathlib
@@ -48,7 +48,7 @@ def test_unfused_swiglu_saves_gate_input_gate_output_and_up_projection():
     ("llama3-70b", 281018368, 398451712),
 ])
 def test_preset_bytes_per_layer_follow_swiglu_fusion(preset, fused, unfused):
-    """The README's planning table: fused is the default; unfused writes the gate's span."""
+    """docs/models.md's planning table: fused is the default; unfused writes the gate's span."""
     shape, _ = load_preset(str(CONFIGS / f"{preset}.yaml"))
     assert shape.swiglu and shape.swiglu_fusion
     assert layer_activation_bytes(shape) == fused

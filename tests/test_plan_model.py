@@ -222,8 +222,8 @@ def test_preset_rejects_unknown_keys_and_dtypes():
         ModelShape.from_preset({**model, "hiden": 64})
     with pytest.raises(ValueError, match=r"^model.dtype='int8' is invalid: allowed: bf16, fp16, fp32$"):
         ModelShape.from_preset({**model, "dtype": "int8"})
-    with pytest.raises(ValueError, match=r"^parallel: unknown key\(s\) dp"):
-        ModelShape.from_preset(model, {"dp": 2})
+    with pytest.raises(ValueError, match=r"^parallel: unknown key\(s\) zp"):
+        ModelShape.from_preset(model, {"zp": 2})
     assert ModelShape.from_preset({**model, "dtype": "fp32"}, {"tp": 2}).dtype_bytes == 4
 
 
@@ -306,7 +306,7 @@ def test_plan_with_a_slow_ssd_keeps_or_recomputes(capsys, preset):
 
 def test_plan_with_a_fast_ssd_reports_the_lifespan(capsys, preset):
     out = plan_json(capsys, preset, "--ssd-gbps", "1000", "--ssd-tbw", "600", "--drives", "4",
-                    "--num-microbatches", "8")
+                    "--num-microbatches", "8", "--gpus-per-node", "1")
     assert [row["decision"] for row in out["layers"]] == ["offload"] * 3 + ["keep"]
     assert out["offloaded_bytes_per_step"] == 8 * 3 * LAYER_BYTES
     assert out["predicted_io_stall_s"] == 0.0
@@ -376,9 +376,12 @@ def test_plan_rejects_a_bad_offload_section(capsys, tmp_path):
 
 def test_plan_rejects_a_missing_preset(capsys, tmp_path):
     missing = str(tmp_path / "none.yaml")
-    assert main(["plan", "--config", missing]) == 2
-    assert capsys.readouterr().err == (
-        f"ssdtrain plan: error: --config: cannot read {missing!r}: No such file or directory\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--config", missing])
+    assert exit_info.value.code == 2  # a usage error, as in every subcommand (tests/test_presets_cli.py)
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"ssdtrain plan: error: argument --config: {missing}: no such file and no preset of "
+        "that name; presets: cpu-tiny, ")
 
 
 @pytest.mark.parametrize("flag, value, message", [

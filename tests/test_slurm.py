@@ -250,7 +250,7 @@ def job_folder(tmp_path) -> dict:
         "MEGATRON_LM": str(mlm), "PRESET": str(preset), "PYTHON": sys.executable,
         "SSD_DIRS": f"{tmp_path}/nvme{{local_rank}}/ssdtrain/{{job}}", "GPUS_PER_NODE": "2",
         "MASTER_PORT": str(slurm_cluster._free_port()), "OMP_NUM_THREADS": "1",
-        # One string, as the README says: replaces the script's defaults (RoPE, tokenizer, ...),
+        # One string, as docs/cluster.md says: replaces the script's defaults (RoPE, tokenizer, ...),
         # which the tiny front end does not know.
         "MEGATRON_ARGS": "--vocab-size 64 --lr 1e-3",
         "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -333,7 +333,7 @@ def test_a_job_cancelled_mid_step_leaves_nothing(cluster, job_env):
 
 
 def test_sbatch_refuses_the_scripts_gpu_line_on_a_cluster_without_gpus(cluster, job_env):
-    """What the script's comments and the README say happens when the cluster-specific lines
+    """What the script's comments and docs/cluster.md say happens when the cluster-specific lines
     are not adapted: sbatch refuses the job with this message."""
     env, tmp_path = job_env
     out = cluster.run("sbatch", "--parsable", SBATCH, check=False, cwd=str(tmp_path), env=env)

@@ -79,9 +79,16 @@ def _validated(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _preset(path: str) -> str:
-    """``--ssd-offload-config``: the path, once its offload section has loaded and validated."""
+    """``--ssd-offload-config``: the file (a preset's name, ``llama3-70b``, finds
+    configs/llama3-70b.yaml), once its offload section has loaded and validated."""
     import yaml
 
+    from ..presets import UnknownPreset, resolve_preset
+
+    try:
+        path = resolve_preset(path, flag="")
+    except UnknownPreset as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     try:
         OffloadConfig.from_yaml(path)
     except OSError as exc:
@@ -122,8 +129,9 @@ def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                             "(ssdtrain-megatron). Without it the other --ssd-offload-* flags "
                             "have no effect.")
     group.add_argument("--ssd-offload-config", type=_preset, default=None, metavar="PRESET",
-                       help="YAML preset (configs/*.yaml); its offload: section sets the "
-                            "defaults that the other --ssd-offload-* flags override.")
+                       help="a preset name (llama3-70b: configs/llama3-70b.yaml) or a YAML "
+                            "file; its offload: section sets the defaults that the other "
+                            "--ssd-offload-* flags override.")
     for field in dataclasses.fields(OffloadConfig):
         kwargs = _argument(field, getattr(defaults, field.name))
         group.add_argument(flag_for(field.name), **kwargs)
@@ -312,7 +320,12 @@ def megatron_args_from_preset(path: str) -> List[str]:
     import yaml
 
     from ..plan.model import ModelShape
+    from ..presets import UnknownPreset, resolve_preset
 
+    try:
+        path = resolve_preset(path, flag="preset")
+    except UnknownPreset as exc:
+        raise ValueError(str(exc)) from None
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
@@ -344,6 +357,8 @@ def megatron_args_from_preset(path: str) -> List[str]:
             flags.append("--no-bias-swiglu-fusion")
     if shape.sequence_parallel:
         flags.append("--sequence-parallel")
+    if shape.distributed_optimizer:
+        flags.append("--use-distributed-optimizer")
     if shape.cp > 1:
         flags += ["--context-parallel-size", str(shape.cp)]
     if shape.num_experts is not None:
@@ -370,7 +385,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="python -m ssdtrain_megatron.megatron.args",
         description="Print the Megatron-LM flags (shape, micro-batch, dtype, layout) of a "
                     "preset's model: and parallel: sections.")
-    parser.add_argument("preset", metavar="PRESET", help="YAML preset, e.g. configs/llama2-13b.yaml")
+    parser.add_argument("preset", metavar="PRESET",
+                        help="a preset name (llama2-13b) or a YAML file, e.g. configs/llama2-13b.yaml")
     args = parser.parse_args(argv)
     try:
         print(shlex.join(megatron_args_from_preset(args.preset)))

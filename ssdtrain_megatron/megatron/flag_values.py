@@ -16,8 +16,8 @@ import typing
 from typing import Any, Callable, List, Tuple
 
 from ..config import OffloadConfig
-
-_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+from ..sizes import EXPECTED as SIZE_EXPECTED
+from ..sizes import parse_size
 
 
 def _fields() -> dict:
@@ -25,13 +25,18 @@ def _fields() -> dict:
 
 
 def parse_int(text: str, allow_units: bool) -> int:
-    match = re.fullmatch(r"\s*(-?\d+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or (unit and not allow_units) or unit not in _BYTE_UNITS:
-        expected = "an integer, optionally with a unit KiB, MiB, GiB or TiB" if allow_units \
-            else "an integer"
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {expected}")
-    return int(match.group(1)) * _BYTE_UNITS[unit]
+    """An integer; with ``allow_units`` a size written as every size flag takes it
+    (:mod:`ssdtrain_megatron.sizes`: 80GB, 80GiB, 4096)."""
+    if allow_units:
+        value = parse_size(text)
+        if value is None and re.fullmatch(r"\s*-\d+\s*", text):
+            value = int(text)  # the field's own check names the allowed range
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {SIZE_EXPECTED}")
+        return value
+    if not re.fullmatch(r"\s*-?\d+\s*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer")
+    return int(text)
 
 
 def parse_float(text: str) -> float:
@@ -74,8 +79,8 @@ def parse_size_or_fraction(text: str) -> Any:
         return parse_int(text, allow_units=True)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid: expected a size like 12GiB or a fraction of device memory "
-            "like 0.6") from None
+            f"{text!r} is invalid: expected a size like 12GiB or 12GB, or a fraction of device "
+            "memory like 0.6") from None
 
 
 def field_type(name: str) -> Tuple[Callable[[str], Any], bool]:

@@ -114,9 +114,17 @@ class ModelShape:
     data-parallel ranks. Per-rank activation bytes do not depend on it (on average each rank's
     experts see as many rows as its own tokens send out); it sets the launch flags."""
 
+    dp: int = 1
+    """Data-parallel degree: model replicas. Only the model-state estimate reads it (the
+    distributed optimizer shards over dp x cp ranks; expert parameters over dp x cp / ep)."""
+
+    distributed_optimizer: bool = False
+    """Megatron's ``--use-distributed-optimizer``: fp32 main parameters and Adam's two states
+    sharded over the data-parallel ranks (see ``plan/memory.py``)."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
-                     "tp", "pp"):
+                     "tp", "pp", "dp"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 _fail(name, value, "expected an integer >= 1")
@@ -124,7 +132,8 @@ class ModelShape:
             _fail("kv_groups", self.kv_groups, "expected an integer >= 1 or null (multi-head)")
         if self.dtype_bytes not in (2, 4) or isinstance(self.dtype_bytes, bool):
             _fail("dtype_bytes", self.dtype_bytes, "expected 2 (bf16/fp16) or 4 (fp32)")
-        for name in ("sequence_parallel", "flash_attention", "swiglu", "swiglu_fusion"):
+        for name in ("sequence_parallel", "flash_attention", "swiglu", "swiglu_fusion",
+                     "distributed_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "expected true or false")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
@@ -189,7 +198,8 @@ class ModelShape:
                          "kv_groups", "dtype", "swiglu", "swiglu_fusion", "flash_attention",
                          "recompute", "vocab", "attention_dropout", "hidden_dropout",
                          "num_experts", "moe_topk", "moe_ffn_hidden")
-    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel", "ep", "cp")
+    PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel", "ep", "cp", "dp",
+                            "distributed_optimizer")
 
     @classmethod
     def from_preset(cls, model: Mapping, parallel: Optional[Mapping] = None) -> "ModelShape":

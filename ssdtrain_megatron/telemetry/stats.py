@@ -37,7 +37,7 @@ class LayerStats:
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one training step did with its activations (README: "Reading the numbers")."""
+    """What one training step did with its activations (docs/stats.md)."""
 
     step: int
     """This offloader's count of finished steps before this one (0 for its first step); the
@@ -82,7 +82,7 @@ class StepStats:
     bytes_wasted: int = 0
     """bytes_offloaded that were never read back: forwarded from memory because something else
     still held the tensor at backward, or released unread. Each spent drive bandwidth and
-    endurance and freed no memory (README: "Reading the numbers")."""
+    endurance and freed no memory (docs/stats.md)."""
     bytes_wasted_held: int = 0
     """The part of bytes_wasted whose tensor was still held by someone else at backward (the
     schedule, the caller's batch, a model's cache); the rest were writes under way when

@@ -52,8 +52,9 @@ from .bench_budget import budget_comparison, render_lines
 from .bench_measure import (ALL_STRATEGIES, SAME_LOSSES, STRATEGIES, VERIFIED, BenchRun, Point, measure,
                             verify_ratios)
 from .bench_spread import ratio_spread, render_spread
-from .cli_types import (byte_count, check_engine, deprecated_alias, openmp_wait_policy, positive_int,
-                        quiet_megatron_warnings, verify_methods, writable_dir)
+from .cli_types import (PRESET_HELP, byte_count, check_engine, deprecated_alias, openmp_wait_policy,
+                        positive_int, preset_arg, quiet_megatron_warnings, verify_methods,
+                        writable_dir)
 from ..config import OffloadConfig
 
 TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
@@ -87,12 +88,13 @@ def add_bench_parser(subparsers) -> None:
                    help="N busy processes compete for the CPU during every strategy's steps (started "
                         "and stopped by the bench; default: 0)")
     p.add_argument("--quick", action="store_true",
-                   help="CI-sized shape, fewer steps (about 3 minutes on 2 cores)")
+                   help="CI-sized shape, fewer steps (about a minute on 2 cores: docs/benchmarks.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", default="./bench-results", help="rok.png and points.json go here "
                                                             "(default: %(default)s)")
     p.add_argument("--dir", default="./ssd-offload-bench", help="offload root (default: %(default)s)")
-    p.add_argument("--config", help="YAML preset: its offload: section (--dir replaces its dirs)")
+    p.add_argument("--config", metavar="PRESET", type=preset_arg,
+                   help=f"{PRESET_HELP}: its offload: section (--dir replaces its dirs)")
     p.add_argument("--engine", help="IO engine (default: the preset's, else posix)")
     p.add_argument("--min-tensor-bytes", type=byte_count, metavar="BYTES",
                    help="smaller saved tensors stay in memory (default: the preset's, else 256KiB)")

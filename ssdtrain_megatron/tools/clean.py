@@ -12,6 +12,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..io.clean import LIVE, STALE, Leftover, human_bytes, clean_templates, clean_tree, template_roots
+from .cli_types import PRESET_HELP, preset_arg
 
 
 def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -28,9 +29,9 @@ def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     "left alone. The exit code is 1 when a root could not be read or a stale "
                     "directory could not be removed.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
-    p.add_argument("--config", metavar="PRESET",
-                   help="a YAML preset (configs/*.yaml) or config file: clean where its offload "
-                        "dirs templates point on this host")
+    p.add_argument("--config", metavar="PRESET", type=preset_arg,
+                   help=f"{PRESET_HELP}: clean where its offload dirs templates point on this "
+                        "host")
     p.add_argument("--dirs", metavar="TEMPLATES",
                    help="offload path templates, comma-separated as for --ssd-offload-dir "
                         "(e.g. '/mnt/nvme{local_rank}/ssdtrain/{job}'): clean where they point "

@@ -11,7 +11,6 @@ import argparse
 import errno
 import math
 import os
-import re
 import sys
 import warnings
 from typing import Any, List, Optional
@@ -61,17 +60,44 @@ def positive_float(text: str) -> float:
     return value
 
 
-_BINARY = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
 def byte_count(text: str) -> int:
-    """A byte count > 0: an integer, optionally with a binary unit (512KiB, 64MiB, 1GiB)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _BINARY or int(match.group(1)) == 0:
-        raise argparse.ArgumentTypeError(f"expected a byte count > 0, optionally with a unit "
-                                         f"KiB, MiB, GiB or TiB (e.g. 512MiB), got {text!r}")
-    return int(match.group(1)) * _BINARY[unit]
+    """A size > 0, written as every size flag takes it (:mod:`ssdtrain_megatron.sizes`:
+    80GB = 80e9 bytes, 80GiB = 80 * 2^30 bytes, 512MiB, 4096)."""
+    from ..sizes import EXPECTED, parse_size
+
+    value = parse_size(text)
+    if not value:
+        raise argparse.ArgumentTypeError(f"expected {EXPECTED}, above 0; got {text!r}")
+    return value
+
+
+def preset_arg(text: str) -> str:
+    """``--config``'s type in every subcommand: a YAML file, or a preset's name (``llama3-70b``
+    is configs/llama3-70b.yaml); an unknown one is a usage error (exit 2) that lists the
+    presets."""
+    from ..presets import UnknownPreset, resolve_preset
+
+    try:
+        return resolve_preset(text, flag="")
+    except UnknownPreset as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+PRESET_HELP = "a preset name (llama3-70b: configs/llama3-70b.yaml) or a YAML file"
+
+
+def size_or_fraction(text: str) -> float:
+    """A size (24GiB, 24GB) in bytes, or a fraction of GPU memory in (0, 1] (a float)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return byte_count(text)
+    if 0 < value <= 1:
+        return value
+    if value > 1 and value.is_integer():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"expected a size (24GiB, 24GB) or a fraction of "
+                                     f"GPU memory in (0, 1], got {text!r}")
 
 
 

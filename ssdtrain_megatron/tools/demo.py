@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
-from .cli_types import (UsageError, byte_count, check_engine, deprecated_alias, free_space_line, gib, plural,
-                        openmp_wait_policy, positive_int, progress, quiet_megatron_warnings, say,
+from .cli_types import (PRESET_HELP, UsageError, byte_count, check_engine, deprecated_alias, free_space_line, gib, plural,
+                        openmp_wait_policy, preset_arg, positive_int, size_or_fraction, progress, quiet_megatron_warnings, say,
                         writable_dir)
 
 
@@ -34,12 +34,17 @@ def add_demo_parser(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="./ssd-offload-demo",
                    help="offload root: a directory, created if missing (default: %(default)s)")
-    p.add_argument("--config", help="YAML preset (e.g. configs/cpu-tiny.yaml): its offload: section; "
-                                    "--dir replaces its dirs")
+    p.add_argument("--config", metavar="PRESET", type=preset_arg,
+                   help=f"{PRESET_HELP} (e.g. cpu-tiny): its offload: section; --dir replaces its "
+                        "dirs; a budget given as a fraction of GPU memory applies on CUDA only")
     p.add_argument("--engine", help="IO engine (default: the preset's, else posix)")
     p.add_argument("--min-tensor-bytes", type=byte_count, default=None, metavar="BYTES",
                    help="saved tensors smaller than this stay in memory, e.g. 64KiB (default: the "
                         "preset's, else 256KiB)")
+    p.add_argument("--activation-budget", type=size_or_fraction, default=None,
+                   metavar="SIZE|FRACTION",
+                   help="cap on resident activation bytes of the offload run, e.g. 64MiB (a "
+                        "fraction of GPU memory, 0.35, applies on CUDA only); default: the preset's")
     p.add_argument("--steps", type=positive_int, default=4,
                    help="training steps per policy; the first is a warm-up (default: %(default)s)")
     shape = p.add_argument_group("model (Megatron's flag names)")
@@ -63,11 +68,31 @@ def _config(args: argparse.Namespace, root: str):
 
     base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
     changes = {"dirs": [root], "policy": "offload"}
+    if getattr(args, "activation_budget", None) is not None:
+        changes["activation_budget_bytes"] = args.activation_budget
     if args.engine:
         changes["engine"] = args.engine
     if args.min_tensor_bytes is not None:
         changes["min_tensor_bytes"] = args.min_tensor_bytes
     return base.replace(**changes)
+
+
+def fraction_budget_here(cfg) -> Tuple[object, str]:
+    """(config, note). A preset's activation budget given as a fraction of GPU memory
+    (llama3-70b: 0.35) is applied on CUDA, where the offloader resolves it; on a CPU it has
+    no memory to be a fraction of, so the demo runs without it and says what to pass."""
+    budget = cfg.activation_budget_bytes
+    if budget is None:
+        return cfg, ""
+    if not isinstance(budget, float):
+        return cfg, f"activation budget {gib(budget)} (offload run; keep runs without one)"
+    import torch
+
+    if torch.cuda.is_available():
+        return cfg, f"activation budget {budget:g} of the GPU's memory"
+    return cfg.replace(activation_budget_bytes=None), (
+        f"activation budget: {budget:g} is a fraction of GPU memory; not applied on the CPU "
+        "(pass --activation-budget SIZE, e.g. 64MiB for the default model, to run within one)")
 
 
 def header_lines(cfg, root: str) -> List[str]:
@@ -87,6 +112,7 @@ def run_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--plot {args.plot}: is a directory; give a .png file name")
     cfg = _config(args, root)  # a bad preset or value fails here, before anything is built
     check_engine("--engine" if args.engine else "engine (from --config)", cfg.engine)
+    cfg, budget_note = fraction_budget_here(cfg)
     from importlib.metadata import version
 
     from ..cache import ActivationOffloader
@@ -101,7 +127,7 @@ def run_demo(args: argparse.Namespace) -> int:
           f"Transformer Engine or Apex needed), {spec.layers} layers, hidden {spec.hidden}, "
           f"{spec.heads} heads, seq {spec.seq}; {spec.num_microbatches} micro-batches of "
           f"{spec.micro_batch} per step; {args.steps} steps per policy, the first a warm-up")
-    for line in header_lines(cfg, root):
+    for line in header_lines(cfg, root) + ([budget_note] if budget_note else []):
         print("  " + line)
     args.offload_files.watch(root)
     rows: Dict[str, List[tuple]] = {"keep": [], "offload": []}

@@ -21,6 +21,7 @@ import resource
 from typing import Any, Dict, List, Optional
 
 from ..io.where import binary as gib
+from .cli_types import PRESET_HELP, preset_arg
 from ..io.where import filesystem_of
 
 ENGINES = ("posix", "aio", "gds", "memory", "tiered")
@@ -33,7 +34,8 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dir", action="append", default=None, metavar="ROOT",
                    help="offload root to check (repeatable; default: the roots of --config, else "
                         "OffloadConfig's default /tmp/ssdtrain)")
-    p.add_argument("--config", metavar="PRESET", help="YAML preset: check its offload: dirs")
+    p.add_argument("--config", metavar="PRESET", type=preset_arg,
+                   help=f"{PRESET_HELP}: check its offload: dirs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_doctor)
     return p

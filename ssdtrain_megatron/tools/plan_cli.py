@@ -14,15 +14,17 @@ import math
 import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .cli_types import deprecated_alias, positive_float
+from .cli_types import (PRESET_HELP, byte_count, deprecated_alias, positive_float, preset_arg,
+                        size_or_fraction)
 from ..plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
 from ..plan.model import (ModelShape, SaveProfile, estimate_step_time_s, forward_flops_per_layer,
                     head_activation_terms, largest_micro_batch, layer_activation_bytes,
                     layer_activation_terms, peak_activation_bytes, required_write_gbps)
 from ..plan.policy import KEEP, LayerMeasurement, LayerPlan, plan_layers
+from .plan_budget import DEFAULT_GPU_MEMORY, activation_budget, bandwidth
+from .plan_report import _bytes, _duration, print_plan
 
 DEFAULT_GPU_TFLOPS = 150.0
-DEFAULT_MEMORY_BUDGET_GB = 80.0
 PRESET_SECTIONS = ("model", "parallel", "offload")
 
 
@@ -51,17 +53,14 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _gb(text: str) -> int:
+    """The old --memory-budget-gb: decimal GB of activation memory."""
+    return round(positive_float(text) * 1e9)
+
+
 def _error(command: str, message: str) -> int:
     print(f"ssdtrain {command}: error: {message}", file=sys.stderr)
     return 2
-
-
-def _bytes(n: float) -> str:
-    """Exact byte count, then the same in the largest decimal unit that keeps it >= 1."""
-    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{round(n):,} B ({n / scale:.3f} {unit})"
-    return f"{round(n):,} B"
 
 
 # -- ssdtrain lifespan ------------------------------------------------------------------------
@@ -124,11 +123,6 @@ def run_lifespan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _duration(years: float) -> str:
-    days = years * 365.25
-    return f"{days:,.1f} days" if days < 2 * 365.25 else f"{years:.4f} years ({days:,.1f} days)"
-
-
 # -- ssdtrain plan ----------------------------------------------------------------------------
 
 
@@ -140,8 +134,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "(Korthikanti et al.), keep/offload/recompute per layer, required write "
                     "bandwidth, SSD lifespan and the largest micro-batch within a memory "
                     "budget. Decimal units: 1 GB = 1e9 B.")
-    parser.add_argument("--config", required=True, metavar="PRESET",
-                        help="YAML preset with model:, parallel: and offload: sections")
+    parser.add_argument("--config", required=True, metavar="PRESET", type=preset_arg,
+                        help=f"{PRESET_HELP}, with model:, parallel: and offload: sections")
     parser.add_argument("--micro-batch-size", dest="micro_batch", type=_int_at_least(1), default=None,
                         metavar="N", help="micro-batch size (default: the preset's model.micro_batch)")
     parser.add_argument("--num-microbatches", dest="num_micro_batches", type=_int_at_least(1),
@@ -159,21 +153,50 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "all but the last keep_last_layers)")
     parser.add_argument("--recompute-fallback", action="store_true",
                         help="with --ssd-gbps, recompute layers that cannot be offloaded")
-    parser.add_argument("--ssd-tbw", type=positive_float, default=None, metavar="Z",
+    parser.add_argument("--ssd-tbw", type=positive_float, default=None, metavar="TB",
                         help="rated TBW per drive, TB; enables the lifespan estimate")
-    parser.add_argument("--drives", type=_int_at_least(1), default=1, metavar="K",
-                        help="drives per GPU sharing the writes (default 1)")
-    parser.add_argument("--memory-budget-gb", type=positive_float,
-                        default=DEFAULT_MEMORY_BUDGET_GB, metavar="GB",
-                        help="activation memory per GPU for the largest-micro-batch search "
-                             f"(default {DEFAULT_MEMORY_BUDGET_GB:g})")
+    parser.add_argument("--gpus-per-node", type=_int_at_least(1), default=8, metavar="G",
+                        help="GPUs per node, for the per-node bandwidth (default 8)")
+    parser.add_argument("--drives", type=_int_at_least(1), default=None, metavar="K",
+                        help="NVMe drives per node sharing the node's writes, for the per-drive "
+                             "bandwidth and the lifespan (default: one per GPU, --gpus-per-node)")
+    layout = parser.add_argument_group(
+        "memory (the largest micro-batch)",
+        "Weights, gradients and optimizer state per GPU: 18 bytes per parameter held "
+        "(bf16 weights 2, fp32 main grads 4, fp32 main params 4, Adam m and v 8), or with the "
+        "distributed optimizer 6 + 12/d (d data-parallel ranks share the 12); "
+        "docs/models.md#model-state-and-the-activation-budget.")
+    layout.add_argument("--gpu-memory", type=byte_count, default=DEFAULT_GPU_MEMORY,
+                        metavar="SIZE", help="memory per GPU, e.g. 80GB or 141GB "
+                                             "(default 80GB)")
+    layout.add_argument("--activation-budget", type=size_or_fraction, default=None,
+                        metavar="SIZE|FRACTION",
+                        help="activation memory per GPU for the largest-micro-batch search: a "
+                             "size (24GiB) or a fraction of --gpu-memory (0.35); default: the "
+                             "preset's activation_budget_bytes, else what the model state "
+                             "leaves of --gpu-memory")
+    deprecated_alias(layout, "--memory-budget-gb", "--activation-budget", "activation_budget",
+                     _gb)
+    layout.add_argument("--data-parallel-size", dest="dp", type=_int_at_least(1), default=None,
+                        metavar="D", help="model replicas (default: the preset's parallel.dp, "
+                                          "else 1)")
+    layout.add_argument("--use-distributed-optimizer", dest="distributed_optimizer",
+                        action=argparse.BooleanOptionalAction, default=None,
+                        help="shard main params and Adam states over the data-parallel ranks "
+                             "(default: the preset's parallel.distributed_optimizer)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run_plan)
     return parser
 
 
 def load_preset(path: str) -> Tuple[ModelShape, int]:
-    """(shape, keep_last_layers) from a preset file.
+    """(shape, keep_last_layers) from a preset file (see :func:`read_preset`)."""
+    shape, offload = read_preset(path)
+    return shape, offload.keep_last_layers
+
+
+def read_preset(path: str) -> Tuple[ModelShape, Any]:
+    """(shape, OffloadConfig of its offload: section) from a preset file.
 
     Raises:
         ValueError: unreadable file, unknown section or key, invalid value; one line that
@@ -202,7 +225,7 @@ def load_preset(path: str) -> Tuple[ModelShape, int]:
         offload = OffloadConfig.from_dict(data.get("offload") or {}, source="offload")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}")
-    return shape, offload.keep_last_layers
+    return shape, offload
 
 
 def _layer_measurements(shape: ModelShape, profile: SaveProfile,
@@ -217,27 +240,36 @@ def _layer_measurements(shape: ModelShape, profile: SaveProfile,
 
 
 def _plan_for(shape: ModelShape, profile: SaveProfile, args: argparse.Namespace,
-              keep_last_layers: int) -> LayerPlan:
-    bandwidth = math.inf if args.ssd_gbps is None else args.ssd_gbps * 1e9
+              keep_last_layers: int, full_offload: bool = False) -> LayerPlan:
+    """The plan at --ssd-gbps; ``full_offload``: at unlimited bandwidth, every layer but the
+    last keep_last_layers offloaded."""
+    gbps = None if full_offload else args.ssd_gbps
+    bandwidth = math.inf if gbps is None else gbps * 1e9
     return plan_layers(_layer_measurements(shape, profile, args.gpu_tflops),
                        write_bps=bandwidth, read_bps=bandwidth,
                        num_micro_batches=args.num_micro_batches,
                        keep_last_layers=keep_last_layers,
-                       recompute_fallback=args.recompute_fallback and args.ssd_gbps is not None)
+                       recompute_fallback=args.recompute_fallback and gbps is not None)
 
 
 def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespace,
-               profile: SaveProfile = SaveProfile.paper()) -> Dict[str, Any]:
+               profile: SaveProfile = SaveProfile.paper(),
+               preset_budget: Any = None) -> Dict[str, Any]:
     """The whole plan as a JSON-ready dict (what ``ssdtrain plan --json`` prints)."""
     plan = _plan_for(shape, profile, args, keep_last_layers)
+    full = _plan_for(shape, profile, args, keep_last_layers, full_offload=True)
     layer_bytes = layer_activation_bytes(shape, profile)
     step_s = estimate_step_time_s(shape, args.gpu_tflops, args.num_micro_batches)
-    write_gbps = required_write_gbps(plan.offloaded_bytes, step_s)
+    gpus = getattr(args, "gpus_per_node", 8)
+    drives = getattr(args, "drives", None) or gpus
+    planned = bandwidth(plan.offloaded_bytes, step_s, gpus, drives)
     lifespan: Optional[Dict[str, float]] = None
     if args.ssd_tbw is not None and plan.offloaded_bytes > 0:
-        # Writing offloaded_bytes per step on average: the required rate for half the step.
-        lifespan = ssd_lifespan(args.drives, args.ssd_tbw, write_gbps, 0.5).to_dict()
-    budget = round(args.memory_budget_gb * 1e9)
+        # A node's drives share its writes, at the rate that writes them in half the step.
+        lifespan = ssd_lifespan(drives, args.ssd_tbw, planned["write_gbps_per_node"],
+                                0.5).to_dict()
+    memory = activation_budget(shape, args, preset_budget)
+    budget = memory["activation_budget_bytes"]
 
     def fits(mode: str) -> Callable[[int], bool]:
         def check(b: int) -> bool:
@@ -267,81 +299,43 @@ def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespac
         "gpu_tflops": args.gpu_tflops,
         "num_micro_batches": args.num_micro_batches,
         "step_time_s": step_s,
-        "required_write_gbps": write_gbps,
+        "required_write_gbps": planned["write_gbps_per_gpu"],
+        "gpus_per_node": gpus,
+        "drives_per_node": drives,
+        "bandwidth": {"plan": planned,
+                      "full_offload": bandwidth(full.offloaded_bytes, step_s, gpus, drives)},
         "ssd_gbps": args.ssd_gbps,
         "bandwidth_considered": args.ssd_gbps is not None,
         "predicted_io_stall_s": plan.io_stall_s,
         "recompute_s": plan.recompute_s,
         "lifespan": lifespan,
-        "memory_budget_bytes": budget,
+        "memory_budget_bytes": budget,  # the activation budget (older name)
+        "memory": memory,
         "largest_micro_batch": {mode: largest_micro_batch(fits(mode))
                                 for mode in ("keep", "offload", "recompute")},
+        # At the preset's micro-batch, on the first pipeline stage (pp micro-batches in flight).
+        "peak_activation_bytes": {
+            "keep": peak_activation_bytes(shape, "keep", profile),
+            "offload": peak_activation_bytes(shape, "offload", profile,
+                                             resident_bytes=plan.resident_bytes),
+            "recompute": peak_activation_bytes(shape, "recompute", profile)},
     }
 
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        shape, keep_last_layers = load_preset(args.config)
-        if args.micro_batch is not None:
-            shape = shape.replace(micro_batch=args.micro_batch)
+        shape, offload = read_preset(args.config)
+        changes = {name: getattr(args, flag) for name, flag in
+                   (("micro_batch", "micro_batch"), ("dp", "dp"),
+                    ("distributed_optimizer", "distributed_optimizer"))
+                   if getattr(args, flag, None) is not None}
+        shape = shape.replace(**changes)
     except ValueError as exc:
         return _error("plan", str(exc))
-    result = build_plan(shape, keep_last_layers, args)
+    result = build_plan(shape, offload.keep_last_layers, args,
+                        preset_budget=offload.activation_budget_bytes)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    _print_plan(shape, result)
+    print_plan(shape, result)
     return 0
-
-
-def _print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
-    dtype = {2: "16-bit", 4: "fp32"}[shape.dtype_bytes]
-    print(f"plan for {r['config']}: {shape.num_layers} layers ({shape.layers_per_stage} per "
-          f"stage), h={shape.hidden}, heads={shape.heads}, kv_groups={shape.groups}, "
-          f"ffn={shape.ffn_hidden}, s={shape.seq_len}, b={shape.micro_batch}, {dtype}, "
-          f"tp={shape.tp}, pp={shape.pp}, sp={shape.sequence_parallel}, "
-          + (f"cp={shape.cp}, " if shape.cp > 1 else "") +
-          f"flash={shape.flash_attention}, recompute={shape.recompute}"
-          + (f", swiglu ({'fused' if shape.swiglu_fusion else 'unfused'})" if shape.swiglu else "")
-          + (f", experts={shape.num_experts} top-{shape.moe_topk} (width "
-             f"{shape.moe_ffn_hidden or shape.ffn_hidden}), ep={shape.ep}"
-             if shape.num_experts is not None else ""))
-    print(f"{'layer':>5}  {'bytes':>18}  decision   (layers numbered from 1, as Megatron does)")
-    for row in r["layers"]:
-        print(f"{row['layer']:>5}  {row['bytes']:>18,}  {row['decision']}")
-    kept = sum(1 for row in r["layers"] if row["decision"] == KEEP)
-    rows = [
-        ("activations per layer", _bytes(r["activation_bytes_per_layer"])),
-        ("activations per micro-batch", _bytes(r["activation_bytes_per_micro_batch"])),
-        ("offloaded per step", _bytes(r["offloaded_bytes_per_step"])),
-        ("resident per micro-batch", f"{_bytes(r['resident_bytes_per_micro_batch'])}, "
-                                     f"{kept} layer(s) kept"),
-        ("step time (estimate)", f"{r['step_time_s']:.4f} s at {r['gpu_tflops']:g} TFLOP/s "
-                                 f"per GPU, {r['num_micro_batches']} micro-batch(es)"),
-        ("required write bandwidth", f"{r['required_write_gbps']:.3f} GB/s"),
-    ]
-    if r["ssd_gbps"] is None:
-        rows.append(("SSD bandwidth", "not given (--ssd-gbps): every layer but the last "
-                                      f"{r['keep_last_layers']} offloaded"))
-    else:
-        rows.append(("SSD bandwidth", f"{r['ssd_gbps']:g} GB/s: predicted IO stall "
-                                      f"{r['predicted_io_stall_s']:.4f} s, recompute "
-                                      f"{r['recompute_s']:.4f} s per step"))
-    if r["lifespan"] is None:
-        rows.append(("SSD lifespan", "not computed (needs --ssd-tbw and offloaded bytes)"))
-    else:
-        life = r["lifespan"]
-        rated = life["rated_lifespan_years"]
-        rows.append(("SSD lifespan (rated TBW)", f"{_duration(rated)} at "
-                                                 f"{_bytes(life['bytes_per_day'])} per day"))
-        rows.append(("SSD lifespan (paper)", f"{life['lifespan_years']:.4f} years = rated x "
-                                             f"{life['lifespan_years'] / rated:g} (WAF correction "
-                                             f"{WAF_RATED:g}/{WAF:g} x retention factor "
-                                             f"{RETENTION_FACTOR:g}: estimates)"))
-    best = r["largest_micro_batch"]
-    rows.append((f"largest micro-batch in {r['memory_budget_bytes'] / 1e9:g} GB",
-                 f"keep {best['keep']}, offload {best['offload']}, recompute {best['recompute']}"
-                 + ("" if r["bandwidth_considered"] else
-                    " (offload: bandwidth not considered; give --ssd-gbps)")))
-    for name, value in rows:
-        print(f"{name:<28} {value}")
