@@ -47,7 +47,7 @@ def add_soak_parser(subparsers) -> None:
                    help="probability per IO call of a stall past io_timeout_s (default %(default)s)")
     p.add_argument("--io-timeout-s", type=float, default=1.0,
                    help="the offloader's io_timeout_s; stalls last 1.5x it (default %(default)s)")
-    p.add_argument("--dir", default=None, help="offload root (default: a temporary folder)")
+    p.add_argument("--dir", default=None, help="offload root, created if missing (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--out", metavar="FILE", default=None, help="also write the JSON result to FILE")
     p.set_defaults(func=run_soak)
@@ -108,7 +108,7 @@ def faulty_run(args, kinds, root: str, device, reference) -> Dict[str, object]:
     from .faults import SeededFaults, faulty_offloader
     from .minigpt import MiniGPT, installed_step
 
-    config = OffloadConfig(dirs=[root], min_tensor_bytes=4096, chunk_bytes=16384,
+    config = OffloadConfig(dirs=[root], create_dirs=True, min_tensor_bytes=4096, chunk_bytes=16384,
                            keep_last_layers=0, io_timeout_s=args.io_timeout_s)
     faults = SeededFaults(args.seed, kinds, rate=args.rate, stall_s=1.5 * args.io_timeout_s,
                           stall_rate=args.stall_rate)
