@@ -258,7 +258,7 @@ def test_every_numeric_field_is_a_scalar_at_megatrons_iteration_and_interval():
         ("ssd_offload/budget_deferred_written", 0, 2), ("ssd_offload/budget_readahead_cuts", 0, 2),
         ("ssd_offload/budget_forced_offloads", 0, 2), ("ssd_offload/budget_recomputes", 0, 2),
         ("ssd_offload/budget_overruns", 0, 2), ("ssd_offload/captured_kept", 0, 2),
-        ("ssd_offload/read_retries", 0, 2)]
+        ("ssd_offload/read_retries", 0, 2), ("ssd_offload/step_end_wait_s", 0.0, 2)]
 
 
 def test_without_a_megatron_training_loop_nothing_is_published(monkeypatch):
