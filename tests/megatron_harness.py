@@ -428,6 +428,8 @@ class _OffloadPhase:
         kwargs = dict(phase.offload)
         self.root = os.path.join(workdir, "offload_root")
         kwargs["dirs"] = [d.replace("{root}", self.root) for d in kwargs.get("dirs", ["{root}"])]
+        for d in kwargs["dirs"]:  # the drives, mounted: the part of each template above {job}
+            os.makedirs(d.split("{job}")[0], exist_ok=True)
         if phase.recompute_layers is not None:
             kwargs.update(recompute_fallback=True, recompute_layers=list(phase.recompute_layers))
         self.offloader = install(OffloadConfig(**kwargs))

@@ -50,14 +50,17 @@ def _demo(tmp_path, capsys, *extra, shape=SMALL):
 
 def test_the_demo_diagnoses_a_throttled_drive_as_the_drive(tmp_path, capsys):
     """bandwidth_cap_gbps: 0.1 from a preset, and a model whose attention scores make many
-    bytes for little compute (8 heads of 256x256 at hidden 64): about 21 MB per step, 0.2 s of
-    the emulated drive's time against about 0.1 s of compute (0.25 s vs keep's 0.17 s here,
-    134 ms of it blocked on IO). Broken variant (the old fixed text, "Extra time with little
-    IO wait is CPU work on the IO threads."): no "diagnosis:" line, StopIteration."""
+    bytes for little compute (16 heads of 256x256 at hidden 64): about 38 MB per step each
+    way, 0.75 s of the emulated drive's time against about 0.2 s of compute. With
+    max_inflight_bytes 2 MiB forward waits for the drive (as a real slow drive makes it do);
+    without it most writes are taken back at backward, the drive hides behind a slow machine's
+    compute, and a loaded run read "0 ms of IO wait". Measured here: 687 ms of each 924 ms step
+    blocked on IO. Broken variant (the old fixed text, "Extra time with little IO wait is CPU
+    work on the IO threads."): no "diagnosis:" line, StopIteration."""
     preset = tmp_path / "cap.yaml"
-    preset.write_text("offload:\n  bandwidth_cap_gbps: 0.1\n")
+    preset.write_text("offload:\n  bandwidth_cap_gbps: 0.1\n  max_inflight_bytes: 2097152\n")
     shape = list(SMALL)
-    shape[shape.index("--num-attention-heads") + 1] = "8"
+    shape[shape.index("--num-attention-heads") + 1] = "16"
     shape[shape.index("--seq-length") + 1] = "256"
     lines = _demo(tmp_path, capsys, "--config", str(preset), shape=shape)
     diagnosis = next(ln for ln in lines if ln.startswith("diagnosis: "))

@@ -27,7 +27,7 @@ def _engine(tmp_path, dirs, **kw):
 
 def test_a_missing_root_is_refused_in_one_line_naming_it_and_nothing_is_created(tmp_path):
     """Broken variant (check_roots call removed from SlabEngine._open_slabs): the engine starts,
-    creates tmp/nvme0/ssdtrain/77 and "DID NOT RAISE <class 'LayoutError'>"."""
+    creates tmp/nvme0/ssdtrain/77 and pytest says "DID NOT RAISE LayoutError"."""
     template = f"{tmp_path}/nvme{{local_rank}}/ssdtrain/{{job}}"
     with pytest.raises(LayoutError) as err:
         _engine(tmp_path, [template])
@@ -108,8 +108,9 @@ def _doctor(capsys, *dirs):
 
 
 def test_doctor_calls_a_missing_root_missing_and_fails(tmp_path, capsys):
-    """Broken variant (doctor as it was: the deepest existing parent checked): "missing ...
-    writable" and exit 0; the rc assertion fails with 0 != 1."""
+    """Broken variant (root_report ignoring root_problem's "missing"): "assert [None] ==
+    ['missing']"; before this change the doctor checked the deepest existing parent and said
+    "missing; checked ... writable", exit 0."""
     rc, report = _doctor(capsys, tmp_path / "nvme9")
     assert rc == 1
     assert [r["problem"] for r in report["roots"]] == ["missing"]
