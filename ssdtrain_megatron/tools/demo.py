@@ -76,8 +76,8 @@ def header_lines(cfg, root: str) -> List[str]:
     """The settings of a run that change its numbers, each with its value."""
     from ..io.where import settings
 
-    where = (f"offload to host memory (engine memory: a pool of {gib(cfg.host_memory_bytes)}, no "
-             f"files; {root} holds only the plot)" if cfg.engine == "memory"
+    where = (f"offload to host memory (engine memory: a pool of {gib(cfg.host_memory_bytes)}; no "
+             f"offload files under {root})" if cfg.engine == "memory"
              else f"offload root {root}: {free_space_line(root)}")
     return [where,
             settings(cfg, policy=False) + " (min_tensor_bytes: smaller saved tensors "
