@@ -49,6 +49,7 @@ if [[ ! -f "$SSDTRAIN/scripts/ssdtrain_node.sh" ]]; then
 fi
 MEGATRON_LM="${MEGATRON_LM:-$HOME/Megatron-LM}"       # EDIT: Megatron-LM checkout (tag core_v0.16.1)
 PRESET="${PRESET:-$SSDTRAIN/configs/llama2-7b.yaml}"  # EDIT: model x parallel layout x SSD set
+# The part above {job} (/mnt/nvme0/ssdtrain) must exist: a missing one is refused, not created.
 # EDIT: local NVMe roots, one drive per local rank; must contain {job} (removed at the end)
 [[ -n "${SSD_DIRS:-}" ]] || SSD_DIRS='/mnt/nvme{local_rank}/ssdtrain/{job}'
 PYTHON="${PYTHON:-python}"                            # EDIT: python of the training environment

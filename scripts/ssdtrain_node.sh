@@ -11,7 +11,8 @@
 #                  parallel: sections become Megatron flags (a missing or bad preset stops
 #                  here, exit 2, before torchrun starts)
 #   SSD_DIRS       offload roots, comma-separated path templates ({local_rank}, {rank},
-#                  {hostname}, {job}); each must contain {job}, the directory removed at the end
+#                  {hostname}, {job}); each must contain {job}, the directory removed at the end;
+#                  the part above {job} must exist (the offloader refuses a missing root)
 #   JOB_ID         the {job} value (the Slurm job id)
 #   NNODES, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, NODE_RANK (default: $SLURM_NODEID or 0)
 #   PYTHON         python of the training environment (default: python)

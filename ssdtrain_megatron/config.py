@@ -46,7 +46,16 @@ class OffloadConfig:
     """Offload roots, one per drive; tensors are striped across them. Path templates may use
     {rank}, {local_rank}, {hostname} and {job}. Each rank creates its own 0700 directory under
     every root and removes it when it closes, with the job folders (from the first component
-    holding {job} on) that this leaves empty."""
+    holding {job} on) that this leaves empty. A root (the part above the first {job}
+    component) must exist: see ``create_dirs``."""
+
+    create_dirs: bool = knob(False, check=boolean, help=(
+        "Create an offload root that does not exist (the part of a dirs template above its first "
+        "{job} component). Off: a missing root is refused, since it usually means a drive that is "
+        "not mounted, and creating it would write onto the system disk"))
+    """Create an offload root that does not exist (the part of a ``dirs`` template above its
+    first {job} component; io/roots.py). Off: a missing root is refused, since it usually means
+    a drive that is not mounted, and creating the path would write onto the system disk."""
 
     engine: str = knob("posix", check=one_of(ENGINES), choices=ENGINES, help=(
         "IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed "

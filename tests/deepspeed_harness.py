@@ -238,6 +238,8 @@ class _Offload:
         self.root = os.path.join(workdir, "offload_root")
         kwargs = dict(phase.offload)
         kwargs["dirs"] = [d.replace("{root}", self.root) for d in kwargs.get("dirs", ["{root}"])]
+        for d in kwargs["dirs"]:  # the drives, mounted: the part of each template above {job}
+            os.makedirs(d.split("{job}")[0], exist_ok=True)
         self.offloader = integration.install(OffloadConfig(**kwargs),
                                              layer_classes=phase.layer_classes)
         self.rank_dirs = [os.path.realpath(d) for d in self.offloader.rank_dirs]

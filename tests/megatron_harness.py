@@ -446,6 +446,8 @@ class _OffloadPhase:
         kwargs["dirs"] = [d.replace("{root}", self.root) for d in kwargs.get("dirs", ["{root}"])]
         if kwargs.get("stats_path"):  # "{workdir}": beside the offload root, not under it
             kwargs["stats_path"] = kwargs["stats_path"].replace("{workdir}", workdir)
+        for d in kwargs["dirs"]:  # the drives, mounted: the part of each template above {job}
+            os.makedirs(d.split("{job}")[0], exist_ok=True)
         if phase.recompute_layers is not None:
             kwargs.update(recompute_fallback=True, recompute_layers=list(phase.recompute_layers))
         self.offloader = install(OffloadConfig(**kwargs))

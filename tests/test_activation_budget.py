@@ -9,6 +9,7 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.cache.budget import BudgetTooSmall
 from ssdtrain_megatron.config import ConfigError
 from tests.models import assert_bitwise_equal, run_steps, tiny_gpt
+from tests.drives import mount
 
 
 def batches(n=2, b=2, s=64):
@@ -43,7 +44,7 @@ class LiveBytes:
 
 def _layer_bytes_and_rate(model, data, offload_dir):
     """(largest layer's bytes of one micro-batch, bytes/s the shape needs to hide its IO)."""
-    cfg = OffloadConfig(dirs=[str(offload_dir / "probe")], policy="offload", min_tensor_bytes=1024)
+    cfg = OffloadConfig(dirs=mount(offload_dir / "probe"), policy="offload", min_tensor_bytes=1024)
     with ActivationOffloader(cfg) as off:
         stats = run_steps(model, data, off, steps=2)[2][-1]
     layer = max(r.bytes for r in stats.layers) // len(data)
@@ -60,7 +61,7 @@ def test_budget_holds_under_a_drive_at_3_percent_of_the_needed_bandwidth(offload
     ref = run_steps(model, data, steps=3)
     layer, rate = _layer_bytes_and_rate(model, data, offload_dir)
     budget = 3 * layer
-    cfg = OffloadConfig(dirs=[str(offload_dir / policy)], policy=policy, min_tensor_bytes=1024,
+    cfg = OffloadConfig(dirs=mount(offload_dir / policy), policy=policy, min_tensor_bytes=1024,
                         bandwidth_cap_gbps=0.03 * rate / 1e9, activation_budget_bytes=budget)
     with ActivationOffloader(cfg) as off:
         live = LiveBytes(off)
@@ -84,7 +85,7 @@ def test_without_a_budget_the_same_throttled_run_goes_over_it(offload_dir):
     model = tiny_gpt(layers=4, hidden=64, seq=64)
     data = batches()
     layer, rate = _layer_bytes_and_rate(model, data, offload_dir)
-    cfg = OffloadConfig(dirs=[str(offload_dir / "nobudget")], policy="offload", min_tensor_bytes=1024,
+    cfg = OffloadConfig(dirs=mount(offload_dir / "nobudget"), policy="offload", min_tensor_bytes=1024,
                         bandwidth_cap_gbps=0.03 * rate / 1e9)
     with ActivationOffloader(cfg) as off:
         live = LiveBytes(off)
@@ -98,7 +99,7 @@ def test_a_budget_smaller_than_one_layer_is_refused_at_the_first_step_with_the_n
     model = tiny_gpt(layers=4, hidden=64, seq=64)
     data = batches()
     layer, _ = _layer_bytes_and_rate(model, data, offload_dir)
-    cfg = OffloadConfig(dirs=[str(offload_dir / "small")], policy="offload", min_tensor_bytes=1024,
+    cfg = OffloadConfig(dirs=mount(offload_dir / "small"), policy="offload", min_tensor_bytes=1024,
                         activation_budget_bytes=layer // 4)
     with ActivationOffloader(cfg) as off:
         with pytest.raises(BudgetTooSmall, match=r"activation budget of [\d.]+ MiB is too small.*"

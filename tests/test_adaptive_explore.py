@@ -10,6 +10,7 @@ import pytest
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from tests.bitwise import bits
+from tests.drives import mount
 
 
 def _grads(model):
@@ -29,12 +30,12 @@ def test_every_visited_plan_is_bitwise_keep_within_the_budget_and_reads_back_wha
     steps = 10
     with MegatronRuntime() as rt, caplog.at_level(logging.INFO, logger="ssdtrain_megatron"):
         probe, model = MiniGPT(spec, rt.device), MiniGPT(spec, rt.device)
-        keep = ActivationOffloader(OffloadConfig(dirs=[str(offload_dir / "keep")], policy="keep",
+        keep = ActivationOffloader(OffloadConfig(dirs=mount(offload_dir / "keep"), policy="keep",
                                                  min_tensor_bytes=1024), device=rt.device)
         try:
             installed_step(probe, keep)  # keep's peak: the budget is 3/4 of it
             budget = keep.last_step_stats.peak_resident_bytes * 3 // 4
-            cfg = OffloadConfig(dirs=[str(offload_dir / "adaptive")], policy="adaptive",
+            cfg = OffloadConfig(dirs=mount(offload_dir / "adaptive"), policy="adaptive",
                                 min_tensor_bytes=1024, activation_budget_bytes=budget,
                                 recompute_fallback=True, adaptive_trial_steps=1,
                                 adaptive_explore_steps=5, adaptive_drift=0.95)

@@ -8,6 +8,7 @@ import torch
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from tests.bitwise import float_bits
 from tests.models import assert_bitwise_equal, run_steps, tiny_gpt
+from tests.drives import mount
 
 
 def batches(n=2, b=4, s=128):
@@ -52,7 +53,7 @@ def test_adaptive_on_a_fast_drive_offloads_within_a_budget(offload_dir):
     model = tiny_gpt(layers=6, hidden=128, seq=128)
     data = batches()
     ref = run_steps(model, data, steps=3)
-    c = OffloadConfig(dirs=[str(offload_dir / "keep")], policy="keep", min_tensor_bytes=1024)
+    c = OffloadConfig(dirs=mount(offload_dir / "keep"), policy="keep", min_tensor_bytes=1024)
     with ActivationOffloader(c) as off:
         keep_peak = run_steps(model, data, off, steps=1)[2][0].peak_resident_bytes
     budget = keep_peak // 2
@@ -77,7 +78,7 @@ def test_adaptive_on_megatron_core_stops_stalling_under_a_slow_drive(offload_dir
     waits, losses, layers = {}, {}, {}
     with MegatronRuntime() as rt:
         models = {p: MiniGPT(spec, rt.device) for p in ("offload", "adaptive")}
-        offs = {p: ActivationOffloader(OffloadConfig(dirs=[str(offload_dir / p)], policy=p, min_tensor_bytes=1024,
+        offs = {p: ActivationOffloader(OffloadConfig(dirs=mount(offload_dir / p), policy=p, min_tensor_bytes=1024,
                                                      bandwidth_cap_gbps=0.02))
                 for p in models}
         try:

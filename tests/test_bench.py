@@ -29,6 +29,7 @@ from ssdtrain_megatron.megatron import telemetry  # noqa: E402
 from ssdtrain_megatron.tools.minigpt import GPTSpec  # noqa: E402
 from ssdtrain_megatron.telemetry.peak_memory import PeakMemory  # noqa: E402
 from ssdtrain_megatron.telemetry.stats import StepStats  # noqa: E402
+from tests.drives import mount  # noqa: E402
 
 TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "64",
         "--vocab-size", "128", "--micro-batch-size", "1,2", "--steps", "2", "--warmup", "1",
@@ -91,7 +92,7 @@ def test_a_strategy_out_of_device_memory_is_dropped_for_larger_micro_batches(tmp
 
     monkeypatch.setattr(minigpt, "installed_step", step)
     spec = GPTSpec(layers=2, hidden=64, heads=2, seq=64, vocab=128, num_microbatches=1)
-    cfg = OffloadConfig(dirs=[str(tmp_path / "ssd")], min_tensor_bytes=4096)
+    cfg = OffloadConfig(dirs=mount(tmp_path / "ssd"), min_tensor_bytes=4096)
     run = measure(spec, cfg, [1, 2, 4], steps=1, warmup=0)
     assert run.out_of_memory == [("keep", 2)]
     assert sorted(run.series) == sorted([(s, mb) for s in ("offload", "adaptive", "recompute") for mb in (1, 2, 4)]
@@ -258,7 +259,7 @@ def test_every_numeric_field_is_a_scalar_at_megatrons_iteration_and_interval():
         ("ssd_offload/budget_deferred_written", 0, 2), ("ssd_offload/budget_readahead_cuts", 0, 2),
         ("ssd_offload/budget_forced_offloads", 0, 2), ("ssd_offload/budget_recomputes", 0, 2),
         ("ssd_offload/budget_overruns", 0, 2), ("ssd_offload/captured_kept", 0, 2),
-        ("ssd_offload/read_retries", 0, 2)]
+        ("ssd_offload/read_retries", 0, 2), ("ssd_offload/step_end_wait_s", 0.0, 2)]
 
 
 def test_without_a_megatron_training_loop_nothing_is_published(monkeypatch):
@@ -276,7 +277,7 @@ def test_args_not_yet_initialised_still_use_the_writer(monkeypatch):
     gv = types.SimpleNamespace(get_tensorboard_writer=lambda: w, get_args=get_args)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
     assert telemetry.publish_step(_stats(step=6)) == 7  # the offloader's count, plus one
-    assert len(w.scalars) == 29  # every numeric StepStats field, iteration_time_s and budget_* included
+    assert len(w.scalars) == 30  # every numeric StepStats field, iteration_time_s and budget_* included
 
 
 def test_megatron_training_steps_reach_the_writer_and_the_log(monkeypatch, tmp_path, caplog):
@@ -291,7 +292,7 @@ def test_megatron_training_steps_reach_the_writer_and_the_log(monkeypatch, tmp_p
     gv.get_tensorboard_writer = lambda: writer
     gv.get_args = lambda: args
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
-    cfg = OffloadConfig(dirs=[str(tmp_path / "ssd")], min_tensor_bytes=4096)
+    cfg = OffloadConfig(dirs=mount(tmp_path / "ssd"), min_tensor_bytes=4096)
     stats = []
     with caplog.at_level(logging.INFO, logger=telemetry.__name__), MegatronRuntime() as rt:
         model = MiniGPT(GPTSpec(layers=2, hidden=64, heads=2, seq=64, vocab=128, micro_batch=1,

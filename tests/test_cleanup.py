@@ -21,6 +21,7 @@ from ssdtrain_megatron.io import cleanup
 ROOT = sys.argv[1]
 
 def offloader(name, **kw):
+    os.makedirs(os.path.join(ROOT, name), exist_ok=True)  # the drive, mounted
     return ActivationOffloader(OffloadConfig(dirs=[os.path.join(ROOT, name)], job="t", **kw),
                                device=torch.device("cpu"))
 

@@ -8,6 +8,7 @@ import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io import cleanup
+from tests.drives import mount
 
 
 def test_each_offloader_registers_its_own_token_and_unregisters_exactly_it(tmp_path, monkeypatch):
@@ -16,7 +17,7 @@ def test_each_offloader_registers_its_own_token_and_unregisters_exactly_it(tmp_p
     real = cleanup.register
     monkeypatch.setattr(cleanup, "register", lambda token, *a, **k: (seen.append(token), real(token, *a, **k)))
     before = cleanup.registered()
-    offs = [ActivationOffloader(OffloadConfig(dirs=[str(tmp_path / f"r{i}")], job="t"), device=torch.device("cpu"))
+    offs = [ActivationOffloader(OffloadConfig(dirs=mount(tmp_path / f"r{i}"), job="t"), device=torch.device("cpu"))
             for i in range(2)]
     mine = [t for t in seen if t is not None and any(t is o._cleanup_token for o in offs)]
     assert len(mine) == 2 and mine[0] is not mine[1]

@@ -18,11 +18,12 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     lines = out.out.splitlines()
     assert "losses bitwise equal to keep: True" in lines
     # Offload really happened: bytes went to the drive and came back.
-    saved = next(ln for ln in lines if ln.startswith("saved to SSD: "))
+    saved = next(ln for ln in lines if ln.startswith("offloaded to SSD: "))
     written, read = (float(saved.split()[i]) for i in (3, 6))
     assert written > 0 and read > 0, saved
     assert any(ln.startswith("peak resident activations, last step (the plot): offload ") for ln in lines)
-    assert any(ln.startswith("where the time went: CPU time per step") for ln in lines)
+    assert any(ln.startswith("where the time went, per step: offload ") for ln in lines)
+    assert any(ln.startswith("diagnosis: ") for ln in lines)
     # The header names every setting that changes the numbers.
     header = out.out.split("\n\n")[0]
     for setting in ("engine posix", "io_threads 4", "chunk_bytes 8.0 MiB", "verify off",

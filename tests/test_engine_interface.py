@@ -12,6 +12,7 @@ import torch
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io import IOEngine, Identity, make_engine
 from ssdtrain_megatron.io.base import BusyMeter
+from tests.drives import mount
 
 ENGINES = ["posix", "memory", "tiered", "posix@cap"]
 
@@ -19,7 +20,7 @@ ENGINES = ["posix", "memory", "tiered", "posix@cap"]
 @pytest.fixture(params=ENGINES)
 def engine(request, tmp_path):
     name, _, cap = request.param.partition("@")
-    cfg = OffloadConfig(dirs=[str(tmp_path / "ssd")], engine=name, job="t", host_memory_bytes=1 << 20,
+    cfg = OffloadConfig(dirs=mount(tmp_path / "ssd"), engine=name, job="t", host_memory_bytes=1 << 20,
                         bandwidth_cap_gbps=10.0 if cap else None)
     e = make_engine(cfg, Identity(rank=0, local_rank=0, hostname="h", job="t"))
     yield request.param, e
@@ -60,7 +61,7 @@ def test_the_io_trace_is_written_under_a_bandwidth_cap(tmp_path):
     """Before IOEngine declared ``tracer``, the offloader set it on the ThrottledEngine itself,
     and the engine under it never traced anything."""
     trace = tmp_path / "trace.jsonl"
-    cfg = OffloadConfig(dirs=[str(tmp_path / "ssd")], min_tensor_bytes=0, keep_last_layers=0,
+    cfg = OffloadConfig(dirs=mount(tmp_path / "ssd"), min_tensor_bytes=0, keep_last_layers=0,
                         trace_path=str(trace), bandwidth_cap_gbps=10.0)
     lin = torch.nn.Linear(64, 64)
     with ActivationOffloader(cfg, device=torch.device("cpu")) as off:

@@ -27,6 +27,7 @@ import torch
 from ssdtrain_megatron.config import OffloadConfig
 from ssdtrain_megatron.io import EngineError, Identity, engine_class, make_engine
 from tests.faulty import FaultyEngine
+from tests.drives import mount
 
 CHUNK = 64 * 1024
 ALL = ["posix", "aio", "memory", "tiered", "gds", "gds-fake"]
@@ -68,6 +69,7 @@ def open_engine(tmp_path, monkeypatch):
             name = "gds"
         _skip_unless_available(name)
         roots = [tmp_path / f"root{i}" for i in range(n_roots)]
+        mount(*roots)  # the drives
         engine = make_engine(_config(name, roots, **overrides),
                              Identity(rank=rank, local_rank=rank, hostname="host", job="test"))
         engine.test_roots = roots

@@ -20,7 +20,7 @@ RUNS = 3
 
 def _launch(mode: str, workdir: str, timeout_s: float = 240.0) -> List[Tuple[int, str]]:
     """Start the two ranks of exit_harness in ``mode``; (exit status, log) per rank."""
-    os.makedirs(workdir, exist_ok=True)
+    os.makedirs(os.path.join(workdir, "offload"), exist_ok=True)  # the ranks' drive
     port = free_port()
     procs = []
     for rank in range(2):
@@ -125,6 +125,7 @@ def test_a_job_leaving_while_a_write_is_in_flight_exits_with_its_own_status(tmp_
                                                                  if os.environ.get("PYTHONPATH") else [])))
     for run in range(RUNS):
         root = tmp_path / f"ssd{run}"
+        root.mkdir()  # the drive
         p = subprocess.run([sys.executable, str(script), str(root), engine], env=env, cwd=REPO,
                            capture_output=True, text=True, timeout=240)
         assert "write entered: " in p.stdout, f"run {run}: no write was in flight:\n{p.stdout}{p.stderr[-3000:]}"

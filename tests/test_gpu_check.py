@@ -128,6 +128,7 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
             return out
         monkeypatch.setattr(ActivationOffloader, "_materialize", materialize)
     args = argparse.Namespace(scratch=str(tmp_path / "scratch"), out=str(tmp_path))
+    os.makedirs(args.scratch)  # as gpu_check.py's main does before any step
     spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=2, num_microbatches=2)
     cfg = steps._config(args, "posix", min_tensor_bytes=1024, max_inflight_bytes=1 << 20)
     calls = []  # stands in for torch.cuda._sleep on the compute stream (no CUDA here)

@@ -25,6 +25,7 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io import layout
 from ssdtrain_megatron.io.clean import clean_templates, template_roots
 from ssdtrain_megatron.io.layout import Identity, LayoutError, expand_file, job_levels
+from tests.drives import mount
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +67,7 @@ def test_a_restart_with_the_same_stats_and_trace_paths_appends(tmp_path):
     stats, trace = str(out / "stats-{rank}.jsonl"), str(out / "trace-{rank}.jsonl")
     lines = []
     for run in range(2):  # the second run is a restart: the files exist
-        with ActivationOffloader(small([tmp_path / "ssd" / "{job}"], job="j1", stats_path=stats,
+        with ActivationOffloader(small(mount(tmp_path / "ssd" / "{job}"), job="j1", stats_path=stats,
                                        trace_path=trace)) as off:
             one_step(off, seed=run)
             assert off.last_step_stats.bytes_offloaded > 0
@@ -83,7 +84,7 @@ def test_a_restart_with_the_same_stats_and_trace_paths_appends(tmp_path):
         ops = [json.loads(s)["op"] for s in fh]
     assert ops.count("write") >= 2 and ops.count("read") >= 2
     assert sorted(os.listdir(out)) == ["stats-0.jsonl", "trace-0.jsonl"]
-    assert not (tmp_path / "ssd").exists() or os.listdir(tmp_path / "ssd") == []
+    assert os.listdir(tmp_path / "ssd") == []  # the job folder went with each run; the drive stays
 
 
 @pytest.mark.parametrize("field", ["stats_path", "trace_path"])
@@ -293,6 +294,8 @@ def ssdtrain_clean(*args: str) -> subprocess.CompletedProcess:
 
 def _kill_both_ranks_while_writing(tmp_path, writers):
     ssd = tmp_path / "ssd"
+    for lr in ("lr0", "lr1"):  # the drives of local ranks 0 and 1
+        (ssd / lr).mkdir(parents=True, exist_ok=True)
     template = str(ssd / "lr{local_rank}" / "{job}")
     ranks = [writers("write", "4711", template, rank=r) for r in (0, 1)]
     dead = [w.ready()["dirs"][0] for w in ranks]
@@ -308,6 +311,7 @@ def _kill_both_ranks_while_writing(tmp_path, writers):
 
 def test_clean_from_the_drive_root_finds_a_hard_killed_jobs_slabs_and_keeps_a_live_job(tmp_path, writers):
     # The live job starts first (a job starting later would sweep the dead one's files itself).
+    (tmp_path / "ssd" / "lr0").mkdir(parents=True)  # the drive of local rank 0
     live = writers("hold", "live9", str(tmp_path / "ssd" / "lr{local_rank}" / "{job}"), rank=0)
     live_dir = live.ready()["dirs"][0]
     ssd, template, dead = _kill_both_ranks_while_writing(tmp_path, writers)

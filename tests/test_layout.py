@@ -11,6 +11,7 @@ from ssdtrain_megatron.config import OffloadConfig
 from ssdtrain_megatron.io.layout import (ExtentAllocator, Identity, LayoutError, expand_root, make_rank_dir,
                                          remove_rank_dir)
 from ssdtrain_megatron.io.posix import PosixEngine
+from tests.drives import mount
 
 IDENT = Identity(rank=3, local_rank=1, hostname="node7", job="j42")
 
@@ -90,7 +91,7 @@ def test_extent_allocator_random_workload_never_overlaps():
 
 
 def test_striping_puts_chunks_on_every_root(tmp_path):
-    roots = [str(tmp_path / f"nvme{i}") for i in range(3)]
+    roots = mount(*(tmp_path / f"nvme{i}" for i in range(3)))
     eng = PosixEngine(OffloadConfig(dirs=roots, chunk_bytes=4096))
     try:
         data = torch.arange(10_000, dtype=torch.int32)

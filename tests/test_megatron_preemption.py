@@ -212,6 +212,7 @@ for attempt in range(3):
     # install(); the attempt ends with uninstall() (the launcher's hooks leave pretrain).
     megatron_handler = DistributedSignalHandler(signal.SIGTERM).__enter__()
     noted = signal.getsignal(signal.SIGTERM)
+    os.makedirs(os.path.join(root, f"attempt{attempt}"), exist_ok=True)  # the drive
     off = install(OffloadConfig(dirs=[os.path.join(root, f"attempt{attempt}")], job="t",
                                 min_tensor_bytes=0, keep_last_layers=0))
     assert signal.getsignal(signal.SIGTERM) is cleanup._on_signal

@@ -5,6 +5,8 @@ read back)."""
 import os
 import re
 
+from tests.drives import mount
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -16,7 +18,7 @@ def _example() -> str:
 
 
 def _run(code: str, tmp_path, policy: str):
-    dirs = [str(tmp_path / "nvme0" / "{job}"), str(tmp_path / "nvme1" / "{job}")]
+    dirs = mount(tmp_path / "nvme0" / "{job}", tmp_path / "nvme1" / "{job}")  # the drives
     code = code.replace('dirs=["/mnt/nvme0/ssdtrain/{job}", "/mnt/nvme1/ssdtrain/{job}"]',
                         f"dirs={dirs!r}, policy={policy!r}")
     assert f"policy={policy!r}" in code, "the docs/api.md example's OffloadConfig line changed"

@@ -35,6 +35,7 @@ from ssdtrain_megatron.io.posix import PosixEngine
 from tests.faulty import faulty_offloader
 from tests.models import assert_bitwise_equal, run_steps, tiny_gpt
 from tests.test_offloader import cfg, files_under, gpt_batches
+from tests.drives import mount
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EIO = OSError(errno.EIO, os.strerror(errno.EIO))
@@ -215,7 +216,7 @@ def test_read_error_in_one_chunk_raises_never_zeros(offload_dir, failing_chunk):
     """A tensor striped over two roots in four chunks; one chunk's read fails: the unpack
     raises (naming the file, offset and cause) instead of returning partly filled memory."""
     roots = [offload_dir / "a", offload_dir / "b"]
-    conf = OffloadConfig(dirs=[str(r) for r in roots], min_tensor_bytes=1024, keep_last_layers=0, chunk_bytes=16384)
+    conf = OffloadConfig(dirs=mount(*roots), min_tensor_bytes=1024, keep_last_layers=0, chunk_bytes=16384)
     with faulty_offloader(conf) as off:
         (out,), lin = _saved_and_dropped(off)  # 64 KiB: four chunks
         off.wait_writes()
@@ -266,7 +267,7 @@ def test_checksum_catches_every_flipped_byte(tmp_path):
     """One tensor in 5 chunks over 2 roots (the last one partial); a byte flipped at the start,
     middle or end of any chunk, or several at once, is caught by every read."""
     chunk = 16384
-    roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    roots = mount(tmp_path / "r0", tmp_path / "r1")
     eng = PosixEngine(OffloadConfig(dirs=roots, chunk_bytes=chunk, verify="crc32c", io_timeout_s=30))
     try:
         data = torch.randint(0, 256, (4 * chunk + 1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -527,6 +528,7 @@ def children():
     started = []
 
     def start(mode, job, roots):
+        mount(*roots)  # the drives
         c = Child(mode, job, roots)
         started.append(c)
         return c

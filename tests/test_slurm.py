@@ -242,8 +242,8 @@ def job_folder(tmp_path) -> dict:
     (mlm / "pretrain_gpt.py").write_text(PRETRAIN_GPT)
     preset = tmp_path / "tiny.yaml"
     preset.write_text(TINY_PRESET)
-    for drive in ("nvme0", "nvme1"):
-        (tmp_path / drive).mkdir()
+    for drive in ("nvme0", "nvme1"):  # the drives, each with its offload root (io/roots.py)
+        (tmp_path / drive / "ssdtrain").mkdir(parents=True)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SSDTRAIN", "MEGATRON_ARGS", "PMI_", "TORCHELASTIC"))}
     env.update({

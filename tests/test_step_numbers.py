@@ -93,7 +93,7 @@ def test_an_offloader_says_where_its_bytes_go_and_warns_about_ram(tmp_path, capl
 
     from ssdtrain_megatron.io.where import filesystem_of
 
-    with caplog.at_level(logging.INFO, logger="ssdtrain_megatron.io.where"):
+    with caplog.at_level(logging.INFO, logger="ssdtrain_megatron.io.roots"):
         with ActivationOffloader(cfg(tmp_path)) as off:
             d = off.rank_dirs[0]
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
@@ -102,12 +102,18 @@ def test_an_offloader_says_where_its_bytes_go_and_warns_about_ram(tmp_path, capl
             "prefetch_layers 2, io_threads 4, chunk_bytes 8.0 MiB, max_inflight_bytes 1.0 GiB, "
             "verify off") in infos, infos
     if filesystem_of(str(tmp_path))[0] not in ("tmpfs", "ramfs"):
-        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        # Only the system-disk warning (io/roots.py), where tmp_path is on the filesystem of /.
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        on_system = os.stat(tmp_path).st_dev == os.stat("/").st_dev
+        assert warned == ([f"ssdtrain: offload directory {d} is on the same filesystem as / "
+                           f"({filesystem_of(d)[1]}): filling it can stop the machine; put the roots on "
+                           "node-local NVMe (--ssd-offload-dir)"] if on_system else []), warned
     if os.path.isdir("/dev/shm") and filesystem_of("/dev/shm")[0] == "tmpfs":
         caplog.clear()
         root = f"/dev/shm/ssdtrain-test-{os.getpid()}"
+        os.mkdir(root)  # a root must exist (io/roots.py)
         try:
-            with caplog.at_level(logging.WARNING, logger="ssdtrain_megatron.io.where"):
+            with caplog.at_level(logging.WARNING, logger="ssdtrain_megatron.io.roots"):
                 ActivationOffloader(cfg(root)).close()
         finally:
             os.rmdir(root)

@@ -16,7 +16,7 @@ from ..config import OffloadConfig
 from ..io import IOEngine, make_engine
 from ..io.layout import Identity, expand_file, space_shortfalls
 from ..io import cleanup
-from ..io.where import log_roots
+from ..io.roots import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl, append_line, run_header
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner

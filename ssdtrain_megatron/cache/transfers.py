@@ -348,10 +348,13 @@ class RecordIO:
                                 "bytes of pending writes")
 
     def _wait_all_io(self) -> None:
-        """Wait for every pending write and read (releases deferred to their completion run)."""
+        """Wait for every pending write and read (releases deferred to their completion run);
+        the time it blocks is the step's ``step_end_wait_s``."""
+        t0 = time.perf_counter()
         self._wait_inflight_writes()
         for rec in list(self._records.values()):
             self._wait_record(rec, count=False)
+        self._c.step_end_wait_s += time.perf_counter() - t0
 
     def _count_wait(self, rec: TensorRecord, seconds: float) -> None:
         self._c.io_wait_s += seconds

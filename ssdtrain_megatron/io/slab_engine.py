@@ -34,6 +34,7 @@ from .checksum import ALGORITHM, checksum
 from .hostmem import buffer_at, memmove, memset
 from .clean import sweep_before_start
 from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
+from .roots import check_roots
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 from .syscalls import OS, SysCalls
@@ -81,6 +82,9 @@ class SlabEngine(IOEngine):
         """The calls that move the bytes (io/syscalls.py); tests put a faulty one in front."""
 
     def _open_slabs(self, direct: str, on_open: Optional[Callable[[Slab], None]] = None) -> None:
+        # A missing root is refused before anything is swept or created (io/roots.py): it is
+        # most often an unmounted drive, and creating it would put the bytes on the system disk.
+        check_roots(self.config.dirs, self.ident, create=self.config.create_dirs)
         sweep_before_start(self.roots, self.config.dirs, self.ident.hostname)  # dead jobs' leftovers
         self.rank_dirs = make_rank_dirs(self.roots, self.ident, self.config.dirs)
         self._slabs = [Slab(d, direct, on_open) for d in self.rank_dirs]

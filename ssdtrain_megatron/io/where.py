@@ -8,12 +8,9 @@ where it writes, and a warning for such a root, so the choice is never silent.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from typing import List, Tuple
-
-log = logging.getLogger(__name__)
 
 IN_RAM = ("tmpfs", "ramfs")
 CONTAINER = ("overlay", "aufs")
@@ -80,18 +77,3 @@ def settings(config, policy: bool = True) -> str:
             f"prefetch_layers {config.prefetch_layers}, io_threads {config.io_threads}, chunk_bytes "
             f"{binary(config.chunk_bytes)}, max_inflight_bytes {binary(config.max_inflight_bytes)}, "
             f"verify {ALGORITHM if config.verify != 'off' else 'off'}")
-
-
-def log_roots(directories: List[str], config=None) -> List[str]:
-    """When an offloader starts: its settings (INFO), one INFO line per directory saying where
-    it writes, and a WARNING for one that is not on an SSD. Returns the warnings."""
-    warnings = []
-    if config is not None:
-        log.info("ssdtrain: %s", settings(config))
-    for d in directories:
-        log.info("ssdtrain: offload files in %s: %s", d, describe(d))
-        for note in filesystem_notes(filesystem_of(d)[0]):
-            msg = f"ssdtrain: offload directory {d} is {note} (set --ssd-offload-dir / dirs)"
-            log.warning(msg)
-            warnings.append(msg)
-    return warnings

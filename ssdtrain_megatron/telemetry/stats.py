@@ -123,6 +123,10 @@ class StepStats:
     read_retries: int = 0
     """Failed reads started again (at most READ_RETRIES per tensor, cache/transfers.py); a
     read whose retries all failed stops the step with an error naming layer and file."""
+    step_end_wait_s: float = 0.0
+    """Time end_step() blocked on IO still in flight (writes of tensors forwarded from memory,
+    reads not consumed): part of step_time_s that io_wait_s leaves out; a drive too slow for
+    the step shows here."""
     not_offloaded_why: str = ""
     """Non-empty when offload is on and this step (after the first) offloaded nothing, or a
     layer whose decision is offload recorded nothing: the dominant reason and its fix
@@ -189,6 +193,7 @@ class StepCounters:
     writes_taken_back: int = 0
     bytes_wasted_held: int = 0
     io_wait_s: float = 0.0
+    step_end_wait_s: float = 0.0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
     fallbacks: int = 0
@@ -253,7 +258,7 @@ class StepCounters:
             bytes_wasted=max(0, self.bytes_offloaded - self.bytes_read),
             tensors_held_by_schedule=by_reason.get("held_by_schedule", 0),
             writes_taken_back=self.writes_taken_back, bytes_wasted_held=self.bytes_wasted_held,
-            io_wait_s=self.io_wait_s,
+            io_wait_s=self.io_wait_s, step_end_wait_s=self.step_end_wait_s,
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
             bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,
             iteration_time_s=iteration_time_s, captured_kept=by_reason.get("cuda_graph_capture", 0),

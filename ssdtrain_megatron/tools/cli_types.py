@@ -162,12 +162,24 @@ def writable_dir(flag: str, path: str, create: bool = True) -> str:
     try:
         if create:
             os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise EnvironmentProblem(f"{flag} {path}: cannot create it: {_refusal(exc, path)}") from exc
+    try:
         fd, name = _probe_file(path)
         os.close(fd)
         os.unlink(name)
     except OSError as exc:
-        raise EnvironmentProblem(f"{flag} {path}: {describe_os_error(exc)}") from exc
+        # The probe file's random name means nothing to the user: name the directory.
+        raise EnvironmentProblem(f"{flag} {path}: cannot write files there: {_refusal(exc, path)}") from exc
     return path
+
+
+def _refusal(exc: OSError, path: str) -> str:
+    """Why creating ``path`` or a file in it failed. ENOENT where the parent exists is a
+    filesystem that takes no new entries (/proc, /sys), not a missing folder."""
+    if exc.errno == errno.ENOENT and os.path.isdir(os.path.dirname(path) if not os.path.isdir(path) else path):
+        return "this filesystem takes no new files (/proc or /sys?); choose a directory on a drive"
+    return describe_os_error(exc, path, name=False)
 
 
 def _probe_file(directory: str):
@@ -194,8 +206,9 @@ def check_engine(flag: str, name: str) -> None:
                                  "(ssdtrain doctor lists what runs here)")
 
 
-def describe_os_error(exc: OSError) -> str:
-    """What went wrong and what to do, in a few words, for the errors users meet."""
+def describe_os_error(exc: OSError, path: str = "", name: bool = True) -> str:
+    """What went wrong and what to do, in a few words, for the errors users meet; the file
+    the error names comes first unless it is ``path`` (already said) or ``name`` is False."""
     hint = {
         errno.EROFS: "the filesystem is read-only; choose a directory on a writable drive",
         errno.EACCES: "permission denied; choose a directory you can write to",
@@ -206,7 +219,7 @@ def describe_os_error(exc: OSError) -> str:
         errno.EEXIST: "a file is in the way where a directory should be",
         errno.ENOENT: "no such file or directory",
     }.get(exc.errno)
-    where = f"{exc.filename}: " if exc.filename else ""
+    where = f"{exc.filename}: " if exc.filename and name and exc.filename != path else ""
     return where + (hint or (exc.strerror or str(exc)))
 
 

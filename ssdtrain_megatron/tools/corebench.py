@@ -33,7 +33,7 @@ from ..config import OffloadConfig
 def add_core_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("core-bench", help="pack-hook cost per tensor; peak memory offload vs keep",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default="./ssd-offload-bench", help="offload root (default: %(default)s)")
+    p.add_argument("--dir", default="./ssd-offload-bench", help="offload root, created if missing (default: %(default)s)")
     p.add_argument("--tensors", type=int, default=2000, help="saved tensors per hook measurement")
     p.add_argument("--tensor-kib", dest="tensor_kb", type=int, default=256,
                    help="size of each saved tensor, KiB (default 256)")
@@ -167,7 +167,7 @@ def peak_memory(cfg: OffloadConfig, steps: int) -> Dict[str, dict]:
 
 
 def run_core_bench(args: argparse.Namespace) -> int:
-    cfg = OffloadConfig(dirs=[os.path.abspath(args.dir)])
+    cfg = OffloadConfig(dirs=[os.path.abspath(args.dir)], create_dirs=True)  # its own --dir
     nbytes = args.tensor_kb * 1024
     pack: Dict[str, float] = {}
     unpack: Dict[str, float] = {}

@@ -22,10 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Dict, List, Tuple
 
-from .cli_types import (PRESET_HELP, UsageError, byte_count, check_engine, deprecated_alias, free_space_line, gib, plural,
-                        openmp_wait_policy, preset_arg, positive_int, size_or_fraction, progress, quiet_megatron_warnings, say,
+from .demo_report import StepCosts, destination, diagnose
+from .cli_types import (PRESET_HELP, UsageError, byte_count, check_engine, deprecated_alias,
+                        free_space_line, gib, openmp_wait_policy, plural, positive_int, preset_arg,
+                        progress, quiet_megatron_warnings, say, size_or_fraction,
                         writable_dir)
 
 
@@ -99,7 +102,10 @@ def header_lines(cfg, root: str) -> List[str]:
     """The settings of a run that change its numbers, each with its value."""
     from ..io.where import settings
 
-    return [f"offload root {root}: {free_space_line(root)}",
+    where = (f"offload to host memory (engine memory: a pool of {gib(cfg.host_memory_bytes)}; no "
+             f"offload files under {root})" if cfg.engine == "memory"
+             else f"offload root {root}: {free_space_line(root)}")
+    return [where,
             settings(cfg, policy=False) + " (min_tensor_bytes: smaller saved tensors "
             "stay in memory)" + (f", stats_path {cfg.stats_path}" if cfg.stats_path else "")]
 
@@ -136,8 +142,11 @@ def run_demo(args: argparse.Namespace) -> int:
         models = {p: MiniGPT(spec, rt.device) for p in rows}
         offs = {"keep": ActivationOffloader(cfg.replace(policy="keep")), "offload": ActivationOffloader(cfg)}
         try:
-            print(f"  device {rt.device}; offload files in {', '.join(offs['offload'].rank_dirs)} "
-                  f"(page cache bypassed: {getattr(offs['offload'].engine, 'page_cache_bypassed', 'n/a')})")
+            files = offs["offload"].rank_dirs
+            print(f"  device {rt.device}; " + (
+                f"offload files in {', '.join(files)} (page cache bypassed: "
+                f"{getattr(offs['offload'].engine, 'page_cache_bypassed', 'n/a')})" if files
+                else f"offloaded tensors stay in {destination(cfg.engine)}, no files"))
             if rt.device.type == "cpu":
                 print(f"  OpenMP wait policy: {omp}")
             sys.stdout.flush()
@@ -148,11 +157,11 @@ def run_demo(args: argparse.Namespace) -> int:
                 for step in range(args.steps):
                     for policy in ("keep", "offload"):  # alternate, so machine noise hits both alike
                         off = offs[policy]
-                        cpu0 = os.times()
+                        cpu0, main0 = os.times(), time.thread_time()
                         loss, dt = installed_step(models[policy], off)
-                        cpu1 = os.times()
+                        cpu1, main = os.times(), time.thread_time() - main0
                         cpu = cpu1.user - cpu0.user + cpu1.system - cpu0.system
-                        rows[policy].append((loss, off.last_step_stats, dt, cpu))
+                        rows[policy].append((loss, off.last_step_stats, dt, cpu, main))
                         timelines[policy] = off.last_memory_timeline
                     say(bar, _step_line(step, args.steps, rows))
                     bar.update(1)
@@ -165,7 +174,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _step_line(step: int, steps: int, rows: Dict[str, List[tuple]]) -> str:
-    loss, st, dt, cpu = rows["offload"][-1]
+    loss, st, dt = rows["offload"][-1][:3]
     keep = rows["keep"][-1]
     fallbacks = f", {plural(st.fallbacks, 'fallback')}" if st.fallbacks else ""
     return (f"step {step + 1}/{steps}{' (warm-up)' if step == 0 and steps > 1 else ''}: loss {loss:.4f}, "
@@ -199,9 +208,10 @@ def _summary(args: argparse.Namespace, rows: Dict[str, List[tuple]], timelines: 
     total_r = sum(r[1].bytes_read for r in off_rows)
     fallbacks = sum(r[1].fallbacks for r in off_rows)
     forwarded = sum(r[1].tensors_forwarded for r in off_rows)
-    io_wait = _median([r[1].io_wait_s for r in off_rows[skip:]])
+    io_wait = _median([r[1].io_wait_s + r[1].step_end_wait_s for r in off_rows[skip:]])
+    end_wait = _median([r[1].step_end_wait_s for r in off_rows[skip:]])
     print()
-    print(f"saved to SSD: {total_w / 1e6:.1f} MB written, {total_r / 1e6:.1f} MB read back over "
+    print(f"offloaded to {destination(cfg.engine)}: {total_w / 1e6:.1f} MB written, {total_r / 1e6:.1f} MB read back over "
           f"{args.steps} steps ({forwarded} tensors forwarded from memory instead of read: their "
           f"write had not finished or they were still alive); last step write "
           f"{off_rows[-1][1].write_gbps:.2f} GB/s, read {off_rows[-1][1].read_gbps:.2f} GB/s")
@@ -218,11 +228,16 @@ def _summary(args: argparse.Namespace, rows: Dict[str, List[tuple]], timelines: 
              f"{worst['keep'] / 1e6:.1f} MB" if worst != last else ""))
     print(f"median step time{' after the warm-up' if skip else ''}: offload {med['offload']:.2f}s vs "
           f"keep {med['keep']:.2f}s (ratio {med['offload'] / max(med['keep'], 1e-9):.2f})")
-    print(f"where the time went: CPU time per step (all threads) offload {cpu['offload']:.2f}s vs "
-          f"keep {cpu['keep']:.2f}s; the training thread waited on IO {io_wait * 1e3:.0f} ms per step. "
-          + ("On a CPU-only machine the IO threads' copies through the staging buffers share the "
-             "cores with the model's compute, so offload's extra CPU time shows in its step time."
-             if _cpu_only() else "Extra time with little IO wait is CPU work on the IO threads."))
+    main = {p: _median([r[4] for r in rows[p][skip:]]) for p in rows}
+    costs = StepCosts(keep_s=med["keep"], offload_s=med["offload"], io_wait_s=io_wait,
+                      handover_s=main["offload"] - main["keep"],
+                      other_cpu_s=(cpu["offload"] - main["offload"]) - (cpu["keep"] - main["keep"]))
+    print(f"where the time went, per step: offload {costs.extra_s * 1e3:+.0f} ms vs keep; the training "
+          f"thread waited on IO {io_wait * 1e3:.0f} ms ({end_wait * 1e3:.0f} ms of it at the step's "
+          f"end); CPU time offload {cpu['offload']:.2f}s vs keep "
+          f"{cpu['keep']:.2f}s (training thread {costs.handover_s * 1e3:+.0f} ms, other threads "
+          f"{costs.other_cpu_s * 1e3:+.0f} ms)")
+    print(f"diagnosis: {diagnose(costs, cfg.bandwidth_cap_gbps, _cpu_only())}")
     plot = args.plot or os.path.join(root, "memory.png")
     if _plot(timelines, plot):
         print(f"memory over the last step: {plot}")

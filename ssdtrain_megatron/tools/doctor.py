@@ -3,10 +3,14 @@
 One report, read-only (it writes one probe file per offload root and removes it): Python,
 torch and its CUDA build, the GPUs, megatron-core (and Transformer Engine, Apex, DeepSpeed),
 each IO engine (available, or what it is missing), the checksum, every offload root (its
-filesystem, device, free space, whether it takes O_DIRECT writes), the NVMe drives the kernel
-sees, host memory and the pinned-memory limit (``ulimit -l``).
+filesystem, device, free space, whether it takes O_DIRECT writes; "missing" or "not a
+directory" as the offloader would refuse it, and a warning for a root on the filesystem of /
+or two roots on one drive, from the offloader's own checks in io/roots.py), the NVMe drives
+the kernel sees, host memory and the pinned-memory limit (``ulimit -l``). A root is the part of
+a dirs template above its first {job} component.
 
-Exit status 0 when the default engine (posix) can write into every root; 1 otherwise.
+Exit status 0 when the default engine (posix) can write into every root; 1 otherwise (a
+missing root, or one that is not a directory, included).
 """
 
 from __future__ import annotations
@@ -91,25 +95,28 @@ def engines_report() -> Dict[str, Dict[str, Any]]:
 
 
 def root_report(root: str) -> Dict[str, Any]:
-    """A root as the offloader would use it (the deepest existing directory when it is missing)."""
+    """A root as the offloader would check it (io/roots.py ``root_problem``): ``problem`` is
+    None, "missing", "not a directory" or another reason; for a usable root also its
+    filesystem, device, free space and whether it takes O_DIRECT writes."""
     import tempfile
 
-    out: Dict[str, Any] = {"root": root, "exists": os.path.isdir(root)}
-    probe = root
-    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-    out["checked"] = probe
-    fs, dev = filesystem_of(probe)
+    from ..io.roots import root_problem
+
+    problem = root_problem(root)
+    out: Dict[str, Any] = {"root": root, "exists": os.path.isdir(root), "problem": problem,
+                           "writable": False, "o_direct": False, "free_bytes": None, "total_bytes": None}
+    fs, dev = filesystem_of(root)
     out["filesystem"], out["device"] = fs, dev
+    if problem is not None:
+        out["notes"] = []
+        return out
     try:
-        st = os.statvfs(probe)
+        st = os.statvfs(root)
         out["free_bytes"], out["total_bytes"] = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
     except OSError as exc:
-        out["free_bytes"] = out["total_bytes"] = None
         out["error"] = exc.strerror or str(exc)
-    out["writable"] = out["o_direct"] = False
     try:
-        fd, path = tempfile.mkstemp(prefix=".ssdtrain-doctor-", dir=probe)
+        fd, path = tempfile.mkstemp(prefix=".ssdtrain-doctor-", dir=root)
     except OSError as exc:
         out["error"] = f"cannot write there: {exc.strerror or exc}"
         return _root_notes(out)
@@ -177,7 +184,8 @@ def memory_report() -> Dict[str, Any]:
 
 def _roots(args: argparse.Namespace) -> List[str]:
     from ..config import OffloadConfig
-    from ..io.layout import Identity, expand_root
+    from ..io.layout import Identity
+    from ..io.roots import root_of
 
     if args.dir:
         templates = list(args.dir)
@@ -186,13 +194,15 @@ def _roots(args: argparse.Namespace) -> List[str]:
     else:
         templates = list(OffloadConfig().dirs)
     ident = Identity.detect(OffloadConfig().job_id())
-    return [os.path.abspath(expand_root(t, ident)) for t in templates]
+    return [os.path.abspath(root_of(t, ident)) for t in templates]
 
 
 def build_report(args: argparse.Namespace) -> Dict[str, Any]:
     from .. import __version__
     from ..io.checksum import describe
+    from ..io.roots import root_warnings
 
+    roots = [root_report(r) for r in _roots(args)]
     return {
         "ssdtrain": __version__,
         "python": platform.python_version(),
@@ -201,7 +211,8 @@ def build_report(args: argparse.Namespace) -> Dict[str, Any]:
         "packages": packages_report(),
         "engines": engines_report(),
         "checksum": describe(),
-        "roots": [root_report(r) for r in _roots(args)],
+        "roots": roots,
+        "root_warnings": root_warnings([r["root"] for r in roots if r["problem"] is None]),
         "nvme_drives": nvme_drives(),
         "memory": memory_report(),
     }
@@ -238,7 +249,12 @@ def render(r: Dict[str, Any]) -> str:
     lines.append(f"{'checksum':<18} {r['checksum']}")
     lines.append("offload roots:")
     for root in r["roots"]:
-        where = root["root"] + ("" if root["exists"] else f" (missing; checked {root['checked']})")
+        if root["problem"] is not None:
+            lines.append(f"  {root['root']}: {root['problem']}" + (
+                " (mount the drive or create it; the offloader refuses a missing root unless "
+                "create_dirs)" if root["problem"] == "missing" else ""))
+            continue
+        where = root["root"]
         free = (f"{gib(root['free_bytes'])} free of {gib(root['total_bytes'])}"
                 if root.get("free_bytes") is not None else "free space unknown")
         state = "writable" if root["writable"] else f"NOT WRITABLE ({root.get('error', '')})"
@@ -246,6 +262,7 @@ def render(r: Dict[str, Any]) -> str:
         lines.append(f"  {where}: {free} on {root['filesystem']} ({root['device']}), {state}{direct}")
         for note in root["notes"]:
             lines.append(f"    note: {note}")
+    lines += [f"  warning: {w}" for w in r["root_warnings"]]
     drives = r["nvme_drives"]
     lines.append(f"{'NVMe drives':<18} " + (", ".join(f"{d['device']} {gib(d['bytes']) if d['bytes'] else '?'}"
                                                  + (f" {d['model']}" if d["model"] else "") for d in drives)

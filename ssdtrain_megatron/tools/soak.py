@@ -37,6 +37,8 @@ import tempfile
 import time
 from typing import Dict, List, Tuple
 
+from .cli_types import PRESET_HELP, preset_arg
+
 # torch and megatron-core are imported when the command runs (`ssdtrain --help` stays light).
 
 
@@ -56,10 +58,10 @@ def add_soak_parser(subparsers) -> None:
                    help="probability per IO call of a stall past io_timeout_s (default %(default)s)")
     p.add_argument("--io-timeout-s", type=float, default=1.0,
                    help="the offloader's io_timeout_s; stalls last 1.5x it (default %(default)s)")
-    p.add_argument("--dir", default=None, help="offload root (default: a temporary folder)")
-    p.add_argument("--config", metavar="PRESET", default=None,
-                   help="YAML preset (configs/*.yaml): its model shrunk to CPU size and its offload "
-                        "settings (default: a 2-layer GPT on posix)")
+    p.add_argument("--dir", default=None, help="offload root, created if missing (default: a temporary folder)")
+    p.add_argument("--config", metavar="PRESET", default=None, type=preset_arg,
+                   help=f"{PRESET_HELP}: its model shrunk to CPU size and its offload settings "
+                        "(default: a 2-layer GPT on posix)")
     p.add_argument("--engine", choices=SOAK_ENGINES, default=None,
                    help="engine the faults go into (default: the preset's, else posix)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -141,7 +143,8 @@ def soak_config(args, root: str):
     changes = dict(dirs=[root], engine=engine, policy="offload", min_tensor_bytes=4096,
                    chunk_bytes=16384, keep_last_layers=0, io_timeout_s=args.io_timeout_s,
                    activation_budget_bytes=None, memory_budget_bytes=None, stats_path=None,
-                   trace_path=None, job=None, recompute_fallback=False, recompute_layers=[])
+                   trace_path=None, job=None, recompute_fallback=False, recompute_layers=[],
+                   create_dirs=True)
     if engine == "tiered":  # a small memory tier: most tensors spill to the SSD, where faults are
         changes["host_memory_bytes"] = min(base.host_memory_bytes, 256 << 10)
     return base.replace(**changes)
