@@ -447,7 +447,9 @@ class _OffloadPhase:
         if kwargs.get("stats_path"):  # "{workdir}": beside the offload root, not under it
             kwargs["stats_path"] = kwargs["stats_path"].replace("{workdir}", workdir)
         for d in kwargs["dirs"]:  # the drives, mounted: the part of each template above {job}
-            os.makedirs(d.split("{job}")[0], exist_ok=True)
+            root = d.split("{job}")[0]
+            if "{" not in root:  # a per-node root ({hostname}, {local_rank}): the test mounts it
+                os.makedirs(root, exist_ok=True)
         if phase.recompute_layers is not None:
             kwargs.update(recompute_fallback=True, recompute_layers=list(phase.recompute_layers))
         self.offloader = install(OffloadConfig(**kwargs))

@@ -72,6 +72,8 @@ def _left_under(tmp_path) -> list:
 def test_sbatch_script_trains_on_two_nodes_with_one_srun_task_each(cluster, tmp_path):
     env = job_folder(tmp_path)
     env.update(GPUS_PER_NODE="1", SSD_DIRS=f"{tmp_path}/{{hostname}}/nvme{{local_rank}}/ssdtrain/{{job}}")
+    for host in NODES:  # each node's drive, mounted, with the folder above {job} on it
+        os.makedirs(tmp_path / host / "nvme0" / "ssdtrain")
     stats = f"{tmp_path}/stats-{{hostname}}-{{rank}}.jsonl"
     job = cluster.sbatch(*OVERRIDES, f"--output={tmp_path}/%x-%j.out", SBATCH,
                          "--train-iters", "3", "--ssd-offload-stats-path", stats,

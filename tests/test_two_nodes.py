@@ -110,6 +110,9 @@ class TwoNodeJob:
         self.root = os.path.realpath(os.path.join(workdir, "offload_root"))
         self.pause = os.path.join(workdir, "pause")
         os.makedirs(self.pause)
+        for node in NODES:  # the drives, mounted: the shared one and each node's own
+            os.makedirs(os.path.join(self.root, "shared"), exist_ok=True)
+            os.makedirs(os.path.join(self.root, node, "nvme0"), exist_ok=True)
         self.nodes = [two_nodes.Node(n, os.path.join(workdir, "nodes"), NODES) for n in NODES]
         self.planted: Dict[str, str] = {}
         self.logs = {n.name: os.path.join(workdir, f"{n.name}.log") for n in self.nodes}
