@@ -14,6 +14,7 @@ import torch
 
 from ssdtrain_megatron.config import ENGINES, ConfigError, OffloadConfig
 from ssdtrain_megatron.io import EngineError, EngineUnavailable, engine_class
+from ssdtrain_megatron.io.slab_engine import aligned_buffer
 
 import tests.test_engines as engine_suite
 from tests.test_engines import CHUNK, _files_under, _round_trip, _skip_unless_available
@@ -59,7 +60,8 @@ def test_memory_engine_creates_no_files(open_engine):
 
 def test_tiered_fills_memory_first_then_spills_to_ssd(open_engine):
     engine = open_engine("tiered", host_memory_bytes=2 * CHUNK)
-    tensors = [torch.full((CHUNK,), i, dtype=torch.uint8) for i in range(4)]
+    # page-aligned memory: the SSD tier stores each at no shift (io/bounce.py), in CHUNK bytes
+    tensors = [aligned_buffer(CHUNK).fill_(i) for i in range(4)]
     outs = _round_trip(engine, tensors)
     assert [engine.tier_of(i) for i in range(4)] == ["memory", "memory", "posix", "posix"]
     assert engine.tensors_spilled == 2

@@ -356,9 +356,12 @@ class ExtentAllocator:
 
 @dataclass(slots=True)
 class Extent:
-    """One chunk of a stored tensor: which root's slab, where, how long (unpadded)."""
+    """One chunk of a stored tensor: which root's slab, where, how long (unpadded), and how
+    far into its place the chunk's first byte is (``shift``: io/bounce.py; its place in the
+    slab is ``_padded(shift + length)`` bytes from ``offset``)."""
 
     root: int
     offset: int
     length: int
     crc: Optional[int] = None
+    shift: int = 0
