@@ -170,3 +170,31 @@ def test_an_unaligned_tail_is_bounced_and_the_rest_moved_in_place(open_engine, c
     tail_in_place = _in_place(engine, 0, 1000)  # 512 of the 1000 bytes where the granularity is 512
     assert engine.zero_copy_bytes == 2 * (2 * CHUNK + tail_in_place)
     assert engine.bounced_bytes == 2 * (ALIGN - tail_in_place)  # the rest of the tail's page, each way
+
+
+def test_a_drive_that_refuses_sub_page_pieces_gets_page_granularity(open_engine, checksum, monkeypatch):
+    """The probe: a system call refusing the 512-byte piece (EINVAL, as a 4Kn drive does)
+    gives page granularity, and chunks off a page then move in place for all but a page-sized
+    head and tail. Broken variant: ``probe_dio_align`` returning DIO_PROBE whatever the IO
+    said: the first assertion fails."""
+    import errno
+
+    from ssdtrain_megatron.io import bounce
+
+    engine = open_engine("posix", checksum=checksum)
+    directory = engine.rank_dirs[0]
+
+    def refuse(fd, buffers, offset):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    with monkeypatch.context() as m:
+        m.setattr(bounce.os, "pwritev", refuse)
+        assert bounce.probe_dio_align(directory) == ALIGN
+    assert not [f for f in os.listdir(directory) if f.startswith("dio-probe")]
+    engine._dio_align = ALIGN  # before any write: what the probe said on such a drive
+    n = 2 * CHUNK
+    data, out = aligned_buffer(n + 64)[64:], aligned_buffer(n + 64)[64:]
+    data.copy_(_random(n, 6))
+    _round_trip(engine, data, out)
+    assert bitwise_equal(out, data)
+    assert engine.zero_copy_bytes == 2 * 2 * (CHUNK - ALIGN)  # [4096, CHUNK) of each chunk, each way

@@ -54,9 +54,9 @@ class PosixEngine(SlabEngine):
         self._cancelled = False  # remove_files(): queued requests fail instead of running
         self._workers: List[threading.Thread] = []
         self._open_slabs("prefer")
-        # What O_DIRECT accepts here decides how much of a host tensor moves in place (bounce.py).
-        self._dio_align = max(probe_dio_align(d) for d in self.rank_dirs)
         try:
+            # What O_DIRECT accepts here decides how much of a host tensor moves in place (bounce.py).
+            self._dio_align = max(probe_dio_align(d) for d in self.rank_dirs)
             # Allocated here, not in the threads: a thread still inside torch when the
             # interpreter exits aborts the process.
             self._workers = [
