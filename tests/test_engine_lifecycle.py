@@ -11,7 +11,6 @@ import torch
 
 from ssdtrain_megatron.io import EngineError
 from ssdtrain_megatron.io.layout import OWNER_FILE
-from ssdtrain_megatron.io.slab_engine import aligned_buffer
 
 import tests.test_engines as engine_suite
 from tests.test_engines import ALL, CHUNK, ON_DISK, _files_under, _param, _round_trip
@@ -107,12 +106,13 @@ def test_every_request_is_traced_before_its_future_completes(open_engine, name):
 @pytest.mark.parametrize("name", [_param(n) for n in ON_DISK])
 def test_step_peak_bytes_is_each_roots_high_water_mark(open_engine, name):
     engine = open_engine(name, n_roots=2)
-    # page-aligned memory: two chunks per root, each in CHUNK bytes (memory that does not start
-    # on a page is stored at a shift, a page more per chunk: io/bounce.py)
-    _round_trip(engine, [aligned_buffer(4 * CHUNK).fill_(1)])
+    _round_trip(engine, [torch.ones(4 * CHUNK, dtype=torch.uint8)])
     engine.release(0)
     engine.end_step()
-    assert engine.step_peak_bytes == [2 * CHUNK, 2 * CHUNK]
+    # two chunks per root; posix gives each a page more, room for a shift (io/bounce.py),
+    # whatever the tensor's address: the same need on every step
+    place = CHUNK + 4096 if name in ("posix", "tiered") else CHUNK
+    assert engine.step_peak_bytes == [2 * place, 2 * place]
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in ON_DISK])

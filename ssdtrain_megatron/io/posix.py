@@ -131,10 +131,10 @@ class PosixEngine(SlabEngine):
         if op.direct is None:
             return [view[:op.nbytes]]
         out = []
-        for (req, i), body in zip(op.parts, op.direct):
+        for j, ((req, i), body) in enumerate(zip(op.parts, op.direct)):
             ext = req.extents[i]
             lo = ext.offset - op.offset
-            span = self._padded(ext.shift + ext.length)
+            span = self._span(op, j, ext)
             if body is None:
                 out.append(view[lo:lo + span])
                 continue

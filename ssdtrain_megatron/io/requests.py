@@ -188,14 +188,14 @@ class ChunkQueue:
             run = collections.deque([self._pop(items)])
             req0, i0 = run[0]
             first = req0.extents[i0]
-            lo, hi = first.offset, first.offset + padded(first.shift + first.length)
+            lo, hi = first.offset, first.offset + first.room
             while items:
                 req = items[0]
                 if req.cancelled:
                     items.popleft()
                     continue
                 ext = req.extents[req.next_chunk]
-                step = padded(ext.shift + ext.length)
+                step = ext.room
                 if ext.root != first.root or hi - lo + step > limit or len(run) == max_parts:
                     break
                 if ext.offset == hi:
@@ -239,6 +239,7 @@ class Run:
         self.buf = buf
         self.root = first.root
         self.offset = first.offset
+        # the last chunk's bytes, not its whole place (bounce.py): no spare page to move
         self.nbytes = last.offset + padded(last.shift + last.length) - first.offset
         self.writing = parts[0][0].writing
         self.failed: Dict[int, BaseException] = {}  # part index -> its injected error (tests)

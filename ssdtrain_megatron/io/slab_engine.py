@@ -114,15 +114,18 @@ class SlabEngine(ChunkStaging, IOEngine):
         n_roots, chunk, nbytes = len(self._slabs), self._chunk, placement.nbytes
         first = next(self._turn) % n_roots
         shift = self._shift_for(req)
+        # room for any shift, not this one: a step's space must not depend on addresses
+        extra = 0 if shift is None else self._dio_align - 1
+        shift = shift or 0
         if nbytes <= chunk:  # one chunk, one extent (most activations): what the loops below give
-            size = self._padded(shift + nbytes)
+            size = self._padded(extra + nbytes)
             offset = self._slabs[first].alloc.allocate(size)
             placement.allocs = [(first, offset, size)]
-            placement.extents = [Extent(first, offset, nbytes, shift=shift)]
+            placement.extents = [Extent(first, offset, nbytes, shift=shift, room=size)]
             return
         n = self._n_chunks(nbytes)
         last = nbytes - (n - 1) * chunk
-        full, tail = self._padded(shift + chunk), self._padded(shift + last)
+        full, tail = self._padded(extra + chunk), self._padded(extra + last)
         allocs = []
         for k in range(min(n_roots, n)):  # the k-th root in turn holds chunks k, k + n_roots, ...
             count = (n - 1 - k) // n_roots + 1
@@ -133,7 +136,7 @@ class SlabEngine(ChunkStaging, IOEngine):
         for i in range(n):
             root, offset, _size = allocs[i % n_roots]
             extents.append(Extent(root, offset + i // n_roots * full, chunk if i < n - 1 else last,
-                                  shift=shift))
+                                  shift=shift, room=full if i < n - 1 else tail))
         placement.allocs = allocs
         placement.extents = extents
 
