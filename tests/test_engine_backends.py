@@ -63,7 +63,8 @@ def test_tiered_fills_memory_first_then_spills_to_ssd(open_engine):
     outs = _round_trip(engine, tensors)
     assert [engine.tier_of(i) for i in range(4)] == ["memory", "memory", "posix", "posix"]
     assert engine.tensors_spilled == 2
-    assert engine.bytes_in_memory == 2 * CHUNK and engine.bytes_on_ssd == 2 * CHUNK
+    # on the SSD, each in a page more: room for a shift (io/bounce.py)
+    assert engine.bytes_in_memory == 2 * CHUNK and engine.bytes_on_ssd == 2 * (CHUNK + 4096)
     assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
     engine.release(0)
     engine.write(9, tensors[0]).result(30)  # freed memory is used again

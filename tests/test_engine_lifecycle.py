@@ -109,7 +109,10 @@ def test_step_peak_bytes_is_each_roots_high_water_mark(open_engine, name):
     _round_trip(engine, [torch.ones(4 * CHUNK, dtype=torch.uint8)])
     engine.release(0)
     engine.end_step()
-    assert engine.step_peak_bytes == [2 * CHUNK, 2 * CHUNK]
+    # two chunks per root; posix gives each a page more, room for a shift (io/bounce.py),
+    # whatever the tensor's address: the same need on every step
+    place = CHUNK + 4096 if name in ("posix", "tiered") else CHUNK
+    assert engine.step_peak_bytes == [2 * place, 2 * place]
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in ON_DISK])

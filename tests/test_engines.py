@@ -214,7 +214,8 @@ def test_checksum_catches_bytes_changed_on_disk(open_engine, name):
     slab = next(engine.test_roots[0].rglob("slab.bin"))
     fd = os.open(slab, os.O_RDWR)
     try:
-        os.pwrite(fd, b"\xff" * 16, 100)
+        ext = engine._placed[0].extents[0]
+        os.pwrite(fd, b"\xff" * 16, ext.offset + ext.shift + 100)  # the tensor's bytes (io/bounce.py)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -274,7 +275,8 @@ def test_a_bad_chunk_in_a_merged_read_fails_only_its_own_tensor(open_engine, nam
     slab = next(engine.test_roots[0].rglob("slab.bin"))
     fd = os.open(slab, os.O_RDWR)
     try:
-        os.pwrite(fd, b"\xee" * 8, engine._placed[3].extents[0].offset + 10)  # tensor 3's bytes
+        ext = engine._placed[3].extents[0]
+        os.pwrite(fd, b"\xee" * 8, ext.offset + ext.shift + 10)  # tensor 3's bytes (io/bounce.py: shift)
         os.fsync(fd)
     finally:
         os.close(fd)

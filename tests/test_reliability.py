@@ -230,7 +230,8 @@ def test_read_error_in_one_chunk_raises_never_zeros(offload_dir, failing_chunk):
 
         off.engine.fault = fault
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=rf"read of 16384 bytes from {re.escape(bad_path)}/.*slab.bin at "
+        # 16384 bytes and a page of room for a shift (io/bounce.py)
+        with pytest.raises(RuntimeError, match=rf"read of 20480 bytes from {re.escape(bad_path)}/.*slab.bin at "
                                                rf"offset {bad_offset} failed: Input/output error"):
             out.sum().backward()
         assert lin.weight.grad is None and lin.bias.grad is None  # nothing computed from partial data
@@ -272,12 +273,14 @@ def test_checksum_catches_every_flipped_byte(tmp_path):
     try:
         data = torch.randint(0, 256, (4 * chunk + 1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
         eng.write(0, data).result(30)
-        # (root, offset in its slab) of every data byte worth hitting: chunk i is on root i % 2.
-        lengths = [chunk] * 4 + [1000]
+        # (root, offset in its slab) of every data byte worth hitting: chunk i is on root i % 2,
+        # its bytes ``shift`` into its place (io/bounce.py).
+        extents = eng._placed[0].extents
+        assert [e.length for e in extents] == [chunk] * 4 + [1000] and [e.root for e in extents] == [0, 1, 0, 1, 0]
         targets = []
-        for i, n in enumerate(lengths):
-            slab_off = (i // 2) * chunk
-            targets += [(i % 2, slab_off), (i % 2, slab_off + n // 2), (i % 2, slab_off + n - 1)]
+        for e in extents:
+            at = e.offset + e.shift
+            targets += [(e.root, at), (e.root, at + e.length // 2), (e.root, at + e.length - 1)]
         slabs = [os.path.join(d, "slab.bin") for d in eng.rank_dirs]
         caught = 0
         for root, offset in targets:
@@ -398,12 +401,13 @@ def test_space_is_freed_when_a_tensor_is_released_during_its_write(offload_dir, 
         # Both writes have started (an IO thread places a tensor as it takes it, then blocks
         # at the gate) before backward runs: one not yet started would be cancelled instead.
         deadline = time.monotonic() + 10
-        while off.engine.bytes_on_disk < 2 * 65536 and time.monotonic() < deadline:
+        while off.engine.bytes_on_disk < 2 * (65536 + 4096) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert off.engine.bytes_on_disk == 2 * 65536
+        placed = off.engine.bytes_on_disk  # 64 KiB each and a page of room for a shift (io/bounce.py)
+        assert placed == 2 * (65536 + 4096)
         out.sum().backward()
         del out  # every handle is gone; both writes are still blocked
-        assert off.engine.bytes_on_disk == 2 * 65536
+        assert off.engine.bytes_on_disk == placed
         gate.event.set()
         off.wait_writes()
         assert off.engine.bytes_on_disk == 0

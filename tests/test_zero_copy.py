@@ -7,6 +7,7 @@ kernel's view of each slab descriptor (/proc/self/fdinfo) says they went O_DIREC
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from ssdtrain_megatron.io.slab_engine import aligned_buffer
 import tests.test_engines as engine_suite
 from tests.bitwise import bitwise_equal
 from tests.test_engines import CHUNK
+from tests.faulty import FaultyEngine
 
 open_engine = engine_suite.open_engine  # the engine suite's fixture
 
@@ -64,15 +66,97 @@ def test_aligned_host_memory_is_written_and_read_in_place(open_engine, checksum)
     assert engine.bounced_bytes == 0  # the bounce buffer was never used
 
 
-def test_unaligned_host_memory_goes_through_the_bounce_buffer(open_engine, checksum):
+def _in_place(engine, shift: int, n: int) -> int:
+    """Bytes of an ``n``-byte chunk stored at ``shift`` that the IO moves in place (bounce.py)."""
+    g = engine._dio_align
+    head = -(-shift // g) * g
+    return max(0, (shift + n) // g * g - head)
+
+
+def _slab_bytes(engine, key: int) -> bytes:
+    """What the first extent of ``key`` holds on disk (its whole padded place)."""
+    ext = engine._placed[key].extents[0]
+    size = next(size for root, off, size in engine._placed[key].allocs if off == ext.offset and root == ext.root)
+    slab = next(engine.test_roots[ext.root].rglob("slab.bin"))
+    with open(slab, "rb") as fh:
+        fh.seek(ext.offset)
+        return fh.read(size)
+
+
+def test_host_memory_off_a_page_moves_in_place_but_for_its_head_and_tail(open_engine, checksum):
+    """A CPU tensor starts 64 bytes past a page (glibc): stored at that shift, all of it but a
+    head and a tail below the direct-IO granularity moves in place. Broken variant: shift 0
+    for every write (``_shift_for`` returning 0): zero_copy_bytes is 0, and this fails."""
     engine = open_engine("posix", verify="crc32c" if checksum else "off")
     n = 2 * CHUNK
     data, out = aligned_buffer(n + 64)[64:], aligned_buffer(n + 64)[64:]  # 64 bytes off a page
     data.copy_(_random(n, 1))
     _round_trip(engine, data, out)
     assert bitwise_equal(out, data)
-    assert engine.zero_copy_bytes == 0
-    assert engine.bounced_bytes == 2 * n
+    assert engine._dio_align in (512, ALIGN)
+    moved = 2 * 2 * _in_place(engine, 64, CHUNK)  # two chunks, each way
+    assert moved > 0 and engine.zero_copy_bytes == moved
+    assert engine.zero_copy_bytes + engine.bounced_bytes == 2 * 2 * (CHUNK + ALIGN)  # a page more each
+
+
+def test_nothing_around_the_tensor_reaches_the_disk_or_is_overwritten_by_a_read(open_engine, checksum):
+    """The bytes before and after a tensor in its memory (another allocation's) are neither
+    written to the file (the extent holds zeros around the tensor's bytes) nor touched by the
+    read into a target with guard bytes around it. Broken variant: the body's memoryview in
+    ``_in_place`` starting ``ext.shift`` bytes early (``addr - ext.shift``): the read writes
+    the guard, and this fails."""
+    engine = open_engine("posix", verify="crc32c" if checksum else "off")
+    n = CHUNK - 1000
+    src, dst = aligned_buffer(n + 2 * ALIGN), aligned_buffer(n + 2 * ALIGN)
+    src.fill_(0x55)
+    dst.fill_(0xAA)
+    data, out = src[100:100 + n], dst[100:100 + n]
+    data.copy_(_random(n, 3))
+    assert engine.write(5, data).result(30) == n
+    on_disk = torch.frombuffer(bytearray(_slab_bytes(engine, 5)), dtype=torch.uint8)
+    ext = engine._placed[5].extents[0]
+    assert ext.shift == 100 % engine._dio_align
+    assert bitwise_equal(on_disk[ext.shift:ext.shift + n], data)
+    assert int(on_disk[:ext.shift].count_nonzero()) == 0 and int(on_disk[ext.shift + n:].count_nonzero()) == 0
+    assert engine.read(5, out).result(30) == n
+    assert bitwise_equal(out, data)
+    assert bool((dst[:100] == 0xAA).all()) and bool((dst[100 + n:] == 0xAA).all())
+    assert engine.zero_copy_bytes == 2 * _in_place(engine, ext.shift, n) > 0
+
+
+def test_a_read_into_memory_at_another_residue_goes_through_the_bounce_buffer(open_engine, checksum):
+    """Written from memory 64 bytes off a page, read into memory 128 bytes off one: the file
+    position and the target's address do not agree, so the read is bounced, and right."""
+    engine = open_engine("posix", verify="crc32c" if checksum else "off")
+    n = CHUNK
+    data, out = aligned_buffer(n + ALIGN)[64:64 + n], aligned_buffer(n + ALIGN)[128:128 + n]
+    data.copy_(_random(n, 4))
+    _round_trip(engine, data, out)
+    assert bitwise_equal(out, data)
+    assert engine.zero_copy_bytes == _in_place(engine, 64, n)  # the write only
+
+
+def test_a_tensor_dropped_by_its_owner_stays_alive_until_its_write_completed(open_engine, checksum):
+    """The engine holds the tensor it writes in place until the write is done: the caller may
+    drop its reference at once (the offloader does, once the model frees the activation).
+    Broken variant: ``Request.address()`` dropping ``self.tensor`` once it read the address:
+    the memory is freed and refilled while queued, and the bytes read back differ."""
+    engine = open_engine("posix", verify="crc32c" if checksum else "off", io_threads=1)
+    gate = threading.Event()
+    engine = FaultyEngine(engine, lambda op, path, offset, nbytes: gate.wait(30) and None)
+    n = 4 * CHUNK
+    data = torch.empty(n, dtype=torch.uint8)
+    data.copy_(_random(n, 5))
+    expected = data.clone()
+    fut = engine.write(9, data)
+    del data
+    filler = [torch.full((n,), 0x77, dtype=torch.uint8) for _ in range(8)]  # reuse freed memory
+    gate.set()
+    assert fut.result(30) == n
+    out = torch.empty(n, dtype=torch.uint8)
+    assert engine.read(9, out).result(30) == n
+    assert bitwise_equal(out, expected)
+    del filler
 
 
 def test_an_unaligned_tail_is_bounced_and_the_rest_moved_in_place(open_engine, checksum):
@@ -83,5 +167,34 @@ def test_an_unaligned_tail_is_bounced_and_the_rest_moved_in_place(open_engine, c
     out.fill_(0xAA)
     _round_trip(engine, data, out)
     assert bitwise_equal(out, data)
-    assert engine.zero_copy_bytes == 2 * 2 * CHUNK
-    assert engine.bounced_bytes == 2 * ALIGN  # the tail, padded, once each way
+    tail_in_place = _in_place(engine, 0, 1000)  # 512 of the 1000 bytes where the granularity is 512
+    assert engine.zero_copy_bytes == 2 * (2 * CHUNK + tail_in_place)
+    assert engine.bounced_bytes == 2 * (ALIGN - tail_in_place)  # the rest of the tail's page, each way
+
+
+def test_a_drive_that_refuses_sub_page_pieces_gets_page_granularity(open_engine, checksum, monkeypatch):
+    """The probe: a system call refusing the 512-byte piece (EINVAL, as a 4Kn drive does)
+    gives page granularity, and chunks off a page then move in place for all but a page-sized
+    head and tail. Broken variant: ``probe_dio_align`` returning DIO_PROBE whatever the IO
+    said: the first assertion fails."""
+    import errno
+
+    from ssdtrain_megatron.io import bounce
+
+    engine = open_engine("posix", verify="crc32c" if checksum else "off")
+    directory = engine.rank_dirs[0]
+
+    def refuse(fd, buffers, offset):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    with monkeypatch.context() as m:
+        m.setattr(bounce.os, "pwritev", refuse)
+        assert bounce.probe_dio_align(directory) == ALIGN
+    assert not [f for f in os.listdir(directory) if f.startswith("dio-probe")]
+    engine._dio_align = ALIGN  # before any write: what the probe said on such a drive
+    n = 2 * CHUNK
+    data, out = aligned_buffer(n + 64)[64:], aligned_buffer(n + 64)[64:]
+    data.copy_(_random(n, 6))
+    _round_trip(engine, data, out)
+    assert bitwise_equal(out, data)
+    assert engine.zero_copy_bytes == 2 * 2 * (CHUNK - ALIGN)  # [4096, CHUNK) of each chunk, each way

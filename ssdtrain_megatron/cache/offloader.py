@@ -13,9 +13,8 @@ from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Set
 import torch
 
 from ..config import OffloadConfig
-from ..io import IOEngine, make_engine
+from ..io import IOEngine, cleanup, make_engine
 from ..io.layout import Identity, expand_file, space_shortfalls
-from ..io import cleanup
 from ..io.roots import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl, append_line, run_header
 from ..telemetry.trace import IOTracer
@@ -27,6 +26,7 @@ from .held import HeldStorages
 from .hooks import SavedTensorHooks, capture_query
 from .microbatch import MicroBatch
 from .record import TensorRecord
+from .restore_pool import RestorePool
 from .silence import OffloadWatch
 from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
 
@@ -111,6 +111,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         if self._engine is not None and (self.device.type == "cuda" or self._streams is not None):
             self._copy = DeviceCopy(self.device, config.staging_bytes(), self._streams,
                                     direct=self._engine.device_direct)
+        # Without a GPU data path: restored tensors reuse the memory earlier ones had (restore_pool.py).
+        self._restore_pool = RestorePool(config.max_inflight_bytes)
         self._capturing = capture_query(self._copy)  # CUDA graphs (hooks.py)
         self._ids = itertools.count()
         self._records: Dict[int, TensorRecord] = {}
@@ -363,6 +365,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
                 self._release(r, force=True)
             self._forget_storages()
             self._held.close()
+            self._restore_pool.close()
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None

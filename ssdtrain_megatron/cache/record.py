@@ -194,7 +194,8 @@ class TensorRecord:
             t = self.tensor = t.detach()
         return t
 
-    def allocate_restore(self, align: int = ALIGN_RESIDUE) -> Tuple[torch.Tensor, torch.Tensor]:
+    def allocate_restore(self, align: int = ALIGN_RESIDUE,
+                         empty: Callable[..., torch.Tensor] = torch.empty) -> Tuple[torch.Tensor, torch.Tensor]:
         """(tensor with the saved shape/stride, contiguous tensor to read the bytes into: the
         first itself when it is dense, io/base.py).
 
@@ -203,16 +204,18 @@ class TensorRecord:
         not depend on where the bytes came back to. ``align`` (a multiple of 512, e.g. 4096
         for cuFile, which bounces unaligned device buffers) makes it the same residue modulo
         ``align``: a tensor that started on a 512-byte boundary (most do) comes back on an
-        ``align`` boundary; a compact record's packed bytes start on one.
+        ``align`` boundary; a compact record's packed bytes start on one. ``empty``: where the
+        memory comes from (``torch.empty``'s signature; on a CPU device, the offloader's
+        restore_pool.py).
         """
         itemsize = self.dtype.itemsize
         extra = align // itemsize
-        storage = torch.empty(self.span + extra, dtype=self.dtype, device=self.device)
+        storage = empty(self.span + extra, dtype=self.dtype, device=self.device)
         delta = (self.residue - storage.data_ptr() % align) % align
         pad = delta // itemsize if delta % itemsize == 0 else 0
         restored = storage.as_strided(self.shape, self.stride, pad)
         if self.compact:  # read packed elements, scatter them into the strided view after
-            self.staging = _aligned_empty(self.shape, self.dtype, self.device, align)
+            self.staging = _aligned_empty(self.shape, self.dtype, self.device, align, empty)
             return restored, self.staging
         if self.dense:
             return restored, restored
@@ -238,14 +241,15 @@ class TensorRecord:
                 f"Clone it before the in-place op, or make the op out-of-place.")
 
 
-def _aligned_empty(shape, dtype: torch.dtype, device: torch.device, align: int) -> torch.Tensor:
+def _aligned_empty(shape, dtype: torch.dtype, device: torch.device, align: int,
+                   empty: Callable[..., torch.Tensor] = torch.empty) -> torch.Tensor:
     """A contiguous tensor whose first byte is on an ``align`` boundary (when the allocator's
     own alignment is a multiple of the element size, as it is)."""
     itemsize = dtype.itemsize
     n = 1
     for s in shape:
         n *= s
-    raw = torch.empty(n + align // itemsize, dtype=dtype, device=device)
+    raw = empty(n + align // itemsize, dtype=dtype, device=device)
     delta = (-raw.data_ptr()) % align
     skip = delta // itemsize if delta % itemsize == 0 else 0
     return raw[skip:skip + n].view(shape)

@@ -5,9 +5,9 @@ longer than a few hundred lines): everything that moves a record between its sta
 (``record.TRANSITIONS``) after the pack hook made it. All of it runs on the training thread;
 the IO threads only put ``(record id, outcome)`` on ``self._events``.
 
-Uses the offloader's fields: ``config``, ``_engine``, ``_copy``, ``_events``, ``_records``,
-``_microbatches``, ``_c`` (the step's counters), ``_inflight_bytes``, ``_tracer``, ``_step``,
-``_phase``, ``_warned``.
+Uses the offloader's fields: ``config``, ``_engine``, ``_copy``, ``_restore_pool``, ``_events``,
+``_records``, ``_microbatches``, ``_c`` (the step's counters), ``_inflight_bytes``, ``_tracer``,
+``_step``, ``_phase``, ``_warned``.
 """
 
 from __future__ import annotations
@@ -249,8 +249,8 @@ class RecordIO:
             # Bytes in the memory engine's pool are copied from there (no staging, no engine copy).
             src = None if self._copy.direct else self._engine.pool_view_of(rec.id)
             restored, target, event = self._copy.stage_in(rec, src) if src is not None else self._copy.stage_in(rec)
-        else:
-            restored, target = rec.allocate_restore()
+        else:  # CPU: memory from the restore pool, already faulted in (restore_pool.py)
+            restored, target = rec.allocate_restore(empty=self._restore_pool.empty)
         rec.tensor = restored
         self._move(rec, State.READING)
         if self._tracer is not None:

@@ -356,9 +356,14 @@ class ExtentAllocator:
 
 @dataclass(slots=True)
 class Extent:
-    """One chunk of a stored tensor: which root's slab, where, how long (unpadded)."""
+    """One chunk of a stored tensor: which root's slab, where, how long (unpadded), how far
+    into its place the chunk's first byte is (``shift``: io/bounce.py), and how long its place
+    is (``room``: the length padded, plus what any shift could need, so that the space a step
+    takes does not depend on where its tensors happened to be in memory)."""
 
     root: int
     offset: int
     length: int
     crc: Optional[int] = None
+    shift: int = 0
+    room: int = 0

@@ -13,10 +13,11 @@ Why these choices:
   worker and drive busy and small tensors do not cost a system call each.
 - O_DIRECT needs aligned memory: each worker owns a page-aligned bounce buffer of
   ``chunk_bytes``; the copy in and out of it runs in the worker, not in the training thread.
-  A chunk whose own host memory is already aligned (address and length multiples of 4096:
-  the GPU path's pinned staging blocks, page-aligned buffers) is written from and read into
-  that memory directly, one ``pwritev``/``preadv`` for the run, without the copy
-  (``zero_copy_bytes`` / ``bounced_bytes`` count which way the bytes went).
+  A host chunk (a CPU tensor, the GPU path's pinned staging blocks) is stored at its address
+  residue, so that all of it but a head and a tail of less than the direct-IO granularity
+  (probed at start: 512 bytes, else 4096) is written from and read into its own memory, one
+  ``pwritev``/``preadv`` for the run, without the copy (io/bounce.py; ``zero_copy_bytes`` /
+  ``bounced_bytes`` count which way the bytes went).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import torch
 
 from ..config import OffloadConfig
 from .base import EngineError
+from .bounce import probe_dio_align
 from .gpu_wait import wait_for
-from .layout import Identity
+from .layout import ALIGN, Identity
 from .requests import ChunkQueue, Request, Run
 from .slab_engine import SlabEngine, aligned_buffer, join_before_exit
 from .syscalls import IOV_MAX
@@ -53,10 +55,13 @@ class PosixEngine(SlabEngine):
         self._workers: List[threading.Thread] = []
         self._open_slabs("prefer")
         try:
+            # What O_DIRECT accepts here decides how much of a host tensor moves in place (bounce.py).
+            self._dio_align = max(probe_dio_align(d) for d in self.rank_dirs)
             # Allocated here, not in the threads: a thread still inside torch when the
             # interpreter exits aborts the process.
             self._workers = [
-                threading.Thread(target=self._work, args=(aligned_buffer(self._chunk),),
+                # A chunk stored at a shift takes up to one page more (bounce.py).
+                threading.Thread(target=self._work, args=(aligned_buffer(self._chunk + ALIGN),),
                                  name=f"ssdtrain-io-{i}", daemon=True)
                 for i in range(config.io_threads)]
             for t in self._workers:
@@ -103,7 +108,7 @@ class PosixEngine(SlabEngine):
         keep the last tensor it handled alive)."""
         view = memoryview(buf.numpy())
         while True:
-            parts = self._queue.get_run(True, self._chunk, self._padded, IOV_MAX)
+            parts = self._queue.get_run(True, self._chunk, self._padded, IOV_MAX // 3)  # 3 pieces a chunk
             if parts is None:
                 return
             op = Run(parts, buf, self._padded)
@@ -121,28 +126,35 @@ class PosixEngine(SlabEngine):
 
     def _buffers(self, op: Run, view: memoryview) -> List[memoryview]:
         """The memory of one system call, in file order: the bounce buffer, or, when some
-        chunks are used in place (``op.direct``), their own memory between bounce slices."""
+        chunks are used in place (``op.direct``), their middles in their own memory between
+        bounce slices (bounce.py)."""
         if op.direct is None:
             return [view[:op.nbytes]]
         out = []
-        for (req, i), source in zip(op.parts, op.direct):
-            if source is not None:
-                out.append(source)
-            else:
-                ext = req.extents[i]
-                lo = ext.offset - op.offset
-                out.append(view[lo:lo + self._padded(ext.length)])
+        for j, ((req, i), body) in enumerate(zip(op.parts, op.direct)):
+            ext = req.extents[i]
+            lo = ext.offset - op.offset
+            span = self._span(op, j, ext)
+            if body is None:
+                out.append(view[lo:lo + span])
+                continue
+            head = self._head(ext)
+            if head:
+                out.append(view[lo:lo + head])
+            out.append(body)
+            if head + len(body) < span:
+                out.append(view[lo + head + len(body):lo + span])
         return out
 
     def _read_in_place(self, op: Run) -> None:
-        """Read side, before the IO: which chunks are read straight into their tensor (once
-        the tensor's memory may be written: its ready event)."""
+        """Read side, before the IO: which chunks' middles are read straight into their
+        tensor (once the tensor's memory may be written: its ready event)."""
         direct = []
         for req, i in op.parts:
-            source = self._direct_source(req, i, req.extents[i].length) if req.error is None else None
-            if source is not None and req.ready_event is not None:
+            body = self._in_place(req, i, req.extents[i])
+            if body is not None and req.ready_event is not None:
                 wait_for(req.ready_event)
-            direct.append(source)
+            direct.append(body)
         op.direct = direct if any(t is not None for t in direct) else None
 
     def _pwrite(self, op: Run, view: memoryview) -> None:

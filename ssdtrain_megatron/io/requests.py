@@ -47,7 +47,7 @@ class RequestOwner(Protocol):
 
     completions: Optional[Any]
 
-    def _place(self, placement: Placement) -> None: ...
+    def _place(self, placement: Placement, req: "Request") -> None: ...
 
 
 class Request:
@@ -104,7 +104,7 @@ class Request:
     def extents(self) -> List[Extent]:
         """The chunks, placing them first if no IO thread has yet (call from an IO thread)."""
         if self.placement.extents is None:
-            self.owner._place(self.placement)
+            self.owner._place(self.placement, self)
         return self.placement.extents
 
     def chunk_done(self, exc: Optional[BaseException]) -> None:
@@ -188,14 +188,14 @@ class ChunkQueue:
             run = collections.deque([self._pop(items)])
             req0, i0 = run[0]
             first = req0.extents[i0]
-            lo, hi = first.offset, first.offset + padded(first.length)
+            lo, hi = first.offset, first.offset + first.room
             while items:
                 req = items[0]
                 if req.cancelled:
                     items.popleft()
                     continue
                 ext = req.extents[req.next_chunk]
-                step = padded(ext.length)
+                step = ext.room
                 if ext.root != first.root or hi - lo + step > limit or len(run) == max_parts:
                     break
                 if ext.offset == hi:
@@ -239,7 +239,8 @@ class Run:
         self.buf = buf
         self.root = first.root
         self.offset = first.offset
-        self.nbytes = last.offset + padded(last.length) - first.offset
+        # the last chunk's bytes, not its whole place (bounce.py): no spare page to move
+        self.nbytes = last.offset + padded(last.shift + last.length) - first.offset
         self.writing = parts[0][0].writing
         self.failed: Dict[int, BaseException] = {}  # part index -> its injected error (tests)
         # Per part, the request's own memory (a buffer over it, io/hostmem.py) when the IO

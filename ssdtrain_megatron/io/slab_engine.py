@@ -30,25 +30,23 @@ import torch
 from ..config import OffloadConfig
 from . import cleanup
 from .base import BusyMeter, EngineError, IOEngine
-from .checksum import ALGORITHM, checksum
-from .hostmem import buffer_at, memmove, memset
+from .bounce import ChunkStaging, as_engine_error
 from .clean import sweep_before_start
-from .layout import ALIGN, Extent, Identity, align_up, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
+from .layout import ALIGN, Extent, Identity, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
 from .roots import check_roots
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 from .syscalls import OS, SysCalls
-from .gpu_wait import wait_for
 from .pinned import pin_exact
 
 
-class SlabEngine(IOEngine):
+class SlabEngine(ChunkStaging, IOEngine):
     """An engine that keeps tensors in per-root slabs: placement, keys, completion, staging.
 
     Subclasses set up ``_slabs`` with :meth:`_open_slabs`, move :class:`Run` s with their own
     system calls, and implement ``_enqueue`` (hand a request to their IO threads)."""
 
-    _align = ALIGN  # padding and offset alignment of every chunk
+    _align = ALIGN  # padding and offset alignment of every chunk (bounce.py: what O_DIRECT needs)
 
     def _init_common(self, config: OffloadConfig, ident: Optional[Identity]) -> None:
         self.config = config
@@ -106,9 +104,6 @@ class SlabEngine(IOEngine):
 
     # -- the training thread's side ---------------------------------------------------------
 
-    def _padded(self, length: int) -> int:
-        return align_up(max(length, 1), self._align)
-
     @abc.abstractmethod
     def _enqueue(self, req: Request) -> None:
         """Hand ``req`` to the IO threads."""
@@ -116,21 +111,26 @@ class SlabEngine(IOEngine):
     def _n_chunks(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self._chunk))
 
-    def _place(self, placement: Placement) -> None:
+    def _place(self, placement: Placement, req: Request) -> None:
         """IO thread (under the queue's lock, in queue order): cut the tensor into
         ``chunk_bytes`` chunks striped round-robin over the roots, the first on the next root
-        in turn, and allocate one extent per root holding that root's chunks back to back."""
+        in turn, and allocate one extent per root holding that root's chunks back to back,
+        each ``shift`` bytes into its place (bounce.py)."""
         n_roots, chunk, nbytes = len(self._slabs), self._chunk, placement.nbytes
         first = next(self._turn) % n_roots
+        shift = self._shift_for(req)
+        # room for any shift, not this one: a step's space must not depend on addresses
+        extra = 0 if shift is None else self._dio_align - 1
+        shift = shift or 0
         if nbytes <= chunk:  # one chunk, one extent (most activations): what the loops below give
-            size = self._padded(nbytes)
+            size = self._padded(extra + nbytes)
             offset = self._slabs[first].alloc.allocate(size)
             placement.allocs = [(first, offset, size)]
-            placement.extents = [Extent(first, offset, nbytes)]
+            placement.extents = [Extent(first, offset, nbytes, shift=shift, room=size)]
             return
         n = self._n_chunks(nbytes)
         last = nbytes - (n - 1) * chunk
-        full, tail = self._padded(chunk), self._padded(last)
+        full, tail = self._padded(extra + chunk), self._padded(extra + last)
         allocs = []
         for k in range(min(n_roots, n)):  # the k-th root in turn holds chunks k, k + n_roots, ...
             count = (n - 1 - k) // n_roots + 1
@@ -140,7 +140,8 @@ class SlabEngine(IOEngine):
         extents = []
         for i in range(n):
             root, offset, _size = allocs[i % n_roots]
-            extents.append(Extent(root, offset + i // n_roots * full, chunk if i < n - 1 else last))
+            extents.append(Extent(root, offset + i // n_roots * full, chunk if i < n - 1 else last,
+                                  shift=shift, room=full if i < n - 1 else tail))
         placement.allocs = allocs
         placement.extents = extents
 
@@ -268,96 +269,6 @@ class SlabEngine(IOEngine):
         slab = self._slabs[op.root]
         return (f"{self.name} {'write' if op.writing else 'read'} of {op.nbytes} bytes "
                 f"{'to' if op.writing else 'from'} {slab.path} at offset {op.offset}")
-
-    def _direct_source(self, req: Request, i: int, n: int) -> Optional[memoryview]:
-        """Chunk ``i`` (``n`` bytes) of the request's own memory when the IO can use it in place:
-        host memory whose address and length are multiples of the alignment O_DIRECT needs
-        (pinned staging blocks, page-aligned buffers). None: it goes through a bounce buffer."""
-        if not self._zero_copy or n == 0 or n % self._align or req.tensor is None:
-            return None
-        if req.tensor.device.type != "cpu":
-            return None
-        addr = self._chunk_address(req, i)
-        return None if addr % self._align else buffer_at(addr, n)
-
-    def _chunk_address(self, req: Request, i: int) -> int:
-        """Where chunk ``i`` of the request's own (host) memory starts."""
-        return req.address() + i * self._chunk
-
-    def _count_copies(self, op: Run) -> None:
-        """After a successful run: how many of its bytes went in place, how many were bounced."""
-        direct = sum(len(m) for m in op.direct if m is not None) if op.direct is not None else 0
-        with self._lock:
-            self.zero_copy_bytes += direct
-            self.bounced_bytes += op.nbytes - direct
-
-    def _fill(self, op: Run) -> None:
-        """Write side, before the IO: each chunk's bytes (and zeroed padding) into place, in
-        the bounce buffer, unless the chunk can be written from its own memory (``op.direct``).
-        By address (io/hostmem.py): no torch call per chunk."""
-        direct: List[Optional[memoryview]] = []
-        base = op.buf.data_ptr() - op.offset
-        for req, i in op.parts:
-            ext = req.extents[i]
-            n, at = ext.length, base + ext.offset
-            pad = self._padded(n) - n
-            if req.error is not None:  # another chunk of this tensor failed: write zeros
-                memset(at, 0, n + pad)
-                direct.append(None)
-                continue
-            if req.ready_event is not None:
-                wait_for(req.ready_event)
-            source = self._direct_source(req, i, n)
-            direct.append(source)
-            if source is not None:
-                if self._checksum:
-                    ext.crc = checksum(source)
-                continue
-            if n:
-                memmove(at, self._chunk_address(req, i), n)
-            if pad:
-                memset(at + n, 0, pad)  # the padding reaches the disk: never stale memory
-            if self._checksum:
-                ext.crc = checksum(buffer_at(at, n)) if n else 0
-        op.direct = direct if any(m is not None for m in direct) else None
-
-    def _check_inside(self, op: Run) -> None:
-        """Read side, before the IO: the run lies inside the reserved (written) file."""
-        slab = self._slabs[op.root]
-        if slab.fd is None or op.offset + op.nbytes > slab.reserved:
-            raise EngineError(f"{self._describe(op)}: past the reserved end of the slab ({slab.reserved} bytes)")
-
-    def _drain(self, op: Run) -> None:
-        """Read side, after the IO: per chunk, verify the checksum, copy the bytes out (by
-        address), and complete it (a bad chunk fails its own tensor only)."""
-        base = op.buf.data_ptr() - op.offset
-        for j, (req, i) in enumerate(op.parts):
-            exc: Optional[BaseException] = op.failed.get(j)
-            try:
-                ext = req.extents[i]
-                n, at = ext.length, base + ext.offset
-                in_place = op.direct[j] if op.direct is not None else None
-                if exc is None and req.error is None and self._checksum and n:
-                    crc = checksum(in_place if in_place is not None else buffer_at(at, n))
-                    if crc != ext.crc:
-                        raise EngineError(f"checksum mismatch reading {n} bytes from "
-                                          f"{self._slabs[ext.root].path} at offset {ext.offset}: "
-                                          f"stored {ALGORITHM} {ext.crc:#010x}, read {crc:#010x}")
-                if exc is None and req.error is None and n and in_place is None:
-                    if req.ready_event is not None:
-                        wait_for(req.ready_event)
-                    memmove(self._chunk_address(req, i), at, n)
-            except BaseException as e:  # noqa: BLE001 - surfaced through the Future
-                exc = as_engine_error(e, f"{self.name} read")
-            self._finish_chunk(req, i, exc)
-
-
-def as_engine_error(exc: BaseException, what: str) -> BaseException:
-    if isinstance(exc, EngineError):
-        return exc
-    wrapped = EngineError(f"{what} failed: {exc!r}")
-    wrapped.__cause__ = exc
-    return wrapped
 
 
 EXIT_JOIN_S = 10.0
