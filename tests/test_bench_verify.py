@@ -24,11 +24,11 @@ def test_verify_off_and_crc32c_runs_offload_both_ways_in_one_run(tmp_path, capsy
     both offload, and only the verified one checksums (a real run; the checksum function is
     wrapped to count the bytes it sees). Break: drop ``**changes`` where _Contender builds its
     offloader (bench_measure.py) -> 'assert 0 > 0' on the checksummed bytes."""
-    from ssdtrain_megatron.io import slab_engine
+    from ssdtrain_megatron.io import bounce  # where the engine checksums its chunks
 
     seen = []
-    real = slab_engine.checksum
-    monkeypatch.setattr(slab_engine, "checksum", lambda buf: seen.append(len(memoryview(buf).cast("B"))) or real(buf))
+    real = bounce.checksum
+    monkeypatch.setattr(bounce, "checksum", lambda buf: seen.append(len(memoryview(buf).cast("B"))) or real(buf))
     rc = _bench(["--json", "--out", str(tmp_path / "out"), "--dir", str(tmp_path / "ssd"),
                  "--strategies", "offload", "--verify", "off,crc32c", *TINY_MB1])
     captured = capsys.readouterr()
@@ -46,10 +46,10 @@ def test_verify_off_and_crc32c_runs_offload_both_ways_in_one_run(tmp_path, capsy
 def test_only_verify_off_checksums_nothing(tmp_path, capsys, monkeypatch):
     """The other side of the test above: with ``--verify off`` alone nothing is checksummed
     and no offload+crc32c runs."""
-    from ssdtrain_megatron.io import slab_engine
+    from ssdtrain_megatron.io import bounce  # where the engine checksums its chunks
 
     seen = []
-    monkeypatch.setattr(slab_engine, "checksum", lambda buf: seen.append(1) or 0)
+    monkeypatch.setattr(bounce, "checksum", lambda buf: seen.append(1) or 0)
     rc = _bench(["--json", "--out", str(tmp_path / "out"), "--dir", str(tmp_path / "ssd"),
                  "--strategies", "offload", "--verify", "off", *TINY_MB1])
     result = json.loads(capsys.readouterr().out)

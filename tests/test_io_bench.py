@@ -196,11 +196,11 @@ def test_verify_off_and_crc32c_measures_each_engine_both_ways_and_reports_the_co
     crc32c contender checksums (the function is wrapped to count); memory has no file to
     verify and says so. Break: drop ``verify=v`` in io_bench._contenders -> 'checksummed
     bytes: 0'."""
-    from ssdtrain_megatron.io import slab_engine
+    from ssdtrain_megatron.io import bounce  # where the engine checksums its chunks
 
     seen = {"posix": 0, "posix+crc32c": 0}
     current = []
-    real_bench, real_crc = bench.bench_engine, slab_engine.checksum
+    real_bench, real_crc = bench.bench_engine, bounce.checksum
 
     def counted_bench(name, directory, n, size, progress, base=None):
         current[:] = [bench.contender_label(name, base.verify)]
@@ -211,7 +211,7 @@ def test_verify_off_and_crc32c_measures_each_engine_both_ways_and_reports_the_co
         return real_crc(buf)
 
     monkeypatch.setattr(bench, "bench_engine", counted_bench)
-    monkeypatch.setattr(slab_engine, "checksum", counted_crc)
+    monkeypatch.setattr(bounce, "checksum", counted_crc)
     rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "posix", "--json", "--verify",
                               "off,crc32c"] + SMALL, capsys)
     assert rc == 0, err
