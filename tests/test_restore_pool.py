@@ -10,7 +10,8 @@ import gc
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
-from ssdtrain_megatron.cache.restore_pool import PAGE, RestorePool
+from ssdtrain_megatron.cache import restore_pool
+from ssdtrain_megatron.cache.restore_pool import MIN_POOLED_BYTES, PAGE, RestorePool
 from tests.models import assert_bitwise_equal, run_steps, tiny_gpt
 from tests.test_offloader import gpt_batches
 
@@ -18,7 +19,7 @@ from tests.test_offloader import gpt_batches
 def test_a_block_is_reused_only_once_every_view_of_its_tensor_is_gone():
     """Broken variant: ``_collect`` taking every lent block back without ``_expired``: the
     second request gets the block the live view still uses, and this fails."""
-    pool = RestorePool(1 << 30)
+    pool = RestorePool(1 << 30, min_bytes=1)
     t = pool.empty(100_000, torch.float32)
     addr = t.data_ptr()
     assert addr % PAGE == 0
@@ -37,7 +38,7 @@ def test_every_tensor_gets_its_own_storage_object():
     later save could match a record of the tensor that had the block before. (The weak
     reference keeps the first storage object's address from being reused.) Broken variant:
     blocks kept as tensors and handed out as views of them: one storage, and this fails."""
-    pool = RestorePool(1 << 30)
+    pool = RestorePool(1 << 30, min_bytes=1)
     a = pool.empty(4096, torch.uint8)
     first = a.untyped_storage()._cdata
     ref = a.untyped_storage()._weak_ref()
@@ -50,7 +51,7 @@ def test_every_tensor_gets_its_own_storage_object():
 
 
 def test_past_its_capacity_the_pool_gives_allocator_memory_and_unmaps_free_blocks():
-    pool = RestorePool(3 * PAGE)
+    pool = RestorePool(3 * PAGE, min_bytes=1)
     a = pool.empty(2 * PAGE, torch.uint8)
     b = pool.empty(2 * PAGE, torch.uint8)  # does not fit while `a` lives: torch.empty
     assert pool.outside == 1 and pool.mapped_bytes == 2 * PAGE
@@ -62,10 +63,22 @@ def test_past_its_capacity_the_pool_gives_allocator_memory_and_unmaps_free_block
     assert int(c.sum()) == 7 * 3 * PAGE  # memory handed out stays valid after close()
 
 
-def test_offloaded_training_reads_back_into_reused_memory_bitwise_equal(offload_dir):
+def test_small_tensors_take_allocator_memory_and_large_ones_are_pooled():
+    """Below MIN_POOLED_BYTES the C allocator's heap reuses memory already; pooling 10,000 small
+    tensors a step made each restore scan every lent block of its size (tests/test_soak.py
+    measured milliseconds per tensor). Broken variant: the threshold check removed: mapped 1."""
+    pool = RestorePool(1 << 30)
+    small = pool.empty(1024, torch.float32)
+    assert pool.mapped == 0 and pool.outside == 0 and small.numel() == 1024
+    big = pool.empty(MIN_POOLED_BYTES // 4, torch.float32)
+    assert pool.mapped == 1 and big.data_ptr() % PAGE == 0
+
+
+def test_offloaded_training_reads_back_into_reused_memory_bitwise_equal(offload_dir, monkeypatch):
     """From the second step on, every restore reuses memory (no fresh pages), the bytes still
     come back from the engine, and losses and gradients equal keep's bitwise.
     Broken variant: ``RestorePool.empty`` returning ``torch.empty`` always: ``reused`` stays 0."""
+    monkeypatch.setattr(restore_pool, "MIN_POOLED_BYTES", 1)  # this model's tensors are small
     model = tiny_gpt()
     batches = gpt_batches()
     ref = run_steps(model, batches, steps=3)

@@ -24,6 +24,12 @@ Contract:
   other sizes are unmapped, and if that is not enough the request gets ``torch.empty`` memory.
   The bytes read back in flight and waiting for backward are bounded by the read budget, so
   a capacity of that size serves every restore after the first step.
+- Only tensors of at least ``MIN_POOLED_BYTES`` are pooled. Smaller ones come from the C
+  allocator's heap, which reuses freed memory without page faults already, and pooling them
+  would cost a mapping each plus a scan of every lent block of their size per request: with
+  10,000 small tensors a step that scan made each restore take milliseconds
+  (tests/test_soak.py). Above the threshold the capacity bounds the lent blocks to a few
+  hundred, so the scan stays short.
 - Contents are whatever the block held before, as ``torch.empty`` gives whatever the allocator
   had: every byte the record restores is written by the read.
 """
@@ -31,11 +37,12 @@ Contract:
 from __future__ import annotations
 
 import mmap
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 PAGE = mmap.PAGESIZE
+MIN_POOLED_BYTES = 1 << 20  # glibc serves smaller requests from its heap (module docstring)
 
 
 class RestorePool:
@@ -43,13 +50,15 @@ class RestorePool:
 
     Args:
         capacity: most bytes mapped at once (lent and free).
+        min_bytes: smaller requests get ``torch.empty`` memory (default ``MIN_POOLED_BYTES``).
 
     ``reused`` / ``mapped`` / ``outside``: how many requests reused a block, mapped a new
     one, or got ``torch.empty`` memory because the pool was full.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, min_bytes: Optional[int] = None) -> None:
         self.capacity = capacity
+        self.min_bytes = MIN_POOLED_BYTES if min_bytes is None else max(1, min_bytes)
         self.mapped_bytes = 0
         self._free: Dict[int, List[mmap.mmap]] = {}
         self._lent: Dict[int, List[Tuple[mmap.mmap, int]]] = {}  # size -> (block, storage weak ref)
@@ -59,7 +68,7 @@ class RestorePool:
         """A 1-D tensor of ``numel`` elements (uninitialised, page-aligned when pooled); the
         signature of the ``torch.empty`` calls it replaces (record.py). ``device``: the CPU."""
         nbytes = numel * dtype.itemsize
-        if nbytes == 0:
+        if nbytes < self.min_bytes:
             return torch.empty(numel, dtype=dtype)
         size = -(-nbytes // PAGE) * PAGE
         block = self._take(size)
