@@ -116,6 +116,7 @@ def test_compat_disable_restores_every_patched_attribute():
         assert torch.empty(2, device="cuda").device.type == "cpu"
         assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
         assert torch.ones(1).cuda().device.type == "cpu"
+        assert torch.device(0).type == "cpu"  # yarn rotary: with torch.device(current_device())
         assert all(getattr(o, n) is not b for (o, n), b in zip(watched, before))
     finally:
         megatron_cpu_compat.disable()
@@ -123,3 +124,20 @@ def test_compat_disable_restores_every_patched_attribute():
     assert not torch.overrides._is_torch_function_mode_enabled()
     with pytest.raises((RuntimeError, AssertionError)):
         torch.empty(1, device="cuda")
+
+
+def test_multi_latent_attention_sees_no_transformer_engine_where_there_is_none():
+    """megatron-core 0.16's multi_latent_attention sets its own HAVE_TE when importing the TE
+    extension succeeds, which it does without TE (its classes are then mocks), and building
+    MLA then calls isinstance() on a mock. The CPU runtime sets that flag to the extension's
+    while enabled, and puts the module's own value back after.
+    Broken variant: drop ``_patch_mla_without_te(state)`` from enable(): this test fails
+    (True == False) and the "mla" layout fails to build with "TypeError: isinstance() arg 2
+    must be a type, a tuple of types, or a union when instantiating MLASelfAttention"."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    before = multi_latent_attention.HAVE_TE
+    with megatron_cpu_compat.enabled():
+        assert bool(multi_latent_attention.HAVE_TE) == bool(te_extension.HAVE_TE)
+    assert multi_latent_attention.HAVE_TE is before
