@@ -214,6 +214,14 @@ LAYOUTS = {
     # tensor (MLA's 12-wide queries) in cache/hooks.py _unpack: the integration test's
     # bitwise comparison fails ("grad of ...linear_kv_down_proj.weight differs").
     "mla": LayoutSpec(multi_latent_attention=True),
+    # MLA's own selective recompute: megatron frees the up-projections' outputs (queries,
+    # keys, values) after the core attention saved them, and refills them in backward
+    # (CheckpointWithoutOutput); install() keeps those with autograd (megatron/discarded.py).
+    # Broken variant: drop that patch from install.py _patch: every write of them reads freed
+    # memory ("Bad address") and falls back, and the per-layout test's fallbacks == 0 fails.
+    "mla_recompute_up_proj": LayoutSpec(multi_latent_attention=True,
+                                        recompute_granularity="selective",
+                                        recompute_modules=["mla_up_proj"]),
 }
 
 SLOW_LAYOUTS: set = set()

@@ -53,6 +53,7 @@ EXPECTED_LAYERS = {
     "moe_ep2_recompute_full": [[1, 2], [1, 2]],
     "moe_ep2_pp2": [[1, 2], [1, 2], [3, 4], [3, 4]],
     "mla": [[1, 2, 3, 4]],
+    "mla_recompute_up_proj": [[1, 2, 3, 4]],
 }
 
 
@@ -226,6 +227,7 @@ def _patch_points():
         (pipeline_parallel, "get_forward_backward_func"),
     ]
     points += [(schedules, name) for name in release.backward_steps if name != "backward_step"]
+    points.append((tp_random.CheckpointWithoutOutput, "checkpoint"))
     if not release.recompute_is_method:
         # 0.18+: the block imported the free function by name; that name is replaced too.
         from megatron.core.transformer import transformer_block
