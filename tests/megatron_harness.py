@@ -214,6 +214,9 @@ LAYOUTS = {
     # tensor (MLA's 12-wide queries) in cache/hooks.py _unpack: the integration test's
     # bitwise comparison fails ("grad of ...linear_kv_down_proj.weight differs").
     "mla": LayoutSpec(multi_latent_attention=True),
+    # MLA split over two tensor-parallel ranks (heads and up-projections split, the low-rank
+    # down-projections gathered): ~10 s a run on the shared 2-core machine.
+    "mla_tp2": LayoutSpec(tp=2, multi_latent_attention=True),
     # MLA's own selective recompute: megatron frees the up-projections' outputs (queries,
     # keys, values) after the core attention saved them, and refills them in backward
     # (CheckpointWithoutOutput); install() keeps those with autograd (megatron/discarded.py).

@@ -53,6 +53,7 @@ EXPECTED_LAYERS = {
     "moe_ep2_recompute_full": [[1, 2], [1, 2]],
     "moe_ep2_pp2": [[1, 2], [1, 2], [3, 4], [3, 4]],
     "mla": [[1, 2, 3, 4]],
+    "mla_tp2": [[1, 2, 3, 4], [1, 2, 3, 4]],
     "mla_recompute_up_proj": [[1, 2, 3, 4]],
 }
 
