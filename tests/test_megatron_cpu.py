@@ -142,3 +142,23 @@ def test_multi_latent_attention_sees_no_transformer_engine_where_there_is_none()
     with megatron_cpu_compat.enabled():
         assert bool(multi_latent_attention.HAVE_TE) == bool(te_extension.HAVE_TE)
     assert multi_latent_attention.HAVE_TE is before
+
+
+def test_checkpoint_without_output_finds_fp8_off_without_transformer_engine():
+    """CheckpointWithoutOutput() (selective recompute of "layernorm", "moe_act") counts as FP8
+    by default in megatron-core 0.16-0.17 and asks three TE names that tensor_parallel.random
+    defines only with TE: the CPU runtime stands in for them while enabled, and removes them
+    after. Broken variant: drop ``_patch_fp8_checkpoint_stand_ins(state)`` from enable(): this
+    test fails (AttributeError: no FP8GlobalStateManager) and the "recompute_selective_layernorm"
+    layout fails with "NameError: name 'FP8GlobalStateManager' is not defined"."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    names = ["FP8GlobalStateManager", "activation_recompute_forward", "fp8_autocast"]
+    had = {n: hasattr(mcore_random, n) for n in names}
+    with megatron_cpu_compat.enabled():
+        assert not mcore_random.FP8GlobalStateManager.is_fp8_enabled()
+        with mcore_random.fp8_autocast(enabled=False, fp8_recipe=None), \
+                mcore_random.activation_recompute_forward(activation_recompute=True,
+                                                          recompute_phase=False):
+            pass
+    assert {n: hasattr(mcore_random, n) for n in names} == had

@@ -34,6 +34,11 @@ enabled, this module redirects all of them to the CPU:
   asks ``isinstance(linear_proj, TELinear)`` of a mock, a TypeError: where TE is absent the
   flag is set to False, what it says. (The local spec's core attention for MLA is a separate
   matter: tests/mla_attention_stand_in.py.)
+* selective recompute of ``layernorm`` / ``moe_act``: ``CheckpointWithoutOutput()``'s default
+  counts as FP8 (``fp8 is not None``, megatron-core 0.16-0.17), so it asks Transformer Engine's
+  ``FP8GlobalStateManager``, ``activation_recompute_forward`` and ``fp8_autocast``, names
+  ``tensor_parallel.random`` defines only when TE imports: without TE they are stand-ins that
+  say FP8 is off and enter nothing, what TE says and does when FP8 is not enabled.
 
 ``enable()`` is idempotent; ``disable()`` puts back every attribute it replaced, the same objects
 as before. It refuses to enable where CUDA is available: there, megatron runs as it is.
@@ -244,6 +249,34 @@ def _patch_mla_without_te(state: "_State") -> None:
         state.patch(multi_latent_attention, "HAVE_TE", False)
 
 
+class _Fp8StateStandIn:
+    """Stand-in for TE's ``FP8GlobalStateManager``: FP8 is never enabled on the CPU."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
+def _no_context(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+    """Stand-in for TE's ``activation_recompute_forward`` / ``fp8_autocast`` without FP8."""
+    return contextlib.nullcontext()
+
+
+def _patch_fp8_checkpoint_stand_ins(state: "_State") -> None:
+    """The TE names CheckpointWithoutOutput asks for (see the module docstring)."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    stand_ins = {"FP8GlobalStateManager": _Fp8StateStandIn,
+                 "activation_recompute_forward": _no_context, "fp8_autocast": _no_context}
+    for name, stand_in in stand_ins.items():
+        if not hasattr(mcore_random, name):
+            state.patch(mcore_random, name, stand_in)
+
+
 def _split_sizes_on_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """Stand-in for moe_utils.maybe_move_tensor_to_cpu, which converts only CUDA tensors: the
     alltoall dispatcher's split sizes are already on the CPU here, and still have to become the
@@ -303,6 +336,7 @@ def enable() -> None:
     state.patch(mcore_utils.GlobalMemoryBuffer, "get_tensor", _buffer_get_tensor)
     _patch_moe_stand_ins(state)
     _patch_mla_without_te(state)
+    _patch_fp8_checkpoint_stand_ins(state)
     backward_cls = torch.autograd.function.BackwardCFunction
     state.patch(backward_cls, "apply", _backward_under_cpu_mode(backward_cls.apply))
     state.mode = CpuDeviceMode()
