@@ -194,6 +194,12 @@ LAYOUTS = {
     "recompute_selective_mlp": LayoutSpec(recompute_granularity="selective",
                                           recompute_modules=["core_attn", "mlp"],
                                           add_bias_linear=False),
+    # Layernorm outputs freed by megatron and refilled in backward (CheckpointWithoutOutput):
+    # install() keeps them with autograd (megatron/discarded.py). Broken variant: drop that
+    # patch from install.py _patch: 24 writes a step read freed memory and fall back
+    # ("Bad address"), and the per-layout test's fallbacks == 0 fails.
+    "recompute_selective_layernorm": LayoutSpec(recompute_granularity="selective",
+                                                recompute_modules=["core_attn", "layernorm"]),
     "pp2_recompute_full": LayoutSpec(pp=2, recompute_granularity="full",
                                      recompute_method="uniform", recompute_num_layers=1),
     # Mixture of experts (4 SequentialMLP experts, top-2, aux loss), expert parallel over the

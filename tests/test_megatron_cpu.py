@@ -83,6 +83,7 @@ def test_tensor_parallel_ranks_agree_on_the_loss(layout_results):
     ("recompute_selective", "tp1_pp1"),
     ("pp2_recompute_full", "pp2_1f1b"),
     ("mla_recompute_up_proj", "mla"),
+    ("recompute_selective_layernorm", "tp1_pp1"),
 ])
 def test_recomputation_reproduces_dropout_bitwise(layout, reference, layout_results):
     """Recompute restores the RNG states through the CPU-backed tracker, so the recomputed

@@ -47,6 +47,7 @@ EXPECTED_LAYERS = {
     "recompute_full_block": [[1, 2, 3, 4]],
     "recompute_selective": [[1, 2, 3, 4]],
     "recompute_selective_mlp": [[1, 2, 3, 4]],
+    "recompute_selective_layernorm": [[1, 2, 3, 4]],
     "pp2_recompute_full": [[1, 2], [3, 4]],
     "moe_ep2_allgather": [[1, 2], [1, 2]],
     "moe_ep2_alltoall_recompute_selective": [[1, 2], [1, 2]],
