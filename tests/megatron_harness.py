@@ -124,7 +124,8 @@ class LayoutSpec:
     """Grouped-GEMM experts (CUDA only) instead of SequentialMLP."""
     multi_latent_attention: bool = False
     """Multi-latent attention (MLATransformerConfig). The local spec's DotProductAttention
-    takes no ``k_channels`` (megatron-core 0.16.1, 0.17.1), so MLA needs the TE spec."""
+    takes no ``k_channels`` (megatron-core 0.16.1, 0.17.1): on the local spec the core
+    attention is tests/mla_attention_stand_in.py's, every other MLA module megatron-core's."""
     phases: List[Phase] = field(default_factory=lambda: [Phase("plain")])
     timeout_s: float = 240.0
 
@@ -193,6 +194,12 @@ LAYOUTS = {
     "recompute_selective_mlp": LayoutSpec(recompute_granularity="selective",
                                           recompute_modules=["core_attn", "mlp"],
                                           add_bias_linear=False),
+    # Layernorm outputs freed by megatron and refilled in backward (CheckpointWithoutOutput):
+    # install() keeps them with autograd (megatron/discarded.py). Broken variant: drop that
+    # patch from install.py _patch: 24 writes a step read freed memory and fall back
+    # ("Bad address"), and the per-layout test's fallbacks == 0 fails.
+    "recompute_selective_layernorm": LayoutSpec(recompute_granularity="selective",
+                                                recompute_modules=["core_attn", "layernorm"]),
     "pp2_recompute_full": LayoutSpec(pp=2, recompute_granularity="full",
                                      recompute_method="uniform", recompute_num_layers=1),
     # Mixture of experts (4 SequentialMLP experts, top-2, aux loss), expert parallel over the
@@ -207,6 +214,23 @@ LAYOUTS = {
     # In the default suite: measured on the shared 2-core machine (load average ~7), its
     # integration tests take 30 s and its test_megatron_cpu run 39 s.
     "moe_ep2_pp2": LayoutSpec(**{**_MOE, "num_layers": 4}, pp=2),
+    # Multi-latent attention (DeepSeek's: low-rank q and kv with layernorms, yarn rotary part)
+    # on the local spec; its core attention is tests/mla_attention_stand_in.py's. Broken
+    # variant: flip the low bit of the last element of every restored float32 [*, *, 12]
+    # tensor (MLA's 12-wide queries) in cache/hooks.py _unpack: the integration test's
+    # bitwise comparison fails ("grad of ...linear_kv_down_proj.weight differs").
+    "mla": LayoutSpec(multi_latent_attention=True),
+    # MLA split over two tensor-parallel ranks (heads and up-projections split, the low-rank
+    # down-projections gathered): ~10 s a run on the shared 2-core machine.
+    "mla_tp2": LayoutSpec(tp=2, multi_latent_attention=True),
+    # MLA's own selective recompute: megatron frees the up-projections' outputs (queries,
+    # keys, values) after the core attention saved them, and refills them in backward
+    # (CheckpointWithoutOutput); install() keeps those with autograd (megatron/discarded.py).
+    # Broken variant: drop that patch from install.py _patch: every write of them reads freed
+    # memory ("Bad address") and falls back, and the per-layout test's fallbacks == 0 fails.
+    "mla_recompute_up_proj": LayoutSpec(multi_latent_attention=True,
+                                        recompute_granularity="selective",
+                                        recompute_modules=["mla_up_proj"]),
 }
 
 SLOW_LAYOUTS: set = set()
@@ -316,11 +340,14 @@ def make_config(spec: LayoutSpec):
     kwargs: Dict[str, Any] = {}
     config_cls = TransformerConfig
     if spec.multi_latent_attention:
-        # Low-rank queries and keys/values, decoupled rotary part: DeepSeek's shape, tiny. The
-        # local spec's torch norms take LayerNorm; "rope" keeps yarn's scaling out of it.
+        # Low-rank queries and keys/values with their layernorms, decoupled rotary part with
+        # yarn scaling: DeepSeek's shape, tiny. Query/key heads 12 wide, value heads 6, neither
+        # hidden / heads (8), as in DeepSeek. The local spec's torch norms take LayerNorm;
+        # yarn's fused apply (a Triton kernel) stays off, as every fusion here.
         config_cls = MLATransformerConfig
         kwargs.update(q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
-                      v_head_dim=8, normalization="LayerNorm", rope_type="rope")
+                      v_head_dim=6, normalization="LayerNorm", rope_type="yarn",
+                      qk_layernorm=True)
     if spec.recompute_granularity is not None:
         kwargs["recompute_granularity"] = spec.recompute_granularity
     if spec.recompute_method is not None:
@@ -375,11 +402,18 @@ def build_model(spec: LayoutSpec, config) -> List[torch.nn.Module]:
     if spec.layer_spec == "transformer_engine":
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm,
-            multi_latent_attention=spec.multi_latent_attention)
+            multi_latent_attention=spec.multi_latent_attention,
+            qk_layernorm=spec.multi_latent_attention)
     else:
         layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(
             num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm,
-            multi_latent_attention=spec.multi_latent_attention)
+            multi_latent_attention=spec.multi_latent_attention,
+            qk_layernorm=spec.multi_latent_attention)
+        if spec.multi_latent_attention:  # the local DotProductAttention takes no k_channels
+            from mla_attention_stand_in import MlaCoreAttentionStandIn
+
+            layer_spec.submodules.self_attention.submodules.core_attention = \
+                MlaCoreAttentionStandIn
     chunks = []
     for vp_stage in range(spec.vp or 1):
         vp = vp_stage if spec.vp is not None else None

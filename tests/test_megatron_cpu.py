@@ -82,6 +82,8 @@ def test_tensor_parallel_ranks_agree_on_the_loss(layout_results):
     ("recompute_full_block", "tp1_pp1"),
     ("recompute_selective", "tp1_pp1"),
     ("pp2_recompute_full", "pp2_1f1b"),
+    ("mla_recompute_up_proj", "mla"),
+    ("recompute_selective_layernorm", "tp1_pp1"),
 ])
 def test_recomputation_reproduces_dropout_bitwise(layout, reference, layout_results):
     """Recompute restores the RNG states through the CPU-backed tracker, so the recomputed
@@ -116,6 +118,7 @@ def test_compat_disable_restores_every_patched_attribute():
         assert torch.empty(2, device="cuda").device.type == "cpu"
         assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
         assert torch.ones(1).cuda().device.type == "cpu"
+        assert torch.device(0).type == "cpu"  # yarn rotary: with torch.device(current_device())
         assert all(getattr(o, n) is not b for (o, n), b in zip(watched, before))
     finally:
         megatron_cpu_compat.disable()
@@ -123,3 +126,40 @@ def test_compat_disable_restores_every_patched_attribute():
     assert not torch.overrides._is_torch_function_mode_enabled()
     with pytest.raises((RuntimeError, AssertionError)):
         torch.empty(1, device="cuda")
+
+
+def test_multi_latent_attention_sees_no_transformer_engine_where_there_is_none():
+    """megatron-core 0.16's multi_latent_attention sets its own HAVE_TE when importing the TE
+    extension succeeds, which it does without TE (its classes are then mocks), and building
+    MLA then calls isinstance() on a mock. The CPU runtime sets that flag to the extension's
+    while enabled, and puts the module's own value back after.
+    Broken variant: drop ``_patch_mla_without_te(state)`` from enable(): this test fails
+    (True == False) and the "mla" layout fails to build with "TypeError: isinstance() arg 2
+    must be a type, a tuple of types, or a union when instantiating MLASelfAttention"."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    before = multi_latent_attention.HAVE_TE
+    with megatron_cpu_compat.enabled():
+        assert bool(multi_latent_attention.HAVE_TE) == bool(te_extension.HAVE_TE)
+    assert multi_latent_attention.HAVE_TE is before
+
+
+def test_checkpoint_without_output_finds_fp8_off_without_transformer_engine():
+    """CheckpointWithoutOutput() (selective recompute of "layernorm", "moe_act") counts as FP8
+    by default in megatron-core 0.16-0.17 and asks three TE names that tensor_parallel.random
+    defines only with TE: the CPU runtime stands in for them while enabled, and removes them
+    after. Broken variant: drop ``_patch_fp8_checkpoint_stand_ins(state)`` from enable(): this
+    test fails (AttributeError: no FP8GlobalStateManager) and the "recompute_selective_layernorm"
+    layout fails with "NameError: name 'FP8GlobalStateManager' is not defined"."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    names = ["FP8GlobalStateManager", "activation_recompute_forward", "fp8_autocast"]
+    had = {n: hasattr(mcore_random, n) for n in names}
+    with megatron_cpu_compat.enabled():
+        assert not mcore_random.FP8GlobalStateManager.is_fp8_enabled()
+        with mcore_random.fp8_autocast(enabled=False, fp8_recipe=None), \
+                mcore_random.activation_recompute_forward(activation_recompute=True,
+                                                          recompute_phase=False):
+            pass
+    assert {n: hasattr(mcore_random, n) for n in names} == had

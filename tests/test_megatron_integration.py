@@ -47,11 +47,15 @@ EXPECTED_LAYERS = {
     "recompute_full_block": [[1, 2, 3, 4]],
     "recompute_selective": [[1, 2, 3, 4]],
     "recompute_selective_mlp": [[1, 2, 3, 4]],
+    "recompute_selective_layernorm": [[1, 2, 3, 4]],
     "pp2_recompute_full": [[1, 2], [3, 4]],
     "moe_ep2_allgather": [[1, 2], [1, 2]],
     "moe_ep2_alltoall_recompute_selective": [[1, 2], [1, 2]],
     "moe_ep2_recompute_full": [[1, 2], [1, 2]],
     "moe_ep2_pp2": [[1, 2], [1, 2], [3, 4], [3, 4]],
+    "mla": [[1, 2, 3, 4]],
+    "mla_tp2": [[1, 2, 3, 4], [1, 2, 3, 4]],
+    "mla_recompute_up_proj": [[1, 2, 3, 4]],
 }
 
 
@@ -225,6 +229,7 @@ def _patch_points():
         (pipeline_parallel, "get_forward_backward_func"),
     ]
     points += [(schedules, name) for name in release.backward_steps if name != "backward_step"]
+    points.append((tp_random.CheckpointWithoutOutput, "checkpoint"))
     if not release.recompute_is_method:
         # 0.18+: the block imported the free function by name; that name is replaced too.
         from megatron.core.transformer import transformer_block
@@ -332,8 +337,10 @@ def test_sequence_parallel_with_transformer_engine_spec_is_bitwise_equal(tmp_pat
 @pytest.mark.skipif(_te_skip_reason() is not None, reason=str(_te_skip_reason()))
 def test_moe_with_tensor_parallel_and_multi_latent_attention_on_te_spec_is_bitwise(tmp_path):
     """MoE with TP=2 (megatron-core demands sequence parallel there, which the local spec's
-    LayerNorm refuses) and multi-latent attention (the local spec's DotProductAttention takes
-    no k_channels): both need the Transformer Engine spec. Not yet run."""
+    LayerNorm refuses) and multi-latent attention with TE's own core attention (the local
+    spec's DotProductAttention takes no k_channels; the CPU layout "mla" runs MLA with our
+    stand-in for it, tests/mla_attention_stand_in.py): both need the Transformer Engine
+    spec. Not yet run."""
     spec = LayoutSpec(tp=2, phases=list(PHASES), device="cuda", layer_spec="transformer_engine",
                       sequence_parallel=True, num_moe_experts=4, multi_latent_attention=True)
     for r in harness.run_layout(spec, str(tmp_path)):

@@ -13,6 +13,8 @@ release), and restored exactly by ``uninstall()``:
 - ``pipeline_parallel.schedules.backward_step`` (and, 0.17+, ``backward_step_multimodule``):
   backward hint.
 - ``pipeline_parallel.schedules.get_forward_backward_func``: step end (StepStats).
+- ``tensor_parallel.CheckpointWithoutOutput.checkpoint``: outputs megatron frees and recomputes
+  itself stay with autograd (:mod:`.discarded`).
 
 The free functions are replaced under every module-level name a loaded module holds them by
 (``megatron.core.pipeline_parallel.get_forward_backward_func`` re-exports one; a module that did
@@ -29,6 +31,7 @@ from typing import Callable, Optional
 from ..config import OffloadConfig
 from . import compat, handle
 from .compat import SUPPORTED_MEGATRON_CORE, UnsupportedMegatronVersion, megatron_core_version
+from .discarded import DiscardedOutputs
 from .patching import Installation, Patcher
 from .pipeline import INTERLEAVED, NO_PIPELINING, ONE_F_ONE_B, PipelineHooks
 from .scopes import LayerScopes
@@ -161,6 +164,11 @@ def _patch(patcher: Patcher, scopes: LayerScopes, pipeline: PipelineHooks, relea
             lambda orig, name=name: _function(pipeline.backward_hook(name), orig))
     patcher.replace_function(schedules, "get_forward_backward_func",
                              lambda orig: _get_forward_backward_func(pipeline, orig))
+    without_output = getattr(tp_random, "CheckpointWithoutOutput", None)
+    if without_output is not None:
+        discarded = DiscardedOutputs(scopes.offloader, vars(without_output)["checkpoint"])
+        patcher.replace_attribute(without_output, "checkpoint",
+                                  _method(discarded.checkpoint, without_output.checkpoint))
 
 
 def uninstall(close: bool = True) -> None:

@@ -10,7 +10,8 @@ buffers and factory calls with ``device=torch.cuda.current_device()``, ``.cuda()
 enabled, this module redirects all of them to the CPU:
 
 * a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"``, ``device=<int>`` and
-  ``torch.device("cuda", i)`` arguments to ``"cpu"`` and turns ``Tensor.cuda()`` into a no-op;
+  ``torch.device("cuda", i)`` arguments to ``"cpu"``, makes ``torch.device(<int>)`` the CPU and
+  turns ``Tensor.cuda()`` into a no-op;
 * ``torch.cuda.current_device`` returns 0 (an integer device the mode maps to the CPU),
   ``torch.cuda.synchronize`` does nothing, ``torch.cuda.manual_seed`` / ``get_rng_state`` /
   ``set_rng_state`` act on the default CPU generator;
@@ -26,7 +27,18 @@ enabled, this module redirects all of them to the CPU:
   which names ``te_general_gemm`` only when Transformer Engine imports, gets it as None, so the
   router's gating GEMM takes its own torch.mm path (what a build with the name defined but TE
   absent does); the alltoall dispatcher's "move the split sizes to the host as numpy" step,
-  which skips tensors already on the CPU, converts them here too.
+  which skips tensors already on the CPU, converts them here too;
+* multi-latent attention: megatron-core 0.16's ``multi_latent_attention`` module sets its own
+  ``HAVE_TE`` when importing ``extensions.transformer_engine`` succeeds, which it does without
+  Transformer Engine too (its TE classes are then mocks), and ``MultiLatentAttention`` then
+  asks ``isinstance(linear_proj, TELinear)`` of a mock, a TypeError: where TE is absent the
+  flag is set to False, what it says. (The local spec's core attention for MLA is a separate
+  matter: tests/mla_attention_stand_in.py.)
+* selective recompute of ``layernorm`` / ``moe_act``: ``CheckpointWithoutOutput()``'s default
+  counts as FP8 (``fp8 is not None``, megatron-core 0.16-0.17), so it asks Transformer Engine's
+  ``FP8GlobalStateManager``, ``activation_recompute_forward`` and ``fp8_autocast``, names
+  ``tensor_parallel.random`` defines only when TE imports: without TE they are stand-ins that
+  say FP8 is off and enter nothing, what TE says and does when FP8 is not enabled.
 
 ``enable()`` is idempotent; ``disable()`` puts back every attribute it replaced, the same objects
 as before. It refuses to enable where CUDA is available: there, megatron runs as it is.
@@ -68,6 +80,11 @@ class CpuDeviceMode(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             # Tensor.cuda(device=None, non_blocking=False, ...) -> the tensor itself.
             return args[0]
+        if func is torch.device and args and isinstance(args[0], int) \
+                and not isinstance(args[0], bool):
+            # torch.device(<int>) names an accelerator, an error without one (yarn rotary
+            # embedding: ``with torch.device(torch.cuda.current_device())``).
+            return torch.device("cpu")
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
         if func in (torch.Tensor.to,) and len(args) > 1:
@@ -221,6 +238,45 @@ def _patch_moe_stand_ins(state: "_State") -> None:
         state.patch(dispatcher_cls, "cuda_dtoh_stream", dispatcher_cls.cuda_dtoh_stream)
 
 
+def _patch_mla_without_te(state: "_State") -> None:
+    """MLA's own HAVE_TE flag, False where megatron-core's TE extension found no TE."""
+    try:
+        from megatron.core.extensions import transformer_engine as te_extension
+        from megatron.core.transformer import multi_latent_attention
+    except ImportError:  # a megatron-core without MLA: nothing to stand in for
+        return
+    if not te_extension.HAVE_TE and getattr(multi_latent_attention, "HAVE_TE", False):
+        state.patch(multi_latent_attention, "HAVE_TE", False)
+
+
+class _Fp8StateStandIn:
+    """Stand-in for TE's ``FP8GlobalStateManager``: FP8 is never enabled on the CPU."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
+def _no_context(*args: Any, **kwargs: Any) -> contextlib.AbstractContextManager:
+    """Stand-in for TE's ``activation_recompute_forward`` / ``fp8_autocast`` without FP8."""
+    return contextlib.nullcontext()
+
+
+def _patch_fp8_checkpoint_stand_ins(state: "_State") -> None:
+    """The TE names CheckpointWithoutOutput asks for (see the module docstring)."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    stand_ins = {"FP8GlobalStateManager": _Fp8StateStandIn,
+                 "activation_recompute_forward": _no_context, "fp8_autocast": _no_context}
+    for name, stand_in in stand_ins.items():
+        if not hasattr(mcore_random, name):
+            state.patch(mcore_random, name, stand_in)
+
+
 def _split_sizes_on_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """Stand-in for moe_utils.maybe_move_tensor_to_cpu, which converts only CUDA tensors: the
     alltoall dispatcher's split sizes are already on the CPU here, and still have to become the
@@ -279,6 +335,8 @@ def enable() -> None:
                 _make_tracker_fork(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME))
     state.patch(mcore_utils.GlobalMemoryBuffer, "get_tensor", _buffer_get_tensor)
     _patch_moe_stand_ins(state)
+    _patch_mla_without_te(state)
+    _patch_fp8_checkpoint_stand_ins(state)
     backward_cls = torch.autograd.function.BackwardCFunction
     state.patch(backward_cls, "apply", _backward_under_cpu_mode(backward_cls.apply))
     state.mode = CpuDeviceMode()
