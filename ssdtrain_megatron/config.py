@@ -107,16 +107,16 @@ class OffloadConfig:
         "a mismatch stops the step with an error naming the layer and the file (posix, aio and "
         "the SSD tier of tiered; refused with gds and memory). 'off': a byte changed on the drive "
         "reaches backward unnoticed. Cost: two CRC32C passes per offloaded byte on the IO threads "
-        "(about 16 GB per CPU-second per core in hardware); on a loaded 2-core CPU machine, "
-        "+1% and +4% process CPU per bench step in two runs, step time within noise: off until a "
-        "quiet run shows <= 2% of step time (README, \"Verification\")"))
+        "(about 16 GB per CPU-second per core in hardware); measured on a quiet 2-core CPU "
+        "machine at the bench's default shape: step time and process CPU x1.03, over the "
+        "x1.02 rule for turning it on by default (docs/benchmarks.md, \"Checksum cost\")"))
     """'crc32c': store a CRC32C (io/checksum.py) of every written chunk and verify it on read;
     a mismatch is retried, then stops the step with an error naming the tensor's layer and the
     file. Works with posix, aio and the SSD tier of tiered; refused with gds, which keeps no
     host copy to check, and with memory, which writes no file. 'off': a byte changed on the
     drive between write and read reaches backward as a wrong activation, unreported.
-    Off by default: its cost (README, "Verification") has not been shown to stay within 2% of
-    step time, the rule for turning it on by default.
+    Off by default: its measured cost (docs/benchmarks.md, "Checksum cost": +3% step time on a
+    quiet CPU machine) is over 2% of step time, the rule for turning it on by default.
     In YAML an unquoted ``off`` reads as false, which means 'off' here (true means 'crc32c').
     Replaces the boolean ``checksum`` (still accepted, deprecated: true is 'crc32c')."""
 
