@@ -197,8 +197,10 @@ def test_without_megatrons_handler_sigterm_still_removes_the_files_and_ends_the_
 
 
 RESTARTS = """
-import os, signal, sys, threading, time
+import os, signal, sys, threading, time, typing
 import torch
+if not hasattr(typing, "override"):  # Python 3.12's; megatron.training 0.18+ imports it
+    typing.override = lambda method: method  # (as tests/megatron_lm_cpu_compat.py does)
 from megatron.training.dist_signal_handler import DistributedSignalHandler
 from ssdtrain_megatron import OffloadConfig
 from ssdtrain_megatron.io import cleanup
