@@ -230,8 +230,9 @@ def test_read_error_in_one_chunk_raises_never_zeros(offload_dir, failing_chunk):
 
         off.engine.fault = fault
         t0 = time.monotonic()
-        # 16384 bytes and a page of room for a shift (io/bounce.py)
-        with pytest.raises(RuntimeError, match=rf"read of 20480 bytes from {re.escape(bad_path)}/.*slab.bin at "
+        # 16384 bytes, and a page more when the tensor's address is off a page (a shift,
+        # io/bounce.py): which one depends on where the allocator put the tensor
+        with pytest.raises(RuntimeError, match=rf"read of (16384|20480) bytes from {re.escape(bad_path)}/.*slab.bin at "
                                                rf"offset {bad_offset} failed: Input/output error"):
             out.sum().backward()
         assert lin.weight.grad is None and lin.bias.grad is None  # nothing computed from partial data
