@@ -43,6 +43,7 @@ pytest.importorskip("megatron.core")
 from tests.bitwise import bitwise_equal, tensor_leaves  # noqa: E402
 from tests.preempt_points import POINTS  # noqa: E402
 from tests.tiny_gpt_flags import MEGATRON_LM_CPU, needs_megatron_training, tiny_gpt  # noqa: E402
+from tests.two_nodes import kill_tree  # noqa: E402
 
 pytestmark = needs_megatron_training()
 
@@ -120,31 +121,10 @@ def _run(folder, site: str, point: str, offload: bool, handler: bool = True) -> 
     except subprocess.TimeoutExpired:
         # A worker that failed can leave the others (and torchrun) waiting for ever; the
         # workers run in sessions of their own: kill every descendant, then report.
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         out += f"\n(test: killed after {RUN_TIMEOUT_S} s)"
     return Run(folder, subprocess.CompletedProcess(cmd, proc.returncode, out))
-
-
-def _kill_tree(root: int) -> None:
-    children: Dict[int, List[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    todo, tree = [root], []
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _left_on_disk(root) -> List[str]:
