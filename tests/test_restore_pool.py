@@ -6,12 +6,15 @@ Real torch storages and mappings; the offloader tests train a real model on the 
 from __future__ import annotations
 
 import gc
+import mmap
+import os
 
+import pytest
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.cache import restore_pool
-from ssdtrain_megatron.cache.restore_pool import MIN_POOLED_BYTES, PAGE, RestorePool
+from ssdtrain_megatron.cache.restore_pool import HUGE_PAGE, MIN_POOLED_BYTES, PAGE, RestorePool
 from tests.models import assert_bitwise_equal, run_steps, tiny_gpt
 from tests.test_offloader import gpt_batches
 
@@ -90,3 +93,39 @@ def test_offloaded_training_reads_back_into_reused_memory_bitwise_equal(offload_
     assert_bitwise_equal(ref, got)
     for st in got[2]:
         assert st.bytes_read > 0
+
+
+def _vma_of(addr: int) -> tuple:
+    """(permissions, VmFlags) of the mapping of this process that holds ``addr``."""
+    perms, flags, inside = None, None, False
+    with open("/proc/self/smaps", encoding="ascii") as fh:
+        for line in fh:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+                if inside:
+                    perms = head[1]
+            elif inside and line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+                break
+    return perms, flags
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="needs Linux /proc/self/smaps and MADV_HUGEPAGE")
+def test_blocks_are_private_and_advised_for_huge_pages_from_2_mib():
+    """A block is private (a forked data-loader worker gets copy-on-write pages, not ours) and,
+    from 2 MiB, advised for transparent huge pages (VmFlags ``hg``): each O_DIRECT read then
+    pins 2 MiB pages instead of 512 small ones. Smaller blocks are not advised.
+    Broken variants: ``mmap.mmap(-1, size)`` (shared): perms ``rw-s``; the madvise removed:
+    no ``hg``."""
+    pool = RestorePool(1 << 30, min_bytes=1)
+    big = pool.empty(HUGE_PAGE, torch.uint8)
+    small = pool.empty(HUGE_PAGE // 2, torch.uint8)
+    perms, flags = _vma_of(big.data_ptr())
+    if flags is None:
+        pytest.skip("this kernel's smaps has no VmFlags line")
+    assert perms == "rw-p" and "hg" in flags, (perms, flags)
+    perms, flags = _vma_of(small.data_ptr())
+    assert perms == "rw-p" and "hg" not in flags, (perms, flags)

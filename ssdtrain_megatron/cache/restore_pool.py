@@ -10,8 +10,9 @@ freed blocks out again), and this pool gives the CPU the same: memory a restored
 goes to the next restore of the same size, already faulted in.
 
 Contract:
-- Each block is an anonymous mapping of its own (page-aligned, so the record can place the
-  tensor at the residue it had, record.py). Every tensor handed out gets a *new* storage over
+- Each block is a private anonymous mapping of its own (page-aligned, so the record can place
+  the tensor at the residue it had, record.py), advised for transparent huge pages from 2 MiB
+  (``_map``). Every tensor handed out gets a *new* storage over
   a block (``torch.frombuffer``), so no two tensors ever share a storage object: identity
   (identity.py) and version counters behave exactly as with ``torch.empty``. The storage holds
   the mapping alive, so memory stays valid however long the tensor lives, even after the pool
@@ -43,6 +44,27 @@ import torch
 
 PAGE = mmap.PAGESIZE
 MIN_POOLED_BYTES = 1 << 20  # glibc serves smaller requests from its heap (module docstring)
+
+
+HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB pages): the transparent huge page size
+
+
+def _map(size: int) -> mmap.mmap:
+    """A private anonymous mapping of ``size`` bytes, advised for transparent huge pages when it
+    can hold one. Private: a forked process (a data-loader worker) gets copy-on-write pages, not
+    the parent's memory. Huge pages: each O_DIRECT read pins the pages it reads into, one
+    ``struct page`` at a time for 4 KiB pages, and the first use of a block faults it in page by
+    page; with 2 MiB pages both are 512 times fewer operations. (On a 2-core VM the bench's
+    step time moved by less than its noise; the gain is CPU the IO threads no longer take
+    from training, which grows with the bytes read.) The advice is a hint: where THP is off (``never``) or unsupported the block
+    simply has 4 KiB pages."""
+    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            block.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without THP refuses the advice (EINVAL)
+            pass
+    return block
 
 
 class RestorePool:
@@ -93,7 +115,7 @@ class RestorePool:
                 return None
         self.mapped += 1
         self.mapped_bytes += size
-        return mmap.mmap(-1, size)
+        return _map(size)
 
     def _collect(self, size: int) -> None:
         """Blocks of ``size`` whose storage has died go back to the free list."""
