@@ -170,6 +170,9 @@ def test_the_table_shows_no_target_the_user_did_not_set_and_shows_fallbacks():
     assert "offload / keep step time" in table
     assert "target" not in table and "MISSED" not in table
     assert "fallbacks" not in table
+    # Recompute did not run: no claim about it (it used to print "recompute equal to keep: True").
+    assert "recompute" not in table and summarize(run)["recompute_losses_bitwise_equal"] is None
+    assert "models of every strategy run (keep, offload) resident" in table
     run.series[("offload", 1)].fallbacks = [0, 24]
     table = render(summarize(run))
     assert "fallbacks (writes that failed, a full disk?, and stayed in memory" in table

@@ -220,8 +220,9 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
                     <= (memory_budget or 0)), default=None) for n in names}
     same = all(run.series[(n, mb)].losses == run.series[("keep", mb)].losses
                for (n, mb) in run.series if n in SAME_LOSSES and ("keep", mb) in run.series)
-    recompute_same = all(run.series[(n, mb)].losses == run.series[("keep", mb)].losses
-                         for (n, mb) in run.series if n == "recompute" and ("keep", mb) in run.series)
+    pairs = [mb for (n, mb) in run.series if n == "recompute" and ("keep", mb) in run.series]
+    recompute_same = all(run.series[("recompute", mb)].losses == run.series[("keep", mb)].losses
+                         for mb in pairs) if pairs else None  # None: recompute did not run
     gpu = run.device.startswith("cuda")
     versus = budget_comparison(at, ratio_mb, memory_budget)
     ratios.update(versus["ratios"])
@@ -308,11 +309,15 @@ def render(summary: dict) -> str:
         lines.append("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))))
     uncounted = ", ".join(f"{_mb(b)} at micro-batch {mb}" for mb, b in summary["recompute_pass_bytes"].items())
-    lines += [f"peak memory: {summary['peak_memory_kind'] or 'not measurable here'}, all four models "
-              "of a micro-batch size resident. CPU: process CPU seconds per step (median), all threads.",
-              "recompute's peak activations: the checkpoint inputs the offloader sees; the tensors "
-              "re-created in backward, one layer at a time, are not counted"
-              + (f" (keep's largest layer: {uncounted})." if uncounted else "."), ""]
+    ran = sorted({p["strategy"] for p in summary["points"]}, key=[p["strategy"] for p in summary["points"]].index)
+    lines.append(f"peak memory: {summary['peak_memory_kind'] or 'not measurable here'}, the models of "
+                 f"every strategy run ({', '.join(ran)}) resident. CPU: process CPU seconds per step "
+                 "(median), all threads.")
+    if "recompute" in ran:
+        lines.append("recompute's peak activations: the checkpoint inputs the offloader sees; the tensors "
+                     "re-created in backward, one layer at a time, are not counted"
+                     + (f" (keep's largest layer: {uncounted})." if uncounted else "."))
+    lines.append("")
     for o in summary["out_of_memory"]:
         lines.append(f"{o['strategy']} at micro-batch {o['micro_batch']}: out of device memory")
     r = summary["ratios"]
@@ -348,8 +353,9 @@ def render(summary: dict) -> str:
                  f"{f' (keep at micro-batch {src})' if src else ''}: {fits}"
                  f"{'  (+: the largest measured)' if '+' in fits else ''}")
     same = ", ".join(n for n in SAME_LOSSES if any(p["strategy"] == n for p in summary["points"]))
-    lines.append(f"losses bitwise equal ({same}): {summary['losses_bitwise_equal']}; "
-                 f"recompute equal to keep: {summary['recompute_losses_bitwise_equal']}")
+    lines.append(f"losses bitwise equal ({same}): {summary['losses_bitwise_equal']}"
+                 + (f"; recompute equal to keep: {summary['recompute_losses_bitwise_equal']}"
+                    if "recompute" in ran else ""))
     fell = {k: d.get("fallbacks", 0) for k, d in diag.items() if d.get("fallbacks")}
     if fell:
         lines.append("fallbacks (writes that failed, a full disk?, and stayed in memory: those points "
