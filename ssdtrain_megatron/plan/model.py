@@ -322,14 +322,19 @@ def required_write_gbps(offloaded_bytes_per_step: float, step_time_s: float) -> 
 
 
 def peak_activation_bytes(shape: ModelShape, mode: str, profile: SaveProfile = PAPER, *,
-                          kept_layers: int = 1, resident_bytes: Optional[int] = None) -> int:
+                          kept_layers: int = 1, resident_bytes: Optional[int] = None,
+                          deferred_bytes: Optional[int] = None) -> int:
     """Peak activation bytes on one GPU of the first pipeline stage (which holds pp
     micro-batches in flight under 1F1B).
 
     keep:      every layer of every in-flight micro-batch, with ``shape.recompute`` as given.
-    offload:   ``kept_layers`` layers of the micro-batch in backward (or, when given, its
-               ``resident_bytes`` from a plan), plus one layer being written or read back;
-               other micro-batches are entirely on disk.
+    offload:   what one micro-batch keeps (``kept_layers`` last layers, or, when given, a
+               plan's ``resident_bytes``), plus one layer being written or read back. Of
+               that, the last layers (``deferred_bytes``; default: all of it) stay only for
+               the micro-batch about to run backward: the offloader writes them once another
+               micro-batch's forward starts. Everything else a plan keeps (layers kept for
+               bandwidth, recomputed layers' inputs) stays for each of the pp in-flight
+               micro-batches.
     recompute: full recomputation: each layer's input for every in-flight micro-batch, plus
                one layer re-created during its backward.
     Layers outside the transformer (``vocab``) are added in every mode.
@@ -343,7 +348,8 @@ def peak_activation_bytes(shape: ModelShape, mode: str, profile: SaveProfile = P
     if mode == "offload":
         if resident_bytes is None:
             resident_bytes = min(kept_layers, shape.layers_per_stage) * layer
-        return resident_bytes + layer + head
+        deferred = resident_bytes if deferred_bytes is None else min(deferred_bytes, resident_bytes)
+        return shape.pp * (resident_bytes - deferred) + deferred + layer + head
     full = shape.replace(recompute="full")
     unrecomputed = layer_activation_bytes(shape.replace(recompute="none"), profile)
     return shape.pp * shape.layers_per_stage * layer_activation_bytes(full, profile) \

@@ -252,19 +252,37 @@ def _plan_for(shape: ModelShape, profile: SaveProfile, args: argparse.Namespace,
                        recompute_fallback=args.recompute_fallback and gbps is not None)
 
 
+def _deferred_bytes(shape: ModelShape, keep_last_layers: int, layer_bytes: int) -> int:
+    """Bytes of a micro-batch's last ``keep_last_layers`` layers: kept for an immediate
+    backward, but written once another micro-batch's forward starts first."""
+    return min(keep_last_layers, shape.layers_per_stage) * layer_bytes
+
+
+def _first_stage_offloaded(plan: LayerPlan, shape: ModelShape, num_micro_batches: int,
+                           deferred: int) -> int:
+    """Bytes the first pipeline stage writes per step: the plan's offloaded layers, plus, with
+    a pipeline (pp > 1), the deferred last layers of every micro-batch but the step's last,
+    since under 1F1B the next micro-batch's forward runs before their backward
+    (cache/offloader.py ``microbatch``). Without a pipeline backward follows forward."""
+    return plan.offloaded_bytes + (deferred * (num_micro_batches - 1) if shape.pp > 1 else 0)
+
+
 def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespace,
                profile: SaveProfile = SaveProfile.paper(),
                preset_budget: Any = None) -> Dict[str, Any]:
-    """The whole plan as a JSON-ready dict (what ``ssdtrain plan --json`` prints)."""
+    """The whole plan as a JSON-ready dict (what ``ssdtrain plan --json`` prints), for the
+    first pipeline stage (the most micro-batches in flight)."""
     plan = _plan_for(shape, profile, args, keep_last_layers)
     full = _plan_for(shape, profile, args, keep_last_layers, full_offload=True)
     layer_bytes = layer_activation_bytes(shape, profile)
+    deferred = _deferred_bytes(shape, keep_last_layers, layer_bytes)
+    offloaded = _first_stage_offloaded(plan, shape, args.num_micro_batches, deferred)
     step_s = estimate_step_time_s(shape, args.gpu_tflops, args.num_micro_batches)
     gpus = getattr(args, "gpus_per_node", 8)
     drives = getattr(args, "drives", None) or gpus
-    planned = bandwidth(plan.offloaded_bytes, step_s, gpus, drives)
+    planned = bandwidth(offloaded, step_s, gpus, drives)
     lifespan: Optional[Dict[str, float]] = None
-    if args.ssd_tbw is not None and plan.offloaded_bytes > 0:
+    if args.ssd_tbw is not None and offloaded > 0:
         # A node's drives share its writes, at the rate that writes them in half the step.
         lifespan = ssd_lifespan(drives, args.ssd_tbw, planned["write_gbps_per_node"],
                                 0.5).to_dict()
@@ -274,11 +292,12 @@ def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespac
     def fits(mode: str) -> Callable[[int], bool]:
         def check(b: int) -> bool:
             sized = shape.replace(micro_batch=b)
-            resident = None
+            resident = last = None
             if mode == "offload":
                 resident = _plan_for(sized, profile, args, keep_last_layers).resident_bytes
-            return peak_activation_bytes(sized, mode, profile,
-                                         resident_bytes=resident) <= budget
+                last = _deferred_bytes(sized, keep_last_layers, layer_activation_bytes(sized, profile))
+            return peak_activation_bytes(sized, mode, profile, resident_bytes=resident,
+                                         deferred_bytes=last) <= budget
         return check
 
     return {
@@ -294,8 +313,10 @@ def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespac
         "activation_bytes_per_layer": layer_bytes,
         "activation_bytes_per_micro_batch": layer_bytes * shape.layers_per_stage
         + sum(head_activation_terms(shape, profile).values()),
-        "offloaded_bytes_per_step": plan.offloaded_bytes,
+        "offloaded_bytes_per_step": offloaded,
         "resident_bytes_per_micro_batch": plan.resident_bytes,
+        # The part of it (the last layers) that only the micro-batch about to run backward keeps.
+        "deferred_bytes_per_micro_batch": deferred,
         "gpu_tflops": args.gpu_tflops,
         "num_micro_batches": args.num_micro_batches,
         "step_time_s": step_s,
@@ -303,7 +324,8 @@ def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespac
         "gpus_per_node": gpus,
         "drives_per_node": drives,
         "bandwidth": {"plan": planned,
-                      "full_offload": bandwidth(full.offloaded_bytes, step_s, gpus, drives)},
+                      "full_offload": bandwidth(_first_stage_offloaded(full, shape, args.num_micro_batches,
+                                                                       deferred), step_s, gpus, drives)},
         "ssd_gbps": args.ssd_gbps,
         "bandwidth_considered": args.ssd_gbps is not None,
         "predicted_io_stall_s": plan.io_stall_s,
@@ -317,7 +339,7 @@ def build_plan(shape: ModelShape, keep_last_layers: int, args: argparse.Namespac
         "peak_activation_bytes": {
             "keep": peak_activation_bytes(shape, "keep", profile),
             "offload": peak_activation_bytes(shape, "offload", profile,
-                                             resident_bytes=plan.resident_bytes),
+                                             resident_bytes=plan.resident_bytes, deferred_bytes=deferred),
             "recompute": peak_activation_bytes(shape, "recompute", profile)},
     }
 
