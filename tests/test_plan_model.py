@@ -188,10 +188,6 @@ def test_peak_activation_bytes_per_mode():
     assert peak_activation_bytes(shape, "offload", kept_layers=1) == 2 * layer
     assert peak_activation_bytes(shape, "offload", resident_bytes=7) == 7 + layer
     assert peak_activation_bytes(shape, "recompute") == 4 * 8 * 2 * SBH + layer
-    # A plan keeping 3 layers, of which the last is deferred: the two others stay for each of
-    # the 4 in-flight micro-batches, the last only for the one about to run backward.
-    assert peak_activation_bytes(shape, "offload", resident_bytes=3 * layer,
-                                 deferred_bytes=layer) == 4 * 2 * layer + layer + layer
 
 
 def test_largest_micro_batch_searches_the_boundary():
@@ -317,36 +313,6 @@ def test_plan_with_a_fast_ssd_reports_the_lifespan(capsys, preset):
     step = STEP_FLOPS * 8 / 1 / (0.001 * 1e12)
     assert out["required_write_gbps"] == 8 * 3 * LAYER_BYTES / (step / 2) / 1e9
     assert out["lifespan"] == ssd_lifespan(4, 600.0, out["required_write_gbps"], 0.5).to_dict()
-
-
-def test_with_a_pipeline_the_first_stage_writes_deferred_layers_and_keeps_a_plan_per_micro_batch(
-        capsys, tmp_path):
-    """Under 1F1B the first stage runs the next micro-batch's forward before a micro-batch's
-    backward: the offloader then writes that micro-batch's deferred last layer (offloader.py
-    ``microbatch``), so all micro-batches but the step's last write it; and layers a plan keeps
-    for bandwidth stay for each of the pp micro-batches in flight, not for one.
-    Broken variants: ``_first_stage_offloaded`` without the deferred term: 8 x L, not 15 x L;
-    ``peak_activation_bytes`` counting the kept layers once: 3 x L + head, not 4 x L + head."""
-    path = tmp_path / "pp2.yaml"
-    path.write_text(PRESET.replace("pp: 1", "pp: 2"))  # 2 layers per stage
-    fast = plan_json(capsys, str(path), "--ssd-gbps", "1000", "--num-microbatches", "8")
-    assert [row["decision"] for row in fast["layers"]] == ["offload", "keep"]
-    assert fast["deferred_bytes_per_micro_batch"] == LAYER_BYTES
-    assert fast["offloaded_bytes_per_step"] == 8 * LAYER_BYTES + 7 * LAYER_BYTES
-    slow = plan_json(capsys, str(path), "--ssd-gbps", "0.0001", "--num-microbatches", "8")
-    assert [row["decision"] for row in slow["layers"]] == ["keep", "keep"]
-    peak = slow["peak_activation_bytes"]
-    head = peak["keep"] - 2 * 2 * LAYER_BYTES  # keep: 2 micro-batches x 2 layers, plus the head
-    # layer 1 kept for both micro-batches in flight, layer 2 (deferred) for one, one in transit
-    assert peak["offload"] == 2 * LAYER_BYTES + LAYER_BYTES + LAYER_BYTES + head
-    one = plan_json(capsys, preset_path(tmp_path), "--ssd-gbps", "1000", "--num-microbatches", "8")
-    assert one["offloaded_bytes_per_step"] == 8 * 3 * LAYER_BYTES  # no pipeline: nothing deferred is written
-
-
-def preset_path(tmp_path) -> str:
-    path = tmp_path / "pp1.yaml"
-    path.write_text(PRESET)
-    return str(path)
 
 
 def test_plan_prints_a_table(capsys, preset):
