@@ -28,7 +28,10 @@ setup(
         # Megatron-DeepSpeed (master 4efb479d) imports deepspeed.compression.compress, which
         # DeepSpeed 0.19.8 removed; 0.19.0 still has it.
         "megatron-deepspeed": ["deepspeed==0.19.0"],
+        # kvikio ships one wheel per CUDA major: pick the one matching torch's CUDA
+        # (`python -c "import torch; print(torch.version.cuda)"`).
         "gds": ["kvikio-cu12"],
+        "gds-cu13": ["kvikio-cu13"],
         "te": ["transformer-engine[pytorch]"],
         "plot": ["matplotlib"],
     },
