@@ -186,6 +186,13 @@ class TensorRecord:
             return contiguous(t) if contiguous is not None else t.contiguous()
         return t.as_strided((self.span,), (1,), t.storage_offset())
 
+    def storage_lost(self) -> bool:
+        """The saved tensor's storage no longer holds its bytes: its owner freed it in place
+        (``untyped_storage().resize_(0)``, as Megatron's CheckpointWithoutOutput does with an
+        output it will recompute) after it was saved."""
+        t = self.tensor
+        return t.untyped_storage().nbytes() < (t.storage_offset() + self.span) * self.dtype.itemsize
+
     def hold(self) -> torch.Tensor:
         """Hold a detached alias of the saved tensor (same storage and version counter, no
         grad_fn) instead of the tensor itself, if not yet; returns it."""
@@ -239,6 +246,12 @@ class TensorRecord:
                 f"a {self.describe()} saved for backward was modified in place after it was saved "
                 f"(version {self.version} -> {t._version}); its gradient would be wrong. "
                 f"Clone it before the in-place op, or make the op out-of-place.")
+
+
+class StorageFreed(RuntimeError):
+    """A write refused because the saved tensor's storage was freed in place by its owner before
+    the write started (``TensorRecord.storage_lost``): the record stays in memory, where the
+    owner restores the storage before backward, as it would without us."""
 
 
 def _aligned_empty(shape, dtype: torch.dtype, device: torch.device, align: int,

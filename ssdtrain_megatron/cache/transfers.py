@@ -26,7 +26,7 @@ from ..io.memory import PoolFull
 from .budget import give_back_readahead
 from .hooks import _DROP
 from .microbatch import MicroBatch
-from .record import IN_FLIGHT, READS, RESIDENT, WRITES, State, TensorRecord
+from .record import IN_FLIGHT, READS, RESIDENT, WRITES, State, StorageFreed, TensorRecord
 
 log = logging.getLogger("ssdtrain_megatron.cache.offloader")
 
@@ -43,9 +43,9 @@ class IOTimeout(RuntimeError):
     """An IO wait exceeded ``io_timeout_s``; the message says what was pending."""
 
 
-# What engine.write may raise for a tensor it cannot take, documented as "keep it in memory
-# instead": the host pool is full. Anything else raised there is a bug and propagates.
-EXPECTED_WRITE_REFUSALS = (PoolFull,)
+# What a write may be refused with, documented as "keep it in memory instead": the host pool
+# is full, or the owner freed the storage. Anything else raised there is a bug and propagates.
+EXPECTED_WRITE_REFUSALS = (PoolFull, StorageFreed)
 
 READ_RETRIES = 2
 """A failed read is started again this many times before the step fails: a read that fails
@@ -130,6 +130,9 @@ class RecordIO:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
         t_submit = time.perf_counter() if self._time_submit else 0.0  # budget/plan: its cost
         try:
+            if rec.storage_lost():  # before any copy or IO reads freed memory
+                raise StorageFreed(f"the storage of a {rec.describe()} was freed in place by its owner before "
+                                   "its write (resize_(0) after it was saved); kept in memory")
             if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
                 # The memory engine's pool is pinned: copy straight into it (one copy, no staging).
                 into = None if self._copy.direct else self._engine.pool_view(rec.id, rec.nbytes)
