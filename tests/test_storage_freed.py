@@ -36,7 +36,7 @@ def _forward(w: torch.Tensor, x: torch.Tensor, off=None):
 
 
 def test_a_storage_freed_before_its_write_is_a_counted_fallback_and_backward_is_exact(offload_dir, caplog):
-    """Broken variant: the ``storage_lost`` check removed from ``_submit`` (transfers.py): the
+    """Broken variant: the ``rec.check_storage()`` call removed from ``_submit`` (transfers.py): the
     strided record's span view raises in the training thread ("setStorage: ... out of bounds"
     or similar), and this test fails with that error."""
     torch.manual_seed(0)

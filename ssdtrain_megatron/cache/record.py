@@ -186,12 +186,14 @@ class TensorRecord:
             return contiguous(t) if contiguous is not None else t.contiguous()
         return t.as_strided((self.span,), (1,), t.storage_offset())
 
-    def storage_lost(self) -> bool:
-        """The saved tensor's storage no longer holds its bytes: its owner freed it in place
-        (``untyped_storage().resize_(0)``, as Megatron's CheckpointWithoutOutput does with an
-        output it will recompute) after it was saved."""
+    def check_storage(self) -> None:
+        """Raise StorageFreed when the saved tensor's storage no longer holds its bytes: its
+        owner freed it in place (``untyped_storage().resize_(0)``, as Megatron's
+        CheckpointWithoutOutput does with an output it will recompute) after it was saved."""
         t = self.tensor
-        return t.untyped_storage().nbytes() < (t.storage_offset() + self.span) * self.dtype.itemsize
+        if t.untyped_storage().nbytes() < (t.storage_offset() + self.span) * self.dtype.itemsize:
+            raise StorageFreed(f"the storage of a {self.describe()} was freed in place by its owner "
+                               "before its write (resize_(0) after it was saved); kept in memory")
 
     def hold(self) -> torch.Tensor:
         """Hold a detached alias of the saved tensor (same storage and version counter, no
@@ -250,7 +252,7 @@ class TensorRecord:
 
 class StorageFreed(RuntimeError):
     """A write refused because the saved tensor's storage was freed in place by its owner before
-    the write started (``TensorRecord.storage_lost``): the record stays in memory, where the
+    the write started (``TensorRecord.check_storage``): the record stays in memory, where the
     owner restores the storage before backward, as it would without us."""
 
 

@@ -130,9 +130,7 @@ class RecordIO:
             self._tracer.tag(rec.id, self._step, rec.microbatch, rec.layer, self._phase)
         t_submit = time.perf_counter() if self._time_submit else 0.0  # budget/plan: its cost
         try:
-            if rec.storage_lost():  # before any copy or IO reads freed memory
-                raise StorageFreed(f"the storage of a {rec.describe()} was freed in place by its owner before "
-                                   "its write (resize_(0) after it was saved); kept in memory")
+            rec.check_storage()  # before any copy or IO could read memory its owner freed
             if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
                 # The memory engine's pool is pinned: copy straight into it (one copy, no staging).
                 into = None if self._copy.direct else self._engine.pool_view(rec.id, rec.nbytes)

@@ -71,7 +71,7 @@ class StepStats:
     """Bytes still on disk after the step (0 unless something leaked)."""
     fallbacks: int
     """Writes that failed (a full disk, an IO error, a storage its owner freed in place before
-    the write: record.py ``storage_lost``) and were kept in memory instead."""
+    the write: record.py ``check_storage``) and were kept in memory instead."""
     step_time_s: float
     """Seconds from the step's first forward to end_step(): forward and backward of all its
     micro-batches."""
