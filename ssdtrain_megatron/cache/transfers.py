@@ -108,6 +108,12 @@ class RecordIO:
         return True
 
     def _submit_all(self, records: List[TensorRecord]) -> None:
+        if records and not self._events.empty():
+            # Handles dropped since the last pack release their records first: a deferred
+            # tensor nobody will unpack (a graph built and freed inside a checkpoint's
+            # no-grad forward, as megatron's bias-dropout-add under torch.enable_grad) would
+            # otherwise be written for nothing.
+            self._drain()
         for rec in records:
             if rec.state == State.SAVED:
                 self._submit(rec)
