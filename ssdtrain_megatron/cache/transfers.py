@@ -109,10 +109,8 @@ class RecordIO:
 
     def _submit_all(self, records: List[TensorRecord]) -> None:
         if records and not self._events.empty():
-            # Handles dropped since the last pack release their records first: a deferred
-            # tensor nobody will unpack (a graph built and freed inside a checkpoint's
-            # no-grad forward, as megatron's bias-dropout-add under torch.enable_grad) would
-            # otherwise be written for nothing.
+            # Dropped handles first: a deferred tensor whose graph is gone (megatron's
+            # bias-dropout-add inside a checkpoint's no-grad forward) is released, not written.
             self._drain()
         for rec in records:
             if rec.state == State.SAVED:
