@@ -57,12 +57,24 @@ class Phase:
     contiguous: bool = False
     layer_classes: Optional[List[str]] = None
     """install(layer_classes=...); None: the default."""
+    loss: str = "mse"
+    """Pipeline engines: "mse" (float labels, nothing of them saved) or "cross_entropy"
+    (class labels, which the loss saves for backward: pipe_buffers holds them until then)."""
+    settle_writes: bool = True
+    """Offload phases: every queued write finishes before a backward is announced (as the
+    megatron harness's Phase.settle_writes). A write still queued when backward wants its
+    tensor is taken back, so without this what a step writes, reads and wastes depends on how
+    far the IO threads got on a loaded 2-core machine."""
 
 
 @dataclass
 class Spec:
     engine: str = "pipeline"
     world_size: int = 2
+    model_parallel: int = 1
+    """Pipeline engines: ranks per stage in the topology's "model" axis (world_size /
+    model_parallel stages). Above 1 the engine partitions what stages send each other
+    (``is_pipe_partitioned``); the toy layers are not split, each such rank computes the same."""
     num_layers: int = 6
     hidden: int = 32
     heads: int = 4
@@ -156,9 +168,19 @@ class Net(nn.Module):
         return run
 
 
-def make_batches(spec: Spec, step: int) -> List[tuple]:
+def cross_entropy(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each position's hidden vector as logits over ``hidden`` classes; ``labels`` one class
+    per position, flat, so the loss saves the very tensor pipe_buffers holds."""
+    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), labels)
+
+
+def make_batches(spec: Spec, step: int, loss: str = "mse") -> List[tuple]:
     gen = torch.Generator().manual_seed(spec.seed * 1000 + step)
     shape = (spec.micro_batch_size, spec.seq, spec.hidden)
+    if loss == "cross_entropy":
+        return [(torch.randn(shape, generator=gen),
+                 torch.randint(0, spec.hidden, (shape[0] * shape[1],), generator=gen))
+                for _ in range(spec.gas)]
     return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
             for _ in range(spec.gas)]
 
@@ -242,6 +264,14 @@ class _Offload:
             os.makedirs(d.split("{job}")[0], exist_ok=True)
         self.offloader = integration.install(OffloadConfig(**kwargs),
                                              layer_classes=phase.layer_classes)
+        if phase.settle_writes:
+            announce = self.offloader.begin_backward
+
+            def begin_backward_after_writes(key) -> None:
+                self.offloader.wait_writes()
+                announce(key)
+
+            self.offloader.begin_backward = begin_backward_after_writes
         self.rank_dirs = [os.path.realpath(d) for d in self.offloader.rank_dirs]
         self.steps: List[Dict[str, Any]] = []
         self.hints: List[list] = []
@@ -326,9 +356,15 @@ def _train_pipeline(spec: Spec, phase: Phase, offload: Optional[_Offload]) -> Di
     layers = [LayerSpec(ParallelTransformerLayer, spec.hidden, spec.heads, spec.dropout)
               for _ in range(spec.num_layers)]
     module_cls = DualPipeVModule if spec.engine == "dualpipev" else PipelineModule
-    model = module_cls(layers=layers, num_stages=spec.world_size, loss_fn=mse,
-                           partition_method="uniform",
-                           activation_checkpoint_interval=phase.checkpoint)
+    layout: Dict[str, Any] = {"num_stages": spec.world_size}
+    if spec.model_parallel > 1:
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        layout = {"topology": PipeModelDataParallelTopology(
+            num_pp=spec.world_size // spec.model_parallel, num_mp=spec.model_parallel, num_dp=1)}
+    loss_fn = cross_entropy if phase.loss == "cross_entropy" else mse
+    model = module_cls(layers=layers, loss_fn=loss_fn, partition_method="uniform",
+                       activation_checkpoint_interval=phase.checkpoint, **layout)
     named = list(model.named_parameters())
     optimizer = torch.optim.SGD([p for _, p in named], lr=spec.lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
@@ -337,11 +373,11 @@ def _train_pipeline(spec: Spec, phase: Phase, offload: Optional[_Offload]) -> Di
     _grad_capture(optimizer, named, grads)
     losses, mb_losses = [], []
     for step in range(spec.steps):
-        losses.append(engine.train_batch(iter(make_batches(spec, step))).detach().clone())
+        losses.append(engine.train_batch(iter(make_batches(spec, step, phase.loss))).detach().clone())
         mb_losses.append([t.clone() for t in engine.fwd_outputs])  # empty but on the loss stage
         if offload is not None:
             offload.end_of_step()
-    eval_loss = engine.eval_batch(iter(make_batches(spec, spec.steps)))
+    eval_loss = engine.eval_batch(iter(make_batches(spec, spec.steps, phase.loss)))
     return {"losses": losses, "microbatch_losses": mb_losses, "grads": grads,
             "eval_loss": eval_loss.detach().clone(),
             "params": {n: p.detach().clone() for n, p in named}}

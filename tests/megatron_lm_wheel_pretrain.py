@@ -15,6 +15,9 @@ Run it as ``pretrain_gpt.py`` is run, under torchrun, directly or through
 appends one JSON line per micro-batch to ``rank<R>.jsonl`` there: the exact loss of every
 micro-batch on the last pipeline stage (``float.hex``), and, at the first micro-batch of each
 iteration, a SHA-256 of this rank's parameters (the weights the previous step produced).
+With ``SSDTRAIN_TEST_SETTLE_WRITES=1``, every queued write finishes before a backward is
+announced (as tests/megatron_harness.py's ``Phase.settle_writes``), so what a step writes and
+wastes does not depend on how far the IO threads got.
 """
 
 from __future__ import annotations
@@ -40,6 +43,27 @@ from preempt_points import Preemption
 _KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 _forward_calls = 0
 _PREEMPTION = Preemption.from_environment()  # SSDTRAIN_TEST_PREEMPT: see preempt_points.py
+
+
+def _settle_writes() -> None:
+    """SSDTRAIN_TEST_SETTLE_WRITES=1: the installed offloader waits for its queued writes
+    before each backward it is told of (once per process)."""
+    from ssdtrain_megatron.megatron import installed
+
+    inst = installed()
+    if os.environ.get("SSDTRAIN_TEST_SETTLE_WRITES") != "1" or inst is None:
+        return
+    offloader = inst.offloader
+    if getattr(offloader, "_settled_by_test", False):
+        return
+    announce = offloader.begin_backward
+
+    def begin_backward_after_writes(key) -> None:
+        offloader.wait_writes()
+        announce(key)
+
+    offloader.begin_backward = begin_backward_after_writes
+    offloader._settled_by_test = True
 
 
 def _record(entry: dict) -> None:
@@ -125,6 +149,7 @@ def forward_step(data_iterator, model):
         _PREEMPTION.at(_forward_calls // per_iteration + 1, _forward_calls % per_iteration,
                        per_iteration)
     _forward_calls += 1
+    _settle_writes()
     tokens, labels, loss_mask, position_ids = get_batch(data_iterator)
     output = model(tokens, position_ids, None, labels=labels)
     return output, partial(loss_func, loss_mask)

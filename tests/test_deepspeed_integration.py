@@ -3,8 +3,10 @@
 Each run trains every phase in the same two processes: plain, with install() (offload to two
 roots), and for the pipeline plain again after uninstall(). Offloaded training must be bitwise
 identical to plain training (losses, gradients of every step, final parameters), every rank
-must offload in every step, every backward must be announced before it runs, and nothing may
-be left on disk.
+must offload in every step, every backward must be announced before it runs, nothing may
+be left on disk, and (writes settled before each backward) a pipeline rank wastes no byte it
+writes from the second step on: what DeepSpeed's pipeline engine holds until backward
+(``pipe_buffers``: labels, a partitioned stage input) passes through as held.
 
 What cannot run on the CPU accelerator (each has a CUDA test below, skipped here):
 
@@ -53,10 +55,18 @@ PIPELINE = Spec(engine="pipeline", num_layers=6, phases=[
     Phase("plain"), Phase("offload", offload=OFFLOAD),
     Phase("plain_checkpoint", checkpoint=1),
     Phase("offload_checkpoint", offload=OFFLOAD, checkpoint=1),
+    # A loss that saves its labels (cross entropy's target), and every layer written
+    # (keep_last_layers=0): the last stage saves the labels pipe_buffers holds until backward.
+    Phase("plain_ce", loss="cross_entropy"),
+    Phase("offload_ce", offload={**OFFLOAD, "keep_last_layers": 0}, loss="cross_entropy"),
     Phase("after_uninstall"),
 ])
 PIPELINE_PAIRS = [("plain", "offload"), ("plain_checkpoint", "offload_checkpoint"),
-                  ("plain", "after_uninstall")]
+                  ("plain_ce", "offload_ce"), ("plain", "after_uninstall")]
+# Every offloaded pipeline run: (spec name, phase). The harness lets queued writes finish before
+# each backward (Phase.settle_writes), so what is written and read does not depend on IO speed.
+PIPELINE_OFFLOADS = [("pipeline", "offload"), ("pipeline", "offload_checkpoint"),
+                     ("pipeline", "offload_ce"), ("dualpipev", "offload")]
 PIPELINE_LAYERS = [[0, 1, 2], [3, 4, 5]]  # per stage: PipelineModule's global layer indices
 
 DUALPIPEV = Spec(engine="dualpipev", num_layers=8, phases=[Phase("plain"),
@@ -132,6 +142,62 @@ def test_pipeline_every_stage_offloads_every_step_in_its_own_layers(phase, runs)
             assert layers == PIPELINE_LAYERS[r["rank"]]
         assert info["patched_classes"] == ["ParallelTransformerLayer"]  # matched by name
         _assert_clean(info)
+
+
+@pytest.mark.parametrize("name,phase", PIPELINE_OFFLOADS)
+def test_pipeline_written_bytes_earn_their_keep(name, phase, runs):
+    """From the second step on, at most 5% of the bytes each rank writes are wasted (written,
+    then not read back: forwarded from memory or released unread), and bytes are read back.
+    DeepSpeed clones a received stage input before the forward, so the buffers it holds
+    until backward are saved only where a loss saves its labels (offload_ce, next test).
+    Measured (settled writes): 0 bytes wasted in every phase. Broken variant: make
+    EngineHooks._register_pipe_buffers return at once (ds_pipeline.py): offload_ce's
+    last stage then writes its labels and forwards them, 1024 bytes a step, and the exact
+    check below fails ("assert [1024, 1024] == [0, 0]"); with real IO timing
+    (settle_writes=False) a rank may waste what was still being written (seen: 7.7% on
+    offload_checkpoint's last stage)."""
+    for r in runs(name):
+        steps = r["phases"][phase]["offload"]["steps"]
+        for s in steps:
+            assert s["bytes_wasted"] == s["bytes_offloaded"] - s["bytes_read"], (r["rank"], s)
+        later = steps[1:]
+        written = sum(s["bytes_offloaded"] for s in later)
+        wasted = sum(s["bytes_wasted"] for s in later)
+        assert written > 0 and sum(s["bytes_read"] for s in later) > 0, (r["rank"], later)
+        assert wasted <= 0.05 * written, (r["rank"], wasted, written)
+        # What DeepSpeed holds is known (pipe_buffers): nothing it holds is written.
+        assert [s["bytes_wasted"] for s in later] == [0] * len(later), r["rank"]
+
+
+def test_pipeline_labels_a_loss_saves_pass_through_as_held(runs):
+    """The last stage's cross entropy saves its labels, which pipe_buffers holds until that
+    micro-batch's backward: registered as held, one per micro-batch, never written. The first
+    stage's saved tensors are not the buffers (DeepSpeed clones its inputs): none held.
+    Broken variant: make EngineHooks._register_pipe_buffers return at once
+    ("assert [0, 0, 0] == [4, 4, 4]" on rank 1)."""
+    for r in runs("pipeline"):
+        steps = r["phases"]["offload_ce"]["offload"]["steps"]
+        expected = PIPELINE.gas if r["rank"] == 1 else 0
+        assert [s["tensors_held_by_schedule"] for s in steps] == [expected] * PIPELINE.steps
+
+
+def test_pipeline_with_partitioned_stage_inputs_writes_nothing_it_holds(tmp_path):
+    """PP=2 x "model"=2 (4 processes): DeepSpeed partitions what a stage sends and rebuilds the
+    received input with ``full()``, a leaf that needs its gradient, which pipe_buffers keeps
+    until backward and the first layer saves as is (no clone). It passes through (as a
+    parameter-like leaf, and registered as held besides): bitwise equal, bytes read back, no
+    byte wasted from the second step on. Broken variant: drop the leaf test in
+    identity.offloadable_storage and make EngineHooks._register_pipe_buffers return at once
+    (ds_pipeline.py): the last stage writes the rebuilt input and forwards it ("assert
+    [16384, 16384] == [0, 0]"); either one alone keeps it in memory."""
+    spec = Spec(engine="pipeline", world_size=4, model_parallel=2, num_layers=6,
+                phases=[Phase("plain"), Phase("offload", offload=OFFLOAD)])
+    for r in harness.run(spec, str(tmp_path)):
+        assert harness.differences(r["phases"]["plain"], r["phases"]["offload"]) == [], r["rank"]
+        steps = r["phases"]["offload"]["offload"]["steps"]
+        assert all(s["bytes_read"] > 0 for s in steps), r["rank"]
+        assert [s["bytes_wasted"] for s in steps[1:]] == [0] * (spec.steps - 1), r["rank"]
+        _assert_clean(r["phases"]["offload"]["offload"])
 
 
 def test_pipeline_checkpoint_inputs_are_offloaded_and_named_by_their_layer(runs):

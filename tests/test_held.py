@@ -128,6 +128,45 @@ def test_a_queued_write_that_backward_wants_is_taken_back(offload_dir):
     assert files_under(offload_dir) == []
 
 
+def test_a_deferred_tensor_whose_graph_is_freed_before_its_write_is_not_written(offload_dir):
+    """Megatron runs bias-dropout-add under torch.enable_grad even inside a full-recompute
+    checkpoint's no-grad forward: a small graph is built, saved for, and freed when the
+    checkpoint returns, before the next layer starts the deferred writes of this one
+    (keep_last_layers). Those records have no user left and are released, not handed to the
+    engine. Broken variant: drop the _drain() at the top of RecordIO._submit_all
+    (cache/transfers.py): a tensor of layer 1 reaches the engine ("assert [0] == []"), as
+    pp2_recompute_full's last stage wrote 100% waste (tests/test_megatron_integration.py)."""
+    lin = nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(ROWS, WIDTH)
+    lin(x).sin().sum().backward()
+    ref = _grads(lin)
+    lin.zero_grad(set_to_none=True)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=1)) as off:
+        submitted = []
+        write = off.engine.write
+
+        def spy(key, data, event=None):  # the real engine's write, remembered
+            submitted.append(key)
+            return write(key, data, event)
+
+        off.engine.write = spy
+        with off.microbatch(0):
+            with off.layer(1), torch.no_grad():
+                with torch.enable_grad():
+                    scratch = (x * 2).requires_grad_() * lin.weight.sum()  # saves x * 2 (fresh)
+                    scratch = lin(scratch)  # saves its input (fresh), then the graph goes
+                h = scratch.detach()
+                del scratch
+            with off.layer(2):
+                out = lin(x).sin()
+        out.sum().backward()
+        st = off.end_step()
+    assert h.shape == x.shape
+    assert submitted == [], submitted
+    assert st.bytes_offloaded == 0 and st.bytes_wasted == 0, st
+    assert all(bitwise_equal(a, b) for a, b in zip(ref, _grads(lin), strict=True))
+
+
 def test_every_transition_effect_is_counted():
     """record.TRANSITIONS names what each transition counts; StepCounters.count must know
     each effect (a new one left out would raise KeyError inside a step)."""

@@ -108,6 +108,10 @@ class RecordIO:
         return True
 
     def _submit_all(self, records: List[TensorRecord]) -> None:
+        if records and not self._events.empty():
+            # Dropped handles first: a deferred tensor whose graph is gone (megatron's
+            # bias-dropout-add inside a checkpoint's no-grad forward) is released, not written.
+            self._drain()
         for rec in records:
             if rec.state == State.SAVED:
                 self._submit(rec)

@@ -8,6 +8,8 @@ DeepSpeed classes arrive here as arguments).
 DualPipeV, a ``phase``); a buffer is reused once its micro-batch's backward is done. The hooks:
 
 * ``train_batch``: the step; ``offloader.end_step()`` when it returns;
+* each forward registers what ``pipe_buffers`` holds until backward (stage inputs, labels) as
+  held by the schedule (``offloader.register_held``): saved, those pass through unwritten;
 * ``_exec_schedule``: reads the whole schedule before it runs (DeepSpeed's schedules are plain
   generators of instruction lists) into a :class:`SchedulePlan`, then runs that same list;
 * the ``ForwardPass`` / ``BackwardPass`` entries of the engine's ``_INSTRUCTION_MAP``: a forward
@@ -223,6 +225,7 @@ class EngineHooks:
             return original(engine, **kwargs)
         key = step.plan.forward_started(kwargs)
         self._prepare(engine)
+        self._register_pipe_buffers(engine)
         self.scopes.recording = True
         try:
             with self.offloader.microbatch(key):
@@ -260,6 +263,10 @@ class EngineHooks:
     # -- DeepSpeedEngine (no pipeline) ------------------------------------------------------------
 
     def engine_forward(self, original: Callable, engine, *args, **kwargs):
+        if self.scopes.recording and self._pipeline_step(engine) is not None:
+            # A PipelineEngine's ForwardPass calls this: a partitioned stage input has been
+            # rebuilt (``full()``) and put into pipe_buffers since forward_pass registered them.
+            self._register_pipe_buffers(engine)
         if (not self.active or isinstance(engine, self._pipeline_cls) or self.scopes.recording
                 or not torch.is_grad_enabled() or not getattr(engine.module, "training", True)):
             return original(engine, *args, **kwargs)
@@ -297,6 +304,20 @@ class EngineHooks:
 
     # -- both ------------------------------------------------------------------------------------
 
+    def _register_pipe_buffers(self, engine) -> None:
+        """A PipelineEngine keeps each micro-batch's stage input and labels in ``pipe_buffers``
+        until that micro-batch's backward: a saved tensor on them frees nothing when written,
+        so they are registered as held (they pass through as ``held_by_schedule``). DeepSpeed
+        clones a received input before the forward, so what this catches is labels a loss
+        function saves (cross entropy's target) and a partitioned stage input, rebuilt by
+        ``full()`` (also a leaf that needs its gradient, which passes through as such)."""
+        buffers = getattr(engine, "pipe_buffers", None)
+        if not isinstance(buffers, dict):
+            return
+        for name in ("inputs", "labels"):
+            for entry in buffers.get(name, ()):
+                self.offloader.register_held(_tensors(entry))
+
     def _prepare(self, engine) -> None:
         """First recorded forward of a model: its parameters are never offloaded, its named
         layer classes get their scopes."""
@@ -319,3 +340,12 @@ class EngineHooks:
                         "saved tensors under its own hooks: nothing inside its checkpoints is "
                         "offloaded. Use the reentrant checkpoint (pipeline.use_reentrant: true) "
                         "to offload checkpoint inputs.")
+
+
+def _tensors(obj) -> List[torch.Tensor]:
+    """The tensors in a pipe buffer entry: a tensor, a tuple or list of them, or None."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for t in obj if isinstance(t, torch.Tensor)]
+    return []
