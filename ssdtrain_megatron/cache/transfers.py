@@ -43,8 +43,7 @@ class IOTimeout(RuntimeError):
     """An IO wait exceeded ``io_timeout_s``; the message says what was pending."""
 
 
-# What a write may be refused with, documented as "keep it in memory instead": the host pool
-# is full, or the owner freed the storage. Anything else raised there is a bug and propagates.
+# Write refusals that mean "keep it in memory" (pool full, storage freed); others propagate.
 EXPECTED_WRITE_REFUSALS = (PoolFull, StorageFreed)
 
 READ_RETRIES = 2
