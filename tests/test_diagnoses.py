@@ -27,7 +27,7 @@ SMALL = ["--steps", "3", "--num-layers", "2", "--hidden-size", "64", "--num-atte
     (StepCosts(keep_s=0.1, offload_s=0.2, io_wait_s=0.01, handover_s=0.08, other_cpu_s=0.01),
      "the hand-over: the training thread's extra CPU (offload hooks) accounts for 80 ms of the extra 100 ms"),
     (StepCosts(keep_s=0.1, offload_s=0.2, io_wait_s=0.01, handover_s=0.01, other_cpu_s=0.09),
-     "CPU contention: the IO threads' copies"),
+     "CPU contention: the IO threads' system calls"),
     (StepCosts(keep_s=0.1, offload_s=0.2, io_wait_s=0.01, handover_s=0.01, other_cpu_s=0.01),
      "no single cause explains the extra 100 ms per step"),
 ])

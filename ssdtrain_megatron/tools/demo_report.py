@@ -78,8 +78,9 @@ def diagnose(c: StepCosts, bandwidth_cap_gbps: Optional[float] = None, cpu_only:
     if cause == "handover":
         return (f"the hand-over: the training thread's extra CPU (offload hooks) accounts for {share}; "
                 "a larger min_tensor_bytes sends fewer, larger tensors")
-    where = ("the IO threads' copies through the staging buffers share the cores with the model's "
-             "compute (no GPU here)") if cpu_only else "the IO threads compete with the training thread for cores"
+    where = ("the IO threads' system calls (the kernel pins every page an O_DIRECT call moves) share "
+             "the cores with the model's compute (no GPU here)") if cpu_only \
+        else "the IO threads compete with the training thread for cores"
     return f"CPU contention: {where}; their extra CPU accounts for {share}; fewer io_threads or more cores"
 
 
