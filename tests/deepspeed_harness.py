@@ -42,6 +42,7 @@ from torch import nn
 
 from bitwise import bitwise_equal
 from ranks import run_ranks
+from settle_writes import settle_writes_before_backward
 
 
 @dataclass
@@ -265,13 +266,7 @@ class _Offload:
         self.offloader = integration.install(OffloadConfig(**kwargs),
                                              layer_classes=phase.layer_classes)
         if phase.settle_writes:
-            announce = self.offloader.begin_backward
-
-            def begin_backward_after_writes(key) -> None:
-                self.offloader.wait_writes()
-                announce(key)
-
-            self.offloader.begin_backward = begin_backward_after_writes
+            settle_writes_before_backward(self.offloader)
         self.rank_dirs = [os.path.realpath(d) for d in self.offloader.rank_dirs]
         self.steps: List[Dict[str, Any]] = []
         self.hints: List[list] = []

@@ -34,6 +34,7 @@ import torch
 
 from bitwise import bitwise_equal
 from ranks import run_ranks
+from settle_writes import settle_writes_before_backward
 
 
 @dataclass
@@ -488,13 +489,7 @@ class _OffloadPhase:
             kwargs.update(recompute_fallback=True, recompute_layers=list(phase.recompute_layers))
         self.offloader = install(OffloadConfig(**kwargs))
         if phase.settle_writes:
-            announce = self.offloader.begin_backward
-
-            def begin_backward_after_writes(key) -> None:
-                self.offloader.wait_writes()
-                announce(key)
-
-            self.offloader.begin_backward = begin_backward_after_writes
+            settle_writes_before_backward(self.offloader)
         self.rank_dirs = [os.path.realpath(d) for d in self.offloader.rank_dirs]
         self.steps: List[Dict[str, Any]] = []
         self.files_seen: set = set()

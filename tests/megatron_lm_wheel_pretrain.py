@@ -39,6 +39,7 @@ from megatron.training import arguments, get_args, get_tokenizer, pretrain
 from megatron.training.arguments import core_transformer_config_from_args
 
 from preempt_points import Preemption
+from settle_writes import settle_writes_before_backward
 
 _KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 _forward_calls = 0
@@ -56,13 +57,7 @@ def _settle_writes() -> None:
     offloader = inst.offloader
     if getattr(offloader, "_settled_by_test", False):
         return
-    announce = offloader.begin_backward
-
-    def begin_backward_after_writes(key) -> None:
-        offloader.wait_writes()
-        announce(key)
-
-    offloader.begin_backward = begin_backward_after_writes
+    settle_writes_before_backward(offloader)
     offloader._settled_by_test = True
 
 
