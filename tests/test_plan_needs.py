@@ -23,27 +23,11 @@ from ssdtrain_megatron import presets
 from ssdtrain_megatron.plan.memory import layer_parameters, model_state_bytes
 from ssdtrain_megatron.plan.shape import ModelShape
 from ssdtrain_megatron.tools.cli import build_parser, main
+from tests.test_plan_model import LAYER_BYTES, PRESET, STEP_FLOPS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-TINY = """\
-model:
-  num_layers: 4
-  hidden: 64
-  heads: 4
-  ffn_hidden: 256
-  seq_len: 32
-  micro_batch: 2
-  dtype: bf16
-parallel:
-  tp: 1
-  pp: 1
-offload:
-  keep_last_layers: 1
-  dirs: [/tmp/ssdtrain]
-"""
-LAYER_BYTES = 180224  # tests/test_plan_model.py derives it: 34 sbh + 5 as^2 b at b=2
-STEP_FLOPS = 3 * 4 * 6815744
+TINY = PRESET  # tests/test_plan_model.py's tiny preset: one layer is LAYER_BYTES at b=2
 # One layer's parameters: QKV 64 x 192 + proj 64 x 64 + 2 norms of 64 + fc1/fc2 2 x 64 x 256.
 LAYER_PARAMS = 64 * 192 + 64 * 64 + 2 * 64 + 2 * 64 * 256
 
