@@ -44,8 +44,6 @@ import torch
 
 PAGE = mmap.PAGESIZE
 MIN_POOLED_BYTES = 1 << 20  # glibc serves smaller requests from its heap (module docstring)
-
-
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB pages): the transparent huge page size
 
 
@@ -56,8 +54,8 @@ def _map(size: int) -> mmap.mmap:
     ``struct page`` at a time for 4 KiB pages, and the first use of a block faults it in page by
     page; with 2 MiB pages both are 512 times fewer operations. (On a 2-core VM the bench's
     step time moved by less than its noise; the gain is CPU the IO threads no longer take
-    from training, which grows with the bytes read.) The advice is a hint: where THP is off (``never``) or unsupported the block
-    simply has 4 KiB pages."""
+    from training, which grows with the bytes read.) The advice is a hint: where THP is off
+    (``never``) or unsupported the block simply has 4 KiB pages."""
     block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if size >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:

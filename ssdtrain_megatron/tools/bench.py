@@ -309,7 +309,7 @@ def render(summary: dict) -> str:
         lines.append("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))))
     uncounted = ", ".join(f"{_mb(b)} at micro-batch {mb}" for mb, b in summary["recompute_pass_bytes"].items())
-    ran = sorted({p["strategy"] for p in summary["points"]}, key=[p["strategy"] for p in summary["points"]].index)
+    ran = list(dict.fromkeys(p["strategy"] for p in summary["points"]))  # in table order
     lines.append(f"peak memory: {summary['peak_memory_kind'] or 'not measurable here'}, the models of "
                  f"every strategy run ({', '.join(ran)}) resident. CPU: process CPU seconds per step "
                  "(median), all threads.")
