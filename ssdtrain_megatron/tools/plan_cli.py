@@ -133,7 +133,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Analytic plan for a preset before a run: activation bytes per layer "
                     "(Korthikanti et al.), keep/offload/recompute per layer, required write "
                     "bandwidth, SSD lifespan and the largest micro-batch within a memory "
-                    "budget. Decimal units: 1 GB = 1e9 B.")
+                    "budget, for one GPU of the first pipeline stage (under 1F1B it has the "
+                    "most micro-batches in flight, and with pp > 1 it also writes their "
+                    "deferred last layers). Decimal units: 1 GB = 1e9 B.")
     parser.add_argument("--config", required=True, metavar="PRESET", type=preset_arg,
                         help=f"{PRESET_HELP}, with model:, parallel: and offload: sections")
     parser.add_argument("--micro-batch-size", dest="micro_batch", type=_int_at_least(1), default=None,
