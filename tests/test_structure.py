@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import warnings
 from typing import Dict, List, Set
 
 PKG = "ssdtrain_megatron"
@@ -18,16 +19,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / PKG
 # exist (the test says when one is gone, so the list only shrinks).
 KNOWN_CYCLE_EDGES: set = set()
 
-# Modules and functions still being reshaped by other work (issues 14, 15, 16 part B).
-SIZE_ALLOWED_MODULES: set = set()
-SIZE_ALLOWED_FUNCTIONS: set = set()
-# Test modules over the limit, still to be split by theme (issue 16); test_reliability.py waits
-# for the fault-injection work on it to land.
-SIZE_ALLOWED_TEST_MODULES = {"tests/test_reliability.py", "tests/megatron_harness.py",
-                             "tests/test_device_copy.py", "tests/test_deepspeed_integration.py",
-                             "tests/deepspeed_harness.py"}
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 80
+# Size is guidance, not a gate to squeeze under: a module past GUIDE_MODULE_LINES (a function
+# past GUIDE_FUNCTION_LINES) is reported as a warning in the test summary, a prompt to find the
+# seam where it splits into parts with one job each (docs/development.md); the test fails only
+# far past it, at MAX_*. Test modules are held to the same numbers, but for the ones below,
+# which still wait to be split by theme.
+GUIDE_MODULE_LINES = 400
+GUIDE_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 120
+SIZE_ALLOWED_TEST_MODULES = {"tests/test_reliability.py", "tests/megatron_harness.py"}
+
+
+class SizeGuidance(UserWarning):
+    """A module or function past the size guidance (not a failure; see GUIDE_MODULE_LINES)."""
 
 
 def _modules() -> Dict[str, pathlib.Path]:
@@ -151,25 +156,45 @@ def test_layers_import_downwards_only():
     assert sorted(bad) == []
 
 
-def test_modules_and_functions_stay_small():
-    """No module over ~400 lines, no function over ~80 (issue 16), in the library and the tests
-    alike, but for the files other work is still reshaping."""
-    too_big = []
+def _sizes() -> Dict[str, tuple]:
+    """Every library and test module: (lines, [(function, lines), ...])."""
     files = {str(p.relative_to(ROOT)): p for p in ROOT.rglob("*.py")}
     files.update({f"tests/{p.name}": p for p in (ROOT.parent / "tests").glob("*.py")})
+    out = {}
     for rel, path in sorted(files.items()):
         src = path.read_text()
-        if rel not in SIZE_ALLOWED_MODULES | SIZE_ALLOWED_TEST_MODULES \
-                and src.count("\n") > MAX_MODULE_LINES:
-            too_big.append(f"{rel}: {src.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(src)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES and f"{rel}:{node.name}" not in SIZE_ALLOWED_FUNCTIONS \
-                        and rel not in SIZE_ALLOWED_MODULES:
-                    too_big.append(f"{rel}:{node.name}: {length} lines")
-    assert too_big == []
+        funcs = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(src))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        out[rel] = (src.count("\n"), funcs)
+    return out
+
+
+def _oversized(sizes: Dict[str, tuple], module_limit: int, function_limit: int) -> List[str]:
+    found = []
+    for rel, (lines, funcs) in sizes.items():
+        if rel not in SIZE_ALLOWED_TEST_MODULES and lines > module_limit:
+            found.append(f"{rel}: {lines} lines")
+        found += [f"{rel}:{name}: {n} lines" for name, n in funcs
+                  if n > function_limit and rel not in SIZE_ALLOWED_TEST_MODULES]
+    return found
+
+
+def test_modules_and_functions_stay_small():
+    """Modules over ~400 lines and functions over ~80 are reported (a seam to find); the test
+    fails only far past that (600 / 120), in the library and the tests alike, but for the test
+    modules still waiting to be split."""
+    sizes = _sizes()
+    for item in _oversized(sizes, GUIDE_MODULE_LINES, GUIDE_FUNCTION_LINES):
+        warnings.warn(SizeGuidance(f"past the size guidance, find a seam: {item}"))
+    assert _oversized(sizes, MAX_MODULE_LINES, MAX_FUNCTION_LINES) == []
     # An allowed module that got small leaves the list, so that the list only shrinks.
-    stale = [rel for rel in sorted(SIZE_ALLOWED_MODULES | SIZE_ALLOWED_TEST_MODULES)
-             if files[rel].read_text().count("\n") <= MAX_MODULE_LINES]
+    stale = [rel for rel in sorted(SIZE_ALLOWED_TEST_MODULES) if sizes[rel][0] <= MAX_MODULE_LINES]
     assert stale == []
+
+
+def test_the_size_check_reports_past_the_guide_and_fails_only_past_the_limit():
+    sizes = {"a.py": (450, [("f", 90)]), "b.py": (650, [("g", 130)]), "c.py": (100, [])}
+    assert _oversized(sizes, GUIDE_MODULE_LINES, GUIDE_FUNCTION_LINES) == [
+        "a.py: 450 lines", "a.py:f: 90 lines", "b.py: 650 lines", "b.py:g: 130 lines"]
+    assert _oversized(sizes, MAX_MODULE_LINES, MAX_FUNCTION_LINES) == [
+        "b.py: 650 lines", "b.py:g: 130 lines"]
