@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Hashable, List, Optional
 
-from .record import State, TensorRecord
+from .lifecycle import State
+from .record import TensorRecord
 
 
 class MicroBatch:

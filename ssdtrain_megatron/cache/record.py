@@ -1,103 +1,24 @@
-"""One saved activation: its geometry and its life as an explicit state machine.
+"""One saved activation: what autograd saved, its geometry, and the bytes the engine moves.
 
-Every fact about where a record's bytes are and who waits for them is its ``state`` (an int);
-``TRANSITIONS`` below is the whole lifecycle, and ``TensorRecord.move`` is the only place a
-state changes: it refuses any other transition, so a bookkeeping bug surfaces as an error
-instead of a wrong tensor. The counters each transition adds to (``StepCounters``) are in the
-same table, so a tensor is counted once per thing that happened to it.
-
-    SAVED ─submit─▶ WRITING ──ok──▶ ON_DISK ──read──▶ READING ──ok──▶ READY
-      │              │  │ unpack/prefetch     │ still alive ─────────────▶ READY
-      │              │  ▼                     │                               ▲
-      │              │ WRITING_WANTED ──ok────┼───────────────────────────────┘
-      │              │  (error: fallback)     │
-      └──keep──▶ KEPT ◀┘                      READING ──error / WRITING ──modified in place──▶ BROKEN
-                                             READING ──error, retries left──▶ ON_DISK (read again)
-    WRITING*, READING ──last handle dropped──▶ WRITE_DROPPED / READ_DROPPED ──IO ends──▶ … ▶ RELEASED
-    every other state ──last handle dropped──▶ RELEASED
+A :class:`TensorRecord` is made by the pack hook (``hooks.py``) through the record table
+(``table.py``) and moved between its states only by ``lifecycle.move`` (``lifecycle.py`` holds
+the states and the table of allowed transitions; ``State`` and ``TRANSITIONS`` are importable
+from here too). This module knows the tensor's side: which bytes to store (``bytes_view``),
+where restored bytes go (``allocate_restore``), and whether the saved tensor changed.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Hashable, Optional, Tuple
 
 import torch
 
+from .lifecycle import TRANSITIONS, State
+
+__all__ = ["ALIGN_RESIDUE", "State", "StorageFreed", "TRANSITIONS", "TensorRecord", "span_elements"]
+
 ALIGN_RESIDUE = 512  # restore tensors at the same address alignment (mod 512) they had
-
-
-class State:
-    """The record states (plain ints: compared on every pack and unpack)."""
-
-    SAVED = 0  # in memory, write not started (deferred: may still be kept)
-    KEPT = 1  # stays in memory for this step (policy, last layers or write fallback)
-    WRITING = 2  # write in flight; our alias holds the bytes until it completes
-    WRITING_WANTED = 3  # write in flight and backward wants the tensor: keep our alias after it
-    WRITE_DROPPED = 4  # write in flight and no user left: release when it completes
-    ON_DISK = 5  # written; only the engine has the bytes
-    READING = 6  # read in flight into a new tensor
-    READ_DROPPED = 7  # read in flight and no user left: release when it completes
-    READY = 8  # in memory for backward (read back, or forwarded)
-    BROKEN = 9  # cannot be given to backward: ``error`` says why (unpack raises it)
-    RELEASED = 10
-
-    NAMES = ("saved", "kept", "writing", "writing", "writing", "on_disk", "reading", "reading",
-             "ready", "broken", "released")
-    """What each state is in an error message (the dropped/wanted variants read as their IO)."""
-
-
-S = State
-# States in which the record holds the bytes in memory.
-RESIDENT = frozenset({S.SAVED, S.KEPT, S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.READING,
-                      S.READ_DROPPED, S.READY})
-# States with IO in flight (the engine still uses the record's key and memory).
-IN_FLIGHT = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.READING, S.READ_DROPPED})
-WRITES = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED})
-READS = frozenset({S.READING, S.READ_DROPPED})
-
-# (from, to) -> what the step's counters record when it happens: "kept" (tensors_kept),
-# "offloaded" (a write completed: tensors/bytes_offloaded), "fallback" (a write failed: the
-# tensor stays in memory), "forwarded" (backward gets the in-memory tensor, no read),
-# "taken_back" (a write not yet started was cancelled because backward wants the tensor),
-# "held" (written, then found alive at backward: held by someone else, so written for nothing),
-# "read" (bytes came back from the engine). Any pair not listed is a bug.
-TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
-    (S.SAVED, S.WRITING): (),
-    (S.SAVED, S.KEPT): ("kept",),
-    (S.SAVED, S.RELEASED): (),
-    (S.KEPT, S.RELEASED): (),
-    (S.WRITING, S.WRITING_WANTED): ("forwarded",),  # unpack or prefetch during the write
-    (S.WRITING, S.READY): ("forwarded", "taken_back"),  # ... before it started: cancelled
-    (S.WRITING, S.ON_DISK): ("offloaded",),
-    (S.WRITING, S.BROKEN): ("offloaded",),  # written, but modified in place meanwhile
-    (S.WRITING, S.KEPT): ("fallback", "kept"),
-    (S.WRITING, S.WRITE_DROPPED): (),
-    (S.WRITING, S.RELEASED): (),  # close() stopped waiting for a hung write
-    (S.WRITING_WANTED, S.READY): ("offloaded",),
-    (S.WRITING_WANTED, S.BROKEN): ("offloaded",),
-    (S.WRITING_WANTED, S.KEPT): ("fallback", "kept"),
-    (S.WRITING_WANTED, S.WRITE_DROPPED): (),
-    (S.WRITING_WANTED, S.RELEASED): (),
-    (S.WRITE_DROPPED, S.WRITING): (),  # saved again (dedup) before its write completed
-    (S.WRITE_DROPPED, S.ON_DISK): ("offloaded",),  # then released at once
-    (S.WRITE_DROPPED, S.KEPT): ("fallback", "kept"),  # then released at once
-    (S.WRITE_DROPPED, S.RELEASED): (),  # a queued write cancelled, or close()
-    (S.ON_DISK, S.READING): (),
-    (S.ON_DISK, S.READY): ("forwarded", "held"),  # still referenced elsewhere: no read needed
-    (S.ON_DISK, S.RELEASED): (),
-    (S.READING, S.READY): ("read",),
-    (S.READING, S.BROKEN): (),
-    (S.READING, S.ON_DISK): ("read_retried",),  # a failed read, tried again (READ_RETRIES)
-    (S.READING, S.READ_DROPPED): (),
-    (S.READING, S.RELEASED): (),
-    (S.READ_DROPPED, S.READING): (),  # saved again (dedup) before its read completed
-    (S.READ_DROPPED, S.READY): ("read",),  # then released at once
-    (S.READ_DROPPED, S.BROKEN): (),
-    (S.READ_DROPPED, S.RELEASED): (),
-    (S.READY, S.RELEASED): (),
-    (S.BROKEN, S.RELEASED): (),
-}
 
 
 class TensorRecord:
@@ -119,7 +40,7 @@ class TensorRecord:
         self.id = rid
         self.microbatch = microbatch
         self.layer = layer
-        self.state = S.SAVED
+        self.state = State.SAVED
         # The bytes we hold. A record that stays in memory (kept, deferred) holds a detached
         # alias (``hold``): same storage and version counter, no grad_fn, so holding it keeps
         # no autograd graph alive. One handed to the engine at once holds the saved tensor
@@ -159,18 +80,9 @@ class TensorRecord:
         """The saved tensor's storage still exists (a deduplication hit may use this record)."""
         return bool(self.storage_ref) and not torch.UntypedStorage._expired(self.storage_ref)
 
-    def move(self, new: int) -> Tuple[str, ...]:
-        """Change state; returns what the step's counters record for this transition."""
-        effects = TRANSITIONS.get((self.state, new))
-        if effects is None:
-            raise RuntimeError(f"ssdtrain internal error: record {self.id} cannot go from "
-                               f"{S.NAMES[self.state]} ({self.state}) to {S.NAMES[new]} ({new})")
-        self.state = new
-        return effects
-
     @property
     def state_name(self) -> str:
-        return S.NAMES[self.state]
+        return State.NAMES[self.state]
 
     def bytes_view(self, contiguous: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """The bytes to store, as a contiguous tensor (the engine takes the uint8 view on its

@@ -1,0 +1,144 @@
+"""The life of a saved activation, as one table: its states, the transitions allowed between
+them, and what each transition counts.
+
+Every fact about where a record's bytes are and who waits for them is its ``state`` (an int).
+:func:`move` is the only place a state changes: it looks the pair up in ``TRANSITIONS`` and
+refuses any pair the table does not list (:class:`IllegalTransition`), so a bookkeeping bug
+surfaces as an error naming the record, the two states and what the table allows, never as
+a wrong tensor. The step's counters follow in the same call: a transition counts what its
+row says (``StepCounters.count``), and resident bytes change exactly when a record enters or
+leaves a state that holds its bytes in memory (``RESIDENT``). So a tensor is counted once per
+thing that happened to it, whichever part of the offloader moved it.
+
+In the words of the user-facing statistics: *queued* is SAVED (a write not handed over yet:
+the deferred last layers, or back-pressure); *writing* the three WRITING states; *written*
+ON_DISK; *reading* the two READING states; *resident* KEPT (never written) and READY (read
+back or forwarded); *released* RELEASED. *Fallback* (a write failed: the tensor stays in
+memory) and *forwarded* (backward gets the in-memory tensor, no read) are transitions, the
+rows that count ``fallback`` and ``forwarded``.
+
+    SAVED ─submit─▶ WRITING ──ok──▶ ON_DISK ──read──▶ READING ──ok──▶ READY
+      │              │  │ unpack/prefetch     │ still alive ─────────────▶ READY
+      │              │  ▼                     │                               ▲
+      │              │ WRITING_WANTED ──ok────┼───────────────────────────────┘
+      │              │  (error: fallback)     │
+      └──keep──▶ KEPT ◀┘                      READING ──error / WRITING ──modified in place──▶ BROKEN
+                                             READING ──error, retries left──▶ ON_DISK (read again)
+    WRITING*, READING ──last handle dropped──▶ WRITE_DROPPED / READ_DROPPED ──IO ends──▶ … ▶ RELEASED
+    every other state ──last handle dropped──▶ RELEASED
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+
+class State:
+    """The record states (plain ints: compared on every pack and unpack)."""
+
+    SAVED = 0  # in memory, write not started (deferred: may still be kept)
+    KEPT = 1  # stays in memory for this step (policy, last layers or write fallback)
+    WRITING = 2  # write in flight; our alias holds the bytes until it completes
+    WRITING_WANTED = 3  # write in flight and backward wants the tensor: keep our alias after it
+    WRITE_DROPPED = 4  # write in flight and no user left: release when it completes
+    ON_DISK = 5  # written; only the engine has the bytes
+    READING = 6  # read in flight into a new tensor
+    READ_DROPPED = 7  # read in flight and no user left: release when it completes
+    READY = 8  # in memory for backward (read back, or forwarded)
+    BROKEN = 9  # cannot be given to backward: ``error`` says why (unpack raises it)
+    RELEASED = 10
+
+    NAMES = ("saved", "kept", "writing", "writing", "writing", "on_disk", "reading", "reading",
+             "ready", "broken", "released")
+    """What each state is in an error message (the dropped/wanted variants read as their IO)."""
+
+    EXACT = ("SAVED", "KEPT", "WRITING", "WRITING_WANTED", "WRITE_DROPPED", "ON_DISK", "READING",
+             "READ_DROPPED", "READY", "BROKEN", "RELEASED")
+    """Each state's own name (the table's messages)."""
+
+
+S = State
+# States in which the record holds the bytes in memory.
+RESIDENT = frozenset({S.SAVED, S.KEPT, S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.READING,
+                      S.READ_DROPPED, S.READY})
+# States with IO in flight (the engine still uses the record's key and memory).
+IN_FLIGHT = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.READING, S.READ_DROPPED})
+WRITES = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED})
+READS = frozenset({S.READING, S.READ_DROPPED})
+
+# (from, to) -> what the step's counters record when it happens: "kept" (tensors_kept),
+# "offloaded" (a write completed: tensors/bytes_offloaded), "fallback" (a write failed: the
+# tensor stays in memory), "forwarded" (backward gets the in-memory tensor, no read),
+# "taken_back" (a write not yet started was cancelled because backward wants the tensor),
+# "held" (written, then found alive at backward: held by someone else, so written for nothing),
+# "read" (bytes came back from the engine), "read_retried" (a failed read starts again).
+# Any pair not listed is a bug.
+TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
+    (S.SAVED, S.WRITING): (),
+    (S.SAVED, S.KEPT): ("kept",),
+    (S.SAVED, S.RELEASED): (),
+    (S.KEPT, S.RELEASED): (),
+    (S.WRITING, S.WRITING_WANTED): ("forwarded",),  # unpack or prefetch during the write
+    (S.WRITING, S.READY): ("forwarded", "taken_back"),  # ... before it started: cancelled
+    (S.WRITING, S.ON_DISK): ("offloaded",),
+    (S.WRITING, S.BROKEN): ("offloaded",),  # written, but modified in place meanwhile
+    (S.WRITING, S.KEPT): ("fallback", "kept"),
+    (S.WRITING, S.WRITE_DROPPED): (),
+    (S.WRITING, S.RELEASED): (),  # close() stopped waiting for a hung write
+    (S.WRITING_WANTED, S.READY): ("offloaded",),
+    (S.WRITING_WANTED, S.BROKEN): ("offloaded",),
+    (S.WRITING_WANTED, S.KEPT): ("fallback", "kept"),
+    (S.WRITING_WANTED, S.WRITE_DROPPED): (),
+    (S.WRITING_WANTED, S.RELEASED): (),
+    (S.WRITE_DROPPED, S.WRITING): (),  # saved again (dedup) before its write completed
+    (S.WRITE_DROPPED, S.ON_DISK): ("offloaded",),  # then released at once
+    (S.WRITE_DROPPED, S.KEPT): ("fallback", "kept"),  # then released at once
+    (S.WRITE_DROPPED, S.RELEASED): (),  # a queued write cancelled, or close()
+    (S.ON_DISK, S.READING): (),
+    (S.ON_DISK, S.READY): ("forwarded", "held"),  # still referenced elsewhere: no read needed
+    (S.ON_DISK, S.RELEASED): (),
+    (S.READING, S.READY): ("read",),
+    (S.READING, S.BROKEN): (),
+    (S.READING, S.ON_DISK): ("read_retried",),  # a failed read, tried again (READ_RETRIES)
+    (S.READING, S.READ_DROPPED): (),
+    (S.READING, S.RELEASED): (),
+    (S.READ_DROPPED, S.READING): (),  # saved again (dedup) before its read completed
+    (S.READ_DROPPED, S.READY): ("read",),  # then released at once
+    (S.READ_DROPPED, S.BROKEN): (),
+    (S.READ_DROPPED, S.RELEASED): (),
+    (S.READY, S.RELEASED): (),
+    (S.BROKEN, S.RELEASED): (),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A record was asked to go where ``TRANSITIONS`` does not allow: a bookkeeping bug in the
+    offloader (the message names the record, both states and what the table allows)."""
+
+
+def allowed_from(state: int) -> Tuple[str, ...]:
+    """The states ``TRANSITIONS`` lets a record in ``state`` go to, by name."""
+    return tuple(State.EXACT[b] for (a, b) in TRANSITIONS if a == state)
+
+
+def move(rec, new: int, counters) -> None:
+    """The one place a record (``cache/record.py``) changes state, and the one place the
+    step's counters (``telemetry.stats.StepCounters``) follow what happened to a tensor.
+
+    Raises:
+        IllegalTransition: the table has no row for (the record's state, ``new``).
+    """
+    old = rec.state
+    effects = TRANSITIONS.get((old, new))
+    if effects is None:
+        allowed = ", ".join(allowed_from(old)) or "nothing"
+        raise IllegalTransition(
+            f"ssdtrain internal error: record {rec.id} ({rec.describe()}) cannot go from "
+            f"{State.EXACT[old]} to {State.EXACT[new]}: the lifecycle table "
+            f"(cache/lifecycle.py TRANSITIONS) allows {State.EXACT[old]} -> {allowed}")
+    rec.state = new
+    was, now = old in RESIDENT, new in RESIDENT
+    if was != now:
+        counters.add_resident(rec.nbytes if now else -rec.nbytes)
+    for e in effects:
+        counters.count(e, rec.nbytes, rec.layer, rec.decision)
