@@ -30,21 +30,21 @@ from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, installed_
 class StallProbe:
     """Seconds the training thread spends waiting on the offloader's IO: every such wait
     (back-pressure in pack, a read in unpack, a budget wait, the end-of-step wait for writes and
-    reads) goes through ``RecordIO._next_event``, which blocks on the IO threads' event queue;
+    reads) goes through ``Transfers._next_event``, which blocks on the IO threads' event queue;
     StepStats.io_wait_s leaves the end-of-step wait out. Where that method is gone (the data
     path was reshaped), ``source`` says so and the stats are used instead."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._real = None
-        self.source = "RecordIO._next_event on the training thread"
+        self.source = "Transfers._next_event on the training thread"
 
     def __enter__(self) -> "StallProbe":
-        from ssdtrain_megatron.cache.transfers import RecordIO
+        from ssdtrain_megatron.cache.transfers import Transfers
 
-        real = getattr(RecordIO, "_next_event", None)
+        real = getattr(Transfers, "_next_event", None)
         if real is None:
-            self.source = "StepStats io_wait_s + budget_wait_s (RecordIO._next_event not found)"
+            self.source = "StepStats io_wait_s + budget_wait_s (Transfers._next_event not found)"
             return self
         probe = self
 
@@ -59,14 +59,14 @@ class StallProbe:
                 probe.seconds += time.perf_counter() - t0
 
         self._real = real
-        RecordIO._next_event = timed_next_event
+        Transfers._next_event = timed_next_event
         return self
 
     def __exit__(self, *exc) -> None:
-        from ssdtrain_megatron.cache.transfers import RecordIO
+        from ssdtrain_megatron.cache.transfers import Transfers
 
         if self._real is not None:
-            RecordIO._next_event = self._real
+            Transfers._next_event = self._real
             self._real = None
 
     @property

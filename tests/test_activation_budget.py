@@ -27,7 +27,7 @@ class LiveBytes:
     def __init__(self, off: ActivationOffloader) -> None:
         self.peak = self.packs = 0
         self._refs = {}  # storage address -> (weak reference, bytes)
-        real = off._pack  # microbatch() installs self._pack: an instance attribute wins
+        real = off.hooks.pack  # microbatch() installs hooks.pack: an instance attribute wins
 
         def pack(t):
             out = real(t)
@@ -39,7 +39,7 @@ class LiveBytes:
                 self.packs += 1
             return out
 
-        off._pack = pack
+        off.hooks.pack = pack
 
 
 def _layer_bytes_and_rate(model, data, offload_dir):

@@ -116,7 +116,7 @@ def test_gds_reads_land_on_4k_boundaries(tmp_path, monkeypatch, compact):
     rec = Recorder()
     engine = Logged(_gds(_config(tmp_path)), rec)
     with ActivationOffloader(_config(tmp_path), device=torch.device("cpu"), engine=engine, streams=rec) as off:
-        assert off._copy.direct
+        assert off.copy.direct
         grads, stats = _run(off, compact)
     reads = rec.nodes("engine_read")
     assert reads and len(reads) == stats.tensors_offloaded > 0 and stats.bytes_read > 0
@@ -154,8 +154,8 @@ def test_in_compat_mode_gds_stages_through_pinned_host_memory(tmp_path, monkeypa
     assert engine.device_direct is False
     assert "compat mode" in caplog.text
     with ActivationOffloader(_config(tmp_path), device=torch.device("cpu"), engine=engine, streams=rec) as off:
-        assert not off._copy.direct and off._copy.pool is not None
-        pool = _range(off._copy.pool._mem)
+        assert not off.copy.direct and off.copy.pool is not None
+        pool = _range(off.copy.pool._mem)
         grads, stats = _run(off, compact=False)
     subs = rec.nodes("engine_write") + rec.nodes("engine_read")
     assert subs and len(rec.nodes("copy")) >= 2 * stats.tensors_offloaded > 0

@@ -113,20 +113,20 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
     import torch
 
     import gpu_check_steps as steps
-    from ssdtrain_megatron.cache.offloader import ActivationOffloader
     from ssdtrain_megatron.cache.record import State
+    from ssdtrain_megatron.cache.transfers import Transfers
     from ssdtrain_megatron.tools.minigpt import GPTSpec
 
     if corrupt:
-        real = ActivationOffloader._materialize
+        real = Transfers.materialize
 
         def materialize(self, rec):
             out = real(self, rec)
-            if self.config.policy == "offload" and rec.state == State.READY and out.is_floating_point():
+            if rec.state == State.READY and out.is_floating_point():  # read back (kept ones stay KEPT)
                 out = out.clone()
                 out[(0,) * out.dim()] += 1
             return out
-        monkeypatch.setattr(ActivationOffloader, "_materialize", materialize)
+        monkeypatch.setattr(Transfers, "materialize", materialize)
     args = argparse.Namespace(scratch=str(tmp_path / "scratch"), out=str(tmp_path))
     os.makedirs(args.scratch)  # as gpu_check.py's main does before any step
     spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=2, num_microbatches=2)
@@ -345,22 +345,22 @@ def test_stall_probe_times_the_training_threads_waits_on_the_offloader(tmp_path,
     import torch
 
     from ssdtrain_megatron import ActivationOffloader, OffloadConfig
-    from ssdtrain_megatron.cache.transfers import RecordIO
+    from ssdtrain_megatron.cache.transfers import Transfers
     from ssdtrain_megatron.io.syscalls import SysCalls
     from tests.models import mlp, run_steps
 
     real_read = SysCalls.preadv
     monkeypatch.setattr(SysCalls, "preadv", lambda self, *a: (time.sleep(0.2), real_read(self, *a))[1])
-    real = RecordIO._next_event
+    real = Transfers._next_event
     batches = [torch.randn(32, 256, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     with gpu_check_measure.StallProbe() as probe, \
             ActivationOffloader(OffloadConfig(dirs=[str(tmp_path)], engine="posix", min_tensor_bytes=1024)) as off:
-        assert probe.works and RecordIO._next_event is not real
+        assert probe.works and Transfers._next_event is not real
         stats = run_steps(mlp(), batches, off, steps=1, wait_writes=True)[2]
     assert sum(st.bytes_read for st in stats) > 0
     counted = sum(st.io_wait_s for st in stats)
     assert counted > 0 and probe.seconds >= 0.9 * counted - 1e-3, (probe.seconds, counted)
-    assert RecordIO._next_event is real
+    assert Transfers._next_event is real
 
 
 def test_imports_step_reports_megatron_and_kvikio_as_the_targets_read_them():

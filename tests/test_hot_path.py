@@ -298,12 +298,12 @@ def test_the_pack_of_an_offloaded_activation_makes_no_torch_call(offload_dir, po
         with off.microbatch(0):
             a = x.mul(2)
             with _Ops() as seen:
-                handle = off._pack(a)
+                handle = off.hooks.pack(a)
         assert seen.ops == ([] if policy == "offload" else ["aten.detach.default"]), seen.ops
         b = a.detach().clone()
         del a
         off.wait_writes()
-        out = off._unpack(handle)
+        out = off.hooks.unpack(handle)
         assert out.grad_fn is None and torch.equal(out.view(torch.int32), b.view(torch.int32))
         del handle, out
         st = off.end_step()

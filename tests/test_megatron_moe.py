@@ -26,7 +26,8 @@ import megatron_cpu_compat  # noqa: E402
 import megatron_harness as harness  # noqa: E402
 from megatron_harness import LayoutSpec, Phase  # noqa: E402
 
-from ssdtrain_megatron.cache.offloader import ActivationOffloader  # noqa: E402
+from ssdtrain_megatron.cache.hooks import SavedTensorHooks  # noqa: E402
+from ssdtrain_megatron.io.posix import PosixEngine  # noqa: E402
 
 OFFLOAD = dict(dirs=["{root}/a"], policy="offload", min_tensor_bytes=0)
 MOE_DTYPES = (torch.bool, torch.int64, torch.float32)
@@ -42,9 +43,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _SavedTensorLog:
-    """Wraps ActivationOffloader's pack/unpack and read start (class attributes, this process
-    only) to keep, per record, a copy of what was saved, its dtype, and whether it was read
-    back from the engine; unpack compares what backward gets with the copy."""
+    """Wraps the offloader's pack/unpack and the posix engine's read (class attributes, this
+    process only) to keep, per record, a copy of what was saved, its dtype, and whether it was
+    read back from the engine; unpack compares what backward gets with the copy."""
 
     def __init__(self, monkeypatch) -> None:
         self.saved: Dict[int, torch.Tensor] = {}
@@ -52,8 +53,8 @@ class _SavedTensorLog:
         self.unpacked: Dict[torch.dtype, int] = {}
         self.read_back: Dict[torch.dtype, int] = {}
         self.mismatches: list = []
-        pack, unpack = ActivationOffloader._pack, ActivationOffloader._unpack
-        start_read = ActivationOffloader._start_read
+        pack, unpack = SavedTensorHooks.pack, SavedTensorHooks.unpack
+        engine_read = PosixEngine.read
 
         def logged_pack(off, t):
             handle = pack(off, t)
@@ -61,9 +62,9 @@ class _SavedTensorLog:
                 self.saved.setdefault(handle.record.id, t.detach().clone())
             return handle
 
-        def logged_start_read(off, rec):
-            self.read.add(rec.id)
-            return start_read(off, rec)
+        def logged_read(engine, key, out, ready_event=None):
+            self.read.add(key)  # the engine's key is the record's id
+            return engine_read(engine, key, out, ready_event)
 
         def logged_unpack(off, handle):
             out = unpack(off, handle)
@@ -79,18 +80,18 @@ class _SavedTensorLog:
                 self.read_back[want.dtype] = self.read_back.get(want.dtype, 0) + 1
             return out
 
-        monkeypatch.setattr(ActivationOffloader, "_pack", logged_pack)
-        monkeypatch.setattr(ActivationOffloader, "_unpack", logged_unpack)
-        monkeypatch.setattr(ActivationOffloader, "_start_read", logged_start_read)
+        monkeypatch.setattr(SavedTensorHooks, "pack", logged_pack)
+        monkeypatch.setattr(SavedTensorHooks, "unpack", logged_unpack)
+        monkeypatch.setattr(PosixEngine, "read", logged_read)
 
 
 def test_moe_saved_tensors_of_every_dtype_are_read_back_byte_for_byte(tmp_path, monkeypatch):
     """The router saves fp32 probabilities, the dispatcher bool routing maps and int64 token
     indices: each is written, read back from the engine and given to backward with exactly
     the bytes autograd saved, and training stays bitwise that of a run without offload.
-    Broken variants (each run once): invert bool tensors in transfers._materialize ->
+    Broken variants (each run once): invert bool tensors in Transfers.materialize ->
     "first extra item: (110, torch.bool, (16, 2))"; pass int64 tensors through in
-    hooks._pack -> "AssertionError: (torch.int64, ...) assert 0 > 0".
+    SavedTensorHooks.pack -> "AssertionError: (torch.int64, ...) assert 0 > 0".
     One process, EP=1: megatron-core 0.16.1's SequentialMLP with linear biases modifies the
     world-size-1 reduce's output in place and autograd refuses it, so no biases here (the
     expert-parallel layouts of LAYOUTS keep them)."""

@@ -56,7 +56,7 @@ def _run(off, rec, abandon_first: bool = False, device=torch.device("cpu")):
         off.wait_writes()
         if abandon_first and mb == 0:
             off.begin_backward(0)  # reads start (prefetch_layers covers every layer)
-            off._wait_all_io()
+            off.transfers.wait_all()
             del loss, h
             off.poll()  # the handles dropped: the records (and their extents) are released
             continue
@@ -91,12 +91,12 @@ def _offload(tmp_path, engine: str, host_bytes: int, abandon_first: bool = False
     engine_ = Logged(make_engine(config), rec)
     with ActivationOffloader(config, device=device, engine=engine_, streams=rec) as off:
         memory = engine_.inner if engine == "memory" else engine_.inner.memory
-        pool, staging = _range(memory._pool), _range(off._copy.pool._mem)
+        pool, staging = _range(memory._pool), _range(off.copy.pool._mem)
         grads, stats = _run(off, rec, abandon_first, device)
         if cuda:
             torch.cuda.synchronize()
         check_staging_reuse(rec, memory._pool)
-        check_staging_reuse(rec, off._copy.pool._mem)
+        check_staging_reuse(rec, off.copy.pool._mem)
     ref = _reference(abandon_first, device)
     if cuda:
         torch.cuda.synchronize()

@@ -87,7 +87,7 @@ def test_offloaded_training_reads_back_into_reused_memory_bitwise_equal(offload_
     ref = run_steps(model, batches, steps=3)
     with ActivationOffloader(OffloadConfig(dirs=[str(offload_dir)], min_tensor_bytes=1024)) as off:
         got = run_steps(model, batches, off, steps=3, wait_writes=True)
-        pool = off._restore_pool
+        pool = off.transfers.restore_pool
         assert pool.reused > 0 and pool.outside == 0
         assert pool.mapped_bytes <= off.config.max_inflight_bytes
     assert_bitwise_equal(ref, got)

@@ -153,8 +153,8 @@ def _config(tmp_path, engine: str, **kw) -> OffloadConfig:
 def _settle(off: ActivationOffloader, rid: int, state: int = State.ON_DISK, timeout: float = 30.0) -> None:
     """Process IO completions until record ``rid`` reached ``state`` (no wait_writes())."""
     deadline = time.monotonic() + timeout
-    while off._records[rid].state != state:
-        assert time.monotonic() < deadline, f"record {rid} stuck in {off._records[rid].state_name}"
+    while off.table.get(rid).state != state:
+        assert time.monotonic() < deadline, f"record {rid} stuck in {off.table.get(rid).state_name}"
         off.poll()
         time.sleep(0.002)
 
@@ -189,7 +189,7 @@ class Scene:
         self.engine = Logged(inner, self.rec, pooled)
         self.off = ActivationOffloader(self.config, device=self.device, engine=self.engine, streams=self.rec)
         if self.cuda:
-            self.rec.reload_name = self.off._copy.reload_stream.name
+            self.rec.reload_name = self.off.copy.reload_stream.name
         self.seen: List[torch.Tensor] = []
         self.expected: Dict[str, torch.Tensor] = {}
 
@@ -222,7 +222,7 @@ class Scene:
             self.off.end_step()
             if self.cuda:
                 torch.cuda.synchronize()
-            return check_staging_reuse(self.rec, self.off._copy.pool._mem)
+            return check_staging_reuse(self.rec, self.off.copy.pool._mem)
         finally:
             self.gate.set()
             self.off.close()
@@ -242,7 +242,7 @@ def test_a_cancelled_write_returns_its_staging_only_after_its_copy(tmp_path, ops
     yb = s.save("b", 3.0)  # queued behind d: no thread ever waits for b's copy
     del yb  # b's graph goes: its handle drops, its unstarted write is cancelled
     s.off.poll()
-    assert 2 not in s.off._records, "b's write was not taken back by cancel()"
+    assert 2 not in s.off.table, "b's write was not taken back by cancel()"
     # a's read takes a staging block while d still holds the other one (b's is the only
     # free one: it may be reused only after b's copy), then waits behind d in the one IO
     # thread; d is let go as soon as a's read was handed to the engine.
@@ -267,7 +267,7 @@ def test_a_write_refused_by_a_full_host_pool_returns_its_staging_only_after_its_
     ya = s.save("a", 1.0)
     _settle(s.off, 0)  # a fills the pool
     yb = s.save("b", 3.0)  # refused: kept in memory (a fallback), its staging given back
-    assert s.off._records[1].state == State.KEPT
+    assert s.off.table.get(1).state == State.KEPT
     ya.sum().backward()
     s.restored_bytes_match("a")
     yb.sum().backward()
@@ -282,7 +282,7 @@ def test_with_pool_view_a_full_host_pool_refuses_before_any_copy(tmp_path):
     _settle(s.off, 0)
     copies = len(s.rec.nodes("copy"))
     yb = s.save("b", 3.0)
-    assert s.off._records[1].state == State.KEPT
+    assert s.off.table.get(1).state == State.KEPT
     assert len(s.rec.nodes("copy")) == copies, "b was copied although the pool had no room for it"
     ya.sum().backward()
     s.restored_bytes_match("a")

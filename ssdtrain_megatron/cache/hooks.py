@@ -1,26 +1,37 @@
-"""The saved-tensor hooks of ActivationOffloader: pack (what autograd saves) and unpack.
+"""The saved-tensor hooks: pack (what autograd saves) and unpack (what backward needs), and the
+scopes that tell them where they are (which micro-batch, which layer, forward or backward).
 
-A part of :class:`~.offloader.ActivationOffloader` (a base class of it). Pack runs for every
-tensor autograd saves, unpack for every one backward needs, both on the training thread, which
-also launches every GPU kernel: their cost is added to each step whenever the GPU waits on the
-CPU. So each reads a tensor's attributes once, makes one record and one handle, and leaves the
-rest (placement, staging copies, IO) to the engine's threads.
+Pack runs for every tensor autograd saves, unpack for every one backward needs, both on the
+training thread, which also launches every GPU kernel: their cost is added to each step
+whenever the GPU waits on the CPU. So each reads a tensor's attributes once, makes one record
+and one handle, and leaves the rest (placement, staging copies, IO) to the transfer machine
+and the engine's threads.
+
+Collaborators received at construction: the record table (``table.py``: identity, dedup,
+micro-batches), the transfer machine (``transfers.py``), the decisions (``decisions.py``), the
+step (``step.py``), the events queue a dropped handle reports to, and the capture query.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
-from typing import Callable
+import time
+from typing import Callable, Hashable, Iterator, Optional
 
 import torch
 
+from ..config import OffloadConfig
+from .decisions import Decisions
 from .identity import offloadable_storage, pass_reason
-from .record import State, TensorRecord
+from .lifecycle import State, move
+from .microbatch import MicroBatch
+from .record import TensorRecord
+from .step import Step
+from .table import RecordTable
+from .transfers import DROP, Transfers
 
 _graph_task_id = torch._C._current_graph_task_id
-
-_DROP = object()
-"""Event outcome: the last reference to a handle went away (the event's first item is the record)."""
 
 
 def capture_query(copy) -> Callable[[], bool]:
@@ -48,14 +59,89 @@ class _Handle:
         self.events = events
 
     def __del__(self) -> None:
-        self.events.put((self.record, _DROP))
+        self.events.put((self.record, DROP))
 
 
 class SavedTensorHooks:
-    """``_pack`` and ``_unpack`` (see the module docstring)."""
+    """``pack`` and ``unpack`` (see the module docstring), and the scopes they read.
 
-    def _pack(self, t: torch.Tensor):
-        c = self._c
+    Args:
+        config: the settings (``min_tensor_bytes``, ``keep_last_layers``).
+        device: the training device (tensors elsewhere pass through).
+        table, transfers, decisions, step: the offloader's other parts.
+        events: the queue a dropped handle reports to (the transfer machine drains it).
+        capturing: whether a CUDA graph is being captured now (:func:`capture_query`).
+    """
+
+    def __init__(self, config: OffloadConfig, device: torch.device, table: RecordTable,
+                 transfers: Transfers, decisions: Decisions, step: Step,
+                 events: "queue.SimpleQueue", capturing: Callable[[], bool]) -> None:
+        self._device = device
+        self._min_bytes = max(config.min_tensor_bytes, 1)  # read by every pack
+        self._keep_last_layers = config.keep_last_layers
+        self._table = table
+        self._transfers = transfers
+        self._decisions = decisions
+        self._step = step
+        self._events = events
+        self._capturing = capturing
+        self._current: Optional[MicroBatch] = None
+        self._layer: Optional[Hashable] = None
+
+    @property
+    def current_microbatch(self) -> Optional[Hashable]:
+        """The key of the micro-batch whose forward runs now (None outside one)."""
+        return self._current.key if self._current is not None else None
+
+    # -- scopes -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def microbatch_scope(self, mb: MicroBatch) -> Iterator[None]:
+        """Forward of ``mb``: the hooks are installed and record under it."""
+        prev, prev_layer = self._current, self._layer
+        self._current, self._layer = mb, None
+        self._step.enter("forward")
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._current, self._layer = prev, prev_layer
+
+    @contextlib.contextmanager
+    def layer_scope(self, key: Hashable) -> Iterator[None]:
+        """Forward of one layer. In a micro-batch's forward (not a recompute inside backward),
+        entering a layer writes the deferred records of layers now older than the last
+        ``keep_last_layers``, and the layer's forward time is counted."""
+        forward = _graph_task_id() == -1  # not a recompute inside backward
+        prev = self._layer
+        self._layer = key
+        mb = self._current
+        if mb is not None and forward:
+            idx = mb.enter_layer(key)
+            keep = self._keep_last_layers
+            self._transfers.submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._layer = prev
+            if mb is not None and forward:
+                decision = self._decisions.for_layer(mb.key, key, self._step.phase == "forward")
+                self._step.counters.layer(key, decision).forward_s += time.perf_counter() - t0
+
+    def enter_backward(self, mb: MicroBatch) -> None:
+        """``mb``'s backward starts: its deferred last layers stay in memory, and reads of its
+        last layers start now."""
+        mb.in_backward = True
+        self._decisions.backward_started(mb.key)
+        self._step.enter("backward")
+        self._transfers.keep_deferred(mb)
+        self._transfers.prefetch(mb)
+
+    # -- pack / unpack ----------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor):
+        c = self._step.counters
         if _graph_task_id() != -1:
             # Saved while autograd's engine runs: the recompute pass of checkpointing. These
             # tensors are needed moments later by the same backward; keep them in memory.
@@ -69,82 +155,66 @@ class SavedTensorHooks:
         if t.nbytes < self._min_bytes:  # the cheapest test first
             c.pass_through("small", self._layer)
             return t
-        storage = offloadable_storage(t, self.device, self._param_storages)
+        table = self._table
+        storage = offloadable_storage(t, self._device, table.param_storages)
         if storage is None:
             self._pass_other(t)
             return t
-        if storage._cdata in self._held:  # held until backward anyway: writing frees nothing
+        if table.is_held(storage._cdata):  # held until backward anyway: writing frees nothing
             c.pass_through("held_by_schedule", self._layer)  # StepStats.tensors_held_by_schedule
             return t
         if not self._events.empty():
-            self._drain()
+            self._transfers.drain()
         # The identity of identity.py, from attributes read once (the record keeps them).
         shape, stride, dtype, version = t.shape, t.stride(), t.dtype, t._version
         key = (storage._cdata, t.storage_offset(), shape, stride, dtype, version)
-        rec = self._dedup.get(key)
-        if rec is not None and rec.state != State.RELEASED and rec.storage_alive():
+        rec = table.find(key)
+        if rec is not None:
             return self._saved_again(rec)
         mb = self._current
         layer = self._layer
-        sref = storage._weak_ref()
-        self._storage_refs.append(sref)  # freed at the step's end, when _dedup forgets the keys
-        rec = TensorRecord(next(self._ids), t, mb.key if mb is not None else None, layer,
-                           (shape, stride, dtype, version, self.device), sref)
-        rec.handles = 1
-        if self._keep_all:
-            decision = rec.decision = "keep"
-        elif self._budget is None and self._planner is None:
-            decision = rec.decision = self._layer_decisions.get(layer, "offload")
-        else:  # budget/plan: per (micro-batch, layer), and room for it before it counts as resident
-            rec.decision = self.decision_for(layer)
-            if self._budget is not None:
-                self._budget_admit(rec)
-            decision = rec.decision
-        self._records[rec.id] = rec
-        self._dedup[key] = rec
+        rec = table.add(t, key, storage, mb, layer, (shape, stride, dtype, version, self._device))
+        decision = self._decisions.for_record(rec, self._step.number, self._step.phase == "forward")
         nbytes = rec.nbytes
         c.add_resident(nbytes)
         acc = c.layer(layer, decision)
         acc.bytes += nbytes
         acc.tensors += 1
-        if mb is not None:
-            rec.pos = rec.last_pos = mb.position
-            mb.records.append(rec)
         if decision == "keep":
-            rec.hold()
-            self._move(rec, State.KEPT)
-        elif mb is not None and mb.layer_keys and self.config.keep_last_layers:
+            self._transfers.keep(rec)
+        elif mb is not None and mb.layer_keys and self._keep_last_layers:
             rec.hold()
             mb.deferred.append(rec)  # written once later layers prove it is not among the last
         else:
-            self._submit(rec)  # the record holds the tensor itself until written (record.py)
+            self._transfers.submit(rec)  # the record holds the tensor itself until written (record.py)
         return _Handle(rec, self._events)
 
     def _pass_other(self, t: torch.Tensor) -> None:
         """Count a tensor offloadable_storage refused, by its reason (pass_reason's words)."""
-        reason = pass_reason(t, self.device, self._param_storages, 0) or "parameter"
-        self._c.pass_through(reason, self._layer, str(t.device) if reason == "device" else "")
+        reason = pass_reason(t, self._device, self._table.param_storages, 0) or "parameter"
+        self._step.counters.pass_through(reason, self._layer, str(t.device) if reason == "device" else "")
 
     def _saved_again(self, rec: TensorRecord) -> _Handle:
         """A deduplication hit: the same tensor (identity.py) saved again while its record lives."""
         rec.handles += 1
+        c = self._step.counters
         if rec.state == State.WRITE_DROPPED:  # it has a user again
-            self._move(rec, State.WRITING)
+            move(rec, State.WRITING, c)
         elif rec.state == State.READ_DROPPED:
-            self._move(rec, State.READING)
+            move(rec, State.READING, c)
         cur = self._current
         if cur is None or cur.key != rec.microbatch:
             rec.shared = True
         else:
             rec.last_pos = max(rec.last_pos, cur.position)
-        self._c.bytes_deduplicated += rec.nbytes
+        c.bytes_deduplicated += rec.nbytes
         return _Handle(rec, self._events)
 
-    def _unpack(self, handle):
+    def unpack(self, handle):
         if isinstance(handle, torch.Tensor):
             return handle
         if not self._events.empty():
-            self._drain()
+            self._transfers.drain()
         rec: TensorRecord = handle.record
         if self._capturing():
             raise RuntimeError(
@@ -153,14 +223,14 @@ class SavedTensorHooks:
                 "without capturing it")
         # A tensor shared by several micro-batches says nothing about where any one of
         # their backwards is; one saved again by later layers is needed until the latest.
-        mb = None if rec.shared else self._microbatches.get(rec.microbatch)
+        mb = None if rec.shared else self._table.find_microbatch(rec.microbatch)
         if mb is not None and not mb.in_backward:
-            self._enter_backward(mb)
-        out = self._materialize(rec)
+            self.enter_backward(mb)
+        out = self._transfers.materialize(rec)
         if mb is not None:
             mb.consumed(rec)
             idx = rec.last_pos
             if mb.backward_layer is None or idx < mb.backward_layer:
                 mb.backward_layer = idx
-            self._prefetch(mb)
+            self._transfers.prefetch(mb)
         return out

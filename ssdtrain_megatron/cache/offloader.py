@@ -1,14 +1,29 @@
-"""ActivationOffloader: saved-tensor hooks that move activations to an IO engine and back."""
+"""ActivationOffloader: saved-tensor hooks that move activations to an IO engine and back.
+
+The one public face of ``cache/``. It builds the engine (unless given one) and composes the
+parts, each of which owns its state and receives its collaborators here:
+
+- ``hooks.py`` (:class:`SavedTensorHooks`): pack and unpack, the micro-batch and layer scopes;
+- ``table.py`` (:class:`RecordTable`): records by id and identity, micro-batches, storages
+  never taken (parameters, held until backward);
+- ``transfers.py`` (:class:`Transfers`): the engine, the GPU copy layer and the restore pool:
+  submit, complete, cancel, prefetch, read, materialize, wait, release; the activation budget;
+- ``decisions.py`` (:class:`Decisions`): keep / offload / recompute per layer, from the policy,
+  the adaptive planner and the budget;
+- ``step.py``: the step in progress (number, phase, counters) and the warn-once log they share.
+
+A record's states and the transitions between them are one table (``lifecycle.py``). What is
+left here: the public API, the step's end (statistics, files) and the job's (close).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import queue
 import time
-from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Set
+from typing import Hashable, Iterable, Iterator, List, Optional
 
 import torch
 
@@ -16,28 +31,25 @@ from ..config import OffloadConfig
 from ..io import IOEngine, cleanup, make_engine
 from ..io.layout import Identity, expand_file, space_shortfalls
 from ..io.roots import log_roots
-from ..telemetry.stats import StepCounters, StepStats, append_jsonl, append_line, run_header
+from ..telemetry.stats import StepStats, append_jsonl, append_line, run_header
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
-from .budget import ActivationBudget, resolve_budget
-from .budget_steps import BudgetSteps
+from .budget import resolve_budget
+from .decisions import DECISIONS, Decisions
 from .device_copy import DeviceCopy, StreamOps
-from .held import HeldStorages
 from .hooks import SavedTensorHooks, capture_query
-from .microbatch import MicroBatch
-from .record import TensorRecord
 from .restore_pool import RestorePool
 from .silence import OffloadWatch
-from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
+from .step import Step, WarnOnce
+from .table import RecordTable
+from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, Transfers
 
 __all__ = ["ActivationOffloader", "DECISIONS", "EXPECTED_WRITE_REFUSALS", "IOTimeout"]
 
 log = logging.getLogger(__name__)
 
-DECISIONS = ("offload", "keep", "recompute")
 
-
-class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
+class ActivationOffloader:
     """Offload the activations autograd saves to SSD (or another engine) and bring them back.
 
     Forward runs inside ``microbatch(mb)`` (optionally ``layer(i)`` per layer); each saved
@@ -58,12 +70,12 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         ConfigError, EngineUnavailable, LayoutError: at construction, on bad settings or roots.
         StagingUnavailable: at construction on a GPU, when the pinned staging pool
             (``pinned_staging_bytes``) cannot be allocated.
+        ValueError: at construction, a budget given as a fraction of device memory off CUDA.
         RuntimeError: at unpack, when a saved tensor was modified in place, or its read failed
             (the message names the file, offset and cause).
-
         BudgetTooSmall: in or right after the first step, when ``activation_budget_bytes``
             cannot hold one layer (cache/budget.py; the message has the numbers).
-        ValueError: at construction, a budget given as a fraction of device memory off CUDA.
+
     Example:
         >>> with ActivationOffloader(OffloadConfig(dirs=["/mnt/nvme0/act"])) as off:
         ...     for mb, x in enumerate(batches):
@@ -81,13 +93,12 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
                 else torch.device("cpu")
         self.device = torch.device(device)
         self._engine: Optional[IOEngine] = engine
-        self._streams = streams
         self._closed = False
         self._closed_by: Optional[int] = None  # the signal whose cleaners closed it (cleanup.py)
         if self._engine is None and config.policy != "keep":
             self._engine = make_engine(config)
         try:
-            self._init_state(config)
+            self._compose(config, streams)
         except BaseException:
             # A failed start leaves nothing on disk: the engine we built removes its rank
             # directories (and the job folders they leave empty). An engine handed in is the
@@ -97,73 +108,73 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
                 self._engine.close()
             raise
 
-    def _init_state(self, config: OffloadConfig) -> None:
-        """Everything of ``__init__`` after the engine (which is already on disk)."""
-        # The training thread owns every field below. IO threads report completions as
-        # (record id, None or the exception) on this queue, and dropped handles arrive as
-        # (record, _DROP); the owner drains it in pack, unpack, end_step and while it waits.
-        self._events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+    def _compose(self, config: OffloadConfig, streams: Optional[StreamOps]) -> None:
+        """The parts (module docstring), built in the order they depend on each other."""
+        # IO threads report completions as (record id, None or the exception) on this queue,
+        # dropped handles as (record, DROP); the training thread drains it (Transfers.drain).
+        events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         if self._engine is not None:
-            self._engine.completions = self._events
+            self._engine.completions = events
         # The GPU data path: copies on their own streams through pinned staging (or, for an
         # engine that moves device memory itself, gds, only the events that order it).
-        self._copy: Optional[DeviceCopy] = None
-        if self._engine is not None and (self.device.type == "cuda" or self._streams is not None):
-            self._copy = DeviceCopy(self.device, config.staging_bytes(), self._streams,
-                                    direct=self._engine.device_direct)
+        copy: Optional[DeviceCopy] = None
+        if self._engine is not None and (self.device.type == "cuda" or streams is not None):
+            copy = DeviceCopy(self.device, config.staging_bytes(), streams, direct=self._engine.device_direct)
+        limit = resolve_budget(config.activation_budget_bytes, self.device) if config.policy != "keep" else None
+        planner = AdaptivePlanner(config, limit) if config.policy == "adaptive" else None
+        ident = (self._engine.ident if self._engine is not None else None) or Identity.detect(config.job_id())
+        self._tracer: Optional[IOTracer] = None
+        if config.trace_path and self._engine is not None:
+            self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank)
+            self._engine.tracer = self._tracer.on_io
+        self._step = Step()
+        self._warn = WarnOnce()
+        self._table = RecordTable()
         # Without a GPU data path: restored tensors reuse the memory earlier ones had (restore_pool.py).
-        self._restore_pool = RestorePool(config.max_inflight_bytes)
-        self._capturing = capture_query(self._copy)  # CUDA graphs (hooks.py)
-        self._ids = itertools.count()
-        self._records: Dict[int, TensorRecord] = {}
-        self._dedup: Dict[tuple, TensorRecord] = {}  # identity (identity.py) -> its record
-        # Weak references to the storages of this step's records (plain ints): while one is
-        # held, that storage's address cannot be reused, so a key in _dedup names one storage.
-        self._storage_refs: List[int] = []
-        self._min_bytes = max(config.min_tensor_bytes, 1)  # read by every pack
-        self._keep_all = config.policy == "keep"
-        self._microbatches: Dict[Hashable, MicroBatch] = {}
-        self._param_storages: Set[int] = set()
-        self._held = HeldStorages()  # held until backward by something else (held.py)
-        self._current: Optional[MicroBatch] = None
-        self._layer: Optional[Hashable] = None
-        self._layer_decisions: Dict[Hashable, str] = {}
-        self._inflight_bytes = 0
-        self._c = StepCounters()
-        # budget: room-making under activation_budget_bytes (cache/budget.py); None without one.
-        limit = (resolve_budget(config.activation_budget_bytes, self.device)
-                 if config.policy != "keep" else None)
-        self._budget = None if limit is None else ActivationBudget(
-            limit, lambda: self._c.resident_bytes, self._drain, self._budget_write_deferred,
-            self._budget_wait_event, lambda: self._inflight_bytes, self._budget_pinned)
-        # plan: the adaptive planner decides per (micro-batch position, layer) under the budget.
-        self._planner = AdaptivePlanner(config, limit) if config.policy == "adaptive" else None
-        # budget/plan: training-thread seconds spent handing writes over (no clock read without)
-        self._submit_s, self._time_submit = 0.0, self._budget is not None or self._planner is not None
-        self._step = 0
+        self._transfers = Transfers(config, self._engine, copy, RestorePool(config.max_inflight_bytes),
+                                    self._table, self._step, events, self._warn, limit, self._tracer,
+                                    time_submit=limit is not None or planner is not None)
+        self._decisions = Decisions(config, self._transfers.budget, planner)
+        self._hooks = SavedTensorHooks(config, self.device, self._table, self._transfers, self._decisions,
+                                       self._step, events, capture_query(copy))
+        self._copy = copy
         self._step_started = self._step_first = time.perf_counter()
-        self._warned: Set[str] = set()
         self.watch = OffloadWatch(self.device, config.min_tensor_bytes,
-                                  self._engine is not None and not self._keep_all)  # silence.py
+                                  self._engine is not None and config.policy != "keep")  # silence.py
         self.last_step_stats: Optional[StepStats] = None
         self.record_memory_timeline = False
         self.last_memory_timeline: List[tuple] = []
-        self._phase = "forward"
-        self._tracer: Optional[IOTracer] = None
-        ident = self._engine.ident if self._engine is not None else None
-        ident = ident or Identity.detect(config.job_id())
         # Files, not directories: a restarted job (same command line) appends to them.
         self._stats_path = expand_file(config.stats_path, ident) if config.stats_path else None
         # The run's header line goes before its first step's (readers split appended runs there).
         self._stats_header: Optional[dict] = run_header(ident.job, ident.rank, time.time(), config.to_dict()) \
             if self._stats_path else None
-        if config.trace_path and self._engine is not None:
-            self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank)
-            self._engine.tracer = self._tracer.on_io
         # A token object, not id(self): an id is reused once this offloader is gone.
         self._cleanup_token = object()
         cleanup.register(self._cleanup_token, self._emergency_close)
         log_roots(self.rank_dirs, config)  # settings, where the bytes go; a warning for RAM (/tmp)
+
+    # -- the parts, for tools and tests --------------------------------------------------------
+
+    @property
+    def hooks(self) -> SavedTensorHooks:
+        """Pack and unpack (``hooks.py``)."""
+        return self._hooks
+
+    @property
+    def table(self) -> RecordTable:
+        """The records (``table.py``)."""
+        return self._table
+
+    @property
+    def transfers(self) -> Transfers:
+        """The transfer machine (``transfers.py``)."""
+        return self._transfers
+
+    @property
+    def copy(self) -> Optional[DeviceCopy]:
+        """The GPU data path (``device_copy.py``), or None."""
+        return self._copy
 
     # -- public API -------------------------------------------------------------------------
 
@@ -180,155 +191,116 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
     def planner(self) -> Optional[AdaptivePlanner]:
         """The adaptive planner (policy 'adaptive'; None otherwise): its ``selection`` says
         whether measured selection has settled, after how many steps, and what it measured."""
-        return self._planner
+        return self._decisions.planner
 
     def register_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """Never offload these tensors or any view of their storage."""
-        for p in params:
-            self._param_storages.add(p.untyped_storage()._cdata)
+        self._table.register_parameters(params)
 
     def register_held(self, tensors: Iterable[Optional[torch.Tensor]]) -> None:
         """Tensors something else keeps in memory until this step's backward (a pipeline
         stage's received input): saved tensors on their storage pass through, counted in
         ``tensors_held_by_schedule`` (held.py). Forgotten at the step's end; None is skipped."""
-        self._held.register(tensors, self.device)
+        self._table.register_held(tensors, self.device)
 
     def set_layer_decision(self, layer: Hashable, decision: str) -> None:
         """Plan for a layer: 'offload', 'keep' (stay in memory) or 'recompute' (labelled; the
         integration runs the layer under checkpointing)."""
-        if decision not in DECISIONS:
-            raise ValueError(f"decision={decision!r} is invalid; allowed: {', '.join(DECISIONS)}")
-        self._layer_decisions[layer] = decision
+        self._decisions.set_layer(layer, decision)
 
     @contextlib.contextmanager
     def microbatch(self, key: Hashable) -> Iterator["ActivationOffloader"]:
         """Forward of micro-batch ``key``: saved tensors inside are recorded under it."""
         self._check_open()
-        self._drain()
-        if not self._microbatches:
+        self._transfers.drain()
+        if not self._table.microbatch_count:
             self._step_first = time.perf_counter()  # the step's first forward starts
-        mb = self._microbatches.get(key)
-        if mb is None:
-            mb = self._microbatches[key] = MicroBatch(key)
-            if self._planner is not None:  # plan: the micro-batch's position in the step
-                self._planner.shape.forward(key)
+        mb, created = self._table.microbatch(key)
+        if created:
+            self._decisions.forward_started(key)  # plan: the micro-batch's position in the step
         # Another micro-batch's forward runs first: the deferred last layers of every
         # micro-batch still waiting for backward will not be needed right away; write them.
-        for other in self._microbatches.values():
-            if other is not mb and not other.in_backward and other.deferred:
-                self._submit_all(other.take_all_deferred())
-        prev, prev_layer = self._current, self._layer
-        self._current, self._layer = mb, None
-        self._phase = "forward"
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield self
-        finally:
-            self._current, self._layer = prev, prev_layer
+        self._transfers.write_deferred(skip=mb)
+        with self._hooks.microbatch_scope(mb):
+            yield self
 
-    @contextlib.contextmanager
-    def layer(self, key: Hashable, decision: Optional[str] = None) -> Iterator[None]:
+    def layer(self, key: Hashable, decision: Optional[str] = None) -> contextlib.AbstractContextManager:
         """Forward of one layer (an int, or a tuple that sorts in forward order)."""
         if decision is not None:
             self.set_layer_decision(key, decision)
-        forward = torch._C._current_graph_task_id() == -1  # not a recompute inside backward
-        prev = self._layer
-        self._layer = key
-        mb = self._current
-        if mb is not None and forward:
-            idx = mb.enter_layer(key)
-            keep = self.config.keep_last_layers
-            self._submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._layer = prev
-            if mb is not None and forward:
-                self._c.layer(key, self.decision_for(key)).forward_s += time.perf_counter() - t0
+        return self._hooks.layer_scope(key)
 
     def decision_for(self, layer: Hashable) -> str:
         """What the plan says for a layer: 'offload', 'keep' or 'recompute'."""
-        if self.config.policy == "keep":
-            return "keep"
-        mb = self._current.key if self._current else None
-        if self._planner is not None:  # plan: per micro-batch position and layer
-            d = self._planner.decision(mb, layer)
-        else:
-            d = self._layer_decisions.get(layer, "offload")
-        if d == "offload" and self._budget is not None and self.config.recompute_fallback \
-                and self._phase == "forward" and self._budget.recompute_instead(mb, layer):
-            return "recompute"  # budget: the layer's bytes would not fit; run it recomputed
-        return d
+        return self._decisions.for_layer(self._hooks.current_microbatch, layer, self._step.phase == "forward")
 
     def begin_backward(self, key: Hashable) -> None:
         """Hint: the backward of micro-batch ``key`` is next. Its deferred last layers stay in
         memory, and reads of its last layers start now, while other work runs."""
-        self._drain()
-        mb = self._microbatches.get(key)
-        if mb is None:
-            return
-        self._enter_backward(mb)
+        self._transfers.drain()
+        mb = self._table.find_microbatch(key)
+        if mb is not None:
+            self._hooks.enter_backward(mb)
 
     def enable_memory_timeline(self) -> None:
         """From the current step on, ``last_memory_timeline`` holds (seconds into the step,
         resident bytes) at every change of the last step (for plots; a list append per change)."""
         self.record_memory_timeline = True
-        if self._c.timeline is None:
-            self._c.timeline = []
+        if self._step.counters.timeline is None:
+            self._step.counters.timeline = []
 
     def poll(self) -> None:
         """Process what the IO threads and dropped handles reported so far (pack, unpack and
         end_step do this themselves): completed writes free their memory, released records
         their space on disk."""
-        self._drain()
+        self._transfers.drain()
 
     def wait_writes(self) -> None:
         """Block until every write handed to the engine has completed (or failed)."""
-        self._drain()
-        self._wait_inflight_writes()
+        self._transfers.drain()
+        self._transfers.wait_writes()
 
     def end_step(self) -> StepStats:
         """Finish the step: wait for IO, release what is left, emit and return StepStats."""
         self._check_open()
-        self._phase = "step_end"
-        self._drain()
-        self._wait_all_io()
-        leftovers = list(self._records.values())
+        self._step.enter("step_end")
+        self._transfers.drain()
+        self._transfers.wait_all()
+        leftovers = self._transfers.release_all()  # no IO is in flight after wait_all
         if leftovers:
-            self._warn_once("leftover", f"end_step(): {len(leftovers)} saved tensors were never "
-                            "released (a graph whose backward did not run?); releasing them, "
-                            "and a later backward through them will fail")
-            for r in leftovers:
-                self._release(r, force=True)  # no IO is in flight after _wait_all_io
-        if self._engine is not None:
-            self._engine.end_step()
+            self._warn("leftover", f"end_step(): {leftovers} saved tensors were never released (a "
+                       "graph whose backward did not run?); releasing them, and a later backward "
+                       "through them will fail")
+        engine = self._engine
+        if engine is not None:
+            engine.end_step()
             self.check_free_space()
-        write = self._engine.write_meter.take() if self._engine is not None else (0, 0.0)
-        read = self._engine.read_meter.take() if self._engine is not None else (0, 0.0)
+        write = engine.write_meter.take() if engine is not None else (0, 0.0)
+        read = engine.read_meter.take() if engine is not None else (0, 0.0)
         now = time.perf_counter()
         # step_time_s from the step's first forward (what ran before it, e.g. another
         # model's step, is not this step's); iteration_time_s from the last end_step().
         first = max(self._step_first, self._step_started)
-        stats = self._c.freeze(self._step, write, read,
-                               self._engine.bytes_on_disk if self._engine else 0, now - first,
-                               now - (first if self._step == 0 else self._step_started))
-        stats = self._budget_step_end(stats)  # budget/plan: counters and what the planner needs
-        why = self.watch.check(stats, self._c)  # offload that does not happen says why
+        step, counters = self._step.number, self._step.counters
+        stats = counters.freeze(step, write, read, engine.bytes_on_disk if engine else 0, now - first,
+                                now - (first if step == 0 else self._step_started))
+        n = self._table.microbatch_count
+        stats = self._decisions.end_step(stats, self._transfers.take_submit_s(), step, n)
+        why = self.watch.check(stats, counters)  # offload that does not happen says why
         stats = dataclasses.replace(stats, not_offloaded_why=why) if why else stats
-        if self._planner is not None:
-            order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
-            self._planner.update(stats, order, {r.layer: r for r in stats.layers},
-                                 len(self._microbatches))
-        if self._c.timeline is not None:
-            self.last_memory_timeline = [(t - self._step_first, b) for t, b in self._c.timeline]
-        self._c = StepCounters(timeline=[] if self.record_memory_timeline else None)
-        self._forget_storages()
-        self._held.end_step()
-        self._microbatches.clear()
-        self._step += 1
+        order = max((mb.layer_keys for mb in self._table.microbatches()), key=len, default=[])
+        self._decisions.learn(stats, order, n)
+        if counters.timeline is not None:
+            self.last_memory_timeline = [(t - self._step_first, b) for t, b in counters.timeline]
+        self._step.next(timeline=[] if self.record_memory_timeline else None)
+        self._table.end_step()
         self._step_started = now
         self.last_step_stats = stats
+        self._write_stats(stats)
+        log.debug("ssdtrain step %d: %s", stats.step, stats.summary())
+        return stats
+
+    def _write_stats(self, stats: StepStats) -> None:
         if self._stats_path:
             if self._stats_header is not None:
                 append_line(self._stats_path, self._stats_header)
@@ -336,8 +308,6 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             append_jsonl(self._stats_path, stats, {"policy": self.config.policy})
         if self._tracer is not None:
             self._tracer.flush()
-        log.debug("ssdtrain step %d: %s", stats.step, stats.summary())
-        return stats
 
     def check_free_space(self, plan_bytes: Optional[List[int]] = None) -> List[str]:
         """Before a step: compare the free space of each root with what the step will need,
@@ -347,7 +317,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             self._engine.step_peak_bytes if self._engine is not None else None)
         short = space_shortfalls(self.rank_dirs, need)
         for d, msg in short.items():
-            self._warn_once(f"space:{d}", msg)
+            self._warn(f"space:{d}", msg)
         return list(short.values())
 
     def close(self) -> None:
@@ -356,36 +326,19 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             return
         self._closed = True
         try:
-            self._drain()
-            self._wait_inflight_writes()
-        except IOTimeout as exc:
-            log.error("ssdtrain: closing with IO still pending: %s", exc)
+            self._transfers.close()
         finally:
-            for r in list(self._records.values()):
-                self._release(r, force=True)
-            self._forget_storages()
-            self._held.close()
-            self._restore_pool.close()
+            self._table.close()
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None
             cleanup.unregister(self._cleanup_token)
-
-    def _forget_storages(self) -> None:
-        """No record of this step is looked up by identity any more: drop the storage refs."""
-        self._dedup.clear()
-        free = torch.UntypedStorage._free_weak_ref
-        for ref in self._storage_refs:
-            free(ref)
-        self._storage_refs = []
 
     def __enter__(self) -> "ActivationOffloader":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- pack / unpack ----------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:

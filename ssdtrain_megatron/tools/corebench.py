@@ -108,10 +108,10 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple
     clock = time.thread_time_ns
     with ActivationOffloader(c) as off:
         with off.microbatch(0):
-            handles = [off._pack(tensors[0])]  # warm up the engine threads
+            handles = [off.hooks.pack(tensors[0])]  # warm up the engine threads
             for t in tensors[1:]:
                 t0 = clock()
-                h = off._pack(t)
+                h = off.hooks.pack(t)
                 pack_ns.append(clock() - t0)
                 handles.append(h)
         off.wait_writes()
@@ -121,7 +121,7 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple
                 h = handles[i]
                 handles[i] = None
                 t0 = clock()
-                off._unpack(h)  # backward is done with the tensor at once,
+                off.hooks.unpack(h)  # backward is done with the tensor at once,
                 unpack_ns.append(clock() - t0)
                 del h  # and drops the handle: the record is released
         del handles

@@ -1,0 +1,122 @@
+"""What happens to each layer's saved tensors: keep, offload or recompute.
+
+Three sources decide, in this order of precedence: the policy ('keep' keeps everything), the
+adaptive planner (``adaptive.py``: per micro-batch position and layer, from measurement), else
+the per-layer plan the integration or the user set (``set_layer``; offload by default). The
+activation budget (``budget.py``) then has the last word on a record that would not fit: it
+makes room before the record counts as resident, writes a record the plan keeps when keeping it
+would leave no room for a layer's backward, and, with ``recompute_fallback``, turns a layer the
+plan offloads into a recomputed one when its bytes could not be read back beside what no write
+can free. At a step's end the budget's and the planner's figures go into the step's stats, and
+the planner re-plans from them.
+
+Collaborators received at construction: the budget (built by ``transfers.py``, which owns the
+operations it makes room with) and the planner; nothing here moves bytes or records states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Hashable, Optional, Sequence
+
+from ..config import OffloadConfig
+from ..telemetry.stats import StepStats
+from .adaptive import AdaptivePlanner
+from .budget import ActivationBudget
+from .record import TensorRecord
+
+DECISIONS = ("offload", "keep", "recompute")
+
+
+class Decisions:
+    """Per-layer decisions for one offloader (training thread only).
+
+    Args:
+        config: the settings (``policy``, ``recompute_fallback``).
+        budget: the activation budget, or None.
+        planner: the adaptive planner (policy 'adaptive'), or None.
+    """
+
+    def __init__(self, config: OffloadConfig, budget: Optional[ActivationBudget],
+                 planner: Optional[AdaptivePlanner]) -> None:
+        self._keep_all = config.policy == "keep"
+        self._recompute_fallback = config.recompute_fallback
+        self._budget = budget
+        self._planner = planner
+        self._by_layer: Dict[Hashable, str] = {}
+        # Without a budget or a planner a record's decision is its layer's: one dict lookup.
+        self._plain = budget is None and planner is None
+
+    @property
+    def planner(self) -> Optional[AdaptivePlanner]:
+        return self._planner
+
+    def set_layer(self, layer: Hashable, decision: str) -> None:
+        if decision not in DECISIONS:
+            raise ValueError(f"decision={decision!r} is invalid; allowed: {', '.join(DECISIONS)}")
+        self._by_layer[layer] = decision
+
+    def for_layer(self, micro_batch: Hashable, layer: Hashable, forward: bool) -> str:
+        """The decision for ``layer`` of ``micro_batch`` (``forward``: asked during forward,
+        where the budget may turn an offloaded layer into a recomputed one)."""
+        if self._keep_all:
+            return "keep"
+        if self._planner is not None:  # plan: per micro-batch position and layer
+            d = self._planner.decision(micro_batch, layer)
+        else:
+            d = self._by_layer.get(layer, "offload")
+        if d == "offload" and self._budget is not None and self._recompute_fallback and forward \
+                and self._budget.recompute_instead(micro_batch, layer):
+            return "recompute"  # budget: the layer's bytes would not fit; run it recomputed
+        return d
+
+    def for_record(self, rec: TensorRecord, step_number: int, forward: bool) -> str:
+        """The pack hook's question for a new record: sets and returns ``rec.decision``, after
+        the budget made room for the record's bytes (``forward``: as in :meth:`for_layer`)."""
+        if self._keep_all:
+            d = rec.decision = "keep"
+            return d
+        if self._plain:
+            d = rec.decision = self._by_layer.get(rec.layer, "offload")
+            return d
+        rec.decision = self.for_layer(rec.microbatch, rec.layer, forward)
+        b = self._budget
+        if b is not None:
+            if not b.make_room(rec.nbytes):
+                b.overrun(rec.nbytes, step_number, f"saving a {rec.describe()} in layer {rec.layer}")
+            if rec.decision == "keep" and not b.may_keep(rec.nbytes):
+                rec.decision = "offload"
+        return rec.decision
+
+    def forward_started(self, micro_batch: Hashable) -> None:
+        """A micro-batch's first forward in the step (the planner learns the step's shape)."""
+        if self._planner is not None:
+            self._planner.shape.forward(micro_batch)
+
+    def backward_started(self, micro_batch: Hashable) -> None:
+        if self._planner is not None:
+            self._planner.shape.backward(micro_batch)
+
+    def end_step(self, stats: StepStats, submit_s: float, step_number: int,
+                 num_micro_batches: int) -> StepStats:
+        """The step's budget counters, the training thread's offload cost and the plan in force
+        go into its stats; the budget learns each layer's bytes and its one-step recomputes end."""
+        n = max(num_micro_batches, 1)
+        extra = {"offload_submit_s": submit_s}
+        if self._planner is not None:
+            extra["plan"] = self._planner.rows()
+        if self._budget is not None:
+            largest = max((r.bytes // n for r in stats.layers), default=0)
+            for r in stats.layers:
+                self._budget.learn_layer(r.layer, r.bytes // n, r.decision)
+            for layer in self._budget.recomputed_layers():  # a budget recompute lasts one step
+                if self._by_layer.get(layer) == "recompute":
+                    del self._by_layer[layer]
+            extra.update(self._budget.end_step(largest, step_number).as_fields(self._budget.limit))
+        return dataclasses.replace(stats, **extra)
+
+    def learn(self, stats: StepStats, order: Sequence[Hashable], num_micro_batches: int) -> None:
+        """The planner re-plans from a finished step's stats (``order``: the layers in forward
+        order)."""
+        if self._planner is not None:
+            self._planner.update(stats, order, {r.layer: r for r in stats.layers}, num_micro_batches)
