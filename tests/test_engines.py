@@ -233,15 +233,16 @@ def test_small_chunks_queued_together_merge_into_one_request(open_engine, name, 
     gen = torch.Generator().manual_seed(4)
     tensors = [torch.randint(0, 256, (1 + 997 * k % 9000,), dtype=torch.uint8, generator=gen) for k in range(40)]
     parts_per_request = []
-    fill, drain = engine._fill, engine._drain
+    staging = engine.staging
+    fill, drain = staging.fill, staging.drain
 
     def counting(step):
-        def run(op):
+        def run(op, *args):
             parts_per_request.append((op.writing, len(op.parts)))
-            return step(op)
+            return step(op, *args)
         return run
 
-    engine._fill, engine._drain = counting(fill), counting(drain)
+    staging.fill, staging.drain = counting(fill), counting(drain)
     write_gate, read_gate = threading.Event(), threading.Event()
 
     class HeldBack:  # the one write thread waits here while the other writes queue up

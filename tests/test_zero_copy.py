@@ -68,7 +68,7 @@ def test_aligned_host_memory_is_written_and_read_in_place(open_engine, checksum)
 
 def _in_place(engine, shift: int, n: int) -> int:
     """Bytes of an ``n``-byte chunk stored at ``shift`` that the IO moves in place (bounce.py)."""
-    g = engine._dio_align
+    g = engine.staging.dio_align
     head = -(-shift // g) * g
     return max(0, (shift + n) // g * g - head)
 
@@ -86,14 +86,14 @@ def _slab_bytes(engine, key: int) -> bytes:
 def test_host_memory_off_a_page_moves_in_place_but_for_its_head_and_tail(open_engine, checksum):
     """A CPU tensor starts 64 bytes past a page (glibc): stored at that shift, all of it but a
     head and a tail below the direct-IO granularity moves in place. Broken variant: shift 0
-    for every write (``_shift_for`` returning 0): zero_copy_bytes is 0, and this fails."""
+    for every write (``ChunkStaging.shift_for`` returning 0): zero_copy_bytes is 0, and this fails."""
     engine = open_engine("posix", verify="crc32c" if checksum else "off")
     n = 2 * CHUNK
     data, out = aligned_buffer(n + 64)[64:], aligned_buffer(n + 64)[64:]  # 64 bytes off a page
     data.copy_(_random(n, 1))
     _round_trip(engine, data, out)
     assert bitwise_equal(out, data)
-    assert engine._dio_align in (512, ALIGN)
+    assert engine.staging.dio_align in (512, ALIGN)
     moved = 2 * 2 * _in_place(engine, 64, CHUNK)  # two chunks, each way
     assert moved > 0 and engine.zero_copy_bytes == moved
     assert engine.zero_copy_bytes + engine.bounced_bytes == 2 * 2 * (CHUNK + ALIGN)  # a page more each
@@ -115,7 +115,7 @@ def test_nothing_around_the_tensor_reaches_the_disk_or_is_overwritten_by_a_read(
     assert engine.write(5, data).result(30) == n
     on_disk = torch.frombuffer(bytearray(_slab_bytes(engine, 5)), dtype=torch.uint8)
     ext = engine._placed[5].extents[0]
-    assert ext.shift == 100 % engine._dio_align
+    assert ext.shift == 100 % engine.staging.dio_align
     assert bitwise_equal(on_disk[ext.shift:ext.shift + n], data)
     assert int(on_disk[:ext.shift].count_nonzero()) == 0 and int(on_disk[ext.shift + n:].count_nonzero()) == 0
     assert engine.read(5, out).result(30) == n
@@ -191,7 +191,7 @@ def test_a_drive_that_refuses_sub_page_pieces_gets_page_granularity(open_engine,
         m.setattr(bounce.os, "pwritev", refuse)
         assert bounce.probe_dio_align(directory) == ALIGN
     assert not [f for f in os.listdir(directory) if f.startswith("dio-probe")]
-    engine._dio_align = ALIGN  # before any write: what the probe said on such a drive
+    engine.staging.move_in_place(ALIGN)  # before any write: what the probe said on such a drive
     n = 2 * CHUNK
     data, out = aligned_buffer(n + 64)[64:], aligned_buffer(n + 64)[64:]
     data.copy_(_random(n, 6))

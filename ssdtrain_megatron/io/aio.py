@@ -85,9 +85,8 @@ class AioEngine(SlabEngine):
 
     def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None) -> None:
         self._op = load_aio_op()
-        self._init_common(config, ident)
-        self._align = ALIGN * config.aio_intra_op_parallelism
-        self._stage_bytes = align_up(config.chunk_bytes, self._align)
+        self._init_common(config, ident, align=ALIGN * config.aio_intra_op_parallelism)
+        self._stage_bytes = align_up(config.chunk_bytes, self.staging.align)
         lanes = config.io_threads
         check_aio_events(2 * lanes * config.aio_intra_op_parallelism, config.aio_queue_depth)
         self._cuda = torch.cuda.is_available()
@@ -126,9 +125,9 @@ class AioEngine(SlabEngine):
         The bytes land at offset 0 of the first slab, which the allocator hands out later.
         """
         slab = self._slabs[0]
-        buf = lane.buffers[0][:self._align]
+        buf = lane.buffers[0][:self.staging.align]
         buf.zero_()
-        slab.ensure_reserved(self._align)
+        slab.ensure_reserved(self.staging.align)
         rc = lane.handle.async_pwrite(buf, slab.fd, 0)
         if rc != 0 or lane.handle.wait() != 1:
             raise EngineError(f"the first aio write to {slab.path} failed (returned {rc}); "
@@ -223,7 +222,7 @@ class AioEngine(SlabEngine):
         """
         inflight: Optional[Run] = None
         while True:
-            parts = queue.get_run(inflight is None, self._stage_bytes, self._padded)
+            parts = queue.get_run(inflight is None, self._stage_bytes, self.staging.padded)
             if parts is None:
                 if inflight is None:
                     return  # closed and drained
@@ -231,10 +230,10 @@ class AioEngine(SlabEngine):
                 inflight = None
                 continue
             buf = lane.buffers[1] if inflight is not None and inflight.buf is lane.buffers[0] else lane.buffers[0]
-            nxt: Optional[Run] = Run(parts, buf, self._padded)
+            nxt: Optional[Run] = Run(parts, buf, self.staging.padded)
             parts = buf = None  # nothing of a finished run may stay bound while the lane waits
             if writing:
-                nxt = self._guard(nxt, self._fill, nxt)
+                nxt = self._guard(nxt, self.staging.fill, nxt)
                 if inflight is not None:
                     self._settle(lane, inflight)
                 inflight = self._guard(nxt, self._submit, lane, nxt) if nxt else None

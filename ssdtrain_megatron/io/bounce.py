@@ -1,18 +1,19 @@
 """How a staged engine's IO threads move a chunk between its tensor and the file (posix, aio).
 
-A part of :class:`~.slab_engine.SlabEngine` (a base class of it, so that no module is longer
-than a few hundred lines).
+:class:`ChunkStaging` is an object each staged engine (``slab_engine.py``) owns: it knows the
+chunk size, the alignments and the checksum setting, and counts which way the bytes went; the
+engine hands it each run (``requests.Run``) before and after the system call.
 
 Why these choices:
 - O_DIRECT wants every piece of memory handed to one system call to start on, and be a
-  multiple of, the device's direct-IO granularity (``_dio_align``: 512 bytes on most devices,
+  multiple of, the device's direct-IO granularity (``dio_align``: 512 bytes on most devices,
   probed by the posix engine; 4096 where that is refused), and the file offset to be aligned.
   A tensor from the C allocator starts 64 bytes past a page (glibc) and ends anywhere, so
   copying every chunk through a page-aligned bounce buffer cost a memcpy each way of every
   byte: on a CPU training device, where the tensor already is host memory, that was about
   half of the IO threads' CPU in the bench.
 - Instead, a chunk is stored ``shift`` bytes into its extent, ``shift`` being its memory
-  address modulo ``_dio_align`` (``Extent.shift``; the posix engine sets it when it places a
+  address modulo ``dio_align`` (``Extent.shift``; the posix engine sets it when it places a
   write). Memory address and file position are then congruent, and the chunk is moved in
   three pieces: its head (up to the first aligned address) and its tail (after the last
   aligned one) through the bounce buffer, padded with zeros there, and everything between in
@@ -20,7 +21,7 @@ Why these choices:
   (record.py, modulo 512), so reads of it go in place too; a read whose target has another
   residue goes through the bounce buffer, as every chunk of the aio engine does (shift 0).
 - Each chunk's place in the slab (``Extent.room``) has room for any shift: its length plus
-  ``_dio_align - 1``, padded to the page (a page more than before for most chunks, 0.05% of
+  ``dio_align - 1``, padded to the page (a page more than before for most chunks, 0.05% of
   an 8 MiB chunk). Not the shift it got: the space a step needs must not depend on where its
   tensors happened to be in memory (the free-space check goes by it). The IO covers a
   run's places up to its last chunk's bytes (``_span``), so chunks placed back to back still
@@ -35,7 +36,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from typing import List, Optional
+import threading
+from typing import Callable, List, Optional, Sequence
 
 from .base import EngineError
 from .checksum import ALGORITHM, checksum
@@ -48,32 +50,56 @@ from .requests import Request, Run
 class ChunkStaging:
     """Bounce-buffer staging and in-place chunks (see the module docstring).
 
-    Uses the engine's ``_align`` (extent alignment), ``_dio_align``, ``_zero_copy``, ``_chunk``,
-    ``_checksum``, ``_slabs``, ``_lock``, ``zero_copy_bytes``, ``bounced_bytes``, ``name``."""
+    Args:
+        chunk_bytes: the engine's ``chunk_bytes`` (chunk ``i`` of a request starts at byte
+            ``i * chunk_bytes`` of its tensor).
+        align: padding and file-offset alignment of every chunk (what O_DIRECT needs; aio:
+            times its intra-op parallelism).
+        checksum: keep a CRC32C per chunk and verify it on reads (``verify='crc32c'``).
+        name: the engine's name, for error messages.
 
-    _align = ALIGN
-    _dio_align = ALIGN  # the posix engine lowers it to what the drive accepts (probed)
+    Until :meth:`move_in_place` every chunk goes through the bounce buffer (aio, gds).
+    ``zero_copy_bytes`` / ``bounced_bytes`` count, from any IO thread, the bytes moved in
+    place and those copied through a bounce buffer.
+    """
 
-    def _padded(self, length: int) -> int:
-        return align_up(max(length, 1), self._align)
+    def __init__(self, chunk_bytes: int, align: int = ALIGN, checksum: bool = False, name: str = "") -> None:
+        self.chunk_bytes = chunk_bytes
+        self.align = align
+        self.dio_align = align
+        """The direct-IO granularity of memory pieces (posix probes it: 512 on most drives)."""
+        self._zero_copy = False
+        self._checksum = checksum
+        self._name = name
+        self._lock = threading.Lock()  # the two counters, updated by several IO threads
+        self.zero_copy_bytes = 0
+        self.bounced_bytes = 0
 
-    def _shift_for(self, req: Request) -> Optional[int]:
+    def move_in_place(self, dio_align: int) -> None:
+        """Host chunks move in place from now on (posix), at ``dio_align`` granularity."""
+        self._zero_copy = True
+        self.dio_align = dio_align
+
+    def padded(self, length: int) -> int:
+        return align_up(max(length, 1), self.align)
+
+    def shift_for(self, req: Request) -> Optional[int]:
         """Where a write's chunks start in their extents: their address modulo the direct-IO
         granularity, when they can be moved in place (host memory, posix); else None."""
         if not self._zero_copy or req.tensor is None or req.tensor.device.type != "cpu":
             return None
-        return req.address() % self._dio_align
+        return req.address() % self.dio_align
 
-    def _span(self, op: Run, j: int, ext: Extent) -> int:
+    def span(self, op: Run, j: int, ext: Extent) -> int:
         """Bytes of the run's IO in part ``j``'s place: all of it but for the last part, whose
         bytes the run ends with (padded)."""
-        return ext.room if j < len(op.parts) - 1 else self._padded(ext.shift + ext.length)
+        return ext.room if j < len(op.parts) - 1 else self.padded(ext.shift + ext.length)
 
-    def _head(self, ext: Extent) -> int:
+    def head(self, ext: Extent) -> int:
         """Bytes of the extent before its in-place middle (the shift, up to an aligned offset)."""
-        return align_up(ext.shift, self._dio_align) if ext.shift else 0
+        return align_up(ext.shift, self.dio_align) if ext.shift else 0
 
-    def _in_place(self, req: Request, i: int, ext: Extent) -> Optional[memoryview]:
+    def in_place(self, req: Request, i: int, ext: Extent) -> Optional[memoryview]:
         """The middle of chunk ``i`` in the request's own memory, when the IO can use it in
         place: host memory at the residue the extent was stored at, and at least one aligned
         block of it. None: the whole chunk goes through the bounce buffer."""
@@ -81,25 +107,25 @@ class ChunkStaging:
             return None
         if req.tensor.device.type != "cpu":
             return None
-        addr, g = self._chunk_address(req, i), self._dio_align
+        addr, g = self._chunk_address(req, i), self.dio_align
         if addr % g != ext.shift:
             return None
-        head = self._head(ext)
+        head = self.head(ext)
         body = (ext.shift + ext.length) // g * g - head
         return buffer_at(addr + head - ext.shift, body) if body > 0 else None
 
     def _chunk_address(self, req: Request, i: int) -> int:
         """Where chunk ``i`` of the request's own (host) memory starts."""
-        return req.address() + i * self._chunk
+        return req.address() + i * self.chunk_bytes
 
-    def _count_copies(self, op: Run) -> None:
+    def count_copies(self, op: Run) -> None:
         """After a successful run: how many of its bytes went in place, how many were bounced."""
         direct = sum(len(m) for m in op.direct if m is not None) if op.direct is not None else 0
         with self._lock:
             self.zero_copy_bytes += direct
             self.bounced_bytes += op.nbytes - direct
 
-    def _fill(self, op: Run) -> None:
+    def fill(self, op: Run) -> None:
         """Write side, before the IO: what of each chunk goes through the bounce buffer (all of
         it, or its head and tail), in place there with zeros around it."""
         direct: List[Optional[memoryview]] = []
@@ -107,7 +133,7 @@ class ChunkStaging:
         for j, (req, i) in enumerate(op.parts):
             ext = req.extents[i]
             n, at, s = ext.length, base + ext.offset, ext.shift
-            span = self._span(op, j, ext)
+            span = self.span(op, j, ext)
             if req.error is not None:  # another chunk of this tensor failed: write zeros
                 memset(at, 0, span)
                 direct.append(None)
@@ -115,9 +141,9 @@ class ChunkStaging:
             if req.ready_event is not None:
                 wait_for(req.ready_event)
             src = self._chunk_address(req, i)
-            body = self._in_place(req, i, ext)
+            body = self.in_place(req, i, ext)
             direct.append(body)
-            lo, hi = (self._head(ext), self._head(ext) + len(body)) if body is not None else (s + n, s + n)
+            lo, hi = (self.head(ext), self.head(ext) + len(body)) if body is not None else (s + n, s + n)
             # [0, s) zeros, [s, lo) bytes, [lo, hi) in place, [hi, s + n) bytes, then zeros
             memset(at, 0, s)
             if lo > s:
@@ -129,15 +155,11 @@ class ChunkStaging:
                 ext.crc = checksum(buffer_at(src, n)) if n else 0
         op.direct = direct if any(m is not None for m in direct) else None
 
-    def _check_inside(self, op: Run) -> None:
-        """Read side, before the IO: the run lies inside the reserved (written) file."""
-        slab = self._slabs[op.root]
-        if slab.fd is None or op.offset + op.nbytes > slab.reserved:
-            raise EngineError(f"{self._describe(op)}: past the reserved end of the slab ({slab.reserved} bytes)")
-
-    def _drain(self, op: Run) -> None:
+    def drain(self, op: Run, paths: Sequence[str],
+              finish: Callable[[Request, int, Optional[BaseException]], None]) -> None:
         """Read side, after the IO: per chunk, copy what went through the bounce buffer out (by
-        address), verify the checksum, and complete it (a bad chunk fails its own tensor only)."""
+        address), verify the checksum, and complete it with ``finish`` (the engine's: a bad
+        chunk fails its own tensor only). ``paths``: the slab file of each root (messages)."""
         base = op.buf.data_ptr() - op.offset
         for j, (req, i) in enumerate(op.parts):
             exc: Optional[BaseException] = op.failed.get(j)
@@ -150,11 +172,11 @@ class ChunkStaging:
                         crc = checksum(buffer_at(self._chunk_address(req, i), n))
                         if crc != ext.crc:
                             raise EngineError(f"checksum mismatch reading {n} bytes from "
-                                              f"{self._slabs[ext.root].path} at offset {ext.offset + s}: "
+                                              f"{paths[ext.root]} at offset {ext.offset + s}: "
                                               f"stored {ALGORITHM} {ext.crc:#010x}, read {crc:#010x}")
             except BaseException as e:  # noqa: BLE001 - surfaced through the Future
-                exc = as_engine_error(e, f"{self.name} read")
-            self._finish_chunk(req, i, exc)
+                exc = as_engine_error(e, f"{self._name} read")
+            finish(req, i, exc)
 
     def _copy_out(self, req: Request, i: int, ext: Extent, at: int, body: Optional[memoryview]) -> None:
         """The bytes of chunk ``i`` that came into the bounce buffer (at ``at``) go to the tensor."""
@@ -165,7 +187,7 @@ class ChunkStaging:
                 wait_for(req.ready_event)
             memmove(dst, at + s, n)
             return
-        lo = self._head(ext)
+        lo = self.head(ext)
         hi = lo + len(body)
         if lo > s:
             memmove(dst, at + s, lo - s)

@@ -154,7 +154,7 @@ class GdsEngine(SlabEngine):
             slab = self._slabs[ext.root]
             try:
                 if req.writing:
-                    slab.ensure_reserved(ext.offset + self._padded(ext.length))
+                    slab.ensure_reserved(ext.offset + self.staging.padded(ext.length))
                 elif slab.handle is None or ext.offset + ext.length > slab.reserved:
                     raise EngineError(f"gds read of {ext.length} bytes from {slab.path} at offset "
                                       f"{ext.offset}: past the reserved end of the slab")

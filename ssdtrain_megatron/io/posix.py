@@ -49,14 +49,13 @@ class PosixEngine(SlabEngine):
 
     def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None) -> None:
         self._init_common(config, ident)
-        self._zero_copy = True
         self._queue = self._write_queue = ChunkQueue()  # reads first (see ChunkQueue)
         self._cancelled = False  # remove_files(): queued requests fail instead of running
         self._workers: List[threading.Thread] = []
         self._open_slabs("prefer")
         try:
             # What O_DIRECT accepts here decides how much of a host tensor moves in place (bounce.py).
-            self._dio_align = max(probe_dio_align(d) for d in self.rank_dirs)
+            self.staging.move_in_place(max(probe_dio_align(d) for d in self.rank_dirs))
             # Allocated here, not in the threads: a thread still inside torch when the
             # interpreter exits aborts the process.
             self._workers = [
@@ -108,19 +107,19 @@ class PosixEngine(SlabEngine):
         keep the last tensor it handled alive)."""
         view = memoryview(buf.numpy())
         while True:
-            parts = self._queue.get_run(True, self._chunk, self._padded, IOV_MAX // 3)  # 3 pieces a chunk
+            parts = self._queue.get_run(True, self._chunk, self.staging.padded, IOV_MAX // 3)  # 3 pieces a chunk
             if parts is None:
                 return
-            op = Run(parts, buf, self._padded)
+            op = Run(parts, buf, self.staging.padded)
             parts = None
             if self._cancelled:
                 self._finished(op, EngineError(f"{self._describe(op)} cancelled: the engine's files were removed"))
             elif op.writing:
-                if self._guard(op, self._fill, op) and self._guard(op, self._pwrite, op, view):
-                    self._count_copies(op)
+                if self._guard(op, self.staging.fill, op) and self._guard(op, self._pwrite, op, view):
+                    self.staging.count_copies(op)
                     self._finished(op, None)
             elif self._guard(op, self._pread, op, view):
-                self._count_copies(op)
+                self.staging.count_copies(op)
                 self._drain(op)
             op = None
 
@@ -131,14 +130,15 @@ class PosixEngine(SlabEngine):
         if op.direct is None:
             return [view[:op.nbytes]]
         out = []
+        staging = self.staging
         for j, ((req, i), body) in enumerate(zip(op.parts, op.direct)):
             ext = req.extents[i]
             lo = ext.offset - op.offset
-            span = self._span(op, j, ext)
+            span = staging.span(op, j, ext)
             if body is None:
                 out.append(view[lo:lo + span])
                 continue
-            head = self._head(ext)
+            head = staging.head(ext)
             if head:
                 out.append(view[lo:lo + head])
             out.append(body)
@@ -151,7 +151,7 @@ class PosixEngine(SlabEngine):
         tensor (once the tensor's memory may be written: its ready event)."""
         direct = []
         for req, i in op.parts:
-            body = self._in_place(req, i, req.extents[i])
+            body = self.staging.in_place(req, i, req.extents[i])
             if body is not None and req.ready_event is not None:
                 wait_for(req.ready_event)
             direct.append(body)

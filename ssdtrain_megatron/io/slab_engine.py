@@ -40,15 +40,15 @@ from .syscalls import OS, SysCalls
 from .pinned import pin_exact
 
 
-class SlabEngine(ChunkStaging, IOEngine):
-    """An engine that keeps tensors in per-root slabs: placement, keys, completion, staging.
+class SlabEngine(IOEngine):
+    """An engine that keeps tensors in per-root slabs: placement, keys, completion.
 
     Subclasses set up ``_slabs`` with :meth:`_open_slabs`, move :class:`Run` s with their own
-    system calls, and implement ``_enqueue`` (hand a request to their IO threads)."""
+    system calls (staged through ``staging``, a :class:`ChunkStaging`), and implement
+    ``_enqueue`` (hand a request to their IO threads)."""
 
-    _align = ALIGN  # padding and offset alignment of every chunk (bounce.py: what O_DIRECT needs)
-
-    def _init_common(self, config: OffloadConfig, ident: Optional[Identity]) -> None:
+    def _init_common(self, config: OffloadConfig, ident: Optional[Identity], align: int = ALIGN) -> None:
+        """``align``: padding and file-offset alignment of every chunk (what O_DIRECT needs)."""
         self.config = config
         self._cleanup_token: Optional[object] = None
         self.ident = ident or Identity.detect(config.job_id())
@@ -56,7 +56,8 @@ class SlabEngine(ChunkStaging, IOEngine):
         self.rank_dirs: List[str] = []
         self._slabs: List[Slab] = []
         self._chunk = config.chunk_bytes
-        self._checksum = config.verify != "off"
+        self.staging = ChunkStaging(config.chunk_bytes, align, config.verify != "off", self.name)
+        """How the IO threads move chunks through bounce buffers or in place (bounce.py)."""
         self._placed: Dict[int, Placement] = {}  # key -> where its chunks are
         self._write_requests: Dict[int, Request] = {}  # key -> its write (until release)
         self._write_queue: Optional[ChunkQueue] = None  # where cancel() takes writes back from
@@ -64,9 +65,6 @@ class SlabEngine(ChunkStaging, IOEngine):
         self._turn = itertools.count()  # which root a tensor's first chunk goes to
         self._closed = False
         self._closed_by: Optional[int] = None  # the signal whose cleaners closed it (cleanup.py)
-        self._zero_copy = False  # posix: aligned host chunks skip the bounce buffer (_direct_source)
-        self.zero_copy_bytes = 0  # bytes moved in place, without a copy through a bounce buffer
-        self.bounced_bytes = 0  # bytes copied through a bounce buffer
         self._queued = 0  # chunks queued or in flight (the trace's queue depth)
         self.write_meter = BusyMeter()
         self.read_meter = BusyMeter()
@@ -99,6 +97,16 @@ class SlabEngine(ChunkStaging, IOEngine):
         return sum(s.alloc.allocated for s in self._slabs)
 
     @property
+    def zero_copy_bytes(self) -> int:
+        """Bytes moved in place, without a copy through a bounce buffer."""
+        return self.staging.zero_copy_bytes
+
+    @property
+    def bounced_bytes(self) -> int:
+        """Bytes copied through a bounce buffer."""
+        return self.staging.bounced_bytes
+
+    @property
     def page_cache_bypassed(self) -> bool:
         return all(s.direct for s in self._slabs if s.fd is not None)
 
@@ -111,26 +119,28 @@ class SlabEngine(ChunkStaging, IOEngine):
     def _n_chunks(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self._chunk))
 
-    def _place(self, placement: Placement, req: Request) -> None:
+    def place(self, placement: Placement, req: Request) -> None:
         """IO thread (under the queue's lock, in queue order): cut the tensor into
         ``chunk_bytes`` chunks striped round-robin over the roots, the first on the next root
         in turn, and allocate one extent per root holding that root's chunks back to back,
-        each ``shift`` bytes into its place (bounce.py)."""
+        each ``shift`` bytes into its place (bounce.py). The requests' owner protocol
+        (requests.py)."""
         n_roots, chunk, nbytes = len(self._slabs), self._chunk, placement.nbytes
         first = next(self._turn) % n_roots
-        shift = self._shift_for(req)
+        staging = self.staging
+        shift = staging.shift_for(req)
         # room for any shift, not this one: a step's space must not depend on addresses
-        extra = 0 if shift is None else self._dio_align - 1
+        extra = 0 if shift is None else staging.dio_align - 1
         shift = shift or 0
         if nbytes <= chunk:  # one chunk, one extent (most activations): what the loops below give
-            size = self._padded(extra + nbytes)
+            size = staging.padded(extra + nbytes)
             offset = self._slabs[first].alloc.allocate(size)
             placement.allocs = [(first, offset, size)]
             placement.extents = [Extent(first, offset, nbytes, shift=shift, room=size)]
             return
         n = self._n_chunks(nbytes)
         last = nbytes - (n - 1) * chunk
-        full, tail = self._padded(extra + chunk), self._padded(extra + last)
+        full, tail = staging.padded(extra + chunk), staging.padded(extra + last)
         allocs = []
         for k in range(min(n_roots, n)):  # the k-th root in turn holds chunks k, k + n_roots, ...
             count = (n - 1 - k) // n_roots + 1
@@ -264,6 +274,16 @@ class SlabEngine(ChunkStaging, IOEngine):
         except BaseException as exc:  # noqa: BLE001 - surfaced through the Future
             self._finished(op, as_engine_error(exc, f"{self.name} {step.__name__.strip('_')}"))
             return None
+
+    def _check_inside(self, op: Run) -> None:
+        """Read side, before the IO: the run lies inside the reserved (written) file."""
+        slab = self._slabs[op.root]
+        if slab.fd is None or op.offset + op.nbytes > slab.reserved:
+            raise EngineError(f"{self._describe(op)}: past the reserved end of the slab ({slab.reserved} bytes)")
+
+    def _drain(self, op: Run) -> None:
+        """Read side, after the IO: the staging copies each chunk out and completes it."""
+        self.staging.drain(op, [s.path for s in self._slabs], self._finish_chunk)
 
     def _describe(self, op: Run) -> str:
         slab = self._slabs[op.root]

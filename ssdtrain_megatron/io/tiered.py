@@ -87,7 +87,7 @@ class TieredEngine(IOEngine):
 
     @completions.setter
     def completions(self, sink) -> None:
-        """Both tiers report to ``_relay_completion``, which counts the request in this
+        """Both tiers report to :meth:`report`, which counts the request in this
         engine's meters and passes it on to ``sink`` (see IOEngine.completions)."""
         self._completions = sink
         relay = None if sink is None else _Relay(self)
@@ -141,6 +141,14 @@ class TieredEngine(IOEngine):
         with self._lock:
             self._tier[key] = tier
         return None if queued else self._metered(fut, self.write_meter, nbytes)
+
+    def report(self, item: Tuple[int, Optional[BaseException]]) -> None:
+        """A tier's request completed (any thread): count it in this engine's meter, then
+        pass it on to the caller's completions queue."""
+        self._end(item[0])
+        sink = self._completions
+        if sink is not None:
+            sink.put(item)
 
     def _begin(self, key: int, meter: BusyMeter, nbytes: int) -> None:
         with self._lock:
@@ -235,7 +243,4 @@ class _Relay:
         self.owner = owner
 
     def put(self, item: Tuple[int, Optional[BaseException]]) -> None:
-        self.owner._end(item[0])
-        sink = self.owner._completions
-        if sink is not None:
-            sink.put(item)
+        self.owner.report(item)
