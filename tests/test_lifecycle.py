@@ -1,7 +1,7 @@
 """The record lifecycle is one table (cache/lifecycle.py), and ``move`` enforces it.
 
-Broken variant: ``move`` taking ``TRANSITIONS.get((old, new), ())`` (no refusal): the first
-test fails ("DID NOT RAISE"), and the released record reads as READING.
+Broken variant: ``move`` taking ``_MOVES.get((old, new), ((), 0))`` (no refusal): the first
+two tests fail ("DID NOT RAISE IllegalTransition").
 """
 
 import pytest

@@ -186,7 +186,7 @@ class SavedTensorHooks:
             rec.hold()
             mb.deferred.append(rec)  # written once later layers prove it is not among the last
         else:
-            self._transfers.submit(rec)  # the record holds the tensor itself until written (record.py)
+            self._transfers.submit(rec, True)  # it holds the tensor itself until written (record.py)
         return _Handle(rec, self._events)
 
     def _pass_other(self, t: torch.Tensor) -> None:

@@ -111,6 +111,12 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
 }
 
 
+# The table as move() reads it: (from, to) -> (its effects, +1 when the record's bytes enter
+# memory, -1 when they leave it, 0 otherwise): one lookup per transition on the hot path.
+_MOVES: Dict[Tuple[int, int], Tuple[Tuple[str, ...], int]] = {
+    (a, b): (effects, (b in RESIDENT) - (a in RESIDENT)) for (a, b), effects in TRANSITIONS.items()}
+
+
 class IllegalTransition(RuntimeError):
     """A record was asked to go where ``TRANSITIONS`` does not allow: a bookkeeping bug in the
     offloader (the message names the record, both states and what the table allows)."""
@@ -129,16 +135,16 @@ def move(rec, new: int, counters) -> None:
         IllegalTransition: the table has no row for (the record's state, ``new``).
     """
     old = rec.state
-    effects = TRANSITIONS.get((old, new))
-    if effects is None:
+    found = _MOVES.get((old, new))
+    if found is None:
         allowed = ", ".join(allowed_from(old)) or "nothing"
         raise IllegalTransition(
             f"ssdtrain internal error: record {rec.id} ({rec.describe()}) cannot go from "
             f"{State.EXACT[old]} to {State.EXACT[new]}: the lifecycle table "
             f"(cache/lifecycle.py TRANSITIONS) allows {State.EXACT[old]} -> {allowed}")
     rec.state = new
-    was, now = old in RESIDENT, new in RESIDENT
-    if was != now:
-        counters.add_resident(rec.nbytes if now else -rec.nbytes)
+    effects, resident = found
+    if resident:
+        counters.add_resident(rec.nbytes * resident)
     for e in effects:
         counters.count(e, rec.nbytes, rec.layer, rec.decision)

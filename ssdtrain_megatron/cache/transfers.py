@@ -195,8 +195,10 @@ class Transfers:
             if rec.state == State.SAVED:
                 move(rec, State.KEPT, self._step.counters)
 
-    def submit(self, rec: TensorRecord) -> None:
-        """Hand a SAVED record to the engine, after back-pressure allows it."""
+    def submit(self, rec: TensorRecord, fresh: bool = False) -> None:
+        """Hand a SAVED record to the engine, after back-pressure allows it. ``fresh``: the
+        pack hook is saving it now, so its owner cannot have freed its storage yet (a
+        deferred record's owner may have: ``TensorRecord.check_storage``)."""
         cap = self._config.max_inflight_bytes
         if self._inflight_bytes and self._inflight_bytes + rec.nbytes > cap:
             self._wait_below(cap - rec.nbytes, rec)
@@ -206,7 +208,8 @@ class Transfers:
             self._tracer.tag(rec.id, self._step.number, rec.microbatch, rec.layer, self._step.phase)
         t_submit = time.perf_counter() if self._time_submit else 0.0  # budget/plan: its cost
         try:
-            rec.check_storage()  # before any copy or IO could read memory its owner freed
+            if not fresh:
+                rec.check_storage()  # before any copy or IO could read memory its owner freed
             data, event = self._stage_out(rec) if self._copy is not None else (rec.bytes_view(), None)
             fut = self._engine.write(rec.id, data, event)
         except EXPECTED_WRITE_REFUSALS as exc:  # nothing started (the memory pool is full): keep it

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import abc
 import functools
+import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
@@ -171,8 +173,6 @@ class BusyMeter:
     """
 
     def __init__(self) -> None:
-        import threading
-
         self._lock = threading.Lock()
         self._inflight = 0
         self._since = 0.0
@@ -180,16 +180,12 @@ class BusyMeter:
         self._bytes = 0
 
     def begin(self) -> None:
-        import time
-
         with self._lock:
             if self._inflight == 0:
                 self._since = time.perf_counter()
             self._inflight += 1
 
     def end(self, nbytes: int) -> None:
-        import time
-
         with self._lock:
             self._inflight -= 1
             self._bytes += nbytes
@@ -198,8 +194,6 @@ class BusyMeter:
 
     def take(self) -> Tuple[int, float]:
         """(bytes, busy seconds) since the last take; resets the counters."""
-        import time
-
         with self._lock:
             busy = self._busy
             if self._inflight:

@@ -71,7 +71,7 @@ class Request:
         self.depth = depth  # chunks queued or in flight when this request was made (for the trace)
         self.writing = writing
         self.tensor: Optional[torch.Tensor] = tensor  # any dtype: see bytes()
-        self.nbytes = tensor.nbytes
+        self.nbytes = placement.nbytes  # the tensor's, read once by the engine
         self.placement = placement
         self.ready_event = ready_event
         self.meter = meter

@@ -163,8 +163,9 @@ class SlabEngine(IOEngine):
             # memory order and come back as other bytes.
             raise EngineError(f"{self.name} engine: key {key}: the tensor to write is not "
                               f"contiguous (shape {tuple(data.shape)}, stride {data.stride()})")
-        placement = Placement(data.nbytes)
-        n = self._n_chunks(placement.nbytes)
+        nbytes = data.nbytes
+        placement = Placement(nbytes)
+        n = 1 if nbytes <= self._chunk else -(-nbytes // self._chunk)  # _n_chunks, inline: every save
         with self._lock:
             if key in self._placed:
                 raise EngineError(f"key {key} written twice")
