@@ -204,7 +204,11 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
     def microbatch(self, key: Hashable) -> Iterator["ActivationOffloader"]:
         """Forward of micro-batch ``key``: saved tensors inside are recorded under it."""
         self._check_open()
-        self._drain()
+        # Inside a CUDA graph capture, entering touches no stream, event or IO thread (a
+        # replay would repeat none of it): the deferred writes wait for the next entry outside.
+        capturing = self._capturing()
+        if not capturing:
+            self._drain()
         if not self._microbatches:
             self._step_first = time.perf_counter()  # the step's first forward starts
         mb = self._microbatches.get(key)
@@ -215,7 +219,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         # Another micro-batch's forward runs first: the deferred last layers of every
         # micro-batch still waiting for backward will not be needed right away; write them.
         for other in self._microbatches.values():
-            if other is not mb and not other.in_backward and other.deferred:
+            if other is not mb and not other.in_backward and other.deferred and not capturing:
                 self._submit_all(other.take_all_deferred())
         prev, prev_layer = self._current, self._layer
         self._current, self._layer = mb, None
@@ -238,7 +242,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         if mb is not None and forward:
             idx = mb.enter_layer(key)
             keep = self.config.keep_last_layers
-            self._submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
+            if not self._capturing():  # a capture: no copy or IO enters it (microbatch())
+                self._submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
         t0 = time.perf_counter()
         try:
             yield
@@ -263,7 +268,10 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
 
     def begin_backward(self, key: Hashable) -> None:
         """Hint: the backward of micro-batch ``key`` is next. Its deferred last layers stay in
-        memory, and reads of its last layers start now, while other work runs."""
+        memory, and reads of its last layers start now, while other work runs (not while a
+        CUDA graph is captured: no copy or IO may enter the capture)."""
+        if self._capturing():
+            return
         self._drain()
         mb = self._microbatches.get(key)
         if mb is None:
