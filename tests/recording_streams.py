@@ -33,7 +33,9 @@ missing wait shows up as wrong bytes too).
 from __future__ import annotations
 
 import contextlib
+import mmap
 import threading
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -224,6 +226,20 @@ class Recorder(StreamOps):
         from ssdtrain_megatron.io.slab_engine import aligned_buffer
 
         return aligned_buffer(nbytes)
+
+    def pinned_pool(self, nbytes: int) -> torch.Tensor:
+        """The staging pool. On the stand-in its release (what ``cudaHostUnregister`` and the
+        unmapping of io/pinned.py do once the last view of it is gone) is logged as a host
+        ``unpin`` node with the pool's byte range."""
+        if self.inner is not None:
+            return self.inner.pinned_pool(nbytes)
+        if self.pin_fails:
+            raise RuntimeError("CUDA error: out of memory (stand-in: pinning refused)")
+        mm = mmap.mmap(-1, max(nbytes, 1))
+        view = memoryview(mm)
+        t = torch.frombuffer(view, dtype=torch.uint8)[:nbytes]
+        weakref.finalize(view, self._host_op, "unpin", ptr=_range(t))
+        return t
 
     # -- what tests log ---------------------------------------------------------------------
 

@@ -257,6 +257,36 @@ def test_a_cancelled_write_returns_its_staging_only_after_its_copy(tmp_path, ops
         assert pairs > 0, "the scenario never reused a staging block (nothing was checked)"
 
 
+def test_close_waits_for_a_cancelled_writes_copy_before_the_staging_pool_is_released(tmp_path):
+    """A write taken back by ``cancel`` gives its staging block back with a copy event no IO
+    thread waited for; ``close()`` right after must not release (unregister, unmap) the pinned
+    pool before that copy ran: every copy into or out of the pool is ordered before the
+    stand-in's ``unpin`` of it. Before the fix (DeviceCopy had no close) the pool went with
+    the offloader, and the cancelled copy was not ordered before the ``unpin``."""
+    import gc
+
+    s = Scene(tmp_path, "stand-in", "posix", io_threads=1)
+    s.gating = True
+    yd = s.save("d", 2.0)  # the one IO thread takes d's write and is held in it
+    assert s.entered.wait(60)
+    s.gating = False
+    yb = s.save("b", 3.0)  # queued behind d: no thread ever waits for b's copy
+    del yb  # cancelled: its block goes back with b's copy event, pending
+    s.off.poll()
+    assert 1 not in s.off._records, "b's write was not taken back by cancel()"
+    pool = _range(s.off._copy.pool._mem)
+    s.gate.set()
+    del yd
+    s.off.close()
+    s.off = None
+    gc.collect()
+    (unpin,) = [n for n in s.rec.nodes("unpin") if n.tags["ptr"] == pool]
+    copies = [n for n in s.rec.nodes("copy") if overlaps(n.tags["dst"], pool) or overlaps(n.tags["src"], pool)]
+    assert len(copies) == 2
+    for c in copies:
+        assert s.rec.happens_before(c, unpin), f"the pinned pool was released before {c} ran"
+
+
 @pytest.mark.parametrize("ops", OPS)
 def test_a_write_refused_by_a_full_host_pool_returns_its_staging_only_after_its_copy(tmp_path, ops):
     """The memory engine refuses a write (``PoolFull``): the tensor stays in memory, and its

@@ -377,6 +377,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None
+            if self._copy is not None:  # after the engine: its IO threads no longer touch staging
+                self._copy.close()  # waits for every copy before the pinned pool goes
             cleanup.unregister(self._cleanup_token)
 
     def _forget_storages(self) -> None:
