@@ -5,8 +5,9 @@ is asynchronous (offload stream). Normally an IO thread waits for its event befo
 reads the block, and only then does the block go back to the pool. Three paths give the block
 back although no thread ever waited for that copy:
 
-- **cancel**: backward (or a dropped graph) releases a tensor whose write no IO thread started;
-  ``engine.cancel`` takes the write back (cache/transfers.py ``_release``);
+- **cancel**: a dropped graph releases a tensor whose write no IO thread started;
+  ``engine.cancel`` takes the write back (cache/transfers.py ``_release``); or backward needs
+  such a tensor, and the write is taken back to serve it from memory (``_wanted_while_writing``);
 - **PoolFull**: the memory engine refuses the write (``_submit``, expected refusal);
 - **engine error**: ``engine.write`` raises (``_submit``, an engine bug).
 
@@ -72,6 +73,11 @@ class Logged(ForwardingEngine):
     def read(self, key, out, ready_event=None):
         self.rec.host("engine_read", key=key, ptr=_range(out))
         return self.inner.read(key, out, ready_event)
+
+    def cancel(self, key):
+        taken = self.inner.cancel(key)
+        self.rec.host("engine_cancel", key=key, taken=taken)
+        return taken
 
     def pool_view(self, key, nbytes):
         return self.inner.pool_view(key, nbytes) if self.pooled else None
@@ -249,6 +255,38 @@ def test_a_cancelled_write_returns_its_staging_only_after_its_copy(tmp_path, ops
     opener = threading.Thread(target=_open_after_read_of, args=(s, 0))
     opener.start()
     ya.sum().backward()
+    opener.join()
+    s.restored_bytes_match("a")
+    yd.sum().backward()
+    pairs = s.finish()
+    if ops == "stand-in":
+        assert pairs > 0, "the scenario never reused a staging block (nothing was checked)"
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_a_write_backward_takes_back_returns_its_staging_only_after_its_copy(tmp_path, ops):
+    """The second cancel path (cache/transfers.py ``_wanted_while_writing``): backward needs a
+    tensor whose write no IO thread has started; the write is taken back and the tensor served
+    from memory. Its staging block goes back to the pool with its copy event, and the read
+    that comes next (a's, while d still holds a block) must not get that block before the
+    copy ran. With the event dropped on this path (``rec.transfer.copy_event = None`` before
+    ``_written``) the stand-in fails with ``staging reuse: #.. copy@s1 ... is not ordered
+    before #.. engine_read@host``."""
+    s = Scene(tmp_path, ops, "posix", io_threads=1)
+    ya = s.save("a", 1.0)
+    _settle(s.off, 0)  # a is on disk; its block is back in the pool (its IO thread waited)
+    s.gating = True
+    yd = s.save("d", 2.0)  # the one IO thread takes d's write and is held in it
+    assert s.entered.wait(60)
+    s.gating = False
+    yb = s.save("b", 3.0)  # queued behind d: no thread ever waits for b's copy
+    yb.sum().backward()  # backward wants b now: its unstarted write is taken back
+    assert [n.tags["taken"] for n in s.rec.nodes("engine_cancel", key=2)] == [True], \
+        "b's write was not taken back by backward (the path under test did not run)"
+    s.restored_bytes_match("b")
+    opener = threading.Thread(target=_open_after_read_of, args=(s, 0))
+    opener.start()
+    ya.sum().backward()  # a's read takes a block: b's may come back only after b's copy
     opener.join()
     s.restored_bytes_match("a")
     yd.sum().backward()
