@@ -33,7 +33,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from ..io.cuda_libs import MAPS, loaded_library
-from ..io.pinned import pin_exact
+from ..io.pinned import pin
 
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,9 @@ class CudaStreams(StreamOps):
         return torch.cuda.is_current_stream_capturing()
 
     def pinned_pool(self, nbytes: int) -> torch.Tensor:
-        # Exactly the size asked (io/pinned.py), not the next power of two.
-        return pin_exact(nbytes)
+        # Exactly the size asked (io/pinned.py), not the next power of two; where pinning in
+        # place is refused, torch's pinned allocator (warned once).
+        return pin(nbytes, fallback=self.pinned_empty)[0]
 
 
 def dedicated_stream(device: torch.device, runtime: Any = None) -> Any:
