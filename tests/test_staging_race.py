@@ -125,11 +125,12 @@ class Saves(torch.autograd.Function):
         return g * 1, None, None
 
 
-def check_staging_reuse(rec: Recorder, pool: torch.Tensor) -> int:
-    """Every write into pool memory (a copy into it, an engine read into it) is ordered after
-    every earlier copy into or out of the same bytes. Returns how many such pairs it checked
-    across different agents (a reuse of a block by another stream or by the host)."""
-    lo_hi = _range(pool)
+def check_staging_reuse(rec: Recorder, pool) -> int:
+    """Every write into pool memory (a tensor, or its (first, past-last) byte range) -- a copy
+    into it, an engine read into it -- is ordered after every earlier copy into or out of the
+    same bytes. Returns how many such pairs it checked across different agents (a reuse of a
+    block by another stream or by the host)."""
+    lo_hi = pool if isinstance(pool, tuple) else _range(pool)
     earlier = []  # (node, byte range of the pool it touched)
     pairs = 0
     for n in rec.log:
