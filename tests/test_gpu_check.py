@@ -92,6 +92,29 @@ def test_dry_run_fails_when_the_plan_does_not_fit(tmp_path, argv):
     assert "the plan does NOT fit" in proc.stdout
 
 
+def test_the_check_scripts_import_one_way():
+    """No circle among scripts/gpu_check*.py, imports inside functions included (before issue
+    38: gpu_check_measure imported gpu_check_steps' helpers, and gpu_check_steps the measure
+    step: "gpu_check_measure -> gpu_check_steps -> gpu_check_measure")."""
+    folder = os.path.join(ROOT, "scripts")
+    mods = {f[:-3] for f in os.listdir(folder) if f.startswith("gpu_") and f.endswith(".py")}
+    edges = {}
+    for m in mods:
+        tree = ast.parse(open(os.path.join(folder, m + ".py")).read())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        edges[m] = sorted(names & mods)
+
+    def visit(m, path):
+        for nxt in edges[m]:
+            assert nxt not in path, "import circle: " + " -> ".join(path + [nxt])
+            visit(nxt, path + [nxt])
+
+    for m in sorted(mods):
+        visit(m, [m])
+    assert "gpu_check_steps" not in edges["gpu_check_measure"]
+
+
 def test_make_gpu_check_without_a_gpu_lists_every_target_not_run_and_fails(tmp_path):
     """On this CPU machine: exit status 1, a NOT RUN row for every target, each naming the reason
     (the env step found no CUDA), and no step past env started."""
