@@ -120,11 +120,7 @@ def test_with_registration_refused_the_memory_engine_and_staging_pool_still_star
     engine = memory_mod.MemoryEngine(OffloadConfig(dirs=[str(tmp_path)], engine="memory", host_memory_bytes=cap))
     try:
         assert engine.pinned_bytes == 4 * MiB and rt.registered == {}
-        data = torch.arange(100_000, dtype=torch.int32).view(torch.uint8)
-        engine.write(0, data).result(30)
-        out = torch.empty_like(data)
-        engine.read(0, out).result(30)
-        assert torch.equal(out, data)
+        _round_trip(engine)
     finally:
         engine.close()
 
@@ -137,6 +133,14 @@ def test_with_registration_refused_the_memory_engine_and_staging_pool_still_star
     assert rt.last_error == 0
 
 
+def _round_trip(engine) -> None:
+    data = torch.arange(100_000, dtype=torch.int32).view(torch.uint8)
+    engine.write(0, data).result(30)
+    out = torch.empty_like(data)
+    engine.read(0, out).result(30)
+    assert torch.equal(out, data)
+
+
 def test_the_memory_engine_pins_its_pool_exactly_and_says_how_much(tmp_path, monkeypatch):
     rt = Runtime()
     monkeypatch.setattr(memory_mod, "_cuda_available", lambda: True)
@@ -146,11 +150,7 @@ def test_the_memory_engine_pins_its_pool_exactly_and_says_how_much(tmp_path, mon
     try:
         assert [s for s, _ in rt.registered.values()] == [pinned_size(cap)]
         assert engine.pinned_bytes == pinned_size(cap) < 4 * MiB
-        data = torch.arange(100_000, dtype=torch.int32).view(torch.uint8)
-        engine.write(0, data).result(30)
-        out = torch.empty_like(data)
-        engine.read(0, out).result(30)
-        assert torch.equal(out, data)
+        _round_trip(engine)
     finally:
         engine.close()
     gc.collect()
