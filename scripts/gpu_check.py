@@ -4,33 +4,36 @@
 The box: its own python3 (3.12) and a CUDA 13 build of torch (2.11), cupy and nvidia-cufile; no
 network. Everything else comes as wheels in ``.whl/`` (gitignored), made by ``make gpu-bundle``
 (scripts/gpu_bundle.py) where there is network. Each step runs in its own process under its own
-time limit (a hung step is reported, the others still run); the limits add up to at most 480 s:
+time limit (a hung step is reported, the others still run); the limits add up to at most 480 s,
+and each step's estimate (start, pinning its pools, collecting tests, its work) fits its limit
+(scripts/gpu_check_plan.py):
 
   env          python, torch, CUDA, the GPU, free disk (no GPU: nothing else runs)
   install      pip install --no-index --find-links .whl --prefix <out>/prefix: what the box lacks
-  imports      megatron.core (0.16.1) and kvikio, and whether the gds engine can run
-  bitwise-*    megatron-core GPT in bf16, keep vs offload, per engine (posix, memory, tiered,
-               gds), the compute stream delayed (torch.cuda._sleep) before every layer's forward
-               and backward, so a missing wait shows up as wrong bytes: losses and gradients
-               bitwise equal
+  imports      megatron.core (0.16.1) and kvikio (the mode it prefers), and whether the gds engine runs
+  bitwise-*    megatron-core GPT in bf16, keep vs keep vs offload, per engine (posix, memory, tiered,
+               gds through GPUDirect Storage, gds in kvikio's compat mode), the compute stream
+               delayed (torch.cuda._sleep) before every layer's forward and backward, so a missing
+               wait shows up as wrong bytes: losses and gradients bitwise equal at every step
   stress       100 steps, compute on a non-default stream (delayed too), megatron's split QKV
                (compact views) offloaded: bitwise equal at every step
-  cuda-tests   every test of the suite marked `cuda` (pytest -m cuda tests)
+  cuda-tests   the cuda-marked tests this box can run, each required to pass (gpu_check_cuda.py)
   syncs        host synchronisations on the training thread (torch.cuda.set_sync_debug_mode),
                steady state, offload with the memory engine vs keep
   io-bench     the drive's bandwidth through the posix engine (ssdtrain io-bench)
   measure      8 layers, hidden 2048, seq 1024 (--layers/--hidden/--seq; sized to finish in its
-               slot, see --dry-run): peak max_memory_reserved (and allocated), step time, the
-               training thread's time blocked on the offloader, tokens/s for keep, offload
-               (memory, posix) and full recompute at micro-batch K (--micro-batch, 2), then keep,
-               full recompute, adaptive and offload at K+1 in a memory budget that fits keep at
-               K but not at K+1
+               slot, see --dry-run): peak memory (reserved and allocated, and the activations' part
+               of it: the peak less what the step holds with them freed), step time, the training
+               thread's time blocked on the offloader, tokens/s for keep, offload (memory, posix)
+               and full recompute at micro-batch K (--micro-batch, 2), then keep, full recompute,
+               adaptive (timed once it settled) and offload at K+1 in a memory budget that fits
+               keep at K but not at K+1
 
-It prints one row per target (scripts/gpu_check_targets.py): PASS, FAIL or NOT RUN with the
-reason, and exits 0 only when every target passed. ``gpu-check.json`` (everything) and
+A bitwise or stress step that its time limit stops before the steps it names is NOT RUN, with
+the count. It prints one row per target (scripts/gpu_check_targets.py): PASS, FAIL or NOT RUN
+with the reason, and exits 0 only when every target passed. ``gpu-check.json`` (everything) and
 ``table.txt`` are rewritten in --out after every step. ``GPU_CHECK_DRY=1`` (or --dry-run) prints
-the time plan (each step's limit, their sum, the measure step's estimate) and exits 1 if it
-does not fit.
+the time plan (each step's limit and estimate, their sums) and exits 1 if it does not fit.
 """
 
 from __future__ import annotations
@@ -47,32 +50,12 @@ import time
 from typing import Dict, List, Optional
 
 from gpu_bundle import REQUIREMENTS
+from gpu_check_plan import STEPS, TOTAL_S, estimates, measure_estimate, plan, print_plan
 from gpu_check_targets import NOT_RUN, PASS, render, targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (name, time limit in seconds, the steps it needs to have passed, what it does). Order =
-# priority: what matters most runs first.
-STEPS = [
-    ("env", 20, (), "python, torch, CUDA and GPU versions; free disk"),
-    ("install", 45, ("env",), "pip install --no-index the bundle (.whl) into <out>/prefix"),
-    ("imports", 20, ("install",), "import megatron.core and kvikio; the gds engine available?"),
-    ("bitwise-posix", 30, ("imports",), "GPT bf16, keep vs offload (posix), delayed compute: bitwise"),
-    ("bitwise-memory", 30, ("imports",), "GPT bf16, keep vs offload (memory), delayed compute: bitwise"),
-    ("bitwise-tiered", 30, ("imports",), "GPT bf16, keep vs offload (tiered), delayed compute: bitwise"),
-    ("bitwise-gds", 30, ("imports",), "GPT bf16, keep vs offload (gds, kvikio), delayed compute: bitwise"),
-    ("stress", 45, ("imports",), "100 steps, delayed side compute stream, compact views: bitwise"),
-    ("cuda-tests", 50, ("install",), "pytest -m cuda tests"),
-    ("syncs", 25, ("imports",), "host syncs on the training thread, offload (memory) vs keep"),
-    ("io-bench", 25, ("install",), "the drive's write/read bandwidth through the posix engine"),
-    ("measure", 120, ("imports",), "peak reserved memory, step time, stall, tokens/s per policy"),
-]
-TOTAL_S = 480  # the whole check, the parent's own work included
-PARENT_S = 10  # the parent's share: starting the steps, writing the results
 CHILD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1", "NCCL_P2P_DISABLE": "1"}
-# What the measure estimate assumes (conservative for an H200 box): the drive's bandwidth each
-# way, the pinned host link, sustained bf16 matmul rate, and a step process's start (python,
-# torch, CUDA context, megatron-core, the model).
-ASSUME = {"drive_bps": 1.0e9, "link_bps": 10e9, "flops": 100e12, "start_s": 20.0}
+STEP_ENV = {"bitwise-gds-compat": {"KVIKIO_COMPAT_MODE": "ON"}}  # kvikio's own switch, read at import
 
 
 # -- the parent: plan, run the steps, report ------------------------------------------------
@@ -125,62 +108,6 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def plan(args: argparse.Namespace) -> List[dict]:
-    """The steps to run, in order: all, or those of --only and the steps they need."""
-    needs = {n: deps for n, _, deps, _ in STEPS}
-    chosen = set(args.only.split(",")) if args.only else set(needs)
-    todo = list(chosen)
-    while todo:
-        for dep in needs[todo.pop()]:
-            if dep not in chosen:
-                chosen.add(dep)
-                todo.append(dep)
-    return [{"step": n, "timeout_s": t, "needs": list(d), "what": w} for n, t, d, w in STEPS if n in chosen]
-
-
-def measure_estimate(args: argparse.Namespace) -> dict:
-    """Seconds the measure step needs at the ASSUME rates: its start, then per point (warm-up
-    and timed steps) the compute and, for offload, the bytes both ways over the engine's link.
-    Activations per layer and sample in bf16: 34 s h + 5 a s^2 bytes (Korthikanti et al.);
-    FLOPs per step: 72 b s L h^2 (1 + s / 6h), 4/3 of it with full recompute."""
-    s, h, a, L, k = args.seq, args.hidden, args.heads, args.layers, args.micro_batch
-    act = lambda b: L * b * (34 * s * h + 5 * a * s * s)  # noqa: E731
-    comp = lambda b: 72 * b * s * L * h * h * (1 + s / (6 * h)) / ASSUME["flops"]  # noqa: E731
-    n = 1 + args.steps
-    points = [  # (name, micro-batch, steps, seconds of one step)
-        ("keep", k, n, comp(k)), ("offload-memory", k, n, comp(k) + 2 * act(k) / ASSUME["link_bps"]),
-        ("offload-posix", k, n, comp(k) + 2 * act(k) / ASSUME["drive_bps"]), ("recompute", k, n, comp(k) * 4 / 3),
-        ("keep", k + 1, n, comp(k + 1)), ("recompute", k + 1, n, comp(k + 1) * 4 / 3),
-        ("adaptive", k + 1, n + 1, comp(k + 1) + 2 * act(k + 1) / ASSUME["drive_bps"]),
-        ("offload-memory", k + 1, n, comp(k + 1) + 2 * act(k + 1) / ASSUME["link_bps"]),
-        ("offload-posix", k + 1, n, comp(k + 1) + 2 * act(k + 1) / ASSUME["drive_bps"]),
-    ]
-    per_point = {f"{name}@{b}": round(steps * t, 1) for name, b, steps, t in points}
-    return {"seconds": round(ASSUME["start_s"] + sum(per_point.values()), 1), "points": per_point,
-            "activation_bytes_per_step": act(k), "assumptions": ASSUME}
-
-
-def print_plan(args: argparse.Namespace, steps: List[dict], say) -> bool:
-    """The time plan; True when it fits: the limits add up to --total-s less the parent's share
-    at most, and the measure step's estimate fits its limit."""
-    total = sum(s["timeout_s"] for s in steps)
-    est = measure_estimate(args)
-    slot = next((s["timeout_s"] for s in steps if s["step"] == "measure"), None)
-    for s in steps:
-        note = f"  (estimate {est['seconds']:.0f}s)" if s["step"] == "measure" else ""
-        say(f"  {s['step']:<15} limit {s['timeout_s']:>4}s  {s['what']}{note}")
-    budget = args.total_s - PARENT_S
-    fits = total <= budget and (slot is None or est["seconds"] <= slot)
-    say(f"  {'sum':<15} limit {total:>4}s  of {budget}s ({args.total_s}s less {PARENT_S}s for the parent)")
-    if slot is not None:
-        say(f"  measure: {est['activation_bytes_per_step'] / 1e9:.1f} GB of activations per step at micro-batch "
-            f"{args.micro_batch}; estimate {est['seconds']:.0f}s of its {slot}s at drive "
-            f"{ASSUME['drive_bps'] / 1e9:g} GB/s, link {ASSUME['link_bps'] / 1e9:g} GB/s, "
-            f"{ASSUME['flops'] / 1e12:g} TFLOP/s")
-    say("the plan fits" if fits else "the plan does NOT fit: shorten the steps or shrink --layers/--hidden/--seq")
-    return fits
-
-
 class Results:
     """gpu-check.json and table.txt in --out, rewritten after every step."""
 
@@ -213,7 +140,8 @@ def run_parent(args: argparse.Namespace) -> int:
     steps = plan(args)
     header = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
               "dry_run": args.dry_run, "out": args.out, "scratch": args.scratch, "wheels": args.wheels,
-              "plan": steps, "total_s": args.total_s, "measure_estimate": measure_estimate(args),
+              "plan": steps, "total_s": args.total_s, "estimates": estimates(args),
+              "measure_estimate": measure_estimate(args),
               "measure_shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")}}
     if args.dry_run:
         say(f"dry run: the time plan ({len(steps)} steps, each in its own process under its limit):")
@@ -306,7 +234,7 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
     log_path = os.path.join(args.out, "logs", f"{name}.log")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out,
            "--scratch", args.scratch] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")]
-    child_env = dict(env, GPU_CHECK_DEADLINE=str(time.time() + limit - 3))
+    child_env = dict(env, GPU_CHECK_DEADLINE=str(time.time() + limit - 3), **STEP_ENV.get(name, {}))
     with open(log_path, "w") as log:
         try:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)

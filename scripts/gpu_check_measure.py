@@ -4,9 +4,14 @@ training thread's stall and tokens/s per policy, on the GPU, in its own process.
 Side by side at micro-batch K (--micro-batch): keep, offload (memory, posix), full recompute.
 Then a budget that fits keep at K and not at K+1 (resident + (K + 0.5) x one sample's
 activations, measured from keep), and at K+1 inside it: keep (expected out of memory), full
-recompute, adaptive, offload. A point that needs more drive space or host memory than the box
-has, or comes when the step's time is nearly up, is not run and says why; results are saved
-after every point, so a step stopped by its time limit keeps what it measured.
+recompute, adaptive, offload. Adaptive is timed only once its measured selection settled (it
+explores a few plans first, plan/explore.py); a point says whether it did. Every point records
+its peak memory and what the same step holds with its activations freed (weights, gradients,
+optimizer state: measured right after the step, the cache emptied), so the peak target judges
+the activations' part, which offload moves, not the whole. A point that needs more drive space
+or host memory than the box has (its pinned pools counted as pinning really locks them, the
+staging pool included), or comes when the step's time is nearly up, is not run and says why;
+results are saved after every point, so a step stopped by its time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -22,9 +27,15 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from gpu_check_steps import GiB, GpuGPT, deadline_left
+from gpu_check_common import CudaBox, GpuGPT, deadline_left
+from gpu_check_plan import (ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_SETTLE_CAP, ADAPTIVE_TRIAL_STEPS, MEASURE_INFLIGHT,
+                            OVERFLOW_STAGING, memory_pool_bytes)
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from ssdtrain_megatron.io.pinned import pinned_cost
 from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, installed_step
+
+
+MIN_TENSOR_BYTES = 256 * 1024  # the default: what a user's run offloads
 
 
 class StallProbe:
@@ -74,22 +85,6 @@ class StallProbe:
         return self._real is not None
 
 
-def _pinned_bandwidth(device: torch.device, nbytes: int = GiB) -> dict:
-    """Bytes per second of one pinned host<->device copy (what the memory engine's link allows)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    out = {}
-    for name, (dst, src) in (("write", (host, dev)), ("read", (dev, host))):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        out[name] = 3 * nbytes / (time.perf_counter() - t0)
-    return out
-
-
 def _drive_bandwidth(out_dir: str) -> Optional[dict]:
     """The posix engine's bandwidth from the io-bench step's result, if it ran."""
     try:
@@ -103,14 +98,25 @@ def _drive_bandwidth(out_dir: str) -> Optional[dict]:
 class Measure:
     """One model, measured point by point under different policies and budgets."""
 
-    def __init__(self, args, save: Callable[[dict], None], model: GpuGPT, device: torch.device) -> None:
-        self.args, self.save, self.model, self.dev = args, save, model, device
+    def __init__(self, args, save: Callable[[dict], None], model: GpuGPT, device: torch.device,
+                 box: CudaBox) -> None:
+        self.args, self.save, self.model, self.dev, self.box = args, save, model, device, box
         self.result: Dict[str, object] = {"points": []}
-        self.total = torch.cuda.get_device_properties(device).total_memory
+        self.total = box.total_memory(device)
         self.host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        self.base_cfg = OffloadConfig(dirs=[args.scratch], engine="posix")
+        self.registers = box.registration_works()
+        self.base_cfg = OffloadConfig(dirs=[args.scratch], engine="posix", min_tensor_bytes=MIN_TENSOR_BYTES)
         self.per_sample: Optional[float] = None  # one sample's activations, once keep has run
         self.probe = StallProbe()
+
+    def pinned(self, policy: str, cfg_kw: dict) -> int:
+        """Host memory the point's offloader locks: its staging pool and its engine's pool, at
+        what pinning really locks here (io/pinned.py)."""
+        if policy == "keep":
+            return 0
+        cfg = self.base_cfg.replace(**cfg_kw)
+        pool = cfg.host_memory_bytes if cfg.engine in ("memory", "tiered") else 0
+        return pinned_cost(cfg.staging_bytes(), self.registers) + pinned_cost(pool, self.registers)
 
     def _skip(self, mb: int, policy: str, engine: str, cfg_kw: dict) -> Optional[str]:
         need = self.per_sample * mb * 1.1 if self.per_sample else 0
@@ -119,8 +125,10 @@ class Measure:
             return "not run: out of time"
         if policy != "keep" and engine == "posix" and need > free:
             return f"not run (disk): needs about {need / 1e9:.0f} GB on the drive, {free / 1e9:.0f} GB free"
-        if cfg_kw.get("host_memory_bytes", 0) > 0.75 * self.host_ram:
-            return (f"not run (host memory): a {cfg_kw['host_memory_bytes'] / 1e9:.0f} GB pinned pool, "
+        pinned = self.pinned(policy, dict(cfg_kw, engine=engine))
+        if pinned > 0.75 * self.host_ram:
+            return (f"not run (host memory): {pinned / 1e9:.0f} GB of pinned pools (staging included"
+                    f"{'' if self.registers else '; torch pinned allocator: powers of two'}), "
                     f"{self.host_ram / 1e9:.0f} GB of RAM")
         return None
 
@@ -132,19 +140,22 @@ class Measure:
         if why:
             p.update(ok=False, error=why)
         else:
+            box = self.box
             gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / self.total) if budget else 1.0, self.dev)
+            box.empty_cache()
+            box.set_fraction(min(1.0, budget / self.total) if budget else 1.0, self.dev)
             self.model.set_micro_batch(mb)
             self.model.set_recompute(recompute)
             off = None
             try:
+                t0 = time.perf_counter()
                 off = ActivationOffloader(self.base_cfg.replace(policy=policy, engine=engine, job=f"gc-{name}-{mb}",
-                                                                **cfg_kw), device=self.dev)
-                for _ in range(warmup):
-                    installed_step(self.model, off)
+                                                                **cfg_kw), device=self.dev,
+                                          streams=box.streams() if policy != "keep" else None)
+                p.update(start_s=time.perf_counter() - t0, pinned_bytes=self.pinned(policy, dict(cfg_kw, engine=engine)))
+                p.update(self._warm_up(off, warmup))
                 p.update(self._timed(off, mb))
-            except torch.cuda.OutOfMemoryError as exc:
+            except box.oom as exc:
                 p.update(ok=False, oom=True, error=str(exc).splitlines()[0][:300])
             except Exception as exc:  # noqa: BLE001 - one point failing does not end the step
                 p.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
@@ -153,17 +164,33 @@ class Measure:
                     off.close()
                 self.model.optimizer.zero_grad(set_to_none=True)
                 self.model.set_recompute(False)
-                torch.cuda.set_per_process_memory_fraction(1.0, self.dev)
+                box.set_fraction(1.0, self.dev)
         self.result["points"].append(p)
         self.save(dict(self.result, status="running"))
         print(f"measure: {p}", flush=True)
         return p
 
+    def _warm_up(self, off: ActivationOffloader, steps: int) -> dict:
+        """``steps`` steps; adaptive (a planner with measured selection) until it settled, at
+        most ADAPTIVE_SETTLE_CAP steps: its timed steps then measure the plan it chose, not
+        the ones it tried."""
+        selection = off.planner.selection if off.planner is not None else None
+        n = 0
+        while n < steps or (selection is not None and not selection.settled and n < ADAPTIVE_SETTLE_CAP):
+            installed_step(self.model, off)
+            n += 1
+            if deadline_left() < 20:
+                break
+        if selection is None:
+            return {"warmup_steps": n}
+        return {"warmup_steps": n, "settled": selection.settled, "settled_after": selection.settled_step}
+
     def _timed(self, off: ActivationOffloader, mb: int) -> dict:
-        """--steps steady-state steps: peak memory (reserved and allocated), time, bytes, and the
-        training thread's time blocked on the offloader (StallProbe; the stats' own io_wait_s
-        and budget_wait_s beside it)."""
-        torch.cuda.reset_peak_memory_stats(self.dev)
+        """--steps steady-state steps: peak memory (reserved and allocated), what the step holds
+        with its activations freed, time, bytes, and the training thread's time blocked on the
+        offloader (StallProbe; the stats' own io_wait_s and budget_wait_s beside it)."""
+        box = self.box
+        box.reset_peak(self.dev)
         times, written, read, stats_wait, submit = [], 0, 0, 0.0, 0.0
         probed = self.probe.seconds
         for _ in range(self.args.steps):
@@ -176,48 +203,58 @@ class Measure:
             submit += st.offload_submit_s
             if deadline_left() < 10:
                 break
+        peak_alloc, peak_reserved = box.peak(self.dev)
+        gc.collect()
+        box.empty_cache()  # what stays: weights, gradients, optimizer state, in their segments
+        held_alloc, held_reserved = box.now(self.dev)
         n = len(times)
         stall = self.probe.seconds - probed if self.probe.works else stats_wait
         step_s = statistics.median(times)
-        return dict(ok=True, step_s=step_s, times=times, peak_bytes=torch.cuda.max_memory_allocated(self.dev),
-                    peak_reserved=torch.cuda.max_memory_reserved(self.dev), stall_s=stall / n,
-                    stall_fraction=stall / sum(times), stall_source=self.probe.source,
-                    stats_wait_s=stats_wait / n, submit_s=submit / n,
-                    resident_after_step=torch.cuda.memory_allocated(self.dev),
-                    tokens_per_s=mb * self.model.spec.seq / step_s, bytes_written=written / n, bytes_read=read / n,
-                    fallbacks=st.fallbacks)
+        out = dict(ok=True, step_s=step_s, times=times, peak_bytes=peak_alloc, peak_reserved=peak_reserved,
+                   held_bytes=held_alloc, held_reserved=held_reserved,
+                   activation_bytes=max(peak_alloc - held_alloc, 0),
+                   activation_reserved=max(peak_reserved - held_reserved, 0),
+                   stall_s=stall / n, stall_fraction=stall / sum(times), stall_source=self.probe.source,
+                   stats_wait_s=stats_wait / n, submit_s=submit / n, resident_after_step=held_alloc,
+                   tokens_per_s=mb * self.model.spec.seq / step_s, bytes_written=written / n, bytes_read=read / n,
+                   fallbacks=st.fallbacks)
+        if off.planner is not None and off.planner.selection is not None:
+            out["still_settled"] = off.planner.selection.settled  # no drift re-exploration while timed
+        return out
 
 
-def step_measure(args, save) -> dict:
+def step_measure(args, save, box: CudaBox) -> dict:
     k = args.micro_batch
     spec = GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
                    micro_batch=k, num_microbatches=1)
     with MegatronRuntime() as rt, StallProbe() as probe:
-        m = Measure(args, save, GpuGPT(spec, rt.device), rt.device)
+        m = Measure(args, save, GpuGPT(spec, rt.device), rt.device, box)
         m.probe = probe
         r = m.result
-        r.update(spec=dataclasses.asdict(spec), micro_batch=k,
-                 bandwidth={"memory": _pinned_bandwidth(rt.device), **({"posix": _drive_bandwidth(args.out)}
-                                                                        if _drive_bandwidth(args.out) else {})})
+        drive = _drive_bandwidth(args.out)
+        r.update(spec=dataclasses.asdict(spec), micro_batch=k, registration_works=m.registers,
+                 bandwidth={"memory": box.pinned_bandwidth(rt.device), **({"posix": drive} if drive else {})})
         save(dict(r, status="running"))
-        # Keep first: its peak minus what stays resident after a step (weights, gradients,
-        # optimizer state) is K samples' activations.
+        # Keep first: its peak minus what the step holds with its activations freed (weights,
+        # gradients, optimizer state) is K samples' activations.
         keep = m.point("keep", k, "keep")
         if not keep.get("ok"):
             return dict(r, status="fail", why=f"keep at micro-batch {k} failed: {keep.get('error')}")
-        resident = keep["resident_after_step"]
-        activation = max(keep["peak_bytes"] - resident, 1) / k
+        resident = keep["held_bytes"]
+        activation = max(keep["activation_bytes"], 1) / k
         m.per_sample = activation
         budget = int(resident + (k + 0.5) * activation)
         r.update(resident_bytes=resident, activation_bytes_per_sample=activation, budget_bytes=budget)
-        pool = lambda mb: int((mb + 0.25) * activation + GiB)  # noqa: E731
-        m.point("offload-memory", k, "offload", "memory", host_memory_bytes=pool(k))
-        m.point("offload-posix", k, "offload", "posix")
+        memory = lambda mb: dict(host_memory_bytes=memory_pool_bytes(mb * activation),  # noqa: E731
+                                 pinned_staging_bytes=OVERFLOW_STAGING)
+        m.point("offload-memory", k, "offload", "memory", **memory(k))
+        m.point("offload-posix", k, "offload", "posix", max_inflight_bytes=MEASURE_INFLIGHT)
         m.point("recompute", k, "keep", recompute=True)
         m.point("keep", k + 1, "keep", budget=budget)
         m.point("recompute", k + 1, "keep", recompute=True, budget=budget)
-        m.point("adaptive", k + 1, "adaptive", "posix", budget=budget, warmup=2,
-                memory_budget_bytes=int(0.5 * activation), recompute_fallback=True)
-        m.point("offload-memory", k + 1, "offload", "memory", budget=budget, host_memory_bytes=pool(k + 1))
-        m.point("offload-posix", k + 1, "offload", "posix", budget=budget)
+        m.point("adaptive", k + 1, "adaptive", "posix", budget=budget, max_inflight_bytes=MEASURE_INFLIGHT,
+                memory_budget_bytes=int(0.5 * activation), recompute_fallback=True,
+                adaptive_trial_steps=ADAPTIVE_TRIAL_STEPS, adaptive_explore_steps=ADAPTIVE_EXPLORE_STEPS)
+        m.point("offload-memory", k + 1, "offload", "memory", budget=budget, **memory(k + 1))
+        m.point("offload-posix", k + 1, "offload", "posix", budget=budget, max_inflight_bytes=MEASURE_INFLIGHT)
     return dict(r, status="pass")

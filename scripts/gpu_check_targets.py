@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
 STALL_MAX = 0.02  # the training thread's wait for the offloader, as a fraction of step time
-PEAK_MAX = 0.5  # peak reserved memory with offload over keep
+PEAK_MAX = 0.5  # the activations' part of peak reserved memory, offload over keep
 OVERLAP_MAX = 1.05  # offload's step time over max(keep's, bytes over bandwidth)
 Verdict = Tuple[Optional[bool], str]  # (True/False, detail) or (None, why not run)
 
@@ -44,8 +44,21 @@ def _kvikio(step: dict) -> Verdict:
         return None, _not_run_why(step)
     if k.get("error"):
         return False, k["error"]
+    mode = (f"; kvikio prefers {k['mode']} mode" + (" (GPUDirect Storage)" if k["mode"] == "direct" else
+            f" (POSIX through the page cache; nvidia-fs {'loaded' if k.get('nvidia_fs') else 'absent'})")
+            if k.get("mode") else "")
     return not k.get("gds_unavailable"), f"kvikio {k.get('version')}" + (
-        f"; gds engine unavailable: {k['gds_unavailable']}" if k.get("gds_unavailable") else "; gds engine available")
+        f"; gds engine unavailable: {k['gds_unavailable']}" if k.get("gds_unavailable") else "; gds engine available") + mode
+
+
+def _gds(mode: str, step: dict) -> Verdict:
+    """A gds bitwise row: passes only when the run was bitwise and in ``mode`` (direct:
+    GPUDirect Storage; compat: kvikio's POSIX path). A run in the other mode proves nothing
+    of this one: NOT RUN, saying so."""
+    ran = step.get("kvikio_mode")
+    if step.get("status") == "pass" and ran != mode:
+        return None, f"the gds engine ran in kvikio's {ran or 'unknown'} mode, not {mode}"
+    return _status(step)
 
 
 def _syncs(step: dict) -> Verdict:
@@ -90,12 +103,24 @@ def _keep_and_offload(engine: str, step: dict):
 
 
 def _peak(engine: str, step: dict) -> Verdict:
+    """The activations' part of the peak: peak reserved less what the same step holds with its
+    activations freed (weights, gradients and Adam state are no offloader's to move, and at
+    the default shape they alone are more than half of keep's peak). Allocated beside it, and
+    the whole peaks: memory that ``record_stream`` holds back is memory the user cannot use."""
     keep, off, why = _keep_and_offload(engine, step)
     if keep is None or off is None:
         return None, why
-    r = off["peak_reserved"] / keep["peak_reserved"]
-    return r <= PEAK_MAX, (f"{r:.2f}x reserved ({off['peak_reserved'] / 2**30:.1f} vs {keep['peak_reserved'] / 2**30:.1f}"
-                           f" GiB; allocated {off['peak_bytes'] / 2**30:.1f} vs {keep['peak_bytes'] / 2**30:.1f} GiB)")
+    if "activation_reserved" not in keep or "activation_reserved" not in off:
+        return None, "no activation figures (peak less what the step holds without them) were measured"
+    if keep["activation_reserved"] <= 0:
+        return None, "keep's peak reserved is no higher than what its step holds without activations"
+    r = off["activation_reserved"] / keep["activation_reserved"]
+    g = 2 ** 30
+    return r <= PEAK_MAX, (f"{r:.2f}x activation reserved ({off['activation_reserved'] / g:.2f} vs "
+                           f"{keep['activation_reserved'] / g:.2f} GiB; allocated {off['activation_bytes'] / g:.2f} vs "
+                           f"{keep['activation_bytes'] / g:.2f} GiB); whole peak reserved {off['peak_reserved'] / g:.1f} vs "
+                           f"{keep['peak_reserved'] / g:.1f} GiB, allocated {off['peak_bytes'] / g:.1f} vs "
+                           f"{keep['peak_bytes'] / g:.1f} GiB")
 
 
 def _overlap(engine: str, step: dict) -> Verdict:
@@ -124,6 +149,9 @@ def _rok(step: dict) -> Verdict:
               f"recompute@{k + 1} {rc['tokens_per_s']:.0f}")
     if not (keep_more and keep_more.get("oom")):
         return None, detail + f"; keep fit at {k + 1} in the budget: not the ROK regime"
+    if not ad.get("settled") or not ad.get("still_settled", True):
+        return None, (detail + f"; adaptive did not settle in {ad.get('warmup_steps', '?')} steps (or re-explored "
+                      "while timed): its time is that of the plans it tried, not compared")
     return ad["tokens_per_s"] >= keep["tokens_per_s"] and ad["tokens_per_s"] > rc["tokens_per_s"], detail
 
 
@@ -133,13 +161,15 @@ TARGETS: List[Tuple[str, str, Callable[[dict], Verdict]]] = [
     ("import megatron.core 0.16.1", "imports", _megatron),
     ("import kvikio; the gds engine is available", "imports", _kvikio),
 ] + [(f"bitwise {e}: keep == offload, compute stream delayed", f"bitwise-{e}", _status)
-     for e in ("posix", "memory", "tiered", "gds")] + [
+     for e in ("posix", "memory", "tiered")] + [
+    ("bitwise gds (GPUDirect Storage): keep == offload", "bitwise-gds", functools.partial(_gds, "direct")),
+    ("bitwise gds-compat (kvikio compat mode): keep == offload", "bitwise-gds-compat", functools.partial(_gds, "compat")),
     ("stress: 100 steps bitwise, side stream, compact views", "stress", _status),
-    ("cuda tests (pytest -m cuda) pass", "cuda-tests", _status),
+    ("cuda tests: every required one passed", "cuda-tests", _status),
     ("no host sync added by offload (memory engine)", "syncs", _syncs),
 ] + [(f"host stall offload-{e} <= {STALL_MAX:.0%} of step time", "measure", functools.partial(_stall, e))
      for e in ("memory", "posix")] + [
-    (f"peak reserved offload-{e} <= {PEAK_MAX}x keep", "measure", functools.partial(_peak, e))
+    (f"peak activation memory offload-{e} <= {PEAK_MAX}x keep", "measure", functools.partial(_peak, e))
     for e in ("memory", "posix")] + [
     (f"overlap offload-{e} <= {OVERLAP_MAX}x max(keep, bytes/bw)", "measure", functools.partial(_overlap, e))
     for e in ("memory", "posix")] + [
@@ -167,11 +197,12 @@ def render(data: dict) -> str:
         lines.append(f"{t['target'][:56]:<56} {t['result']:<7}  {t['detail']}")
     me = data.get("steps", {}).get("measure", {})
     if me.get("points"):
-        lines += ["", f"{'point':<20}{'reserved GiB':>13}{'alloc GiB':>10}{'step s':>9}{'stall %':>8}"
+        lines += ["", f"{'point':<20}{'reserved GiB':>13}{'alloc GiB':>10}{'act res GiB':>12}{'step s':>9}{'stall %':>8}"
                       f"{'tokens/s':>10}{'written GB':>11}{'read GB':>9}"]
         for p in me["points"]:
             if p.get("ok"):
                 lines.append(f"{p['name']:<20}{p['peak_reserved'] / 2**30:>13.2f}{p['peak_bytes'] / 2**30:>10.2f}"
+                             f"{p.get('activation_reserved', 0) / 2**30:>12.2f}"
                              f"{p['step_s']:>9.3f}{100 * p['stall_fraction']:>8.2f}{p['tokens_per_s']:>10.0f}"
                              f"{p['bytes_written'] / 1e9:>11.2f}{p['bytes_read'] / 1e9:>9.2f}")
             else:

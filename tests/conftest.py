@@ -27,3 +27,15 @@ def offload_dir(tmp_path):
     d = tmp_path / "ssd"
     d.mkdir()
     return d
+
+
+@pytest.fixture
+def exact():
+    """An exactness oracle (tests/exactness.py) around the test: every tensor an offloader
+    packs is compared with what its unpack returned, bit for bit; at the end, no mismatch and
+    at least one offloaded tensor compared (use it in tests that claim offload is exact)."""
+    from tests.exactness import ExactnessOracle
+
+    with ExactnessOracle() as oracle:
+        yield oracle
+    oracle.assert_exact()

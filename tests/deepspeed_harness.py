@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from bitwise import bitwise_equal
+from exactness import ExactnessOracle
 from ranks import run_ranks
 from settle_writes import settle_writes_before_backward
 
@@ -263,8 +264,15 @@ class _Offload:
         kwargs["dirs"] = [d.replace("{root}", self.root) for d in kwargs.get("dirs", ["{root}"])]
         for d in kwargs["dirs"]:  # the drives, mounted: the part of each template above {job}
             os.makedirs(d.split("{job}")[0], exist_ok=True)
-        self.offloader = integration.install(OffloadConfig(**kwargs),
-                                             layer_classes=phase.layer_classes)
+        # Every tensor the offloader packs is compared with what it unpacks (tests/exactness.py);
+        # differences() reports a mismatch like a differing gradient.
+        self.oracle = ExactnessOracle().__enter__()
+        try:
+            self.offloader = integration.install(OffloadConfig(**kwargs),
+                                                 layer_classes=phase.layer_classes)
+        except BaseException:
+            self.oracle.__exit__(None, None, None)
+            raise
         if phase.settle_writes:
             settle_writes_before_backward(self.offloader)
         self.rank_dirs = [os.path.realpath(d) for d in self.offloader.rank_dirs]
@@ -298,6 +306,8 @@ class _Offload:
             "last_step": getattr(self.offloader.last_step_stats, "step", None),
         }
         self.integration.uninstall()
+        self.oracle.__exit__(None, None, None)
+        info["exactness"] = self.oracle.report()
         left = []
         for d in self.rank_dirs:
             for dirpath, _, names in os.walk(d):
@@ -327,6 +337,7 @@ def _train_phase(spec: Spec, phase: Phase, workdir: str, tp) -> Dict[str, Any]:
     except BaseException:
         if offload is not None:
             offload.integration.uninstall()
+            offload.oracle.__exit__(None, None, None)
         raise
 
 
@@ -416,8 +427,13 @@ def _to_cpu(obj):
 
 
 def differences(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
-    """Every way two phase results differ bitwise (losses, gradients, parameters)."""
-    diffs: List[str] = []
+    """Every way two phase results differ bitwise (losses, gradients, parameters), and every
+    tensor an offload phase restored with other bytes than it packed (the exactness oracle)."""
+    diffs: List[str] = [m for r in (a, b) for m in r.get("offload", {}).get("exactness", {}).get("mismatches", [])[:5]]
+    for r in (a, b):
+        ex, steps = r.get("offload", {}).get("exactness"), r.get("offload", {}).get("steps", [])
+        if ex is not None and any(st and st.get("bytes_read") for st in steps) and not ex["compared_offloaded"]:
+            diffs.append(f"bytes were read back but the exactness oracle compared none: {ex}")
 
     def same(x, y) -> bool:
         if isinstance(x, torch.Tensor):

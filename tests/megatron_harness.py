@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from bitwise import bitwise_equal
+from exactness import ExactnessOracle
 from ranks import run_ranks
 from settle_writes import settle_writes_before_backward
 
@@ -487,7 +488,14 @@ class _OffloadPhase:
                 os.makedirs(root, exist_ok=True)
         if phase.recompute_layers is not None:
             kwargs.update(recompute_fallback=True, recompute_layers=list(phase.recompute_layers))
-        self.offloader = install(OffloadConfig(**kwargs))
+        # Every tensor the offloader packs is compared with what it unpacks (tests/exactness.py);
+        # phase_differences reports a mismatch like a differing gradient.
+        self.oracle = ExactnessOracle().__enter__()
+        try:
+            self.offloader = install(OffloadConfig(**kwargs))
+        except BaseException:
+            self.oracle.__exit__(None, None, None)
+            raise
         if phase.settle_writes:
             settle_writes_before_backward(self.offloader)
         self.rank_dirs = [os.path.realpath(d) for d in self.offloader.rank_dirs]
@@ -546,6 +554,7 @@ class _OffloadPhase:
         }
         uninstall()
         self.offloader.close()
+        self.oracle.__exit__(None, None, None)
         left = []
         for d in self.rank_dirs:  # other ranks may not have closed yet
             for dirpath, _, names in os.walk(d):
@@ -558,6 +567,7 @@ class _OffloadPhase:
             "files_after_step": self.files_after_step,
             "disk_bytes_after_step": self.disk_bytes_after_step,
             "files_after_close": sorted(left),
+            "exactness": self.oracle.report(),
             "last_step_after_eval": self.last_step_after_eval,
             **hooks,
         }
@@ -699,6 +709,7 @@ def _train_phase(spec: LayoutSpec, phase: Phase, workdir: str) -> PhaseResult:
 
             uninstall()
             offload.offloader.close()
+            offload.oracle.__exit__(None, None, None)
         raise
 
 
@@ -738,8 +749,15 @@ def _load_checkpoint(folder: str, chunks: List[torch.nn.Module], opt) -> int:
 
 
 def phase_differences(a: PhaseResult, b: PhaseResult) -> List[str]:
-    """Every way two phase results differ bitwise (losses, gradients, final parameters)."""
-    diffs: List[str] = []
+    """Every way two phase results differ bitwise (losses, gradients, final parameters), and
+    every tensor an offload phase restored with other bytes than it packed (the exactness
+    oracle: gradients and losses can hide a small error)."""
+    diffs: List[str] = [f"{r.name}: {m}" for r in (a, b)
+                        for m in r.offload.get("exactness", {}).get("mismatches", [])[:5]]
+    for r in (a, b):
+        ex, steps = r.offload.get("exactness"), r.offload.get("steps", [])
+        if ex is not None and any(st and st.get("bytes_read") for st in steps) and not ex["compared_offloaded"]:
+            diffs.append(f"{r.name}: bytes were read back but the exactness oracle compared none: {ex}")
     if len(a.loss_tensors) != len(b.loss_tensors):
         return [f"{a.name} ran {len(a.loss_tensors)} iterations, {b.name} {len(b.loss_tensors)}"]
     for it, (la, lb) in enumerate(zip(a.loss_tensors, b.loss_tensors)):

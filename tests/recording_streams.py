@@ -13,6 +13,13 @@ guaranteed to happen before another:
   threads hand work to each other through futures and locks, and the hazard this checks is
   the GPU's asynchrony, not the host's.
 
+Stream capture (CUDA graphs), as CUDA defines it for ``capture_error_mode="global"``:
+between ``begin_capture()`` and ``end_capture()`` the calling thread captures (``capturing()``
+is True there), and an event ``synchronize()`` or ``query()`` is refused, with CUDA's error,
+on the capturing thread and on every other thread still in the global interaction mode; a
+thread that switched itself to the thread-local mode (``driver``, a stand-in for
+``cuThreadExchangeStreamCaptureMode``) may wait. Each refusal is logged as a ``refused`` node.
+
 Nothing else orders a stream operation: a copy on the offload stream is *not* after a kernel
 on the compute stream unless an event says so, even though the stand-in (on a CPU device)
 performs every copy at once when it is issued.
@@ -26,7 +33,9 @@ missing wait shows up as wrong bytes too).
 from __future__ import annotations
 
 import contextlib
+import mmap
 import threading
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -83,15 +92,37 @@ class RecEvent:
         self.vc = self.node.vc
 
     def synchronize(self) -> None:
+        self.rec._check_capture("synchronize", self.name)
         if self.real is not None:
             self.real.synchronize()
         self.rec._host_op("synchronize", joins=self.vc, event=self.name)
 
     def query(self) -> bool:
+        self.rec._check_capture("query", self.name)
         done = self.real.query() if self.real is not None else self.node is not None
         if done:
             self.rec._host_op("query_done", joins=self.vc, event=self.name)
         return done
+
+
+CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2  # cudaStreamCaptureMode
+
+
+class CaptureDriver:
+    """A stand-in for the CUDA driver library of io/gpu_wait.py (``capture_driver()``): its one
+    call sets the calling thread's stream-capture interaction mode in the recorder."""
+
+    def __init__(self, rec: "Recorder") -> None:
+        self.rec = rec
+
+    def cuThreadExchangeStreamCaptureMode(self, mode) -> int:  # noqa: N802 - the C name
+        cell = mode._obj  # ctypes.byref(c_int)
+        me = threading.get_ident()
+        with self.rec._lock:
+            old = self.rec._modes.get(me, CAPTURE_GLOBAL)
+            self.rec._modes[me] = cell.value
+        cell.value = old
+        return 0
 
 
 class Recorder(StreamOps):
@@ -110,6 +141,34 @@ class Recorder(StreamOps):
         self._streams: Dict[Any, RecStream] = {}
         self._n_events = 0
         self.default = self._wrap_stream(None, "default")
+        self.capture_thread: Optional[int] = None  # the thread capturing in global mode
+        self._modes: Dict[int, int] = {}  # thread -> its stream-capture interaction mode
+        self.driver = CaptureDriver(self)
+
+    # -- stream capture ---------------------------------------------------------------------
+
+    def begin_capture(self) -> None:
+        """The calling thread starts capturing a graph in ``capture_error_mode="global"``."""
+        self.capture_thread = threading.get_ident()
+
+    def end_capture(self) -> None:
+        self.capture_thread = None
+
+    def capturing(self) -> bool:
+        if self.inner is not None and self.inner.capturing():
+            return True
+        return self.capture_thread is not None and self.capture_thread == threading.get_ident()
+
+    def _check_capture(self, kind: str, event: str) -> None:
+        """CUDA's rule for an event call while a global capture is under way (module docstring)."""
+        if self.capture_thread is None:
+            return
+        me = threading.get_ident()
+        mode = self._modes.get(me, CAPTURE_GLOBAL)
+        if (me == self.capture_thread and mode != CAPTURE_RELAXED) or (me != self.capture_thread and mode == CAPTURE_GLOBAL):
+            self._host_op("refused", call=kind, event=event)
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing "
+                               f"(stand-in: event {kind} during a global-mode capture)")
 
     # -- the StreamOps the layer calls ------------------------------------------------------
 
@@ -167,6 +226,20 @@ class Recorder(StreamOps):
         from ssdtrain_megatron.io.slab_engine import aligned_buffer
 
         return aligned_buffer(nbytes)
+
+    def pinned_pool(self, nbytes: int) -> torch.Tensor:
+        """The staging pool. On the stand-in its release (what ``cudaHostUnregister`` and the
+        unmapping of io/pinned.py do once the last view of it is gone) is logged as a host
+        ``unpin`` node with the pool's byte range."""
+        if self.inner is not None:
+            return self.inner.pinned_pool(nbytes)
+        if self.pin_fails:
+            raise RuntimeError("CUDA error: out of memory (stand-in: pinning refused)")
+        mm = mmap.mmap(-1, max(nbytes, 1))
+        view = memoryview(mm)
+        t = torch.frombuffer(view, dtype=torch.uint8)[:nbytes]
+        weakref.finalize(view, self._host_op, "unpin", ptr=_range(t))
+        return t
 
     # -- what tests log ---------------------------------------------------------------------
 

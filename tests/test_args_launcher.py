@@ -182,29 +182,49 @@ def test_launcher_runs_a_script_as_main_with_its_folder_first_on_the_path(tmp_pa
         "error: argument --ssd-offload-io-threads: 0 is invalid: expected an integer >= 1")
 
 
-# What the stand-in provides and the launcher relies on: module -> function -> the parameters
-# the launcher's wrappers pass or the stand-in's callers use. The launcher itself needs only
-# parse_args(extra_args_provider) and an initialize_megatron to wrap (it passes *args,
-# **kwargs through). Up to 0.18, initialize_megatron parses the arguments itself and takes the
-# provider (_PARSING_INITIALIZE); megatron-core 0.19 moved the parsing out: its
-# initialize_megatron takes neither and initialize.py no longer imports parse_args.
-_STAND_IN_SHAPE = {
-    "megatron.training.arguments": {"parse_args": ("extra_args_provider", "ignore_unknown_args")},
-    "megatron.training.initialize": {"initialize_megatron": ()},
-    "megatron.training.training": {"initialize_megatron": ()},
-    "megatron.training.global_vars": {"get_args": ()},
-}
-_PARSING_INITIALIZE = {
-    "megatron.training.initialize": {"initialize_megatron": ("extra_args_provider", "args_defaults"),
-                                     "parse_args": ("extra_args_provider",)},
-    "megatron.training.training": {"initialize_megatron": ("extra_args_provider", "args_defaults")},
-}
+# The stand-in's modules (``_fake_megatron``). Its functions are compared, signature against
+# signature, with the real ones. Up to 0.18, initialize_megatron parses the arguments itself
+# and takes the provider, as the stand-in's does; megatron-core 0.19 moved the parsing out: its
+# initialize_megatron takes neither and initialize.py no longer imports parse_args, so there
+# the parsing functions of the stand-in (_PARSING) are only checked to exist where they still do.
+_STAND_IN_MODULES = ("megatron.training.arguments", "megatron.training.initialize",
+                     "megatron.training.training", "megatron.training.global_vars")
+_PARSING = {("megatron.training.initialize", "initialize_megatron"), ("megatron.training.initialize", "parse_args"),
+            ("megatron.training.training", "initialize_megatron")}
+
+
+def _stand_in_functions(monkeypatch) -> dict:
+    """module -> name -> function, as ``_fake_megatron`` builds them (taken back out of
+    sys.modules again, so that the real modules can be imported beside them)."""
+    with monkeypatch.context() as m:
+        _fake_megatron(m, [])
+        return {mod: {name: fn for name, fn in vars(sys.modules[mod]).items()
+                      if callable(fn) and not name.startswith("_") and not isinstance(fn, type)}
+                for mod in _STAND_IN_MODULES}
+
+
+def _signature_gaps(where: str, stand_in, real) -> list:
+    """What makes ``stand_in`` accept a call ``real`` refuses, or refuse one it accepts: a
+    parameter the real function lacks (unless it takes ``**kwargs``), a required parameter of
+    the real one the stand-in lacks."""
+    import inspect
+
+    mine, theirs = inspect.signature(stand_in).parameters, inspect.signature(real).parameters
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in theirs.values())
+    gaps = [f"{where} has no parameter {n!r}, which the stand-in's has: {list(theirs)}"
+            for n, p in mine.items() if n not in theirs and not var_kw and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    gaps += [f"{where} requires {n!r}, which the stand-in's lacks: {list(mine)}"
+             for n, p in theirs.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+             and n not in mine]
+    return gaps
 
 
 def test_the_stand_in_has_the_shape_of_the_real_megatron_training(monkeypatch):
-    """Broken variant (what a stale stand-in looks like): a parameter the real function lacks,
-    e.g. ``"extra_args_providr"`` in _STAND_IN_SHAPE: "megatron.training.arguments.parse_args
-    has no parameter 'extra_args_providr'" (on megatron-core 0.17)."""
+    """Each function of the stand-in (its own signature, not a table of it) against the real
+    one of the same module. Broken variant (what a stale stand-in looks like): a parameter the
+    real function lacks added to the stand-in's parse_args, e.g. ``bogus=None``:
+    "megatron.training.arguments.parse_args has no parameter 'bogus', which the stand-in's
+    has" (on megatron-core 0.17)."""
     import importlib
     import importlib.util
     import inspect
@@ -220,17 +240,22 @@ def test_the_stand_in_has_the_shape_of_the_real_megatron_training(monkeypatch):
 
     if not hasattr(typing, "override"):  # Python 3.12's; megatron.training 0.18+ imports it
         monkeypatch.setattr(typing, "override", lambda method: method, raising=False)
-    shape = {m: dict(f) for m, f in _STAND_IN_SHAPE.items()}
+    stand_in = _stand_in_functions(monkeypatch)
     from megatron.training.initialize import initialize_megatron
 
-    if "extra_args_provider" in inspect.signature(initialize_megatron).parameters:  # up to 0.18
-        for module_name, functions in _PARSING_INITIALIZE.items():
-            shape[module_name].update(functions)
-    for module_name, functions in shape.items():
+    parsing = "extra_args_provider" in inspect.signature(initialize_megatron).parameters  # up to 0.18
+    gaps, compared = [], 0
+    for module_name, functions in stand_in.items():
         module = importlib.import_module(module_name)
-        for name, params in functions.items():
-            fn = getattr(module, name, None)
-            assert callable(fn), f"{module_name} has no {name}(), which the stand-in provides"
-            have = inspect.signature(fn).parameters
-            for p in params:
-                assert p in have, f"{module_name}.{name} has no parameter {p!r}: {list(have)}"
+        for name, fn in functions.items():
+            real = getattr(module, name, None)
+            if (module_name, name) in _PARSING and not parsing:
+                # 0.19+: initialize.py no longer imports parse_args; the stand-in's
+                # initialize_megatron is the parsing one of <= 0.18
+                assert name == "parse_args" or callable(real), f"{module_name} has no {name}()"
+                continue
+            assert callable(real), f"{module_name} has no {name}(), which the stand-in provides"
+            gaps += _signature_gaps(f"{module_name}.{name}", fn, real)
+            compared += 1
+    assert compared == (5 if parsing else 2), stand_in
+    assert not gaps, "\n".join(gaps)

@@ -66,6 +66,8 @@ def test_quick_json_has_every_strategy_positive_figures_equal_losses_and_a_plot(
     assert all(v > 0 for v in result["ratios"].values())
     assert result["ratios_micro_batch"] == 2
     assert result["losses_bitwise_equal"] is True
+    assert result["control_losses_bitwise_equal"] is True and result["first_differences"] == []
+    assert "keep-control@2" in result["diagnostics"]  # the control ran beside the others
     # Offload really wrote activations (bitwise-equal losses would prove nothing otherwise).
     diag = result["diagnostics"]
     assert diag["offload@1"]["bytes_offloaded"] > 0 and diag["offload@2"]["bytes_offloaded"] > 0
@@ -107,7 +109,7 @@ def _run(series, warmup=0):
     spec = GPTSpec(layers=2, hidden=64, heads=2, seq=100, vocab=128, num_microbatches=1)
     run = BenchRun(spec, steps=2, warmup=warmup, device="cpu", memory_kind="RSS high-water mark")
     for (name, mb), (times, act, losses) in series.items():
-        run.series[(name, mb)] = _Series(losses=losses, times=times, activation=act,
+        run.series[(name, mb)] = _Series(losses=losses, mb_losses=[[v] for v in losses], times=times, activation=act,
                                          memory=[1000] * len(times), io_wait=[0.0] * len(times),
                                          offloaded=[0] * len(times), cpu=[1.0] * len(times))
     return run
@@ -184,6 +186,35 @@ def test_losses_that_differ_in_the_last_bit_are_reported_unequal():
     b = [1.0, float(np.nextafter(0.5, 1.0))]
     s = summarize(_run({("keep", 1): ([1.0, 1.0], [1, 1], a), ("offload", 1): ([1.0, 1.0], [1, 1], b)}))
     assert s["losses_bitwise_equal"] is False
+
+
+def test_the_first_difference_says_strategy_micro_batch_step_and_both_values_bits():
+    """A run that is not bitwise must say exactly where (issue 38, 4.3): per strategy, the first
+    step and micro-batch whose loss differs from keep's in any bit, with both values' bits; and
+    the control (a second keep run) says whether the process's arithmetic is reproducible."""
+    from ssdtrain_megatron.tools.bench import render
+
+    keep = [[1.0, 0.5], [0.75, 0.25]]
+    off = [[1.0, 0.5], [0.75, float(np.nextafter(0.25, 1.0))]]
+    run = _run({("keep", 2): ([1.0, 1.0], [1, 1], [0.75, 0.5]), ("keep-control", 2): ([1.0, 1.0], [1, 1], [0.75, 0.5]),
+                ("offload", 2): ([1.0, 1.0], [1, 1], [0.75, 0.5]), ("recompute", 2): ([1.0, 1.0], [1, 1], [0.75, 0.5])})
+    run.series[("keep", 2)].mb_losses = run.series[("keep-control", 2)].mb_losses = keep
+    run.series[("recompute", 2)].mb_losses = [list(x) for x in keep]
+    run.series[("offload", 2)].mb_losses = off
+    s = summarize(run)
+    assert s["losses_bitwise_equal"] is False and s["recompute_losses_bitwise_equal"] is True
+    assert s["control_losses_bitwise_equal"] is True
+    (d,) = s["first_differences"]
+    assert (d["strategy"], d["micro_batch"], d["step"], d["microbatch_index"]) == ("offload", 2, 1, 1)
+    assert d["keep_bits"] == (0.25).hex() and d["value_bits"] == float(np.nextafter(0.25, 1.0)).hex()
+    table = render(s)
+    assert f"first difference: offload at micro-batch 2, step 1, micro-batch 1: {d['value_bits']}" in table
+    assert "the control (keep-control) agrees with keep: the strategies above changed the numbers" in table
+    assert "keep-control" not in {p["strategy"] for p in s["points"]}
+    run.series[("keep-control", 2)].mb_losses = off  # now keep itself is not reproducible
+    s = summarize(run)
+    assert s["control_losses_bitwise_equal"] is False
+    assert "say nothing about offloading" in render(s)
 
 
 @pytest.mark.parametrize("argv, message", [

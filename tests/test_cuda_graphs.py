@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
+import time
 import types
 
 import pytest
@@ -87,6 +89,98 @@ def test_unpacking_inside_a_capture_a_tensor_offloaded_outside_it_is_an_error(tm
             torch.autograd.grad(loss, x)
         rec.capture = False
         off.end_step()
+
+
+def test_entering_a_micro_batch_layer_or_backward_while_capturing_touches_no_stream_or_io(tmp_path):
+    """Scope entry inside a capture: micro-batch 0 leaves deferred last layers (not yet written);
+    then, capturing, entering micro-batch 1 and its layers, micro-batch 0's next layer, and a
+    backward hint for micro-batch 0 must record no event, wait on no stream, copy nothing, call no
+    ``record_stream`` and hand nothing to the engine (those writes wait for the next entry
+    outside the capture, where they are written). Before the fix each of the three entries
+    wrote micro-batch 0's deferred layers or started its reads: copies and events inside the
+    capture."""
+    rec = Capturing()
+    cfg = _config(tmp_path).replace(keep_last_layers=1)
+    x = torch.randn(4096, requires_grad=True)
+    with ActivationOffloader(cfg, device=torch.device("cpu"), streams=rec) as off:
+        with off.microbatch(0):
+            hs = x
+            for i in range(3):
+                with off.layer(i):
+                    hs = torch.tanh(hs * 2)
+        loss0 = hs.sum()
+        off.wait_writes()
+        deferred = list(off.table.find_microbatch(0).deferred)
+        assert deferred, "micro-batch 0 left no deferred layer: nothing to check"
+        before, written = len(rec.log), off.step.counters.bytes_offloaded
+        rec.capture = True
+        with off.microbatch(1):
+            for i in range(2):
+                with off.layer(i):
+                    torch.tanh(x * 3)
+        with off.microbatch(0), off.layer(3):  # a later layer: entering it writes layer 2's
+            torch.tanh(x * 3)
+        off.begin_backward(0)  # would start reads
+        rec.capture = False
+        during = rec.log[before:]
+        assert during == [], f"stream/event operations entered the capture: {during}"
+        assert off.step.counters.bytes_offloaded == written, "a write was handed to the engine during the capture"
+        assert list(off.table.find_microbatch(0).deferred) == deferred
+        with off.microbatch(2):  # outside the capture: the deferred writes go now
+            torch.tanh(x * 4)
+        assert rec.log[before:] and not off.table.find_microbatch(0).deferred
+        (g,) = torch.autograd.grad(loss0, x)
+        stats = off.end_step()
+    ref = x
+    for _ in range(3):
+        ref = torch.tanh(ref * 2)
+    (gref,) = torch.autograd.grad(ref.sum(), x)
+    assert torch.equal(g.view(torch.int32), gref.view(torch.int32))
+    assert stats.bytes_read > 0
+
+
+def test_io_threads_wait_for_copy_events_during_a_global_capture_in_thread_local_mode(tmp_path, monkeypatch):
+    """A capture in ``capture_error_mode="global"`` (torch's default) begins on the training
+    thread while an IO thread still has a write to do: the IO thread's wait for that write's
+    copy event runs during the capture. CUDA refuses an event wait from a thread in the global
+    interaction mode then (and invalidates the capture); the stand-in does the same
+    (tests/recording_streams.py). The IO threads switch themselves to the thread-local mode
+    around the wait (io/gpu_wait.py): no refusal, no fallback, and the write completes. Before
+    the fix the wait was refused, the write failed and the tensor fell back to memory."""
+    from ssdtrain_megatron.io import gpu_wait, make_engine
+    from tests.faulty import FaultyEngine, HeldWrites
+
+    rec = Recorder()
+    monkeypatch.setattr(gpu_wait, "capture_driver", lambda: rec.driver)
+    cfg = _config(tmp_path).replace(io_threads=1, chunk_bytes=16 * 1024)
+    hold = HeldWrites()
+    engine = FaultyEngine(make_engine(cfg), hold)
+    x = torch.randn(4096, requires_grad=True)
+    with ActivationOffloader(cfg, device=torch.device("cpu"), engine=engine, streams=rec) as off:
+        hold.held = True
+        with off.microbatch(0):
+            a = torch.tanh(x * 2)  # its write holds the one IO thread (after its event wait)
+            assert hold.entered.wait(60)
+            b = torch.tanh(a * 3)  # queued behind it: its copy event not waited for yet
+        loss = b.sum()
+        del a, b  # backward reads them back from the drive
+        rec.begin_capture()
+        hold.go.set()  # the IO thread now waits for b's copy event, inside the capture
+        deadline = time.monotonic() + 60
+        while engine.completions.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        rec.end_capture()
+        assert engine.completions.qsize() >= 2, "the IO thread did not finish both writes"
+        (g,) = torch.autograd.grad(loss, x)
+        stats = off.end_step()
+        engine.close()
+    refused = rec.nodes("refused")
+    assert refused == [], f"event waits refused during the capture: {refused}"
+    waits = [n for n in rec.nodes("synchronize") if n.thread != threading.current_thread().name]
+    assert len(waits) == 2, waits
+    assert stats.fallbacks == 0 and stats.tensors_offloaded == 2 and stats.bytes_read > 0
+    (gref,) = torch.autograd.grad(torch.tanh(torch.tanh(x * 2) * 3).sum(), x)
+    assert torch.equal(g.view(torch.int32), gref.view(torch.int32))
 
 
 # -- Megatron's CUDA-graph flags --------------------------------------------------------------

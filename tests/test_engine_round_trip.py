@@ -159,7 +159,7 @@ def test_chunks_are_placed_round_robin_without_overlap(open_engine, n_roots):
         root_spans.sort()
         assert all(end <= nxt for (_, end), (nxt, _) in zip(root_spans, root_spans[1:]))
     # each chunk's place: its bytes and room for any shift, padded (io/bounce.py)
-    extra = engine._dio_align - 1
+    extra = engine.staging.dio_align - 1
     padded = sum(-(-(extra + max(e.length, 1)) // 4096) * 4096 for k in range(len(sizes))
                  for e in engine._placed[k].extents)
     assert engine.bytes_on_disk == padded

@@ -5,6 +5,7 @@ install and the bundle's completeness proof. The GPU steps themselves run only o
 
 import ast
 import json
+import xml.etree.ElementTree as ET
 import os
 import re
 import subprocess
@@ -18,7 +19,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_bundle  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_check_cuda  # noqa: E402
 import gpu_check_measure  # noqa: E402,F401 - imports cleanly (its step runs on a GPU only)
+import gpu_check_plan  # noqa: E402
 import gpu_check_targets  # noqa: E402
 
 TARGET_NAMES = [t[0] for t in gpu_check_targets.TARGETS]
@@ -37,29 +40,47 @@ def _make(tmp_path, dry, args=""):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_plan_fits_480_s_with_the_measure_step_inside_its_slot():
-    """Fails when the limits are raised past 480 s (they added up to ~1030 s before issue 24) or
-    the measure shape is grown past its slot (e.g. the old 16 layers x 4096 x 2048: ~400 s)."""
+def test_the_plan_fits_480_s_with_every_estimate_inside_its_limit():
+    """Each step's estimate (start, pinning its pools, collecting tests, its work) within its
+    limit, the limits within 480 s less the parent's share. Fails when the limits are raised
+    past 480 s (they added up to ~1030 s before issue 24), when the measure shape is grown past
+    its slot (e.g. the old 16 layers x 4096 x 2048: ~400 s), or when a step's pools are left
+    at the defaults (the memory engine's 4 GiB and 2 GiB of staging for bitwise-memory)."""
     args = gpu_check.parse_args(["--dry-run"])
     steps = gpu_check.plan(args)
     assert [s["step"] for s in steps] == [s[0] for s in gpu_check.STEPS]
-    assert sum(s["timeout_s"] for s in steps) <= gpu_check.TOTAL_S - gpu_check.PARENT_S <= 480
-    slot = next(s["timeout_s"] for s in steps if s["step"] == "measure")
-    assert gpu_check.measure_estimate(args)["seconds"] <= slot
+    assert sum(s["timeout_s"] for s in steps) <= gpu_check.TOTAL_S - gpu_check_plan.PARENT_S <= 480
+    est = gpu_check_plan.estimates(args)
+    for s in steps:
+        assert est[s["step"]]["total"] <= s["timeout_s"], (s, est[s["step"]])
+    assert est["measure"]["register"] > 0 and est["cuda-tests"]["collect"] > 0
+    assert est["bitwise-memory"]["register"] < 1.0  # its pool is sized to the step
     big = gpu_check.parse_args(["--layers", "16", "--hidden", "4096", "--heads", "32", "--seq", "2048"])
-    assert gpu_check.measure_estimate(big)["seconds"] > slot
+    slot = next(s["timeout_s"] for s in steps if s["step"] == "measure")
+    assert gpu_check_plan.estimates(big)["measure"]["total"] > slot
 
 
-def test_make_dry_run_prints_each_limit_and_the_sum(tmp_path):
+def test_the_bitwise_pools_are_sized_to_the_step_and_hold_a_micro_batch():
+    mb = gpu_check_plan.activation_bytes(gpu_check_plan.BITWISE_SHAPE)
+    memory = gpu_check_plan.bitwise_settings("memory")
+    assert mb < memory["host_memory_bytes"] < 2 * mb
+    assert gpu_check_plan.pinned_bytes("memory", memory) < 1 << 30
+    assert gpu_check_plan.pinned_bytes("gds", gpu_check_plan.bitwise_settings("gds"), direct=True) == 0
+
+
+def test_make_dry_run_prints_each_limit_estimate_and_the_sum(tmp_path):
     proc = _make(tmp_path, dry=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    est = gpu_check_plan.estimates(gpu_check.parse_args([]))
     for name, limit, *_ in gpu_check.STEPS:
-        assert f"{name:<15} limit {limit:>4}s" in proc.stdout
+        assert f"{name:<19} limit {limit:>4}s  estimate {est[name]['total']:>5.0f}s  (" in proc.stdout
     total = sum(s[1] for s in gpu_check.STEPS)
-    assert f"sum             limit {total:>4}s  of 470s" in proc.stdout
-    assert "the plan fits" in proc.stdout and "estimate" in proc.stdout
+    assert f"sum                 limit {total:>4}s  of 470s" in proc.stdout
+    assert "registering pinned memory" in proc.stdout and "collecting tests 15s" in proc.stdout
+    assert "the plan fits" in proc.stdout
     plan = json.loads((tmp_path / "res" / "plan.json").read_text())
     assert plan["dry_run"] and plan["measure_estimate"]["seconds"] <= 120
+    assert plan["estimates"]["measure"]["register"] > 0
     assert sorted(os.listdir(tmp_path / "res")) == ["plan.json"]  # nothing ran
 
 
@@ -69,6 +90,29 @@ def test_dry_run_fails_when_the_plan_does_not_fit(tmp_path, argv):
     proc = _run(argv + ["--out", str(tmp_path / "res")], tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "the plan does NOT fit" in proc.stdout
+
+
+def test_the_check_scripts_import_one_way():
+    """No circle among scripts/gpu_check*.py, imports inside functions included (before issue
+    38: gpu_check_measure imported gpu_check_steps' helpers, and gpu_check_steps the measure
+    step: "gpu_check_measure -> gpu_check_steps -> gpu_check_measure")."""
+    folder = os.path.join(ROOT, "scripts")
+    mods = {f[:-3] for f in os.listdir(folder) if f.startswith("gpu_") and f.endswith(".py")}
+    edges = {}
+    for m in mods:
+        tree = ast.parse(open(os.path.join(folder, m + ".py")).read())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        edges[m] = sorted(names & mods)
+
+    def visit(m, path):
+        for nxt in edges[m]:
+            assert nxt not in path, "import circle: " + " -> ".join(path + [nxt])
+            visit(nxt, path + [nxt])
+
+    for m in sorted(mods):
+        visit(m, [m])
+    assert "gpu_check_steps" not in edges["gpu_check_measure"]
 
 
 def test_make_gpu_check_without_a_gpu_lists_every_target_not_run_and_fails(tmp_path):
@@ -102,16 +146,20 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, argv, message):
     assert not (tmp_path / "res").exists()
 
 
-@pytest.mark.parametrize("corrupt", [False, True], ids=["equal", "one-element-changed"])
-def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch, corrupt):
+@pytest.mark.parametrize("corrupt, stopped", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["equal", "one-element-changed", "stopped-early", "changed-then-stopped"])
+def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch, corrupt, stopped):
     """The gpu-check's keep-vs-offload comparison, run here on the CPU (megatron-core GPT in
     bf16 through the CPU runtime): it passes when offload is exact, and fails, naming the step,
     when one element of one restored activation differs. The compute-stream delay runs before
-    every layer's forward and in its backward (on the GPU: torch.cuda._sleep)."""
+    every layer's forward and in its backward (on the GPU: torch.cuda._sleep). Stopped by its
+    deadline after one of its two steps it is NOT RUN with the count, not a pass (before issue
+    38 it passed), unless that step already differed (a failure)."""
     import argparse
 
     import torch
 
+    import gpu_check_common
     import gpu_check_steps as steps
     from ssdtrain_megatron.cache.record import State
     from ssdtrain_megatron.cache.transfers import Transfers
@@ -130,42 +178,57 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
     args = argparse.Namespace(scratch=str(tmp_path / "scratch"), out=str(tmp_path))
     os.makedirs(args.scratch)  # as gpu_check.py's main does before any step
     spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=2, num_microbatches=2)
-    cfg = steps._config(args, "posix", min_tensor_bytes=1024, max_inflight_bytes=1 << 20)
+    if stopped:
+        monkeypatch.setattr(steps, "deadline_left", lambda: 0.0)
+    cfg = gpu_check_common.offload_config(args, "posix", min_tensor_bytes=1024, max_inflight_bytes=1 << 20)
     calls = []  # stands in for torch.cuda._sleep on the compute stream (no CUDA here)
-    result = steps._compare(args, lambda r: None, spec, cfg, steps=2, stream=None, delay=lambda: calls.append(1))
+    result = steps.compare(args, lambda r: None, spec, cfg, 2, gpu_check_common.CudaBox(), stream=False,
+                           delay=lambda: calls.append(1))
     assert result["init_same"] and result["bytes_read"] > 0
-    # 3 models x 2 steps x 2 micro-batches x 2 layers, once in forward and once in backward
-    assert result["compute_delays"] == {"forward": 24, "backward": 24} and len(calls) == 48
-    assert not result["baseline_steps_differing"]
+    n = 1 if stopped else 2
+    # 3 models x n steps x 2 micro-batches x 2 layers, once in forward and once in backward
+    assert result["compute_delays"] == {"forward": 12 * n, "backward": 12 * n} and len(calls) == 24 * n
+    assert not result["baseline_steps_differing"] and result["steps_run"] == n
     if corrupt:
         assert result["status"] == "fail" and "offload differs from keep at steps [0" in result["why"]
+    elif stopped:
+        assert result["status"] == "not run" and result["why"] == "out of time: 1 of 2 steps ran (all bitwise equal)"
+        row = gpu_check_targets.targets({"bitwise-posix": result})[3]
+        assert row["result"] == "NOT RUN" and "1 of 2 steps" in row["detail"], row
     else:
         assert result["status"] == "pass", result
     assert torch.is_grad_enabled()
 
 
-def _point(name, step_s, reserved, written=0.0, read=0.0, mb=1, seq=2048, stall=0.0, **kw):
+def _point(name, step_s, reserved, written=0.0, read=0.0, mb=1, seq=2048, stall=0.0, held=60, **kw):
+    """A measured point; ``held``: what the step holds with its activations freed (weights,
+    gradients, Adam state), the same for every point of one model."""
     return dict(name=name, ok=True, step_s=step_s, peak_bytes=reserved * 0.9, peak_reserved=reserved,
-                bytes_written=written, bytes_read=read, tokens_per_s=mb * seq / step_s, stall_s=stall,
-                stall_fraction=stall / step_s, **kw)
+                held_bytes=held * 0.9, held_reserved=held, activation_bytes=(reserved - held) * 0.9,
+                activation_reserved=reserved - held, bytes_written=written, bytes_read=read,
+                tokens_per_s=mb * seq / step_s, stall_s=stall, stall_fraction=stall / step_s, **kw)
 
 
 def _passing_steps():
-    """Results of every step as a GPU box whose every target passes would write them."""
+    """Results of every step as a GPU box whose every target passes would write them. As at the
+    default measure shape, weights, gradients and Adam state are most of keep's peak: offload
+    halves the activations' part (40 -> 15, 18) while the whole peak only drops to 0.75x."""
     measure = {"status": "pass", "micro_batch": 1, "bandwidth": {"memory": {"write": 50e9, "read": 50e9},
                                                                   "posix": {"write": 5e9, "read": 5e9}},
                "points": [
                    _point("keep@1", 1.0, 100),
-                   _point("offload-memory@1", 1.04, 40, written=25e9, read=25e9, stall=0.01),  # 1.04x, 1%
-                   _point("offload-posix@1", 10.4, 50, written=25e9, read=25e9, stall=0.1),  # bound 10 s
+                   _point("offload-memory@1", 1.04, 75, written=25e9, read=25e9, stall=0.01),  # 1.04x, 1%
+                   _point("offload-posix@1", 10.4, 78, written=25e9, read=25e9, stall=0.1),  # bound 10 s
                    {"name": "keep@2", "ok": False, "oom": True},
                    _point("recompute@2", 3.0, 90, mb=2),
-                   _point("adaptive@2", 1.9, 80, mb=2),
+                   _point("adaptive@2", 1.9, 80, mb=2, settled=True, warmup_steps=6, still_settled=True),
                ]}
     steps = {n: {"status": "pass"} for n, *_ in gpu_check.STEPS}
     steps.update(measure=measure, syncs={"status": "pass", "keep_syncs": 2.0, "offload_syncs": 2.0},
                  imports={"status": "pass", "megatron_core": {"version": "0.16.1"},
-                          "kvikio": {"version": "26.10.00", "gds_unavailable": ""}})
+                          "kvikio": {"version": "26.10.00", "gds_unavailable": "", "mode": "direct", "nvidia_fs": True}})
+    steps["bitwise-gds"] = {"status": "pass", "kvikio_mode": "direct"}
+    steps["bitwise-gds-compat"] = {"status": "pass", "kvikio_mode": "compat"}
     return steps
 
 
@@ -189,16 +252,28 @@ def test_targets_compute_pass_fail_and_not_run_from_the_results():
         return {r["target"]: r for r in gpu_check_targets.targets(s)}[name]["result"]
 
     assert result("host stall offload-memory <= 2% of step time", measure__point1_stall_fraction=0.03) == "FAIL"
-    assert result("peak reserved offload-posix <= 0.5x keep", measure__point2_peak_reserved=51) == "FAIL"
+    assert result("peak activation memory offload-posix <= 0.5x keep", measure__point2_activation_reserved=21) == "FAIL"
     # allocated alone would pass: the row judges reserved memory
-    assert result("peak reserved offload-memory <= 0.5x keep", measure__point1_peak_reserved=60,
-                  measure__point1_peak_bytes=10) == "FAIL"
+    assert result("peak activation memory offload-memory <= 0.5x keep", measure__point1_activation_reserved=30,
+                  measure__point1_activation_bytes=1) == "FAIL"
+    # the whole peaks were always over 0.5x here (75/100): the row judges the activations' part
+    assert rows["peak activation memory offload-memory <= 0.5x keep"]["detail"].startswith("0.38x activation reserved")
+    assert "; whole peak reserved " in rows["peak activation memory offload-memory <= 0.5x keep"]["detail"]
+    assert result("peak activation memory offload-memory <= 0.5x keep", measure__point0_activation_reserved=0) == "NOT RUN"
+    assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point5_settled=False) == "NOT RUN"
+    assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point5_still_settled=False) == "NOT RUN"
+    assert result("bitwise gds (GPUDirect Storage): keep == offload", **{"bitwise-gds__kvikio_mode": "compat"}) == "NOT RUN"
+    assert result("bitwise gds-compat (kvikio compat mode): keep == offload",
+                  **{"bitwise-gds-compat__kvikio_mode": "direct"}) == "NOT RUN"
+    assert result("bitwise gds (GPUDirect Storage): keep == offload", **{"bitwise-gds__status": "not run"}) == "NOT RUN"
+    assert result("bitwise posix: keep == offload, compute stream delayed", **{"bitwise-posix__status": "not run"}) == "NOT RUN"
+    assert "prefers direct mode (GPUDirect Storage)" in rows["import kvikio; the gds engine is available"]["detail"]
     assert result("overlap offload-posix <= 1.05x max(keep, bytes/bw)", measure__point2_step_s=11.0) == "FAIL"
     assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point5_tokens_per_s=1.0) == "FAIL"
     assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point3_oom=False) == "NOT RUN"
     assert result("no host sync added by offload (memory engine)", syncs__offload_syncs=3.0) == "FAIL"
     assert result("stress: 100 steps bitwise, side stream, compact views", stress__status="fail") == "FAIL"
-    assert result("bitwise gds: keep == offload, compute stream delayed", **{"bitwise-gds__status": "error"}) == "NOT RUN"
+    assert result("bitwise gds (GPUDirect Storage): keep == offload", **{"bitwise-gds__status": "error"}) == "NOT RUN"
     assert result("import kvikio; the gds engine is available", imports__kvikio={"error": "no libcufile"}) == "FAIL"
     assert result("import megatron.core 0.16.1", imports__megatron_core={"version": "0.17.1"}) == "FAIL"
     assert result("host stall offload-posix <= 2% of step time", measure__point2_ok=False) == "NOT RUN"
@@ -210,6 +285,76 @@ def test_every_target_has_a_row_when_nothing_ran():
     assert [r["target"] for r in rows] == TARGET_NAMES
     assert {r["result"] for r in rows} == {"NOT RUN"}
     assert {r["detail"] for r in rows if r["step"] == "measure"} == {"not selected (--only)"}
+
+
+def _junit(tmp_path, cases):
+    """A junit file as pytest writes it: (node id, outcome, message) per test."""
+    body = []
+    for node, outcome, msg in cases:
+        path, name = node.split("::", 1)
+        inner = {"passed": "", "skipped": f'<skipped type="pytest.skip" message="{msg}"/>',
+                 "failed": f'<failure message="{msg}">trace</failure>'}[outcome]
+        body.append(f'<testcase classname="{path[:-3].replace("/", ".")}" name="{name}" time="0.1">{inner}</testcase>')
+    f = tmp_path / "junit.xml"
+    f.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{"".join(body)}</testsuite></testsuites>')
+    return str(f)
+
+
+def test_cuda_tests_pass_only_when_every_required_test_ran_and_passed(tmp_path):
+    """Before issue 38 any "N passed" passed, however many were skipped."""
+    req = gpu_check_cuda.REQUIRED_TESTS
+    judge = lambda cases: gpu_check_cuda.judge(gpu_check_cuda.outcomes(_junit(tmp_path, cases)), 0, [])  # noqa: E731
+    ok = judge([(t, "passed", "") for t in req])
+    assert ok["status"] == "pass" and ok["ran"] == len(req), ok
+    skipped = judge([(t, "passed", "") for t in req[1:]] + [(req[0], "skipped", "kvikio is not installed")])
+    assert skipped["status"] == "fail" and req[0] in skipped["why"] and "kvikio is not installed" in skipped["why"]
+    missing = judge([(t, "passed", "") for t in req[1:]])
+    assert missing["status"] == "fail" and missing["missing"] == [req[0]]
+    extra = judge([(t, "passed", "") for t in req] + [("tests/test_pinned.py::test_cuda_new", "failed", "boom")])
+    assert extra["status"] == "fail" and "test_cuda_new failed: boom" in extra["why"]
+    assert judge([])["status"] == "fail"
+    assert gpu_check_cuda.node_id(ET.fromstring('<testcase classname="tests.test_x.TestA" name="test_b[1]"/>')) \
+        == "tests/test_x.py::TestA::test_b[1]"
+
+
+def test_the_cuda_test_files_named_are_every_file_with_a_cuda_test():
+    """A new file with a cuda test must be named, required or optional with its reason."""
+    named = set(gpu_check_cuda.REQUIRED_FILES) | set(gpu_check_cuda.OPTIONAL_FILES)
+    mark = "pytest.mark." + "cuda"  # spelled apart: this file is not one of them
+    found = {f"tests/{f}" for f in os.listdir(os.path.join(ROOT, "tests"))
+             if f.startswith("test_") and f.endswith(".py") and mark in open(os.path.join(ROOT, "tests", f)).read()}
+    assert found == named, (sorted(found - named), sorted(named - found))
+    assert {t.split("::")[0] for t in gpu_check_cuda.REQUIRED_TESTS} <= set(gpu_check_cuda.REQUIRED_FILES)
+
+
+def test_the_required_cuda_tests_are_what_pytest_collects_from_their_files():
+    """The list against pytest's own collection of those files (about 8 s on a quiet 2-core
+    machine; kept in the default suite: a stale list would cost the GPU box's one run)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+                          + gpu_check_cuda.REQUIRED_FILES, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    collected = sorted(line for line in proc.stdout.splitlines() if "::" in line)
+    assert collected == gpu_check_cuda.REQUIRED_TESTS, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("registers", [True, False], ids=["registered", "torch-allocator"])
+def test_the_ram_guard_counts_the_staging_pool_and_what_pinning_really_locks(tmp_path, registers):
+    """A point's pinned pools: the engine's pool and the 2 x max_inflight_bytes staging pool, at
+    their page-rounded sizes where cudaHostRegister works, at torch's powers of two where it
+    was refused; a point whose pools exceed 3/4 of the RAM is not run, saying so."""
+    from ssdtrain_megatron import OffloadConfig
+
+    m = gpu_check_measure.Measure.__new__(gpu_check_measure.Measure)
+    m.registers, m.host_ram, m.per_sample = registers, 64 << 30, None
+    m.base_cfg = OffloadConfig(dirs=[str(tmp_path)], engine="posix")
+    m.args = gpu_check.parse_args(["--out", str(tmp_path)])
+    os.makedirs(m.args.scratch, exist_ok=True)
+    mem = dict(engine="memory", host_memory_bytes=3 << 30, max_inflight_bytes=5 << 30)
+    want = (13 << 30) if registers else (16 << 30) + (4 << 30)  # staging 10 GiB (or 16), pool 3 GiB (or 4)
+    assert m.pinned("offload", mem) == want
+    assert m.pinned("keep", mem) == 0
+    why = m._skip(1, "offload", "memory", {"host_memory_bytes": 40 << 30, "max_inflight_bytes": 5 << 30})
+    assert why and why.startswith("not run (host memory)") and "staging included" in why
+    assert m._skip(1, "offload", "memory", {"host_memory_bytes": 1 << 30}) is None
 
 
 @pytest.mark.parametrize("change, code", [(None, 0), ("fail", 1), ("timeout", 1), ("missing", 1)],

@@ -166,6 +166,30 @@ def test_the_tiered_memory_tier_is_direct_and_the_ssd_tier_staged(tmp_path):
     assert len(_copies(rec, "src", pool)) == len(direct)
 
 
+def test_a_failed_memory_tier_write_after_pool_view_frees_its_extent_on_release(tmp_path):
+    """The memory tier's write raises after ``pool_view`` reserved an extent (here: bytes that
+    are not the view's; any engine error there does the same). The offloader keeps the tensor
+    and later releases the key: the extent must be freed. Before the fix the tiered engine
+    had already dropped the reservation, so release found no tier for the key:
+    ``after end_step: extents {0: (0, 65536)}``."""
+    from ssdtrain_megatron.io.base import EngineError
+
+    engine = make_engine(OffloadConfig(dirs=[str(tmp_path)], engine="tiered", host_memory_bytes=4 * NBYTES))
+    try:
+        view = engine.pool_view(0, NBYTES)
+        assert view is not None
+        with pytest.raises(EngineError, match="other memory than its pool_view"):
+            engine.write(0, torch.zeros(NBYTES, dtype=torch.uint8))
+        engine.release(0)
+        engine.end_step()
+        assert engine.memory._extents == {}, f"after end_step: extents {engine.memory._extents}"
+        assert engine.bytes_on_disk == 0
+        view = engine.pool_view(1, 4 * NBYTES)  # the whole pool is free again
+        assert view is not None and view.data_ptr() == engine.memory._pool.data_ptr()
+    finally:
+        engine.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("abandon_first", [False, True])

@@ -52,7 +52,7 @@ def test_transformer_with_split_qkv_views_is_bitwise_equal(offload_dir, chunk_kb
     assert st.tensors_offloaded > 0 and st.bytes_read > 0
 
 
-def test_split_views_are_not_deduplicated(offload_dir):
+def test_split_views_are_not_deduplicated(offload_dir, exact):
     """q, k, v split from one fused projection share a storage but are three tensors."""
     lin = nn.Linear(64, 3 * 64)
     x = torch.randn(128, 64)
@@ -73,7 +73,7 @@ def test_split_views_are_not_deduplicated(offload_dir):
     assert bitwise_equal(ref_grad, expected)
 
 
-def test_same_tensor_saved_by_two_ops_is_written_once(offload_dir):
+def test_same_tensor_saved_by_two_ops_is_written_once(offload_dir, exact):
     lin = nn.Linear(256, 256)
     x = torch.randn(64, 256)
     with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
@@ -92,7 +92,7 @@ def test_same_tensor_saved_by_two_ops_is_written_once(offload_dir):
     assert bitwise_equal(g, torch.autograd.grad((h0.sin() + h0.cos()).sum(), lin.weight)[0])
 
 
-def test_reallocated_memory_is_not_deduplicated(offload_dir):
+def test_reallocated_memory_is_not_deduplicated(offload_dir, exact):
     """A tensor freed in forward and a new one of the same size at the same address are two
     tensors: the second must come back with its own bytes. The allocator decides where the
     new one lands, so the scenario is repeated until it did land on the freed address."""
@@ -333,7 +333,7 @@ def test_io_trace_has_one_record_per_request_with_context(offload_dir, tmp_path)
     assert {r["microbatch"] for r in rows} == {"0", "1"}
 
 
-def test_a_sparse_view_is_stored_compactly_and_restored_with_its_strides(offload_dir):
+def test_a_sparse_view_is_stored_compactly_and_restored_with_its_strides(offload_dir, exact):
     """V split out of a fused QKV output touches a third of its storage span: store its own
     bytes only, and give backward a tensor with the original strides."""
     lin = nn.Linear(256, 3 * 256)

@@ -5,8 +5,9 @@ is asynchronous (offload stream). Normally an IO thread waits for its event befo
 reads the block, and only then does the block go back to the pool. Three paths give the block
 back although no thread ever waited for that copy:
 
-- **cancel**: backward (or a dropped graph) releases a tensor whose write no IO thread started;
-  ``engine.cancel`` takes the write back (cache/transfers.py ``_release``);
+- **cancel**: a dropped graph releases a tensor whose write no IO thread started;
+  ``engine.cancel`` takes the write back (cache/transfers.py ``_release``); or backward needs
+  such a tensor, and the write is taken back to serve it from memory (``_wanted_while_writing``);
 - **PoolFull**: the memory engine refuses the write (``_submit``, expected refusal);
 - **engine error**: ``engine.write`` raises (``_submit``, an engine bug).
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -72,6 +73,11 @@ class Logged(ForwardingEngine):
     def read(self, key, out, ready_event=None):
         self.rec.host("engine_read", key=key, ptr=_range(out))
         return self.inner.read(key, out, ready_event)
+
+    def cancel(self, key):
+        taken = self.inner.cancel(key)
+        self.rec.host("engine_cancel", key=key, taken=taken)
+        return taken
 
     def pool_view(self, key, nbytes):
         return self.inner.pool_view(key, nbytes) if self.pooled else None
@@ -119,11 +125,12 @@ class Saves(torch.autograd.Function):
         return g * 1, None, None
 
 
-def check_staging_reuse(rec: Recorder, pool: torch.Tensor) -> int:
-    """Every write into pool memory (a copy into it, an engine read into it) is ordered after
-    every earlier copy into or out of the same bytes. Returns how many such pairs it checked
-    across different agents (a reuse of a block by another stream or by the host)."""
-    lo_hi = _range(pool)
+def check_staging_reuse(rec: Recorder, pool) -> int:
+    """Every write into pool memory (a tensor, or its (first, past-last) byte range) -- a copy
+    into it, an engine read into it -- is ordered after every earlier copy into or out of the
+    same bytes. Returns how many such pairs it checked across different agents (a reuse of a
+    block by another stream or by the host)."""
+    lo_hi = pool if isinstance(pool, tuple) else _range(pool)
     earlier = []  # (node, byte range of the pool it touched)
     pairs = 0
     for n in rec.log:
@@ -199,6 +206,33 @@ class Scene:
             assert self.gate.wait(60), "gate never opened"
         return None
 
+    def a_on_disk_d_held_b_queued(self):
+        """a (record 0) written and settled, its block back in the pool (its IO thread waited);
+        d (1) being written by the one IO thread, held there; b (2) queued behind it, so that
+        no thread ever waits for b's copy. Returns the three outputs."""
+        ya = self.save("a", 1.0)
+        _settle(self.off, 0)
+        self.gating = True
+        yd = self.save("d", 2.0)
+        assert self.entered.wait(60)
+        self.gating = False
+        return ya, yd, self.save("b", 3.0)
+
+    def read_a_while_d_is_held_then_finish(self, ya: torch.Tensor, yd: torch.Tensor) -> None:
+        """a's read takes a staging block while d still holds another one (b's may be reused
+        only after b's copy), then waits behind d in the one IO thread; d is let go as soon as
+        a's read was handed to the engine. Then d's backward, and the ordering check, which
+        must have checked some reuse of a block on the stand-in."""
+        opener = threading.Thread(target=_open_after_read_of, args=(self, 0))
+        opener.start()
+        ya.sum().backward()
+        opener.join()
+        self.restored_bytes_match("a")
+        yd.sum().backward()
+        pairs = self.finish()
+        if not self.cuda:
+            assert pairs > 0, "the scenario never reused a staging block (nothing was checked)"
+
     def save(self, name: str, value: float) -> torch.Tensor:
         """Forward of one tensor saved for backward; returns the output whose backward unpacks it."""
         x = torch.full((NBYTES // 4,), value, device=self.device).requires_grad_()
@@ -233,28 +267,55 @@ def test_a_cancelled_write_returns_its_staging_only_after_its_copy(tmp_path, ops
     """Backward releases a tensor whose write never started (``engine.cancel``): its staging
     block must not be read into before its device->host copy ran."""
     s = Scene(tmp_path, ops, "posix", io_threads=1)
-    ya = s.save("a", 1.0)
-    _settle(s.off, 0)  # a is on disk; its block is back in the pool (its IO thread waited)
-    s.gating = True
-    yd = s.save("d", 2.0)  # the one IO thread takes d's write and is held in it
-    assert s.entered.wait(60)
-    s.gating = False
-    yb = s.save("b", 3.0)  # queued behind d: no thread ever waits for b's copy
+    ya, yd, yb = s.a_on_disk_d_held_b_queued()
     del yb  # b's graph goes: its handle drops, its unstarted write is cancelled
     s.off.poll()
     assert 2 not in s.off.table, "b's write was not taken back by cancel()"
-    # a's read takes a staging block while d still holds the other one (b's is the only
-    # free one: it may be reused only after b's copy), then waits behind d in the one IO
-    # thread; d is let go as soon as a's read was handed to the engine.
-    opener = threading.Thread(target=_open_after_read_of, args=(s, 0))
-    opener.start()
-    ya.sum().backward()
-    opener.join()
-    s.restored_bytes_match("a")
-    yd.sum().backward()
-    pairs = s.finish()
-    if ops == "stand-in":
-        assert pairs > 0, "the scenario never reused a staging block (nothing was checked)"
+    s.read_a_while_d_is_held_then_finish(ya, yd)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_a_write_backward_takes_back_returns_its_staging_only_after_its_copy(tmp_path, ops):
+    """The second cancel path (cache/transfers.py ``_wanted_while_writing``): backward needs a
+    tensor whose write no IO thread has started; the write is taken back and the tensor served
+    from memory. Its staging block goes back to the pool with its copy event, and the read
+    that comes next (a's, while d still holds a block) must not get that block before the
+    copy ran. With the event dropped on this path (``rec.transfer.copy_event = None`` before
+    ``_written``) the stand-in fails with ``staging reuse: #.. copy@s1 ... is not ordered
+    before #.. engine_read@host``."""
+    s = Scene(tmp_path, ops, "posix", io_threads=1)
+    ya, yd, yb = s.a_on_disk_d_held_b_queued()
+    yb.sum().backward()  # backward wants b now: its unstarted write is taken back
+    assert [n.tags["taken"] for n in s.rec.nodes("engine_cancel", key=2)] == [True], \
+        "b's write was not taken back by backward (the path under test did not run)"
+    s.restored_bytes_match("b")
+    s.read_a_while_d_is_held_then_finish(ya, yd)
+
+
+def test_close_waits_for_a_cancelled_writes_copy_before_the_staging_pool_is_released(tmp_path):
+    """A write taken back by ``cancel`` gives its staging block back with a copy event no IO
+    thread waited for; ``close()`` right after must not release (unregister, unmap) the pinned
+    pool before that copy ran: every copy into or out of the pool is ordered before the
+    stand-in's ``unpin`` of it. Before the fix (DeviceCopy had no close) the pool went with
+    the offloader, and the cancelled copy was not ordered before the ``unpin``."""
+    import gc
+
+    s = Scene(tmp_path, "stand-in", "posix", io_threads=1)
+    ya, yd, yb = s.a_on_disk_d_held_b_queued()
+    del yb  # cancelled: its block goes back with b's copy event, pending
+    s.off.poll()
+    assert 2 not in s.off.table, "b's write was not taken back by cancel()"
+    pool = _range(s.off.copy.pool._mem)
+    s.gate.set()
+    del ya, yd
+    s.off.close()
+    s.off = None
+    gc.collect()
+    (unpin,) = [n for n in s.rec.nodes("unpin") if n.tags["ptr"] == pool]
+    copies = [n for n in s.rec.nodes("copy") if overlaps(n.tags["dst"], pool) or overlaps(n.tags["src"], pool)]
+    assert len(copies) == 3
+    for c in copies:
+        assert s.rec.happens_before(c, unpin), f"the pinned pool was released before {c} ran"
 
 
 @pytest.mark.parametrize("ops", OPS)

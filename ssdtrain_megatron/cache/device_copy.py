@@ -138,6 +138,13 @@ class StagingPool:
         with self._lock:
             return self._alloc.allocated
 
+    def close(self) -> None:
+        """Let the pinned memory go (unregistered once the last view of it is gone). The caller
+        has made sure no copy into or out of it is still queued (``DeviceCopy.close``)."""
+        with self._lock:
+            self._pending.clear()
+            self._mem = torch.empty(0, dtype=torch.uint8)
+
     def _reclaim(self) -> None:
         # Every pending block, not only the oldest: the events come from two streams (offload
         # copies into blocks, reload copies out of them), which complete in any order.
@@ -196,6 +203,7 @@ class DeviceCopy:
         self.reload_stream = self.ops.new_stream(self.device)
         self.pool = None if direct else StagingPool(staging_bytes, self.ops)
         self._warned = False
+        self._closed = False
 
     # -- offload ----------------------------------------------------------------------------
 
@@ -336,6 +344,21 @@ class DeviceCopy:
             current.wait_event(xfer.ready_event)
         if current != xfer.alloc_stream:
             ops.record_stream(out, current)
+
+    def close(self) -> None:
+        """Wait until every copy ever queued on the offload and reload streams has run, then
+        release the staging pool (close, not the hot path, may wait). A block still in flight
+        (a cancelled or refused write whose copy no IO thread waited for, a record released
+        with its transfer) would otherwise be unregistered and unmapped under its copy."""
+        if self._closed:
+            return
+        self._closed = True
+        for stream in (self.offload_stream, self.reload_stream):
+            done = self.ops.new_event()
+            done.record(stream)
+            done.synchronize()
+        if self.pool is not None:
+            self.pool.close()
 
     @property
     def staging_overflows(self) -> int:

@@ -119,7 +119,8 @@ class SavedTensorHooks:
         if mb is not None and forward:
             idx = mb.enter_layer(key)
             keep = self._keep_last_layers
-            self._transfers.submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
+            if not self._capturing():  # a capture: no copy or IO enters it (the offloader's microbatch())
+                self._transfers.submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
         t0 = time.perf_counter()
         try:
             yield

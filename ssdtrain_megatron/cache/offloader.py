@@ -135,8 +135,9 @@ class ActivationOffloader:
                                     self._table, self._step, events, self._warn, limit, self._tracer,
                                     time_submit=limit is not None or planner is not None)
         self._decisions = Decisions(config, self._transfers.budget, planner)
+        self._capturing = capture_query(copy)  # CUDA graphs (hooks.py)
         self._hooks = SavedTensorHooks(config, self.device, self._table, self._transfers, self._decisions,
-                                       self._step, events, capture_query(copy))
+                                       self._step, events, self._capturing)
         self._copy = copy
         self._step_started = self._step_first = time.perf_counter()
         self.watch = OffloadWatch(self.device, config.min_tensor_bytes,
@@ -170,6 +171,11 @@ class ActivationOffloader:
     def transfers(self) -> Transfers:
         """The transfer machine (``transfers.py``)."""
         return self._transfers
+
+    @property
+    def step(self) -> Step:
+        """The step in progress: its number, phase and running counters (``step.py``)."""
+        return self._step
 
     @property
     def copy(self) -> Optional[DeviceCopy]:
@@ -212,7 +218,11 @@ class ActivationOffloader:
     def microbatch(self, key: Hashable) -> Iterator["ActivationOffloader"]:
         """Forward of micro-batch ``key``: saved tensors inside are recorded under it."""
         self._check_open()
-        self._transfers.drain()
+        # Inside a CUDA graph capture, entering touches no stream, event or IO thread (a
+        # replay would repeat none of it): the deferred writes wait for the next entry outside.
+        capturing = self._capturing()
+        if not capturing:
+            self._transfers.drain()
         if not self._table.microbatch_count:
             self._step_first = time.perf_counter()  # the step's first forward starts
         mb, created = self._table.microbatch(key)
@@ -220,7 +230,8 @@ class ActivationOffloader:
             self._decisions.forward_started(key)  # plan: the micro-batch's position in the step
         # Another micro-batch's forward runs first: the deferred last layers of every
         # micro-batch still waiting for backward will not be needed right away; write them.
-        self._transfers.write_deferred(skip=mb)
+        if not capturing:
+            self._transfers.write_deferred(skip=mb)
         with self._hooks.microbatch_scope(mb):
             yield self
 
@@ -236,7 +247,10 @@ class ActivationOffloader:
 
     def begin_backward(self, key: Hashable) -> None:
         """Hint: the backward of micro-batch ``key`` is next. Its deferred last layers stay in
-        memory, and reads of its last layers start now, while other work runs."""
+        memory, and reads of its last layers start now, while other work runs (not while a
+        CUDA graph is captured: no copy or IO may enter the capture)."""
+        if self._capturing():
+            return
         self._transfers.drain()
         mb = self._table.find_microbatch(key)
         if mb is not None:
@@ -332,6 +346,8 @@ class ActivationOffloader:
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None
+            if self._copy is not None:  # after the engine: its IO threads no longer touch staging
+                self._copy.close()  # waits for every copy before the pinned pool goes
             cleanup.unregister(self._cleanup_token)
 
     def __enter__(self) -> "ActivationOffloader":

@@ -28,18 +28,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Any, ContextManager, Optional
 
 import torch
 
-from ..io.pinned import pin_exact
+from ..io.cuda_libs import MAPS, loaded_library
+from ..io.pinned import pin
 
 
 log = logging.getLogger(__name__)
 
 CUDA_STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking
-MAPS = "/proc/self/maps"
 
 
 class StreamOps:
@@ -104,8 +103,9 @@ class CudaStreams(StreamOps):
         return torch.cuda.is_current_stream_capturing()
 
     def pinned_pool(self, nbytes: int) -> torch.Tensor:
-        # Exactly the size asked (io/pinned.py), not the next power of two.
-        return pin_exact(nbytes)
+        # Exactly the size asked (io/pinned.py), not the next power of two; where pinning in
+        # place is refused, torch's pinned allocator (warned once).
+        return pin(nbytes, fallback=self.pinned_empty)[0]
 
 
 def dedicated_stream(device: torch.device, runtime: Any = None) -> Any:
@@ -144,18 +144,3 @@ def cuda_runtime(maps: str = MAPS) -> Optional[Any]:
         log.debug("ssdtrain: %s: %s", path, exc)
         return None
     return lib
-
-
-def loaded_library(prefix: str, maps: str = MAPS) -> Optional[str]:
-    """The path of the first mapped shared library whose file name starts with ``prefix``."""
-    try:
-        with open(maps, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                parts = line.split(None, 5)
-                if len(parts) == 6:
-                    path = parts[5].strip()
-                    if os.path.basename(path).startswith(prefix):
-                        return path
-    except OSError:
-        return None
-    return None

@@ -37,7 +37,7 @@ from ..config import OffloadConfig
 from .base import BusyMeter, EngineError, IOEngine, as_bytes
 from .layout import ExtentAllocator, Identity
 from .gpu_wait import wait_for
-from .pinned import pin_exact, pinned_size
+from .pinned import pin
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,11 @@ class MemoryEngine(IOEngine):
         self.pinned = _cuda_available()
         # A zero-capacity pool is legal for 'tiered' (everything goes to SSD).
         if self.pinned:  # exactly the size asked, not the next power of two (io/pinned.py)
-            self._pool = pin_exact(self.capacity)
+            self._pool, self.pinned_bytes = pin(self.capacity)
         else:
-            self._pool = torch.zeros(self.capacity, dtype=torch.uint8)
-        self.pinned_bytes = pinned_size(self.capacity) if self.pinned else 0
-        """Host memory page-locked for the pool (what a RAM check must count)."""
+            self._pool, self.pinned_bytes = torch.zeros(self.capacity, dtype=torch.uint8), 0
+        # pinned_bytes: host memory page-locked for the pool (what a RAM check must count;
+        # torch's power of two where cudaHostRegister was refused, io/pinned.py)
         self._alloc = ExtentAllocator(POOL_ALIGN)
         self._lock = threading.Lock()
         self._extents: Dict[int, Tuple[int, int]] = {}  # key -> (offset, nbytes)

@@ -13,18 +13,43 @@ The registration lasts as long as the memory: when the last tensor viewing it is
 the mapping unmapped. Small or short-lived pinned memory (a staging overflow) still comes
 from torch's allocator, which reuses it without registering again (a registration costs
 about as much as pinning fresh memory, and synchronises the device).
+
+Where ``cudaHostRegister`` is refused (a container without the right to lock memory, a low
+``ulimit -l``), :func:`pin` does not stop the run: it clears the error the failed call left
+as the thread's last CUDA error (the next kernel launch's check would report it as its own),
+says once why and what to change, and takes the memory from torch's pinned allocator
+(``cudaHostAlloc``, which the driver page-locks itself), counting what that really locks:
+the next power of two (:func:`host_alloc_size`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 import mmap
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from .cuda_libs import loaded_library
+
+log = logging.getLogger(__name__)
+
 PAGE = mmap.PAGESIZE
 CUDA_HOST_REGISTER_DEFAULT = 0  # cudaHostRegisterDefault
+LIMIT_ADVICE = ("raise the locked-memory limit: `ulimit -l unlimited` (in a container: "
+                "`docker run --ulimit memlock=-1`; under Slurm, PropagateResourceLimits)")
+
+
+class RegistrationRefused(RuntimeError):
+    """``cudaHostRegister`` refused to page-lock memory (the message has the size and cause;
+    ``cause`` is CUDA's own words)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def pinned_size(nbytes: int) -> int:
@@ -39,7 +64,8 @@ def pin_exact(nbytes: int, runtime: Optional[Any] = None) -> torch.Tensor:
     ``runtime``: what ``torch.cuda.cudart()`` returns (tests pass a stand-in).
 
     Raises:
-        RuntimeError: ``cudaHostRegister`` refused (the message has the size and the cause).
+        RegistrationRefused: ``cudaHostRegister`` refused (the message has the size and the
+            cause); the thread's last CUDA error is cleared.
         OSError: the mapping itself cannot be had.
     """
     size = pinned_size(nbytes)
@@ -52,12 +78,13 @@ def pin_exact(nbytes: int, runtime: Optional[Any] = None) -> torch.Tensor:
     addr = t.data_ptr()
     err = rt.cudaHostRegister(addr, size, CUDA_HOST_REGISTER_DEFAULT)
     if int(err) != 0:
+        why = _error_text(rt, err)
+        clear_last_error(rt)
         del t
         view.release()
         mm.close()
-        raise RuntimeError(f"cudaHostRegister of {size} bytes ({size / 2**20:.0f} MiB) failed: "
-                           f"{_error_text(rt, err)}; lower the pool size, or raise the locked-memory "
-                           f"limit (ulimit -l)")
+        raise RegistrationRefused(f"cudaHostRegister of {size} bytes ({size / 2**20:.0f} MiB) failed: "
+                                  f"{why}; lower the pool size, or {LIMIT_ADVICE}", why)
     # The tensor's storage holds ``view``; when it goes, unregister, then let the mapping go
     # (the finalizer's own reference to ``mm`` is the last one). It may run on any thread (an
     # IO thread dropping the last view): on this device, so that it creates no context on
@@ -65,6 +92,68 @@ def pin_exact(nbytes: int, runtime: Optional[Any] = None) -> torch.Tensor:
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     weakref.finalize(view, _unregister, rt, addr, mm, device)
     return t[:nbytes]
+
+
+def pin(nbytes: int, runtime: Optional[Any] = None,
+        fallback: Optional[Callable[[int], torch.Tensor]] = None) -> Tuple[torch.Tensor, int]:
+    """``nbytes`` of page-locked host memory (uint8, page-aligned), and the bytes it really
+    page-locks (what a RAM check must count): :func:`pin_exact`, or where the registration is
+    refused, ``fallback`` (default: torch's pinned allocator), warned once per process.
+
+    Raises:
+        RuntimeError, MemoryError: the fallback could not allocate either.
+        OSError: the mapping itself cannot be had.
+    """
+    try:
+        return pin_exact(nbytes, runtime), pinned_size(nbytes)
+    except RegistrationRefused as exc:
+        refused = exc
+        _say_refused_once(exc.cause)  # one warning per process (per cause), not per pool
+    try:
+        t = (fallback or torch_pinned)(nbytes + PAGE)
+    except (RuntimeError, MemoryError) as exc:
+        raise RuntimeError(f"{refused}; torch's pinned allocator failed too: {exc}") from exc
+    start = (-t.data_ptr()) % PAGE  # page-aligned, as the mapping would be (O_DIRECT in place)
+    return t[start:start + nbytes], host_alloc_size(nbytes + PAGE)
+
+
+def torch_pinned(nbytes: int) -> torch.Tensor:
+    """Page-locked memory from torch's caching host allocator (``cudaHostAlloc``)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def host_alloc_size(nbytes: int) -> int:
+    """What torch's pinned allocator page-locks for ``nbytes``: the next power of two."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def pinned_cost(nbytes: int, registers: bool = True) -> int:
+    """The host memory :func:`pin` locks for ``nbytes``: exact (a page rounding) where
+    ``cudaHostRegister`` works, else torch's power of two (with the page of alignment slack)."""
+    if nbytes <= 0:
+        return 0
+    return pinned_size(nbytes) if registers else host_alloc_size(nbytes + PAGE)
+
+
+@functools.lru_cache(maxsize=None)
+def _say_refused_once(why: str) -> None:
+    log.warning("ssdtrain: cudaHostRegister refused to pin host memory (%s); using torch's pinned "
+                "allocator instead, which locks the next power of two of each pool's size (counted "
+                "as such). To pin exactly, %s", why, LIMIT_ADVICE)
+
+
+def clear_last_error(rt: Any) -> None:
+    """Reset the calling thread's last CUDA runtime error after a failed call we handled, so
+    that the next launch check (``cudaGetLastError`` after a kernel) does not report it as
+    its own. Through ``rt`` where it has the call, else the runtime library torch loaded."""
+    fn = getattr(rt, "cudaGetLastError", None)
+    if fn is None:
+        path = loaded_library("libcudart.so")
+        if path is None:
+            log.debug("ssdtrain: no shared CUDA runtime mapped; the last CUDA error is not reset")
+            return
+        fn = ctypes.CDLL(path).cudaGetLastError
+    fn()
 
 
 def _unregister(rt: Any, addr: int, mm: mmap.mmap, device: Optional[int]) -> None:

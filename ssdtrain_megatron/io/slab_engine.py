@@ -37,7 +37,7 @@ from .roots import check_roots
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
 from .syscalls import OS, SysCalls
-from .pinned import pin_exact
+from .pinned import pin as pin_host
 
 
 class SlabEngine(IOEngine):
@@ -325,4 +325,4 @@ def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     (io/pinned.py), not torch's next power of two."""
     if not pin:
         return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
-    return pin_exact(nbytes)
+    return pin_host(nbytes)[0]

@@ -137,6 +137,9 @@ class TieredEngine(IOEngine):
         except BaseException:
             if queued:
                 self._end(key)
+            if reserved:  # its pool_view extent is still the memory tier's: release() frees it
+                with self._lock:
+                    self._reserved.add(key)
             raise
         with self._lock:
             self._tier[key] = tier

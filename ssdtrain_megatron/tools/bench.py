@@ -49,8 +49,9 @@ import sys
 from typing import Dict, List, Optional
 
 from .bench_budget import budget_comparison, render_lines
-from .bench_measure import (ALL_STRATEGIES, SAME_LOSSES, STRATEGIES, VERIFIED, BenchRun, Point, measure,
-                            verify_ratios)
+from .bench_compare import CONTROL, compare_losses, render_differences
+from .bench_measure import (ALL_STRATEGIES, CONTROL_RUN, SAME_LOSSES, STRATEGIES, VERIFIED, BenchRun, Point,
+                            measure, verify_ratios)
 from .bench_spread import ratio_spread, render_spread
 from .cli_types import (PRESET_HELP, byte_count, check_engine, deprecated_alias, openmp_wait_policy,
                         positive_int, preset_arg, quiet_megatron_warnings, verify_methods,
@@ -160,6 +161,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.min_tensor_bytes is not None:
         changes["min_tensor_bytes"] = args.min_tensor_bytes
     strategies = [s for s in STRATEGIES if s.name in args.strategies]
+    if len(strategies) > 1:  # the control of the loss comparison (bench_compare.py)
+        strategies.insert(1, CONTROL_RUN)
     if args.verify:
         changes["verify"] = args.verify[0] if len(args.verify) == 1 else "off"
         if len(args.verify) > 1 and "offload" in args.strategies:
@@ -194,6 +197,8 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
     spec = run.spec
     points: List[Point] = []
     for (name, mb), ser in run.series.items():
+        if name == CONTROL:
+            continue  # compared, not tabled: its figures are keep's
         tokens = spec.seq * mb * spec.num_microbatches
         points.append(ser.point(name, mb, tokens, run.warmup))
     at = {(p.strategy, p.micro_batch): p for p in points}
@@ -218,11 +223,7 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
         budget_from = None
     fits = {n: max((mb for mb in sizes if (n, mb) in at and at[(n, mb)].peak_activation_bytes
                     <= (memory_budget or 0)), default=None) for n in names}
-    same = all(run.series[(n, mb)].losses == run.series[("keep", mb)].losses
-               for (n, mb) in run.series if n in SAME_LOSSES and ("keep", mb) in run.series)
-    pairs = [mb for (n, mb) in run.series if n == "recompute" and ("keep", mb) in run.series]
-    recompute_same = all(run.series[("recompute", mb)].losses == run.series[("keep", mb)].losses
-                         for mb in pairs) if pairs else None  # None: recompute did not run
+    compared = compare_losses(run.series, SAME_LOSSES)
     gpu = run.device.startswith("cuda")
     versus = budget_comparison(at, ratio_mb, memory_budget)
     ratios.update(versus["ratios"])
@@ -250,8 +251,7 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
         "best_fixed": versus["best_fixed"],
         "adaptive_budget_bytes": {str(mb): b for mb, b in run.adaptive_budgets.items()},
         "largest_micro_batch_under_budget": fits,
-        "losses_bitwise_equal": same,
-        "recompute_losses_bitwise_equal": recompute_same,
+        **compared,
         "recompute_pass_bytes": {str(mb): s.layer_bytes for (n, mb), s in run.series.items() if n == "keep"},
         "diagnostics": {f"{n}@{mb}": {"io_wait_s": statistics.median(s.io_wait[run.warmup:]),
                                       "cpu_s": statistics.median(s.cpu[run.warmup:]),
@@ -356,6 +356,7 @@ def render(summary: dict) -> str:
     lines.append(f"losses bitwise equal ({same}): {summary['losses_bitwise_equal']}"
                  + (f"; recompute equal to keep: {summary['recompute_losses_bitwise_equal']}"
                     if "recompute" in ran else ""))
+    lines += render_differences(summary)
     fell = {k: d.get("fallbacks", 0) for k, d in diag.items() if d.get("fallbacks")}
     if fell:
         lines.append("fallbacks (writes that failed, a full disk?, and stayed in memory: those points "

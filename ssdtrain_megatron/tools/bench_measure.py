@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from .bench_budget import adaptive_config, default_budget
+from .bench_compare import CONTROL
 from .bench_load import BackgroundLoad
 from .cli_types import progress, say
 from ..config import OffloadConfig
@@ -36,10 +37,12 @@ class Strategy:
 
 STRATEGIES = (Strategy("keep", "keep"), Strategy("offload", "offload"),
               Strategy("adaptive", "adaptive"), Strategy("recompute", "keep", "full"))
+CONTROL_RUN = Strategy(CONTROL, "keep")
+"""A second keep run beside keep: the control of the loss comparison (bench_compare.py)."""
 VERIFIED = Strategy("offload+crc32c", "offload", verify="crc32c")
 """offload with every chunk checksummed and verified: ``--verify off,crc32c`` runs it beside
 offload (verify off), so the cost of verification is a ratio of one run."""
-ALL_STRATEGIES = STRATEGIES[:2] + (VERIFIED,) + STRATEGIES[2:]
+ALL_STRATEGIES = STRATEGIES[:1] + (CONTROL_RUN,) + STRATEGIES[1:2] + (VERIFIED,) + STRATEGIES[2:]
 """Every strategy the bench knows, in the order the report lists them."""
 SAME_LOSSES = ("keep", "offload", "offload+crc32c", "adaptive")
 """Strategies whose losses must be bitwise equal (recompute's are compared and reported)."""
@@ -63,6 +66,8 @@ class _Series:
     """Everything measured for one (strategy, micro-batch), warm-up steps included."""
 
     losses: List[float] = field(default_factory=list)
+    mb_losses: List[List[float]] = field(default_factory=list)
+    """Per step, each micro-batch's loss (what bench_compare.py compares bit for bit)."""
     times: List[float] = field(default_factory=list)
     activation: List[int] = field(default_factory=list)
     memory: List[Optional[int]] = field(default_factory=list)
@@ -211,7 +216,7 @@ def _settle(c: "_Contender", peak, bar, mb: int) -> None:
             return
         series.explore_times.append(series.times.pop())
         series.explore_peak = max(series.explore_peak, series.activation.pop())
-        for name in ("losses", "memory", "io_wait", "offloaded", "fallbacks", "cpu"):
+        for name in ("losses", "mb_losses", "memory", "io_wait", "offloaded", "fallbacks", "cpu"):
             getattr(series, name).pop()
         say(bar, f"micro-batch {mb}: adaptive exploring, step {n}: {series.explore_times[-1]:.2f}s")
         if sel.settled:
@@ -270,6 +275,7 @@ class _Contender:
         st = self.offloader.last_step_stats
         ser = self.series
         ser.losses.append(loss)
+        ser.mb_losses.append(list(self.model.last_losses))
         ser.times.append(dt)
         ser.activation.append(st.peak_resident_bytes)
         ser.memory.append(peak.peak())

@@ -164,6 +164,7 @@ class MiniGPT:
             micro_batch_size=self.spec.micro_batch, forward_only=False)
         self.optimizer.step()
         self.iteration += 1
+        self.last_losses = [float(x) for x in losses]  # per micro-batch (the bench compares them)
         return float(torch.stack(losses).mean())
 
 

@@ -1,0 +1,236 @@
+"""The time plan of `make gpu-check` (scripts/gpu_check.py): the steps, their limits, and what
+each is expected to take on the box, the pinning of its pools and the collection of its tests
+included; and the shapes and pool sizes the steps use, so that the plan and the steps cannot
+disagree. No torch here: the plan prints anywhere (`GPU_CHECK_DRY=1 make gpu-check`).
+
+Every estimate is start + registration + collection + work, at the conservative rates of
+ASSUME; a step fits when its estimate is within its limit, and the plan fits when every step
+fits and the limits add up to the total less the parent's share.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# (name, time limit in seconds, the steps it needs to have passed, what it does). Order =
+# priority: what matters most runs first.
+STEPS = [
+    ("env", 15, (), "python, torch, CUDA and GPU versions; free disk"),
+    ("install", 35, ("env",), "pip install --no-index the bundle (.whl) into <out>/prefix"),
+    ("imports", 20, ("install",), "import megatron.core and kvikio (and its mode); the gds engine available?"),
+    ("bitwise-posix", 30, ("imports",), "GPT bf16, keep vs offload (posix), delayed compute: bitwise"),
+    ("bitwise-memory", 30, ("imports",), "GPT bf16, keep vs offload (memory), delayed compute: bitwise"),
+    ("bitwise-tiered", 30, ("imports",), "GPT bf16, keep vs offload (tiered), delayed compute: bitwise"),
+    ("bitwise-gds", 30, ("imports",), "the same with gds through GPUDirect Storage (not run in compat mode)"),
+    ("bitwise-gds-compat", 30, ("imports",), "the same with gds in kvikio's compat mode (KVIKIO_COMPAT_MODE=ON)"),
+    ("stress", 40, ("imports",), "100 steps, delayed side compute stream, compact views: bitwise"),
+    ("cuda-tests", 45, ("install",), "the cuda tests this box can run (scripts/gpu_check_cuda.py): all pass"),
+    ("syncs", 25, ("imports",), "host syncs on the training thread, offload (memory) vs keep"),
+    ("io-bench", 20, ("install",), "the drive's write/read bandwidth through the posix engine"),
+    ("measure", 120, ("imports",), "peak activation memory, step time, stall, tokens/s per policy"),
+]
+TOTAL_S = 480  # the whole check, the parent's own work included
+PARENT_S = 10  # the parent's share: starting the steps, writing the results
+# What the estimates assume (conservative for an H200 box): the drive's bandwidth each way,
+# the pinned host link, sustained bf16 matmul rate; a step process's start with torch and CUDA
+# (``torch_start_s``) and with megatron-core and its models too (``start_s``); cudaHostRegister
+# of fresh memory (faulting the pages in, then locking them); pytest's start and collection of
+# the cuda-tests files (4 s of CPU on this project's 2-core CI machine: 15 s allowed); pip
+# installing the bundle offline; the required cuda tests themselves (28, about half a second
+# each: their delays are 0.1-0.25 s sleeps); and what torch.cuda._sleep cycles cost (about 2 GHz).
+ASSUME = {"drive_bps": 1.0e9, "link_bps": 10e9, "flops": 100e12, "start_s": 20.0, "torch_start_s": 10.0,
+          "register_bps": 2.0e9, "collect_s": 15.0, "pip_s": 25.0, "cuda_tests_s": 15.0, "cycle_s": 0.5e-9}
+
+# The bitwise and stress steps' model and schedule (GPTSpec fields), and their compute delays:
+# torch.cuda._sleep cycles on the compute stream before every layer's forward and backward
+# (about 5 ms and 2 ms), so that the GPU runs well behind the host and a copy that does not
+# wait for its producer's event, or a staging block handed out again before its copy finished,
+# reads or lands the wrong bytes.
+BITWISE_SHAPE = dict(layers=4, hidden=1024, heads=16, seq=512, vocab=4096, micro_batch=2, num_microbatches=2)
+STRESS_SHAPE = dict(layers=2, hidden=512, heads=8, seq=256, vocab=2048, micro_batch=2, num_microbatches=2)
+BITWISE_STEPS, STRESS_STEPS = 3, 100
+BITWISE_DELAY_CYCLES, STRESS_DELAY_CYCLES = 10_000_000, 4_000_000
+BITWISE_INFLIGHT = 256 * MiB
+STRESS_INFLIGHT = 64 * MiB
+MEASURE_INFLIGHT = GiB
+OVERFLOW_STAGING = 64 * MiB  # the staging of an engine that copies into its own pool (memory)
+ADAPTIVE_TRIAL_STEPS, ADAPTIVE_EXPLORE_STEPS = 1, 3  # the measure step's adaptive: settles fast
+ADAPTIVE_SETTLE_CAP = 8  # warm-up steps at most before its timed steps
+
+
+def activation_bytes(shape: dict, micro_batch: Optional[int] = None) -> int:
+    """bf16 activations of one micro-batch: L b (34 s h + 5 a s^2) bytes (Korthikanti et al.)."""
+    b = shape["micro_batch"] if micro_batch is None else micro_batch
+    s, h, a = shape["seq"], shape["hidden"], shape["heads"]
+    return shape["layers"] * b * (34 * s * h + 5 * a * s * s)
+
+
+def round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def memory_pool_bytes(microbatch_bytes: float) -> int:
+    """A host pool for one micro-batch's offloaded activations (the others' are released by
+    their backward before the next forward), with a quarter of slack."""
+    return round_up(int(1.25 * microbatch_bytes) + 64 * MiB, 64 * MiB)
+
+
+def bitwise_settings(engine: str) -> dict:
+    """OffloadConfig fields of a bitwise step, its pools sized to the step."""
+    kw = dict(min_tensor_bytes=64 * 1024, max_inflight_bytes=BITWISE_INFLIGHT)
+    if engine == "memory":
+        kw.update(host_memory_bytes=memory_pool_bytes(activation_bytes(BITWISE_SHAPE)),
+                  pinned_staging_bytes=OVERFLOW_STAGING)
+    elif engine == "tiered":
+        kw.update(host_memory_bytes=64 * MiB)  # small: most of it spills to the SSD tier
+    return kw
+
+
+def pinned_bytes(engine: str, settings: dict, direct: bool = False) -> int:
+    """Host memory an offloader with these settings pins at its start: the staging pool
+    (none for gds through GPUDirect Storage) and the memory engine's (or tier's) pool."""
+    staging = 0 if direct else settings.get("pinned_staging_bytes") or 2 * settings.get("max_inflight_bytes", GiB)
+    pool = settings.get("host_memory_bytes", 4 * GiB) if engine in ("memory", "tiered") else 0
+    return staging + pool
+
+
+def _compute_s(shape: dict, mb: int, recompute: bool = False) -> float:
+    """Seconds of one step's matmuls: 72 b s L h^2 (1 + s / 6h) per micro-batch, 4/3 with full recompute."""
+    s, h = shape["seq"], shape["hidden"]
+    flops = 72 * mb * s * shape["layers"] * h * h * (1 + s / (6 * h)) * shape.get("num_microbatches", 1)
+    return flops * (4 / 3 if recompute else 1) / ASSUME["flops"]
+
+
+def _delays_s(shape: dict, steps: int, cycles: int, models: int = 3) -> float:
+    """The compute delays of a comparison: every layer's forward and backward, per micro-batch,
+    per model, per step."""
+    return models * steps * shape["num_microbatches"] * shape["layers"] * 2 * cycles * ASSUME["cycle_s"]
+
+
+def _comparison(shape: dict, steps: int, cycles: int, pinned: int) -> Dict[str, float]:
+    moved = 2 * activation_bytes(shape) * shape["num_microbatches"] * steps  # written, then read back
+    work = 3 * steps * _compute_s(shape, shape["micro_batch"]) + _delays_s(shape, steps, cycles) \
+        + moved / ASSUME["drive_bps"]
+    return {"start": ASSUME["start_s"], "register": pinned / ASSUME["register_bps"], "work": work}
+
+
+def measure_points(args) -> List[dict]:
+    """The measure step's points in order, with the steps each runs (warm-up and timed), for the
+    estimate (the step itself sizes its memory pools from what keep measured)."""
+    k, n = args.micro_batch, args.steps
+    shape = measure_shape(args)
+    pts = []
+    for name, mb, engine in (("keep", k, None), ("offload-memory", k, "memory"), ("offload-posix", k, "posix"),
+                             ("recompute", k, None), ("keep", k + 1, None), ("recompute", k + 1, None),
+                             ("adaptive", k + 1, "posix"), ("offload-memory", k + 1, "memory"),
+                             ("offload-posix", k + 1, "posix")):
+        settings = {}
+        if engine == "memory":
+            settings = dict(host_memory_bytes=memory_pool_bytes(activation_bytes(shape, mb)),
+                            pinned_staging_bytes=OVERFLOW_STAGING)
+        elif engine == "posix":
+            settings = dict(max_inflight_bytes=MEASURE_INFLIGHT)
+        steps = 1 + n if name != "adaptive" else ADAPTIVE_SETTLE_CAP + n
+        pts.append(dict(name=f"{name}@{mb}", micro_batch=mb, engine=engine, settings=settings, steps=steps,
+                        pinned=pinned_bytes(engine, settings) if engine else 0))
+    return pts
+
+
+def measure_shape(args) -> dict:
+    return dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
+                micro_batch=args.micro_batch, num_microbatches=1)
+
+
+def measure_estimate(args) -> dict:
+    """Seconds the measure step needs at the ASSUME rates: its start, then per point the
+    registration of its pinned pools and its steps' compute and, for offload, the bytes both
+    ways over the engine's link. Adaptive offloads about half of its activations in a step
+    (what its budget cannot hold, and the all-offload plan it tries once)."""
+    shape = measure_shape(args)
+    per_point, register = {}, 0.0
+    for p in measure_points(args):
+        mb, act = p["micro_batch"], activation_bytes(shape, p["micro_batch"])
+        base = p["name"].split("@")[0]
+        comp = _compute_s(shape, mb, recompute=base == "recompute")
+        link = {"memory": ASSUME["link_bps"], "posix": ASSUME["drive_bps"]}.get(p["engine"])
+        moved = 2 * act * (0.5 if base == "adaptive" else 1.0) if link else 0
+        reg = p["pinned"] / ASSUME["register_bps"]
+        register += reg
+        per_point[p["name"]] = round(reg + p["steps"] * (comp + (moved / link if link else 0)), 1)
+    return {"seconds": round(ASSUME["start_s"] + sum(per_point.values()), 1), "points": per_point,
+            "register_s": round(register, 1), "activation_bytes_per_step": activation_bytes(shape),
+            "assumptions": ASSUME}
+
+
+def estimates(args) -> Dict[str, Dict[str, float]]:
+    """step -> {start, register, collect, work, total} in seconds (see the module docstring)."""
+    out: Dict[str, Dict[str, float]] = {
+        "env": {"start": ASSUME["torch_start_s"]},
+        "install": {"work": ASSUME["pip_s"]},
+        "imports": {"start": ASSUME["start_s"] - 5},  # megatron-core and kvikio, no model
+    }
+    for engine in ("posix", "memory", "tiered", "gds", "gds-compat"):
+        settings = bitwise_settings("gds" if engine.startswith("gds") else engine)
+        pinned = pinned_bytes(engine, settings, direct=engine == "gds")
+        out[f"bitwise-{engine}"] = _comparison(BITWISE_SHAPE, BITWISE_STEPS, BITWISE_DELAY_CYCLES, pinned)
+    stress = dict(min_tensor_bytes=16 * 1024, max_inflight_bytes=STRESS_INFLIGHT)
+    out["stress"] = _comparison(STRESS_SHAPE, STRESS_STEPS, STRESS_DELAY_CYCLES, pinned_bytes("posix", stress))
+    out["cuda-tests"] = {"collect": ASSUME["collect_s"], "work": ASSUME["cuda_tests_s"]}
+    syncs = dict(bitwise_settings("memory"))
+    out["syncs"] = {"start": ASSUME["start_s"], "register": pinned_bytes("memory", syncs) / ASSUME["register_bps"],
+                    "work": 2 * 5 * _compute_s(BITWISE_SHAPE, BITWISE_SHAPE["micro_batch"])}
+    out["io-bench"] = {"start": ASSUME["torch_start_s"], "work": 2 * 2 * IO_BENCH_GIB * GiB / ASSUME["drive_bps"]}
+    m = measure_estimate(args)
+    out["measure"] = {"start": ASSUME["start_s"], "register": m["register_s"],
+                      "work": m["seconds"] - ASSUME["start_s"] - m["register_s"]}
+    for e in out.values():
+        e["total"] = round(sum(e.values()), 1)
+    return out
+
+
+IO_BENCH_GIB, IO_BENCH_TENSOR_MIB = 2, 64  # io-bench's volume each way (engine and raw baseline)
+
+
+def plan(args) -> List[dict]:
+    """The steps to run, in order: all, or those of --only and the steps they need."""
+    needs = {n: deps for n, _, deps, _ in STEPS}
+    chosen = set(args.only.split(",")) if args.only else set(needs)
+    todo = list(chosen)
+    while todo:
+        for dep in needs[todo.pop()]:
+            if dep not in chosen:
+                chosen.add(dep)
+                todo.append(dep)
+    return [{"step": n, "timeout_s": t, "needs": list(d), "what": w} for n, t, d, w in STEPS if n in chosen]
+
+
+def print_plan(args, steps: List[dict], say) -> bool:
+    """The time plan; True when it fits: each step's estimate within its limit, and the limits
+    adding up to --total-s less the parent's share at most."""
+    est = estimates(args)
+    total = sum(s["timeout_s"] for s in steps)
+    fits = True
+    for s in steps:
+        e = est[s["step"]]
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in e.items() if k != "total" and v >= 0.05)
+        over = e["total"] > s["timeout_s"]
+        fits &= not over
+        say(f"  {s['step']:<19} limit {s['timeout_s']:>4}s  estimate {e['total']:>5.0f}s"
+            f"{' OVER' if over else ''}  ({parts})  {s['what']}")
+    budget = args.total_s - PARENT_S
+    fits &= total <= budget
+    register = sum(est[s["step"]].get("register", 0) for s in steps)
+    collect = sum(est[s["step"]].get("collect", 0) for s in steps)
+    say(f"  {'sum':<19} limit {total:>4}s  of {budget}s ({args.total_s}s less {PARENT_S}s for the parent); "
+        f"estimates {sum(est[s['step']]['total'] for s in steps):.0f}s, of which registering pinned "
+        f"memory {register:.0f}s and collecting tests {collect:.0f}s")
+    if any(s["step"] == "measure" for s in steps):
+        m = measure_estimate(args)
+        say(f"  measure: {m['activation_bytes_per_step'] / 1e9:.1f} GB of activations per step at micro-batch "
+            f"{args.micro_batch}; at drive {ASSUME['drive_bps'] / 1e9:g} GB/s, link {ASSUME['link_bps'] / 1e9:g} GB/s, "
+            f"{ASSUME['flops'] / 1e12:g} TFLOP/s, registration {ASSUME['register_bps'] / 1e9:g} GB/s")
+    say("the plan fits" if fits else "the plan does NOT fit: shorten the steps or shrink --layers/--hidden/--seq")
+    return fits
