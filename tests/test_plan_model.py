@@ -200,7 +200,8 @@ def test_largest_micro_batch_searches_the_boundary():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"hidden": 100}, "ModelShape.hidden=100 is invalid: expected a multiple of heads (32)"),
+    ({"hidden": 100}, "ModelShape.hidden=100 is invalid: expected a multiple of heads (32), or "
+                      "kv_channels set"),
     ({"kv_groups": 5}, "ModelShape.kv_groups=5 is invalid: expected a divisor of heads (32)"),
     ({"tp": 3}, "ModelShape.heads=32 is invalid: expected a multiple of tp (3)"),
     ({"recompute": "some"}, "ModelShape.recompute='some' is invalid: allowed: none, selective, full"),

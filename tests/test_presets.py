@@ -125,6 +125,19 @@ def test_moe_preset_plans_experts_and_becomes_megatron_moe_flags(name, experts, 
     assert "fc1_input" not in terms and terms["expert_fc1_input"] > 0
 
 
+def test_qwen3_heads_are_128_wide_in_the_plan_and_the_megatron_flags():
+    """Qwen3's kv_channels (128, not hidden / heads = 64) reaches Megatron as --kv-channels and
+    widens the planned query and attention output to heads x 128. Broken variant: drop the
+    flag from megatron_args_from_preset -> "ValueError: '--kv-channels' is not in list"."""
+    flags = megatron_args_from_preset(_path("qwen3-30b-a3b"))
+    assert flags[flags.index("--kv-channels") + 1] == "128"
+    shape, _ = load_preset(_path("qwen3-30b-a3b"))
+    terms = layer_activation_terms(shape, SaveProfile.paper())
+    tokens = shape.seq_len * shape.micro_batch
+    assert terms["query"] == terms["proj_input"] == 2 * tokens * 32 * 128
+    assert terms["key"] == 2 * tokens * 4 * 128
+
+
 def test_long_context_preset_plans_per_context_parallel_rank():
     """Llama-3 8B at 128k with CP=8: a layer holds what the 8k preset's layer holds at 16k
     tokens (twice the 8k figure), plus the keys and values all-gathered to the whole 128k.
