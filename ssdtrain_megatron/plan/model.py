@@ -193,7 +193,7 @@ def _attention_terms(terms: Dict[str, int], shape: ModelShape, profile: SaveProf
     """The core attention's saved tensors, per kind of attention: selective recomputation's
     checkpoint, unfused (scores, softmax, dropout) or flash attention."""
     d, t = shape.dtype_bytes, shape.tp
-    s, b, h, a = shape.seq_len, shape.micro_batch, shape.hidden, shape.heads
+    s, b, a = shape.seq_len, shape.micro_batch, shape.heads
     mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
     soft_b = d if profile.softmax_bytes is None else profile.softmax_bytes
     tokens = s * b

@@ -71,6 +71,31 @@ def byte_count(text: str) -> int:
     return value
 
 
+def size_with_unit(text: str) -> int:
+    """A size > 0 that must carry its unit (80GB, 80GiB): for flags whose name does not say
+    bytes (``--gpu-memory 80`` is refused: "80: give a unit, e.g. 80GB")."""
+    from ..sizes import parse_size_with_unit
+
+    try:
+        value = parse_size_with_unit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not value:
+        raise argparse.ArgumentTypeError(f"expected a size above 0; got {text!r}")
+    return value
+
+
+def size_with_unit_or_fraction(text: str) -> float:
+    """A size with its unit (24GiB, 24GB) in bytes, or a fraction of GPU memory in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        return size_with_unit(text)
+    if 0 < value <= 1:
+        return value
+    return size_with_unit(text)
+
+
 def preset_arg(text: str) -> str:
     """``--config``'s type in every subcommand: a YAML file, or a preset's name (``llama3-70b``
     is configs/llama3-70b.yaml); an unknown one is a usage error (exit 2) that lists the
