@@ -72,17 +72,15 @@ def byte_count(text: str) -> int:
 
 
 def size_with_unit(text: str) -> int:
-    """A size > 0 that must carry its unit (80GB, 80GiB): for flags whose name does not say
-    bytes (``--gpu-memory 80`` is refused: "80: give a unit, e.g. 80GB")."""
+    """A size that must carry its unit (80GB, 80GiB, 0B): for flags whose name does not say
+    bytes (``--gpu-memory 80`` is refused: "80: give a unit, e.g. 80GB"). Whether 0 makes sense
+    is the flag's to say (``--host-memory 0B``: no host tier)."""
     from ..sizes import parse_size_with_unit
 
     try:
-        value = parse_size_with_unit(text)
+        return parse_size_with_unit(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if not value:
-        raise argparse.ArgumentTypeError(f"expected a size above 0; got {text!r}")
-    return value
 
 
 def size_with_unit_or_fraction(text: str) -> float:
@@ -93,7 +91,10 @@ def size_with_unit_or_fraction(text: str) -> float:
         return size_with_unit(text)
     if 0 < value <= 1:
         return value
-    return size_with_unit(text)
+    size = size_with_unit(text)
+    if not size:
+        raise argparse.ArgumentTypeError(f"expected a size above 0 or a fraction in (0, 1]; got {text!r}")
+    return size
 
 
 def preset_arg(text: str) -> str:
