@@ -11,6 +11,7 @@ import argparse
 import errno
 import math
 import os
+import re
 import sys
 import warnings
 from typing import Any, List, Optional
@@ -85,15 +86,12 @@ def size_with_unit(text: str) -> int:
 
 def size_with_unit_or_fraction(text: str) -> float:
     """A size with its unit (24GiB, 24GB) in bytes, or a fraction of GPU memory in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        return size_with_unit(text)
-    if 0 < value <= 1:
-        return value
-    size = size_with_unit(text)
+    if re.fullmatch(r"\s*(0*\.\d+|0*1(\.0*)?)\s*", text) and float(text) > 0:
+        return float(text)
+    size = size_with_unit(text)  # a plain number above 1 is refused here, with its one line
     if not size:
-        raise argparse.ArgumentTypeError(f"expected a size above 0 or a fraction in (0, 1]; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a size above 0 or a fraction in (0, 1]; "
+                                         f"got {text!r}")
     return size
 
 
