@@ -1,6 +1,9 @@
 """Sizes as users write them, the same in every flag: ``80GB`` (decimal, 10^9 bytes), ``80GiB``
-(binary, 2^30 bytes), ``512MiB``, ``4096`` (bytes). A plain number is bytes; flags whose unit is
-in their name (``--total-gib``, ``--ssd-gbps``) take plain numbers and are not parsed here.
+(binary, 2^30 bytes), ``512MiB``, ``4096`` (bytes). A plain number is bytes where the name says
+so (``--min-tensor-bytes``, ``chunk_bytes``); where it does not (``--gpu-memory``, a node
+profile's memory), :func:`parse_size_with_unit` refuses it: ``--gpu-memory 80`` meant 80 GB, not
+80 bytes. Flags whose unit is in their name (``--total-gib``, ``--ssd-gbps``) take plain numbers
+and are not parsed here.
 
 Imports nothing heavy: the CLI's ``--help`` and the Megatron flag group both use it.
 """
@@ -17,6 +20,9 @@ UNITS = {"": 1, "b": 1,
 
 EXPECTED = ("a size: bytes, or a number with a unit kB, MB, GB, TB (10^3...) or KiB, MiB, GiB, "
             "TiB (2^10...), e.g. 80GB or 512MiB")
+
+EXPECTED_WITH_UNIT = ("a size with a unit: kB, MB, GB, TB (10^3...) or KiB, MiB, GiB, TiB "
+                      "(2^10...), e.g. 80GB or 512MiB")
 
 
 def parse_size(text: str) -> Optional[int]:
@@ -36,6 +42,22 @@ def parse_size(text: str) -> Optional[int]:
             // 10 ** len(frac)
     else:
         value = int(number) * UNITS[unit]
+    return value
+
+
+def parse_size_with_unit(text: str) -> int:
+    """Bytes for ``text``, which must carry a unit ('80GB', '1.5GiB', '4096B').
+
+    Raises:
+        ValueError: a plain number ("80: give a unit, e.g. 80GB"), or not a size at all (the
+            message says what a size looks like).
+    """
+    stripped = str(text).strip()
+    if re.fullmatch(r"\d+(?:\.\d*)?|\.\d+", stripped):
+        raise ValueError(f"{stripped}: give a unit, e.g. {stripped}GB")
+    value = parse_size(stripped)
+    if value is None:
+        raise ValueError(f"{stripped!r} is not {EXPECTED_WITH_UNIT}")
     return value
 
 

@@ -1,0 +1,315 @@
+"""The node a job runs on, as the planner sees it: :class:`NodeProfile`.
+
+A profile says what each GPU of a node has around it for activations: its own memory and
+achieved compute, the host memory it may use and the link to it, the node's drives and their
+rated endurance, and NVLink for tensor-parallel traffic. The planner (plan/tiers.py) places each
+layer's activations in one of four places from these figures; ``ssdtrain doctor --node-profile
+OUT.yaml`` writes the profile of the machine it runs on, in this schema.
+
+Built-in profiles (:data:`BUILTIN`) describe common nodes from public datasheets and published
+Megatron throughput; docs/models.md cites the source of each figure. They are planning figures,
+not measurements of your node: measure yours (``doctor --node-profile``) and plan with that.
+
+Units: bytes are exact integers; bandwidths are decimal GB/s (1e9 bytes/s), per direction;
+TBW is decimal TB (1e12 bytes) written per drive; TFLOP/s is 1e12 FLOP/s.
+
+Pure: imports no torch; PyYAML only when a file is read or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Tuple, Union
+
+from ..sizes import parse_size_with_unit
+
+GB = 10 ** 9
+
+
+class ProfileError(ValueError):
+    """An invalid node profile: the message names the field, the value and what is allowed."""
+
+
+def _fail(name: str, value: Any, allowed: str, source: str = "NodeProfile") -> None:
+    raise ProfileError(f"{source}.{name}={value!r} is invalid: {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    """One kind of node: per GPU what it has for activations, per node its drives.
+
+    Example:
+        >>> node = load_profile("dgx-h100")
+        >>> node.gpus_per_node, round(node.ssd_write_gbps, 2)
+        (8, 3.8)
+    """
+
+    name: str
+    """A short name (``dgx-h100``); the built-ins are :data:`BUILTIN`."""
+
+    gpus_per_node: int
+    """GPUs in one node (they share its drives)."""
+
+    gpu_memory_bytes: int
+    """Memory of one GPU, bytes (80 GB: 80_000_000_000)."""
+
+    gpu_tflops: float
+    """Achieved bf16 TFLOP/s per GPU in Megatron training (model FLOPs over step time), not
+    the datasheet's peak: the planner's compute time is FLOPs / this."""
+
+    host_memory_bytes: int
+    """Host memory one GPU may fill with activations, bytes: its share of the node's memory
+    less what the data loader, pinned buffers, checkpoint staging and the OS need. 0: no host
+    tier."""
+
+    host_link_gbps: float
+    """GB/s between one GPU and host memory in each direction (pinned copies; PCIe or
+    NVLink-C2C), with every GPU of the node copying at once. SSD traffic crosses it too: the
+    offloader bounces drive IO through pinned host memory."""
+
+    drives: int
+    """Drives per node that take activations (0: no SSD tier)."""
+
+    drive_write_gbps: float
+    """Sustained sequential write GB/s of one drive."""
+
+    drive_read_gbps: float
+    """Sustained sequential read GB/s of one drive."""
+
+    drive_tbw_tb: float
+    """Rated endurance of one drive, TB written (the vendor's TBW, or DWPD x capacity x
+    warranty days)."""
+
+    nvlink_gbps: float
+    """GB/s of one GPU's NVLink in each direction, for tensor-parallel communication."""
+
+    source: str = ""
+    """Where the figures come from (a datasheet, a measurement and its date)."""
+
+    FIELDS = ("name", "gpus_per_node", "gpu_memory_bytes", "gpu_tflops", "host_memory_bytes",
+              "host_link_gbps", "drives", "drive_write_gbps", "drive_read_gbps", "drive_tbw_tb",
+              "nvlink_gbps", "source")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            _fail("name", self.name, "expected a non-empty string")
+        if not isinstance(self.source, str):
+            _fail("source", self.source, "expected a string")
+        if not _is_int(self.gpus_per_node) or self.gpus_per_node < 1:
+            _fail("gpus_per_node", self.gpus_per_node, "expected an integer >= 1")
+        if not _is_int(self.drives) or self.drives < 0:
+            _fail("drives", self.drives, "expected an integer >= 0 (0: no SSD tier)")
+        if not _is_int(self.gpu_memory_bytes) or self.gpu_memory_bytes < 1 << 20:
+            _fail("gpu_memory_bytes", self.gpu_memory_bytes,
+                  "expected bytes >= 1MiB (a size with a unit, e.g. 80GB)")
+        if not _is_int(self.host_memory_bytes) or self.host_memory_bytes < 0:
+            _fail("host_memory_bytes", self.host_memory_bytes,
+                  "expected bytes >= 0 (a size with a unit, e.g. 150GB; 0: no host tier)")
+        for name in ("gpu_tflops", "host_link_gbps", "nvlink_gbps"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < float("inf"):
+                _fail(name, value, "expected a number > 0")
+        for name in ("drive_write_gbps", "drive_read_gbps", "drive_tbw_tb"):
+            value = getattr(self, name)
+            low_ok = value >= 0 if self.drives == 0 else value > 0
+            if not _is_number(value) or not low_ok or value == float("inf"):
+                _fail(name, value, "expected a number > 0" if self.drives else
+                      "expected a number >= 0 (drives is 0)")
+
+    # -- per GPU ---------------------------------------------------------------------------
+
+    @property
+    def ssd_write_gbps(self) -> float:
+        """GB/s of drive writes one GPU gets when every GPU of the node writes at once."""
+        return self.drives * self.drive_write_gbps / self.gpus_per_node
+
+    @property
+    def ssd_read_gbps(self) -> float:
+        """GB/s of drive reads one GPU gets when every GPU of the node reads at once."""
+        return self.drives * self.drive_read_gbps / self.gpus_per_node
+
+    @property
+    def gpu_flops(self) -> float:
+        """Achieved FLOP/s of one GPU."""
+        return self.gpu_tflops * 1e12
+
+    def describe(self) -> str:
+        """One line: the figures the planner reads."""
+        drives = (f"{self.drives} drives of {self.drive_write_gbps:g} / {self.drive_read_gbps:g} "
+                  f"GB/s write / read, {self.drive_tbw_tb:,g} TBW each (per GPU "
+                  f"{self.ssd_write_gbps:.2f} / {self.ssd_read_gbps:.2f} GB/s)"
+                  if self.drives else "no drives")
+        return (f"{self.name}: {self.gpus_per_node} GPUs of {self.gpu_memory_bytes / GB:g} GB at "
+                f"{self.gpu_tflops:g} TFLOP/s; host memory {self.host_memory_bytes / GB:g} GB per "
+                f"GPU over {self.host_link_gbps:g} GB/s each way; {drives}; NVLink "
+                f"{self.nvlink_gbps:g} GB/s")
+
+    def replace(self, **changes: Any) -> "NodeProfile":
+        return dataclasses.replace(self, **changes)
+
+    # -- dict and YAML ---------------------------------------------------------------------
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The fields, in schema order (what :meth:`from_dict` and the YAML file hold)."""
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "node") -> "NodeProfile":
+        """A profile from a mapping of its fields. ``base: NAME`` (a built-in or a YAML path)
+        starts from that profile and the other keys override it. Byte fields take an integer
+        or a size with a unit ('80GB'); a plain number as text is refused.
+
+        Raises:
+            ProfileError: one line naming ``source``, the field, the value and what is allowed.
+        """
+        if not isinstance(data, Mapping):
+            raise ProfileError(f"{source}: expected a node profile's name or a mapping of its "
+                               f"fields, got {type(data).__name__}")
+        allowed = cls.FIELDS + ("base",)
+        unknown = sorted(str(k) for k in data if k not in allowed)
+        if unknown:
+            raise ProfileError(f"{source}: unknown key(s) {', '.join(unknown)}; allowed: "
+                               + ", ".join(allowed))
+        fields: Dict[str, Any] = {}
+        if "base" in data:
+            fields.update(load_profile(str(data["base"])).to_dict())
+        for key, value in data.items():
+            if key == "base":
+                continue
+            if key.endswith("_bytes") and isinstance(value, str):
+                try:
+                    value = parse_size_with_unit(value)
+                except ValueError as exc:
+                    raise ProfileError(f"{source}.{key}: {exc}") from None
+            fields[key] = value
+        missing = [k for k in cls.FIELDS if k not in fields and k != "source"]
+        if missing:
+            raise ProfileError(f"{source}: missing key(s) {', '.join(missing)} (or give base: "
+                               "a built-in profile to start from: " + ", ".join(BUILTIN) + ")")
+        try:
+            return cls(**fields)
+        except ProfileError as exc:
+            raise ProfileError(str(exc).replace("NodeProfile.", f"{source}.", 1)) from None
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str) -> None:
+        """Write the profile as YAML (what ``--node PATH`` reads back)."""
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(self.to_yaml())
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "NodeProfile":
+        """A profile from a YAML file of its fields (``base:`` allowed).
+
+        Raises:
+            ProfileError: unreadable file, not YAML, or an invalid field; one line.
+        """
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
+        except OSError as exc:
+            raise ProfileError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ProfileError(f"{path}: not valid YAML: " + " ".join(str(exc).split())) from None
+        return cls.from_dict(data if data is not None else {}, source=str(path))
+
+
+# -- built-in profiles -------------------------------------------------------------------------
+
+_PM1733 = dict(drive_write_gbps=3.8, drive_read_gbps=6.4, drive_tbw_tb=7008.0)
+"""A PCIe Gen4 U.2 data-center drive of 3.84 TB (Samsung PM1733 class): 6.4 / 3.8 GB/s
+sequential read / write, 1 drive write per day for 5 years (3.84 TB x 365 x 5 = 7,008 TB)."""
+
+
+def _builtin() -> Dict[str, NodeProfile]:
+    def node(name: str, source: str, **fields: Any) -> NodeProfile:
+        return NodeProfile(name=name, source=source, **fields)
+
+    profiles = (
+        node("a100-80g", "DGX A100 640GB datasheet (8x A100 80GB, 2 TB memory, 8x 3.84 TB Gen4 "
+             "NVMe); 150 TFLOP/s: Megatron-LM's A100 runs (Narayanan et al. 2021); "
+             "docs/models.md#node-profiles",
+             gpus_per_node=8, gpu_memory_bytes=80 * GB, gpu_tflops=150.0,
+             host_memory_bytes=150 * GB, host_link_gbps=24.0, drives=8, nvlink_gbps=300.0,
+             **_PM1733),
+        node("dgx-h100", "DGX H100 datasheet (8x H100 80GB, 2 TB memory, 8x 3.84 TB NVMe U.2); "
+             "400 TFLOP/s: Megatron-Core's reported MFU on H100; docs/models.md#node-profiles",
+             gpus_per_node=8, gpu_memory_bytes=80 * GB, gpu_tflops=400.0,
+             host_memory_bytes=150 * GB, host_link_gbps=48.0, drives=8, nvlink_gbps=450.0,
+             **_PM1733),
+        node("dgx-h200", "DGX H200 datasheet (8x H200 141GB, 2 TB memory, 8x 3.84 TB NVMe U.2); "
+             "H100's compute; docs/models.md#node-profiles",
+             gpus_per_node=8, gpu_memory_bytes=141 * GB, gpu_tflops=420.0,
+             host_memory_bytes=150 * GB, host_link_gbps=48.0, drives=8, nvlink_gbps=450.0,
+             **_PM1733),
+        node("dgx-b200", "DGX B200 datasheet (8x B200 180GB, 2 TB memory, 8x 3.84 TB NVMe U.2); "
+             "docs/models.md#node-profiles",
+             gpus_per_node=8, gpu_memory_bytes=180 * GB, gpu_tflops=900.0,
+             host_memory_bytes=150 * GB, host_link_gbps=48.0, drives=8, nvlink_gbps=900.0,
+             **_PM1733),
+        node("gh200", "GH200 Grace Hopper superchip (96 GB HBM3, 480 GB LPDDR5X behind "
+             "NVLink-C2C), one per node, two local Gen4 drives assumed; "
+             "docs/models.md#node-profiles",
+             gpus_per_node=1, gpu_memory_bytes=96 * GB, gpu_tflops=400.0,
+             host_memory_bytes=288 * GB, host_link_gbps=300.0, drives=2, nvlink_gbps=450.0,
+             **_PM1733),
+        node("cloud-h100", "a cloud 8x H100 80GB instance with 1.8 TB memory and two local "
+             "Gen4 NVMe drives (fewer drives than a DGX); docs/models.md#node-profiles",
+             gpus_per_node=8, gpu_memory_bytes=80 * GB, gpu_tflops=400.0,
+             host_memory_bytes=135 * GB, host_link_gbps=48.0, drives=2, nvlink_gbps=450.0,
+             **_PM1733),
+    )
+    return {p.name: p for p in profiles}
+
+
+BUILTIN: Dict[str, NodeProfile] = _builtin()
+"""The named profiles, by name."""
+
+
+def load_profile(name_or_path: Union[str, NodeProfile]) -> NodeProfile:
+    """A built-in profile by name (``dgx-h100``), or one read from a YAML file.
+
+    Raises:
+        ProfileError: neither a built-in name nor a readable profile file (the message lists
+            the built-ins), or an invalid field.
+    """
+    if isinstance(name_or_path, NodeProfile):
+        return name_or_path
+    text = str(name_or_path)
+    if text in BUILTIN:
+        return BUILTIN[text]
+    if os.path.isfile(text):
+        return NodeProfile.from_yaml(text)
+    raise ProfileError(f"{text!r} is neither a built-in node profile ("
+                       + ", ".join(BUILTIN) + ") nor a profile file (YAML)")
+
+
+def profile_from_preset(value: Any, source: str = "node") -> NodeProfile:
+    """A preset's ``node:`` section: a profile's name or path, or a mapping of its fields
+    (``base: NAME`` and overrides)."""
+    if isinstance(value, str):
+        try:
+            return load_profile(value)
+        except ProfileError as exc:
+            raise ProfileError(f"{source}: {exc}") from None
+    return NodeProfile.from_dict(value, source=source)
+
+
+def builtin_names() -> Tuple[str, ...]:
+    return tuple(BUILTIN)
