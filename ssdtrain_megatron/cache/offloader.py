@@ -17,10 +17,12 @@ from ..io import IOEngine, cleanup, make_engine
 from ..io.layout import Identity, expand_file, space_shortfalls
 from ..io.roots import log_roots
 from ..telemetry.stats import StepCounters, StepStats, append_jsonl, append_line, run_header
+from ..telemetry.tiers import tier_traffic
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
 from .budget import ActivationBudget, resolve_budget
 from .budget_steps import BudgetSteps
+from .decisions import DECISIONS, OFFLOADS
 from .device_copy import DeviceCopy, StreamOps
 from .held import HeldStorages
 from .hooks import SavedTensorHooks, capture_query
@@ -33,8 +35,6 @@ from .transfers import EXPECTED_WRITE_REFUSALS, IOTimeout, RecordIO
 __all__ = ["ActivationOffloader", "DECISIONS", "EXPECTED_WRITE_REFUSALS", "IOTimeout"]
 
 log = logging.getLogger(__name__)
-
-DECISIONS = ("offload", "keep", "recompute")
 
 
 class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
@@ -194,7 +194,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         self._held.register(tensors, self.device)
 
     def set_layer_decision(self, layer: Hashable, decision: str) -> None:
-        """Plan for a layer: 'offload', 'keep' (stay in memory) or 'recompute' (labelled; the
+        """Plan for a layer: 'offload' (the engine's default tier), 'host' or 'ssd' (that tier
+        of the tiered engine), 'keep' (stay in memory) or 'recompute' (labelled; the
         integration runs the layer under checkpointing)."""
         if decision not in DECISIONS:
             raise ValueError(f"decision={decision!r} is invalid; allowed: {', '.join(DECISIONS)}")
@@ -248,7 +249,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
                 self._c.layer(key, self.decision_for(key)).forward_s += time.perf_counter() - t0
 
     def decision_for(self, layer: Hashable) -> str:
-        """What the plan says for a layer: 'offload', 'keep' or 'recompute'."""
+        """What the plan says for a layer: one of DECISIONS."""
         if self.config.policy == "keep":
             return "keep"
         mb = self._current.key if self._current else None
@@ -256,7 +257,7 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             d = self._planner.decision(mb, layer)
         else:
             d = self._layer_decisions.get(layer, "offload")
-        if d == "offload" and self._budget is not None and self.config.recompute_fallback \
+        if d in OFFLOADS and self._budget is not None and self.config.recompute_fallback \
                 and self._phase == "forward" and self._budget.recompute_instead(mb, layer):
             return "recompute"  # budget: the layer's bytes would not fit; run it recomputed
         return d
@@ -312,7 +313,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         first = max(self._step_first, self._step_started)
         stats = self._c.freeze(self._step, write, read,
                                self._engine.bytes_on_disk if self._engine else 0, now - first,
-                               now - (first if self._step == 0 else self._step_started))
+                               now - (first if self._step == 0 else self._step_started),
+                               tier_traffic(self._engine, write, read) if self._engine is not None else None)
         stats = self._budget_step_end(stats)  # budget/plan: counters and what the planner needs
         why = self.watch.check(stats, self._c)  # offload that does not happen says why
         stats = dataclasses.replace(stats, not_offloaded_why=why) if why else stats

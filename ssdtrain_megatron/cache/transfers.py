@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import torch
 
-from ..io.base import EngineError
+from ..io.base import TIERS, EngineError
 from ..io.memory import PoolFull
 from .budget import give_back_readahead
 from .hooks import _DROP
@@ -134,6 +134,8 @@ class RecordIO:
         t_submit = time.perf_counter() if self._time_submit else 0.0  # budget/plan: its cost
         try:
             rec.check_storage()  # before any copy or IO could read memory its owner freed
+            if rec.decision in TIERS:  # the plan's tier ('host', 'ssd'): said before pool_view
+                self._engine.place(rec.id, rec.decision)
             if self._copy is not None:  # GPU: the engine gets pinned bytes and a copy event
                 # The memory engine's pool is pinned: copy straight into it (one copy, no staging).
                 into = None if self._copy.direct else self._engine.pool_view(rec.id, rec.nbytes)

@@ -64,6 +64,7 @@ class MemoryEngine(IOEngine):
     """
 
     name = "memory"
+    tier = "host"
 
     def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None,
                  capacity: Optional[int] = None) -> None:
