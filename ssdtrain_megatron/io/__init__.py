@@ -54,7 +54,8 @@ def make_engine(config: OffloadConfig, ident: Optional[Identity] = None) -> IOEn
 
         raise EngineUnavailable(f"engine {config.engine!r} cannot run here: {why}")
     engine = cls(config, ident)
-    if config.bandwidth_cap_gbps is not None:
+    # The cap emulates a slower drive: tiered applies it to its SSD tier itself (io/tiered.py).
+    if config.bandwidth_cap_gbps is not None and config.engine != "tiered":
         from .throttle import ThrottledEngine
 
         try:
