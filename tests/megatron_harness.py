@@ -123,6 +123,13 @@ class LayoutSpec:
     moe_aux_loss_coeff: float = 1e-2
     moe_grouped_gemm: bool = False
     """Grouped-GEMM experts (CUDA only) instead of SequentialMLP."""
+    swiglu: bool = False
+    """SwiGLU MLP and experts (gated_linear_unit with SiLU) instead of GeLU."""
+    swiglu_fusion: bool = False
+    """With ``swiglu``: megatron-core's fused SwiGLU (bias_activation_fusion); experts then
+    run the weighted variant that applies the router's probabilities inside."""
+    kv_channels: Optional[int] = None
+    """Width of one attention head (megatron's kv_channels); None: hidden / heads."""
     multi_latent_attention: bool = False
     """Multi-latent attention (MLATransformerConfig). The local spec's DotProductAttention
     takes no ``k_channels`` (megatron-core 0.16.1, 0.17.1): on the local spec the core
@@ -349,6 +356,11 @@ def make_config(spec: LayoutSpec):
         kwargs.update(q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
                       v_head_dim=6, normalization="LayerNorm", rope_type="yarn",
                       qk_layernorm=True)
+    if spec.swiglu:
+        kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                      bias_activation_fusion=spec.swiglu_fusion)
+    if spec.kv_channels is not None:
+        kwargs["kv_channels"] = spec.kv_channels
     if spec.recompute_granularity is not None:
         kwargs["recompute_granularity"] = spec.recompute_granularity
     if spec.recompute_method is not None:

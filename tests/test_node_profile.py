@@ -44,7 +44,7 @@ def test_base_and_overrides_and_sizes_with_units(tmp_path):
 @pytest.mark.parametrize("changes, message", [
     ({"host_link_gbps": -1}, "node.host_link_gbps=-1 is invalid: expected a number > 0"),
     ({"drives": 1.5}, "node.drives=1.5 is invalid: expected an integer >= 0"),
-    ({"gpu_memory_bytes": 80}, "node.gpu_memory_bytes=80 is invalid: expected bytes >= 1GB"),
+    ({"gpu_memory_bytes": 80}, "node.gpu_memory_bytes=80 is invalid: expected bytes >= 1MiB"),
     ({"gpu_memory_bytes": "80"}, "node.gpu_memory_bytes: 80: give a unit, e.g. 80GB"),
     ({"gpus_per_node": True}, "node.gpus_per_node=True is invalid"),
     ({"drive_write_gbps": 0}, "node.drive_write_gbps=0 is invalid: expected a number > 0"),

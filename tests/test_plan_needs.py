@@ -23,7 +23,9 @@ from ssdtrain_megatron import presets
 from ssdtrain_megatron.plan.memory import layer_parameters, model_state_bytes
 from ssdtrain_megatron.plan.shape import ModelShape
 from ssdtrain_megatron.tools.cli import build_parser, main
-from tests.test_plan_model import LAYER_BYTES, PRESET, STEP_FLOPS
+from ssdtrain_megatron.tools.cli_types import (byte_count, size_or_fraction, size_with_unit,
+                                               size_with_unit_or_fraction)
+from tests.test_plan_model import LAYER_BYTES, PRESET
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,30 +49,44 @@ def plan(capsys, *argv):
 # -- bandwidth ---------------------------------------------------------------------------------
 
 
-def test_full_offload_and_the_plan_bandwidth_per_gpu_node_and_drive(capsys, tiny):
-    """A drive too slow to hide anything: the plan keeps every layer (0 GB/s) while full
-    offload would need its rate; per node is G GPUs' worth, per drive the node's over K."""
-    out = plan(capsys, "--config", str(tiny), "--gpu-tflops", "0.001", "--ssd-gbps", "0.0001",
-               "--gpus-per-node", "4", "--drives", "2")
-    step = STEP_FLOPS / (0.001 * 1e12)
-    full, chosen = out["bandwidth"]["full_offload"], out["bandwidth"]["plan"]
-    gpu = 3 * LAYER_BYTES / (step / 2) / 1e9
-    assert full["offloaded_bytes_per_step"] == 3 * LAYER_BYTES
-    assert (full["write_gbps_per_gpu"], full["read_gbps_per_gpu"]) == (gpu, gpu)
-    assert full["write_gbps_per_node"] == 4 * gpu and full["write_gbps_per_drive"] == 2 * gpu
-    assert chosen["offloaded_bytes_per_step"] == 0 and chosen["write_gbps_per_node"] == 0
-    assert (out["gpus_per_node"], out["drives_per_node"]) == (4, 2)
+def test_the_drives_bytes_cross_the_host_link_and_share_the_nodes_drives(capsys, tiny):
+    """The node's drives are shared by its GPUs: 4 GPUs and 2 drives of 1 GB/s give each GPU
+    0.5 GB/s; what the drives carry crosses the host link too (the bounce through pinned host
+    memory), so the link's bytes are the drives' plus host memory's."""
+    out = plan(capsys, "--config", str(tiny), "--gpu-tflops", "0.001", "--engine", "tiered",
+               "--host-memory", f"{LAYER_BYTES}B", "--gpus-per-node", "4", "--drives", "2",
+               "--ssd-gbps", "0.5")
+    node = out["node"]
+    assert (node["gpus_per_node"], node["drives"]) == (4, 2)
+    assert node["ssd_write_gbps"] == node["ssd_read_gbps"] == 0.5
+    assert out["tiers"]["host"] == LAYER_BYTES and out["tiers"]["ssd"] == 2 * LAYER_BYTES
+    link = out["bandwidth_gbps"]["host"]
+    assert link["used"] == pytest.approx(3 * LAYER_BYTES / out["iteration_s"] / 1e9)
+    assert out["bandwidth_gbps"]["ssd"]["available"] == pytest.approx(0.25)  # 1/(1/0.5 + 1/0.5)
 
 
-def test_the_table_says_per_gpu_per_node_and_per_drive_and_drives_means_per_node(capsys, tiny):
+def test_the_table_names_the_node_and_each_tier_against_it(capsys, tiny):
     assert main(["plan", "--config", str(tiny), "--gpu-tflops", "0.001"]) == 0
     text = capsys.readouterr().out
-    for said in ("bandwidth, full offload", "bandwidth, this plan", "per GPU", "per node",
-                 "per drive", "8 GPUs and 8 drives per node (--gpus-per-node, --drives)"):
+    for said in ("node dgx-h100: 8 GPUs", "host link, each way", "drives", "per GPU",
+                 "(the default; --node picks another, with flags)", "binding"):
         assert said in text, said
     plan_parser = build_parser()._subparsers._group_actions[0].choices["plan"]  # noqa: SLF001
     drives = next(a for a in plan_parser._actions if "--drives" in a.option_strings)  # noqa: SLF001
     assert "drives per node" in drives.help
+
+
+def test_a_presets_node_section_picks_the_node_and_the_flag_wins(capsys, tiny):
+    tiny.write_text(TINY + "node:\n  base: gh200\n  host_memory_bytes: 100GB\n")
+    out = plan(capsys, "--config", str(tiny))
+    assert out["node"]["name"] == "gh200" and out["host_capacity_bytes"] == 100 * 10 ** 9
+    assert out["node_source"] == "the preset's node: section"
+    assert plan(capsys, "--config", str(tiny), "--node", "a100-80g")["node"]["name"] == "a100-80g"
+    tiny.write_text(TINY + "node:\n  base: gh200\n  host_memory_bytes: '100'\n")
+    assert main(["plan", "--config", str(tiny)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ssdtrain plan: error: {tiny}: node.host_memory_bytes: 100: give a unit, "
+                   "e.g. 100GB"]
 
 
 # -- model state and the largest micro-batch ---------------------------------------------------
@@ -102,12 +118,12 @@ def test_the_largest_micro_batch_fits_beside_the_model_state(capsys, tiny):
     """Without a budget, activations get what the state leaves of --gpu-memory: a larger state
     (no distributed optimizer) leaves room for fewer samples."""
     gpu = 4 * LAYER_PARAMS * 18 + 10 ** 7  # the state plus 10 MB
-    out = plan(capsys, "--config", str(tiny), "--gpu-memory", str(gpu))
+    out = plan(capsys, "--config", str(tiny), "--gpu-memory", f"{gpu}B")
     assert out["memory"]["activation_budget_bytes"] == 10 ** 7
-    assert out["memory"]["activation_budget_source"] == "--gpu-memory less the model state"
+    assert out["memory"]["activation_budget_source"] == "GPU memory less the model state"
     alone = out["largest_micro_batch"]
-    assert alone == {"keep": 27, "offload": 55, "recompute": 93}  # 1e7 B, as test_plan_model
-    sharded = plan(capsys, "--config", str(tiny), "--gpu-memory", str(gpu),
+    assert alone == {"keep": 27, "planned": 55, "recompute": 93}  # 1e7 B, as test_plan_model
+    sharded = plan(capsys, "--config", str(tiny), "--gpu-memory", f"{gpu}B",
                    "--use-distributed-optimizer", "--data-parallel-size", "8")
     assert sharded["memory"]["model_state"]["bytes"] == 4 * LAYER_PARAMS * (6 + 1.5)
     assert all(sharded["largest_micro_batch"][m] > alone[m] for m in alone)
@@ -118,8 +134,8 @@ def test_the_presets_fraction_budget_is_of_gpu_memory_and_the_flag_wins(capsys, 
     out = plan(capsys, "--config", str(tiny), "--gpu-memory", "20MB")
     assert out["memory"]["activation_budget_bytes"] == 10 ** 7
     assert out["memory"]["activation_budget_source"].startswith(
-        "the preset's activation_budget_bytes: 0.5 x --gpu-memory")
-    assert out["largest_micro_batch"] == {"keep": 27, "offload": 55, "recompute": 93}
+        "the preset's activation_budget_bytes: 0.5 x GPU memory")
+    assert out["largest_micro_batch"] == {"keep": 27, "planned": 55, "recompute": 93}
     flag = plan(capsys, "--config", str(tiny), "--gpu-memory", "20MB", "--activation-budget", "1MB")
     assert flag["memory"]["activation_budget_bytes"] == 10 ** 6
     over = plan(capsys, "--config", str(tiny), "--gpu-memory", "4MB", "--activation-budget", "0.9")
@@ -203,14 +219,15 @@ def test_an_installed_package_finds_the_presets_setup_py_installs(tmp_path, monk
 
 # -- sizes -------------------------------------------------------------------------------------
 
+SIZE_TYPES = (byte_count, size_or_fraction, size_with_unit, size_with_unit_or_fraction)
+"""Every argparse type that reads a size: with a unit or not (only where the name says bytes)."""
+
 
 def _byte_flags():
-    from ssdtrain_megatron.tools.cli_types import byte_count, size_or_fraction
-
     subs = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
     for name, sub in subs.items():
         for action in sub._actions:  # noqa: SLF001
-            if action.type in (byte_count, size_or_fraction) and action.help != argparse.SUPPRESS:
+            if action.type in SIZE_TYPES and action.help != argparse.SUPPRESS:
                 yield name, action.option_strings[0], action.dest
 
 
@@ -229,11 +246,20 @@ def test_every_size_flag_of_every_subcommand_takes_gb_and_gib():
             assert getattr(args, dest) == value, (command, flag, text)
 
 
+def test_a_size_flag_whose_name_does_not_say_bytes_refuses_a_plain_number(capsys):
+    """--gpu-memory 80 meant 80 GB, not 80 bytes: refused in one line. Broken variant:
+    --gpu-memory with type byte_count -> the plan runs on an 80-byte GPU."""
+    for flag in ("--gpu-memory", "--host-memory", "--activation-budget"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--config", "llama3-8b", flag, "80"])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(
+            f"ssdtrain plan: error: argument {flag}: 80: give a unit, e.g. 80GB")
+
+
 def test_a_plain_number_only_where_the_unit_is_in_the_flag_name():
     """A flag whose name says it holds bytes, a budget or memory takes a size; the plain-number
     size flags name their unit (--total-gib, --tensor-kib, --drive-tb, --ssd-gbps)."""
-    from ssdtrain_megatron.tools.cli_types import byte_count, size_or_fraction
-
     subs = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
     wrong = []
     for name, sub in subs.items():
@@ -242,7 +268,7 @@ def test_a_plain_number_only_where_the_unit_is_in_the_flag_name():
             if action.help == argparse.SUPPRESS or flag.endswith(("-gb", "-gib", "-mib", "-kib")):
                 continue
             if any(w in flag for w in ("bytes", "budget", "memory")) \
-                    and action.type not in (byte_count, size_or_fraction):
+                    and action.type not in SIZE_TYPES:
                 wrong.append(f"ssdtrain {name} {flag}")
     assert wrong == []
 

@@ -16,28 +16,30 @@ def test_the_offload_peak_holds_a_plans_kept_layers_per_micro_batch_in_flight():
                                  deferred_bytes=layer) == 4 * 2 * layer + layer + layer
 
 
-def test_with_a_pipeline_the_first_stage_writes_deferred_layers_and_keeps_a_plan_per_micro_batch(
+def test_with_a_pipeline_every_layer_may_leave_and_kept_layers_count_per_micro_batch_in_flight(
         capsys, tmp_path):
-    """Under 1F1B the first stage runs the next micro-batch's forward before a micro-batch's
-    backward: the offloader then writes that micro-batch's deferred last layer (offloader.py
-    ``microbatch``), so all micro-batches but the step's last write it; and layers a plan keeps
-    for bandwidth stay for each of the pp micro-batches in flight, not for one.
-    Broken variants: ``_first_stage_offloaded`` without the deferred term: 8 x L, not 15 x L;
-    ``peak_activation_bytes`` counting the kept layers once: 3 x L + head, not 4 x L + head."""
+    """Under 1F1B the first stage runs the other micro-batches' work between a micro-batch's
+    forward and its backward: its last layer has time to go and come back, so offload moves it
+    too (the offloader writes it once another forward starts). What a plan keeps stays for each
+    of the pp micro-batches in flight. Broken variants: keep_last_layers applied with a gap ->
+    decisions ['ssd', 'keep']; the peak counting kept layers once -> 2 x L + head, not 3 x L +
+    head."""
     path = tmp_path / "pp2.yaml"
     path.write_text(PRESET.replace("pp: 1", "pp: 2"))  # 2 layers per stage
-    fast = plan_json(capsys, str(path), "--ssd-gbps", "1000", "--num-microbatches", "8")
-    assert [row["decision"] for row in fast["layers"]] == ["offload", "keep"]
-    assert fast["deferred_bytes_per_micro_batch"] == LAYER_BYTES
-    assert fast["offloaded_bytes_per_step"] == 8 * LAYER_BYTES + 7 * LAYER_BYTES
-    slow = plan_json(capsys, str(path), "--ssd-gbps", "0.0001", "--num-microbatches", "8")
-    assert [row["decision"] for row in slow["layers"]] == ["keep", "keep"]
-    peak = slow["peak_activation_bytes"]
-    head = peak["keep"] - 2 * 2 * LAYER_BYTES  # keep: 2 micro-batches x 2 layers, plus the head
-    # layer 1 kept for both micro-batches in flight, layer 2 (deferred) for one, one in transit
-    assert peak["offload"] == 2 * LAYER_BYTES + LAYER_BYTES + LAYER_BYTES + head
-    one = plan_json(capsys, _preset(tmp_path), "--ssd-gbps", "1000", "--num-microbatches", "8")
-    assert one["offloaded_bytes_per_step"] == 8 * 3 * LAYER_BYTES  # no pipeline: nothing deferred is written
+    fast = plan_json(capsys, str(path), "--num-microbatches", "8")
+    assert [row["decision"] for row in fast["layers"]] == ["ssd", "ssd"]
+    assert fast["tiers"]["ssd"] == 2 * LAYER_BYTES
+    keep = plan_json(capsys, str(path), "--num-microbatches", "8", "--policy", "keep")
+    head = keep["activation_bytes_per_micro_batch"] - 2 * LAYER_BYTES
+    assert keep["peak_bytes"] == 2 * 2 * LAYER_BYTES + head  # 2 micro-batches x 2 layers
+    # A budget for one kept layer per micro-batch in flight, one in transit and the head.
+    budget = 2 * LAYER_BYTES + LAYER_BYTES + head
+    half = plan_json(capsys, str(path), "--num-microbatches", "8", "--policy", "adaptive",
+                     "--activation-budget", f"{budget}B")
+    assert sorted(row["decision"] for row in half["layers"]) == ["keep", "ssd"]
+    assert half["peak_bytes"] == budget
+    one = plan_json(capsys, _preset(tmp_path), "--num-microbatches", "8")
+    assert [row["decision"] for row in one["layers"]] == ["ssd"] * 3 + ["keep"]  # no pipeline
 
 
 def _preset(tmp_path) -> str:

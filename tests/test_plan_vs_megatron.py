@@ -79,3 +79,53 @@ def test_moe_layer_bytes_within_5_percent(tmp_path, recompute):
     for layer in (2, 3):  # the first also writes the shared causal mask
         measured = rows[str(layer)]["bytes"] / spec.num_microbatches
         assert abs(measured - predicted) <= 0.05 * predicted, (layer, measured, predicted)
+
+
+def _moe_layer_bytes(tmp_path, **changes):
+    """Bytes per layer and micro-batch the offloader writes for layers 2 and 3 of a small MoE
+    model (4 experts, top-2, alltoall, SequentialMLP) on megatron-core, in its own process."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import megatron_harness as harness
+
+    spec = harness.LayoutSpec(
+        num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+        num_layers=3, hidden_size=64, ffn_hidden_size=96, seq_length=32, micro_batch_size=2,
+        num_microbatches=2, iterations=1, dropout=0.0, add_bias_linear=False,
+        phases=[harness.Phase("offload", offload=dict(dirs=["{root}/a"], min_tensor_bytes=0))],
+        **changes)
+    (r,) = harness.run_layout(spec, str(tmp_path), in_process=False)
+    rows = {row["layer"]: row for row in r.phases["offload"].offload["steps"][0]["layers"]}
+    return [rows[str(layer)]["bytes"] / spec.num_microbatches for layer in (2, 3)]
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_moe_swiglu_expert_bytes_within_5_percent(tmp_path, fusion):
+    """SwiGLU experts as megatron-core runs them: fused by default (the weighted SwiGLU saves
+    the 2f-wide fc1 output and the probabilities, no product), or unfused. Broken variant (the
+    fused experts counted with the unfused product term, as before issue 35): "AssertionError:
+    (2, 393508.0, 434468)" for fusion=True."""
+    measured = _moe_layer_bytes(tmp_path, swiglu=True, swiglu_fusion=fusion)
+    shape = ModelShape(num_layers=3, hidden=64, heads=4, ffn_hidden=96, seq_len=32,
+                       micro_batch=2, dtype_bytes=4, attention_dropout=0.0, hidden_dropout=0.0,
+                       num_experts=4, moe_topk=2, swiglu=True, swiglu_fusion=fusion)
+    predicted = layer_activation_bytes(shape, SaveProfile.megatron_local_cpu(),
+                                       include_shared=False)
+    for layer, got in zip((2, 3), measured):
+        assert abs(got - predicted) <= 0.05 * predicted, (layer, got, predicted)
+
+
+def test_kv_channels_sets_the_query_and_attention_output_width(tmp_path):
+    """Heads twice as wide as hidden / heads (Qwen3's 128 at hidden 2048 and 32 heads): the
+    query, its expansion and the attention's output are heads x kv_channels wide. Broken
+    variant (head_dim always hidden / heads): "AssertionError: (2, 467236.0, 385316)"."""
+    measured = _moe_layer_bytes(tmp_path, kv_channels=32)
+    shape = ModelShape(num_layers=3, hidden=64, heads=4, ffn_hidden=96, seq_len=32,
+                       micro_batch=2, dtype_bytes=4, attention_dropout=0.0, hidden_dropout=0.0,
+                       num_experts=4, moe_topk=2, kv_channels=32)
+    predicted = layer_activation_bytes(shape, SaveProfile.megatron_local_cpu(),
+                                       include_shared=False)
+    for layer, got in zip((2, 3), measured):
+        assert abs(got - predicted) <= 0.05 * predicted, (layer, got, predicted)

@@ -348,6 +348,8 @@ def megatron_args_from_preset(path: str) -> List[str]:
              "--pipeline-model-parallel-size", str(shape.pp)]
     if shape.kv_groups is not None and shape.kv_groups != shape.heads:
         flags += ["--group-query-attention", "--num-query-groups", str(shape.kv_groups)]
+    if shape.kv_channels is not None:
+        flags += ["--kv-channels", str(shape.kv_channels)]
     dtype = data["model"].get("dtype")
     if dtype in ("bf16", "fp16"):
         flags.append(f"--{dtype}")

@@ -35,7 +35,8 @@ def layer_parameters(shape: ModelShape) -> Dict[str, int]:
     """Parameters of one transformer layer, whole (not split): ``dense`` and ``expert``."""
     h = shape.hidden
     kv_width = shape.groups * shape.head_dim
-    attention = h * (h + 2 * kv_width) + h * h
+    q = shape.query_width
+    attention = h * (q + 2 * kv_width) + q * h
     norms = 2 * h
     width = 3 if shape.swiglu else 2  # SwiGLU: gate, up and down projections
     if shape.num_experts is None:

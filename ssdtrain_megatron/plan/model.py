@@ -87,7 +87,7 @@ def layer_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER, *,
     norm("attn_norm")
     terms["qkv_input"] = d * sp_tokens * h
     _attention_terms(terms, shape, profile, shared_mask)
-    terms["proj_input"] = d * tokens * h // t
+    terms["proj_input"] = d * tokens * shape.query_width // t
     if shape.hidden_dropout > 0:
         terms["attn_residual_dropout_mask"] = mask_b * sp_tokens * h
     norm("mlp_norm")
@@ -171,13 +171,17 @@ def _moe_terms(terms: Dict[str, int], shape: ModelShape) -> None:
     terms["routing_probs"] = _FP32 * tokens * experts
     terms["permutation_indices"] = _INT64 * rows
     terms["expert_fc1_input"] = d * expert_rows * h
-    # SwiGLU experts (Mixtral, Qwen3, DeepSeek): the fused function saves the 2f-wide fc1
-    # output; unfused, about 4f (the gate's strided span, silu's output, the up half). Only
-    # the GeLU experts were measured.
-    width = (2 if shape.swiglu_fusion else 4) * f if shape.swiglu else f
+    # SwiGLU experts (Mixtral, Qwen3, DeepSeek), fused as megatron-core runs them by default
+    # (weighted_bias_swiglu_impl: the probabilities applied inside): the 2f-wide fc1 output and
+    # the fp32 probabilities, nothing else. Unfused, about 4f (the gate's strided span, silu's
+    # output, the up half plus the offset) and the product the probabilities scale; GeLU
+    # experts save the activation's input and its output, which the probabilities scale.
+    fused = shape.swiglu and shape.swiglu_fusion
+    width = (2 if fused else 4) * f if shape.swiglu else f
     terms["expert_activation_input"] = d * expert_rows * width
     terms["expert_probs"] = _FP32 * expert_rows
-    terms["expert_activation_output"] = d * expert_rows * f
+    if not fused:
+        terms["expert_activation_output"] = d * expert_rows * f
     terms["expert_fc2_input"] = d * expert_rows * f
     # Unpermute scatters with the indices expanded over h (a stride-0 view: its span is
     # what is saved).
@@ -189,23 +193,24 @@ def _attention_terms(terms: Dict[str, int], shape: ModelShape, profile: SaveProf
     """The core attention's saved tensors, per kind of attention: selective recomputation's
     checkpoint, unfused (scores, softmax, dropout) or flash attention."""
     d, t = shape.dtype_bytes, shape.tp
-    s, b, h, a = shape.seq_len, shape.micro_batch, shape.hidden, shape.heads
+    s, b, a = shape.seq_len, shape.micro_batch, shape.heads
     mask_b = d if profile.dropout_mask_bytes is None else profile.dropout_mask_bytes
     soft_b = d if profile.softmax_bytes is None else profile.softmax_bytes
     tokens = s * b
     kv_width = shape.groups * shape.head_dim
+    q_width = shape.query_width
     unfused = not shape.flash_attention
     if shape.recompute == "selective":
         # The checkpoint of the core attention saves its inputs, before any GQA expansion.
-        terms["query"] = d * tokens * h // t
+        terms["query"] = d * tokens * q_width // t
         terms["key"] = d * tokens * kv_width // t
         terms["value"] = d * tokens * kv_width // t
         if shared_mask:
             terms["attention_mask"] = s * s
     elif unfused:
-        kv_saved = h if profile.expand_kv else kv_width
+        kv_saved = q_width if profile.expand_kv else kv_width
         scores = a * s * s * b // t
-        terms["query"] = d * tokens * h // t
+        terms["query"] = d * tokens * q_width // t
         terms["key"] = d * tokens * kv_saved // t
         if shared_mask:
             terms["attention_mask"] = s * s
@@ -221,7 +226,7 @@ def _attention_terms(terms: Dict[str, int], shape: ModelShape, profile: SaveProf
     else:
         # Flash attention saves q, k, v, its output (the proj input below, one tensor) and
         # the log-sum-exp of each row.
-        terms["query"] = d * tokens * h // t
+        terms["query"] = d * tokens * q_width // t
         terms["key"] = d * tokens * kv_width // t
         terms["value"] = d * tokens * kv_width // t
         if profile.small_fp32_stats:
@@ -267,16 +272,18 @@ def head_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER) -> Di
 def forward_flops_per_layer(shape: ModelShape) -> int:
     """Matmul FLOPs of one layer's forward for one micro-batch, summed over the TP ranks.
 
-    QKV 2sbh(h + 2*g*hd), scores and attention over values 4bs^2h (the full square, as
-    megatron's own formula counts it), output projection 2sbh^2, MLP 4sbhf (6sbhf with SwiGLU).
+    QKV 2sbh(q + 2*g*hd), scores and attention over values 4bs^2q (the full square, as
+    megatron's own formula counts it), output projection 2sbqh, MLP 4sbhf (6sbhf with SwiGLU),
+    where q = heads x head_dim is the query width (h unless kv_channels says otherwise).
     A mixture of experts runs each token through top-k experts of width f_e (k times the MLP
     at f_e) plus the router 2sbhE.
     """
     s, b, h, f = shape.seq_len, shape.micro_batch, shape.hidden, shape.ffn_hidden
     kv_width = shape.groups * shape.head_dim
-    qkv = 2 * s * b * h * (h + 2 * kv_width)
-    attention = 4 * b * s * s * h
-    proj = 2 * s * b * h * h
+    q = shape.query_width
+    qkv = 2 * s * b * h * (q + 2 * kv_width)
+    attention = 4 * b * s * s * q
+    proj = 2 * s * b * q * h
     if shape.num_experts is not None:
         f_e = shape.moe_ffn_hidden or f
         mlp = shape.moe_topk * 2 * s * b * h * f_e * (3 if shape.swiglu else 2) \
@@ -296,7 +303,7 @@ def training_flops_per_micro_batch(shape: ModelShape) -> int:
     if shape.recompute == "full":
         total += shape.num_layers * layer
     elif shape.recompute == "selective":
-        total += shape.num_layers * 4 * shape.micro_batch * shape.seq_len ** 2 * shape.hidden
+        total += shape.num_layers * 4 * shape.micro_batch * shape.seq_len ** 2 * shape.query_width
     return total
 
 

@@ -109,9 +109,9 @@ class NodeProfile:
             _fail("gpus_per_node", self.gpus_per_node, "expected an integer >= 1")
         if not _is_int(self.drives) or self.drives < 0:
             _fail("drives", self.drives, "expected an integer >= 0 (0: no SSD tier)")
-        if not _is_int(self.gpu_memory_bytes) or self.gpu_memory_bytes < GB:
+        if not _is_int(self.gpu_memory_bytes) or self.gpu_memory_bytes < 1 << 20:
             _fail("gpu_memory_bytes", self.gpu_memory_bytes,
-                  "expected bytes >= 1GB (a size with a unit, e.g. 80GB)")
+                  "expected bytes >= 1MiB (a size with a unit, e.g. 80GB)")
         if not _is_int(self.host_memory_bytes) or self.host_memory_bytes < 0:
             _fail("host_memory_bytes", self.host_memory_bytes,
                   "expected bytes >= 0 (a size with a unit, e.g. 150GB; 0: no host tier)")

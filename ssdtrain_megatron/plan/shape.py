@@ -58,6 +58,10 @@ class ModelShape:
     kv_groups: Optional[int] = None
     """Key/value head groups for grouped-query attention; None means multi-head (= heads)."""
 
+    kv_channels: Optional[int] = None
+    """Width of one attention head (megatron's ``--kv-channels``); None: hidden / heads.
+    Qwen3's is 128 at hidden 2048 and 32 heads, so its queries are 4096 wide."""
+
     dtype_bytes: int = 2
     """Bytes per activation element: 2 for bf16/fp16, 4 for fp32."""
 
@@ -128,6 +132,8 @@ class ModelShape:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 _fail(name, value, "expected an integer >= 1")
+        if self.kv_channels is not None and (not _is_int(self.kv_channels) or self.kv_channels < 1):
+            _fail("kv_channels", self.kv_channels, "expected an integer >= 1 or null (hidden / heads)")
         if self.kv_groups is not None and (not _is_int(self.kv_groups) or self.kv_groups < 1):
             _fail("kv_groups", self.kv_groups, "expected an integer >= 1 or null (multi-head)")
         if self.dtype_bytes not in (2, 4) or isinstance(self.dtype_bytes, bool):
@@ -157,8 +163,9 @@ class ModelShape:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 _fail(name, value, "expected a probability in [0, 1)")
-        if self.hidden % self.heads:
-            _fail("hidden", self.hidden, f"expected a multiple of heads ({self.heads})")
+        if self.kv_channels is None and self.hidden % self.heads:
+            _fail("hidden", self.hidden, f"expected a multiple of heads ({self.heads}), or "
+                  "kv_channels set")
         if self.heads % self.groups:
             _fail("kv_groups", self.kv_groups, f"expected a divisor of heads ({self.heads})")
         # Megatron replicates key/value heads when groups < tp; that layout is not modelled.
@@ -183,7 +190,14 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """Width of one attention head: kv_channels, else hidden / heads."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden // self.heads
+
+    @property
+    def query_width(self) -> int:
+        """Width of the queries and of the attention's output: heads x head_dim (hidden
+        unless kv_channels says otherwise)."""
+        return self.heads * self.head_dim
 
     @property
     def layers_per_stage(self) -> int:
@@ -195,7 +209,7 @@ class ModelShape:
     # -- presets ------------------------------------------------------------------------------
 
     PRESET_MODEL_KEYS = ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
-                         "kv_groups", "dtype", "swiglu", "swiglu_fusion", "flash_attention",
+                         "kv_groups", "kv_channels", "dtype", "swiglu", "swiglu_fusion", "flash_attention",
                          "recompute", "vocab", "attention_dropout", "hidden_dropout",
                          "num_experts", "moe_topk", "moe_ffn_hidden")
     PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel", "ep", "cp", "dp",

@@ -11,6 +11,7 @@ import argparse
 import errno
 import math
 import os
+import re
 import sys
 import warnings
 from typing import Any, List, Optional
@@ -69,6 +70,29 @@ def byte_count(text: str) -> int:
     if not value:
         raise argparse.ArgumentTypeError(f"expected {EXPECTED}, above 0; got {text!r}")
     return value
+
+
+def size_with_unit(text: str) -> int:
+    """A size that must carry its unit (80GB, 80GiB, 0B): for flags whose name does not say
+    bytes (``--gpu-memory 80`` is refused: "80: give a unit, e.g. 80GB"). Whether 0 makes sense
+    is the flag's to say (``--host-memory 0B``: no host tier)."""
+    from ..sizes import parse_size_with_unit
+
+    try:
+        return parse_size_with_unit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_with_unit_or_fraction(text: str) -> float:
+    """A size with its unit (24GiB, 24GB) in bytes, or a fraction of GPU memory in (0, 1]."""
+    if re.fullmatch(r"\s*(0*\.\d+|0*1(\.0*)?)\s*", text) and float(text) > 0:
+        return float(text)
+    size = size_with_unit(text)  # a plain number above 1 is refused here, with its one line
+    if not size:
+        raise argparse.ArgumentTypeError(f"expected a size above 0 or a fraction in (0, 1]; "
+                                         f"got {text!r}")
+    return size
 
 
 def preset_arg(text: str) -> str:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from ..plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED
-from ..plan.model import ModelShape
-from ..plan.policy import KEEP
+from ..plan.shape import ModelShape
 
 
 def _bytes(n: float) -> str:
@@ -22,71 +20,85 @@ def _duration(years: float) -> str:
     return f"{days:,.1f} days" if days < 2 * 365.25 else f"{years:.4f} years ({days:,.1f} days)"
 
 
-def print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def header(shape: ModelShape, config: str) -> str:
     dtype = {2: "16-bit", 4: "fp32"}[shape.dtype_bytes]
-    print(f"plan for {r['config']}: {shape.num_layers} layers ({shape.layers_per_stage} per "
-          f"stage), h={shape.hidden}, heads={shape.heads}, kv_groups={shape.groups}, "
-          f"ffn={shape.ffn_hidden}, s={shape.seq_len}, b={shape.micro_batch}, {dtype}, "
-          f"tp={shape.tp}, pp={shape.pp}, sp={shape.sequence_parallel}, "
-          + (f"cp={shape.cp}, " if shape.cp > 1 else "") +
-          f"flash={shape.flash_attention}, recompute={shape.recompute}"
-          + (f", swiglu ({'fused' if shape.swiglu_fusion else 'unfused'})" if shape.swiglu else "")
-          + (f", experts={shape.num_experts} top-{shape.moe_topk} (width "
-             f"{shape.moe_ffn_hidden or shape.ffn_hidden}), ep={shape.ep}"
-             if shape.num_experts is not None else ""))
-    print(f"{'layer':>5}  {'bytes':>18}  decision   (layers numbered from 1, as Megatron does)")
+    return (f"plan for {config}: {shape.num_layers} layers ({shape.layers_per_stage} per "
+            f"stage), h={shape.hidden}, heads={shape.heads}, kv_groups={shape.groups}"
+            + (f", head_dim={shape.head_dim}" if shape.kv_channels is not None else "")
+            + f", ffn={shape.ffn_hidden}, s={shape.seq_len}, b={shape.micro_batch}, {dtype}, "
+            f"tp={shape.tp}, pp={shape.pp}, sp={shape.sequence_parallel}, "
+            + (f"cp={shape.cp}, " if shape.cp > 1 else "") +
+            f"flash={shape.flash_attention}, recompute={shape.recompute}"
+            + (f", swiglu ({'fused' if shape.swiglu_fusion else 'unfused'})" if shape.swiglu else "")
+            + (f", experts={shape.num_experts} top-{shape.moe_topk} (width "
+               f"{shape.moe_ffn_hidden or shape.ffn_hidden}), ep={shape.ep}"
+               if shape.num_experts is not None else ""))
+
+
+def print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
+    from ..plan.node import NodeProfile
+
+    node = NodeProfile(**{k: r["node"][k] for k in NodeProfile.FIELDS})
+    print(header(shape, r["config"]))
+    print(f"node {node.describe()} ({r['node_source']})")
+    print(f"policy {r['policy']}, engine {r['engine']}: places " + ", ".join(r["places"]))
+    print(f"{'layer':>5}  {'bytes':>18}  place   (layers numbered from 1, as Megatron does)")
     for row in r["layers"]:
         print(f"{row['layer']:>5}  {row['bytes']:>18,}  {row['decision']}")
-    kept = sum(1 for row in r["layers"] if row["decision"] == KEEP)
     rows = [
         ("activations per layer", _bytes(r["activation_bytes_per_layer"])),
         ("activations per micro-batch", _bytes(r["activation_bytes_per_micro_batch"])),
-        ("offloaded per step", _bytes(r["offloaded_bytes_per_step"])),
-        ("resident per micro-batch", f"{_bytes(r['resident_bytes_per_micro_batch'])}, "
-                                     f"{kept} layer(s) kept"),
-        ("step time (estimate)", f"{r['step_time_s']:.4f} s at {r['gpu_tflops']:g} TFLOP/s "
-                                 f"per GPU, {r['num_micro_batches']} micro-batch(es)"),
+        ("per micro-batch, by place", ", ".join(f"{k} {_gb(v)}" for k, v in r["tiers"].items())),
     ]
-    rows += bandwidth_rows(r)
-    if r["ssd_gbps"] is None:
-        rows.append(("SSD bandwidth", "not given (--ssd-gbps): every layer but the last "
-                                      f"{r['keep_last_layers']} offloaded"))
-    else:
-        rows.append(("SSD bandwidth", f"{r['ssd_gbps']:g} GB/s: predicted IO stall "
-                                      f"{r['predicted_io_stall_s']:.4f} s, recompute "
-                                      f"{r['recompute_s']:.4f} s per step"))
-    if r["lifespan"] is None:
-        rows.append(("SSD lifespan", "not computed (needs --ssd-tbw and offloaded bytes)"))
-    else:
-        life = r["lifespan"]
-        rated = life["rated_lifespan_years"]
-        rows.append(("SSD lifespan (rated TBW)", f"{_duration(rated)} at "
-                                                 f"{_bytes(life['bytes_per_day'])} per day"))
-        rows.append(("SSD lifespan (paper)", f"{life['lifespan_years']:.4f} years = rated x "
-                                             f"{life['lifespan_years'] / rated:g} (WAF correction "
-                                             f"{WAF_RATED:g}/{WAF:g} x retention factor "
-                                             f"{RETENTION_FACTOR:g}: estimates)"))
+    rows += tier_rows(r)
+    rows += lifespan_rows(r)
     rows += memory_rows(r)
+    every = r["every_place"]
+    if list(r["places"]) != list(every["places"]):
+        rows.append(("all four places", f"{every['iteration_s']:.4f} s per iteration "
+                     f"(x{every['vs_keep']:.3f} keep), binding {every['binding']}: "
+                     "--engine tiered --recompute-fallback"))
     for name, value in rows:
         print(f"{name:<28} {value}")
 
 
-def bandwidth_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
-    """Write and read GB/s of full offload and of the chosen plan, per GPU, node and drive."""
-    where = (f"{r['gpus_per_node']} GPUs and {r['drives_per_node']} drives per node "
-             "(--gpus-per-node, --drives)")
+def tier_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """Bandwidth per tier against the node's, the iteration against keep and full recompute,
+    the peaks and what binds."""
+    host, ssd = r["bandwidth_gbps"]["host"], r["bandwidth_gbps"]["ssd"]
+    return [
+        ("host link, each way", f"{host['used']:.2f} GB/s used, {host['needed']:.2f} needed, of "
+                                f"{host['available']:g} per GPU (carries the SSD tier's bytes too)"),
+        ("drives", f"{ssd['used']:.2f} GB/s used, {ssd['needed']:.2f} needed, of "
+                   f"{ssd['available']:.2f} per GPU each way (write {ssd['write_available']:.2f}"
+                   f" / read {ssd['read_available']:.2f}, sharing the drives' time)"),
+        ("iteration time (model)", f"{r['iteration_s']:.4f} s {r['iteration_label']}, "
+                                   f"{r['num_micro_batches']} micro-batch(es); stall "
+                                   f"{r['stall_s']:.4f} s, recompute {r['recompute_s']:.4f} s"),
+        ("against keep and recompute", f"x{r['vs_keep']:.3f} keep ({r['keep_iteration_s']:.4f} s), "
+                                       f"x{r['vs_recompute']:.3f} full recompute "
+                                       f"({r['recompute_iteration_s']:.4f} s)"),
+        ("peak activations per GPU", f"{_gb(r['peak_bytes'])} of a {_gb(r['budget_bytes'])} budget"
+                                     + ("" if r["fits_budget"] else ": DOES NOT FIT")),
+        ("host memory per GPU", f"{_gb(r['host_peak_bytes'])} of {_gb(r['host_capacity_bytes'])}"),
+        ("binding", r["binding"]),
+    ]
 
-    def line(b: Dict[str, Any]) -> str:
-        return (f"write {b['write_gbps_per_gpu']:.3f} / read {b['read_gbps_per_gpu']:.3f} GB/s "
-                f"per GPU, {b['write_gbps_per_node']:.1f} / {b['read_gbps_per_node']:.1f} GB/s "
-                f"per node, {b['write_gbps_per_drive']:.2f} / {b['read_gbps_per_drive']:.2f} "
-                "GB/s per drive")
 
-    full, plan = r["bandwidth"]["full_offload"], r["bandwidth"]["plan"]
-    return [("bandwidth, full offload", line(full)),
-            ("bandwidth, this plan", line(plan) + ("" if r["bandwidth_considered"] else
-                                                   " (= full offload: no --ssd-gbps)")),
-            ("", where + "; writes in half the step, reads in the other half")]
+def lifespan_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """The rated lifespan first (what to plan with), then the paper's relaxed estimate."""
+    life = r["lifespan"]
+    if life is None:
+        return [("SSD lifespan", "no drive writes in this plan")]
+    return [("SSD lifespan (rated TBW)", f"{_duration(life['rated_years'])} at "
+                                         f"{_bytes(life['bytes_per_day_per_node'])} per day per "
+                                         "node: plan with this"),
+            ("SSD lifespan (paper, relaxed)", f"{_duration(life['paper_relaxed_years'])}: "
+                                              f"{life['paper_factors']}")]
 
 
 def memory_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
@@ -100,11 +112,10 @@ def memory_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
              f"dense + {state['expert_parameters']:,} expert parameters x {per_param} (dp="
              f"{model['dp']}, distributed optimizer {'on' if model['distributed_optimizer'] else 'off'})"),
             ("activation budget", f"{budget / 1e9:.1f} GB ({m['activation_budget_source']}); "
-             f"GPU {m['gpu_memory_bytes'] / 1e9:g} GB (--gpu-memory)"
+             f"GPU {m['gpu_memory_bytes'] / 1e9:g} GB"
              + ("" if m["fits"] else ": MODEL STATE AND BUDGET EXCEED THE GPU'S MEMORY"))]
     best = r["largest_micro_batch"]
     rows.append((f"largest micro-batch in {budget / 1e9:.3g} GB",
-                 f"keep {best['keep']}, offload {best['offload']}, recompute {best['recompute']}"
-                 + ("" if r["bandwidth_considered"] else
-                    " (offload: bandwidth not considered; give --ssd-gbps)")))
+                 f"keep {best['keep']}, this plan {best['planned']}, full recompute "
+                 f"{best['recompute']}"))
     return rows

@@ -1,0 +1,159 @@
+"""A pipeline stage on a node, as the four-place planner sees it: the analytic model's layers,
+micro-batch positions and pipeline bubble for one GPU of the first stage (the one with the most
+micro-batches in flight under 1F1B), and the plan :func:`plan_stage` makes for it.
+
+Time per layer and micro-batch, forward (docs/models.md, "The model's terms"):
+
+* compute: the layer's FLOPs over tp x cp GPUs at the node's achieved TFLOP/s;
+* tensor-parallel communication over NVLink (tp > 1): two all-gathers and two reduce-scatters
+  (or two all-reduces without sequence parallelism) of the layer's s x b x h activations, each
+  moving (tp - 1) / tp of them per GPU, the same again in backward, not overlapped with compute;
+* backward: twice the compute, the same communication; recompute: one more forward.
+
+A step of m micro-batches on pp stages (1F1B) takes (m + pp - 1) micro-batch times: the
+pp - 1 are the pipeline bubble. The output layer and loss run on the last stage; their FLOPs
+are counted as if spread over the stages (a balanced layout gives the last stage fewer layers).
+Under 1F1B the first stage holds min(pp, m) micro-batches at once, and between a micro-batch's
+forward and its backward it runs the forwards and backwards of the others: that is the time its
+writes have to drain. Not modelled: data-parallel gradient reduction, pipeline sends, expert
+all-to-all, context-parallel exchange (each overlaps compute in Megatron to a degree not known
+here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .model import (forward_flops_per_layer, head_activation_terms, layer_activation_bytes,
+                    local_sequence_shape)
+from .node import NodeProfile
+from .policy import LayerMeasurement
+from .shape import ModelShape, SaveProfile
+from .step_plan import Position
+from .tiers import PLACES, RECOMPUTE, TierPlan, Tiers, plan_tiers
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One micro-batch of the first stage on one GPU, timed on a node."""
+
+    layers: Tuple[LayerMeasurement, ...]
+    """The stage's layers (identical: one per transformer layer of the stage)."""
+    positions: Tuple[Position, ...]
+    """One per micro-batch of the step."""
+    compute_s: float
+    """Forward compute of one layer and micro-batch."""
+    tp_comm_s: float
+    """Tensor-parallel communication of one layer's forward (its backward moves as much)."""
+    layout_recompute_s: float
+    """What the layout's own recompute granularity adds to one layer's backward: its whole
+    forward again (full), the attention core's (selective), nothing (none)."""
+    head_s: float
+    """Output layer and loss per micro-batch and stage (forward and backward)."""
+    bubble_s: float
+    """The pipeline bubble of the step: (pp - 1) micro-batch times."""
+    layer_bytes: int
+    """Activation bytes of one layer and micro-batch."""
+    head_bytes: int
+    """Activation bytes outside the layers (kept: the planner does not move them)."""
+
+    @property
+    def backward_factor(self) -> float:
+        """Backward over forward time: twice the compute, the same communication, and what the
+        layout recomputes."""
+        forward = self.compute_s + self.tp_comm_s
+        backward = 2 * self.compute_s + self.tp_comm_s + self.layout_recompute_s
+        return backward / forward if forward > 0 else 2.0
+
+    @property
+    def micro_batch_s(self) -> float:
+        """Forward and backward of one micro-batch on this stage, the head's share included."""
+        forward = self.compute_s + self.tp_comm_s
+        return len(self.layers) * forward * (1 + self.backward_factor) + self.head_s
+
+    @property
+    def keep_iteration_s(self) -> float:
+        """The step keeping every activation: every micro-batch, plus the bubble."""
+        return len(self.positions) * self.micro_batch_s + self.bubble_s
+
+    @property
+    def recompute_iteration_s(self) -> float:
+        """The step recomputing every layer in full: one more forward of each, per micro-batch,
+        instead of what the layout recomputes already."""
+        return self.keep_iteration_s + len(self.positions) * len(self.layers) * (
+            self.compute_s + self.tp_comm_s - self.layout_recompute_s)
+
+
+def tp_comm_bytes(shape: ModelShape) -> int:
+    """Bytes one GPU sends for one layer's forward under tensor parallelism: four collectives
+    (all-gather and reduce-scatter around attention and MLP; or two all-reduces, which move as
+    much) of (tp - 1) / tp of the s x b x h activations."""
+    if shape.tp == 1:
+        return 0
+    local = local_sequence_shape(shape) if shape.cp > 1 else shape
+    activations = local.seq_len * local.micro_batch * local.hidden * local.dtype_bytes
+    return 4 * activations * (shape.tp - 1) // shape.tp
+
+
+def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
+          num_micro_batches: int) -> Stage:
+    """The first stage of ``shape`` on ``node`` for a step of ``num_micro_batches``."""
+    gpus = shape.tp * shape.cp
+    compute = forward_flops_per_layer(shape) / gpus / node.gpu_flops
+    comm = tp_comm_bytes(shape) / (node.nvlink_gbps * 1e9)
+    head_flops = 3 * 2 * shape.seq_len * shape.micro_batch * shape.hidden * (shape.vocab or 0)
+    head_s = head_flops / gpus / shape.pp / node.gpu_flops
+    if shape.recompute == "full":
+        again = compute + comm
+    elif shape.recompute == "selective":  # the core attention: scores and values over s^2
+        again = 4 * shape.micro_batch * shape.seq_len ** 2 * shape.query_width / gpus \
+            / node.gpu_flops
+    else:
+        again = 0.0
+    layer = LayerMeasurement(
+        forward_s=compute + comm,
+        activation_bytes=layer_activation_bytes(shape, profile),
+        checkpoint_bytes=layer_activation_bytes(shape.replace(recompute="full"), profile,
+                                                include_shared=False))
+    layers = (layer,) * shape.layers_per_stage
+    live = min(shape.pp, num_micro_batches)
+    partial = Stage(layers, (), compute, comm, again, head_s, 0.0, layer.activation_bytes,
+                    sum(head_activation_terms(shape, profile).values()))
+    gap = (live - 1) * partial.micro_batch_s
+    return Stage(layers, (Position(gap_s=gap, live=live),) * num_micro_batches, compute, comm,
+                 again, head_s, (shape.pp - 1) * partial.micro_batch_s, partial.layer_bytes,
+                 partial.head_bytes)
+
+
+def plan_stage(st: Stage, node: NodeProfile, *, budget_bytes: Optional[int],
+               places: Tuple[str, ...] = PLACES, keep_last_layers: int = 1,
+               cpu_s_per_byte: float = 0.0) -> TierPlan:
+    """The four-place plan of ``st`` on ``node`` within ``budget_bytes`` of GPU activation
+    memory (head bytes included: they stay), None: keep everything.
+
+    The reserve is one layer (being written, read back or re-created) beside what is kept. A
+    layout that recomputes already (selective or full) gets no per-layer recompute on top:
+    Megatron runs one granularity."""
+    if st.layout_recompute_s > 0:
+        places = tuple(p for p in places if p != RECOMPUTE)
+    budget = None if budget_bytes is None else max(0, budget_bytes - st.head_bytes)
+    tiers = Tiers(budget_bytes=budget, host_capacity_bytes=node.host_memory_bytes,
+                  host_link_bps=node.host_link_gbps * 1e9,
+                  ssd_write_bps=node.ssd_write_gbps * 1e9, ssd_read_bps=node.ssd_read_gbps * 1e9,
+                  reserve_bytes=st.layer_bytes, places=places,
+                  bubble_s=st.bubble_s + len(st.positions) * st.head_s,
+                  cpu_s_per_byte=cpu_s_per_byte, backward_factor=st.backward_factor,
+                  keep_last_layers=keep_last_layers)
+    return plan_tiers(st.layers, st.positions, tiers)
+
+
+def full_recompute_fits(st: Stage, budget_bytes: int) -> bool:
+    """Whether recomputing every layer fits: each in-flight micro-batch keeps the layers'
+    inputs, plus one layer re-created in backward and the head."""
+    live = st.positions[0].live
+    inputs = sum(layer.checkpoint_bytes for layer in st.layers)
+    return live * inputs + st.layer_bytes + st.head_bytes <= budget_bytes
+
+
+__all__ = ["RECOMPUTE", "Stage", "full_recompute_fits", "plan_stage", "stage", "tp_comm_bytes"]

@@ -1,0 +1,255 @@
+"""The four places and what they cost: :class:`Tiers` (what a GPU's node offers and which
+places a plan may use), :func:`timeline` (one micro-batch under one row of places), and
+:class:`TierPlan` (the result of ``plan.tiers.plan_tiers``). Pure: no torch, no IO.
+
+What each place costs, per micro-batch (the timeline of ``plan.policy``, with two tiers):
+
+* keep: no time; the bytes stay in GPU memory until the layer's backward.
+* host: the bytes cross the host link (GPU -> host) in forward, queued behind earlier writes,
+  and back (host -> GPU) in backward; they occupy host memory in between.
+* ssd: the same crossing of the host link (the offloader bounces drive IO through pinned host
+  memory), and in series the drive's write, later its read. A drive does one thing at a time:
+  its writes and reads share its time.
+* recompute: one extra forward of the layer in backward; its input stays in GPU memory.
+* host and ssd also cost the training thread ``cpu_s_per_byte`` per byte handed over.
+
+Reads start with the micro-batch's backward, in reverse layer order, each no earlier than its
+write completed; a read that completes after its layer's backward is due stalls for the
+difference (the runtime bounds its read-ahead by the budget's reserve; here it is unbounded).
+
+Micro-batches overlap in a pipeline, so each position's own timeline sees the whole bandwidth;
+what they share is checked for the whole iteration: every resource (each direction of the host
+link, the drives) must carry its bytes within the iteration. The iteration time is the larger
+of the compute with each position's stalls and the busiest resource's time, so a plan that
+needs more bandwidth than a tier has never reports 0 stall.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .policy import KEEP, OFFLOAD, RECOMPUTE, LayerMeasurement
+
+HOST = "host"
+SSD = "ssd"
+PLACES = (KEEP, HOST, SSD, RECOMPUTE)
+"""The four places, nearest first."""
+
+BINDING = ("GPU memory", "host memory", "the host link", "the drives")
+"""What ``TierPlan.binding`` may name (or "nothing": the plan costs no time over keep)."""
+
+REL_EPS = 1e-9
+"""Relative slack on time comparisons, so that float rounding never reads as a stall."""
+
+
+def _check_rate(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+            or value < 0:
+        raise ValueError(f"Tiers.{name}={value!r} is invalid: expected bytes/s >= 0 "
+                         "(0: no such tier; math.inf: unlimited)")
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """What one GPU has for activations, and which places the plan may use."""
+
+    budget_bytes: Optional[int]
+    """GPU activation bytes allowed at once, all live micro-batches together; None: no limit
+    (everything is kept: keeping costs no time)."""
+    host_capacity_bytes: int = 0
+    """Host memory for this GPU's activations."""
+    host_link_bps: float = 0.0
+    """Bytes/s between GPU and host memory in each direction; the SSD tier crosses it too."""
+    ssd_write_bps: float = 0.0
+    """Drive write bytes/s this GPU gets."""
+    ssd_read_bps: float = 0.0
+    """Drive read bytes/s this GPU gets."""
+    reserve_bytes: int = 0
+    """Part of the budget left for what is not kept (a layer being saved or read back)."""
+    places: Tuple[str, ...] = PLACES
+    """Places the plan may use (keep always): the engine's tiers, recompute if allowed."""
+    bubble_s: float = 0.0
+    """Time of the iteration outside these layers (the pipeline bubble, the output layer):
+    counted in the iteration, and IO runs during it."""
+    cpu_s_per_byte: float = 0.0
+    """Training-thread seconds per byte handed to the host or SSD tier."""
+    backward_factor: float = 2.0
+    """Backward time of a layer as a multiple of its forward time."""
+    keep_last_layers: int = 1
+    """Where backward follows the forward at once (gap 0), the last N layers stay kept."""
+
+    def __post_init__(self) -> None:
+        for name in ("budget_bytes", "host_capacity_bytes", "reserve_bytes", "keep_last_layers"):
+            value = getattr(self, name)
+            if value is None and name == "budget_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Tiers.{name}={value!r} is invalid: expected an integer >= 0")
+        for name in ("host_link_bps", "ssd_write_bps", "ssd_read_bps"):
+            _check_rate(name, getattr(self, name))
+        for name in ("bubble_s", "cpu_s_per_byte"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"Tiers.{name}={getattr(self, name)!r} is invalid: expected >= 0")
+        if not self.backward_factor > 0:
+            raise ValueError(f"Tiers.backward_factor={self.backward_factor!r} is invalid: "
+                             "expected > 0")
+        unknown = [p for p in self.places if p not in PLACES]
+        if unknown:
+            raise ValueError(f"Tiers.places={self.places!r} is invalid: allowed: "
+                             + ", ".join(PLACES))
+
+    def usable(self) -> Tuple[str, ...]:
+        """The places a layer may leave keep for: allowed, and with a nonzero rate."""
+        ok = []
+        if HOST in self.places and self.host_link_bps > 0 and self.host_capacity_bytes > 0:
+            ok.append(HOST)
+        if SSD in self.places and self.host_link_bps > 0 and self.ssd_write_bps > 0 \
+                and self.ssd_read_bps > 0:
+            ok.append(SSD)
+        if RECOMPUTE in self.places:
+            ok.append(RECOMPUTE)
+        return tuple(ok)
+
+
+@dataclass(frozen=True)
+class PositionCost:
+    """One micro-batch position's timeline under one row of places."""
+
+    stall_s: float
+    recompute_s: float
+    cpu_s: float
+    host_bytes: int
+    ssd_bytes: int
+    kept_bytes: int
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Places per (position, layer) and what the model predicts for one iteration."""
+
+    decisions: Tuple[Tuple[str, ...], ...]
+    """decisions[position][layer]: 'keep', 'host', 'ssd' or 'recompute', forward order."""
+    compute_s: float
+    """Forward and backward of every micro-batch, plus the bubble: the iteration keeping all."""
+    recompute_s: float
+    """Extra forward time of recomputed layers, all positions."""
+    cpu_s: float
+    """Training-thread time handing bytes to the tiers, all positions."""
+    stall_s: float
+    """Time the iteration waits on the host link or the drives (0 only when every resource
+    carries its bytes in time)."""
+    iteration_s: float
+    """compute + recompute + cpu + stall: the modeled time of one iteration."""
+    tier_bytes: Dict[str, int]
+    """Bytes per iteration in each place (keep: resident, recomputed layers' inputs included;
+    recompute: what recomputation re-creates)."""
+    link_bytes: int
+    """Bytes per iteration over the host link in each direction (host and SSD tiers)."""
+    ssd_bytes: int
+    """Bytes per iteration written to the drives (and read back)."""
+    peak_bytes: int
+    """GPU activation bytes at the worst moment: the most any position's live micro-batches
+    keep, plus the reserve when any layer leaves keep."""
+    host_peak_bytes: int
+    """Host memory at the worst moment, likewise."""
+    binding: str
+    """What limits the plan: one of :data:`BINDING`, or "nothing"."""
+    fits_budget: bool
+    """False when even moving every movable layer leaves a position above its GPU share, or
+    the reserve alone is over the budget."""
+    tiers: Tiers = field(repr=False)
+    """What the plan was made for (rates, capacities, allowed places)."""
+
+    def layers(self, place: str, position: int = 0) -> List[int]:
+        return [i for i, d in enumerate(self.decisions[position]) if d == place]
+
+    def bytes_per_micro_batch(self) -> Dict[str, int]:
+        """tier_bytes averaged over the positions (exact when they are all alike)."""
+        n = len(self.decisions)
+        return {k: v // n for k, v in self.tier_bytes.items()}
+
+    @property
+    def work_s(self) -> float:
+        """The iteration without stalls."""
+        return self.compute_s + self.recompute_s + self.cpu_s
+
+    def bandwidth_bps(self) -> Dict[str, Dict[str, float]]:
+        """Per tier: ``used`` (bytes/s flowing over the iteration), ``needed`` (to carry the
+        bytes without stalling) and ``available``. The host link counts each direction; the
+        drives carry each byte once each way, so their ``available`` is the rate of each way
+        when writes and reads share their time: 1 / (1/write + 1/read)."""
+        t = self.tiers
+        drive = 1 / (1 / t.ssd_write_bps + 1 / t.ssd_read_bps) if t.ssd_write_bps > 0 \
+            and t.ssd_read_bps > 0 else 0.0
+        out = {}
+        for name, moved, available in ((HOST, self.link_bytes, t.host_link_bps),
+                                       (SSD, self.ssd_bytes, drive)):
+            out[name] = {"used": moved / self.iteration_s if self.iteration_s else 0.0,
+                         "needed": moved / self.work_s if self.work_s else 0.0,
+                         "available": available}
+        out[SSD].update(write_available=t.ssd_write_bps, read_available=t.ssd_read_bps)
+        return out
+
+    def as_offload_decisions(self) -> Tuple[Tuple[str, ...], ...]:
+        """The plan in the runtime's older words: host and ssd become 'offload' (the engine's
+        default tier)."""
+        return tuple(tuple(OFFLOAD if d in (HOST, SSD) else d for d in row) for row in self.decisions)
+
+
+def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: float,
+             tiers: Tiers) -> PositionCost:
+    """One micro-batch under ``row``: its forward (writes queued on the host link, SSD writes
+    also on the drive), ``gap_s`` of other work, its backward (reads in reverse order)."""
+    link, w, r = tiers.host_link_bps, tiers.ssd_write_bps, tiers.ssd_read_bps
+    clock = cpu = 0.0
+    d2h_free = drive_free = 0.0
+    done: Dict[int, float] = {}
+    host = ssd = kept = 0
+    for i, layer in enumerate(layers):
+        clock += layer.forward_s
+        place, size = row[i], layer.activation_bytes
+        if place in (HOST, SSD):
+            hand = size * tiers.cpu_s_per_byte
+            clock += hand
+            cpu += hand
+            start = max(clock, d2h_free)
+            d2h_free = start + size / link
+            if place == HOST:
+                done[i] = d2h_free
+                host += size
+            else:
+                drive_start = max(start, drive_free)
+                drive_free = max(drive_start + size / w, d2h_free)
+                done[i] = drive_free
+                ssd += size
+        elif place == KEEP:
+            kept += size
+        else:
+            kept += layer.checkpoint_bytes
+    clock += gap_s
+    backward = h2d_free = clock
+    stall = recompute = 0.0
+    for i in reversed(range(len(layers))):
+        layer, place, size = layers[i], row[i], layers[i].activation_bytes
+        if place == HOST:
+            h2d_free = max(backward, h2d_free, done[i]) + size / link
+            arrival = h2d_free
+        elif place == SSD:
+            drive_start = max(backward, drive_free, done[i])
+            drive_free = drive_start + size / r
+            h2d_free = max(max(drive_start, h2d_free) + size / link, drive_free)
+            arrival = h2d_free
+        else:
+            arrival = 0.0
+        if arrival > clock:
+            stall += arrival - clock
+            clock = arrival
+        if place == RECOMPUTE:
+            recompute += layer.recompute_cost_s
+            clock += layer.recompute_cost_s
+        clock += tiers.backward_factor * layer.forward_s
+    return PositionCost(stall, recompute, cpu, host, ssd, kept)
+
+

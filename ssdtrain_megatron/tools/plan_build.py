@@ -1,0 +1,187 @@
+"""``ssdtrain plan``'s result: the preset on a node, planned across keep, host, SSD and recompute
+(plan/stage.py, plan/tiers.py), as the JSON-ready dict ``plan --json`` prints.
+
+What the preset's offload: section says is what is planned: ``policy`` (keep: nothing leaves
+GPU memory; offload: every layer but the last keep_last_layers leaves it; adaptive: as much
+leaves as the activation budget needs), ``engine`` (posix, aio, gds: the drives; memory: host
+memory; tiered: both) and ``recompute_fallback`` (recompute is a place). Flags override each.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, Optional, Tuple
+
+from ..plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
+from ..plan.model import (head_activation_terms, largest_micro_batch, layer_activation_bytes,
+                          layer_activation_terms, peak_activation_bytes)
+from ..plan.node import NodeProfile, load_profile
+from ..plan.shape import ModelShape, SaveProfile
+from ..plan.stage import Stage, full_recompute_fits, plan_stage, stage
+from ..plan.tiers import HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan
+from .plan_budget import activation_budget
+
+DEFAULT_NODE = "dgx-h100"
+"""The node planned for when neither --node nor the preset's node: section names one."""
+
+ENGINE_TIERS = {"posix": (SSD,), "aio": (SSD,), "gds": (SSD,), "memory": (HOST,),
+                "tiered": (HOST, SSD)}
+"""Where each IO engine puts what leaves GPU memory."""
+
+ITERATION_LABEL = ("per iteration: every micro-batch's forward and backward on one GPU of the "
+                   "first pipeline stage, with the pipeline bubble")
+
+
+def node_for(args: argparse.Namespace, preset_node: Optional[NodeProfile]) -> Tuple[NodeProfile, str]:
+    """The node planned for, and where it comes from: --node, else the preset's node:
+    section, else :data:`DEFAULT_NODE`; then each figure a flag gives replaces the node's."""
+    if getattr(args, "node", None) is not None:
+        node, source = load_profile(args.node), "--node"
+    elif preset_node is not None:
+        node, source = preset_node, "the preset's node: section"
+    else:
+        node, source = load_profile(DEFAULT_NODE), "the default; --node picks another"
+    changes: Dict[str, Any] = {}
+    for flag, name in (("gpu_tflops", "gpu_tflops"), ("gpu_memory", "gpu_memory_bytes"),
+                       ("host_memory", "host_memory_bytes"), ("host_link_gbps", "host_link_gbps"),
+                       ("gpus_per_node", "gpus_per_node"), ("drives", "drives"),
+                       ("ssd_tbw", "drive_tbw_tb")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            changes[name] = value
+    if changes.get("drives") == 0:
+        changes.update(drive_write_gbps=0.0, drive_read_gbps=0.0, drive_tbw_tb=0.0)
+    node = node.replace(**changes) if changes else node
+    gbps = getattr(args, "ssd_gbps", None)
+    if gbps is not None:  # per GPU, each way: the node's drives together give gpus x that
+        per_drive = gbps * node.gpus_per_node / max(node.drives, 1)
+        node = node.replace(drives=max(node.drives, 1), drive_write_gbps=per_drive,
+                            drive_read_gbps=per_drive,
+                            drive_tbw_tb=node.drive_tbw_tb or load_profile(DEFAULT_NODE).drive_tbw_tb)
+    if changes or gbps is not None:
+        source += ", with flags"
+    return node, source
+
+
+def places_for(engine: str, recompute: bool) -> Tuple[str, ...]:
+    return (KEEP,) + ENGINE_TIERS[engine] + ((RECOMPUTE,) if recompute else ())
+
+
+def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ...],
+                budget: int, keep_last_layers: int) -> TierPlan:
+    """The plan ``policy`` makes: keep (nothing moves), offload (every layer but the last
+    keep_last_layers leaves GPU memory, for the engine's tiers), adaptive (within ``budget``)."""
+    if policy == "keep":
+        return plan_stage(st, node, budget_bytes=None, places=places)
+    if policy == "offload":
+        tail = keep_last_layers if st.positions[0].gap_s == 0 else 0
+        kept = min(tail, len(st.layers)) * st.layer_bytes
+        budget = st.positions[0].live * kept + st.layer_bytes + st.head_bytes
+        places = tuple(p for p in places if p != RECOMPUTE)
+    return plan_stage(st, node, budget_bytes=budget, places=places,
+                      keep_last_layers=keep_last_layers)
+
+
+def lifespan(plan: TierPlan, node: NodeProfile) -> Optional[Dict[str, float]]:
+    """The node's drives at this plan's write rate (every GPU of the node writing as this one):
+    the rated figure, then the paper's relaxed estimate. None when nothing is written."""
+    if plan.ssd_bytes == 0 or node.drives == 0:
+        return None
+    per_node_gbps = plan.ssd_bytes / plan.iteration_s * node.gpus_per_node / 1e9
+    life = ssd_lifespan(node.drives, node.drive_tbw_tb, per_node_gbps, 1.0)
+    return {"rated_years": life.rated_lifespan_years, "paper_relaxed_years": life.lifespan_years,
+            "bytes_per_day_per_node": life.bytes_per_day, "write_gbps_per_node": per_node_gbps,
+            "paper_factors": f"WAF correction {WAF_RATED:g}/{WAF:g} x retention factor "
+                             f"{RETENTION_FACTOR:g} (the paper's estimates, not a rating)"}
+
+
+def tier_summary(plan: TierPlan, st: Stage, budget: int) -> Dict[str, Any]:
+    """The names a script reads (issue 35): per-tier bytes per micro-batch, bandwidth used,
+    needed and available, the iteration against keep and full recompute, peaks and binding.
+    ``fits_budget``: the peak (head bytes included) within ``budget``, whatever the policy."""
+    peak = plan.peak_bytes + st.head_bytes
+    bw = {tier: {k: v / 1e9 for k, v in figures.items()}
+          for tier, figures in plan.bandwidth_bps().items()}
+    return {
+        "tiers": plan.bytes_per_micro_batch(),
+        "bandwidth_gbps": bw,
+        "stall_s": plan.stall_s,
+        "iteration_s": plan.iteration_s,
+        "iteration_label": ITERATION_LABEL,
+        "compute_s": plan.compute_s,
+        "recompute_s": plan.recompute_s,
+        "keep_iteration_s": st.keep_iteration_s,
+        "recompute_iteration_s": st.recompute_iteration_s,
+        "vs_keep": plan.iteration_s / st.keep_iteration_s,
+        "vs_recompute": plan.iteration_s / st.recompute_iteration_s,
+        "peak_bytes": peak,
+        "host_peak_bytes": plan.host_peak_bytes,
+        "binding": plan.binding,
+        "fits_budget": plan.fits_budget and peak <= budget,
+    }
+
+
+def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
+               node: NodeProfile, node_source: str = "",
+               profile: SaveProfile = SaveProfile.paper()) -> Dict[str, Any]:
+    """The whole plan as a JSON-ready dict (what ``ssdtrain plan --json`` prints)."""
+    m = args.num_micro_batches
+    policy = getattr(args, "policy", None) or offload.policy
+    engine = getattr(args, "engine", None) or offload.engine
+    recompute = offload.recompute_fallback if getattr(args, "recompute_fallback", None) is None \
+        else args.recompute_fallback
+    places = places_for(engine, recompute)
+    keep_last = offload.keep_last_layers
+    memory = activation_budget(shape, node.gpu_memory_bytes, getattr(args, "activation_budget", None),
+                               offload.activation_budget_bytes)
+    budget = memory["activation_budget_bytes"]
+    st = stage(shape, profile, node, m)
+    plan = plan_policy(st, node, policy, places, budget, keep_last)
+    every = plan_stage(st, node, budget_bytes=budget, places=PLACES, keep_last_layers=keep_last)
+
+    def fits(mode: str):
+        def check(b: int) -> bool:
+            sized = shape.replace(micro_batch=b)
+            if mode == "planned":
+                sized_stage = stage(sized, profile, node, m)
+                return tier_summary(plan_policy(sized_stage, node, policy, places, budget,
+                                                keep_last), sized_stage, budget)["fits_budget"]
+            if mode == "recompute":
+                return full_recompute_fits(stage(sized, profile, node, m), budget)
+            return peak_activation_bytes(sized, "keep", profile) <= budget
+        return check
+
+    layer_bytes = layer_activation_bytes(shape, profile)
+    summary = tier_summary(plan, st, budget)
+    life = lifespan(plan, node)
+    return {
+        "config": args.config,
+        "node": {**node.to_dict(), "ssd_write_gbps": node.ssd_write_gbps,
+                 "ssd_read_gbps": node.ssd_read_gbps},
+        "node_source": node_source,
+        "policy": policy, "engine": engine, "places": list(places),
+        "model": {name: getattr(shape, name) for name in shape.__dataclass_fields__},
+        "layers_per_stage": shape.layers_per_stage,
+        "keep_last_layers": keep_last,
+        "num_micro_batches": m,
+        # Numbered from 1 within the stage, as Megatron numbers layers.
+        "layers": [{"layer": i, "bytes": layer_bytes, "decision": d}
+                   for i, d in enumerate(plan.decisions[0], start=1)],
+        "decisions_per_position": [list(row) for row in plan.decisions],
+        "terms_per_layer": layer_activation_terms(shape, profile),
+        "activation_bytes_per_layer": layer_bytes,
+        "activation_bytes_per_micro_batch": layer_bytes * shape.layers_per_stage
+        + sum(head_activation_terms(shape, profile).values()),
+        **summary,
+        "budget_bytes": budget,
+        "host_capacity_bytes": node.host_memory_bytes,
+        "lifespan_rated_years": life["rated_years"] if life else None,
+        "lifespan": life,
+        "tp_comm_s_per_layer": st.tp_comm_s,
+        "gpu_tflops": node.gpu_tflops,
+        "step_time_s": plan.iteration_s,  # older name of iteration_s
+        "every_place": {"places": list(PLACES), **tier_summary(every, st, budget)},
+        "memory": memory,
+        "largest_micro_batch": {mode: largest_micro_batch(fits(mode))
+                                for mode in ("keep", "planned", "recompute")},
+    }

@@ -1,0 +1,81 @@
+"""``ssdtrain plan --search``: the preset's model on its GPU count and global batch, every
+layout planned on the node without and with offload (plan/search.py), fastest first."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Dict, List, Optional
+
+from ..plan.node import NodeProfile
+from ..plan.search import Layout, search
+from ..plan.shape import ModelShape
+from .plan_build import lifespan, tier_summary
+
+MODEL_LABEL = ("the model's figures (docs/models.md, \"The model's terms\"), not measurements: "
+               "no GPU has measured them yet")
+
+
+def layout_dict(x: Layout, node: NodeProfile) -> Dict[str, Any]:
+    """One ranked layout as JSON: its shape, tokens/s per GPU and the plan's names."""
+    s = x.shape
+    life = lifespan(x.plan, node)
+    return {"tp": s.tp, "pp": s.pp, "cp": s.cp, "dp": s.dp, "ep": s.ep,
+            "micro_batch": s.micro_batch, "num_micro_batches": x.num_micro_batches,
+            "recompute": s.recompute, "offloads": x.offloads,
+            "tokens_per_s_per_gpu": x.tokens_per_s_per_gpu,
+            **tier_summary(x.plan, x.stage, x.budget_bytes), "budget_bytes": x.budget_bytes,
+            "host_capacity_bytes": node.host_memory_bytes,
+            "lifespan_rated_years": life["rated_years"] if life else None}
+
+
+def search_result(shape: ModelShape, num_micro_batches: int, node: NodeProfile,
+                  keep_last_layers: int = 1, top: Optional[int] = None) -> Dict[str, Any]:
+    """Both rankings for ``shape`` (its dp x tp x pp x cp GPUs, dp x micro-batch x
+    ``num_micro_batches`` sequences per iteration) on ``node``; the best of each and the gain."""
+    gpus = shape.dp * shape.tp * shape.pp * shape.cp
+    global_batch = shape.dp * shape.micro_batch * num_micro_batches
+    without, with_ = search(shape, gpus, global_batch, node, keep_last_layers=keep_last_layers)
+    best_without = without[0] if without else None
+    best_with = with_[0] if with_ else None
+    gain = (best_with.tokens_per_s_per_gpu / best_without.tokens_per_s_per_gpu
+            if best_with and best_without else None)
+    return {"node": node.name, "gpus": gpus, "global_batch": global_batch,
+            "seq_len": shape.seq_len, "label": MODEL_LABEL,
+            "without_offload": [layout_dict(x, node) for x in without[:top]],
+            "with_offload": [layout_dict(x, node) for x in with_[:top]],
+            "gain": gain}
+
+
+def _line(d: Dict[str, Any]) -> str:
+    bw = d["bandwidth_gbps"]
+    needs = (f"host {d['tiers']['host'] / 1e9:.1f} GB, drives {d['tiers']['ssd'] / 1e9:.1f} GB per "
+             f"micro-batch; link {bw['host']['needed']:.1f}, drives {bw['ssd']['needed']:.1f} GB/s"
+             if d["offloads"] else "no offload")
+    return (f"  TP{d['tp']} PP{d['pp']}" + (f" CP{d['cp']}" if d["cp"] > 1 else "")
+            + f" DP{d['dp']} b={d['micro_batch']} m={d['num_micro_batches']} "
+            f"recompute={d['recompute']}: {d['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+            f"{d['iteration_s']:.3f} s per iteration, peak {d['peak_bytes'] / 1e9:.1f} of "
+            f"{d['budget_bytes'] / 1e9:.1f} GB, binding {d['binding']}; {needs}")
+
+
+def run_search(shape: ModelShape, offload: Any, args: argparse.Namespace, node: NodeProfile,
+               source: str) -> int:
+    result = search_result(shape, args.num_micro_batches, node, offload.keep_last_layers,
+                           top=args.top)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"layouts for {args.config} on {result['gpus']} GPUs of {node.name} ({source}), "
+          f"{result['global_batch']} sequences of {shape.seq_len} tokens per iteration; "
+          f"{MODEL_LABEL}")
+    for title, key in (("without offload (keep, recompute)", "without_offload"),
+                       ("with offload (keep, host, SSD, recompute)", "with_offload")):
+        rows: List[Dict[str, Any]] = result[key]
+        print(title + ("" if rows else ": none fits"))
+        for d in rows:
+            print(_line(d))
+    if result["gain"] is not None:
+        print(f"modeled gain of the best with offload over the best without: "
+              f"x{result['gain']:.3f} tokens/s per GPU")
+    return 0

@@ -1,0 +1,73 @@
+"""Every preset on every built-in node profile (issue 35): with no stall, no tier carries more
+than the node gives it; host memory holds no more than it has; the peak stays in the budget;
+and a plan that needs more bandwidth than a tier has never reports 0 stall. The real presets,
+profiles and planner, through ``ssdtrain plan --json``; pure Python, no GPU needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ssdtrain_megatron.plan.node import BUILTIN
+from ssdtrain_megatron.tools.cli import main
+
+PRESETS = ("gpt3-1.3b", "llama2-7b", "llama2-13b", "llama3-8b", "llama3-70b", "mixtral-8x7b",
+           "qwen3-30b-a3b", "llama3-8b-128k")
+EPS = 1e-9
+
+
+def _plan(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _check(out, label):
+    bw = out["bandwidth_gbps"]
+    for tier in ("host", "ssd"):
+        needed, available = bw[tier]["needed"], bw[tier]["available"]
+        assert bw[tier]["used"] <= available * (1 + EPS), (label, tier, bw[tier])
+        if out["stall_s"] == 0:
+            assert needed <= available * (1 + EPS), (label, tier, bw[tier])
+        if needed > available * (1 + EPS):
+            assert out["stall_s"] > 0, (label, tier, bw[tier])
+    assert out["host_peak_bytes"] <= out["host_capacity_bytes"], label
+    if out["fits_budget"]:
+        assert out["peak_bytes"] <= out["budget_bytes"], label
+    else:
+        assert out["binding"] == "GPU memory", label
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_on_every_node_stays_within_its_tiers(capsys, preset):
+    """At the preset's micro-batch and at four times it (where offload has to carry bytes),
+    with the preset's own policy and with every place allowed. Broken variant (the iteration
+    not held to the drives' time, plan/tiers.py ``_Step.iteration`` without ``*self.busy``):
+    "AssertionError: ('llama3-8b on a100-80g, preset', 'ssd', {'used': 2.839..., 'needed':
+    10.077..., 'available': 2.384...})": used above what the drives have, the stall too small."""
+    for node in BUILTIN:
+        for extra, kind in (((), "preset"),
+                            (("--policy", "adaptive", "--engine", "tiered", "--recompute-fallback",
+                              "--micro-batch-size", "4"), "all places, b=4")):
+            out = _plan(capsys, "--config", preset, "--node", node, "--num-microbatches", "8",
+                        *extra)
+            _check(out, f"{preset} on {node}, {kind}")
+            if kind != "preset":
+                every = out["tiers"]
+                assert sum(every.values()) == out["activation_bytes_per_layer"] * \
+                    out["layers_per_stage"]
+
+
+def test_a_drive_slower_than_the_plan_needs_stalls_the_iteration(capsys):
+    """The issue's case: Llama-3 70B offloading 6 GB/s worth of layers to a 6 GB/s drive
+    predicted 0 stall. Offload everything to drives a tenth as fast as that needs: the stall is
+    the difference, and the drives bind."""
+    full = _plan(capsys, "--config", "llama3-70b", "--num-microbatches", "8", "--policy", "offload",
+                 "--ssd-gbps", "1000")
+    needed = full["bandwidth_gbps"]["ssd"]["needed"]
+    slow = _plan(capsys, "--config", "llama3-70b", "--num-microbatches", "8", "--policy", "offload",
+                 "--ssd-gbps", f"{needed / 5:.6f}")  # write and read share: a tenth each way
+    assert slow["stall_s"] > 0 and slow["binding"] == "the drives"
+    assert slow["iteration_s"] == pytest.approx(10 * slow["compute_s"], rel=1e-4)
+    assert slow["bandwidth_gbps"]["ssd"]["used"] == pytest.approx(
+        slow["bandwidth_gbps"]["ssd"]["available"], rel=1e-6)

@@ -1,0 +1,99 @@
+"""`ssdtrain plan` on a node (issue 35): the preset's policy and engine choose the places,
+the iteration is every micro-batch, a slow drive stalls or is replaced by recompute, the
+lifespan is rated first, and --json has the names a script reads. The tiny preset of
+tests/test_plan_model.py at 1 GFLOP/s, on the real parser and planner."""
+
+import pytest
+
+from ssdtrain_megatron.plan.lifespan import ssd_lifespan
+from tests.test_plan_model import LAYER_BYTES, PRESET, STEP_FLOPS, main, plan_json
+
+
+@pytest.fixture
+def preset(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(PRESET)
+    return str(path)
+
+
+def test_plan_offload_policy_sends_all_but_the_last_layer_to_the_engines_tier(capsys, preset):
+    """The tiny preset: policy offload, engine posix. Every layer but the last goes to the
+    drives; at 1 GFLOP/s a DGX H100's drive hides it, so the iteration is keep's."""
+    out = plan_json(capsys, preset, "--memory-budget-gb", "0.01", "--num-microbatches", "8",
+                    "--node", "dgx-h100")
+    assert (out["policy"], out["engine"], out["places"]) == ("offload", "posix", ["keep", "ssd"])
+    assert [row["decision"] for row in out["layers"]] == ["ssd"] * 3 + ["keep"]
+    assert [row["bytes"] for row in out["layers"]] == [LAYER_BYTES] * 4
+    assert out["tiers"] == {"keep": LAYER_BYTES, "host": 0, "ssd": 3 * LAYER_BYTES, "recompute": 0}
+    step = 8 * STEP_FLOPS / (0.001 * 1e12)
+    assert out["iteration_s"] == pytest.approx(step) and out["stall_s"] == 0
+    assert out["vs_keep"] == pytest.approx(1.0) and out["vs_recompute"] < 1
+    assert out["peak_bytes"] == 2 * LAYER_BYTES + out["activation_bytes_per_micro_batch"] \
+        - 4 * LAYER_BYTES  # one kept, one in transit, and the head
+    # 1e7 bytes: keep 4 layers (27 x 4 x 90112 fits), this plan 2 layers' worth,
+    # recompute 4 layer inputs (2sbh = 4096 per sample) plus one full layer.
+    assert out["largest_micro_batch"] == {"keep": 27, "planned": 55, "recompute": 93}
+
+
+def test_the_engine_and_policy_of_the_preset_or_the_flags_choose_the_places(capsys, preset):
+    host = plan_json(capsys, preset, "--engine", "memory")
+    assert [row["decision"] for row in host["layers"]] == ["host"] * 3 + ["keep"]
+    keep = plan_json(capsys, preset, "--policy", "keep")
+    assert [row["decision"] for row in keep["layers"]] == ["keep"] * 4
+    assert keep["tiers"]["keep"] == 4 * LAYER_BYTES and keep["binding"] == "nothing"
+    with open(preset, "a") as fh:
+        fh.write("  policy: keep\n")
+    assert plan_json(capsys, preset)["policy"] == "keep"  # the preset's policy is respected
+
+
+def test_adaptive_on_a_slow_drive_recomputes_or_predicts_the_stall(capsys, preset):
+    slow = ("--policy", "adaptive", "--ssd-gbps", "0.0001", "--memory-budget-gb", "0.0004")
+    out = plan_json(capsys, preset, *slow, "--recompute-fallback")
+    assert [row["decision"] for row in out["layers"]] == ["recompute"] * 3 + ["keep"]
+    assert out["tiers"]["keep"] == LAYER_BYTES + 3 * 2 * 32 * 2 * 64
+    assert out["stall_s"] == 0 and out["recompute_s"] > 0
+    stalls = plan_json(capsys, preset, *slow, "--no-recompute-fallback")
+    assert stalls["tiers"]["ssd"] > 0 and stalls["stall_s"] > 0
+    assert stalls["binding"] == "the drives"
+    assert stalls["bandwidth_gbps"]["ssd"]["needed"] > stalls["bandwidth_gbps"]["ssd"]["available"]
+
+
+def test_the_iteration_is_every_micro_batch_and_the_lifespan_rated_first(capsys, preset):
+    one = plan_json(capsys, preset, "--ssd-tbw", "600", "--drives", "4", "--gpus-per-node", "1")
+    eight = plan_json(capsys, preset, "--ssd-tbw", "600", "--drives", "4", "--gpus-per-node", "1",
+                      "--num-microbatches", "8")
+    assert eight["iteration_s"] == pytest.approx(8 * one["iteration_s"])
+    assert "per iteration" in eight["iteration_label"]
+    rate = 8 * 3 * LAYER_BYTES / eight["iteration_s"] / 1e9  # one GPU per node, GB/s
+    life = ssd_lifespan(4, 600.0, rate, 1.0)
+    assert eight["lifespan_rated_years"] == pytest.approx(life.rated_lifespan_years)
+    assert eight["lifespan"]["paper_relaxed_years"] == pytest.approx(life.lifespan_years)
+
+
+def test_plan_json_has_the_names_a_script_reads(capsys, preset):
+    out = plan_json(capsys, preset)
+    for name in ("tiers", "bandwidth_gbps", "stall_s", "iteration_s", "vs_keep", "vs_recompute",
+                 "peak_bytes", "budget_bytes", "host_capacity_bytes", "binding",
+                 "lifespan_rated_years"):
+        assert name in out, name
+    assert set(out["tiers"]) == {"keep", "host", "ssd", "recompute"}
+    for tier in ("host", "ssd"):
+        assert {"used", "available"} <= set(out["bandwidth_gbps"][tier])
+
+
+def test_plan_prints_a_table(capsys, preset):
+    assert main(["plan", "--config", preset, "--gpu-tflops", "0.001",
+                 "--memory-budget-gb", "0.01", "--ssd-tbw", "600"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3:8] == [
+        "layer               bytes  place   (layers numbered from 1, as Megatron does)",
+        "    1             180,224  ssd",
+        "    2             180,224  ssd",
+        "    3             180,224  ssd",
+        "    4             180,224  keep",
+    ]
+    assert lines[1].startswith("node dgx-h100: 8 GPUs of 80 GB at 0.001 TFLOP/s")
+    assert "largest micro-batch in 0.01 GB keep 27, this plan 55, full recompute 93" in lines
+    text = "\n".join(lines)
+    assert text.index("SSD lifespan (rated TBW)") < text.index("SSD lifespan (paper, relaxed)")
+    assert "per iteration" in text and "binding" in text

@@ -1,0 +1,146 @@
+"""The four-place planner (plan/tiers.py) on synthetic layers: pure decisions, pinned.
+
+Four layers of 1 s forward and 100 bytes each (their input, kept when recomputed: 10 bytes);
+backward takes 2 s per layer, so one micro-batch computes for 12 s.
+"""
+
+import math
+
+import pytest
+
+from ssdtrain_megatron.plan.policy import OFFLOAD, LayerMeasurement
+from ssdtrain_megatron.plan.step_plan import Position
+from ssdtrain_megatron.plan.tiers import (HOST, KEEP, RECOMPUTE, SSD, Tiers, plan_tiers,
+                                          timeline)
+
+LAYERS = [LayerMeasurement(forward_s=1.0, activation_bytes=100, checkpoint_bytes=10)
+          for _ in range(4)]
+FAST = 1e6  # bytes/s: any round trip hides behind one layer
+ONE = [Position()]
+
+
+def tiers(**changes):
+    base = dict(budget_bytes=200, host_capacity_bytes=1000, host_link_bps=FAST,
+                ssd_write_bps=FAST, ssd_read_bps=FAST)
+    base.update(changes)
+    return Tiers(**base)
+
+
+def test_no_budget_keeps_everything():
+    plan = plan_tiers(LAYERS, [Position(), Position(gap_s=3.0, live=2)], tiers(budget_bytes=None))
+    assert plan.decisions == ((KEEP,) * 4,) * 2
+    assert plan.stall_s == 0 and plan.iteration_s == plan.compute_s == 24.0
+    assert plan.binding == "nothing"
+
+
+def test_host_takes_the_last_movable_layers_and_the_drives_the_first_once_host_is_full():
+    roomy = plan_tiers(LAYERS, ONE, tiers())
+    assert roomy.decisions == ((KEEP, HOST, HOST, KEEP),)
+    full = plan_tiers(LAYERS, ONE, tiers(host_capacity_bytes=100))
+    assert full.decisions == ((SSD, KEEP, HOST, KEEP),)
+    assert full.tier_bytes == {KEEP: 200, HOST: 100, SSD: 100, RECOMPUTE: 0}
+    assert full.peak_bytes == 200 and full.host_peak_bytes == 100
+    assert full.stall_s == 0 and full.iteration_s == 12.0
+
+
+def test_a_slow_drive_with_full_host_memory_recomputes_and_host_memory_binds():
+    plan = plan_tiers(LAYERS, ONE, tiers(host_capacity_bytes=100, ssd_write_bps=10,
+                                         ssd_read_bps=10))
+    assert plan.decisions == ((RECOMPUTE, RECOMPUTE, HOST, KEEP),)
+    assert plan.recompute_s == 2.0 and plan.stall_s == 0 and plan.iteration_s == 14.0
+    assert plan.tier_bytes[RECOMPUTE] == 180 and plan.tier_bytes[KEEP] == 120
+    assert plan.binding == "host memory"
+
+
+def test_without_recompute_the_slow_drive_stalls_and_binds():
+    plan = plan_tiers(LAYERS, ONE, tiers(host_capacity_bytes=100, ssd_write_bps=10,
+                                         ssd_read_bps=10, places=(KEEP, HOST, SSD)))
+    assert plan.decisions == ((SSD, KEEP, HOST, KEEP),)
+    assert plan.stall_s > 0 and plan.iteration_s == plan.work_s + plan.stall_s
+    assert plan.binding == "the drives"
+
+
+def test_micro_batches_share_the_drives_so_the_iteration_pays_for_their_bytes():
+    """Eight micro-batches, each with a long gap before its backward: each one's own timeline
+    hides its writes and reads, but together they need more of the drives than the iteration
+    lasts. The iteration is the drives' time, the stall is not 0, and the bandwidth needed is
+    above what the drives have; with drives twice as fast, no stall. (Each micro-batch writes
+    300 bytes at 40 B/s and reads them at 60 B/s: 12.5 s of the drives' time per 12 s of
+    compute, 100 s for the 96 s iteration.)"""
+    positions = [Position(gap_s=100.0, live=1)] * 8
+    slow = plan_tiers(LAYERS, positions, tiers(budget_bytes=100, host_capacity_bytes=0,
+                                               ssd_write_bps=40.0, ssd_read_bps=60.0))
+    assert all(timeline(LAYERS, row, 100.0, slow.tiers).stall_s == 0 for row in slow.decisions)
+    assert slow.ssd_bytes == 8 * 300 and slow.work_s == 96.0
+    assert slow.iteration_s == pytest.approx(100.0) and slow.stall_s == pytest.approx(4.0)
+    bw = slow.bandwidth_bps()[SSD]
+    assert bw["needed"] > bw["available"] and bw["used"] == pytest.approx(bw["available"])
+    assert slow.binding == "the drives"
+    fast = plan_tiers(LAYERS, positions, tiers(budget_bytes=100, host_capacity_bytes=0,
+                                               ssd_write_bps=80.0, ssd_read_bps=120.0))
+    assert fast.stall_s == 0 and fast.bandwidth_bps()[SSD]["needed"] <= \
+        fast.bandwidth_bps()[SSD]["available"]
+
+
+def test_the_drives_bytes_also_cross_the_host_link():
+    """No host memory: the drives take the bytes, and the host link they bounce over, the
+    slower of the two, is what the iteration waits on."""
+    positions = [Position(gap_s=100.0)] * 8
+    plan = plan_tiers(LAYERS, positions, tiers(budget_bytes=100, host_capacity_bytes=0,
+                                               host_link_bps=20.0, places=(KEEP, HOST, SSD)))
+    assert plan.link_bytes == plan.ssd_bytes == 8 * 300
+    assert plan.iteration_s >= 8 * 300 / 20.0 and plan.stall_s > 0
+    assert plan.binding == "the host link"
+
+
+def test_live_micro_batches_share_host_memory_and_the_gpu_budget():
+    two = [Position(gap_s=12.0, live=2)] * 2
+    plan = plan_tiers(LAYERS, two, tiers(budget_bytes=400, host_capacity_bytes=200))
+    assert all(row.count(HOST) == 1 for row in plan.decisions)  # 200 // 2 live
+    assert plan.host_peak_bytes == 200 <= plan.tiers.host_capacity_bytes
+    assert plan.peak_bytes <= 400
+
+
+def test_a_budget_nothing_can_meet_says_gpu_memory_binds():
+    plan = plan_tiers(LAYERS, ONE, tiers(budget_bytes=50))
+    assert not plan.fits_budget and plan.binding == "GPU memory"
+    assert plan.decisions[0][-1] == KEEP  # the last layer's backward follows at once
+
+
+def test_places_follow_the_engine_and_recompute_setting():
+    host_only = plan_tiers(LAYERS, ONE, tiers(places=(KEEP, HOST)))
+    assert set(host_only.decisions[0]) <= {KEEP, HOST}
+    ssd_only = plan_tiers(LAYERS, ONE, tiers(places=(KEEP, SSD)))
+    assert set(ssd_only.decisions[0]) == {KEEP, SSD}
+    assert ssd_only.as_offload_decisions() == ((OFFLOAD, OFFLOAD, KEEP, KEEP),)
+    none = plan_tiers(LAYERS, ONE, tiers(places=(KEEP,)))
+    assert none.decisions == ((KEEP,) * 4,) and not none.fits_budget
+
+
+def test_bandwidth_reports_each_tier_against_what_it_has():
+    plan = plan_tiers(LAYERS, ONE, tiers(host_capacity_bytes=100, ssd_write_bps=300.0,
+                                         ssd_read_bps=600.0))
+    bw = plan.bandwidth_bps()
+    assert bw[HOST]["available"] == FAST
+    assert bw[SSD]["available"] == pytest.approx(200.0)  # 1 / (1/300 + 1/600)
+    assert (bw[SSD]["write_available"], bw[SSD]["read_available"]) == (300.0, 600.0)
+    assert bw[HOST]["used"] == pytest.approx(plan.link_bytes / plan.iteration_s)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"host_link_bps": -1.0}, "Tiers.host_link_bps=-1.0 is invalid"),
+    ({"budget_bytes": 1.5}, "Tiers.budget_bytes=1.5 is invalid"),
+    ({"places": ("keep", "nvme")}, "Tiers.places=('keep', 'nvme') is invalid: allowed: keep"),
+    ({"ssd_read_bps": math.nan}, "Tiers.ssd_read_bps=nan is invalid"),
+])
+def test_bad_tiers_are_refused_by_field(changes, message):
+    with pytest.raises(ValueError) as info:
+        tiers(**changes)
+    assert message in str(info.value)
+
+
+def test_empty_layers_or_positions_are_refused():
+    with pytest.raises(ValueError, match="positions is empty"):
+        plan_tiers(LAYERS, [], tiers())
+    with pytest.raises(ValueError, match="live >= 1"):
+        plan_tiers(LAYERS, [Position(live=0)], tiers())
