@@ -13,22 +13,24 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from .affinity import pin_io_thread
 from .base import BusyMeter, IOEngine
 
 
 class ThrottledEngine(IOEngine):
-    def __init__(self, inner: IOEngine, gbps: float) -> None:
+    def __init__(self, inner: IOEngine, gbps: float, cpus: Sequence[int] = ()) -> None:
         self.inner = inner
         self.name = f"{inner.name}@{gbps:g}GB/s"
         self._bps = gbps * 1e9
         self._lock = threading.Lock()
         self._free_at = 0.0
         # One thread completes requests in submission order; finish times are monotonic.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ssdtrain-throttle")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ssdtrain-throttle",
+                                        initializer=pin_io_thread, initargs=(tuple(cpus),))
         self.write_meter = BusyMeter()
         self.read_meter = BusyMeter()
 

@@ -55,7 +55,7 @@ class TieredEngine(IOEngine):
             self.memory.close()
             raise
         if config.bandwidth_cap_gbps is not None:  # a slower drive: the SSD tier only
-            ssd = ThrottledEngine(ssd, config.bandwidth_cap_gbps)
+            ssd = ThrottledEngine(ssd, config.bandwidth_cap_gbps, config.io_cpus)
         self.ssd = ssd
         self.ident = self.ssd.ident
         self.rank_dirs: List[str] = self.ssd.rank_dirs
