@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+import threading
+from typing import List, Sequence, Set
 
 from .base import EngineUnavailable
 
@@ -30,11 +31,30 @@ def check_cpus(cpus: Sequence[int]) -> None:
         return
     if not hasattr(os, "sched_setaffinity"):
         raise EngineUnavailable("io_cpus needs os.sched_setaffinity (Linux); leave io_cpus empty here")
-    allowed = os.sched_getaffinity(0)
+    allowed = allowed_cpus()
     missing = sorted(set(cpus) - allowed)
     if missing:
         raise EngineUnavailable(f"io_cpus {list(cpus)}: CPU(s) {missing} are not among the CPUs this "
                                 f"process may use ({_ranges(sorted(allowed))})")
+
+
+def allowed_cpus() -> Set[int]:
+    """The CPUs a thread of this process may run on (its cpuset), which a thread confined
+    to fewer (the training thread, ``bench --node-emulation``) does not show in its own
+    affinity: a probe thread asks for every CPU and reads back what it got."""
+    got: List[Set[int]] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError:
+            pass
+        got.append(os.sched_getaffinity(0))
+
+    t = threading.Thread(target=probe, name="ssdtrain-cpu-probe", daemon=True)
+    t.start()
+    t.join()
+    return got[0] if got else os.sched_getaffinity(0)
 
 
 def pin_io_thread(cpus: Sequence[int]) -> None:
