@@ -61,7 +61,7 @@ def _median_time(fn: Callable[[], None], repeats: int = REPEATS) -> float:
 # -- drives -----------------------------------------------------------------------------------
 
 
-def measure_drives(roots: List[str], nbytes: int = DRIVE_BYTES) -> Dict[str, Any]:
+def measure_drives(roots: List[str], nbytes: Optional[int] = None) -> Dict[str, Any]:
     """One raw baseline per distinct drive among ``roots`` (usable directories): ``drives``,
     the median ``write_gbps`` and ``read_gbps``, ``tbw_tb`` (assumed, see the module
     docstring), ``direct`` (every drive took O_DIRECT) and ``per_drive`` (root, figures).
@@ -72,6 +72,7 @@ def measure_drives(roots: List[str], nbytes: int = DRIVE_BYTES) -> Dict[str, Any
     from ..io.roots import drive_of
     from .io_measure import raw_baseline
 
+    nbytes = nbytes or DRIVE_BYTES
     if not roots:
         raise RuntimeError("no usable offload root to measure a drive in: give --dir ROOT on the drive "
                            "activations will go to")
@@ -81,7 +82,7 @@ def measure_drives(roots: List[str], nbytes: int = DRIVE_BYTES) -> Dict[str, Any
     per_drive = []
     for root in seen.values():
         free = shutil.disk_usage(root).free
-        size = max(64 << 20, min(nbytes, free // 4))
+        size = max(min(64 << 20, nbytes), min(nbytes, free // 4))
         work = tempfile.mkdtemp(prefix=".ssdtrain-node-profile-", dir=root)
         try:
             _say(f"drive under {root}: writing and reading {size / GB:.2f} GB (O_DIRECT, as io-bench's baseline)")
@@ -138,10 +139,12 @@ def matmul_tflops(device: str = "cpu", dtype_name: str = "float32", n: int = 102
     return 4 * 2 * n ** 3 / _median_time(run) / 1e12
 
 
-def host_copy_gbps(nbytes: int = COPY_BYTES) -> float:
-    """GB/s of one host-memory copy (what the memory tier's copies do on a CPU)."""
+def host_copy_gbps(nbytes: Optional[int] = None) -> float:
+    """GB/s of one host-memory copy of ``nbytes`` (default COPY_BYTES): what the memory tier's
+    copies do on a CPU."""
     import torch
 
+    nbytes = nbytes or COPY_BYTES
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
     return nbytes / _median_time(lambda: dst.copy_(src)) / GB
@@ -214,7 +217,7 @@ def _compute_figures() -> Tuple[Dict[str, Any], List[str]]:
             "host_memory_total": mem.get("MemAvailable", 0)}, notes
 
 
-def measure_node(roots: List[str], name: Optional[str] = None, drive_bytes: int = DRIVE_BYTES) -> NodeProfile:
+def measure_node(roots: List[str], name: Optional[str] = None, drive_bytes: Optional[int] = None) -> NodeProfile:
     """This machine's NodeProfile, measured (see the module docstring); progress on stderr."""
     compute, notes = _compute_figures()
     drives = measure_drives(roots, drive_bytes)
@@ -246,6 +249,10 @@ def write_node_profile(path: str, report: Dict[str, Any]) -> int:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         print(f"ssdtrain doctor: --node-profile {path}: the folder {parent} does not exist", file=sys.stderr)
+        return 1
+    if not roots:  # before a minute of measuring the rest
+        print("ssdtrain doctor: --node-profile: no usable offload root to measure a drive in: give --dir "
+              "ROOT on the drive activations will go to", file=sys.stderr)
         return 1
     try:
         profile = measure_node(roots)
