@@ -60,12 +60,13 @@ class OffloadConfig:
     engine: str = knob("posix", check=one_of(ENGINES), choices=ENGINES, help=(
         "IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed "
         "DeepNVMe aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; "
-        "CUDA only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM up to "
-        "host_memory_bytes, SSD beyond)"))
+        "CUDA only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM of "
+        "host_memory_bytes and SSD, each layer where the plan places it)"))
     """IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed
     DeepNVMe aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; CUDA
-    only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM up to
-    host_memory_bytes, SSD beyond)."""
+    only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM of
+    host_memory_bytes and SSD: each layer where the plan places it, 'host' or 'ssd'; a layer
+    whose decision is 'offload' to host RAM while it has room, SSD beyond; io/tiered.py)."""
 
     policy: str = knob("offload", check=one_of(POLICIES), choices=POLICIES, help=(
         "'offload' writes every eligible activation to SSD; 'adaptive' lets the planner decide per "

@@ -52,7 +52,7 @@ from .bench_budget import budget_comparison
 from .bench_measure import (ALL_STRATEGIES, NODE_STRATEGIES, SAME_LOSSES, STRATEGIES, VERIFIED, BenchRun,
                             Point, measure, verify_ratios)
 from .bench_node import add_node_arguments, node_from_args
-from .bench_predict import node_ratios, node_summary
+from .bench_predict import node_summary
 from .bench_render import plot_rok, render
 from .bench_spread import ratio_spread
 from .cli_types import (PRESET_HELP, byte_count, check_engine, deprecated_alias, openmp_wait_policy,
@@ -257,12 +257,7 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
     gpu = run.device.startswith("cuda")
     versus = budget_comparison(at, ratio_mb, memory_budget)
     ratios.update(versus["ratios"])
-    node, best = None, {}
-    if run.node is not None:  # every single strategy and planned, per token (bench_predict.py)
-        node_r, best = node_ratios(at, ratio_mb, memory_budget)
-        ratios.update(node_r)
-        versus["best_fixed"] = best.get("adaptive", versus["best_fixed"])
-        node = node_summary(run, at, ratio_mb, memory_budget)
+    node = node_summary(run, at, ratio_mb, memory_budget, ratios, versus)  # --node-emulation
     explored = run.series.get(("adaptive", ratio_mb))
     if explored is not None and explored.explore_times:
         ratios["adaptive_settle_steps"] = explored.settle_steps  # None: not settled in the bound
@@ -285,7 +280,7 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
         "memory_budget_bytes": memory_budget,
         "memory_budget_from_keep_micro_batch": budget_from,
         "best_fixed": versus["best_fixed"],
-        "best_single": best.get("planned"),
+        "best_single": versus.get("best_single"),
         "node_emulation": node,
         "adaptive_budget_bytes": {str(mb): b for mb, b in run.adaptive_budgets.items()},
         "largest_micro_batch_under_budget": fits,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..cache.adaptive import CHECKPOINT_FRACTION
 from ..plan.policy import LayerMeasurement
 from ..plan.step_plan import Position
 from ..plan.tiers import HOST, KEEP, RECOMPUTE, SSD, TierPlan, Tiers, plan_tiers, price
@@ -31,6 +30,8 @@ Rows = Tuple[Tuple[str, ...], ...]
 def measurements(stats, num_micro_batches: int) -> Tuple[List[LayerMeasurement], int, List[str]]:
     """(one micro-batch's layers in forward order, bytes saved outside layers per micro-batch,
     the layers' names) from a step's StepStats."""
+    from ..cache.adaptive import CHECKPOINT_FRACTION  # here: --help imports no torch
+
     n = max(num_micro_batches, 1)
     rows = [r for r in stats.layers if r.layer != "None"]
     outside = sum(r.bytes for r in stats.layers if r.layer == "None") // n
@@ -157,9 +158,18 @@ def node_ratios(at: Dict[tuple, object], ratio_mb: Optional[int], budget: Option
     return ratios, best
 
 
-def node_summary(run, at: Dict[tuple, object], ratio_mb: Optional[int], budget: Optional[int]) -> dict:
-    """--json's ``node_emulation``: the node, the planned strategy's places, and per strategy
-    the planner's predicted step time over keep's next to the measured one, at ``ratio_mb``."""
+def node_summary(run, at: Dict[tuple, object], ratio_mb: Optional[int], budget: Optional[int],
+                 ratios: dict, versus: dict) -> Optional[dict]:
+    """--json's ``node_emulation`` (None without it): the node, the places planned and adaptive
+    ran, and per strategy the planner's predicted step time over keep's next to the measured
+    one, at ``ratio_mb``. Adds ``node_ratios`` to ``ratios``, and the best single and fixed
+    strategies to ``versus``."""
+    if run.node is None:
+        return None
+    more, best = node_ratios(at, ratio_mb, budget)
+    ratios.update(more)
+    versus["best_fixed"] = best.get("adaptive", versus["best_fixed"])
+    versus["best_single"] = best.get("planned")
     node, n = run.node, run.spec.num_microbatches
     out = {"node": node.as_dict(), "planned_places": None, "vs_keep_step_time": {}}
     keep = run.series.get(("keep", ratio_mb))

@@ -94,16 +94,7 @@ def render(summary: dict) -> str:
     lines.append(f"losses bitwise equal ({same}): {summary['losses_bitwise_equal']}"
                  + (f"; recompute equal to keep: {summary['recompute_losses_bitwise_equal']}"
                     if "recompute" in ran else ""))
-    full = {k: d["fallbacks"] for k, d in diag.items() if d.get("fallbacks") and k.startswith("host@")}
-    if full:  # the host strategy's tier is small on purpose (--node-emulation)
-        lines.append("host tier full (its capacity is the emulated node's host memory; what did not fit "
-                     "stayed in memory): " + ", ".join(f"{n} tensors at micro-batch {k.split('@')[1]}"
-                                                      for k, n in full.items()))
-    fell = {k: d.get("fallbacks", 0) for k, d in diag.items() if d.get("fallbacks") and k not in full}
-    if fell:
-        lines.append("fallbacks (writes that failed, a full disk?, and stayed in memory: those points "
-                     "saved less memory than they should): "
-                     + ", ".join(f"{k.replace('@', ' at micro-batch ')}: {n}" for k, n in fell.items()))
+    lines += _fallback_lines(diag)
     lines.append(f"offload files left: {summary['offload_files_left']}")
     return "\n".join(lines)
 
@@ -139,3 +130,19 @@ def plot_rok(summary: dict, path: str) -> bool:
     ax.legend()
     fig.savefig(path)
     return True
+
+
+def _fallback_lines(diag: dict) -> list:
+    """Writes that stayed in memory: the host strategy's full tier (by design), and failures."""
+    lines = []
+    full = {k: d["fallbacks"] for k, d in diag.items() if d.get("fallbacks") and k.startswith("host@")}
+    if full:  # the host strategy's tier is small on purpose (--node-emulation)
+        lines.append("host tier full (its capacity is the emulated node's host memory; what did not fit "
+                     "stayed in memory): " + ", ".join(f"{n} tensors at micro-batch {k.split('@')[1]}"
+                                                      for k, n in full.items()))
+    fell = {k: d.get("fallbacks", 0) for k, d in diag.items() if d.get("fallbacks") and k not in full}
+    if fell:
+        lines.append("fallbacks (writes that failed, a full disk?, and stayed in memory: those points "
+                     "saved less memory than they should): "
+                     + ", ".join(f"{k.replace('@', ' at micro-batch ')}: {n}" for k, n in fell.items()))
+    return lines
