@@ -127,7 +127,9 @@ def test_planned_and_adaptive_are_compared_with_the_fastest_strategy_within_the_
 
 
 def test_host_and_planned_need_node_emulation(tmp_path, capsys):
-    rc = _bench(["--strategies", "keep,host", "--out", str(tmp_path / "o"), "--dir", str(tmp_path / "s")])
+    """Broken by accepting them without it: the bench runs (exit 0)."""
+    rc = _bench(["--strategies", "keep,host", "--out", str(tmp_path / "o"), "--dir", str(tmp_path / "s"),
+                 *TINY])
     assert rc == 2
     assert "--strategies host: run only with --node-emulation" in capsys.readouterr().err
 
@@ -147,8 +149,7 @@ def test_a_small_node_emulation_runs_every_strategy_with_equal_losses(tmp_path, 
                                                          "recompute"}
     node = result["node_emulation"]
     assert node["node"]["ssd_gbps"] < node["node"]["calibration"]["full_offload_needs_gbps"]
-    assert node["planned_places"] is not None and "planned_vs_best_single_step_time" in result["ratios"] \
-        or result["ratios"].get("planned_peak_vs_budget", 0) > 1
+    assert node["planned_places"] is not None and "planned_peak_vs_budget" in result["ratios"]
     assert set(node["vs_keep_step_time"]) >= {"keep", "offload", "host", "recompute"}
     assert result["losses_bitwise_equal"] is True and result["offload_files_left"] == 0
     assert result["warmup"] == 2 and "node emulation: compute on CPU" in captured.err

@@ -32,8 +32,9 @@ POSITIONS = [Position(), Position()]
 
 
 def test_price_of_the_plans_own_places_is_the_plans_iteration():
-    """plan/tiers.py price(): the cost of given places, as plan_tiers prices its own. Broken by
-    pricing from grouped positions with rows of the wrong group: a different iteration."""
+    """plan/tiers.py price(): the cost of given places, as plan_tiers prices its own, and
+    whether they fit the budget. Broken by pricing every plan as fitting: keep-all (60 MB per
+    position against a 30 MB share) fits."""
     t = Tiers(budget_bytes=40 * MB, host_capacity_bytes=20 * MB, host_link_bps=5e9, ssd_write_bps=0.3e9,
               ssd_read_bps=0.3e9, reserve_bytes=10 * MB)
     plan = plan_tiers(LAYERS, POSITIONS, t)

@@ -182,3 +182,32 @@ def test_a_single_tier_engine_reports_its_one_tier_and_refuses_unknown_places(tm
     assert set(stats.tier_bytes) == {"keep", "ssd"} and set(stats.tier_gbps) == {"ssd"}
     assert stats.tier_bytes["ssd"] == by_layer["0"].bytes + by_layer["2"].bytes
     assert stats.tier_bytes["keep"] == by_layer["1"].bytes > 0
+
+
+def test_on_the_gpu_path_a_layer_placed_on_ssd_is_staged_and_one_on_host_copied_into_the_pool(tmp_path):
+    """The GPU data path with the recording stand-in for CUDA streams (no CUDA here): host
+    memory has room for every layer, yet layer 0, placed on 'ssd', goes through the pinned
+    staging to the drive, and layers 1 and 2, placed on 'host', are copied straight into the
+    host tier's pool; gradients bitwise equal. Broken by dropping the placement check in
+    TieredEngine.pool_view: layer 0 is copied into the pool too (no staged copy)."""
+    from tests.recording_streams import Recorder, _range
+    from tests.test_memory_tier_direct import LAYERS, NBYTES, _copies, _reference, _run
+    from tests.test_staging_race import Logged, check_staging_reuse
+
+    config = OffloadConfig(dirs=[str(tmp_path)], engine="tiered", min_tensor_bytes=0, keep_last_layers=0,
+                           prefetch_layers=LAYERS, chunk_bytes=64 * 1024, max_inflight_bytes=1 << 20,
+                           pinned_staging_bytes=1 << 20, host_memory_bytes=4 * LAYERS * NBYTES)
+    rec = Recorder()
+    engine = Logged(make_engine(config), rec)
+    with ActivationOffloader(config, device=torch.device("cpu"), engine=engine, streams=rec) as off:
+        for layer, place in {0: "ssd", 1: "host", 2: "host"}.items():
+            off.set_layer_decision(layer, place)
+        pool, staging = _range(engine.inner.memory._pool), _range(off._copy.pool._mem)
+        grads, stats = _run(off, rec)
+        check_staging_reuse(rec, engine.inner.memory._pool)
+        check_staging_reuse(rec, off._copy.pool._mem)
+    for a, b in zip(grads, _reference(), strict=True):
+        assert bitwise_equal(a, b)
+    assert len(_copies(rec, "dst", staging)) == 2  # layer 0 of each micro-batch
+    assert len(_copies(rec, "dst", pool)) == 4  # layers 1 and 2 of each
+    assert stats.tier_bytes == {"keep": 0, "host": 4 * NBYTES, "ssd": 2 * NBYTES}
