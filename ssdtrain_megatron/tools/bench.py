@@ -31,6 +31,13 @@ is larger than the difference the ratio reports (bench_spread.py); writes
 OUT/rok.png (x: peak activation memory, y: throughput, one line per strategy) and
 OUT/points.json (the object --json prints). Progress goes to stderr.
 
+With --node-emulation (bench_node.py) the CPU takes a GPU node's shape: compute on one core, the
+IO threads on another, the SSD tier capped below what a full offload needs and the host tier
+below one step's bytes; the strategies are keep, offload (to the capped SSD), host (the host
+tier alone), planned (the four-place plan for that node), adaptive (on the tiered engine) and
+recompute, at one budget, and each strategy's measured step time / keep is printed next to the
+planner's prediction (--json: node_emulation, planned_vs_best_single_step_time).
+
 The bench sets OMP_WAIT_POLICY=PASSIVE for every strategy unless the environment sets it. It
 matters on the CPU: the model's compute runs on torch's OpenMP team there, and with the
 runtime's default, a team thread whose peer lost its core to an IO thread busy-waits at the
