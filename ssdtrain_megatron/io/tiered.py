@@ -235,12 +235,12 @@ class TieredEngine(IOEngine):
         return True
 
     def tier_of(self, key: int) -> str:
-        """'memory' or 'posix': where ``key`` is stored."""
+        """'memory' or 'posix': where ``key`` is stored (the SSD tier is 'posix' under a cap too)."""
         with self._lock:
             tier = self._tier.get(key)
         if tier is None:
             raise EngineError(f"unknown key {key}")
-        return tier.name
+        return "memory" if tier is self.memory else "posix"
 
     def release(self, key: int) -> None:
         with self._lock:
