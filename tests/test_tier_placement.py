@@ -211,3 +211,30 @@ def test_on_the_gpu_path_a_layer_placed_on_ssd_is_staged_and_one_on_host_copied_
     assert len(_copies(rec, "dst", staging)) == 2  # layer 0 of each micro-batch
     assert len(_copies(rec, "dst", pool)) == 4  # layers 1 and 2 of each
     assert stats.tier_bytes == {"keep": 0, "host": 4 * NBYTES, "ssd": 2 * NBYTES}
+
+
+def test_policy_offload_on_tiered_places_the_last_layers_on_host_and_the_first_on_ssd(tmp_path):
+    """No plan given: the first step goes first-come (host memory fills with the first layers,
+    the issue's complaint), then each layer is placed by the bytes that step measured: the last
+    layer on host (host memory holds one), the ones before it on SSD. Broken by not calling
+    TierPlacement.learn at the step's end: step 2 is first-come again (layer 0 on host)."""
+    torch.manual_seed(0)
+    weights = [(torch.randn(256, 256) * 0.05).requires_grad_(True) for _ in range(3)]
+    x = torch.randn(512, 256)
+    layer = 512 * 256 * 4
+    cfg = OffloadConfig(dirs=[str(tmp_path)], engine="tiered", host_memory_bytes=layer + 4096,
+                        min_tensor_bytes=4096, keep_last_layers=0)
+    with ActivationOffloader(cfg) as off:
+        _, first = _train(off, weights, x, {})
+        for w in weights:
+            w.grad = None
+        got, second = _train(off, weights, x, {})
+    assert [r.decision for r in first.layers] == ["offload"] * 3
+    assert first.tier_bytes["host"] == layer  # first come: layer 0
+    assert [r.decision for r in second.layers] == ["ssd", "ssd", "host"]
+    assert second.tier_bytes["host"] == layer and second.tier_bytes["ssd"] == 2 * layer
+    for w in weights:
+        w.grad = None
+    with ActivationOffloader(cfg.replace(policy="keep")) as keep:
+        want, _ = _train(keep, weights, x, {})
+    assert all(bitwise_equal(a, b) for a, b in zip(got, want))

@@ -20,15 +20,19 @@ prior of measured selection (plan/explore.py); ``candidates`` offers the plans m
 it: the whole-plan ones (all recompute, all keep, all SSD, all host: a model can be wrong about
 a machine as a whole), then every single change of one (position, layer) to another place, the
 model's cheapest first, each within the GPU budget and the host memory.
+
+With policy 'offload' on the tiered engine there is no budget to plan for: every eligible layer
+is offloaded, and :class:`TierPlacement` only chooses the tier, by layer (the last ones on
+host memory as far as it holds them, the others on SSD), from the last step's bytes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from ..config import OffloadConfig
-from ..plan.policy import LayerMeasurement
+from ..plan.policy import OFFLOAD, LayerMeasurement
 from ..plan.step_plan import Decisions, Position, StepPlan
 from ..plan.tiers import HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan, Tiers, plan_tiers, price
 from ..telemetry.stats import StepStats
@@ -139,3 +143,34 @@ class FourPlaces:
 
         out = whole + [(label, plan) for _, label, plan in single]
         return [(label, plan) for label, plan in out if plan != current and allowed(plan)]
+
+
+class TierPlacement:
+    """policy 'offload' on the tiered engine: every eligible layer is offloaded, and the tier is
+    chosen by layer, not by arrival. From the last step's bytes per layer (one micro-batch), the
+    last layers go to host memory, as many as fit in ``host_memory_bytes``, and the layers before
+    them to SSD: the last layers come back first and want the near tier, the first ones have
+    the whole forward pass to be written and the whole backward pass to come back. Until a step
+    was measured, and for a layer it did not see, the engine's default place ('offload': host
+    memory first). With several micro-batches holding activations at once host memory may fill
+    before their last layers: those go to SSD (the engine's ``host_spilled``), never over it."""
+
+    def __init__(self, host_capacity: int) -> None:
+        self.host_capacity = host_capacity
+        self.places: Dict[str, str] = {}
+        """Layer (as StepStats names it) -> 'host' or 'ssd'."""
+
+    def place(self, layer: Hashable) -> str:
+        return self.places.get(str(layer), OFFLOAD)
+
+    def learn(self, stats: StepStats, num_micro_batches: int) -> None:
+        """Place the offloaded layers of a finished step (kept and recomputed ones stay out)."""
+        n = max(num_micro_batches, 1)
+        rows = [r for r in stats.layers if r.layer != "None" and r.decision in (OFFLOAD, HOST, SSD)]
+        room = self.host_capacity
+        places: Dict[str, str] = {}
+        for r in reversed(rows):  # the last layer first
+            nbytes = r.bytes // n
+            places[r.layer] = HOST if nbytes <= room else SSD
+            room -= nbytes if nbytes <= room else 0
+        self.places = places

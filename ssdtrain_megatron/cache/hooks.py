@@ -93,7 +93,7 @@ class SavedTensorHooks:
         rec.handles = 1
         if self._keep_all:
             decision = rec.decision = "keep"
-        elif self._budget is None and self._planner is None:
+        elif self._budget is None and self._planner is None and self._placement is None:
             decision = rec.decision = self._layer_decisions.get(layer, "offload")
         else:  # budget/plan: per (micro-batch, layer), and room for it before it counts as resident
             rec.decision = self.decision_for(layer)

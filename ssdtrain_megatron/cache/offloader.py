@@ -23,6 +23,7 @@ from .adaptive import AdaptivePlanner
 from .budget import ActivationBudget, resolve_budget
 from .budget_steps import BudgetSteps
 from .decisions import DECISIONS, OFFLOADS
+from .four_places import TierPlacement
 from .device_copy import DeviceCopy, StreamOps
 from .held import HeldStorages
 from .hooks import SavedTensorHooks, capture_query
@@ -138,6 +139,9 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             self._budget_wait_event, lambda: self._inflight_bytes, self._budget_pinned)
         # plan: the adaptive planner decides per (micro-batch position, layer) under the budget.
         self._planner = AdaptivePlanner(config, limit) if config.policy == "adaptive" else None
+        # tiers: policy offload on the tiered engine places each layer by the last step (four_places.py)
+        self._placement = TierPlacement(config.host_memory_bytes) \
+            if config.policy == "offload" and config.engine == "tiered" else None
         # budget/plan: training-thread seconds spent handing writes over (no clock read without)
         self._submit_s, self._time_submit = 0.0, self._budget is not None or self._planner is not None
         self._step = 0
@@ -257,6 +261,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
             d = self._planner.decision(mb, layer)
         else:
             d = self._layer_decisions.get(layer, "offload")
+            if d == "offload" and self._placement is not None:
+                d = self._placement.place(layer)  # tiers: host or ssd for this layer
         if d in OFFLOADS and self._budget is not None and self.config.recompute_fallback \
                 and self._phase == "forward" and self._budget.recompute_instead(mb, layer):
             return "recompute"  # budget: the layer's bytes would not fit; run it recomputed
@@ -318,6 +324,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         stats = self._budget_step_end(stats)  # budget/plan: counters and what the planner needs
         why = self.watch.check(stats, self._c)  # offload that does not happen says why
         stats = dataclasses.replace(stats, not_offloaded_why=why) if why else stats
+        if self._placement is not None:
+            self._placement.learn(stats, len(self._microbatches))
         if self._planner is not None:
             order = max((mb.layer_keys for mb in self._microbatches.values()), key=len, default=[])
             self._planner.update(stats, order, {r.layer: r for r in stats.layers},

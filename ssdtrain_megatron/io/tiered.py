@@ -5,9 +5,10 @@ of it for a whole step; the drives take the rest. Which tier a tensor goes to is
 choice, not the order of arrival: the last layers' activations come back first and want the
 near tier, the first layers' have the whole forward pass to be written and the whole backward
 pass to come back, so they go to SSD. The offloader says where each key goes (``place``, from
-its per-layer decision 'host' or 'ssd') before handing it over; a key it says nothing about
-(decision 'offload') goes to host memory while it has room and to SSD beyond, first-come, as
-before plans existed. A key placed on 'host' that no longer fits there goes to SSD (counted in
+its per-layer decision 'host' or 'ssd', from the adaptive plan or, with policy 'offload', by
+layer from the last step: cache/four_places.py) before handing it over; a key it says nothing
+about (decision 'offload') goes to host memory while it has room and to SSD beyond,
+first-come, as before plans existed. A key placed on 'host' that no longer fits there goes to SSD (counted in
 ``host_spilled``): host memory is never exceeded. The tier is chosen once, at ``write``, and
 remembered per key, so reads come from whichever tier holds the tensor and no tensor ever
 migrates (a migration would be IO competing with the step's own).
