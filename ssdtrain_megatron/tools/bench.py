@@ -295,6 +295,7 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
         "recompute_losses_bitwise_equal": recompute_same,
         "recompute_pass_bytes": {str(mb): s.layer_bytes for (n, mb), s in run.series.items() if n == "keep"},
         "diagnostics": {f"{n}@{mb}": {"io_wait_s": statistics.median(s.io_wait[run.warmup:]),
+                                      "budget_wait_s": statistics.median(s.budget_wait[run.warmup:] or [0.0]),
                                       "cpu_s": statistics.median(s.cpu[run.warmup:]),
                                       "bytes_offloaded": statistics.median(s.offloaded[run.warmup:]),
                                       "fallbacks": sum(s.fallbacks)}

@@ -74,6 +74,8 @@ class _Series:
     activation: List[int] = field(default_factory=list)
     memory: List[Optional[int]] = field(default_factory=list)
     io_wait: List[float] = field(default_factory=list)
+    budget_wait: List[float] = field(default_factory=list)
+    """Seconds pack or a read waited for writes to stay within the budget, per step."""
     offloaded: List[int] = field(default_factory=list)
     fallbacks: List[int] = field(default_factory=list)
     """Writes that failed (a full disk) and stayed in memory, per step."""
@@ -247,7 +249,7 @@ def _settle(c: "_Contender", peak, bar, mb: int) -> None:
             return
         series.explore_times.append(series.times.pop())
         series.explore_peak = max(series.explore_peak, series.activation.pop())
-        for name in ("losses", "memory", "io_wait", "offloaded", "fallbacks", "cpu"):
+        for name in ("losses", "memory", "io_wait", "budget_wait", "offloaded", "fallbacks", "cpu"):
             getattr(series, name).pop()
         say(bar, f"micro-batch {mb}: adaptive exploring, step {n}: {series.explore_times[-1]:.2f}s")
         if sel.settled:
@@ -319,6 +321,7 @@ class _Contender:
         ser.activation.append(st.peak_resident_bytes)
         ser.memory.append(peak.peak())
         ser.io_wait.append(st.io_wait_s)
+        ser.budget_wait.append(st.budget_wait_s)
         ser.offloaded.append(st.bytes_offloaded)
         ser.fallbacks.append(st.fallbacks)
         ser.last_stats = st
