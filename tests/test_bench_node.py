@@ -153,3 +153,19 @@ def test_a_small_node_emulation_runs_every_strategy_with_equal_losses(tmp_path, 
     assert set(node["vs_keep_step_time"]) >= {"keep", "offload", "host", "recompute"}
     assert result["losses_bitwise_equal"] is True and result["offload_files_left"] == 0
     assert result["warmup"] == 2 and "node emulation: compute on CPU" in captured.err
+
+
+def test_a_layer_the_budget_ran_recomputed_is_priced_as_recompute():
+    """The adaptive plan says ssd, but the runtime's budget (recompute_fallback) ran layer 1
+    recomputed: the prediction prices what ran. Broken by returning the plan's rows as they
+    are in as_run: ('ssd', ...)."""
+    import dataclasses
+
+    from ssdtrain_megatron.tools.bench_predict import as_run
+
+    stats = _keep_stats()
+    first = dataclasses.replace(stats.layers[0], decision="recompute")
+    stats = dataclasses.replace(stats, layers=(first,) + stats.layers[1:])
+    plan = (("ssd", "ssd", "host", "keep"),) * 2
+    assert as_run(plan, stats, ["1", "2", "3", "4"]) == (("recompute", "ssd", "host", "keep"),) * 2
+    assert as_run(plan, None, ["1", "2", "3", "4"]) == plan

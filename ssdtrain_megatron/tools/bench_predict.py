@@ -13,7 +13,8 @@ schedule has no pipeline: every micro-batch's backward follows its forward, one 
 
 Each fixed strategy is priced by what it does at run time: offload sends every layer but the
 last to the SSD tier; host fills the host tier first-come in forward order and keeps what does
-not fit; recompute recomputes every layer; planned and adaptive run their plans.
+not fit; recompute recomputes every layer; planned and adaptive run their plans, with the layers
+the runtime's budget ran recomputed instead (``recompute_fallback``) as recompute.
 """
 
 from __future__ import annotations
@@ -103,6 +104,16 @@ def adaptive_rows(stats, names: Sequence[str], num_micro_batches: int) -> Option
     return rows if all(d in (KEEP, HOST, SSD, RECOMPUTE) for row in rows for d in row) else None
 
 
+def as_run(rows: Rows, stats, names: Sequence[str]) -> Rows:
+    """``rows`` as the last step ran them: a layer the runtime's budget ran recomputed
+    (``recompute_fallback``: its bytes would not fit; StepStats.layers says 'recompute') is
+    recompute at every position, whatever the plan said."""
+    if stats is None:
+        return rows
+    ran = {r.layer for r in stats.layers if r.decision == RECOMPUTE}
+    return tuple(tuple(RECOMPUTE if k in ran else d for k, d in zip(names, row)) for row in rows)
+
+
 def predict(node, keep_stats, keep_step_s: float, num_micro_batches: int,
             plans: Dict[str, Rows]) -> Dict[str, float]:
     """Each strategy's predicted step time over keep's, from keep's own step (see the module
@@ -175,18 +186,18 @@ def node_summary(run, at: Dict[tuple, object], ratio_mb: Optional[int], budget: 
     keep = run.series.get(("keep", ratio_mb))
     if keep is None or keep.last_stats is None:
         return out
+    _, _, names = measurements(keep.last_stats, n)
     planned = run.series.get(("planned", ratio_mb))
     plans: Dict[str, Rows] = {}
     if planned is not None and planned.plan_rows is not None:
-        plans["planned"] = planned.plan_rows
-        out["planned_places"] = [list(row) for row in planned.plan_rows]
+        plans["planned"] = as_run(planned.plan_rows, planned.last_stats, names)
+        out["planned_places"] = [list(row) for row in plans["planned"]]
     adaptive = run.series.get(("adaptive", ratio_mb))
     if adaptive is not None and adaptive.last_stats is not None:
-        _, _, names = measurements(keep.last_stats, n)
         rows = adaptive_rows(adaptive.last_stats, names, n)
         if rows is not None:
-            plans["adaptive"] = rows
-            out["adaptive_places"] = [list(row) for row in rows]
+            plans["adaptive"] = as_run(rows, adaptive.last_stats, names)
+            out["adaptive_places"] = [list(row) for row in plans["adaptive"]]
     predicted = predict(node, keep.last_stats, at[("keep", ratio_mb)].step_s, n, plans)
     for name, value in predicted.items():
         point = at.get((name, ratio_mb))
