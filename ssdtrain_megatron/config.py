@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from .config_checks import (TEMPLATE_KEYS, ConfigError, activation_budget, boolean, choice_or_switch, fail,
-                            field_checks, int_at_least, job_name, knob, layer_numbers, number_in,
+from .config_checks import (TEMPLATE_KEYS, ConfigError, activation_budget, boolean, choice_or_switch,
+                            cpu_numbers, fail, field_checks, int_at_least, job_name, knob, layer_numbers, number_in,
                             one_of, optional_path_template, path_templates, warn_deprecated)
 
 ENGINES = ("posix", "aio", "gds", "memory", "tiered")
@@ -60,12 +60,13 @@ class OffloadConfig:
     engine: str = knob("posix", check=one_of(ENGINES), choices=ENGINES, help=(
         "IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed "
         "DeepNVMe aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; "
-        "CUDA only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM up to "
-        "host_memory_bytes, SSD beyond)"))
+        "CUDA only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM of "
+        "host_memory_bytes and SSD, each layer where the plan places it)"))
     """IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed
     DeepNVMe aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; CUDA
-    only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM up to
-    host_memory_bytes, SSD beyond)."""
+    only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM of
+    host_memory_bytes and SSD: each layer where the plan places it, 'host' or 'ssd'; a layer
+    whose decision is 'offload' to host RAM while it has room, SSD beyond; io/tiered.py)."""
 
     policy: str = knob("offload", check=one_of(POLICIES), choices=POLICIES, help=(
         "'offload' writes every eligible activation to SSD; 'adaptive' lets the planner decide per "
@@ -132,6 +133,16 @@ class OffloadConfig:
         "size of kvikio's thread pool"))
     """Worker threads of the IO engine (each keeps one request in flight); for 'gds' also the
     size of kvikio's thread pool (unless KVIKIO_NTHREADS is set)."""
+
+    io_cpus: List[int] = knob(default_factory=list, check=cpu_numbers, metavar="CPU[,CPU...]", help=(
+        "CPUs the IO engine's threads run on (each confines itself when it starts); empty: "
+        "wherever the process runs. On a GPU node: cores near the drives that the training "
+        "process is not bound to"))
+    """CPUs the IO engine's threads run on (each thread confines itself with
+    ``sched_setaffinity`` when it starts; io/affinity.py); empty: wherever the process runs.
+    On a GPU node: cores near the drives (their NUMA node) that the training process is not
+    bound to, so that copies and checksums never take the core that launches the kernels.
+    Building an engine refuses CPUs this process may not use."""
 
     chunk_bytes: int = knob(8 << 20, check=int_at_least(4096, multiple_of=4096), unit="bytes", help=(
         "Tensors are written in chunks of at most this many bytes, striped over the roots; a "
@@ -217,9 +228,10 @@ class OffloadConfig:
                                                                      optional=True),
                                                metavar="GB/S", help=(
         "Cap on the engine's bandwidth in GB/s (reads and writes share it), emulating a slower "
-        "drive: for tests and what-if runs"))
+        "drive: for tests and what-if runs; with 'tiered', its SSD tier's"))
     """Cap on the engine's bandwidth in GB/s (reads and writes share it), emulating a slower
-    drive: for tests and what-if runs. None: no cap."""
+    drive: for tests and what-if runs. With 'tiered' it caps the SSD tier only (host memory is
+    not a drive). None: no cap."""
 
     job: Optional[str] = knob(None, check=job_name, help=(
         "Job id for the {job} placeholder and directory names; default: SLURM_JOB_ID, "

@@ -210,6 +210,13 @@ def layer_numbers(name: str, value: Any) -> Any:
     return list(value)
 
 
+def cpu_numbers(name: str, value: Any) -> Any:
+    """A list of CPU numbers (>= 0; a tuple is accepted and becomes a list)."""
+    if not isinstance(value, (list, tuple)) or not all(_is_int(n) and n >= 0 for n in value):
+        fail(name, value, "expected a list of CPU numbers >= 0")
+    return list(value)
+
+
 def job_name(name: str, value: Any) -> Any:
     if value is not None and (not isinstance(value, str) or not value or "/" in value
                               or value in (".", "..")):

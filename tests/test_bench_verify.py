@@ -72,7 +72,7 @@ def test_verify_ratios_compare_offload_crc32c_with_offload():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--strategies", "offload,fast"], "expected names among keep, offload, adaptive, recompute"),
+    (["--strategies", "offload,fast"], "expected names among keep, offload, host, planned, adaptive, recompute"),
     (["--verify", "md5"], "expected one or both of off, crc32c"),
 ])
 def test_bad_strategy_or_verify_values_are_refused(argv, message, capsys):

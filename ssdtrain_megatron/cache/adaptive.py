@@ -14,6 +14,12 @@ measured selection (plan/explore.py) tries neighbouring plans within the budget,
 ones (all recompute, all keep, all offload) among them, keeps what measured faster and settles.
 Every plan tried passes the model's budget check (plan/step_plan.py ``fits``), and the runtime's
 budget (cache/budget.py) holds whatever the plan says.
+
+With the tiered engine the places are four: keep, host, ssd and recompute, priced per tier from
+each tier's measured bandwidth and within host memory as well (cache/four_places.py); the
+first step offloads to the engine's default place (host memory while it has room, SSD beyond),
+which measures both tiers when a step's bytes outgrow host memory. Host memory is never
+exceeded at run time either: a tensor placed on 'host' that does not fit goes to SSD.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from ..plan.policy import KEEP, OFFLOAD, LayerMeasurement, should_replan
 from ..plan.explore import PRIOR, Bounds, MeasuredSelection
 from ..plan.step_plan import Decisions, Position, StepPlan, candidates, format_plan, plan_step
 from ..telemetry.stats import StepStats
+from .four_places import FourPlaces
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,8 @@ class AdaptivePlanner:
         self._cpu_s_per_byte = 0.0
         self._inputs: Optional[tuple] = None  # (order, layers, positions, budget, reserve, w, r)
         self._prior_replans = 0  # model re-plans while the prior is measured (at most one)
+        # With both tiers (tiered): keep, host, ssd or recompute (four_places.py).
+        self._four: Optional[FourPlaces] = FourPlaces(config) if config.engine == "tiered" else None
         bounds = Bounds(config.adaptive_trial_steps, config.adaptive_explore_steps,
                         config.adaptive_min_gain, config.adaptive_drift)
         self.selection: Optional[MeasuredSelection] = (
@@ -114,16 +123,19 @@ class AdaptivePlanner:
                 self._apply(order, plan_step(layers, positions, write_bps=1.0, read_bps=1.0,
                                              budget_bytes=None), 1.0, 1.0)
             return False
-        if self._bw is None:
+        if self._bw is None or (self._four is not None and not self._four.measured):
             return False  # nothing went through the drive yet
         write_bps, read_bps = self._bw
         budget, reserve = self._budget_and_reserve(order, layers, layer_rows, n)
         self._inputs = (list(order), layers, positions, budget, reserve, write_bps, read_bps)
         if self._wants_model_plan(stats, positions, write_bps):
-            plan = plan_step(layers, positions, write_bps=write_bps, read_bps=read_bps, budget_bytes=budget,
-                             reserve_bytes=reserve, cpu_s_per_byte=self._cpu_s_per_byte,
-                             recompute_fallback=self.config.recompute_fallback,
-                             keep_last_layers=self.config.keep_last_layers)
+            if self._four is not None:
+                plan = self._four.plan(layers, positions, budget, reserve, self._cpu_s_per_byte)
+            else:
+                plan = plan_step(layers, positions, write_bps=write_bps, read_bps=read_bps, budget_bytes=budget,
+                                 reserve_bytes=reserve, cpu_s_per_byte=self._cpu_s_per_byte,
+                                 recompute_fallback=self.config.recompute_fallback,
+                                 keep_last_layers=self.config.keep_last_layers)
             changed = self._apply(order, plan, write_bps, read_bps)
             if self.selection is not None:
                 self.selection.steps += 1  # a step, though not one measured selection judges
@@ -157,6 +169,9 @@ class AdaptivePlanner:
     def _candidates(self, current: Decisions) -> List[Tuple[str, Decisions]]:
         """Plans to measure next to ``current``, each within the budget (MeasuredSelection asks)."""
         order, layers, positions, budget, reserve, write_bps, read_bps = self._inputs
+        if self._four is not None:
+            return self._four.candidates(current, layers, positions, budget, reserve, self._cpu_s_per_byte,
+                                         [str(k) for k in order])
         return candidates(current, layers, positions, write_bps=write_bps, read_bps=read_bps,
                           budget_bytes=budget, reserve_bytes=reserve, cpu_s_per_byte=self._cpu_s_per_byte,
                           recompute_fallback=self.config.recompute_fallback,
@@ -170,6 +185,8 @@ class AdaptivePlanner:
         return changed
 
     def _measure(self, stats: StepStats, order, layer_rows, n: int) -> List[LayerMeasurement]:
+        if self._four is not None:
+            self._four.measure(stats)
         if stats.write_gbps > 0:
             write = stats.write_gbps * 1e9
             self._bw = (write, stats.read_gbps * 1e9 if stats.read_gbps > 0 else write)
@@ -213,6 +230,7 @@ class AdaptivePlanner:
                 f"kept bytes per live micro-batch <= {plan.allowance_bytes / 2**20:.1f} MiB, "
                 f"write {write_bps / 1e9:.2f} GB/s, read {read_bps / 1e9:.2f} GB/s, predicted "
                 f"extra {plan.extra_s * 1e3:.1f} ms per step"
+                + ("" if self._four is None else f"; {self._four.describe()}")
                 + ("" if plan.fits_budget else "; DOES NOT FIT the budget"))
             level = logging.INFO if first else logging.DEBUG
             log.log(level, "ssdtrain adaptive plan #%d (%s):\n%s", self.replans, budget,

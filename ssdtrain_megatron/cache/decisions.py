@@ -1,8 +1,17 @@
-"""What happens to each layer's saved tensors: keep, offload or recompute.
+"""What happens to each layer's saved tensors: where they spend the time between its forward
+and its backward.
 
-Three sources decide, in this order of precedence: the policy ('keep' keeps everything), the
+Four places: the GPU ('keep'), host memory ('host'), a drive ('ssd'), or nowhere ('recompute':
+the layer runs again in backward from its input). 'offload' is the engine's default place, as
+before the tiers were planned: with the tiered engine, host memory while it has room and SSD
+beyond; with any other engine, its one place. 'host' and 'ssd' name the tier; an engine with
+one place ignores it.
+
+Sources decide, in this order of precedence: the policy ('keep' keeps everything), the
 adaptive planner (``adaptive.py``: per micro-batch position and layer, from measurement), else
-the per-layer plan the integration or the user set (``set_layer``; offload by default). The
+the per-layer plan the integration or the user set (``set_layer``; offload by default), whose
+'offload' layers the tier placement (``four_places.TierPlacement``: policy 'offload' on the
+tiered engine) sends to host memory or SSD by layer. The
 activation budget (``budget.py``) then has the last word on a record that would not fit: it
 makes room before the record counts as resident, writes a record the plan keeps when keeping it
 would leave no room for a layer's backward, and, with ``recompute_fallback``, turns a layer the
@@ -17,15 +26,26 @@ operations it makes room with) and the planner; nothing here moves bytes or reco
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Hashable, Optional, Sequence
 
 from ..config import OffloadConfig
+from ..io.base import TIERS
 from ..telemetry.stats import StepStats
-from .adaptive import AdaptivePlanner
 from .budget import ActivationBudget
 from .record import TensorRecord
 
-DECISIONS = ("offload", "keep", "recompute")
+if TYPE_CHECKING:
+    from .adaptive import AdaptivePlanner
+    from .four_places import TierPlacement
+
+KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
+HOST, SSD = TIERS
+
+DECISIONS = (OFFLOAD, KEEP, RECOMPUTE) + TIERS
+"""Every decision the offloader accepts (``set_layer_decision``, the adaptive plan)."""
+
+OFFLOADS = (OFFLOAD,) + TIERS
+"""The decisions that hand a tensor to the IO engine."""
 
 
 class Decisions:
@@ -35,20 +55,23 @@ class Decisions:
         config: the settings (``policy``, ``recompute_fallback``).
         budget: the activation budget, or None.
         planner: the adaptive planner (policy 'adaptive'), or None.
+        placement: the tier placement (policy 'offload' on the tiered engine), or None.
     """
 
     def __init__(self, config: OffloadConfig, budget: Optional[ActivationBudget],
-                 planner: Optional[AdaptivePlanner]) -> None:
+                 planner: Optional["AdaptivePlanner"], placement: Optional["TierPlacement"] = None) -> None:
         self._keep_all = config.policy == "keep"
         self._recompute_fallback = config.recompute_fallback
         self._budget = budget
         self._planner = planner
+        self._placement = placement
         self._by_layer: Dict[Hashable, str] = {}
-        # Without a budget or a planner a record's decision is its layer's: one dict lookup.
-        self._plain = budget is None and planner is None
+        # Without a budget, a planner or a placement a record's decision is its layer's: one
+        # dict lookup.
+        self._plain = budget is None and planner is None and placement is None
 
     @property
-    def planner(self) -> Optional[AdaptivePlanner]:
+    def planner(self) -> Optional["AdaptivePlanner"]:
         return self._planner
 
     def set_layer(self, layer: Hashable, decision: str) -> None:
@@ -64,8 +87,10 @@ class Decisions:
         if self._planner is not None:  # plan: per micro-batch position and layer
             d = self._planner.decision(micro_batch, layer)
         else:
-            d = self._by_layer.get(layer, "offload")
-        if d == "offload" and self._budget is not None and self._recompute_fallback and forward \
+            d = self._by_layer.get(layer, OFFLOAD)
+            if d == OFFLOAD and self._placement is not None:
+                d = self._placement.place(layer)  # tiers: host or ssd for this layer
+        if d in OFFLOADS and self._budget is not None and self._recompute_fallback and forward \
                 and self._budget.recompute_instead(micro_batch, layer):
             return "recompute"  # budget: the layer's bytes would not fit; run it recomputed
         return d
@@ -116,7 +141,9 @@ class Decisions:
         return dataclasses.replace(stats, **extra)
 
     def learn(self, stats: StepStats, order: Sequence[Hashable], num_micro_batches: int) -> None:
-        """The planner re-plans from a finished step's stats (``order``: the layers in forward
-        order)."""
+        """The tier placement and the planner learn from a finished step's stats (``order``:
+        the layers in forward order)."""
+        if self._placement is not None:
+            self._placement.learn(stats, num_micro_batches)
         if self._planner is not None:
             self._planner.update(stats, order, {r.layer: r for r in stats.layers}, num_micro_batches)

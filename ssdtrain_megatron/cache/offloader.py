@@ -32,11 +32,13 @@ from ..io import IOEngine, cleanup, make_engine
 from ..io.layout import Identity, expand_file, space_shortfalls
 from ..io.roots import log_roots
 from ..telemetry.stats import StepStats, append_jsonl, append_line, run_header
+from ..telemetry.tiers import tier_traffic
 from ..telemetry.trace import IOTracer
 from .adaptive import AdaptivePlanner
 from .budget import resolve_budget
 from .decisions import DECISIONS, Decisions
 from .device_copy import DeviceCopy, StreamOps
+from .four_places import TierPlacement
 from .hooks import SavedTensorHooks, capture_query
 from .restore_pool import RestorePool
 from .silence import OffloadWatch
@@ -122,6 +124,9 @@ class ActivationOffloader:
             copy = DeviceCopy(self.device, config.staging_bytes(), streams, direct=self._engine.device_direct)
         limit = resolve_budget(config.activation_budget_bytes, self.device) if config.policy != "keep" else None
         planner = AdaptivePlanner(config, limit) if config.policy == "adaptive" else None
+        # tiers: policy offload on the tiered engine places each layer by the last step (four_places.py)
+        placement = TierPlacement(config.host_memory_bytes) \
+            if config.policy == "offload" and config.engine == "tiered" else None
         ident = (self._engine.ident if self._engine is not None else None) or Identity.detect(config.job_id())
         self._tracer: Optional[IOTracer] = None
         if config.trace_path and self._engine is not None:
@@ -134,7 +139,7 @@ class ActivationOffloader:
         self._transfers = Transfers(config, self._engine, copy, RestorePool(config.max_inflight_bytes),
                                     self._table, self._step, events, self._warn, limit, self._tracer,
                                     time_submit=limit is not None or planner is not None)
-        self._decisions = Decisions(config, self._transfers.budget, planner)
+        self._decisions = Decisions(config, self._transfers.budget, planner, placement)
         self._capturing = capture_query(copy)  # CUDA graphs (hooks.py)
         self._hooks = SavedTensorHooks(config, self.device, self._table, self._transfers, self._decisions,
                                        self._step, events, self._capturing)
@@ -210,7 +215,8 @@ class ActivationOffloader:
         self._table.register_held(tensors, self.device)
 
     def set_layer_decision(self, layer: Hashable, decision: str) -> None:
-        """Plan for a layer: 'offload', 'keep' (stay in memory) or 'recompute' (labelled; the
+        """Plan for a layer: 'offload' (the engine's default tier), 'host' or 'ssd' (that tier
+        of the tiered engine), 'keep' (stay in memory) or 'recompute' (labelled; the
         integration runs the layer under checkpointing)."""
         self._decisions.set_layer(layer, decision)
 
@@ -242,7 +248,7 @@ class ActivationOffloader:
         return self._hooks.layer_scope(key)
 
     def decision_for(self, layer: Hashable) -> str:
-        """What the plan says for a layer: 'offload', 'keep' or 'recompute'."""
+        """What the plan says for a layer: one of DECISIONS."""
         return self._decisions.for_layer(self._hooks.current_microbatch, layer, self._step.phase == "forward")
 
     def begin_backward(self, key: Hashable) -> None:
@@ -297,7 +303,8 @@ class ActivationOffloader:
         first = max(self._step_first, self._step_started)
         step, counters = self._step.number, self._step.counters
         stats = counters.freeze(step, write, read, engine.bytes_on_disk if engine else 0, now - first,
-                                now - (first if step == 0 else self._step_started))
+                                now - (first if step == 0 else self._step_started),
+                                tier_traffic(engine, write, read) if engine is not None else None)
         n = self._table.microbatch_count
         stats = self._decisions.end_step(stats, self._transfers.take_submit_s(), step, n)
         why = self.watch.check(stats, counters)  # offload that does not happen says why

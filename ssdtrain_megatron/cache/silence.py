@@ -25,6 +25,7 @@ from typing import Dict, Hashable, List, Optional, Tuple
 import torch
 
 from ..telemetry.stats import StepCounters, StepStats
+from .decisions import OFFLOADS
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +102,12 @@ class OffloadWatch:
         if unscoped:
             return unscoped
         for row in stats.layers:
-            if row.decision != "offload" or row.tensors:
+            if row.decision not in OFFLOADS or row.tensors:
                 continue
             mine = {r: n for (layer, r), n in counters.passed.items() if str(layer) == row.layer}
             if mine:
                 reason, n = _dominant(mine)
-                return (f"layer {row.layer} (decision offload) moved no bytes in step "
+                return (f"layer {row.layer} (decision {row.decision}) moved no bytes in step "
                         f"{stats.step + 1}: {n} of its {sum(mine.values())} saved tensors passed "
                         f"through because {self._text(reason, counters)}")
         return ""

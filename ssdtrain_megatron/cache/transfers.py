@@ -28,7 +28,7 @@ from typing import List, Optional
 import torch
 
 from ..config import OffloadConfig
-from ..io.base import EngineError, IOEngine
+from ..io.base import TIERS, EngineError, IOEngine
 from ..io.memory import PoolFull
 from .budget import ActivationBudget, give_back_readahead
 from .lifecycle import IN_FLIGHT, READS, WRITES, State, move
@@ -210,6 +210,8 @@ class Transfers:
         try:
             if not fresh:
                 rec.check_storage()  # before any copy or IO could read memory its owner freed
+            if rec.decision in TIERS:  # the plan's tier ('host', 'ssd'): said before pool_view
+                self._engine.place(rec.id, rec.decision)
             data, event = self._stage_out(rec) if self._copy is not None else (rec.bytes_view(), None)
             fut = self._engine.write(rec.id, data, event)
         except EXPECTED_WRITE_REFUSALS as exc:  # nothing started (the memory pool is full): keep it

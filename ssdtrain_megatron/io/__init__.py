@@ -53,12 +53,16 @@ def make_engine(config: OffloadConfig, ident: Optional[Identity] = None) -> IOEn
         from .base import EngineUnavailable
 
         raise EngineUnavailable(f"engine {config.engine!r} cannot run here: {why}")
+    from .affinity import check_cpus
+
+    check_cpus(config.io_cpus)  # before any IO thread starts
     engine = cls(config, ident)
-    if config.bandwidth_cap_gbps is not None:
+    # The cap emulates a slower drive: tiered applies it to its SSD tier itself (io/tiered.py).
+    if config.bandwidth_cap_gbps is not None and config.engine != "tiered":
         from .throttle import ThrottledEngine
 
         try:
-            engine = ThrottledEngine(engine, config.bandwidth_cap_gbps)
+            engine = ThrottledEngine(engine, config.bandwidth_cap_gbps, config.io_cpus)
         except BaseException:
             engine.close()  # a failed start leaves nothing on disk
             raise

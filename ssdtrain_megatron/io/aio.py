@@ -45,6 +45,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..config import OffloadConfig
+from .affinity import pin_io_thread
 from .base import EngineError
 from .layout import ALIGN, Identity, align_up
 from .aio_support import aio_unavailable_reason, can_lock, check_aio_events, load_aio_op
@@ -220,6 +221,7 @@ class AioEngine(SlabEngine):
         Write: copy B into the free buffer while A is written; wait for A; submit B.
         Read: wait for A; submit B into the free buffer; copy A out while B is read.
         """
+        pin_io_thread(self.config.io_cpus)
         inflight: Optional[Run] = None
         while True:
             parts = queue.get_run(inflight is None, self._stage_bytes, self.staging.padded)

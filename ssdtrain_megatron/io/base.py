@@ -24,12 +24,16 @@ import functools
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 if TYPE_CHECKING:
     from .layout import Identity
+
+
+TIERS = ("host", "ssd")
+"""The places an offloaded tensor can go: host memory and a drive (IOEngine.tier, ``place``)."""
 
 
 class EngineError(RuntimeError):
@@ -52,6 +56,10 @@ class IOEngine(abc.ABC):
 
     completions: Optional[Any] = None
     """Where to report completions instead of Futures (see the module docstring)."""
+
+    tier: str = "ssd"
+    """Where this engine keeps the bytes: 'ssd' (a drive) or 'host' (host memory); the
+    offloader's per-tier statistics name its traffic so (see ``tier_meters``)."""
 
     device_direct: bool = False
     """True when the engine moves GPU memory itself (gds): the offloader then hands it device
@@ -107,6 +115,16 @@ class IOEngine(abc.ABC):
     @abc.abstractmethod
     def release(self, key: int) -> None:
         """Forget ``key`` and free its space at once."""
+
+    def place(self, key: int, tier: str) -> None:
+        """Where the plan wants the bytes of ``key``: 'host' or 'ssd', said before its
+        ``pool_view`` and ``write``. An engine with one place ignores it (the default); the
+        tiered engine stores the key there (io/tiered.py)."""
+
+    def tier_meters(self) -> Dict[str, Tuple["BusyMeter", "BusyMeter"]]:
+        """Each tier's (write, read) meters, by ``tier`` name; one engine, one tier (the
+        default): its own meters. The offloader takes them at the end of every step."""
+        return {self.tier: (self.write_meter, self.read_meter)}
 
     def cancel(self, key: int) -> bool:
         """Take back the write of ``key`` if no IO thread has started it: True when it was

@@ -41,6 +41,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..config import OffloadConfig
+from .affinity import pin_io_thread
 from .base import EngineError, EngineUnavailable
 from .layout import Identity
 from .requests import Request
@@ -104,7 +105,8 @@ class GdsEngine(SlabEngine):
         # descriptor only reserves space.
         try:
             self._open_slabs("off", on_open=self._open_cufile)
-            self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-gds")
+            self._workers = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ssdtrain-gds",
+                                               initializer=pin_io_thread, initargs=(tuple(config.io_cpus),))
         except BaseException:
             self._remove_files(drop_slabs=True)  # a failed start leaves nothing on disk
             raise

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from ..config import OffloadConfig
+from .affinity import pin_io_thread
 from .base import BusyMeter, EngineError, IOEngine, as_bytes
 from .layout import ExtentAllocator, Identity
 from .gpu_wait import wait_for
@@ -64,6 +65,7 @@ class MemoryEngine(IOEngine):
     """
 
     name = "memory"
+    tier = "host"
 
     def __init__(self, config: OffloadConfig, ident: Optional[Identity] = None,
                  capacity: Optional[int] = None) -> None:
@@ -220,6 +222,7 @@ class MemoryEngine(IOEngine):
         Every reference to a request's tensor is dropped before its completion is reported,
         and nothing of it stays bound while the thread waits for the next request: a worker
         must never keep the last tensor it handled alive."""
+        pin_io_thread(self.config.io_cpus)
         while True:
             request = self._requests.get()
             if request is None:

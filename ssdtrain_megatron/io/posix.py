@@ -31,6 +31,7 @@ from typing import List, Optional
 import torch
 
 from ..config import OffloadConfig
+from .affinity import pin_io_thread
 from .base import EngineError
 from .bounce import probe_dio_align
 from .gpu_wait import wait_for
@@ -105,6 +106,7 @@ class PosixEngine(SlabEngine):
         """Worker thread: take runs of chunks until the queue is closed and drained. Nothing of
         a finished run stays bound while the thread waits for the next one (a worker must not
         keep the last tensor it handled alive)."""
+        pin_io_thread(self.config.io_cpus)
         view = memoryview(buf.numpy())
         while True:
             parts = self._queue.get_run(True, self._chunk, self.staging.padded, IOV_MAX // 3)  # 3 pieces a chunk

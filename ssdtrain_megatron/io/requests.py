@@ -47,7 +47,7 @@ class RequestOwner(Protocol):
 
     completions: Optional[Any]
 
-    def place(self, placement: Placement, req: "Request") -> None: ...
+    def place_chunks(self, placement: Placement, req: "Request") -> None: ...
 
 
 class Request:
@@ -104,7 +104,7 @@ class Request:
     def extents(self) -> List[Extent]:
         """The chunks, placing them first if no IO thread has yet (call from an IO thread)."""
         if self.placement.extents is None:
-            self.owner.place(self.placement, self)
+            self.owner.place_chunks(self.placement, self)
         return self.placement.extents
 
     def chunk_done(self, exc: Optional[BaseException]) -> None:

@@ -119,7 +119,7 @@ class SlabEngine(IOEngine):
     def _n_chunks(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self._chunk))
 
-    def place(self, placement: Placement, req: Request) -> None:
+    def place_chunks(self, placement: Placement, req: Request) -> None:
         """IO thread (under the queue's lock, in queue order): cut the tensor into
         ``chunk_bytes`` chunks striped round-robin over the roots, the first on the next root
         in turn, and allocate one extent per root holding that root's chunks back to back,

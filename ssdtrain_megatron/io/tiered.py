@@ -1,9 +1,20 @@
-"""The 'tiered' engine: host memory first, up to ``host_memory_bytes``; SSD beyond it.
+"""The 'tiered' engine: a host-memory tier of ``host_memory_bytes`` and an SSD tier.
 
-Why: host RAM is the fastest place for an activation, but there is rarely enough of it for a
-whole step; the SSD takes what does not fit. The tier is chosen once, at ``write``, and
+Why: host RAM is the nearest place for an activation after the GPU, but there is rarely enough
+of it for a whole step; the drives take the rest. Which tier a tensor goes to is the plan's
+choice, not the order of arrival: the last layers' activations come back first and want the
+near tier, the first layers' have the whole forward pass to be written and the whole backward
+pass to come back, so they go to SSD. The offloader says where each key goes (``place``, from
+its per-layer decision 'host' or 'ssd', from the adaptive plan or, with policy 'offload', by
+layer from the last step: cache/four_places.py) before handing it over; a key it says nothing
+about (decision 'offload') goes to host memory while it has room and to SSD beyond,
+first-come, as before plans existed. A key placed on 'host' that no longer fits there goes to SSD (counted in
+``host_spilled``): host memory is never exceeded. The tier is chosen once, at ``write``, and
 remembered per key, so reads come from whichever tier holds the tensor and no tensor ever
 migrates (a migration would be IO competing with the step's own).
+
+``bandwidth_cap_gbps`` caps the SSD tier only (io/throttle.py): it emulates a slower drive, and
+host memory is not a drive.
 """
 
 from __future__ import annotations
@@ -19,14 +30,19 @@ from .base import BusyMeter, EngineError, IOEngine
 from .layout import Identity
 from .memory import MemoryEngine, PoolFull
 from .posix import PosixEngine
+from .throttle import ThrottledEngine
+
+TIERS = ("host", "ssd")
+"""The places ``place`` accepts (IOEngine.tier of the memory and of the SSD tier)."""
 
 
 class TieredEngine(IOEngine):
-    """A :class:`MemoryEngine` of ``host_memory_bytes`` in front of a :class:`PosixEngine`.
+    """A :class:`MemoryEngine` of ``host_memory_bytes`` beside a :class:`PosixEngine`.
 
     ``bytes_on_disk`` counts both tiers (bytes held for live keys); ``bytes_in_memory`` and
     ``bytes_on_ssd`` split it. ``tensors_spilled`` counts writes that went to SSD because the
-    memory tier was full.
+    memory tier was full (placed on 'host', or not placed); ``host_spilled`` the part of them
+    the plan had placed on 'host'. ``tier_meters()`` gives each tier's own traffic.
     """
 
     name = "tiered"
@@ -35,18 +51,23 @@ class TieredEngine(IOEngine):
         self.config = config
         self.memory = MemoryEngine(config, ident)
         try:
-            self.ssd = PosixEngine(config, ident)
+            ssd: IOEngine = PosixEngine(config, ident)
         except BaseException:
             self.memory.close()
             raise
+        if config.bandwidth_cap_gbps is not None:  # a slower drive: the SSD tier only
+            ssd = ThrottledEngine(ssd, config.bandwidth_cap_gbps, config.io_cpus)
+        self.ssd = ssd
         self.ident = self.ssd.ident
         self.rank_dirs: List[str] = self.ssd.rank_dirs
         self._tier: Dict[int, IOEngine] = {}
         self._reserved: Set[int] = set()  # keys with a memory-tier pool_view, not yet written
+        self._placed: Dict[int, str] = {}  # key -> 'host' or 'ssd', said by place(), not yet written
         self._pending: Dict[int, Tuple[BusyMeter, int]] = {}  # key -> its request's meter, bytes
         self._completions = None
         self._lock = threading.Lock()
         self.tensors_spilled = 0
+        self.host_spilled = 0
         # Both tiers' traffic, as one device would show it to the offloader's telemetry.
         self.write_meter = BusyMeter()
         self.read_meter = BusyMeter()
@@ -94,9 +115,26 @@ class TieredEngine(IOEngine):
         self.memory.completions = relay
         self.ssd.completions = relay
 
+    def place(self, key: int, tier: str) -> None:
+        """``key`` goes to ``tier`` ('host' or 'ssd'); said before ``pool_view``/``write``."""
+        if tier not in TIERS:
+            raise EngineError(f"tier {tier!r} of key {key} is invalid: expected one of {', '.join(TIERS)}")
+        with self._lock:
+            self._placed[key] = tier
+
+    def tier_meters(self) -> Dict[str, Tuple[BusyMeter, BusyMeter]]:
+        """Each tier's (write, read) meters: the host tier's copies and the SSD tier's IO
+        (the emulated drive's, under ``bandwidth_cap_gbps``)."""
+        return {"host": (self.memory.write_meter, self.memory.read_meter),
+                "ssd": (self.ssd.write_meter, self.ssd.read_meter)}
+
     def pool_view(self, key: int, nbytes: int) -> Optional[torch.Tensor]:
         """The memory tier's extent for ``key`` (see IOEngine.pool_view), or None when it is
-        full: the tensor then goes to SSD through the offloader's staging."""
+        full or ``key`` is placed on 'ssd': the tensor then goes to SSD through the
+        offloader's staging."""
+        with self._lock:
+            if self._placed.get(key) == "ssd":
+                return None
         try:
             view = self.memory.pool_view(key, nbytes)
         except PoolFull:
@@ -119,21 +157,25 @@ class TieredEngine(IOEngine):
                 raise EngineError(f"key {key} written twice")
             reserved = key in self._reserved
             self._reserved.discard(key)
+            placed = self._placed.pop(key, None)
         nbytes = data.nbytes
         queued = self._completions is not None
         if queued:  # before the request exists: it may complete before write() returns
             self._begin(key, self.write_meter, nbytes)
+        # Placed on 'ssd': straight there (a pool_view reservation means the host tier already
+        # holds the bytes, whatever the hint said). Else host memory, and SSD when it is full.
+        tier: IOEngine = self.ssd if placed == "ssd" and not reserved else self.memory
         try:
             try:
-                fut = self.memory.write(key, data, ready_event)
-                tier: IOEngine = self.memory
+                fut = tier.write(key, data, ready_event)
             except PoolFull:
                 if reserved:
                     raise
-                fut = self.ssd.write(key, data, ready_event)
                 tier = self.ssd
+                fut = self.ssd.write(key, data, ready_event)
                 with self._lock:
                     self.tensors_spilled += 1
+                    self.host_spilled += placed == "host"
         except BaseException:
             if queued:
                 self._end(key)
@@ -205,15 +247,16 @@ class TieredEngine(IOEngine):
         return True
 
     def tier_of(self, key: int) -> str:
-        """'memory' or 'posix': where ``key`` is stored."""
+        """'memory' or 'posix': where ``key`` is stored (the SSD tier is 'posix' under a cap too)."""
         with self._lock:
             tier = self._tier.get(key)
         if tier is None:
             raise EngineError(f"unknown key {key}")
-        return tier.name
+        return "memory" if tier is self.memory else "posix"
 
     def release(self, key: int) -> None:
         with self._lock:
+            self._placed.pop(key, None)
             tier = self._tier.pop(key, None)
             if key in self._reserved:  # a pool_view that was never written
                 self._reserved.discard(key)
@@ -228,6 +271,7 @@ class TieredEngine(IOEngine):
     def close(self) -> None:
         with self._lock:
             self._tier.clear()
+            self._placed.clear()
         try:
             self.memory.close()
         finally:

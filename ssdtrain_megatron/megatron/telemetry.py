@@ -4,7 +4,8 @@
   (``global_vars.get_tensorboard_writer()``; Megatron builds one with ``--tensorboard-dir``, on
   the last rank only), every numeric StepStats field becomes a scalar ``ssd_offload/<field>``
   at the iteration Megatron logs its own scalars at, every ``--tensorboard-log-interval``
-  iterations; ``passed_through_by_reason`` becomes ``ssd_offload/passed_through/<reason>``.
+  iterations; ``passed_through_by_reason`` becomes ``ssd_offload/passed_through/<reason>``
+  and ``tier_bytes`` ``ssd_offload/tier_bytes/<place>``.
 - **The log**: one INFO line with ``StepStats.summary()`` every ``--log-interval`` iterations,
   next to Megatron's own iteration line. Without Megatron's arguments (megatron-core in your own
   loop, the demo, the benchmarks) the offloader's DEBUG line after every step is the log.
@@ -32,7 +33,8 @@ GLOBAL_VARS_MODULES = ("megatron.training.global_vars", "megatron.global_vars")
 
 SCALAR_PREFIX = "ssd_offload/"
 
-_NOT_SCALARS = ("step", "layers", "plan", "passed_through_by_reason", "not_offloaded_why")
+_NOT_SCALARS = ("step", "layers", "plan", "passed_through_by_reason", "not_offloaded_why", "tier_bytes",
+                "tier_gbps")
 
 
 def step_scalars(stats: StepStats) -> Dict[str, float]:
@@ -41,6 +43,8 @@ def step_scalars(stats: StepStats) -> Dict[str, float]:
            if f.name not in _NOT_SCALARS and isinstance(getattr(stats, f.name), (int, float))}
     for reason, n in sorted(stats.passed_through_by_reason.items()):  # only the reasons seen
         out[f"{SCALAR_PREFIX}passed_through/{reason}"] = n
+    for place, n in sorted(stats.tier_bytes.items()):  # keep, and the engine's tiers
+        out[f"{SCALAR_PREFIX}tier_bytes/{place}"] = n
     return out
 
 

@@ -29,7 +29,7 @@ from .tier_costs import (BINDING, HOST, PLACES, SSD, PositionCost, TierPlan, Tie
                          timeline)
 
 __all__ = ["BINDING", "HOST", "KEEP", "PLACES", "Position", "RECOMPUTE", "SSD", "TierPlan",
-           "Tiers", "plan_tiers", "timeline"]
+           "Tiers", "plan_tiers", "price", "timeline"]
 
 _RANK = {HOST: 0, SSD: 1, RECOMPUTE: 2}
 
@@ -243,3 +243,29 @@ def _result(step: _Step, rows: List[List[str]], costs: List[PositionCost], of: L
                     host_peak_bytes=host_peak,
                     binding=_binding(step, costs, iteration, stall, fits),
                     fits_budget=fits, tiers=t)
+
+
+def price(layers: Sequence[LayerMeasurement], positions: Sequence[Position], tiers: Tiers,
+          decisions: Sequence[Sequence[str]]) -> TierPlan:
+    """What given places cost, priced as :func:`plan_tiers` prices its own plan: the adaptive
+    runtime's candidates and the bench's fixed strategies (all keep, all ssd, ...).
+
+    Args:
+        decisions: decisions[position][layer], one of :data:`PLACES` each.
+
+    Raises:
+        ValueError: empty or invalid measurements or positions, or decisions of another shape.
+    """
+    _check(layers, positions)
+    if len(decisions) != len(positions) or any(len(row) != len(layers) for row in decisions) \
+            or any(d not in PLACES for row in decisions for d in row):
+        raise ValueError(f"decisions={decisions!r} is invalid: expected one row of "
+                         f"{len(layers)} places ({', '.join(PLACES)}) per position ({len(positions)})")
+    groups = [(p, 1) for p in positions]
+    step = _Step(layers, groups, tiers)
+    rows = [list(row) for row in decisions]
+    costs = [step.cost(g, rows[g]) for g in range(len(groups))]
+    fits = tiers.budget_bytes is None or all(
+        c.kept_bytes <= max(0, tiers.budget_bytes - tiers.reserve_bytes) // p.live
+        for c, (p, _) in zip(costs, groups))
+    return _result(step, rows, costs, list(range(len(groups))), fits)

@@ -29,7 +29,8 @@ class LayerStats:
     bytes_offloaded: int
     tensors: int
     decision: str
-    """'offload', 'keep' or 'recompute' (what the plan asked for this layer)."""
+    """'offload', 'host', 'ssd', 'keep' or 'recompute' (what the plan asked for this layer;
+    cache/decisions.py)."""
     io_wait_s: float
     forward_s: float = 0.0
     """Forward compute time of the layer, all micro-batches together."""
@@ -128,6 +129,13 @@ class StepStats:
     """Time end_step() blocked on IO still in flight (writes of tensors forwarded from memory,
     reads not consumed): part of step_time_s that io_wait_s leaves out; a drive too slow for
     the step shows here."""
+    tier_bytes: Dict[str, int] = field(default_factory=dict)
+    """Bytes per place: ``keep``, recorded and left in memory by the step (kept, fallbacks,
+    writes taken back); and per tier of the engine (``host``, ``ssd``; the tiered engine has
+    both, another engine its one), the bytes it wrote there."""
+    tier_gbps: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    """Per tier of the engine, ``write`` and ``read`` GB/s over the time that tier was busy
+    (write_gbps and read_gbps are both tiers together)."""
     not_offloaded_why: str = ""
     """Non-empty when offload is on and this step (after the first) offloaded nothing, or a
     layer whose decision is offload recorded nothing: the dominant reason and its fix
@@ -148,7 +156,19 @@ class StepStats:
                 f"forwarded {self.tensors_forwarded}, wasted {self.bytes_wasted / 1e6:.1f} MB, "
                 f"held {self.tensors_held_by_schedule}), write {self.write_gbps:.2f} GB/s, "
                 f"read {self.read_gbps:.2f} GB/s, io wait {self.io_wait_s * 1e3:.1f} ms, "
-                f"peak resident {self.peak_resident_bytes / 1e6:.1f} MB{fell}{self._why_summary()}")
+                f"peak resident {self.peak_resident_bytes / 1e6:.1f} MB{self._tier_summary()}{fell}"
+                f"{self._why_summary()}")
+
+    def _tier_summary(self) -> str:
+        """Bytes per place: kept in memory, then each tier of the engine with its bandwidth."""
+        if not self.tier_bytes:
+            return ""
+        parts = []
+        for tier, nbytes in self.tier_bytes.items():
+            bw = self.tier_gbps.get(tier)
+            rate = f" (write {bw['write']:.2f}, read {bw['read']:.2f} GB/s)" if bw and nbytes else ""
+            parts.append(f"{tier} {nbytes / 1e6:.1f} MB{rate}")
+        return "; tiers: " + ", ".join(parts)
 
     def _why_summary(self) -> str:
         """Pass-through by reason, and why nothing was offloaded when that happened."""
@@ -245,7 +265,10 @@ class StepCounters:
             self.timeline.append((time.perf_counter(), self.resident_bytes))
 
     def freeze(self, step: int, write: Tuple[int, float], read: Tuple[int, float], bytes_on_disk: int,
-               step_time_s: float, iteration_time_s: float = 0.0) -> StepStats:
+               step_time_s: float, iteration_time_s: float = 0.0,
+               tiers: Optional[Dict[str, Tuple[Tuple[int, float], Tuple[int, float]]]] = None) -> StepStats:
+        """The step's StepStats; ``tiers``: per tier of the engine, its (write, read) traffic
+        as ``(bytes, busy seconds)`` (telemetry/tiers.py)."""
         rows = tuple(LayerStats(layer=str(k), bytes=a.bytes, bytes_offloaded=a.bytes_offloaded,
                                 tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s,
                                 forward_s=a.forward_s)
@@ -263,7 +286,15 @@ class StepCounters:
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
             bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,
             iteration_time_s=iteration_time_s, captured_kept=by_reason.get("cuda_graph_capture", 0),
-            passed_through_by_reason=by_reason, read_retries=self.read_retries)
+            passed_through_by_reason=by_reason, read_retries=self.read_retries,
+            tier_bytes=self._tier_bytes(tiers) if tiers is not None else {},
+            tier_gbps={t: {"write": _gbps(*w), "read": _gbps(*r)} for t, (w, r) in (tiers or {}).items()})
+
+    def _tier_bytes(self, tiers: Dict[str, Tuple[Tuple[int, float], Tuple[int, float]]]) -> Dict[str, int]:
+        recorded = sum(a.bytes for a in self.layers.values())
+        out = {"keep": max(0, recorded - self.bytes_offloaded)}
+        out.update((t, w[0]) for t, (w, _) in tiers.items())
+        return out
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

@@ -31,6 +31,13 @@ is larger than the difference the ratio reports (bench_spread.py); writes
 OUT/rok.png (x: peak activation memory, y: throughput, one line per strategy) and
 OUT/points.json (the object --json prints). Progress goes to stderr.
 
+With --node-emulation (bench_node.py) the CPU takes a GPU node's shape: compute on one core, the
+IO threads on another, the SSD tier capped below what a full offload needs and the host tier
+below one step's bytes; the strategies are keep, offload (to the capped SSD), host (the host
+tier alone), planned (the four-place plan for that node), adaptive (on the tiered engine) and
+recompute, at one budget, and each strategy's measured step time / keep is printed next to the
+planner's prediction (--json: node_emulation, planned_vs_best_single_step_time).
+
 The bench sets OMP_WAIT_POLICY=PASSIVE for every strategy unless the environment sets it. It
 matters on the CPU: the model's compute runs on torch's OpenMP team there, and with the
 runtime's default, a team thread whose peer lost its core to an IO thread busy-waits at the
@@ -48,11 +55,14 @@ import statistics
 import sys
 from typing import Dict, List, Optional
 
-from .bench_budget import budget_comparison, render_lines
-from .bench_compare import CONTROL, compare_losses, render_differences
-from .bench_measure import (ALL_STRATEGIES, CONTROL_RUN, SAME_LOSSES, STRATEGIES, VERIFIED, BenchRun, Point,
-                            measure, verify_ratios)
-from .bench_spread import ratio_spread, render_spread
+from .bench_budget import budget_comparison
+from .bench_compare import CONTROL, compare_losses
+from .bench_measure import (ALL_STRATEGIES, CONTROL_RUN, NODE_STRATEGIES, SAME_LOSSES, STRATEGIES, VERIFIED, BenchRun,
+                            Point, measure, verify_ratios)
+from .bench_node import add_node_arguments, node_from_args
+from .bench_predict import node_summary
+from .bench_render import plot_rok, render
+from .bench_spread import ratio_spread
 from .cli_types import (PRESET_HELP, byte_count, check_engine, deprecated_alias, openmp_wait_policy,
                         positive_int, preset_arg, quiet_megatron_warnings, verify_methods,
                         writable_dir)
@@ -63,6 +73,14 @@ TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
            "recompute_vs_keep_step_time": (">=", 1.2, 1.2)}
 """The project's own goals, (comparison, CPU bound, GPU bound): in --json's "targets" for its
 CI, never in the table (a user did not set them)."""
+NODE_TARGETS = {"planned_vs_best_single_step_time": ("<=", 1.0, 1.0),
+                "adaptive_vs_best_fixed_step_time": ("<=", 1.02, 1.02),
+                "prediction_max_abs_error": ("<=", 0.10, 0.10)}
+"""With --node-emulation, also (issue 35), at the ratios' micro-batch size: the planned tiers no
+slower than the fastest single strategy (keep, recompute, offload, host) whose peak fits the
+budget, adaptive within 2% of the fastest fixed one (those and planned), and the planner's
+predicted step time / keep within 10% of the measured one for every strategy. The offload /
+keep goal with IO on its own core (<= 1.03) needs an SSD cap above the need: ``--ssd-gbps``."""
 
 SHAPES = {
     "default": dict(layers=8, hidden=512, heads=8, seq=512, vocab=1024, num_microbatches=2,
@@ -99,9 +117,10 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--engine", help="IO engine (default: the preset's, else posix)")
     p.add_argument("--min-tensor-bytes", type=byte_count, metavar="BYTES",
                    help="smaller saved tensors stay in memory (default: the preset's, else 256KiB)")
-    p.add_argument("--strategies", type=_strategies, default=[s.name for s in STRATEGIES],
+    p.add_argument("--strategies", type=_strategies, default=None,
                    metavar="NAME[,NAME...]", help="which strategies to run; keep (the baseline) "
-                   "always runs (default: keep,offload,adaptive,recompute)")
+                   "always runs (default: keep,offload,adaptive,recompute; with --node-emulation also "
+                   "host and planned, which run only there)")
     p.add_argument("--verify", type=verify_methods, default=None, metavar="{off,crc32c}[,...]",
                    help="OffloadConfig.verify of every strategy; 'off,crc32c' also runs "
                         "offload+crc32c beside offload, for the cost of verification as one "
@@ -117,6 +136,7 @@ def add_bench_parser(subparsers) -> None:
             deprecated_alias(p, old, new, dest, positive_int)
     shape.add_argument("--warmup", type=_non_negative, default=None, metavar="N",
                        help="unmeasured steps first")
+    add_node_arguments(p)
     p.set_defaults(func=run_bench)
 
 
@@ -130,7 +150,7 @@ def _sizes(text: str) -> List[int]:
 
 
 def _strategies(text: str) -> List[str]:
-    names = [s.name for s in STRATEGIES]
+    names = [s.name for s in NODE_STRATEGIES]
     items = [t.strip() for t in text.split(",")]
     if any(t not in names for t in items):
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected names among {', '.join(names)}")
@@ -153,6 +173,24 @@ def run_bench(args: argparse.Namespace) -> int:
     from .minigpt import GPTSpec
 
     shape = _shape(args)
+    try:
+        node = node_from_args(args)
+    except argparse.ArgumentTypeError as exc:
+        print(f"ssdtrain bench: error: {exc}", file=sys.stderr)
+        return 2
+    known = NODE_STRATEGIES if node is not None else STRATEGIES
+    args.strategies = args.strategies or [s.name for s in known]
+    outside = [n for n in args.strategies if n not in {s.name for s in known}]
+    if outside:
+        print(f"ssdtrain bench: error: --strategies {','.join(outside)}: run only with --node-emulation "
+              "(they need its host tier and SSD cap)", file=sys.stderr)
+        return 2
+    if node is not None and args.warmup is None:  # planned plans from keep's last warm-up step
+        shape["warmup"] = max(shape["warmup"], 2)
+    if node is not None and shape["warmup"] < 1:
+        print("ssdtrain bench: error: --node-emulation needs --warmup 1 or more (the planned strategy "
+              "plans from keep's warm-up step)", file=sys.stderr)
+        return 2
     base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
     # The preset's own budget is not the bench's: adaptive gets --memory-budget (bench_budget.py).
     changes = {"dirs": [root], "activation_budget_bytes": None}
@@ -160,7 +198,7 @@ def run_bench(args: argparse.Namespace) -> int:
         changes["engine"] = args.engine
     if args.min_tensor_bytes is not None:
         changes["min_tensor_bytes"] = args.min_tensor_bytes
-    strategies = [s for s in STRATEGIES if s.name in args.strategies]
+    strategies = [s for s in known if s.name in args.strategies]
     if len(strategies) > 1:  # the control of the loss comparison (bench_compare.py)
         strategies.insert(1, CONTROL_RUN)
     if args.verify:
@@ -173,7 +211,7 @@ def run_bench(args: argparse.Namespace) -> int:
                    vocab=shape["vocab"], num_microbatches=shape["num_microbatches"])
     args.offload_files.watch(root)
     result = measure(spec, cfg, args.micro_batches, shape["steps"], shape["warmup"], strategies,
-                     budget=args.memory_budget, background_load=args.background_load)
+                     budget=args.memory_budget, background_load=args.background_load, node=node)
     summary = summarize(result, args.memory_budget)
     summary["omp_wait_policy"] = omp
     os.makedirs(args.out, exist_ok=True)
@@ -207,7 +245,7 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
     common = [mb for mb in sizes if all((n, mb) in at for n in names)]
     ratio_mb = common[-1] if common else None
     ratios: Dict[str, Optional[float]] = {}
-    for other in ("offload", "adaptive", "recompute"):
+    for other in ("offload", "host", "planned", "adaptive", "recompute"):
         for key, attr in (("step_time", "step_s"), ("peak_activation", "peak_activation_bytes")):
             a, k = at.get((other, ratio_mb)), at.get(("keep", ratio_mb))
             if a is not None and k is not None:
@@ -227,6 +265,7 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
     gpu = run.device.startswith("cuda")
     versus = budget_comparison(at, ratio_mb, memory_budget)
     ratios.update(versus["ratios"])
+    node = node_summary(run, at, ratio_mb, memory_budget, ratios, versus)  # --node-emulation
     explored = run.series.get(("adaptive", ratio_mb))
     if explored is not None and explored.explore_times:
         ratios["adaptive_settle_steps"] = explored.settle_steps  # None: not settled in the bound
@@ -245,15 +284,18 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
                                            "log": s.explore_log}
                                  for (n, mb), s in run.series.items() if n == "adaptive" and s.explore_times},
         "background_load": run.background_load,
-        "targets": _targets(ratios, gpu),
+        "targets": _targets(dict(ratios, **_prediction_error(node)), gpu, node is not None),
         "memory_budget_bytes": memory_budget,
         "memory_budget_from_keep_micro_batch": budget_from,
         "best_fixed": versus["best_fixed"],
+        "best_single": versus.get("best_single"),
+        "node_emulation": node,
         "adaptive_budget_bytes": {str(mb): b for mb, b in run.adaptive_budgets.items()},
         "largest_micro_batch_under_budget": fits,
         **compared,
         "recompute_pass_bytes": {str(mb): s.layer_bytes for (n, mb), s in run.series.items() if n == "keep"},
         "diagnostics": {f"{n}@{mb}": {"io_wait_s": statistics.median(s.io_wait[run.warmup:]),
+                                      "budget_wait_s": statistics.median(s.budget_wait[run.warmup:] or [0.0]),
                                       "cpu_s": statistics.median(s.cpu[run.warmup:]),
                                       "bytes_offloaded": statistics.median(s.offloaded[run.warmup:]),
                                       "fallbacks": sum(s.fallbacks)}
@@ -269,131 +311,17 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
     }
 
 
-def _targets(ratios: Dict[str, float], gpu: bool) -> dict:
+def _prediction_error(node: Optional[dict]) -> Dict[str, float]:
+    errors = [abs(v["error"]) for v in (node or {}).get("vs_keep_step_time", {}).values()
+              if v["error"] is not None]
+    return {"prediction_max_abs_error": max(errors)} if errors else {}
+
+
+def _targets(ratios: Dict[str, float], gpu: bool, node: bool = False) -> dict:
     out = {}
-    for key, (op, cpu_bound, gpu_bound) in TARGETS.items():
+    for key, (op, cpu_bound, gpu_bound) in dict(TARGETS, **(NODE_TARGETS if node else {})).items():
         bound = gpu_bound if gpu else cpu_bound
         value = ratios.get(key)
         met = None if value is None else (value <= bound if op == "<=" else value >= bound)
         out[key] = {"target": f"{op} {bound}", "met": met}
     return out
-
-
-def _mb(n: Optional[int]) -> str:
-    return "n/a" if n is None else f"{n / 1e6:,.1f} MB"
-
-
-def render(summary: dict) -> str:
-    """The table and the ratios, as printed without --json."""
-    sh = summary["shape"]
-    lines = [f"megatron-core GPT, {sh['layers']} layers, hidden {sh['hidden']}, seq {sh['seq']}, "
-             f"{sh['num_microbatches']} micro-batches per step, on {summary['device']}; median of "
-             f"{summary['steps']} steps after {summary['warmup']} warm-up"
-             + (f"; {summary['background_load']} busy background process(es) all along"
-                if summary.get("background_load") else "")]
-    if summary.get("omp_wait_policy") and summary["device"] == "cpu":
-        lines.append(f"OpenMP wait policy: {summary['omp_wait_policy']}")
-    lines.append("")
-    head = ("strategy", "micro-batch", "step (s) median [min-max]", "tokens/s", "peak activations", "peak memory",
-            "CPU (s)", "io wait (ms)")
-    diag = summary["diagnostics"]
-    rows = [(p["strategy"], p["micro_batch"], f"{p['step_s']:.3f} [{p['step_s_min']:.3f}-{p['step_s_max']:.3f}]",
-             f"{p['tokens_per_s']:,.0f}",
-             _mb(p["peak_activation_bytes"]), _mb(p["peak_memory_bytes"]),
-             f"{diag[p['strategy'] + '@' + str(p['micro_batch'])]['cpu_s']:.2f}",
-             f"{diag[p['strategy'] + '@' + str(p['micro_batch'])]['io_wait_s'] * 1e3:.0f}")
-            for p in summary["points"]]
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-    lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
-    for r in rows:
-        lines.append("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))))
-    uncounted = ", ".join(f"{_mb(b)} at micro-batch {mb}" for mb, b in summary["recompute_pass_bytes"].items())
-    ran = list(dict.fromkeys(p["strategy"] for p in summary["points"]))  # in table order
-    lines.append(f"peak memory: {summary['peak_memory_kind'] or 'not measurable here'}, the models of "
-                 f"every strategy run ({', '.join(ran)}) resident. CPU: process CPU seconds per step "
-                 "(median), all threads.")
-    if "recompute" in ran:
-        lines.append("recompute's peak activations: the checkpoint inputs the offloader sees; the tensors "
-                     "re-created in backward, one layer at a time, are not counted"
-                     + (f" (keep's largest layer: {uncounted})." if uncounted else "."))
-    lines.append("")
-    for o in summary["out_of_memory"]:
-        lines.append(f"{o['strategy']} at micro-batch {o['micro_batch']}: out of device memory")
-    r = summary["ratios"]
-    lines.append(f"at micro-batch {summary['ratios_micro_batch']} (the largest all strategies ran):")
-    labels = (("offload_vs_keep_step_time", "offload / keep step time"),
-              ("offload_vs_keep_peak_activation", "offload / keep peak activations"),
-              ("recompute_vs_keep_step_time", "recompute / keep step time"),
-              ("adaptive_vs_keep_step_time", "adaptive / keep step time"),
-              ("adaptive_vs_keep_peak_activation", "adaptive / keep peak activations"),
-              ("offload_vs_keep_cpu_time", "offload / keep CPU time"),
-              ("adaptive_vs_keep_cpu_time", "adaptive / keep CPU time"),
-              ("recompute_vs_keep_cpu_time", "recompute / keep CPU time"),
-              ("offload+crc32c_vs_offload_step_time", "offload+crc32c / offload step time"),
-              ("offload+crc32c_vs_offload_cpu_time", "offload+crc32c / offload CPU time"))
-    for key, label in labels:
-        if key in r:
-            lines.append(f"  {label:<34} {r[key]:6.2f}")
-    lines += render_lines(summary)
-    lines += render_spread(summary)
-    for mb, e in summary.get("adaptive_exploration", {}).items():
-        lines.append(f"adaptive at micro-batch {mb}: " + (
-            f"settled after {e['settle_steps']} steps" if e["settle_steps"] is not None
-            else f"did not settle within {e['steps']} steps") + " of measured selection, run alone "
-            "before the measured steps (its step time above is the settled plan's)"
-            + (f"; {e['measured_steps_exploring_again']} measured steps explored again (drift)"
-               if e["measured_steps_exploring_again"] else ""))
-    budget = summary["memory_budget_bytes"]
-    src = summary["memory_budget_from_keep_micro_batch"]
-    top = max(p["micro_batch"] for p in summary["points"])
-    fits = ", ".join(f"{n} {'none' if mb is None else mb}{'+' if mb == top else ''}"
-                     for n, mb in summary["largest_micro_batch_under_budget"].items())
-    lines.append(f"largest micro-batch within {_mb(budget)} of activations"
-                 f"{f' (keep at micro-batch {src})' if src else ''}: {fits}"
-                 f"{'  (+: the largest measured)' if '+' in fits else ''}")
-    same = ", ".join(n for n in SAME_LOSSES if any(p["strategy"] == n for p in summary["points"]))
-    lines.append(f"losses bitwise equal ({same}): {summary['losses_bitwise_equal']}"
-                 + (f"; recompute equal to keep: {summary['recompute_losses_bitwise_equal']}"
-                    if "recompute" in ran else ""))
-    lines += render_differences(summary)
-    fell = {k: d.get("fallbacks", 0) for k, d in diag.items() if d.get("fallbacks")}
-    if fell:
-        lines.append("fallbacks (writes that failed, a full disk?, and stayed in memory: those points "
-                     "saved less memory than they should): "
-                     + ", ".join(f"{k.replace('@', ' at micro-batch ')}: {n}" for k, n in fell.items()))
-    lines.append(f"offload files left: {summary['offload_files_left']}")
-    return "\n".join(lines)
-
-
-def plot_rok(summary: dict, path: str) -> bool:
-    """The ROK plot as a PNG; False (and a note on stderr) without matplotlib."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        print("matplotlib is not installed: no ROK plot (pip install 'ssdtrain-megatron[plot]')",
-              file=sys.stderr)
-        return False
-    fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for s in ALL_STRATEGIES:
-        pts = [p for p in summary["points"] if p["strategy"] == s.name]
-        if not pts:
-            continue
-        xs = [p["peak_activation_bytes"] / 1e6 for p in pts]
-        ys = [p["tokens_per_s"] for p in pts]
-        ax.plot(xs, ys, marker="o", label=s.name)
-        for p, x, y in zip(pts, xs, ys):
-            ax.annotate(f"mb {p['micro_batch']}", (x, y), textcoords="offset points", xytext=(4, 4),
-                        fontsize=7)
-    if summary["memory_budget_bytes"]:
-        ax.axvline(summary["memory_budget_bytes"] / 1e6, color="grey", linestyle="--", linewidth=1,
-                   label="memory budget")
-    ax.set_xlabel("peak resident activations (MB)")
-    ax.set_ylabel("throughput (tokens/s)")
-    ax.set_title("ROK: recompute / offload / keep")
-    ax.legend()
-    fig.savefig(path)
-    return True

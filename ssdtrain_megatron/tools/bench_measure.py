@@ -42,9 +42,16 @@ CONTROL_RUN = Strategy(CONTROL, "keep")
 VERIFIED = Strategy("offload+crc32c", "offload", verify="crc32c")
 """offload with every chunk checksummed and verified: ``--verify off,crc32c`` runs it beside
 offload (verify off), so the cost of verification is a ratio of one run."""
-ALL_STRATEGIES = STRATEGIES[:1] + (CONTROL_RUN,) + STRATEGIES[1:2] + (VERIFIED,) + STRATEGIES[2:]
+HOST_ONLY = Strategy("host", "offload")
+"""--node-emulation: the host tier alone (the memory engine; what does not fit stays in memory)."""
+PLANNED = Strategy("planned", "offload")
+"""--node-emulation: the four-place plan for the emulated node, as fixed per-layer decisions
+on the tiered engine, within the budget (bench_node.py ``PlannedTiers``)."""
+NODE_STRATEGIES = STRATEGIES[:2] + (HOST_ONLY, PLANNED) + STRATEGIES[2:]
+"""What --node-emulation runs by default."""
+ALL_STRATEGIES = STRATEGIES[:1] + (CONTROL_RUN,) + STRATEGIES[1:2] + (VERIFIED, HOST_ONLY, PLANNED) + STRATEGIES[2:]
 """Every strategy the bench knows, in the order the report lists them."""
-SAME_LOSSES = ("keep", "offload", "offload+crc32c", "adaptive")
+SAME_LOSSES = ("keep", "offload", "offload+crc32c", "host", "planned", "adaptive")
 """Strategies whose losses must be bitwise equal (recompute's are compared and reported)."""
 
 @dataclass
@@ -72,6 +79,8 @@ class _Series:
     activation: List[int] = field(default_factory=list)
     memory: List[Optional[int]] = field(default_factory=list)
     io_wait: List[float] = field(default_factory=list)
+    budget_wait: List[float] = field(default_factory=list)
+    """Seconds pack or a read waited for writes to stay within the budget, per step."""
     offloaded: List[int] = field(default_factory=list)
     fallbacks: List[int] = field(default_factory=list)
     """Writes that failed (a full disk) and stayed in memory, per step."""
@@ -92,6 +101,10 @@ class _Series:
     """adaptive: what measured selection tried, measured and settled on (its log lines)."""
     unsettled: int = 0
     """adaptive: measured steps (after the warm-up) that ran while it explored again (drift)."""
+    last_stats: Optional[object] = None
+    """The StepStats of its last step (per-layer figures, the plan adaptive ran)."""
+    plan_rows: Optional[tuple] = None
+    """planned: the places it ran, per micro-batch position and layer."""
 
     def point(self, strategy: str, micro_batch: int, tokens: int, warmup: int) -> Point:
         times = self.times[warmup:]
@@ -117,6 +130,8 @@ class BenchRun:
     """activation_budget_bytes adaptive ran with, per micro-batch size (None: keep everything)."""
     background_load: int = 0
     """Busy processes that competed for the CPU during every strategy's steps."""
+    node: Optional[object] = None
+    """--node-emulation: the emulated node (bench_node.py ``NodeEmulation``)."""
 
 
 def verify_ratios(run: BenchRun, at: dict, mb: Optional[int]) -> Dict[str, float]:
@@ -132,19 +147,21 @@ def verify_ratios(run: BenchRun, at: dict, mb: Optional[int]) -> Dict[str, float
 
 def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, warmup: int,
             strategies: Sequence[Strategy] = STRATEGIES, budget: Optional[int] = None,
-            background_load: int = 0) -> BenchRun:
+            background_load: int = 0, node=None) -> BenchRun:
     """Train ``warmup + steps`` steps of every strategy at every micro-batch size, the strategies
     taking turns step by step; one model and one offloader per strategy and size. Adaptive
     first runs alone until its measured selection settles (bounded), then starts over on a
     fresh model beside the others, settled. A strategy that runs out of device memory at a size
-    is not tried at larger ones. ``background_load`` busy processes run all along."""
+    is not tried at larger ones. ``background_load`` busy processes run all along; ``node``
+    (bench_node.py): the emulated node the strategies run on."""
     from .demo import header_lines
     from .minigpt import MegatronRuntime
     from ..telemetry.peak_memory import PeakMemory
 
     with MegatronRuntime() as rt, BackgroundLoad(background_load):
         peak = PeakMemory(rt.device)
-        run = BenchRun(spec, steps, warmup, str(rt.device), peak.kind, background_load=background_load)
+        run = BenchRun(spec, steps, warmup, str(rt.device), peak.kind, background_load=background_load,
+                       node=node)
         print(f"ssdtrain bench: megatron-core GPT, {spec.layers} layers, hidden {spec.hidden}, "
               f"seq {spec.seq}, {spec.num_microbatches} micro-batches per step, on {rt.device}; "
               f"micro-batch sizes {', '.join(map(str, micro_batches))}; {warmup} warm-up + {steps} "
@@ -153,6 +170,10 @@ def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, 
               file=sys.stderr)
         for line in header_lines(cfg, cfg.dirs[0]):
             print("  " + line, file=sys.stderr)
+        if node is not None:  # confine compute, measure what the plan needs (bench_node.py)
+            node.start(spec, cfg, rt.device, max(micro_batches))
+            for line in node.describe():
+                print("  " + line, file=sys.stderr)
         alive = list(strategies)
         bar = progress(len(micro_batches) * (warmup + steps), desc="bench", unit="round")
         try:
@@ -172,9 +193,14 @@ def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, 
 def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: OffloadConfig,
                   device, peak, bar) -> None:
     """Every strategy in ``alive`` at micro-batch size ``mb``, taking turns step by step."""
-    contenders = [_Contender(s, dataclasses.replace(spec, micro_batch=mb),
-                             adaptive_config(cfg, run.adaptive_budgets.get(mb)) if s.name == "adaptive" else cfg,
+    budget = run.adaptive_budgets.get(mb)
+    contenders = [_Contender(s, dataclasses.replace(spec, micro_batch=mb), _config(s, cfg, budget, run.node),
                              device) for s in alive]
+    planned = [c for c in contenders if c.strategy is PLANNED]
+    if planned:
+        from .bench_node import PlannedTiers
+
+        planned[0].planned = PlannedTiers(run.node, budget, spec.layers, planned[0].offloader)
     try:
         for c in contenders:
             run.series[(c.strategy.name, mb)] = c.series
@@ -194,11 +220,23 @@ def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: Offl
             say(bar, f"micro-batch {mb}, step {i + 1}/{run.warmup + run.steps}"
                      f"{' (warm-up)' if i < run.warmup else ''}: {times}")
             bar.update(1)
+            if i < run.warmup:  # planned plans from keep's latest step, before the measured ones
+                for c in planned:
+                    c.plan_from(contenders[0], spec.num_microbatches)
     finally:
         for c in contenders:
             run.files_left += c.close()
         del contenders
         gc.collect()
+
+
+def _config(s: Strategy, cfg: OffloadConfig, budget: Optional[int], node) -> OffloadConfig:
+    """Strategy ``s``'s settings: on the emulated node's tiers; adaptive (and planned) within
+    the budget."""
+    out = node.config(s.name, cfg) if node is not None else cfg
+    if s.name in ("adaptive", "planned"):
+        out = adaptive_config(out, budget)
+    return out
 
 
 def _settle(c: "_Contender", peak, bar, mb: int) -> None:
@@ -216,7 +254,7 @@ def _settle(c: "_Contender", peak, bar, mb: int) -> None:
             return
         series.explore_times.append(series.times.pop())
         series.explore_peak = max(series.explore_peak, series.activation.pop())
-        for name in ("losses", "mb_losses", "memory", "io_wait", "offloaded", "fallbacks", "cpu"):
+        for name in ("losses", "mb_losses", "memory", "io_wait", "budget_wait", "offloaded", "fallbacks", "cpu"):
             getattr(series, name).pop()
         say(bar, f"micro-batch {mb}: adaptive exploring, step {n}: {series.explore_times[-1]:.2f}s")
         if sel.settled:
@@ -248,6 +286,15 @@ class _Contender:
         self.offloader = ActivationOffloader(cfg.replace(policy=strategy.policy, job=job, **changes),
                                              device=device)
         self.series = _Series()
+        self.planned = None
+        """planned: its PlannedTiers (bench_node.py)."""
+
+    def plan_from(self, keep: "_Contender", num_micro_batches: int) -> None:
+        """planned: (re)plan from the keep contender's last step."""
+        if self.planned is not None and keep.series.last_stats is not None:
+            self.planned.plan_from(self.offloader, keep.series.last_stats, num_micro_batches)
+            if self.planned.plan is not None:
+                self.series.plan_rows = self.planned.plan.decisions
 
     def explores(self) -> bool:
         """Adaptive under a budget with measured selection on: it has something to settle."""
@@ -280,8 +327,10 @@ class _Contender:
         ser.activation.append(st.peak_resident_bytes)
         ser.memory.append(peak.peak())
         ser.io_wait.append(st.io_wait_s)
+        ser.budget_wait.append(st.budget_wait_s)
         ser.offloaded.append(st.bytes_offloaded)
         ser.fallbacks.append(st.fallbacks)
+        ser.last_stats = st
         ser.cpu.append(cpu1.user - cpu0.user + cpu1.system - cpu0.system)
         layers = [r.bytes // self.spec.num_microbatches for r in st.layers if r.layer != "None"]
         ser.layer_bytes = max(layers + [ser.layer_bytes])

@@ -41,6 +41,11 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="PRESET", type=preset_arg,
                    help=f"{PRESET_HELP}: check its offload: dirs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--node-profile", metavar="OUT.yaml", default=None,
+                   help="also measure this machine (each --dir's drive, free host memory, "
+                        "on a GPU its pinned copies and matmul, on a CPU what stands in for them) and "
+                        "write its node profile there, for `ssdtrain plan --node OUT.yaml` "
+                        "(tools/node_profile.py; about a minute)")
     p.set_defaults(func=run_doctor)
     return p
 
@@ -280,4 +285,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     report = build_report(args)
     print(json.dumps(report, indent=1) if args.json else render(report))
     ok = report["engines"]["posix"]["available"] and all(r["writable"] for r in report["roots"])
+    if args.node_profile:
+        from .node_profile import write_node_profile
+
+        ok = write_node_profile(args.node_profile, report) == 0 and ok
     return 0 if ok else 1

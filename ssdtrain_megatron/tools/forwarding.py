@@ -44,6 +44,7 @@ class ForwardingEngine(IOEngine):
 
     # IOEngine declares these with defaults, so __getattr__ never sees them: forward each.
     name = _forward("name")
+    tier = _forward("tier")
     completions = _forward("completions")
     device_direct = _forward("device_direct")
     ident = _forward("ident")
@@ -65,6 +66,12 @@ class ForwardingEngine(IOEngine):
 
     def cancel(self, key):
         return self.inner.cancel(key)
+
+    def place(self, key, tier):
+        self.inner.place(key, tier)
+
+    def tier_meters(self):
+        return self.inner.tier_meters()
 
     def pool_view(self, key, nbytes):
         return self.inner.pool_view(key, nbytes)
