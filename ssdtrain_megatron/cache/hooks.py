@@ -9,7 +9,9 @@ rest (placement, staging copies, IO) to the engine's threads.
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 from typing import Callable
 
 import torch
@@ -31,6 +33,25 @@ def capture_query(copy) -> Callable[[], bool]:
 
 def _never() -> bool:
     return False
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                 os.path.dirname(os.path.abspath(torch.__file__)))
+"""Frames in these folders (this package, torch) are not a save site: the model's code is."""
+
+
+def save_site(depth: int = 3) -> str:
+    """The model's code that saved the tensor being packed: the innermost frame of each of
+    the ``depth`` innermost files outside torch and this package, innermost first
+    ("file.py:line function < ...")."""
+    frame, out, last = sys._getframe(1), [], None
+    while frame is not None and len(out) < depth:
+        path = frame.f_code.co_filename
+        if path != last and not path.startswith(_LIBRARY_DIRS):  # one frame per file
+            out.append(f"{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}")
+            last = path
+        frame = frame.f_back
+    return " < ".join(out) or "?"
 
 
 class _Handle:
@@ -119,6 +140,15 @@ class SavedTensorHooks:
         else:
             self._submit(rec)  # the record holds the tensor itself until written (record.py)
         return _Handle(rec, self._events)
+
+    def _pack_noting_site(self, t: torch.Tensor):
+        """The pack hook with ``debug_save_sites``: ``_pack``, then the code that saved a newly
+        recorded tensor goes on its record (``TensorRecord.origin`` names it). Normal runs use
+        ``_pack`` itself: no stack walk, no extra test per tensor."""
+        handle = self._pack(t)
+        if isinstance(handle, _Handle) and getattr(handle.record, "site", None) is None:
+            handle.record.site = save_site()
+        return handle
 
     def _pass_other(self, t: torch.Tensor) -> None:
         """Count a tensor offloadable_storage refused, by its reason (pass_reason's words)."""

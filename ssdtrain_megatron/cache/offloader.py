@@ -221,7 +221,8 @@ class ActivationOffloader(SavedTensorHooks, RecordIO, BudgetSteps):
         self._current, self._layer = mb, None
         self._phase = "forward"
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            pack = self._pack_noting_site if self.config.debug_save_sites else self._pack
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                 yield self
         finally:
             self._current, self._layer = prev, prev_layer

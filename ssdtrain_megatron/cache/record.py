@@ -61,7 +61,13 @@ READS = frozenset({S.READING, S.READ_DROPPED})
 # tensor stays in memory), "forwarded" (backward gets the in-memory tensor, no read),
 # "taken_back" (a write not yet started was cancelled because backward wants the tensor),
 # "held" (written, then found alive at backward: held by someone else, so written for nothing),
-# "read" (bytes came back from the engine). Any pair not listed is a bug.
+# "read" (bytes came back from the engine), "written_forwarded" (written, but backward took the
+# tensor from memory while the write was under way), "released_unread" (written, then released
+# without a read: its graph was dropped, or the step ended without its backward),
+# "written_modified" (written, but modified in place meanwhile: it cannot be read back).
+# "held", "written_forwarded", "released_unread" and "written_modified" are the ways a written
+# byte is wasted; the step's counters add each one up by the record's origin
+# (``TensorRecord.origin``). Any pair not listed is a bug.
 TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.SAVED, S.WRITING): (),
     (S.SAVED, S.KEPT): ("kept",),
@@ -70,12 +76,12 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.WRITING, S.WRITING_WANTED): ("forwarded",),  # unpack or prefetch during the write
     (S.WRITING, S.READY): ("forwarded", "taken_back"),  # ... before it started: cancelled
     (S.WRITING, S.ON_DISK): ("offloaded",),
-    (S.WRITING, S.BROKEN): ("offloaded",),  # written, but modified in place meanwhile
+    (S.WRITING, S.BROKEN): ("offloaded", "written_modified"),  # modified in place meanwhile
     (S.WRITING, S.KEPT): ("fallback", "kept"),
     (S.WRITING, S.WRITE_DROPPED): (),
     (S.WRITING, S.RELEASED): (),  # close() stopped waiting for a hung write
-    (S.WRITING_WANTED, S.READY): ("offloaded",),
-    (S.WRITING_WANTED, S.BROKEN): ("offloaded",),
+    (S.WRITING_WANTED, S.READY): ("offloaded", "written_forwarded"),
+    (S.WRITING_WANTED, S.BROKEN): ("offloaded", "written_forwarded"),  # then changed by backward
     (S.WRITING_WANTED, S.KEPT): ("fallback", "kept"),
     (S.WRITING_WANTED, S.WRITE_DROPPED): (),
     (S.WRITING_WANTED, S.RELEASED): (),
@@ -85,7 +91,7 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.WRITE_DROPPED, S.RELEASED): (),  # a queued write cancelled, or close()
     (S.ON_DISK, S.READING): (),
     (S.ON_DISK, S.READY): ("forwarded", "held"),  # still referenced elsewhere: no read needed
-    (S.ON_DISK, S.RELEASED): (),
+    (S.ON_DISK, S.RELEASED): ("released_unread",),
     (S.READING, S.READY): ("read",),
     (S.READING, S.BROKEN): (),
     (S.READING, S.ON_DISK): ("read_retried",),  # a failed read, tried again (READ_RETRIES)
@@ -106,7 +112,7 @@ class TensorRecord:
     __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "storage_ref", "version", "shape",
                  "stride", "dtype", "device", "span", "dense", "nbytes", "residue", "compact", "staging", "handles",
                  "error", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "read_retries",
-                 "__weakref__")
+                 "site", "__weakref__")
 
     def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable,
                  geometry: Optional[Tuple] = None, storage_ref: int = 0) -> None:
@@ -235,6 +241,15 @@ class TensorRecord:
         if self.staging is not None:
             self.tensor.copy_(self.staging)
             self.staging = None
+
+    def origin(self) -> str:
+        """Where the tensor came from, as far as the record knows without work at pack: its
+        layer, dtype and shape; with ``debug_save_sites`` also the code that saved it (``site``,
+        a slot set by the debugging pack hook only, cache/hooks.py)."""
+        where = f"layer {self.layer}" if self.layer is not None else "no layer scope"
+        site = getattr(self, "site", None)
+        return (f"{where} {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+                + (f" at {site}" if site else ""))
 
     def describe(self) -> str:
         """The tensor in an error message: geometry, and where the model saved it."""

@@ -69,7 +69,7 @@ class RecordIO:
         if was != now:
             c.add_resident(rec.nbytes if now else -rec.nbytes)
         for e in effects:
-            c.count(e, rec.nbytes, rec.layer, rec.decision)
+            c.count(e, rec.nbytes, rec.layer, rec.decision, rec)
 
     def _drain(self) -> None:
         """Process every event queued so far (IO completions, dropped handles)."""

@@ -1,0 +1,63 @@
+"""Where written bytes that are never read back come from (issue 37).
+
+``StepStats.bytes_wasted_by_origin`` adds up every wasted byte by how (released unread,
+forwarded, held) and origin (layer, dtype, shape; with ``debug_save_sites`` the code that
+saved it) at the record transition that wastes it, so the pack hook does no extra work; what a
+checkpoint's no-grad forward saves under ``torch.enable_grad()`` passes through
+(``discarded_graph``); and with ``keep_last_layers: 0`` what is saved after a micro-batch's
+last layer waits for its backward. Gradients are compared as integer views (tests/bitwise.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ssdtrain_megatron import ActivationOffloader
+from ssdtrain_megatron.cache import hooks
+from tests.test_offloader import cfg, files_under
+
+ROWS, WIDTH = 64, 256
+NBYTES = ROWS * WIDTH * 4
+KIND = f"float32[{ROWS}, {WIDTH}]"
+
+
+def _save_two(lin: nn.Linear) -> torch.Tensor:
+    """Saves two tensors: the linear's input (for the weight's gradient) and its output (sin)."""
+    return lin(torch.randn(ROWS, WIDTH)).sin()
+
+
+def _dropped_after_writes(offload_dir, monkeypatch=None, **kw):
+    """One micro-batch whose graph is dropped, without a backward, once its writes are done."""
+    lin = nn.Linear(WIDTH, WIDTH)
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0, **kw)) as off:
+        with off.microbatch(0):
+            with off.layer(1):
+                out = _save_two(lin)
+        off.wait_writes()
+        del out
+        st = off.end_step()
+    assert files_under(offload_dir) == []
+    return st
+
+
+def test_a_write_released_unread_is_counted_by_layer_dtype_and_shape(offload_dir, monkeypatch):
+    """No stack is walked without debug_save_sites (save_site raises here). Broken variant:
+    give (ON_DISK, RELEASED) no effect in cache/record.py TRANSITIONS: bytes_wasted_by_origin
+    is {} while bytes_wasted is 2 tensors."""
+
+    def no_stack_walk(*_):
+        raise AssertionError("save_site called without debug_save_sites")
+
+    monkeypatch.setattr(hooks, "save_site", no_stack_walk)
+    st = _dropped_after_writes(offload_dir)
+    assert st.bytes_offloaded == st.bytes_wasted == 2 * NBYTES and st.bytes_read == 0
+    assert st.bytes_wasted_by_origin == {f"released unread: layer 1 {KIND}": 2 * NBYTES}
+
+
+def test_debug_save_sites_names_the_code_that_saved_them(offload_dir):
+    st = _dropped_after_writes(offload_dir, debug_save_sites=True)
+    (key, n), = st.bytes_wasted_by_origin.items()
+    line = _save_two.__code__.co_firstlineno + 2
+    assert n == 2 * NBYTES
+    assert key.startswith(f"released unread: layer 1 {KIND} at test_waste_origins.py:{line} _save_two"), key
