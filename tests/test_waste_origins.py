@@ -15,6 +15,8 @@ from torch import nn
 
 from ssdtrain_megatron import ActivationOffloader
 from ssdtrain_megatron.cache import hooks
+from tests.bitwise import bitwise_equal
+from tests.faulty import HeldWrites, faulty_offloader
 from tests.test_offloader import cfg, files_under
 
 ROWS, WIDTH = 64, 256
@@ -61,3 +63,30 @@ def test_debug_save_sites_names_the_code_that_saved_them(offload_dir):
     line = _save_two.__code__.co_firstlineno + 2
     assert n == 2 * NBYTES
     assert key.startswith(f"released unread: layer 1 {KIND} at test_waste_origins.py:{line} _save_two"), key
+
+
+def test_a_forwarded_write_dropped_before_it_completes_counts_as_forwarded(offload_dir):
+    """Backward takes the tensor from memory while its write is under way, and is done with it
+    before the write completes: its bytes are wasted as "forwarded", not "released unread".
+    Broken variant: let cache/transfers.py _release move a WRITING_WANTED record to
+    WRITE_DROPPED (as before): {"released unread: no layer scope float32[64, 256]": 65536}."""
+    lin = nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(ROWS, WIDTH)
+    lin(x).sum().backward()
+    ref = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad(set_to_none=True)
+    with faulty_offloader(cfg(offload_dir, keep_last_layers=0, io_threads=1)) as off:
+        gate = off.engine.fault = HeldWrites()
+        gate.held = True
+        with off.microbatch(0):
+            out = lin(x).sum()  # saves x only
+        assert gate.entered.wait(30)  # its write is under way: it cannot be taken back
+        out.backward()  # forwarded from memory; autograd then drops its handle
+        del out
+        off.poll()
+        gate.go.set()
+        off.wait_writes()
+        st = off.end_step()
+    assert all(bitwise_equal(a, p.grad) for a, p in zip(ref, lin.parameters(), strict=True))
+    assert st.tensors_forwarded == 1 and st.bytes_offloaded == st.bytes_wasted == NBYTES
+    assert st.bytes_wasted_by_origin == {f"forwarded: no layer scope {KIND}": NBYTES}

@@ -13,7 +13,8 @@ same table, so a tensor is counted once per thing that happened to it.
       │              │  (error: fallback)     │
       └──keep──▶ KEPT ◀┘                      READING ──error / WRITING ──modified in place──▶ BROKEN
                                              READING ──error, retries left──▶ ON_DISK (read again)
-    WRITING*, READING ──last handle dropped──▶ WRITE_DROPPED / READ_DROPPED ──IO ends──▶ … ▶ RELEASED
+    WRITING, READING ──last handle dropped──▶ WRITE_DROPPED / READ_DROPPED ──IO ends──▶ … ▶ RELEASED
+    WRITING_WANTED ──last handle dropped──▶ (stays; forwarded) ──write ends──▶ READY ▶ RELEASED
     every other state ──last handle dropped──▶ RELEASED
 """
 
@@ -83,7 +84,6 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.WRITING_WANTED, S.READY): ("offloaded", "written_forwarded"),
     (S.WRITING_WANTED, S.BROKEN): ("offloaded", "written_forwarded"),  # then changed by backward
     (S.WRITING_WANTED, S.KEPT): ("fallback", "kept"),
-    (S.WRITING_WANTED, S.WRITE_DROPPED): (),
     (S.WRITING_WANTED, S.RELEASED): (),
     (S.WRITE_DROPPED, S.WRITING): (),  # saved again (dedup) before its write completed
     (S.WRITE_DROPPED, S.ON_DISK): ("offloaded",),  # then released at once

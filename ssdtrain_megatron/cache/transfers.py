@@ -183,7 +183,7 @@ class RecordIO:
         else:
             self._move(rec, State.ON_DISK)
             rec.tensor = None  # our copy is on disk; the memory goes when the model drops it
-        if dropped:
+        if dropped or not rec.handles:  # no user left (a forwarded one waited for its write)
             self._release(rec)
 
     def _written(self, rec: TensorRecord) -> None:
@@ -198,7 +198,7 @@ class RecordIO:
         self._warn_once("disk-full" if _is_disk_full(exc) else "fallback",
                         f"offload write failed, keeping tensors in memory instead "
                         f"(counted in StepStats.fallbacks): {exc}")
-        dropped = rec.state == State.WRITE_DROPPED
+        dropped = rec.state == State.WRITE_DROPPED or not rec.handles
         rec.hold()  # it stays in memory: hold it as kept records do (record.py)
         self._move(rec, State.KEPT)
         if dropped:
@@ -371,6 +371,8 @@ class RecordIO:
         if s in IN_FLIGHT and not force:
             # IO in flight on its extent and memory: free both when it completes, unless it
             # is a write no IO thread has started, which is taken back now.
+            if s == State.WRITING_WANTED:  # forwarded: READY when its write ends, then released
+                return
             if s in WRITES:
                 if s != State.WRITE_DROPPED:
                     self._move(rec, State.WRITE_DROPPED)
