@@ -90,3 +90,34 @@ def test_a_forwarded_write_dropped_before_it_completes_counts_as_forwarded(offlo
     assert all(bitwise_equal(a, p.grad) for a, p in zip(ref, lin.parameters(), strict=True))
     assert st.tensors_forwarded == 1 and st.bytes_offloaded == st.bytes_wasted == NBYTES
     assert st.bytes_wasted_by_origin == {f"forwarded: no layer scope {KIND}": NBYTES}
+
+
+def _masked(x: torch.Tensor, bias: nn.Parameter) -> torch.Tensor:
+    """What megatron-core's TransformerLayer does inside a checkpoint's no-grad forward: the
+    bias-dropout-add under torch.enable_grad() (its dropout saves the mask on CPU). The
+    checkpoint's output gets its own grad_fn; here the caller drops the graph when it likes."""
+    with torch.no_grad():
+        with torch.enable_grad():
+            return torch.nn.functional.dropout(x + bias, 0.5) + x
+
+
+def test_what_a_no_grad_forward_saves_under_enable_grad_passes_through(offload_dir):
+    """Inside ``discarded_graph()`` the mask is left to autograd (it is freed with its graph);
+    outside, the same code writes it, and it is released unread."""
+    bias = nn.Parameter(torch.zeros(WIDTH))
+    x = torch.randn(ROWS, WIDTH)
+    stats = {}
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        for discarded in (True, False):
+            with off.microbatch(0):
+                if discarded:
+                    with off.discarded_graph():
+                        out = _masked(x, bias)
+                else:
+                    out = _masked(x, bias)
+            off.wait_writes()  # written (not taken back as the graph goes)
+            del out
+            stats[discarded] = off.end_step()
+    assert stats[True].passed_through_by_reason == {"discarded_graph": 1}
+    assert stats[True].bytes_offloaded == stats[True].bytes_wasted == 0
+    assert stats[False].bytes_wasted_by_origin == {f"released unread: no layer scope {KIND}": NBYTES}

@@ -72,8 +72,25 @@ class _Handle:
         self.events.put((self.record, _DROP))
 
 
+def _as_is(x):
+    return x
+
+
 class SavedTensorHooks:
     """``_pack`` and ``_unpack`` (see the module docstring)."""
+
+    def discarded_graph(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """A context whose saved tensors belong to a graph that is dropped before any backward:
+        they stay with autograd (counted in ``passed_through_by_reason`` as "discarded_graph")
+        instead of being written for nothing. The case: the no-grad forward of a checkpoint
+        (the caller runs the function again in backward) inside which the function turns grad
+        on for a moment, as megatron-core's bias-dropout-add does; that graph ends where the
+        checkpoint's outputs get their own ``grad_fn``, and its saved tensors are freed then."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_discarded, _as_is)
+
+    def _pack_discarded(self, t: torch.Tensor) -> torch.Tensor:
+        self._c.pass_through("discarded_graph", self._layer)
+        return t
 
     def _pack(self, t: torch.Tensor):
         c = self._c

@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, Optional, Tuple
 
 PASS_REASONS = ("recompute", "small", "device", "parameter", "subclass", "layout",
-                "held_by_schedule", "cuda_graph_capture")
+                "held_by_schedule", "cuda_graph_capture", "discarded_graph")
 """Why a saved tensor was left to autograd (StepStats.passed_through_by_reason): saved during
 the recompute pass of checkpointing; below min_tensor_bytes; on another device than the
 offloader's; a parameter or a view of one; a tensor subclass; a non-strided layout; held until
-backward by something else (held.py); saved while a CUDA graph was being captured."""
+backward by something else (held.py); saved while a CUDA graph was being captured; saved in a
+graph that is dropped before backward (a checkpoint's no-grad forward that turns grad on for a
+moment: megatron-core's bias-dropout-add)."""
 
 
 @dataclass(frozen=True)
