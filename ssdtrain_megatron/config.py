@@ -81,7 +81,11 @@ class OffloadConfig:
         "Per micro-batch, the last N annotated layers stay in memory when that micro-batch's "
         "backward follows its forward immediately (their backward starts right away)"))
     """Per micro-batch, the last N annotated layers stay in memory when that micro-batch's
-    backward follows its forward immediately (their backward starts right away)."""
+    backward follows its forward immediately (their backward starts right away). What is saved
+    after the last layer (a model's head, the loss) stays then too, even with 0. With 0 on a
+    stage whose backward follows its forward (a pipeline's last stage), the last layer is
+    written while backward is about to need it: writes still under way are forwarded from
+    memory, written for nothing (StepStats.bytes_wasted_by_origin)."""
 
     prefetch_layers: int = knob(2, check=int_at_least(1), help=(
         "During backward, how many layers ahead of the one being differentiated are read back"))

@@ -10,6 +10,8 @@ last layer waits for its backward. Gradients are compared as integer views (test
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -121,3 +123,54 @@ def test_what_a_no_grad_forward_saves_under_enable_grad_passes_through(offload_d
     assert stats[True].passed_through_by_reason == {"discarded_graph": 1}
     assert stats[True].bytes_offloaded == stats[True].bytes_wasted == 0
     assert stats[False].bytes_wasted_by_origin == {f"released unread: no layer scope {KIND}": NBYTES}
+
+
+def _two_layers_and_a_head(lin, head, seed, off=None):
+    """Two layers (scoped when ``off`` is given) and a head after them: 4 tensors saved in the
+    layers (each linear's input, each sin's input), 1 after the last layer (the head's input)."""
+    x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(seed))
+    h = x
+    for layer in (1, 2):
+        with off.layer(layer) if off is not None else contextlib.nullcontext():
+            h = lin(h).sin()
+    return head(h).sum()
+
+
+def _run(lin, head, batches, off=None, announce=False):
+    """Forward the micro-batches in order, then their backwards in order; the gradients and,
+    with ``off``, the step's StepStats."""
+    for p in (*lin.parameters(), *head.parameters()):
+        p.grad = None
+    outs = []
+    for mb, seed in enumerate(batches):
+        with off.microbatch(mb) if off is not None else contextlib.nullcontext():
+            outs.append(_two_layers_and_a_head(lin, head, seed, off))
+    if off is not None:
+        off.wait_writes()  # written before backward (what is under way then is forwarded)
+        if announce:
+            off.begin_backward(0)  # its backward is next (as a pipeline's last stage says)
+    for out in outs:
+        out.backward()
+    del outs
+    grads = [p.grad.clone() for p in (*lin.parameters(), *head.parameters())]
+    return grads, (off.end_step() if off is not None else None)
+
+
+def test_with_keep_last_layers_0_what_follows_the_last_layer_waits_for_its_backward(offload_dir):
+    """The head's input is saved after the last layer: kept when its micro-batch's backward
+    comes next (a pipeline's last stage), written when another micro-batch's forward comes
+    first. Broken variant: in cache/hooks.py _pack defer only with keep_last_layers (drop
+    ``or layer is None``): the head's input is written at once (tensors_kept 0, 5 tensors
+    written by the first step)."""
+    lin, head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+    refs = [_run(lin, head, batches)[0] for batches in ([0], [0, 1])]
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        one = _run(lin, head, [0], off, announce=True)  # backward next: the head's input stays
+        two = _run(lin, head, [0, 1], off)  # micro-batch 1 first: 0's head input is written
+    for ref, (grads, _) in zip(refs, (one, two), strict=True):
+        assert all(bitwise_equal(a, b) for a, b in zip(ref, grads, strict=True))
+    backward_next, forward_next = one[1], two[1]
+    assert backward_next.tensors_kept == 1 and backward_next.tensors_offloaded == 4, backward_next
+    assert forward_next.tensors_kept == 1 and forward_next.tensors_offloaded == 4 + 1 + 4, forward_next
+    assert backward_next.bytes_wasted == forward_next.bytes_wasted == 0
+    assert forward_next.bytes_read == forward_next.bytes_offloaded

@@ -151,9 +151,13 @@ class SavedTensorHooks:
         if decision == "keep":
             rec.hold()
             self._move(rec, State.KEPT)
-        elif mb is not None and mb.layer_keys and self.config.keep_last_layers:
+        elif mb is not None and mb.layer_keys and (self.config.keep_last_layers or layer is None):
+            # Written once later layers prove it is not among the last, or another micro-batch's
+            # forward comes first; kept if its backward does. Also with keep_last_layers 0 for
+            # what is saved outside a layer after one (the head and the loss after the last
+            # layer): on a pipeline's last stage backward follows at once and needs it first.
             rec.hold()
-            mb.deferred.append(rec)  # written once later layers prove it is not among the last
+            mb.deferred.append(rec)
         else:
             self._submit(rec)  # the record holds the tensor itself until written (record.py)
         return _Handle(rec, self._events)
