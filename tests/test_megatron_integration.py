@@ -124,6 +124,8 @@ def test_written_bytes_earn_their_keep(layout, runs):
         for s in steps:
             assert s["bytes_wasted"] == s["bytes_offloaded"] - s["bytes_read"], (r.rank, s)
             assert s["bytes_wasted_held"] <= s["bytes_wasted"], (r.rank, s)
+            # Every wasted byte is counted by how and origin (StepStats.bytes_wasted_by_origin).
+            assert sum(s["bytes_wasted_by_origin"].values()) == s["bytes_wasted"], (r.rank, s)
         later = steps[1:]
         written = sum(s["bytes_offloaded"] for s in later)
         wasted = sum(s["bytes_wasted"] for s in later)
