@@ -82,7 +82,11 @@ class OffloadConfig:
         "Per micro-batch, the last N annotated layers stay in memory when that micro-batch's "
         "backward follows its forward immediately (their backward starts right away)"))
     """Per micro-batch, the last N annotated layers stay in memory when that micro-batch's
-    backward follows its forward immediately (their backward starts right away)."""
+    backward follows its forward immediately (their backward starts right away). What is saved
+    after the last layer (a model's head, the loss) stays then too, even with 0. With 0 on a
+    stage whose backward follows its forward (a pipeline's last stage), the last layer is
+    written while backward is about to need it: writes still under way are forwarded from
+    memory, written for nothing (StepStats.bytes_wasted_by_origin)."""
 
     prefetch_layers: int = knob(2, check=int_at_least(1), help=(
         "During backward, how many layers ahead of the one being differentiated are read back"))
@@ -164,6 +168,14 @@ class OffloadConfig:
     """Opt-in IO trace: one JSON line per IO request (time, rank, micro-batch, layer, phase, op,
     bytes, file offset, latency, queue depth), for `ssdtrain report`. A path template like
     ``dirs`` ({rank}, ...); give each rank its own file. Appended to, like ``stats_path``."""
+
+    debug_save_sites: bool = knob(False, check=boolean, help=(
+        "Debugging: note the Python call site that saved each offloaded tensor (a stack walk per "
+        "tensor, so never in a run that is timed), and name it in StepStats.bytes_wasted_by_origin"))
+    """Debugging: note the Python call site that saved each offloaded tensor, so that
+    ``StepStats.bytes_wasted_by_origin`` names the code behind every wasted byte, not only its
+    layer, dtype and shape. A stack walk per offloaded tensor (tens of µs): for finding where
+    waste comes from, never in a run that is timed. Off: the pack hook does no extra work."""
 
     memory_budget_bytes: Optional[int] = knob(None, check=int_at_least(0, optional=True), unit="bytes",
                                               help=(

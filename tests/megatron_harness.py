@@ -86,7 +86,8 @@ class LayoutSpec:
     num_layers: int = 4
     hidden_size: int = 32
     num_attention_heads: int = 4
-    ffn_hidden_size: int = 128
+    ffn_hidden_size: Optional[int] = 128
+    """None: megatron-core's default (4 x hidden_size)."""
     vocab_size: int = 64
     seq_length: int = 16
     micro_batch_size: int = 2
@@ -94,6 +95,8 @@ class LayoutSpec:
     iterations: int = 3
     seed: int = 1234
     dropout: float = 0.1
+    bias_dropout_fusion: Optional[bool] = False
+    """None: megatron-core's default (TransformerConfig.bias_dropout_fusion)."""
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
@@ -242,6 +245,27 @@ LAYOUTS = {
                                         recompute_modules=["mla_up_proj"]),
 }
 
+# megatron-core's standard full recomputation, as issue 37 measured it (tests/test_megatron_waste.py
+# trains it with STANDARD_OFFLOAD): GPTModel, local spec, fp32, 4 layers, hidden 128 (the FFN at
+# megatron-core's default 4 x hidden), 4 heads, PP=2, recompute_granularity "full", method
+# "uniform", one layer per checkpoint, dropout 0.1 in attention and in every bias-dropout-add
+# (bias_dropout_fusion at megatron-core's default), 4 micro-batches of 2 x 64 tokens, SGD,
+# 3 iterations; a 128-token vocabulary (the issue gave none; with it its figures reproduce:
+# rank 0 writes 1.6-1.85 MB a step and reads 0.79 MB, rank 1 reads 1.06 MB). Its twin has no
+# dropout. ~35 s a layout on the shared 2-core machine at load 9 (pp2_recompute_full: ~43 s).
+_STANDARD_FULL_RECOMPUTE = LayoutSpec(
+    pp=2, num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=None,
+    vocab_size=128, seq_length=64, micro_batch_size=2, num_microbatches=4, iterations=3,
+    dropout=0.1, bias_dropout_fusion=None, recompute_granularity="full",
+    recompute_method="uniform", recompute_num_layers=1, optimizer="sgd")
+STANDARD_LAYOUTS = {
+    "standard_full_recompute": _STANDARD_FULL_RECOMPUTE,
+    "standard_full_recompute_no_dropout": dataclasses.replace(_STANDARD_FULL_RECOMPUTE, dropout=0.0),
+}
+STANDARD_OFFLOAD: Dict[str, Any] = dict(engine="posix", policy="offload", min_tensor_bytes=0,
+                                        keep_last_layers=0)
+"""The OffloadConfig of issue 37's run (one root, the harness's "{root}")."""
+
 SLOW_LAYOUTS: set = set()
 """Layouts too slow for the default suite (-m slow); none at present."""
 
@@ -370,6 +394,8 @@ def make_config(spec: LayoutSpec):
         kwargs["recompute_num_layers"] = spec.recompute_num_layers
     if spec.recompute_modules is not None:
         kwargs["recompute_modules"] = list(spec.recompute_modules)
+    if spec.bias_dropout_fusion is not None:
+        kwargs["bias_dropout_fusion"] = spec.bias_dropout_fusion
     return config_cls(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -386,7 +412,6 @@ def make_config(spec: LayoutSpec):
         add_bias_linear=spec.add_bias_linear,
         hidden_dropout=spec.dropout,
         attention_dropout=spec.dropout,
-        bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,

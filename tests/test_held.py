@@ -133,7 +133,7 @@ def test_a_deferred_tensor_whose_graph_is_freed_before_its_write_is_not_written(
     checkpoint's no-grad forward: a small graph is built, saved for, and freed when the
     checkpoint returns, before the next layer starts the deferred writes of this one
     (keep_last_layers). Those records have no user left and are released, not handed to the
-    engine. Broken variant: drop the _drain() at the top of RecordIO._submit_all
+    engine. Broken variant: drop the drain() at the top of Transfers.submit_all
     (cache/transfers.py): a tensor of layer 1 reaches the engine ("assert [0] == []"), as
     pp2_recompute_full's last stage wrote 100% waste (tests/test_megatron_integration.py)."""
     lin = nn.Linear(WIDTH, WIDTH)

@@ -117,13 +117,15 @@ def test_written_bytes_earn_their_keep(layout, runs):
     take-back of queued ones is tests/test_held.py.
     Broken variants: make HeldStorages.learn() a no-op: every step writes the mask, the rotary
     table and the labels again (tp1_pp1: ~8% held); drop the _drain() at the top of
-    RecordIO._submit_all (cache/transfers.py): pp2_recompute_full's last stage wastes 100% of
+    Transfers.submit_all (cache/transfers.py): pp2_recompute_full's last stage wastes 100% of
     what it writes (its layer-3 bias-dropout-add tensors)."""
     for r in runs(layout):
         steps = r.phases["offload"].offload["steps"]
         for s in steps:
             assert s["bytes_wasted"] == s["bytes_offloaded"] - s["bytes_read"], (r.rank, s)
             assert s["bytes_wasted_held"] <= s["bytes_wasted"], (r.rank, s)
+            # Every wasted byte is counted by how and origin (StepStats.bytes_wasted_by_origin).
+            assert sum(s["bytes_wasted_by_origin"].values()) == s["bytes_wasted"], (r.rank, s)
         later = steps[1:]
         written = sum(s["bytes_offloaded"] for s in later)
         wasted = sum(s["bytes_wasted"] for s in later)

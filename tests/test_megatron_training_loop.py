@@ -214,7 +214,7 @@ def test_bytes_written_for_nothing_stay_under_5_percent(runs):
     someone else until backward (the schedule's received input, the batch, Megatron's cached
     masks and rotary tables: cache/held.py). The script lets queued writes finish before each
     backward (SSDTRAIN_TEST_SETTLE_WRITES), so writes under way at backward cost nothing.
-    Per rank. Broken variant: drop the _drain() at the top of RecordIO._submit_all
+    Per rank. Broken variant: drop the drain() at the top of Transfers.submit_all
     (cache/transfers.py): under full recompute the last stage wastes all it writes."""
     _, _, steps, _, _ = runs
     later = [s for s in steps if s["step"] > 0]

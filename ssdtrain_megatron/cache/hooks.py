@@ -15,7 +15,9 @@ step (``step.py``), the events queue a dropped handle reports to, and the captur
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import sys
 import time
 from typing import Callable, Hashable, Iterator, Optional
 
@@ -42,6 +44,29 @@ def capture_query(copy) -> Callable[[], bool]:
 
 def _never() -> bool:
     return False
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                 os.path.dirname(os.path.abspath(torch.__file__)))
+"""Frames in these folders (this package, torch) are not a save site: the model's code is."""
+
+
+def save_site(depth: int = 3) -> str:
+    """The model's code that saved the tensor being packed: the innermost frame of each of
+    the ``depth`` innermost files outside torch and this package, innermost first
+    ("file.py:line function < ...")."""
+    frame, out, last = sys._getframe(1), [], None
+    while frame is not None and len(out) < depth:
+        path = frame.f_code.co_filename
+        if path != last and not path.startswith(_LIBRARY_DIRS):  # one frame per file
+            out.append(f"{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}")
+            last = path
+        frame = frame.f_back
+    return " < ".join(out) or "?"
+
+
+def _as_is(x):
+    return x
 
 
 class _Handle:
@@ -79,6 +104,7 @@ class SavedTensorHooks:
         self._device = device
         self._min_bytes = max(config.min_tensor_bytes, 1)  # read by every pack
         self._keep_last_layers = config.keep_last_layers
+        self._note_sites = config.debug_save_sites
         self._table = table
         self._transfers = transfers
         self._decisions = decisions
@@ -102,7 +128,8 @@ class SavedTensorHooks:
         self._current, self._layer = mb, None
         self._step.enter("forward")
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            pack = self.pack_noting_site if self._note_sites else self.pack
+            with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
                 yield
         finally:
             self._current, self._layer = prev, prev_layer
@@ -138,6 +165,19 @@ class SavedTensorHooks:
         self._step.enter("backward")
         self._transfers.keep_deferred(mb)
         self._transfers.prefetch(mb)
+
+    def discarded_graph(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """A context whose saved tensors belong to a graph that is dropped before any backward:
+        they stay with autograd (counted in ``passed_through_by_reason`` as "discarded_graph")
+        instead of being written for nothing. The case: the no-grad forward of a checkpoint
+        (the caller runs the function again in backward) inside which the function turns grad
+        on for a moment, as megatron-core's bias-dropout-add does; that graph ends where the
+        checkpoint's outputs get their own ``grad_fn``, and its saved tensors are freed then."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_discarded, _as_is)
+
+    def _pack_discarded(self, t: torch.Tensor) -> torch.Tensor:
+        self._step.counters.pass_through("discarded_graph", self._layer)
+        return t
 
     # -- pack / unpack ----------------------------------------------------------------------
 
@@ -183,12 +223,25 @@ class SavedTensorHooks:
         acc.tensors += 1
         if decision == "keep":
             self._transfers.keep(rec)
-        elif mb is not None and mb.layer_keys and self._keep_last_layers:
+        elif mb is not None and mb.layer_keys and (self._keep_last_layers or layer is None):
+            # Written once later layers prove it is not among the last, or another micro-batch's
+            # forward comes first; kept if its backward does. Also with keep_last_layers 0 for
+            # what is saved outside a layer after one (the head and the loss after the last
+            # layer): on a pipeline's last stage backward follows at once and needs it first.
             rec.hold()
-            mb.deferred.append(rec)  # written once later layers prove it is not among the last
+            mb.deferred.append(rec)
         else:
             self._transfers.submit(rec, True)  # it holds the tensor itself until written (record.py)
         return _Handle(rec, self._events)
+
+    def pack_noting_site(self, t: torch.Tensor):
+        """The pack hook with ``debug_save_sites``: :meth:`pack`, then the code that saved a
+        newly recorded tensor goes on its record (``TensorRecord.origin`` names it). Normal runs
+        use :meth:`pack` itself: no stack walk, no extra test per tensor."""
+        handle = self.pack(t)
+        if isinstance(handle, _Handle) and getattr(handle.record, "site", None) is None:
+            handle.record.site = save_site()
+        return handle
 
     def _pass_other(self, t: torch.Tensor) -> None:
         """Count a tensor offloadable_storage refused, by its reason (pass_reason's words)."""

@@ -24,7 +24,8 @@ rows that count ``fallback`` and ``forwarded``.
       │              │  (error: fallback)     │
       └──keep──▶ KEPT ◀┘                      READING ──error / WRITING ──modified in place──▶ BROKEN
                                              READING ──error, retries left──▶ ON_DISK (read again)
-    WRITING*, READING ──last handle dropped──▶ WRITE_DROPPED / READ_DROPPED ──IO ends──▶ … ▶ RELEASED
+    WRITING, READING ──last handle dropped──▶ WRITE_DROPPED / READ_DROPPED ──IO ends──▶ … ▶ RELEASED
+    WRITING_WANTED ──last handle dropped──▶ (stays; forwarded) ──write ends──▶ READY ▶ RELEASED
     every other state ──last handle dropped──▶ RELEASED
 """
 
@@ -71,8 +72,13 @@ READS = frozenset({S.READING, S.READ_DROPPED})
 # tensor stays in memory), "forwarded" (backward gets the in-memory tensor, no read),
 # "taken_back" (a write not yet started was cancelled because backward wants the tensor),
 # "held" (written, then found alive at backward: held by someone else, so written for nothing),
-# "read" (bytes came back from the engine), "read_retried" (a failed read starts again).
-# Any pair not listed is a bug.
+# "read" (bytes came back from the engine), "read_retried" (a failed read starts again),
+# "written_forwarded" (written, but backward took the tensor from memory while the write was
+# under way), "released_unread" (written, then released without a read: its graph was dropped,
+# or the step ended without its backward), "written_modified" (written, but modified in place
+# meanwhile: it cannot be read back). "held", "written_forwarded", "released_unread" and
+# "written_modified" are the ways a written byte is wasted; the step's counters add each one up
+# by the record's origin (``TensorRecord.origin``). Any pair not listed is a bug.
 TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.SAVED, S.WRITING): (),
     (S.SAVED, S.KEPT): ("kept",),
@@ -81,14 +87,13 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.WRITING, S.WRITING_WANTED): ("forwarded",),  # unpack or prefetch during the write
     (S.WRITING, S.READY): ("forwarded", "taken_back"),  # ... before it started: cancelled
     (S.WRITING, S.ON_DISK): ("offloaded",),
-    (S.WRITING, S.BROKEN): ("offloaded",),  # written, but modified in place meanwhile
+    (S.WRITING, S.BROKEN): ("offloaded", "written_modified"),  # modified in place meanwhile
     (S.WRITING, S.KEPT): ("fallback", "kept"),
     (S.WRITING, S.WRITE_DROPPED): (),
     (S.WRITING, S.RELEASED): (),  # close() stopped waiting for a hung write
-    (S.WRITING_WANTED, S.READY): ("offloaded",),
-    (S.WRITING_WANTED, S.BROKEN): ("offloaded",),
+    (S.WRITING_WANTED, S.READY): ("offloaded", "written_forwarded"),
+    (S.WRITING_WANTED, S.BROKEN): ("offloaded", "written_forwarded"),  # then changed by backward
     (S.WRITING_WANTED, S.KEPT): ("fallback", "kept"),
-    (S.WRITING_WANTED, S.WRITE_DROPPED): (),
     (S.WRITING_WANTED, S.RELEASED): (),
     (S.WRITE_DROPPED, S.WRITING): (),  # saved again (dedup) before its write completed
     (S.WRITE_DROPPED, S.ON_DISK): ("offloaded",),  # then released at once
@@ -96,7 +101,7 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.WRITE_DROPPED, S.RELEASED): (),  # a queued write cancelled, or close()
     (S.ON_DISK, S.READING): (),
     (S.ON_DISK, S.READY): ("forwarded", "held"),  # still referenced elsewhere: no read needed
-    (S.ON_DISK, S.RELEASED): (),
+    (S.ON_DISK, S.RELEASED): ("released_unread",),
     (S.READING, S.READY): ("read",),
     (S.READING, S.BROKEN): (),
     (S.READING, S.ON_DISK): ("read_retried",),  # a failed read, tried again (READ_RETRIES)
@@ -147,4 +152,4 @@ def move(rec, new: int, counters) -> None:
     if resident:
         counters.add_resident(rec.nbytes * resident)
     for e in effects:
-        counters.count(e, rec.nbytes, rec.layer, rec.decision)
+        counters.count(e, rec.nbytes, rec.layer, rec.decision, rec)

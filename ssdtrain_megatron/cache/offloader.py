@@ -247,6 +247,12 @@ class ActivationOffloader:
             self.set_layer_decision(key, decision)
         return self._hooks.layer_scope(key)
 
+    def discarded_graph(self) -> contextlib.AbstractContextManager:
+        """A context whose saved tensors belong to a graph dropped before any backward (a
+        checkpoint's no-grad forward that turns grad on for a moment): they stay with autograd
+        instead of being written for nothing (``SavedTensorHooks.discarded_graph``)."""
+        return self._hooks.discarded_graph()
+
     def decision_for(self, layer: Hashable) -> str:
         """What the plan says for a layer: one of DECISIONS."""
         return self._decisions.for_layer(self._hooks.current_microbatch, layer, self._step.phase == "forward")

@@ -27,7 +27,7 @@ class TensorRecord:
     __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "storage_ref", "version", "shape",
                  "stride", "dtype", "device", "span", "dense", "nbytes", "residue", "compact", "staging", "handles",
                  "error", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "read_retries",
-                 "__weakref__")
+                 "site", "__weakref__")
 
     def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable,
                  geometry: Optional[Tuple] = None, storage_ref: int = 0) -> None:
@@ -147,6 +147,15 @@ class TensorRecord:
         if self.staging is not None:
             self.tensor.copy_(self.staging)
             self.staging = None
+
+    def origin(self) -> str:
+        """Where the tensor came from, as far as the record knows without work at pack: its
+        layer, dtype and shape; with ``debug_save_sites`` also the code that saved it (``site``,
+        a slot set by the debugging pack hook only, cache/hooks.py)."""
+        where = f"layer {self.layer}" if self.layer is not None else "no layer scope"
+        site = getattr(self, "site", None)
+        return (f"{where} {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+                + (f" at {site}" if site else ""))
 
     def describe(self) -> str:
         """The tensor in an error message: geometry, and where the model saved it."""

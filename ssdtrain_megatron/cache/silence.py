@@ -51,6 +51,9 @@ def reason_text(reason: str, detail: str, device: torch.device, min_bytes: int) 
                             "schedule, the caller's batch): writing them would free nothing",
         "cuda_graph_capture": "tensors saved during CUDA-graph capture stay in (graph) memory: "
                               "run the offloaded layers outside captured graphs",
+        "discarded_graph": "tensors saved inside a checkpoint's no-grad forward belong to a "
+                           "graph that is dropped before backward: writing them would free "
+                           "nothing (checkpoint fewer layers, or none, to offload more)",
     }.get(reason, f"reason {reason!r}")
 
 

@@ -273,7 +273,7 @@ class Transfers:
         else:
             move(rec, State.ON_DISK, c)
             rec.tensor = None  # our copy is on disk; the memory goes when the model drops it
-        if dropped:
+        if dropped or not rec.handles:  # no user left (a forwarded one waited for its write)
             self.release(rec)
 
     def _written(self, rec: TensorRecord) -> None:
@@ -289,7 +289,7 @@ class Transfers:
         self._warn("disk-full" if _is_disk_full(exc) else "fallback",
                    f"offload write failed, keeping tensors in memory instead "
                    f"(counted in StepStats.fallbacks): {exc}")
-        dropped = rec.state == State.WRITE_DROPPED
+        dropped = rec.state == State.WRITE_DROPPED or not rec.handles
         rec.hold()  # it stays in memory: hold it as kept records do (record.py)
         move(rec, State.KEPT, self._step.counters)
         if dropped:
@@ -483,6 +483,8 @@ class Transfers:
         if s in IN_FLIGHT and not force:
             # IO in flight on its extent and memory: free both when it completes, unless it
             # is a write no IO thread has started, which is taken back now.
+            if s == State.WRITING_WANTED:  # forwarded: READY when its write ends, then released
+                return
             if s in WRITES:
                 if s != State.WRITE_DROPPED:
                     move(rec, State.WRITE_DROPPED, c)

@@ -18,6 +18,15 @@ no layer scope of their own, on purpose:
 * the recompute pass during backward (outside any forward_step): the offloader keeps what it
   saves in memory.
 
+A checkpoint's first forward runs under ``no_grad``, and yet saves tensors where the function
+turns grad on for a moment: megatron-core's ``TransformerLayer`` runs every bias-dropout-add
+under ``torch.enable_grad()`` (``bias_dropout_add_exec_handler``), so its dropout saves its
+mask there. That graph ends inside the checkpoint (its outputs get the checkpoint's own
+``grad_fn``) and is freed before any backward: written, those tensors would be released
+unread. Every checkpoint run while a micro-batch forward is recorded (megatron's full and
+selective recomputation, and the recompute fallback's) therefore runs its function's first
+forward inside ``offloader.discarded_graph()``, which leaves them to autograd.
+
 Recompute fallback: a layer the plan marks ``recompute`` (the static ``recompute_layers``, or
 the adaptive planner with ``recompute_fallback`` on) runs under megatron's own
 ``tensor_parallel.checkpoint``, inside a scope with decision ``recompute``, so only its inputs
@@ -115,7 +124,7 @@ class LayerScopes:
         run = _LayerCall(self._layer_forward, layer, values, names, n_args, slots)
         # distribute_saved_activations=False: the input stays whole on every TP rank (it is
         # what gets offloaded, per rank, to that rank's own directory).
-        return self._checkpoint(run, False, *tensors)
+        return self._checkpoint(_DiscardingForward(run, self.offloader), False, *tensors)
 
     # -- TransformerBlock._checkpointed_forward (megatron's full recomputation) ---------------
 
@@ -133,6 +142,8 @@ class LayerScopes:
 
     def checkpoint(self, function, distribute_saved_activations, *args):
         block = self._block
+        if self.recording:  # what the first forward saves is dropped with its graph
+            function = _DiscardingForward(function, self.offloader)
         if (not self._scoped() or self._layer_depth or block is None
                 or self._block_layers_run >= len(block.layers)):
             # Inside a layer (selective recompute: its scope already applies), or not
@@ -161,6 +172,23 @@ def unscoped_layers(model: torch.nn.Module) -> Dict[Any, str]:
             if number is not None and type(layer).forward is not scoped:
                 out[number] = f"{type(layer).__module__}.{type(layer).__qualname__}"
     return out
+
+
+class _DiscardingForward:
+    """A checkpoint's function whose first forward (not the recompute pass in backward) runs
+    inside ``offloader.discarded_graph()``: see the module docstring."""
+
+    __slots__ = ("function", "offloader")
+
+    def __init__(self, function: Callable, offloader) -> None:
+        self.function = function
+        self.offloader = offloader
+
+    def __call__(self, *args: Any) -> Any:
+        if torch._C._current_graph_task_id() != -1:  # the recompute pass: its graph is used
+            return self.function(*args)
+        with self.offloader.discarded_graph():
+            return self.function(*args)
 
 
 class _LayerCall:

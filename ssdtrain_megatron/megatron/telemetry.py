@@ -34,7 +34,7 @@ GLOBAL_VARS_MODULES = ("megatron.training.global_vars", "megatron.global_vars")
 SCALAR_PREFIX = "ssd_offload/"
 
 _NOT_SCALARS = ("step", "layers", "plan", "passed_through_by_reason", "not_offloaded_why", "tier_bytes",
-                "tier_gbps")
+                "tier_gbps", "bytes_wasted_by_origin")
 
 
 def step_scalars(stats: StepStats) -> Dict[str, float]:

@@ -9,14 +9,16 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Optional, Tuple
+from typing import Any, Dict, Hashable, Optional, Tuple
 
 PASS_REASONS = ("recompute", "small", "device", "parameter", "subclass", "layout",
-                "held_by_schedule", "cuda_graph_capture")
+                "held_by_schedule", "cuda_graph_capture", "discarded_graph")
 """Why a saved tensor was left to autograd (StepStats.passed_through_by_reason): saved during
 the recompute pass of checkpointing; below min_tensor_bytes; on another device than the
 offloader's; a parameter or a view of one; a tensor subclass; a non-strided layout; held until
-backward by something else (held.py); saved while a CUDA graph was being captured."""
+backward by something else (held.py); saved while a CUDA graph was being captured; saved in a
+graph that is dropped before backward (a checkpoint's no-grad forward that turns grad on for a
+moment: megatron-core's bias-dropout-add)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,13 @@ class StepStats:
     """The part of bytes_wasted whose tensor was still held by someone else at backward (the
     schedule, the caller's batch, a model's cache); the rest were writes under way when
     backward wanted them. Such a storage passes through from then on (cache/held.py)."""
+    bytes_wasted_by_origin: Dict[str, int] = field(default_factory=dict)
+    """bytes_wasted by how and where, largest first: keys "<how>: <origin>", how one of
+    "released unread" (written, then released without a read: its graph was dropped, or the
+    step ended without its backward), "forwarded" (backward took it from memory while its write
+    was under way), "held" (as bytes_wasted_held) and "modified in place" (changed while it was
+    written: it cannot come back); origin the saving layer, dtype and shape
+    (``layer 3 float32[64, 2, 128]``) and, with ``debug_save_sites``, the code that saved it."""
     tensors_held_by_schedule: int = 0
     """Saved tensors left to autograd because something else holds them until backward anyway
     (a pipeline stage's received input, or a storage found alive at an earlier backward):
@@ -187,16 +196,20 @@ class _LayerAcc:
     forward_s: float = 0.0
 
 
-# A record transition's effect (cache/record.py) -> the tensor count and the byte count it adds to.
-_EFFECTS: Dict[str, Tuple[Optional[str], Optional[str]]] = {
-    "offloaded": ("tensors_offloaded", "bytes_offloaded"),
-    "forwarded": ("tensors_forwarded", None),
-    "taken_back": ("writes_taken_back", None),
-    "held": (None, "bytes_wasted_held"),
-    "read": (None, "bytes_read"),
-    "kept": ("tensors_kept", None),
-    "fallback": ("fallbacks", None),
-    "read_retried": ("read_retries", None),
+# A record transition's effect (cache/record.py) -> the tensor count and the byte count it adds
+# to, and for a written byte wasted, how (StepStats.bytes_wasted_by_origin).
+_EFFECTS: Dict[str, Tuple[Optional[str], Optional[str], Optional[str]]] = {
+    "offloaded": ("tensors_offloaded", "bytes_offloaded", None),
+    "forwarded": ("tensors_forwarded", None, None),
+    "taken_back": ("writes_taken_back", None, None),
+    "held": (None, "bytes_wasted_held", "held"),
+    "written_forwarded": (None, None, "forwarded"),
+    "released_unread": (None, None, "released unread"),
+    "written_modified": (None, None, "modified in place"),
+    "read": (None, "bytes_read", None),
+    "kept": ("tensors_kept", None, None),
+    "fallback": ("fallbacks", None, None),
+    "read_retried": ("read_retries", None, None),
 }
 
 
@@ -224,6 +237,8 @@ class StepCounters:
     """Pass-through count by (layer scope, reason) (silence.py names a layer's reason)."""
     pass_detail: Dict[str, str] = field(default_factory=dict)
     """The first detail seen per reason (e.g. the device the tensors were on)."""
+    wasted: Dict[Tuple[str, str], int] = field(default_factory=dict)
+    """Written bytes wasted, by (how, origin): StepStats.bytes_wasted_by_origin."""
     timeline: Optional[list] = None
     """When a list: (perf_counter time, resident bytes) at every change (plots)."""
 
@@ -233,15 +248,20 @@ class StepCounters:
             acc = self.layers[key] = _LayerAcc(decision=decision)
         return acc
 
-    def count(self, effect: str, nbytes: int, layer: Hashable, decision: str) -> None:
-        """What one record transition did (an effect of cache/record.py's TRANSITIONS)."""
-        tensors, byte_field = _EFFECTS[effect]
+    def count(self, effect: str, nbytes: int, layer: Hashable, decision: str,
+              record: Any = None) -> None:
+        """What one record transition did (an effect of cache/record.py's TRANSITIONS).
+        ``record``: the record (its ``origin()`` names where wasted bytes came from)."""
+        tensors, byte_field, wasted = _EFFECTS[effect]
         if tensors:
             setattr(self, tensors, getattr(self, tensors) + 1)
         if byte_field:
             setattr(self, byte_field, getattr(self, byte_field) + nbytes)
         if effect == "offloaded":
             self.layer(layer, decision).bytes_offloaded += nbytes
+        elif wasted is not None:  # written for nothing: off the pack path (a rare transition)
+            key = (wasted, record.origin() if record is not None else f"layer {layer}")
+            self.wasted[key] = self.wasted.get(key, 0) + nbytes
 
     def pass_through(self, reason: str, layer: Hashable, detail: str = "") -> None:
         """A saved tensor left to autograd, for ``reason`` (PASS_REASONS)."""
@@ -288,7 +308,9 @@ class StepCounters:
             iteration_time_s=iteration_time_s, captured_kept=by_reason.get("cuda_graph_capture", 0),
             passed_through_by_reason=by_reason, read_retries=self.read_retries,
             tier_bytes=self._tier_bytes(tiers) if tiers is not None else {},
-            tier_gbps={t: {"write": _gbps(*w), "read": _gbps(*r)} for t, (w, r) in (tiers or {}).items()})
+            tier_gbps={t: {"write": _gbps(*w), "read": _gbps(*r)} for t, (w, r) in (tiers or {}).items()},
+            bytes_wasted_by_origin={f"{how}: {origin}": n for (how, origin), n in
+                                    sorted(self.wasted.items(), key=lambda kv: (-kv[1], kv[0]))})
 
     def _tier_bytes(self, tiers: Dict[str, Tuple[Tuple[int, float], Tuple[int, float]]]) -> Dict[str, int]:
         recorded = sum(a.bytes for a in self.layers.values())
