@@ -18,7 +18,7 @@ GiB = 1 << 30
 # (name, time limit in seconds, the steps it needs to have passed, what it does). Order =
 # priority: what matters most runs first.
 STEPS = [
-    ("env", 15, (), "python, torch, CUDA and GPU versions; free disk"),
+    ("env", 20, (), "python, torch, CUDA and GPU versions; free disk"),
     ("install", 35, ("env",), "pip install --no-index the bundle (.whl) into <out>/prefix"),
     ("imports", 20, ("install",), "import megatron.core and kvikio (and its mode); the gds engine available?"),
     ("bitwise-posix", 30, ("imports",), "GPT bf16, keep vs offload (posix), delayed compute: bitwise"),
@@ -30,7 +30,7 @@ STEPS = [
     ("cuda-tests", 45, ("install",), "the cuda tests this box can run (scripts/gpu_check_cuda.py): all pass"),
     ("syncs", 25, ("imports",), "host syncs on the training thread, offload (memory) vs keep"),
     ("io-bench", 20, ("install",), "the drive's write/read bandwidth through the posix engine"),
-    ("measure", 120, ("imports",), "peak activation memory, step time, stall, tokens/s per policy"),
+    ("measure", 115, ("imports",), "peak activation memory, step time, stall, tokens/s per policy"),
 ]
 TOTAL_S = 480  # the whole check, the parent's own work included
 PARENT_S = 10  # the parent's share: starting the steps, writing the results

@@ -46,7 +46,8 @@ def digest(t: torch.Tensor) -> Optional[Tuple[str, tuple, int]]:
 
 def _is_offloaders(hook: Callable) -> bool:
     """A method of an object of this package (the offloader, or whatever part of it owns the
-    hooks): the hooks to check. Torch's own (checkpoint's) are left alone."""
+    hooks): the hooks to check (either one: a test may wrap the pack hook in a function of its
+    own). Torch's own (checkpoint's) are left alone."""
     owner = getattr(hook, "__self__", None)
     return owner is not None and type(owner).__module__.startswith("ssdtrain_megatron.")
 
@@ -77,7 +78,7 @@ class ExactnessOracle:
 
         class Hooks(real):  # type: ignore[misc, valid-type]
             def __init__(self, pack_hook: Callable, unpack_hook: Callable) -> None:
-                if _is_offloaders(pack_hook):
+                if _is_offloaders(pack_hook) or _is_offloaders(unpack_hook):
                     pack_hook, unpack_hook = oracle._wrap(pack_hook, unpack_hook)
                 super().__init__(pack_hook, unpack_hook)
 
