@@ -1,7 +1,9 @@
 """scripts/: every script parses (`bash -n`), marks the lines a user edits, and the per-node
 runner passes the preset through, fills in the offload roots and removes the job's offload
 directories on exit, on failure and on SIGTERM (scancel). `python` and `srun` are stand-ins
-here: they record their arguments instead of training."""
+here: they record their arguments instead of training. The scripts' pre-flight (`ssdtrain
+doctor --preflight`, run by the real python) is off here (SSDTRAIN_SKIP_PREFLIGHT=1) but in
+the tests that say so; tests/test_preflight_launch.py runs it for real."""
 
 from __future__ import annotations
 
@@ -60,13 +62,14 @@ def test_lines_a_user_edits_are_marked(path, edited):
 
 @pytest.fixture
 def stand_ins(tmp_path):
-    """A `python` that records its arguments (and delegates `-m ...megatron.args`), a
-    `srun` that runs its command once, a `scontrol` that names one node."""
+    """A `python` that records its arguments (and delegates `-m ...megatron.args` and the
+    `ssdtrain` command, `-m ssdtrain_megatron.tools`), a `srun` that runs its command once, a
+    `scontrol` that names one node."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").write_text(
         "#!/bin/bash\n"
-        "if [[ \"$1 $2\" == '-m ssdtrain_megatron.megatron.args' ]]; then\n"
+        "if [[ \"$1 $2\" == '-m ssdtrain_megatron.megatron.args' || \"$1 $2\" == '-m ssdtrain_megatron.tools' ]]; then\n"
         f"    exec {sys.executable} \"$@\"\n"
         "fi\n"
         "printf '%s\\n' \"$@\" > \"$STUB_LOG\"\n"
@@ -97,7 +100,7 @@ def stand_ins(tmp_path):
         "MEGATRON_LM": str(tmp_path / "Megatron-LM"), "PRESET": PRESET,
         "SSD_DIRS": f"{nvme}/nvme{{local_rank}}/ssdtrain/{{job}}", "GPUS_PER_NODE": "2",
         "JOB_ID": "4242", "STUB_LOG": str(tmp_path / "argv.txt"),
-        "STUB_WRITES": f"{nvme}/nvme1/ssdtrain/4242"})
+        "STUB_WRITES": f"{nvme}/nvme1/ssdtrain/4242", "SSDTRAIN_SKIP_PREFLIGHT": "1"})
     # Another job's directory on the same drive: must survive.
     (nvme / "nvme0" / "ssdtrain" / "1111").mkdir(parents=True)
     return env, tmp_path

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 from ..io.where import binary as gib
 from .cli_types import PRESET_HELP, preset_arg
+from .preflight_cli import add_preflight_args, run_preflight
 from ..io.where import filesystem_of
 
 ENGINES = ("posix", "aio", "gds", "memory", "tiered")
@@ -41,6 +42,7 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="PRESET", type=preset_arg,
                    help=f"{PRESET_HELP}: check its offload: dirs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_preflight_args(p)
     p.set_defaults(func=run_doctor)
     return p
 
@@ -277,6 +279,12 @@ def render(r: Dict[str, Any]) -> str:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    if args.preflight:
+        return run_preflight(args)
+    if args.launch_args:
+        from .cli_types import UsageError
+
+        raise UsageError("arguments after -- are the launcher's, checked by --preflight: add it")
     report = build_report(args)
     print(json.dumps(report, indent=1) if args.json else render(report))
     ok = report["engines"]["posix"]["available"] and all(r["writable"] for r in report["roots"])

@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import Dict, List, Tuple
@@ -253,6 +254,9 @@ def run_soak(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
+    held = args.warnings.summary_line() if getattr(args, "warnings", None) else ""
+    if held:  # the warnings held back (tools/quiet.py), said before the summary: it comes last
+        print(held, file=sys.stderr)
     print(text if args.json else _summary(result))
     return result["exit_status"]
 
