@@ -180,16 +180,28 @@ def test_an_engine_that_cannot_run_here_says_why(tmp_path):
                  _ranks(2)) == []
 
 
-def test_the_launcher_line_names_the_node_and_the_rank(tmp_path):
-    env = {"RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    (line,) = launcher_problems(["--ssd-offload", "--ssd-offload-dir", str(tmp_path / "gone")], env)
+def test_every_worker_stops_for_its_node_and_the_lowest_rank_concerned_names_the_problem(tmp_path):
+    """Local rank 0's drive is there, local rank 1's is not: both stop (neither goes on into
+    Megatron), only local rank 1 prints. Broken variant (each worker checks only its own
+    roots): "assert ([], False) == ([], True)" for local rank 0."""
     import socket
 
-    assert line.startswith(f"node {socket.gethostname()}, rank 5 (local rank 1): offload root "
-                           f"{tmp_path}/gone does not exist")
-    (line,) = launcher_problems(["--ssd-offload-chunk-bytes", "3"], env)
-    assert line.endswith("argument --ssd-offload-chunk-bytes: 3 is invalid: expected an integer >= 4096")
-    assert launcher_problems(["--num-layers", "2"], env) == []
+    (tmp_path / "nvme0").mkdir()
+    flags = ["--ssd-offload", "--ssd-offload-dir", f"{tmp_path}/nvme{{local_rank}}", *_allow(tmp_path)]
+    rank0 = {"RANK": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    rank1 = {"RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert launcher_problems(flags, rank0) == ([], True)
+    (lines, failed) = launcher_problems(flags, rank1)
+    assert failed and len(lines) == 1
+    assert lines[0].startswith(f"node {socket.gethostname()}, rank 5 (local rank 1): offload root "
+                               f"{tmp_path}/nvme1 (dirs[0] '{tmp_path}/nvme{{local_rank}}') does not exist")
+    # A problem of every rank (a flag) is said by local rank 0 alone.
+    bad = ["--ssd-offload-chunk-bytes", "3"]
+    assert launcher_problems(bad, rank1) == ([], True)
+    (lines, _) = launcher_problems(bad, rank0)
+    assert lines == [f"node {socket.gethostname()}, rank 4 (local rank 0): argument "
+                     "--ssd-offload-chunk-bytes: 3 is invalid: expected an integer >= 4096"]
+    assert launcher_problems(["--num-layers", "2"], rank1) == ([], False)
 
 
 def test_doctor_preflight_prints_one_line_per_failing_node_and_nothing_when_it_passes(tmp_path, capsys):

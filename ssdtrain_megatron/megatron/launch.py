@@ -17,10 +17,11 @@ runs this module, which
    given;
 4. runs the script as ``__main__`` (runpy), then ``uninstall()``: every offload file is removed.
 
-Before any of that, with ``--ssd-offload``, each worker runs the pre-flight (:mod:`.preflight`):
-the flags and the preset, this rank's roots, the node's free space, the engine. A problem ends
-the worker with exit status 2 and one line on stderr naming the node, the rank, the path and the
-fix, before megatron is imported (``SSDTRAIN_SKIP_PREFLIGHT=1`` skips it). An error of ours
+Before any of that, with ``--ssd-offload``, each worker runs the pre-flight (:mod:`.preflight`)
+for its whole node: the flags and the preset, every local rank's roots, the free space of the
+node's drives, the engine. A problem ends every worker of the node with exit status 2, before
+megatron is imported, and one line on stderr (from the lowest local rank it concerns) names the
+node, the rank, the path and the fix (``SSDTRAIN_SKIP_PREFLIGHT=1`` skips it). An error of ours
 that leaves the script later, from inside Megatron's loop, is logged first in one ERROR line
 naming the rank (:mod:`.errors`), then goes on with its traceback.
 
@@ -43,6 +44,7 @@ import logging
 import os
 import runpy
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -312,10 +314,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if argv else 2
     script, script_args = argv[0], argv[1:]
     if not preflight.skipped() and not {"-h", "--help"} & set(script_args):
-        problems = preflight.launcher_problems(script_args)
-        for line in problems:
+        lines, failed = preflight.launcher_problems(script_args)
+        for line in lines:
             print(f"{PROG}: error: {line}", file=sys.stderr)
-        if problems:
+        if failed:
+            if not lines:  # another local rank names the problem: let its line out first
+                time.sleep(preflight.LINGER_S)
             return 2
     try:
         run_script(script, script_args)

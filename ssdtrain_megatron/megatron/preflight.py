@@ -3,10 +3,11 @@
 A mistake in the offload settings that is found only once Megatron has initialised (an
 unmounted drive, a root that is a file) costs a job slot and ends in a traceback on every rank;
 found here, it costs one line. The launcher (``python -m ssdtrain_megatron.launch``) runs
-:func:`launcher_problems` in every torchrun worker before it imports megatron, and
-``ssdtrain doctor --preflight`` runs :func:`check` for every local rank of a node (the Slurm
-and single-node scripts call it once per node before torchrun starts). Checked, as the
-offloader itself would (io/roots.py, io/layout.py):
+:func:`launcher_problems` in every torchrun worker before it imports megatron, for every
+local rank of the worker's node (so no worker goes on into Megatron while another on its node
+stops), and ``ssdtrain doctor --preflight`` runs :func:`check` the same way once per node (the
+Slurm and single-node scripts call it before torchrun starts). Checked, as the offloader
+itself would (io/roots.py, io/layout.py):
 
 - the ``--ssd-offload-*`` flags and the preset (``--ssd-offload-config``), as Megatron's parser
   will check them once the flag group is added to it;
@@ -282,21 +283,34 @@ def space_problems(launch: Launch, ranks: Sequence[Identity],
 # -- in the launcher --------------------------------------------------------------------------
 
 
-def launcher_problems(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> List[str]:
+LINGER_S = 5.0
+"""How long a worker that found its node failing, but no problem of its own to name, waits
+before it exits: torchrun stops every worker once one has exited, and the worker that names
+the problem should get its line out first."""
+
+
+def launcher_problems(argv: Sequence[str],
+                      environ: Mapping[str, str] = os.environ) -> Tuple[List[str], bool]:
     """The pre-flight of one torchrun worker (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE from
-    ``environ``): a line per problem, each naming the node and the rank; empty when the
-    offload settings can run here (or ``--ssd-offload`` is not given)."""
+    ``environ``): (the lines this worker prints, whether its node fails).
+
+    Every worker checks every local rank of its node, so that none goes on into Megatron while
+    another on its node stops; each problem is printed once per node, by the lowest local rank
+    it concerns, naming the node and that rank. Nothing fails (and nothing is printed) when
+    the offload settings can run here or ``--ssd-offload`` is not given.
+    """
     host = socket.gethostname()
     rank, local = int(environ.get("RANK", "0")), int(environ.get("LOCAL_RANK", "0"))
     where = f"node {host}, rank {rank} (local rank {local})"
     try:
         launch = read_launch(argv)
     except FlagError as exc:
-        return [f"{where}: {exc}"]
+        return ([f"{where}: {exc}"] if local == 0 else []), True
     if launch is None:
-        return []
+        return [], False
     job = launch.config.job_id()
     local_ranks = max(int(environ.get("LOCAL_WORLD_SIZE", "1")), local + 1)
-    me = Identity(rank, local, host, job)
     node = [Identity(rank - local + lr, lr, host, job) for lr in range(local_ranks)]
-    return [f"{where}: {p.what}" for p in check(launch, [me], node)]
+    problems = check(launch, node)
+    return [f"{where}: {p.what}" for p in problems if min(p.local_ranks, default=0) == local], \
+        bool(problems)
