@@ -11,6 +11,11 @@ a dirs template above its first {job} component.
 
 Exit status 0 when the default engine (posix) can write into every root; 1 otherwise (a
 missing root, or one that is not a directory, included).
+
+``--preflight`` checks instead what the launcher checks in each worker before Megatron starts,
+for every local rank of this node (tools/preflight_cli.py, megatron/preflight.py): the launch
+scripts run it on each node before torchrun. Nothing is printed when the node passes; a
+failing node prints one line and exits 2.
 """
 
 from __future__ import annotations
