@@ -155,7 +155,7 @@ def test_free_space_is_held_against_every_local_rank_that_writes_to_the_drive(tm
     assert problem.local_ranks == (0, 1)
     assert problem.what.startswith(f"the drive of {root} (")
     assert "2 local rank(s) will keep up to" in problem.what
-    assert f"p.yaml's model: " in problem.what and "SSDTRAIN_SKIP_PREFLIGHT=1" in problem.what
+    assert "p.yaml's model: " in problem.what and "SSDTRAIN_SKIP_PREFLIGHT=1" in problem.what
     # Megatron's own flag wins over the preset's micro-batch: a quarter of it fits again.
     quarter = ["--micro-batch-size", str(max(shape["micro_batch"] // 4, 1))]
     assert check(read_launch(quarter + ["--ssd-offload", *flags]), _ranks(2)) == []

@@ -15,6 +15,8 @@ import socket
 import sys
 from typing import Any, List
 
+from .cli_types import UsageError, positive_int
+
 
 def add_preflight_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
@@ -25,31 +27,14 @@ def add_preflight_args(parser: argparse.ArgumentParser) -> None:
                             "(exists, a directory, writable, not on the filesystem of /), free "
                             "space against the preset's model, the engine; one line on stderr "
                             "and exit 2 for a node that fails, nothing when it passes")
-    group.add_argument("--nproc-per-node", type=_positive, default=1, metavar="N",
+    group.add_argument("--nproc-per-node", type=positive_int, default=1, metavar="N",
                        help="local ranks on this node (torchrun's --nproc-per-node; default 1)")
-    group.add_argument("--node-rank", type=_natural, default=0, metavar="R",
+    group.add_argument("--node-rank", type=int, default=0, metavar="R",
                        help="this node's rank: {rank} is R x N + the local rank (default 0)")
     group.add_argument("launch_args", nargs="*", metavar="-- LAUNCHER_ARGS",
                        help="with --preflight: the launcher's arguments (Megatron's and the "
                             "--ssd-offload flags, after --); default: --ssd-offload with --dir "
                             "and --config")
-
-
-def _positive(text: str) -> int:
-    value = _natural(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer >= 1")
-    return value
-
-
-def _natural(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer >= 0")
-    return value
 
 
 def launcher_argv(args: argparse.Namespace) -> List[str]:
@@ -78,8 +63,9 @@ def ranks_text(local_ranks: Any) -> str:
 def run_preflight(args: argparse.Namespace) -> int:
     from ..io.layout import Identity
     from ..megatron.preflight import FlagError, check, read_launch
-    from .cli_types import UsageError
 
+    if args.node_rank < 0:
+        raise UsageError(f"--node-rank: expected an integer >= 0, got {args.node_rank}")
     host = socket.gethostname()
     prefix = f"ssdtrain doctor: error: node {host}"
     try:
