@@ -71,7 +71,8 @@ def test_our_classes_and_errors_raised_by_our_code_are_ours_others_are_not(tmp_p
 
 
 def test_the_line_is_logged_once_at_error_level_naming_rank_and_node(tmp_path, caplog, monkeypatch):
-    """Broken variant (report_error without its once-only mark): "assert 2 == 1"."""
+    """Broken variant (report_error without its once-only mark): the second call logs again:
+    "assert True is False"."""
     monkeypatch.setenv("RANK", "7")
     exc = _missing_root(tmp_path)
     with caplog.at_level(logging.ERROR, logger=LOGGER):

@@ -140,7 +140,8 @@ def _shape_needing(fraction: float, free: int) -> tuple:
 
 def test_free_space_is_held_against_every_local_rank_that_writes_to_the_drive(tmp_path):
     """One rank's peak fits the drive, two ranks' on the same drive do not: the node's sum
-    counts. Broken variant (need = one rank's share, not the drive's sum): "assert [] == [...]"."""
+    counts. Broken variant (need = one rank's share, not the drive's sum): no problem for two
+    ranks either: "ValueError: not enough values to unpack (expected 1, got 0)"."""
     from ssdtrain_megatron.io.layout import free_bytes
 
     shape, need = _shape_needing(0.75, free_bytes(str(tmp_path)))

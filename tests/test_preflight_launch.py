@@ -111,8 +111,9 @@ def _assert_stopped_before_megatron(out: subprocess.CompletedProcess, prefix: st
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_launcher_under_torchrun_stops_each_worker_in_one_line_before_megatron(job, system_dir, case):
-    """Broken variant (launch.main without the pre-flight): the stand-in is imported and the
-    script starts: "assert 'MEGATRON IMPORTED' not in ..." (the roots fail only at install())."""
+    """Broken variant (launch.main without the pre-flight): both workers import the stand-in
+    and start the script, which (a stand-in) never reaches install(): "assert 0 != 0", the
+    output "MEGATRON IMPORTED" twice."""
     tmp_path, env = job
     template, extra, preset, says = _case(case, tmp_path, system_dir)
     if case == "missing root":
@@ -154,8 +155,8 @@ def _single_node(tmp_path, env, template: str, preset: str, extra) -> subprocess
 @pytest.mark.parametrize("case", CASES)
 def test_the_single_node_script_stops_in_one_line_before_torchrun(job, system_dir, case):
     """Broken variant (the pre-flight call removed from pretrain_gpt_single_node.sh): torchrun
-    starts and each worker's launcher reports instead: "assert 'ssdtrain-pretrain: error: ...'
-    .startswith('ssdtrain doctor: error: node ...')"."""
+    starts and each worker's launcher reports instead; the first line is then
+    "ssdtrain-pretrain: error: node vm, rank 1 ...", not the node's "ssdtrain doctor: error:"."""
     tmp_path, env = job
     template, extra, preset, says = _case(case, tmp_path, system_dir)
     if case == "missing root":

@@ -109,8 +109,8 @@ def test_sbatch_stops_in_one_line_when_one_nodes_drive_is_missing(cluster, tmp_p
     each node, one srun task per node) stops the job before any node starts torchrun: the
     output's first line is n2's, naming the node, its local rank, the root and the fix; n1
     says nothing; no worker starts. Broken variant (the sbatch's pre-flight `if` dropped): the
-    workers start; n2's launcher refuses the root only there, and "ssdtrain doctor: error:
-    node n2" is nowhere in the output."""
+    workers start, n2's refuse the root, torchrun stops n1's (signal 15): the job ends FAILED
+    with exit code 1:0, not 2:0 ("srun: error: n1: task 0: Exited with exit code 1")."""
     env = job_folder(tmp_path)
     template = f"{tmp_path}/{{hostname}}/nvme{{local_rank}}/ssdtrain/{{job}}"
     env.update(GPUS_PER_NODE="1", SSD_DIRS=template)

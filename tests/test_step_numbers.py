@@ -35,7 +35,7 @@ def test_summary_is_silent_about_fallbacks_when_there_are_none(offload_dir):
 def test_summary_counts_what_is_warned_about_once_per_job():
     """The warnings for a failed write, a retried read and a budget overrun come once per job;
     the step line counts them every step. Broken variant (read_retries left out of summary()):
-    "assert '3 READ RETRIES' in ...". """
+    the line ends "1 FALLBACK (...), 2 BUDGET OVERRUNS" and the endswith assertion fails."""
     import dataclasses
 
     from ssdtrain_megatron.telemetry.stats import StepStats
