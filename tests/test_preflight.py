@@ -227,3 +227,27 @@ def test_doctor_preflight_prints_one_line_per_failing_node_and_nothing_when_it_p
     assert rc == 2 and f"offload root {tmp_path}/gone does not exist" in err
     rc, _, err = run_cli(["doctor", "--", "--ssd-offload"], capsys)
     assert rc == 2 and "add it" in err
+
+
+def test_the_preflight_imports_no_megatron_even_when_it_passes(tmp_path):
+    """A `megatron` package that refuses to be imported is first on the path; the launcher's
+    pre-flight of a node that passes (and of one that fails) never touches it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron" / "__init__.py").write_text("raise ImportError('megatron was imported')\n")
+    (tmp_path / "ssd").mkdir()
+    code = (
+        "import sys\n"
+        "from ssdtrain_megatron.megatron.preflight import launcher_problems\n"
+        f"ok = launcher_problems(['--ssd-offload', '--ssd-offload-dir', {str(tmp_path / 'ssd')!r},"
+        " '--ssd-offload-allow-system-disk', '--ssd-offload-config', 'llama3-8b',"
+        " '--micro-batch-size', '1', '--num-layers', '2'], {})\n"
+        f"bad = launcher_problems(['--ssd-offload', '--ssd-offload-dir', {str(tmp_path / 'gone')!r}], {{}})\n"
+        "print(ok[1], bad[1], 'megatron' in sys.modules)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{root}"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "False"]
