@@ -148,7 +148,7 @@ def check(launch: Launch, ranks: Sequence[Identity],
           node: Sequence[Identity] = ()) -> List[Problem]:
     """Every problem of the local ranks ``ranks`` (identical ones merged, with their ranks);
     ``node``: every local rank of the node, whose offloaded bytes share its drives (default:
-    ``ranks``)."""
+    ``ranks``). Free space is looked at only when nothing else is wrong."""
     config = launch.config
     everyone = tuple(i.local_rank for i in ranks)
     found: List[Problem] = []
