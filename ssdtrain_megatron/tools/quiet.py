@@ -17,7 +17,6 @@ with ``Input/output error`` another. Errors are never held back, nor anything be
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 import warnings
@@ -51,7 +50,8 @@ class WarningTally:
     Args:
         handlers: the log handlers to filter (those the command set up; others are left alone).
         prefix: what the summary line starts with (``ssdtrain soak``).
-        stream: where Python warnings and the summary line go (default: stderr).
+        stream: where the summary line goes (default: stderr); Python warnings are shown
+            where they were before (the first of each kind).
     """
 
     def __init__(self, handlers: Sequence[logging.Handler], prefix: str,
@@ -63,6 +63,7 @@ class WarningTally:
         self._seen: set = set()
         self._filter = _RepeatFilter(self)
         self._catch: Optional[warnings.catch_warnings] = None
+        self._previous = warnings.showwarning
 
     def first(self, kind: Tuple[str, str]) -> bool:
         """True the first time ``kind`` is seen; later, count it and return False."""
@@ -73,11 +74,10 @@ class WarningTally:
         return False
 
     def _show_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
-        if not self.first((category.__name__, kind_of(message))):
-            return
-        where = f"{os.path.basename(filename)}:{lineno}"
-        print(f"{category.__name__} ({where}): {' '.join(str(message).split())}",
-              file=self.stream or sys.stderr)
+        # The first of a kind is shown as it would have been (by whoever shows warnings here:
+        # Python on stderr, a test's recorder), without its source line: one line.
+        if self.first((category.__name__, kind_of(message))):
+            self._previous(message, category, filename, lineno, file, "")
 
     def summary_line(self) -> str:
         """One line saying how many repeats were held back, of which kinds; '' when none.
@@ -95,6 +95,7 @@ class WarningTally:
     def __enter__(self) -> "WarningTally":
         self._catch = warnings.catch_warnings()  # restores showwarning (and the filters) at exit
         self._catch.__enter__()
+        self._previous = warnings.showwarning
         warnings.showwarning = self._show_warning
         for handler in self.handlers:
             handler.addFilter(self._filter)

@@ -224,9 +224,10 @@ def faulty_run(args, kinds, root: str, device, reference, spec=None, config=None
 def run_soak(args: argparse.Namespace) -> int:
     import torch
 
-    from .cli_types import UsageError, check_engine
+    from .cli_types import UsageError, check_engine, quiet_megatron_warnings
     from .minigpt import MegatronRuntime
 
+    quiet_megatron_warnings()  # its model runs megatron-core's torch fallbacks, as the demo's
     kinds = _kinds(args.faults)
     if args.steps < 1:
         raise UsageError("--steps: expected at least 1")
