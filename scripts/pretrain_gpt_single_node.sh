@@ -73,4 +73,11 @@ export SSDTRAIN MEGATRON_LM PRESET SSD_DIRS PYTHON GPUS_PER_NODE JOB_ID
 export NNODES=1 NODE_RANK=0
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron asks for it with TP or sequence parallelism
 
+# Pre-flight: what the launcher would check in each worker (ssdtrain doctor --preflight: the
+# flags and the preset, every local rank's roots, free space against the preset's model, the
+# engine), before torchrun starts; a problem stops here in one line naming the node, the local
+# ranks, the path and the fix. SSDTRAIN_SKIP_PREFLIGHT=1 skips it here and in the workers.
+if [[ "${SSDTRAIN_SKIP_PREFLIGHT:-0}" == 0 ]]; then
+    bash "$SSDTRAIN/scripts/ssdtrain_node.sh" --preflight "${megatron_args[@]}" "$@" || exit $?
+fi
 exec bash "$SSDTRAIN/scripts/ssdtrain_node.sh" "${megatron_args[@]}" "$@"

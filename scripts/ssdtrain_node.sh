@@ -18,7 +18,17 @@
 #   PYTHON         python of the training environment (default: python)
 # Arguments: more Megatron flags (data, tokenizer, schedule, ...), passed through.
 #   ssdtrain_node.sh --cleanup   only remove this node's job directories
+#   ssdtrain_node.sh --preflight [Megatron flags]   only check this node, as the launcher will
+#                  in each worker (ssdtrain doctor --preflight, for every local rank, with the
+#                  arguments the workers would get): nothing when it passes, one line on stderr
+#                  and exit 2 when it fails
 set -euo pipefail
+
+preflight=0
+if [[ "${1:-}" == "--preflight" ]]; then
+    preflight=1
+    shift
+fi
 
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout}"
 : "${PRESET:?set PRESET to a preset, e.g. configs/llama2-13b.yaml}"
@@ -88,6 +98,13 @@ if ! preset_flags="$("$PYTHON" -m ssdtrain_megatron.megatron.args "$PRESET")"; t
     exit 2
 fi
 read -r -a model_args <<< "$preset_flags"
+# What each worker's launcher gets: the preset's model, the caller's flags, then offload.
+launcher_args=("${model_args[@]}" "$@" --ssd-offload --ssd-offload-config "$PRESET"
+               --ssd-offload-dir "$SSD_DIRS" --ssd-offload-job "$JOB_ID")
+if (( preflight )); then
+    exec "$PYTHON" -m ssdtrain_megatron.tools doctor --preflight --nproc-per-node "$GPUS_PER_NODE" \
+        --node-rank "$NODE_RANK" -- "${launcher_args[@]}"
+fi
 
 if (( NNODES == 1 )); then
     rendezvous=(--standalone)
@@ -104,9 +121,6 @@ trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM
 trap 'kill -INT "$child" 2>/dev/null; wait "$child"; exit 130' INT
 
 "$PYTHON" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node "$GPUS_PER_NODE" \
-    -m ssdtrain_megatron.launch "$MEGATRON_LM/pretrain_gpt.py" \
-    "${model_args[@]}" "$@" \
-    --ssd-offload --ssd-offload-config "$PRESET" \
-    --ssd-offload-dir "$SSD_DIRS" --ssd-offload-job "$JOB_ID" &
+    -m ssdtrain_megatron.launch "$MEGATRON_LM/pretrain_gpt.py" "${launcher_args[@]}" &
 child=$!
 wait "$child"

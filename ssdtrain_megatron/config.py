@@ -57,6 +57,15 @@ class OffloadConfig:
     first {job} component; io/roots.py). Off: a missing root is refused, since it usually means
     a drive that is not mounted, and creating the path would write onto the system disk."""
 
+    allow_system_disk: bool = knob(False, check=boolean, help=(
+        "Let an offload root lie on the filesystem of / (the system disk). Off: the launcher's "
+        "pre-flight and `ssdtrain doctor --preflight` refuse such a root before Megatron starts, "
+        "since filling it can stop the node; the offloader itself only warns"))
+    """Let an offload root lie on the filesystem of ``/`` (the system disk). Off: the launcher's
+    pre-flight (megatron/preflight.py) and ``ssdtrain doctor --preflight`` refuse such a root
+    before Megatron starts, since filling it can stop the node. The offloader itself, built
+    without the launcher (the Python API, the demo), only warns."""
+
     engine: str = knob("posix", check=one_of(ENGINES), choices=ENGINES, help=(
         "IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed "
         "DeepNVMe aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; "

@@ -17,7 +17,9 @@ micro-batch on the last pipeline stage (``float.hex``), and, at the first micro-
 iteration, a SHA-256 of this rank's parameters (the weights the previous step produced).
 With ``SSDTRAIN_TEST_SETTLE_WRITES=1``, every queued write finishes before a backward is
 announced (as tests/megatron_harness.py's ``Phase.settle_writes``), so what a step writes and
-wastes does not depend on how far the IO threads got.
+wastes does not depend on how far the IO threads got. With ``SSDTRAIN_TEST_READ_EIO_AT=N``,
+from iteration N on every read the installed offloader's engine makes fails with EIO (the
+FaultyEngine of tools/faults.py around it), as a drive that died would.
 """
 
 from __future__ import annotations
@@ -59,6 +61,24 @@ def _settle_writes() -> None:
         return
     settle_writes_before_backward(offloader)
     offloader._settled_by_test = True
+
+
+def _fail_reads(iteration: int) -> None:
+    """SSDTRAIN_TEST_READ_EIO_AT=N: at iteration N, make every later read of the installed
+    offloader's engine fail with EIO (once per process)."""
+    from ssdtrain_megatron.megatron import installed
+
+    at = int(os.environ.get("SSDTRAIN_TEST_READ_EIO_AT", "0"))
+    inst = installed()
+    if not at or iteration < at or inst is None or getattr(inst.offloader, "_reads_fail", False):
+        return
+    import errno
+
+    from faulty import FaultyEngine
+
+    eio = OSError(errno.EIO, os.strerror(errno.EIO))
+    FaultyEngine(inst.offloader.engine, lambda op, path, offset, nbytes: eio if op == "read" else None)
+    inst.offloader._reads_fail = True
 
 
 def _record(entry: dict) -> None:
@@ -143,6 +163,7 @@ def forward_step(data_iterator, model):
             _PREEMPTION.hook_model(model)
         _PREEMPTION.at(_forward_calls // per_iteration + 1, _forward_calls % per_iteration,
                        per_iteration)
+    _fail_reads(_forward_calls // per_iteration + 1)
     _forward_calls += 1
     _settle_writes()
     tokens, labels, loss_mask, position_ids = get_batch(data_iterator)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import socket
 import subprocess
 import sys
 import types
@@ -174,9 +176,17 @@ def test_launcher_runs_a_script_as_main_with_its_folder_first_on_the_path(tmp_pa
                          capture_output=True, text=True, cwd=str(tmp_path.parent))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "main sibling 3 False"
-    out = subprocess.run([sys.executable, "-m", "ssdtrain_megatron.launch",
-                          str(tmp_path / "train.py"), "--ssd-offload-io-threads", "0"],
-                         capture_output=True, text=True, cwd=str(tmp_path.parent))
+    # A bad value: the pre-flight says it in one line before the script runs; skipped, the
+    # script's own parser (which got the flag group) says it.
+    bad = [sys.executable, "-m", "ssdtrain_megatron.launch", str(tmp_path / "train.py"),
+           "--ssd-offload-io-threads", "0"]
+    out = subprocess.run(bad, capture_output=True, text=True, cwd=str(tmp_path.parent))
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr.splitlines() == [
+        f"ssdtrain-pretrain: error: node {socket.gethostname()}, rank 0 (local rank 0): argument "
+        "--ssd-offload-io-threads: 0 is invalid: expected an integer >= 1"]
+    out = subprocess.run(bad, capture_output=True, text=True, cwd=str(tmp_path.parent),
+                         env=dict(os.environ, SSDTRAIN_SKIP_PREFLIGHT="1"))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].endswith(
         "error: argument --ssd-offload-io-threads: 0 is invalid: expected an integer >= 1")

@@ -225,8 +225,10 @@ def runs(setup, tmp_path_factory):
     root, stats = tmp / "ssd", tmp / "stats.jsonl"
     root.mkdir()
     plain = _run(tmp, setup, "plain", [], launcher=False)
+    # allow-system-disk: the temporary folder may be on /, which the pre-flight refuses unasked.
     offload = _run(tmp, setup, "offload",
-                   ["--ssd-offload", "--ssd-offload-dir", str(root), "--ssd-offload-stats-path",
+                   ["--ssd-offload", "--ssd-offload-dir", str(root), "--ssd-offload-allow-system-disk",
+                    "--ssd-offload-stats-path",
                     str(stats), "--ssd-offload-min-tensor-bytes", "0"], launcher=True)
     with open(stats, encoding="utf-8") as fh:
         steps = [r for r in (json.loads(line) for line in fh if line.strip())
@@ -285,7 +287,8 @@ def preempted(setup, tmp_path_factory):
     out = {}
     for name, launcher, offload in (("plain", False, []),
                                     ("offload", True, ["--ssd-offload", "--ssd-offload-dir",
-                                                       str(root), "--ssd-offload-min-tensor-bytes",
+                                                       str(root), "--ssd-offload-allow-system-disk",
+                                                       "--ssd-offload-min-tensor-bytes",
                                                        "0"])):
         save = tmp / f"ckpt-{name}"
         run = _run(tmp, setup, f"preempted-{name}",

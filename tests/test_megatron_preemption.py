@@ -104,9 +104,11 @@ def _run(folder, site: str, point: str, offload: bool, handler: bool = True) -> 
         flags.append("--exit-signal-handler")
     program = [SCRIPT, *flags]
     if offload:
-        # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default.
+        # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default;
+        # the temporary folder may be on the system disk, which the pre-flight refuses unasked.
         program = ["-m", "ssdtrain_megatron.launch", *program, "--ssd-offload",
-                   "--ssd-offload-dir", str(folder / "ssd"), "--ssd-offload-min-tensor-bytes",
+                   "--ssd-offload-dir", str(folder / "ssd"), "--ssd-offload-allow-system-disk",
+                   "--ssd-offload-min-tensor-bytes",
                    "0", "--ssd-offload-stats-path", str(folder / "stats.jsonl")]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
                SSDTRAIN_TEST_PREEMPT=f"{point}@{PREEMPTED_AT}")

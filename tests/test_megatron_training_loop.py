@@ -139,9 +139,11 @@ def runs(site, tmp_path_factory, request):
     root = tmp / "ssd"
     root.mkdir()
     plain = _run(tmp, site, "plain", layout, launcher=False)
-    # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default.
+    # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default; the
+    # temporary folder may be on the system disk, which the pre-flight refuses unasked.
     offload = _run(tmp, site, "offload",
                    layout + ["--ssd-offload", "--ssd-offload-dir", str(root),
+                    "--ssd-offload-allow-system-disk",
                     "--ssd-offload-stats-path", str(tmp / "stats-{rank}.jsonl"),
                     "--ssd-offload-min-tensor-bytes", "0"], launcher=True)
     steps = []  # every rank's steps, each with its "rank"

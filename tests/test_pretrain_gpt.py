@@ -124,8 +124,10 @@ def _logged(output: str) -> List[Tuple[int, str, str]]:
 
 
 def _offload_flags(root: str, stats: str) -> List[str]:
-    # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default.
-    return ["--ssd-offload", "--ssd-offload-dir", root, "--ssd-offload-stats-path", stats,
+    # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default; the
+    # temporary folder may be on the system disk, which the pre-flight refuses unasked.
+    return ["--ssd-offload", "--ssd-offload-dir", root, "--ssd-offload-allow-system-disk",
+            "--ssd-offload-stats-path", stats,
             "--ssd-offload-min-tensor-bytes", "0"]
 
 

@@ -1,7 +1,9 @@
 """scripts/: every script parses (`bash -n`), marks the lines a user edits, and the per-node
 runner passes the preset through, fills in the offload roots and removes the job's offload
 directories on exit, on failure and on SIGTERM (scancel). `python` and `srun` are stand-ins
-here: they record their arguments instead of training."""
+here: they record their arguments instead of training. The scripts' pre-flight (`ssdtrain
+doctor --preflight`, run by the real python) is off here (SSDTRAIN_SKIP_PREFLIGHT=1) but in
+the tests that say so; tests/test_preflight_launch.py runs it for real."""
 
 from __future__ import annotations
 
@@ -60,13 +62,19 @@ def test_lines_a_user_edits_are_marked(path, edited):
 
 @pytest.fixture
 def stand_ins(tmp_path):
-    """A `python` that records its arguments (and delegates `-m ...megatron.args`), a
-    `srun` that runs its command once, a `scontrol` that names one node."""
+    """A `python` that records its arguments (and delegates `-m ...megatron.args` and the
+    `ssdtrain` command, `-m ssdtrain_megatron.tools`, unless STUB_PREFLIGHT_LOG asks it to
+    record that too and exit STUB_PREFLIGHT_EXIT), a `srun` that runs its command once, a
+    `scontrol` that names one node."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").write_text(
         "#!/bin/bash\n"
-        "if [[ \"$1 $2\" == '-m ssdtrain_megatron.megatron.args' ]]; then\n"
+        "if [[ \"$1 $2\" == '-m ssdtrain_megatron.tools' && -n \"${STUB_PREFLIGHT_LOG:-}\" ]]; then\n"
+        "    printf '%s\\n' \"$@\" > \"$STUB_PREFLIGHT_LOG\"\n"
+        "    exit \"${STUB_PREFLIGHT_EXIT:-0}\"\n"
+        "fi\n"
+        "if [[ \"$1 $2\" == '-m ssdtrain_megatron.megatron.args' || \"$1 $2\" == '-m ssdtrain_megatron.tools' ]]; then\n"
         f"    exec {sys.executable} \"$@\"\n"
         "fi\n"
         "printf '%s\\n' \"$@\" > \"$STUB_LOG\"\n"
@@ -97,7 +105,7 @@ def stand_ins(tmp_path):
         "MEGATRON_LM": str(tmp_path / "Megatron-LM"), "PRESET": PRESET,
         "SSD_DIRS": f"{nvme}/nvme{{local_rank}}/ssdtrain/{{job}}", "GPUS_PER_NODE": "2",
         "JOB_ID": "4242", "STUB_LOG": str(tmp_path / "argv.txt"),
-        "STUB_WRITES": f"{nvme}/nvme1/ssdtrain/4242"})
+        "STUB_WRITES": f"{nvme}/nvme1/ssdtrain/4242", "SSDTRAIN_SKIP_PREFLIGHT": "1"})
     # Another job's directory on the same drive: must survive.
     (nvme / "nvme0" / "ssdtrain" / "1111").mkdir(parents=True)
     return env, tmp_path
@@ -277,3 +285,38 @@ def test_single_node_script_runs_the_node_runner(stand_ins):
     argv = _argv(tmp_path)
     assert argv[argv.index("--ssd-offload-job") + 1].startswith("local-")
     assert argv[argv.index("--train-iters", argv.index("--train-iters") + 1) + 1] == "5"
+
+
+@pytest.mark.parametrize("script", [SBATCH, SINGLE], ids=["sbatch", "single-node"])
+def test_launch_scripts_run_the_preflight_with_the_workers_arguments_before_torchrun(stand_ins, script):
+    """The node's pre-flight is `ssdtrain doctor --preflight` for its local ranks, given exactly
+    what each worker's launcher will get; a failing one stops the script (exit 2) before
+    torchrun; SSDTRAIN_SKIP_PREFLIGHT=1 skips it. Broken variant (the sbatch's pre-flight
+    `if` dropped): "FileNotFoundError: .../preflight.txt"."""
+    env, tmp_path = stand_ins
+    env = _slurm_env(env)
+    del env["SSDTRAIN_SKIP_PREFLIGHT"]
+    checked = tmp_path / "preflight.txt"
+    env["STUB_PREFLIGHT_LOG"] = str(checked)
+    out = subprocess.run(["bash", script, "--data-path", "/data/x"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argv = checked.read_text().splitlines()
+    assert argv[:9] == ["-m", "ssdtrain_megatron.tools", "doctor", "--preflight", "--nproc-per-node",
+                        "2", "--node-rank", "0", "--"]
+    launcher = _argv(tmp_path)
+    assert argv[9:] == launcher[launcher.index(f"{tmp_path}/Megatron-LM/pretrain_gpt.py") + 1:]
+    # A failing node: the script stops with the pre-flight's status, torchrun never starts.
+    checked.unlink()
+    (tmp_path / "argv.txt").unlink()
+    env["STUB_PREFLIGHT_EXIT"] = "2"
+    out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and checked.exists() and not (tmp_path / "argv.txt").exists()
+    if script == SBATCH:
+        assert out.stderr.splitlines()[-1].startswith("slurm_pretrain_gpt: pre-flight failed on the "
+                                                      "node(s) named above")
+    # Skipped: no check, torchrun starts.
+    checked.unlink()
+    env["SSDTRAIN_SKIP_PREFLIGHT"] = "1"
+    out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and not checked.exists() and (tmp_path / "argv.txt").exists()

@@ -41,7 +41,8 @@ model: {num_layers: 2, hidden: 32, heads: 4, ffn_hidden: 64, seq_len: 16, micro_
         vocab: 64, dtype: fp32, attention_dropout: 0.0, hidden_dropout: 0.0}
 parallel: {tp: 1, pp: 1}
 offload: {dirs: ["/nonexistent/overridden/by/SSD_DIRS/{job}"], engine: posix, policy: offload,
-          min_tensor_bytes: 0, keep_last_layers: 0, io_threads: 2, chunk_bytes: 1048576}
+          min_tensor_bytes: 0, keep_last_layers: 0, io_threads: 2, chunk_bytes: 1048576,
+          allow_system_disk: true}  # the test's drives are folders, perhaps on the system disk
 """
 
 # Megatron-LM's training front end, as small as the launcher needs it: the same modules and

@@ -102,3 +102,33 @@ def test_sbatch_script_trains_on_two_nodes_with_one_srun_task_each(cluster, tmp_
     # Each node removed its own job folder; the drives' folders above {job} stay.
     assert _left_under(tmp_path) == sorted([f"{h}/nvme0" for h in NODES]
                                            + [f"{h}/nvme0/ssdtrain" for h in NODES]), output[-3000:]
+
+
+def test_sbatch_stops_in_one_line_when_one_nodes_drive_is_missing(cluster, tmp_path):
+    """n1 has its drive, n2 has not. The script's pre-flight (`ssdtrain doctor --preflight` on
+    each node, one srun task per node) stops the job before any node starts torchrun: the
+    output's first line is n2's, naming the node, its local rank, the root and the fix; n1
+    says nothing; no worker starts. Broken variant (the sbatch's pre-flight `if` dropped): the
+    workers start, n2's refuse the root, torchrun stops n1's (signal 15): the job ends FAILED
+    with exit code 1:0, not 2:0 ("srun: error: n1: task 0: Exited with exit code 1")."""
+    env = job_folder(tmp_path)
+    template = f"{tmp_path}/{{hostname}}/nvme{{local_rank}}/ssdtrain/{{job}}"
+    env.update(GPUS_PER_NODE="1", SSD_DIRS=template)
+    os.makedirs(tmp_path / "n1" / "nvme0" / "ssdtrain")  # n2's drive is not mounted
+    job = cluster.sbatch(*OVERRIDES, f"--output={tmp_path}/%x-%j.out", SBATCH, "--train-iters", "3",
+                         cwd=str(tmp_path), env=env)
+    info = cluster.wait(job, timeout=JOB_TIMEOUT_S)
+    with open(f"{tmp_path}/ssdtrain-pretrain-{job}.out") as fh:
+        output = fh.read()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, output[-3000:])
+    lines = output.splitlines()
+    assert lines[0] == (
+        f"ssdtrain doctor: error: node n2, local rank 0: offload root {tmp_path}/n2/nvme0/ssdtrain "
+        f"(dirs[0] {template!r}) does not exist: mount the drive or create it; we create only our "
+        "job and rank folders below a root (--ssd-offload-create-dirs / create_dirs: true creates "
+        "it anyway)"), output[-3000:]
+    assert sum("ssdtrain doctor: error:" in line for line in lines) == 1  # n1 passed, silently
+    assert lines[-1].startswith("slurm_pretrain_gpt: pre-flight failed on the node(s) named above")
+    for never in ("ssdtrain-pretrain", "torch.distributed", "lm loss", "Traceback"):
+        assert never not in output, (never, output[-3000:])
+    assert _left_under(tmp_path) == ["n1/nvme0", "n1/nvme0/ssdtrain"]

@@ -32,6 +32,22 @@ def test_summary_is_silent_about_fallbacks_when_there_are_none(offload_dir):
     assert "FALLBACK" not in stats[-1].summary()
 
 
+def test_summary_counts_what_is_warned_about_once_per_job():
+    """The warnings for a failed write, a retried read and a budget overrun come once per job;
+    the step line counts them every step. Broken variant (read_retries left out of summary()):
+    the line ends "1 FALLBACK (...), 2 BUDGET OVERRUNS" and the endswith assertion fails."""
+    import dataclasses
+
+    from ssdtrain_megatron.telemetry.stats import StepStats
+
+    needed = {f.name: 0 for f in dataclasses.fields(StepStats)
+              if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    line = StepStats(**dict(needed, fallbacks=1, read_retries=3, budget_overruns=2)).summary()
+    assert line.endswith("peak resident 0.0 MB, 1 FALLBACK (writes that failed and stayed in "
+                         "memory), 3 READ RETRIES, 2 BUDGET OVERRUNS")
+    assert "RETR" not in StepStats(**needed).summary() and "OVERRUN" not in StepStats(**needed).summary()
+
+
 def test_two_offloaders_sharing_a_stats_file_are_told_apart(offload_dir, tmp_path):
     """The demo's keep and offload write one file: each line says its policy and iteration."""
     path = tmp_path / "steps.jsonl"

@@ -145,8 +145,10 @@ def prune_empty(path: str, levels: int) -> List[str]:
 def _check_templated_dir(path: str, template: str) -> None:
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
-        return  # created later by make_rank_dir, as a plain 0700 directory
+    except (FileNotFoundError, NotADirectoryError):
+        # Created later by make_rank_dir, as a plain 0700 directory; a file above it is the
+        # root's problem (roots.py says so).
+        return
     what = f"{path!r} (from the template {template!r})"
     if stat.S_ISLNK(st.st_mode):
         raise LayoutError(f"{what} is a symlink where a job directory should be; refusing to follow it. "

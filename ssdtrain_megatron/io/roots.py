@@ -59,28 +59,38 @@ def root_problem(path: str) -> Optional[str]:
 
 
 def check_roots(templates: Sequence[str], ident: Identity, create: bool = False) -> List[str]:
-    """The root of every template, each checked by :func:`root_problem`; a missing one is
+    """The root of every template, each checked by :func:`check_root`; a missing one is
     created (0700, with its parents) only when ``create``.
 
     Raises:
-        LayoutError: one line naming the root and what is wrong with it."""
-    roots = []
-    for i, template in enumerate(templates):
-        root = root_of(template, ident)
+        LayoutError: one line naming the first root that cannot be used and what is wrong."""
+    return [check_root(template, ident, create, index=i) for i, template in enumerate(templates)]
+
+
+def check_root(template: str, ident: Identity, create: bool = False, index: int = 0) -> str:
+    """The root ``template`` (``dirs[index]``) names for ``ident``, checked by
+    :func:`root_problem`; a missing one is created (0700, with its parents) only when
+    ``create``.
+
+    Raises:
+        LayoutError: one line naming the root, what is wrong with it and what to do."""
+    root = root_of(template, ident)
+    problem = root_problem(root)
+    if problem == MISSING and create:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        log.warning("ssdtrain: created the offload root %s (create_dirs); it stays after the job",
+                    root)
         problem = root_problem(root)
-        if problem == MISSING and create:
-            os.makedirs(root, mode=0o700, exist_ok=True)
-            log.warning("ssdtrain: created the offload root %s (create_dirs); it stays after the job",
-                        root)
-            problem = root_problem(root)
-        where = f"offload root {root}" + (f" (dirs[{i}] {template!r})" if template != root else "")
-        if problem == MISSING:
-            raise LayoutError(f"{where} does not exist: mount the drive or create it; we create only "
-                              f"our job and rank folders below a root ({CREATE_HINT})")
-        if problem is not None:
-            raise LayoutError(f"{where} is {problem}")
-        roots.append(root)
-    return roots
+    where = f"offload root {root}" + (f" (dirs[{index}] {template!r})" if template != root else "")
+    if problem == MISSING:
+        raise LayoutError(f"{where} does not exist: mount the drive or create it; we create only "
+                          f"our job and rank folders below a root ({CREATE_HINT})")
+    if problem is not None and problem.startswith(NOT_A_DIRECTORY):
+        raise LayoutError(f"{where} is {problem}: point --ssd-offload-dir (dirs) at a directory "
+                          "on the drive, or move what is there out of the way")
+    if problem is not None:
+        raise LayoutError(f"{where} is {problem}")
+    return root
 
 
 def drive_of(path: str) -> Tuple[object, str]:
@@ -97,19 +107,21 @@ def drive_of(path: str) -> Tuple[object, str]:
     return os.path.basename(disk), f"/dev/{os.path.basename(disk)}"
 
 
+def on_system_disk(path: str) -> bool:
+    """Whether ``path`` lies on the filesystem of ``/`` (the system disk); OSError when it
+    cannot be looked at."""
+    return os.stat(path).st_dev == os.stat("/").st_dev
+
+
 def root_warnings(paths: Sequence[str]) -> List[str]:
     """Warnings for roots (or directories in them) that work but waste the drives: one on the
     filesystem of ``/``, and two or more on one drive. Paths that do not exist are skipped."""
     warnings: List[str] = []
-    try:
-        system_dev = os.stat("/").st_dev
-    except OSError:  # pragma: no cover - / always exists
-        system_dev = None
     by_drive: Dict[object, List[str]] = {}
     names: Dict[object, str] = {}
     for p in dict.fromkeys(paths):  # each path once
         try:
-            same_as_system = os.stat(p).st_dev == system_dev
+            same_as_system = on_system_disk(p)
             drive, name = drive_of(p)
         except OSError:
             continue

@@ -17,6 +17,14 @@ runs this module, which
    given;
 4. runs the script as ``__main__`` (runpy), then ``uninstall()``: every offload file is removed.
 
+Before any of that, with ``--ssd-offload``, each worker runs the pre-flight (:mod:`.preflight`)
+for its whole node: the flags and the preset, every local rank's roots, the free space of the
+node's drives, the engine. A problem ends every worker of the node with exit status 2, before
+megatron is imported, and one line on stderr (from the lowest local rank it concerns) names the
+node, the rank, the path and the fix (``SSDTRAIN_SKIP_PREFLIGHT=1`` skips it). An error of ours
+that leaves the script later, from inside Megatron's loop, is logged first in one ERROR line
+naming the rank (:mod:`.errors`), then goes on with its traceback.
+
 The same hooks, as :func:`with_ssd_offload`, are what the patches in ``patches/`` add to a
 forked ``pretrain_gpt.py``: ``pretrain = with_ssd_offload(pretrain)``.
 
@@ -36,11 +44,14 @@ import logging
 import os
 import runpy
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 from .args import add_ssd_offload_args, config_from_args, given_flags, with_ssd_offload_args
 from .compat import cuda_graph_conflict, cuda_graphs_in_use, megatron_offloading_in_use
+from . import preflight
+from .errors import report_error
 from .patching import Patcher
 
 log = logging.getLogger(__name__)
@@ -247,8 +258,12 @@ def with_ssd_offload(pretrain: Callable, target: str = "megatron-lm") -> Callabl
 
     @functools.wraps(pretrain)
     def pretrain_with_ssd_offload(*args: Any, **kwargs: Any) -> Any:
-        with TrainingHooks(chosen):
-            return pretrain(*args, **kwargs)
+        try:
+            with TrainingHooks(chosen):
+                return pretrain(*args, **kwargs)
+        except BaseException as exc:
+            report_error(exc)  # our one line, before the traceback
+            raise
 
     return pretrain_with_ssd_offload
 
@@ -270,6 +285,9 @@ def run_script(script: str, script_args: Sequence[str]) -> None:
     hooks.apply()
     try:
         runpy.run_path(path, run_name="__main__")
+    except BaseException as exc:
+        report_error(exc)  # our one line, before the traceback
+        raise
     finally:
         hooks.restore()
 
@@ -295,6 +313,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (parser.print_help if argv else parser.print_usage)(sys.stderr if not argv else sys.stdout)
         return 0 if argv else 2
     script, script_args = argv[0], argv[1:]
+    if not preflight.skipped() and not {"-h", "--help"} & set(script_args):
+        lines, failed = preflight.launcher_problems(script_args)
+        for line in lines:
+            print(f"{PROG}: error: {line}", file=sys.stderr)
+        if failed:
+            if not lines:  # another local rank names the problem: let its line out first
+                time.sleep(preflight.LINGER_S)
+            return 2
     try:
         run_script(script, script_args)
     except LaunchError as exc:

@@ -45,7 +45,8 @@ __all__ = [
     "DTYPE_BYTES", "PAPER", "PEAK_MODES", "RECOMPUTE_GRANULARITIES", "ModelShape", "SaveProfile",
     "estimate_step_time_s", "forward_flops_per_layer", "head_activation_terms",
     "largest_micro_batch", "layer_activation_bytes", "layer_activation_terms",
-    "peak_activation_bytes", "required_write_gbps", "training_flops_per_micro_batch",
+    "peak_activation_bytes", "peak_disk_bytes", "required_write_gbps",
+    "training_flops_per_micro_batch",
 ]
 
 
@@ -361,6 +362,18 @@ def peak_activation_bytes(shape: ModelShape, mode: str, profile: SaveProfile = P
     unrecomputed = layer_activation_bytes(shape.replace(recompute="none"), profile)
     return shape.pp * shape.layers_per_stage * layer_activation_bytes(full, profile) \
         + unrecomputed + head
+
+
+def peak_disk_bytes(shape: ModelShape, keep_last_layers: int, profile: SaveProfile = PAPER) -> int:
+    """The most activation bytes one GPU of the first pipeline stage has on its drives at once
+    under full offload: each of the pp micro-batches in flight (1F1B) has every layer of the
+    stage written but for the last ``keep_last_layers`` of the one whose backward comes next
+    (the others' last layers are written too, once another forward starts: cache/offloader.py).
+    What the launcher's pre-flight holds against a drive's free space; an upper bound for
+    plans that keep or recompute layers."""
+    layer = layer_activation_bytes(shape, profile)
+    kept = min(max(keep_last_layers, 0), shape.layers_per_stage)
+    return (shape.pp * shape.layers_per_stage - kept) * layer
 
 
 def largest_micro_batch(fits: Callable[[int], bool], limit: int = 1 << 16) -> int:

@@ -157,9 +157,13 @@ class StepStats:
 
     def summary(self) -> str:
         """One line: what was written and read, how fast, what waited, what stayed in memory;
-        fallbacks (writes that did not reach the drive) whenever there were any."""
-        fell = (f", {self.fallbacks} FALLBACK{'S' if self.fallbacks != 1 else ''} (writes that "
-                f"failed and stayed in memory)") if self.fallbacks else ""
+        the counts of what is warned about once per job and may recur every step (fallbacks:
+        writes that did not reach the drive; reads retried; budget overruns) whenever there
+        were any, so the warning is not repeated and the step still says how often."""
+        fell = "".join(f", {n} {one if n == 1 else many}{why}" for n, one, many, why in (
+            (self.fallbacks, "FALLBACK", "FALLBACKS", " (writes that failed and stayed in memory)"),
+            (self.read_retries, "READ RETRY", "READ RETRIES", ""),
+            (self.budget_overruns, "BUDGET OVERRUN", "BUDGET OVERRUNS", "")) if n)
         return (f"offloaded {self.bytes_offloaded / 1e6:.1f} MB in {self.tensors_offloaded} tensors "
                 f"(read {self.bytes_read / 1e6:.1f} MB, dedup {self.bytes_deduplicated / 1e6:.1f} MB, "
                 f"forwarded {self.tensors_forwarded}, wasted {self.bytes_wasted / 1e6:.1f} MB, "

@@ -19,6 +19,7 @@ from typing import List, Optional
 
 from .. import __version__
 from .cli_types import CommandError, describe_os_error, plural
+from .quiet import WarningTally
 
 DEBUG_ENV = "SSDTRAIN_DEBUG"
 
@@ -75,12 +76,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:  # said by the subcommand's parser, whose --help lists what it takes
         args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    before = set(logging.getLogger().handlers)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     args.offload_files = OffloadFiles()
     prefix = f"ssdtrain {args.command}"
+    # Each kind of warning once, its repeats counted (quiet.py); only in the log handler set up
+    # here, not in one the caller had (a test's, an embedding program's).
+    args.warnings = WarningTally([h for h in logging.getLogger().handlers if h not in before], prefix)
     try:
-        return args.func(args)
+        with args.warnings:
+            return args.func(args)
     except KeyboardInterrupt:
         if debug:
             raise

@@ -11,6 +11,11 @@ a dirs template above its first {job} component.
 
 Exit status 0 when the default engine (posix) can write into every root; 1 otherwise (a
 missing root, or one that is not a directory, included).
+
+``--preflight`` checks instead what the launcher checks in each worker before Megatron starts,
+for every local rank of this node (tools/preflight_cli.py, megatron/preflight.py): the launch
+scripts run it on each node before torchrun. Nothing is printed when the node passes; a
+failing node prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Dict, List, Optional
 
 from ..io.where import binary as gib
 from .cli_types import PRESET_HELP, preset_arg
+from .preflight_cli import add_preflight_args, run_preflight
 from ..io.where import filesystem_of
 
 ENGINES = ("posix", "aio", "gds", "memory", "tiered")
@@ -46,6 +52,7 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "on a GPU its pinned copies and matmul, on a CPU what stands in for them) and "
                         "write its node profile there, for `ssdtrain plan --node OUT.yaml` "
                         "(tools/node_profile.py; about a minute)")
+    add_preflight_args(p)
     p.set_defaults(func=run_doctor)
     return p
 
@@ -282,6 +289,12 @@ def render(r: Dict[str, Any]) -> str:
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    if args.preflight:
+        return run_preflight(args)
+    if args.launch_args:
+        from .cli_types import UsageError
+
+        raise UsageError("arguments after -- are the launcher's, checked by --preflight: add it")
     report = build_report(args)
     print(json.dumps(report, indent=1) if args.json else render(report))
     ok = report["engines"]["posix"]["available"] and all(r["writable"] for r in report["roots"])

@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import Dict, List, Tuple
@@ -223,9 +224,10 @@ def faulty_run(args, kinds, root: str, device, reference, spec=None, config=None
 def run_soak(args: argparse.Namespace) -> int:
     import torch
 
-    from .cli_types import UsageError, check_engine
+    from .cli_types import UsageError, check_engine, quiet_megatron_warnings
     from .minigpt import MegatronRuntime
 
+    quiet_megatron_warnings()  # its model runs megatron-core's torch fallbacks, as the demo's
     kinds = _kinds(args.faults)
     if args.steps < 1:
         raise UsageError("--steps: expected at least 1")
@@ -253,6 +255,9 @@ def run_soak(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
+    held = args.warnings.summary_line() if getattr(args, "warnings", None) else ""
+    if held:  # the warnings held back (tools/quiet.py), said before the summary: it comes last
+        print(held, file=sys.stderr)
     print(text if args.json else _summary(result))
     return result["exit_status"]
 

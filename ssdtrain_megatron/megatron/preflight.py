@@ -1,0 +1,316 @@
+"""Pre-flight: what can be checked on a node before Megatron starts, each problem in one line.
+
+A mistake in the offload settings that is found only once Megatron has initialised (an
+unmounted drive, a root that is a file) costs a job slot and ends in a traceback on every rank;
+found here, it costs one line. The launcher (``python -m ssdtrain_megatron.launch``) runs
+:func:`launcher_problems` in every torchrun worker before it imports megatron, for every
+local rank of the worker's node (so no worker goes on into Megatron while another on its node
+stops), and ``ssdtrain doctor --preflight`` runs :func:`check` the same way once per node (the
+Slurm and single-node scripts call it before torchrun starts). Checked, as the offloader
+itself would (io/roots.py, io/layout.py):
+
+- the ``--ssd-offload-*`` flags and the preset (``--ssd-offload-config``), as Megatron's parser
+  will check them once the flag group is added to it;
+- every root the ``dirs`` templates name for the rank: it exists (unless ``create_dirs``), is a
+  directory, is not world-writable without the sticky bit, no directory a placeholder names is
+  a symlink (layout.expand_root), two templates do not name one root, we can create a directory
+  in it, and it is not on the filesystem of ``/`` unless ``allow_system_disk``;
+- the free space of each drive against what the node's ranks keep on it at the peak of a step:
+  the preset's model (``peak_disk_bytes`` in plan/model.py; Megatron's ``--num-layers``,
+  ``--seq-length``, ``--micro-batch-size``, TP and PP flags, when given, win over the preset's
+  shape) split over each rank's roots. Skipped without a preset that has a ``model:`` section,
+  with ``policy: keep`` and with ``engine: memory``;
+- that the engine can run here (``is_available()``: DeepSpeed's aio op built or buildable,
+  kvikio and CUDA for gds), without building anything;
+- the ``stats_path`` and ``trace_path`` templates (layout.expand_file).
+
+Nothing here imports megatron. ``SSDTRAIN_SKIP_PREFLIGHT=1`` in the environment turns the
+launcher's pre-flight and the scripts' off (for a check that is wrong about a node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..config import OffloadConfig
+from ..io.layout import Identity, LayoutError, expand_file, expand_roots, free_bytes
+from ..io.roots import MISSING, check_root, on_system_disk, root_of, root_problem
+from ..io.where import binary, filesystem_of
+from ..plan.model import peak_disk_bytes
+from ..plan.shape import ModelShape
+from .args import add_ssd_offload_args, config_from_args, flag_for
+
+SKIP_ENV = "SSDTRAIN_SKIP_PREFLIGHT"
+
+MEGATRON_SHAPE_FLAGS = {"--num-layers": "num_layers", "--seq-length": "seq_len",
+                        "--micro-batch-size": "micro_batch",
+                        "--tensor-model-parallel-size": "tp",
+                        "--pipeline-model-parallel-size": "pp"}
+"""Megatron flags that change what one GPU keeps on disk, and the ModelShape field each sets."""
+
+
+def skipped(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``SSDTRAIN_SKIP_PREFLIGHT`` asks to skip the pre-flight."""
+    return environ.get(SKIP_ENV, "") not in ("", "0")
+
+
+class FlagError(ValueError):
+    """The ``--ssd-offload-*`` flags or the preset cannot be used; argparse's one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # noqa: D401 - argparse's hook: raise instead of exiting
+        raise FlagError(message)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a launcher's argument list asks of the offloader."""
+
+    config: OffloadConfig
+    preset: Optional[str]
+    """The preset file (``--ssd-offload-config``), or None."""
+    shape: Optional[ModelShape]
+    """The preset's model with Megatron's shape flags applied; None without a model."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing that would stop (or sink) the job: ``what`` names the path and the fix."""
+
+    what: str
+    local_ranks: Tuple[int, ...] = ()
+
+
+def read_launch(argv: Sequence[str]) -> Optional[Launch]:
+    """The offload settings in a launcher argument list (Megatron's own flags are ignored);
+    None when ``--ssd-offload`` is not among them.
+
+    Raises:
+        FlagError: a flag's value, the preset or their combination is invalid (one line, as
+            Megatron's parser would say it, naming the flag).
+    """
+    parser = add_ssd_offload_args(_Parser(add_help=False, allow_abbrev=False))
+    with warnings.catch_warnings():  # deprecated flags: said once, when Megatron parses them
+        warnings.simplefilter("ignore")
+        args, _ = parser.parse_known_args(list(argv))
+    if not args.ssd_offload:
+        return None
+    preset = args.ssd_offload_config
+    return Launch(config_from_args(args), preset, _shape(preset, argv))
+
+
+def _shape(preset: Optional[str], argv: Sequence[str]) -> Optional[ModelShape]:
+    if preset is None:
+        return None
+    import yaml
+
+    with open(preset, encoding="utf-8") as fh:  # read (and validated) by the flag's parser
+        data = yaml.safe_load(fh)
+    if not isinstance(data, dict) or "model" not in data:
+        return None
+    try:
+        shape = ModelShape.from_preset(data["model"], data.get("parallel"))
+    except (TypeError, ValueError) as exc:
+        raise FlagError(f"argument --ssd-offload-config: {preset}: {exc}") from None
+    try:
+        return shape.replace(**_megatron_shape(argv))
+    except (TypeError, ValueError):
+        return None  # Megatron's flags do not fit the preset: Megatron says so, in its terms
+
+
+def _megatron_shape(argv: Sequence[str]) -> Dict[str, int]:
+    """The ModelShape fields Megatron's flags in ``argv`` set (the last of each wins)."""
+    found: Dict[str, int] = {}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in MEGATRON_SHAPE_FLAGS:
+            continue
+        value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        try:
+            found[MEGATRON_SHAPE_FLAGS[flag]] = int(value)
+        except ValueError:
+            continue
+    return found
+
+
+# -- the checks -----------------------------------------------------------------------------
+
+
+def check(launch: Launch, ranks: Sequence[Identity],
+          node: Sequence[Identity] = ()) -> List[Problem]:
+    """Every problem of the local ranks ``ranks`` (identical ones merged, with their ranks);
+    ``node``: every local rank of the node, whose offloaded bytes share its drives (default:
+    ``ranks``). Free space is looked at only when nothing else is wrong."""
+    config = launch.config
+    everyone = tuple(i.local_rank for i in ranks)
+    found: List[Problem] = []
+    why = engine_problem(config)
+    if why:
+        found.append(Problem(why, everyone))
+    for ident in ranks:
+        if config.engine != "memory":  # the only engine that writes no file
+            found += [Problem(w, (ident.local_rank,)) for w in root_problems(config, ident)]
+        found += [Problem(w, (ident.local_rank,)) for w in file_problems(config, ident)]
+    if config.engine != "memory" and not found:
+        found += space_problems(launch, ranks, node or ranks)
+    merged: Dict[str, Tuple[int, ...]] = {}
+    for p in found:
+        merged[p.what] = tuple(sorted(set(merged.get(p.what, ()) + p.local_ranks)))
+    return [Problem(what, who) for what, who in merged.items()]
+
+
+def engine_problem(config: OffloadConfig) -> Optional[str]:
+    """Why ``config.engine`` cannot run here (None when it can), from its ``is_available()``."""
+    from ..io import engine_class
+
+    try:
+        ok, why = engine_class(config.engine).is_available()
+    except Exception as exc:  # noqa: BLE001 - a probe that fails is a reason too
+        ok, why = False, f"{type(exc).__name__}: {exc}"
+    if ok:
+        return None
+    return (f"engine {config.engine!r} cannot run here: {why}; choose another with "
+            f"--ssd-offload-engine (`ssdtrain doctor` lists the engines that run here)")
+
+
+def root_problems(config: OffloadConfig, ident: Identity) -> List[str]:
+    """What is wrong with the roots ``config.dirs`` name for ``ident``, one line each."""
+    try:
+        expand_roots(config.dirs, ident)  # placeholders, symlinks they name, duplicates
+    except LayoutError as exc:
+        return [str(exc)]
+    out = []
+    for i, template in enumerate(config.dirs):
+        try:
+            why = _root_problem(config, template, ident, i)
+        except OSError as exc:  # e.g. a folder above the root we may not enter
+            why = (f"cannot look at the offload root {root_of(template, ident)}: "
+                   f"{exc.strerror or exc}: give the training user access to it, or point "
+                   "--ssd-offload-dir elsewhere")
+        if why:
+            out.append(why)
+    return out
+
+
+def _root_problem(config: OffloadConfig, template: str, ident: Identity, index: int) -> Optional[str]:
+    try:
+        root = check_root(template, ident, index=index)
+    except LayoutError as exc:
+        missing = root_problem(root_of(template, ident)) == MISSING
+        return None if config.create_dirs and missing else str(exc)  # create_dirs makes it
+    why = _unwritable(root)
+    if why is None and not config.allow_system_disk and on_system_disk(root):
+        why = (f"offload root {root} is on the filesystem of / ({filesystem_of(root)[1]}): "
+               "filling it can stop the node; put the roots on node-local NVMe "
+               "(--ssd-offload-dir), or allow it with --ssd-offload-allow-system-disk "
+               "(allow_system_disk: true)")
+    return why
+
+
+def _unwritable(root: str) -> Optional[str]:
+    """Why we cannot create a directory in ``root`` (None when we can: the probe is removed)."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".ssdtrain-preflight-", dir=root)
+    except OSError as exc:
+        return (f"offload root {root} is not writable by uid {os.getuid()} "
+                f"({exc.strerror or exc}): give the training user a directory there (chown), "
+                "mount the drive read-write, or point --ssd-offload-dir elsewhere")
+    os.rmdir(probe)
+    return None
+
+
+def file_problems(config: OffloadConfig, ident: Identity) -> List[str]:
+    """What is wrong with the ``stats_path`` and ``trace_path`` templates for ``ident``."""
+    out = []
+    for name in ("stats_path", "trace_path"):
+        template = getattr(config, name)
+        if template:
+            try:
+                expand_file(template, ident)
+            except LayoutError as exc:
+                out.append(f"{flag_for(name)}: {exc}")
+    return out
+
+
+def space_problems(launch: Launch, ranks: Sequence[Identity],
+                   node: Sequence[Identity]) -> List[Problem]:
+    """A drive that the ranks of ``node`` fill past its free space at the peak of a step, for
+    each drive one of ``ranks`` writes to (see the module docstring)."""
+    config, shape = launch.config, launch.shape
+    if shape is None or config.policy == "keep":
+        return []
+    per_rank = peak_disk_bytes(shape, config.keep_last_layers)
+    if config.engine == "tiered":  # host memory takes the first host_memory_bytes
+        per_rank = max(per_rank - config.host_memory_bytes, 0)
+    share = math.ceil(per_rank / len(config.dirs))  # tensors are striped over a rank's roots
+    drives: Dict[int, Tuple[List[str], List[int]]] = {}  # st_dev -> (roots, local ranks)
+    for ident in node:
+        for template in config.dirs:
+            try:
+                root = root_of(template, ident)
+                dev = os.stat(root).st_dev
+            except (OSError, LayoutError):
+                continue
+            roots, who = drives.setdefault(dev, ([], []))
+            roots.append(root)
+            who.append(ident.local_rank)
+    mine = {i.local_rank for i in ranks}
+    out = []
+    for roots, who in drives.values():
+        need, free = share * len(who), free_bytes(roots[0])
+        if share == 0 or need <= free or not mine & set(who):
+            continue
+        names = ", ".join(dict.fromkeys(roots))
+        out.append(Problem(
+            f"the drive of {names} ({filesystem_of(roots[0])[1]}) has {binary(free)} free, but "
+            f"{len(set(who))} local rank(s) will keep up to {binary(need)} of activations there at "
+            f"the peak of a step ({os.path.basename(launch.preset or '')}'s model: "
+            f"{binary(per_rank)} per GPU of the first pipeline stage, over {len(config.dirs)} "
+            f"root(s) each): free space there, add drives to --ssd-offload-dir, or set "
+            f"{SKIP_ENV}=1 to start anyway (writes that do not fit stay in GPU memory)",
+            tuple(sorted(mine & set(who)))))
+    return out
+
+
+# -- in the launcher --------------------------------------------------------------------------
+
+
+LINGER_S = 5.0
+"""How long a worker that found its node failing, but no problem of its own to name, waits
+before it exits: torchrun stops every worker once one has exited, and the worker that names
+the problem should get its line out first."""
+
+
+def launcher_problems(argv: Sequence[str],
+                      environ: Mapping[str, str] = os.environ) -> Tuple[List[str], bool]:
+    """The pre-flight of one torchrun worker (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE from
+    ``environ``): (the lines this worker prints, whether its node fails).
+
+    Every worker checks every local rank of its node, so that none goes on into Megatron while
+    another on its node stops; each problem is printed once per node, by the lowest local rank
+    it concerns, naming the node and that rank. Nothing fails (and nothing is printed) when
+    the offload settings can run here or ``--ssd-offload`` is not given.
+    """
+    host = socket.gethostname()
+    rank, local = int(environ.get("RANK", "0")), int(environ.get("LOCAL_RANK", "0"))
+    where = f"node {host}, rank {rank} (local rank {local})"
+    try:
+        launch = read_launch(argv)
+    except FlagError as exc:
+        return ([f"{where}: {exc}"] if local == 0 else []), True
+    if launch is None:
+        return [], False
+    job = launch.config.job_id()
+    local_ranks = max(int(environ.get("LOCAL_WORLD_SIZE", "1")), local + 1)
+    node = [Identity(rank - local + lr, lr, host, job) for lr in range(local_ranks)]
+    problems = check(launch, node)
+    return [f"{where}: {p.what}" for p in problems if min(p.local_ranks, default=0) == local], \
+        bool(problems)
