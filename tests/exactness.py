@@ -38,7 +38,9 @@ def digest(t: torch.Tensor) -> Optional[Tuple[str, tuple, int]]:
             t = torch.view_as_real(t)
         flat = t.contiguous().reshape(-1)
         raw = flat.view(torch.uint8) if flat.numel() else flat
-        data = raw.cpu().numpy().tobytes() if raw.numel() else b""
+        # A copy: .numpy() marks the storage it shares as not resizable, and megatron-core's
+        # CheckpointWithoutOutput frees its outputs with resize_(0) after they were saved.
+        data = raw.cpu().clone().numpy().tobytes() if raw.numel() else b""
     except (RuntimeError, TypeError, NotImplementedError):
         return None
     return str(t.dtype), tuple(t.shape), zlib.crc32(data)

