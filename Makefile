@@ -55,7 +55,7 @@ demo: install
 	$(VENV)/bin/ssdtrain demo --dir $(DEMO_DIR)
 
 test: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not slow" --durations=25 $(PYTEST_ARGS) tests
 
 test-all: install
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

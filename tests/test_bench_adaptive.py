@@ -34,6 +34,7 @@ def _spinners():
     return out
 
 
+@pytest.mark.slow  # ~100 s: a whole bench with a background load process
 def test_adaptive_settles_under_a_budget_with_background_load_and_leaves_no_process(tmp_path, capsys):
     """At micro-batch 3 adaptive has a budget (keep's peak at 2): it explores alone, settles
     within its bound, then runs the measured rounds settled. Broken by not calling _settle():

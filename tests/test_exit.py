@@ -100,7 +100,7 @@ sys.exit(3)  # no close(), no uninstall(), an IO thread inside its first write
 """
 
 
-@pytest.mark.parametrize("engine", ["posix", pytest.param("aio", marks=pytest.mark.aio)])
+@pytest.mark.parametrize("engine", ["posix", pytest.param("aio", marks=[pytest.mark.aio, pytest.mark.slow])])
 def test_a_job_leaving_while_a_write_is_in_flight_exits_with_its_own_status(tmp_path, engine):
     """Defect 4's mechanism, without megatron and without luck: at interpreter shutdown a
     daemon IO thread that takes the GIL back (after a copy or a system call) is stopped with
