@@ -47,7 +47,8 @@ def _offload_files(workdir: str) -> List[str]:
     return [os.path.join(d, f) for d, _, files in os.walk(os.path.join(workdir, "offload")) for f in files]
 
 
-@pytest.mark.parametrize("mode,status", [("forget_uninstall", 0), ("raise", 1)])
+# raise (-m slow, ~35 s): the same exit hooks as forget_uninstall, with the job's own status 1.
+@pytest.mark.parametrize("mode,status", [("forget_uninstall", 0), pytest.param("raise", 1, marks=pytest.mark.slow)])
 def test_a_job_that_never_uninstalls_exits_with_its_own_status(tmp_path, mode, status):
     """Before the fix, 2 of 3 runs of "forget_uninstall" died with SIGABRT ("terminate called
     without an active exception") at interpreter shutdown."""

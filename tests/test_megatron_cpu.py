@@ -45,15 +45,16 @@ def layout_results(tmp_path_factory):
     return get
 
 
-# The MoE and MLA layouts (-m slow here, 12-26 s each) are trained twice more by
+# The MoE, MLA and interleaved layouts (-m slow here, 12-26 s each) are trained twice more by
 # tests/test_megatron_integration.py, whose bitwise comparison with plain training would fail
 # if they were not deterministic.
 DETERMINISM_SLOW = {"moe_ep2_pp2", "moe_ep2_allgather", "moe_ep2_recompute_full",
-                    "moe_ep2_alltoall_recompute_selective", "mla_tp2"}
+                    "moe_ep2_alltoall_recompute_selective", "mla_tp2", "pp2_interleaved_vp2"}
 
 
-@pytest.mark.parametrize("layout", [pytest.param(p, marks=pytest.mark.slow) if p in DETERMINISM_SLOW else p
-                                    for p in harness.layout_params()])
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow)
+                                    if name in DETERMINISM_SLOW | harness.SLOW_LAYOUTS else name
+                                    for name in LAYOUTS])
 def test_layout_trains_with_finite_losses_and_is_deterministic(layout, layout_results):
     spec = LAYOUTS[layout]
     results = layout_results(layout)
