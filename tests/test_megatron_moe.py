@@ -52,9 +52,11 @@ class _SavedTensorLog:
         self.read: Set[int] = set()
         self.unpacked: Dict[torch.dtype, int] = {}
         self.read_back: Dict[torch.dtype, int] = {}
+        self.written: Set[int] = set()
+        self.forwarded_written: Dict[torch.dtype, int] = {}  # written, given back from memory
         self.mismatches: list = []
         pack, unpack = SavedTensorHooks.pack, SavedTensorHooks.unpack
-        engine_read = PosixEngine.read
+        engine_read, engine_write = PosixEngine.read, PosixEngine.write
 
         def logged_pack(off, t):
             handle = pack(off, t)
@@ -66,6 +68,10 @@ class _SavedTensorLog:
             self.read.add(key)  # the engine's key is the record's id
             return engine_read(engine, key, out, ready_event)
 
+        def logged_write(engine, key, data, ready_event=None):
+            self.written.add(key)
+            return engine_write(engine, key, data, ready_event)
+
         def logged_unpack(off, handle):
             out = unpack(off, handle)
             if isinstance(handle, torch.Tensor):
@@ -76,6 +82,8 @@ class _SavedTensorLog:
                     not torch.equal(_bytes(out), _bytes(want)):
                 self.mismatches.append((rid, want.dtype, tuple(want.shape)))
             self.unpacked[want.dtype] = self.unpacked.get(want.dtype, 0) + 1
+            if rid in self.written and rid not in self.read:  # e.g. saved again while on disk
+                self.forwarded_written[want.dtype] = self.forwarded_written.get(want.dtype, 0) + 1
             if rid in self.read:
                 self.read_back[want.dtype] = self.read_back.get(want.dtype, 0) + 1
             return out
@@ -83,6 +91,7 @@ class _SavedTensorLog:
         monkeypatch.setattr(SavedTensorHooks, "pack", logged_pack)
         monkeypatch.setattr(SavedTensorHooks, "unpack", logged_unpack)
         monkeypatch.setattr(PosixEngine, "read", logged_read)
+        monkeypatch.setattr(PosixEngine, "write", logged_write)
 
 
 def test_moe_saved_tensors_of_every_dtype_are_read_back_byte_for_byte(tmp_path, monkeypatch):
@@ -101,8 +110,14 @@ def test_moe_saved_tensors_of_every_dtype_are_read_back_byte_for_byte(tmp_path, 
     log = _SavedTensorLog(monkeypatch)
     (r,) = harness.run_layout(spec, str(tmp_path))
     assert log.mismatches == []
-    for dtype in MOE_DTYPES:
+    for dtype in (torch.int64, torch.float32):
         assert log.read_back.get(dtype, 0) > 0, (dtype, log.unpacked, log.read_back)
+    # The routing map (bool): on megatron-core 0.19 it is saved a second time after its write
+    # completed, alive, so backward gets it from memory (no read: reading would only repeat the
+    # bytes it has); on 0.16 it is read back. Either way it was written, and its bytes are
+    # checked above (mismatches).
+    assert log.read_back.get(torch.bool, 0) + log.forwarded_written.get(torch.bool, 0) > 0, \
+        (log.unpacked, log.read_back, log.forwarded_written)
     assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == []
     assert sum(s["bytes_read"] for s in r.phases["offload"].offload["steps"]) > 0
     assert r.phases["offload"].offload["files_after_close"] == []
