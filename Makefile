@@ -37,7 +37,7 @@ MCORE_SPEC = $(strip $(TORCH) megatron-core==$(MCORE_PIN_$*) pytest pyyaml numpy
 MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
 	tests/test_megatron_versions.py tests/test_megatron_training_loop.py tests/test_megatron_moe.py \
 	tests/test_args_launcher.py::test_the_stand_in_has_the_shape_of_the_real_megatron_training \
-	tests/test_megatron_preemption.py
+	tests/test_megatron_preemption.py tests/test_megatron_loop_errors.py
 
 # (venv-mcore-% and test-mcore-% are pattern rules: make skips implicit rules for .PHONY names.)
 .PHONY: install demo test test-all bench lint clean gpu-check gpu-bundle venv-megatron-deepspeed test-megatron-deepspeed
