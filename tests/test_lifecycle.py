@@ -64,10 +64,16 @@ def test_the_table_is_consistent():
     assert IN_FLIGHT <= RESIDENT
 
 
+def _state_names(cell: str):
+    """'WRITING, WRITING_WANTED' or 'ON_DISK (written)' as the states' names."""
+    import re
+
+    return [re.sub(r"\s*\(.*\)", "", n).strip() for n in cell.split(",")]
+
+
 def _design_table():
     """The rows of docs/design.md's lifecycle table as {(from, to): counts}."""
     import os
-    import re
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "design.md")
     text = open(path, encoding="utf-8").read()
@@ -79,9 +85,8 @@ def _design_table():
         froms, to, _, counts = (c.strip() for c in line.strip("|").split("|"))
         if froms.startswith("any but"):
             continue
-        names = lambda cell: [re.sub(r"\s*\(.*\)", "", n).strip() for n in cell.split(",")]
-        for a in names(froms):
-            for b in names(to):
+        for a in _state_names(froms):
+            for b in _state_names(to):
                 rows[(getattr(State, a), getattr(State, b))] = \
                     {c.strip().replace(" ", "_") for c in counts.split(",") if c.strip()}
     return rows
