@@ -117,12 +117,49 @@ def test_reallocated_memory_is_not_deduplicated(offload_dir, exact):
         off.wait_writes()  # every h2 on the drive: backward gets the bytes read back
         sum(o.sum() for o in outs).backward()
         st = off.end_step()
-    assert any(reused), "the premise never held: no new tensor got a freed address"
+    if not any(reused):  # the allocator's choice (a fragmented heap late in the suite): the
+        pytest.skip("no new tensor got a freed address")  # next test makes it certain
     assert st.bytes_read == len(outs) * 256 * 256 * 4, st  # each h2 (x2 is alive: from memory)
     g = lin2.weight.grad.clone()
     lin2.weight.grad = None
     sum(lin2(x2).sin().sum() for _ in outs).backward()
     assert bitwise_equal(g, lin2.weight.grad)
+
+
+def test_a_new_storage_at_a_live_records_address_is_its_own_tensor(offload_dir):
+    """The certain form of the test above: two storages over one buffer (``torch.frombuffer``)
+    have the same address, offset, shape, stride, dtype and version. The first one's record is
+    still live (written, its backward to come) when the second, holding other bytes, is saved:
+    an identity keyed on the address, without asking whether the first storage is still alive,
+    hands backward the first one's bytes for both (tried: this test fails, the one above not)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(256, 256))
+    x, x2 = torch.randn(256, 256), torch.randn(256, 256)
+    buf = bytearray(x.numel() * x.element_size())
+
+    def over_buf(src):
+        t = torch.frombuffer(buf, dtype=torch.float32).view(256, 256)
+        return t.copy_(src)
+
+    with ActivationOffloader(cfg(offload_dir, keep_last_layers=0)) as off:
+        with off.microbatch(0):
+            h1 = over_buf(x)
+            out1 = (h1 @ w).sin()  # saves h1
+            ptr = h1.data_ptr()
+            del h1
+            off.wait_writes()  # h1's bytes are on the drive; its record lives on in out1's graph
+            h2 = over_buf(x2)  # the same address now holds x2
+            assert h2.data_ptr() == ptr
+            out2 = (h2 @ w).sin()
+            del h2
+        off.wait_writes()
+        (out1.sum() + out2.sum()).backward()
+        st = off.end_step()
+    assert st.bytes_read == 4 * x.numel() * 4, st  # h1, h2 and both products saved by sin
+    got = w.grad.clone()
+    w.grad = None
+    ((x @ w).sin().sum() + (x2 @ w).sin().sum()).backward()
+    assert bitwise_equal(got, w.grad)
 
 
 def test_1f1b_interleaved_microbatches_accumulate_bitwise_equal(offload_dir):
