@@ -61,13 +61,14 @@ def test_every_preset_on_every_node_stays_within_its_tiers(capsys, preset):
 def test_a_drive_slower_than_the_plan_needs_stalls_the_iteration(capsys):
     """The issue's case: Llama-3 70B offloading 6 GB/s worth of layers to a 6 GB/s drive
     predicted 0 stall. Offload everything to drives a tenth as fast as that needs: the stall is
-    the difference, and the drives bind."""
+    the difference, and the drives bind. The drives' time is the floor; the budget's waits for
+    writes inside each micro-batch's forward (plan/tier_costs.py) may add a little to it."""
     full = _plan(capsys, "--config", "llama3-70b", "--num-microbatches", "8", "--policy", "offload",
                  "--ssd-gbps", "1000")
     needed = full["bandwidth_gbps"]["ssd"]["needed"]
     slow = _plan(capsys, "--config", "llama3-70b", "--num-microbatches", "8", "--policy", "offload",
                  "--ssd-gbps", f"{needed / 5:.6f}")  # write and read share: a tenth each way
     assert slow["stall_s"] > 0 and slow["binding"] == "the drives"
-    assert slow["iteration_s"] == pytest.approx(10 * slow["compute_s"], rel=1e-4)
-    assert slow["bandwidth_gbps"]["ssd"]["used"] == pytest.approx(
-        slow["bandwidth_gbps"]["ssd"]["available"], rel=1e-6)
+    assert 10 * slow["compute_s"] * (1 - 1e-6) <= slow["iteration_s"] <= 10.5 * slow["compute_s"]
+    ssd = slow["bandwidth_gbps"]["ssd"]
+    assert 0.95 * ssd["available"] <= ssd["used"] <= ssd["available"] * (1 + 1e-6)

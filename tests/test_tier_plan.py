@@ -10,7 +10,7 @@ import pytest
 
 from ssdtrain_megatron.plan.policy import OFFLOAD, LayerMeasurement
 from ssdtrain_megatron.plan.step_plan import Position
-from ssdtrain_megatron.plan.tiers import (HOST, KEEP, RECOMPUTE, SSD, Tiers, plan_tiers,
+from ssdtrain_megatron.plan.tiers import (HOST, KEEP, RECOMPUTE, SSD, Tiers, plan_tiers, price,
                                           timeline)
 
 LAYERS = [LayerMeasurement(forward_s=1.0, activation_bytes=100, checkpoint_bytes=10)
@@ -66,9 +66,10 @@ def test_micro_batches_share_the_drives_so_the_iteration_pays_for_their_bytes():
     lasts. The iteration is the drives' time, the stall is not 0, and the bandwidth needed is
     above what the drives have; with drives twice as fast, no stall. (Each micro-batch writes
     300 bytes at 40 B/s and reads them at 60 B/s: 12.5 s of the drives' time per 12 s of
-    compute, 100 s for the 96 s iteration.)"""
+    compute, 100 s for the 96 s iteration.) The budget leaves 200 bytes for writes under way,
+    so no forward waits for one."""
     positions = [Position(gap_s=100.0, live=1)] * 8
-    slow = plan_tiers(LAYERS, positions, tiers(budget_bytes=100, host_capacity_bytes=0,
+    slow = plan_tiers(LAYERS, positions, tiers(budget_bytes=300, reserve_bytes=200, host_capacity_bytes=0,
                                                ssd_write_bps=40.0, ssd_read_bps=60.0))
     assert all(timeline(LAYERS, row, 100.0, slow.tiers).stall_s == 0 for row in slow.decisions)
     assert slow.ssd_bytes == 8 * 300 and slow.work_s == 96.0
@@ -76,7 +77,7 @@ def test_micro_batches_share_the_drives_so_the_iteration_pays_for_their_bytes():
     bw = slow.bandwidth_bps()[SSD]
     assert bw["needed"] > bw["available"] and bw["used"] == pytest.approx(bw["available"])
     assert slow.binding == "the drives"
-    fast = plan_tiers(LAYERS, positions, tiers(budget_bytes=100, host_capacity_bytes=0,
+    fast = plan_tiers(LAYERS, positions, tiers(budget_bytes=300, reserve_bytes=200, host_capacity_bytes=0,
                                                ssd_write_bps=80.0, ssd_read_bps=120.0))
     assert fast.stall_s == 0 and fast.bandwidth_bps()[SSD]["needed"] <= \
         fast.bandwidth_bps()[SSD]["available"]
@@ -144,3 +145,36 @@ def test_empty_layers_or_positions_are_refused():
         plan_tiers(LAYERS, [], tiers())
     with pytest.raises(ValueError, match="live >= 1"):
         plan_tiers(LAYERS, [Position(live=0)], tiers())
+
+
+def test_a_write_still_under_way_when_backward_comes_is_forwarded_not_read():
+    """No budget, drives at 25 B/s (4 s per layer each way), three layers to the SSD: the forward
+    ends at 4 s with all 300 bytes still being written (resident: the peak counts them). The
+    last SSD layer's write ends at 13 s, after its backward was due at 6 s: backward waits for
+    it and takes it from memory, so only the other two are read back (17 s and 21 s on the
+    drive). Stall 7 + 2 + 2 s. Broken variant (every layer read back after its write):
+    ssd_read_bytes 300 and stall 15 s."""
+    slow = tiers(budget_bytes=None, ssd_write_bps=25.0, ssd_read_bps=25.0)
+    cost = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, slow)
+    assert (cost.ssd_bytes, cost.ssd_read_bytes, cost.lagging_bytes) == (300, 200, 300)
+    assert cost.stall_s == pytest.approx(11.0, abs=1e-3)
+    plan = plan_tiers(LAYERS, ONE, slow)
+    assert plan.decisions == ((KEEP,) * 4,)  # no budget: nothing moves
+    priced = price(LAYERS, ONE, slow, [(SSD, SSD, SSD, KEEP)])
+    assert priced.peak_bytes == 400 and priced.ssd_read_bytes == 200
+
+
+def test_under_a_budget_the_forward_waits_for_writes_instead_of_exceeding_it():
+    """The same drives with 200 bytes allowed: saving layer 2 would hold 300 (two writes under
+    way and itself), so the forward waits for layer 0's write (5 s), and layer 3 for layer 1's
+    (9 s): 5 s of stall in forward, and the forward ends holding 200 bytes, never more.
+    Backward then stalls 2 + 2 + 2 s as above. Broken variant (no waits): stall 11 s and 400
+    bytes held at the forward's end."""
+    slow = tiers(budget_bytes=None, ssd_write_bps=25.0, ssd_read_bps=25.0)
+    cost = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, slow, cap=200)
+    assert cost.lagging_bytes == 100 and cost.resident_bytes(1) == 200
+    assert cost.stall_s == pytest.approx(11.0, abs=1e-3)
+    assert cost.ssd_read_bytes == 200
+    budgeted = price(LAYERS, ONE, tiers(budget_bytes=200, reserve_bytes=100, ssd_write_bps=25.0,
+                                        ssd_read_bps=25.0), [(SSD, SSD, SSD, KEEP)])
+    assert budgeted.stall_s > 0 and budgeted.peak_bytes == 200 and budgeted.fits_budget

@@ -16,6 +16,12 @@ What each place costs, per micro-batch (the timeline of ``plan.policy``, with tw
 Reads start with the micro-batch's backward, in reverse layer order, each no earlier than its
 write completed; a read that completes after its layer's backward is due stalls for the
 difference (the runtime bounds its read-ahead by the budget's reserve; here it is unbounded).
+A layer whose write has not completed when its backward is due is still in GPU memory, and the
+runtime forwards it from there (cache/transfers.py): backward waits for the write, and nothing
+is read back. The bytes still being written when the forward ends are resident then too
+(``PositionCost.lagging_bytes``): a drive too slow for its layers does not free their memory.
+Under a budget the forward waits for the oldest writes instead of exceeding it (cache/budget.py);
+those waits are stall.
 
 Micro-batches overlap in a pipeline, so each position's own timeline sees the whole bandwidth;
 what they share is checked for the whole iteration: every resource (each direction of the host
@@ -123,6 +129,17 @@ class PositionCost:
     host_bytes: int
     ssd_bytes: int
     kept_bytes: int
+    lagging_bytes: int
+    """Host and SSD bytes whose writes are still under way when the forward ends (resident)."""
+    host_read_bytes: int
+    """Host bytes read back (the rest were forwarded from memory: backward came first)."""
+    ssd_read_bytes: int
+    """SSD bytes read back, likewise."""
+
+    def resident_bytes(self, live: int) -> int:
+        """GPU activation bytes when ``live`` micro-batches are held: each keeps its kept
+        bytes, and the newest also what its writes have not finished."""
+        return live * self.kept_bytes + self.lagging_bytes
 
 
 @dataclass(frozen=True)
@@ -148,10 +165,14 @@ class TierPlan:
     link_bytes: int
     """Bytes per iteration over the host link in each direction (host and SSD tiers)."""
     ssd_bytes: int
-    """Bytes per iteration written to the drives (and read back)."""
+    """Bytes per iteration written to the drives."""
+    ssd_read_bytes: int
+    """Bytes per iteration read back from the drives (not those forwarded from memory)."""
     peak_bytes: int
     """GPU activation bytes at the worst moment: the most any position's live micro-batches
-    keep, plus the reserve when any layer leaves keep."""
+    keep, plus the reserve when any layer leaves keep; without a budget, at least what they
+    keep with the bytes still being written when the forward ends (a budget waits for those
+    writes instead: their time is stall)."""
     host_peak_bytes: int
     """Host memory at the worst moment, likewise."""
     binding: str
@@ -183,9 +204,13 @@ class TierPlan:
         t = self.tiers
         drive = 1 / (1 / t.ssd_write_bps + 1 / t.ssd_read_bps) if t.ssd_write_bps > 0 \
             and t.ssd_read_bps > 0 else 0.0
+        # The drives' bytes as round trips: what they were busy with, at the shared rate (all
+        # of ssd_bytes when everything written is read back).
+        trips = (self.ssd_bytes / t.ssd_write_bps + self.ssd_read_bytes / t.ssd_read_bps) * drive \
+            if drive else 0.0
         out = {}
         for name, moved, available in ((HOST, self.link_bytes, t.host_link_bps),
-                                       (SSD, self.ssd_bytes, drive)):
+                                       (SSD, trips, drive)):
             out[name] = {"used": moved / self.iteration_s if self.iteration_s else 0.0,
                          "needed": moved / self.work_s if self.work_s else 0.0,
                          "available": available}
@@ -199,17 +224,31 @@ class TierPlan:
 
 
 def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: float,
-             tiers: Tiers) -> PositionCost:
+             tiers: Tiers, cap: Optional[int] = None) -> PositionCost:
     """One micro-batch under ``row``: its forward (writes queued on the host link, SSD writes
-    also on the drive), ``gap_s`` of other work, its backward (reads in reverse order)."""
+    also on the drive), ``gap_s`` of other work, its backward (reads in reverse order).
+
+    ``cap``: the GPU bytes this micro-batch may hold while its forward runs (None: no budget).
+    Past it, the forward waits for the oldest writes to complete, as the runtime's budget
+    does (cache/budget.py), and the wait is stall."""
     link, w, r = tiers.host_link_bps, tiers.ssd_write_bps, tiers.ssd_read_bps
-    clock = cpu = 0.0
+    clock = cpu = stall = 0.0
     d2h_free = drive_free = 0.0
     done: Dict[int, float] = {}
     host = ssd = kept = 0
     for i, layer in enumerate(layers):
         clock += layer.forward_s
         place, size = row[i], layer.activation_bytes
+        if cap is not None:  # past the cap, the budget waits for the oldest write under way
+            own = layer.checkpoint_bytes if place == RECOMPUTE else size
+            pending = sorted((t, j) for j, t in done.items() if t > clock)
+            held = kept + own + sum(layers[j].activation_bytes for _, j in pending)
+            for t, j in pending:
+                if held <= cap:
+                    break
+                stall += t - clock
+                clock = t
+                held -= layers[j].activation_bytes
         if place in (HOST, SSD):
             hand = size * tiers.cpu_s_per_byte
             clock += hand
@@ -228,15 +267,21 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
             kept += size
         else:
             kept += layer.checkpoint_bytes
+    lagging = sum(layers[i].activation_bytes for i, t in done.items() if t > clock)
     clock += gap_s
     backward = h2d_free = clock
-    stall = recompute = 0.0
+    recompute = 0.0
+    host_read = ssd_read = 0
     for i in reversed(range(len(layers))):
         layer, place, size = layers[i], row[i], layers[i].activation_bytes
-        if place == HOST:
+        if place in (HOST, SSD) and done[i] > clock:
+            arrival = done[i]  # still being written: forwarded from memory once it completes
+        elif place == HOST:
+            host_read += size
             h2d_free = max(backward, h2d_free, done[i]) + size / link
             arrival = h2d_free
         elif place == SSD:
+            ssd_read += size
             drive_start = max(backward, drive_free, done[i])
             drive_free = drive_start + size / r
             h2d_free = max(max(drive_start, h2d_free) + size / link, drive_free)
@@ -250,6 +295,6 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
             recompute += layer.recompute_cost_s
             clock += layer.recompute_cost_s
         clock += tiers.backward_factor * layer.forward_s
-    return PositionCost(stall, recompute, cpu, host, ssd, kept)
+    return PositionCost(stall, recompute, cpu, host, ssd, kept, lagging, host_read, ssd_read)
 
 

@@ -44,17 +44,28 @@ class _Step:
                            for _, count in groups) + tiers.bubble_s
 
     def cost(self, g: int, row: Sequence[str]) -> PositionCost:
-        return timeline(self.layers, row, self.groups[g][0].gap_s, self.tiers)
+        """Group ``g`` under ``row``; with a budget, its forward may hold what the budget
+        leaves after the group's other live micro-batches keep theirs (the reserve is for
+        what is being written)."""
+        p, t = self.groups[g][0], self.tiers
+        cap = None
+        if t.budget_bytes is not None:
+            kept = sum(layer.checkpoint_bytes if d == RECOMPUTE else layer.activation_bytes
+                       for layer, d in zip(self.layers, row) if d in (KEEP, RECOMPUTE))
+            cap = max(0, t.budget_bytes - (p.live - 1) * kept)
+        return timeline(self.layers, row, p.gap_s, t, cap)
 
     def busy(self, costs: Sequence[PositionCost]) -> Tuple[float, float]:
-        """(host link, drives): seconds of the iteration each must be busy. The link's two
-        directions carry the same bytes (all that is written is read back); the drives do
-        one thing at a time, so their writes and reads add up."""
+        """(host link, drives): seconds of the iteration each must be busy. The link's busier
+        direction is the one to the host (what is forwarded from memory is not read back);
+        the drives do one thing at a time, so their writes and reads add up."""
         t = self.tiers
-        link = sum((c.host_bytes + c.ssd_bytes) * n for c, (_, n) in zip(costs, self.groups))
-        ssd = sum(c.ssd_bytes * n for c, (_, n) in zip(costs, self.groups))
+        groups = list(zip(costs, self.groups))
+        link = sum((c.host_bytes + c.ssd_bytes) * n for c, (_, n) in groups)
+        ssd = sum(c.ssd_bytes * n for c, (_, n) in groups)
+        ssd_read = sum(c.ssd_read_bytes * n for c, (_, n) in groups)
         link_s = link / t.host_link_bps if link else 0.0
-        drive_s = ssd / t.ssd_write_bps + ssd / t.ssd_read_bps if ssd else 0.0
+        drive_s = ssd / t.ssd_write_bps + ssd_read / t.ssd_read_bps if ssd else 0.0
         return link_s, drive_s
 
     def iteration(self, costs: Sequence[PositionCost]) -> Tuple[float, float]:
@@ -227,10 +238,12 @@ def _result(step: _Step, rows: List[List[str]], costs: List[PositionCost], of: L
             else:
                 tier_bytes[place] += n * layer.activation_bytes
     ssd = sum(c.ssd_bytes * n for c, n in zip(costs, counts))
+    ssd_read = sum(c.ssd_read_bytes * n for c, n in zip(costs, counts))
     link = ssd + sum(c.host_bytes * n for c, n in zip(costs, counts))
     moved = any(place != KEEP for row in rows for place in row)
     peak = max(p.live * c.kept_bytes for (p, _), c in zip(step.groups, costs)) \
         + (t.reserve_bytes if moved else 0)
+    peak = max(peak, max(c.resident_bytes(p.live) for (p, _), c in zip(step.groups, costs)))
     host_peak = max(p.live * c.host_bytes for (p, _), c in zip(step.groups, costs))
     stall = iteration - work
     if stall <= REL_EPS * iteration:
@@ -239,7 +252,8 @@ def _result(step: _Step, rows: List[List[str]], costs: List[PositionCost], of: L
     cpu = sum(c.cpu_s * n for c, n in zip(costs, counts))
     return TierPlan(decisions=tuple(tuple(rows[g]) for g in of), compute_s=step.compute,
                     recompute_s=recompute, cpu_s=cpu, stall_s=stall, iteration_s=iteration,
-                    tier_bytes=tier_bytes, link_bytes=link, ssd_bytes=ssd, peak_bytes=peak,
+                    tier_bytes=tier_bytes, link_bytes=link, ssd_bytes=ssd, ssd_read_bytes=ssd_read,
+                    peak_bytes=peak,
                     host_peak_bytes=host_peak,
                     binding=_binding(step, costs, iteration, stall, fits),
                     fits_budget=fits, tiers=t)

@@ -14,7 +14,9 @@ schedule has no pipeline: every micro-batch's backward follows its forward, one 
 Each fixed strategy is priced by what it does at run time: offload sends every layer but the
 last to the SSD tier; host fills the host tier first-come in forward order and keeps what does
 not fit; recompute recomputes every layer; planned and adaptive run their plans, with the layers
-the runtime's budget ran recomputed instead (``recompute_fallback``) as recompute.
+the runtime's budget ran recomputed instead (``recompute_fallback``) as recompute, and under
+the bench's budget (their forward waits for writes past it; what is saved outside the layers is
+not counted against it here).
 """
 
 from __future__ import annotations
@@ -115,22 +117,26 @@ def as_run(rows: Rows, stats, names: Sequence[str]) -> Rows:
 
 
 def predict(node, keep_stats, keep_step_s: float, num_micro_batches: int,
-            plans: Dict[str, Rows]) -> Dict[str, float]:
+            plans: Dict[str, Rows], budget: Optional[int] = None) -> Dict[str, float]:
     """Each strategy's predicted step time over keep's, from keep's own step (see the module
-    docstring); ``plans``: the rows of planned and adaptive, where they ran."""
+    docstring); ``plans``: the rows of planned and adaptive, where they ran, priced under
+    ``budget`` as they ran (their forward waits for writes past it); the fixed strategies run
+    without one."""
     layers, _, _ = measurements(keep_stats, num_micro_batches)
     if not layers:
         return {}
     positions = [Position()] * num_micro_batches
     factor = backward_factor(keep_stats, layers, num_micro_batches)
-    t = tiers(node, None, 0, max(0.0, keep_step_s - keep_stats.step_time_s), factor)
+    bubble = max(0.0, keep_step_s - keep_stats.step_time_s)
+    t = tiers(node, None, 0, bubble, factor)
+    budgeted = t if budget is None else tiers(node, budget, 0, bubble, factor)
     keep = price(layers, positions, t, fixed_rows("keep", layers, 0, num_micro_batches)).iteration_s
     out = {}
     for name in ("keep", "offload", "offload+crc32c", "host", "recompute"):
         out[name] = price(layers, positions, t, fixed_rows(name, layers, node.host_bytes or 0,
                                                            num_micro_batches)).iteration_s / keep
     for name, rows in plans.items():
-        out[name] = price(layers, positions, t, rows).iteration_s / keep
+        out[name] = price(layers, positions, budgeted, rows).iteration_s / keep
     return out
 
 
@@ -198,7 +204,7 @@ def node_summary(run, at: Dict[tuple, object], ratio_mb: Optional[int], budget: 
         if rows is not None:
             plans["adaptive"] = as_run(rows, adaptive.last_stats, names)
             out["adaptive_places"] = [list(row) for row in plans["adaptive"]]
-    predicted = predict(node, keep.last_stats, at[("keep", ratio_mb)].step_s, n, plans)
+    predicted = predict(node, keep.last_stats, at[("keep", ratio_mb)].step_s, n, plans, budget)
     for name, value in predicted.items():
         point = at.get((name, ratio_mb))
         if point is None:
