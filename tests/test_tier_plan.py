@@ -149,27 +149,33 @@ def test_empty_layers_or_positions_are_refused():
 
 def test_a_write_still_under_way_when_backward_comes_is_forwarded_not_read():
     """No budget, drives at 25 B/s (4 s per layer each way), three layers to the SSD: the forward
-    ends at 4 s with all 300 bytes still being written (resident: the peak counts them). The
-    last SSD layer's write ends at 13 s, after its backward was due at 6 s: backward waits for
-    it and takes it from memory, so only the other two are read back (17 s and 21 s on the
-    drive). Stall 7 + 2 + 2 s. Broken variant (every layer read back after its write):
-    ssd_read_bytes 300 and stall 15 s."""
+    ends at 4 s with all 300 bytes still being written (resident: the peak counts them; writes
+    end at 5, 9 and 13 s). The runtime asks for a layer two layers ahead of backward
+    (prefetch_layers): layers 2 and 1 at the backward's start (4 s), both still being written,
+    so both are forwarded from memory (backward waits for layer 2's write until 13 s); layer 0
+    is asked for at 6 s, written by then, and read back (13-17 s, after the writes). Stall 7 s.
+    Broken variant (every layer read back after its write): ssd_read_bytes 300, stall 15 s."""
     slow = tiers(budget_bytes=None, ssd_write_bps=25.0, ssd_read_bps=25.0)
     cost = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, slow)
-    assert (cost.ssd_bytes, cost.ssd_read_bytes, cost.lagging_bytes) == (300, 200, 300)
-    assert cost.stall_s == pytest.approx(11.0, abs=1e-3)
+    assert (cost.ssd_bytes, cost.ssd_read_bytes, cost.lagging_bytes) == (300, 100, 300)
+    assert cost.stall_s == pytest.approx(7.0, abs=1e-3)
+    # Asked for only at its own turn (no read-ahead): layer 1 (asked at 15 s) is read back.
+    late = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, tiers(budget_bytes=None, ssd_write_bps=25.0,
+                                                              ssd_read_bps=25.0, prefetch_layers=0))
+    assert late.ssd_read_bytes == 200 and late.stall_s == pytest.approx(11.0, abs=1e-3)
     plan = plan_tiers(LAYERS, ONE, slow)
     assert plan.decisions == ((KEEP,) * 4,)  # no budget: nothing moves
     priced = price(LAYERS, ONE, slow, [(SSD, SSD, SSD, KEEP)])
-    assert priced.peak_bytes == 400 and priced.ssd_read_bytes == 200
+    assert priced.peak_bytes == 400 and priced.ssd_read_bytes == 100
 
 
 def test_under_a_budget_the_forward_waits_for_writes_instead_of_exceeding_it():
     """The same drives with 200 bytes allowed: saving layer 2 would hold 300 (two writes under
     way and itself), so the forward waits for layer 0's write (5 s), and layer 3 for layer 1's
     (9 s): 5 s of stall in forward, and the forward ends holding 200 bytes, never more.
-    Backward then stalls 2 + 2 + 2 s as above. Broken variant (no waits): stall 11 s and 400
-    bytes held at the forward's end."""
+    Backward starts at 9 s: layer 2 (written at 13 s) is forwarded, layers 1 and 0 are read
+    back behind it: 2 + 2 + 2 s more. Broken variant (no waits): 400 bytes held at the
+    forward's end."""
     slow = tiers(budget_bytes=None, ssd_write_bps=25.0, ssd_read_bps=25.0)
     cost = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, slow, cap=200)
     assert cost.lagging_bytes == 100 and cost.resident_bytes(1) == 200

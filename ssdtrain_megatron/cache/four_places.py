@@ -54,6 +54,7 @@ class FourPlaces:
         self.host_capacity = config.host_memory_bytes
         self.places = PLACES if config.recompute_fallback else (KEEP, HOST, SSD)
         self.keep_last_layers = config.keep_last_layers
+        self.prefetch_layers = config.prefetch_layers
         self.link_bps: Optional[float] = None
         """The host link's measured bytes/s (None: no byte went to the host tier yet)."""
         self.ssd_bps: Optional[Tuple[float, float]] = None
@@ -85,7 +86,7 @@ class FourPlaces:
         return Tiers(budget_bytes=budget, host_capacity_bytes=capacity, host_link_bps=link,
                      ssd_write_bps=write, ssd_read_bps=read, reserve_bytes=reserve,
                      places=self.places, cpu_s_per_byte=cpu_s_per_byte,
-                     keep_last_layers=self.keep_last_layers)
+                     keep_last_layers=self.keep_last_layers, prefetch_layers=self.prefetch_layers)
 
     def plan(self, layers: Sequence[LayerMeasurement], positions: Sequence[Position],
              budget: Optional[int], reserve: int, cpu_s_per_byte: float) -> StepPlan:

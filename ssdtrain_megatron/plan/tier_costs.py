@@ -16,9 +16,10 @@ What each place costs, per micro-batch (the timeline of ``plan.policy``, with tw
 Reads start with the micro-batch's backward, in reverse layer order, each no earlier than its
 write completed; a read that completes after its layer's backward is due stalls for the
 difference (the runtime bounds its read-ahead by the budget's reserve; here it is unbounded).
-A layer whose write has not completed when its backward is due is still in GPU memory, and the
-runtime forwards it from there (cache/transfers.py): backward waits for the write, and nothing
-is read back. The bytes still being written when the forward ends are resident then too
+A layer whose write has not completed when the runtime asks for it (as backward reaches the
+layer ``prefetch_layers`` above it, or at the backward's start for the last ones) is still in
+GPU memory, and the runtime forwards it from there (cache/transfers.py): backward waits for the
+write, and nothing is read back. The bytes still being written when the forward ends are resident then too
 (``PositionCost.lagging_bytes``): a drive too slow for its layers does not free their memory.
 Under a budget the forward waits for the oldest writes instead of exceeding it (cache/budget.py);
 those waits are stall.
@@ -85,9 +86,13 @@ class Tiers:
     """Backward time of a layer as a multiple of its forward time."""
     keep_last_layers: int = 1
     """Where backward follows the forward at once (gap 0), the last N layers stay kept."""
+    prefetch_layers: int = 2
+    """How far ahead of backward the runtime asks for a layer (OffloadConfig.prefetch_layers):
+    a layer whose write has not completed when it is asked for is forwarded from memory."""
 
     def __post_init__(self) -> None:
-        for name in ("budget_bytes", "host_capacity_bytes", "reserve_bytes", "keep_last_layers"):
+        for name in ("budget_bytes", "host_capacity_bytes", "reserve_bytes", "keep_last_layers",
+                     "prefetch_layers"):
             value = getattr(self, name)
             if value is None and name == "budget_bytes":
                 continue
@@ -272,9 +277,13 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
     backward = h2d_free = clock
     recompute = 0.0
     host_read = ssd_read = 0
+    turn: Dict[int, float] = {}  # when backward reached each layer
+    ahead = tiers.prefetch_layers
     for i in reversed(range(len(layers))):
         layer, place, size = layers[i], row[i], layers[i].activation_bytes
-        if place in (HOST, SSD) and done[i] > clock:
+        turn[i] = clock
+        asked = turn[i + ahead] if i + ahead in turn else backward
+        if place in (HOST, SSD) and done[i] > asked:
             arrival = done[i]  # still being written: forwarded from memory once it completes
         elif place == HOST:
             host_read += size
