@@ -34,13 +34,9 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 from ..config import OffloadConfig
 from ..plan.policy import OFFLOAD, LayerMeasurement
 from ..plan.step_plan import Decisions, Position, StepPlan
-from ..plan.tiers import HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan, Tiers, plan_tiers, price
+from ..plan.tiers import (HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan, Tiers, kept_bytes, plan_tiers,
+                          price)
 from ..telemetry.stats import StepStats
-
-
-def _kept(layers: Sequence[LayerMeasurement], row: Sequence[str]) -> int:
-    return sum(m.activation_bytes if d == KEEP else m.checkpoint_bytes if d == RECOMPUTE else 0
-               for m, d in zip(layers, row))
 
 
 def _host(layers: Sequence[LayerMeasurement], row: Sequence[str]) -> int:
@@ -94,7 +90,7 @@ class FourPlaces:
         tp = self.last = plan_tiers(layers, positions, self.tiers(budget, reserve, cpu_s_per_byte))
         free = None if budget is None else max(0, budget - reserve)
         return StepPlan(tp.decisions, tp.iteration_s - tp.compute_s,
-                        tuple(_kept(layers, row) for row in tp.decisions),
+                        tuple(kept_bytes(layers, row) for row in tp.decisions),
                         None if free is None else free // max(p.live for p in positions), tp.fits_budget)
 
     def describe(self) -> str:
@@ -133,11 +129,11 @@ class FourPlaces:
                         single.append((cost, f"mb{p} layer {names[i]}: {row[i]} -> {place}", plan))
         single.sort(key=lambda c: c[0])
         free = None if budget is None else max(0, budget - reserve)
-        now = [_kept(layers, row) for row in current]
+        now = [kept_bytes(layers, row) for row in current]
 
         def allowed(plan: Decisions) -> bool:
-            gpu = free is None or all(_kept(layers, row) <= free // pos.live for row, pos in zip(plan, positions)) \
-                or all(_kept(layers, row) <= k for row, k in zip(plan, now))
+            gpu = free is None or all(kept_bytes(layers, row) <= free // pos.live for row, pos in zip(plan, positions)) \
+                or all(kept_bytes(layers, row) <= k for row, k in zip(plan, now))
             host = all(_host(layers, row) <= tiers.host_capacity_bytes // pos.live
                        for row, pos in zip(plan, positions))
             return gpu and host

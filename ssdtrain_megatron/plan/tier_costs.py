@@ -19,8 +19,9 @@ difference (the runtime bounds its read-ahead by the budget's reserve; here it i
 A layer whose write has not completed when the runtime asks for it (as backward reaches the
 layer ``prefetch_layers`` above it, or at the backward's start for the last ones) is still in
 GPU memory, and the runtime forwards it from there (cache/transfers.py): backward waits for the
-write, and nothing is read back. The bytes still being written when the forward ends are resident then too
-(``PositionCost.lagging_bytes``): a drive too slow for its layers does not free their memory.
+write, and nothing is read back. The bytes still being written when the forward ends are
+resident then too (``PositionCost.lagging_bytes``): a drive too slow for its layers does not
+free their memory.
 Under a budget the forward waits for the oldest writes instead of exceeding it (cache/budget.py);
 those waits are stall.
 
@@ -226,6 +227,12 @@ class TierPlan:
         """The plan in the runtime's older words: host and ssd become 'offload' (the engine's
         default tier)."""
         return tuple(tuple(OFFLOAD if d in (HOST, SSD) else d for d in row) for row in self.decisions)
+
+
+def kept_bytes(layers: Sequence[LayerMeasurement], row: Sequence[str]) -> int:
+    """GPU bytes ``row`` keeps through backward: kept layers whole, recomputed ones' inputs."""
+    return sum(m.activation_bytes if d == KEEP else m.checkpoint_bytes if d == RECOMPUTE else 0
+               for m, d in zip(layers, row))
 
 
 def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: float,

@@ -26,10 +26,10 @@ from typing import Dict, List, Sequence, Tuple
 from .policy import KEEP, RECOMPUTE, LayerMeasurement
 from .step_plan import Position
 from .tier_costs import (BINDING, HOST, PLACES, SSD, PositionCost, TierPlan, Tiers, REL_EPS,
-                         timeline)
+                         kept_bytes, timeline)
 
 __all__ = ["BINDING", "HOST", "KEEP", "PLACES", "Position", "RECOMPUTE", "SSD", "TierPlan",
-           "Tiers", "plan_tiers", "price", "timeline"]
+           "Tiers", "kept_bytes", "plan_tiers", "price", "timeline"]
 
 _RANK = {HOST: 0, SSD: 1, RECOMPUTE: 2}
 
@@ -50,9 +50,7 @@ class _Step:
         p, t = self.groups[g][0], self.tiers
         cap = None
         if t.budget_bytes is not None:
-            kept = sum(layer.checkpoint_bytes if d == RECOMPUTE else layer.activation_bytes
-                       for layer, d in zip(self.layers, row) if d in (KEEP, RECOMPUTE))
-            cap = max(0, t.budget_bytes - (p.live - 1) * kept)
+            cap = max(0, t.budget_bytes - (p.live - 1) * kept_bytes(self.layers, row))
         return timeline(self.layers, row, p.gap_s, t, cap)
 
     def busy(self, costs: Sequence[PositionCost]) -> Tuple[float, float]:
