@@ -162,6 +162,7 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
 
     import gpu_check_common
     import gpu_check_steps as steps
+    from ssdtrain_megatron import ActivationOffloader
     from ssdtrain_megatron.cache.record import State
     from ssdtrain_megatron.cache.transfers import Transfers
     from ssdtrain_megatron.tools.minigpt import GPTSpec
@@ -185,12 +186,21 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
     calls = []  # stands in for torch.cuda._sleep on the compute stream (no CUDA here)
 
     def delay():
-        # As the delayed stream does on the GPU, it gives the IO threads time. A fresh-clone
-        # run here once read back nothing in the stopped variants' one step (bytes_read 0;
-        # normally 368640 of 369664 bytes written): not reproduced, under CPU load or a
-        # 2 MB/s drive cap either; this widens the margin for a drive that stalls.
         calls.append(1)
         time.sleep(0.02)
+
+    # The subject is the comparison, not the drive's speed: each micro-batch's backward starts
+    # once the writes handed to the drive have completed, so what the offloaded model restores
+    # comes back from the drive. Without this, a write still under way when backward asks for
+    # its layer is forwarded from memory, and a stall of this VM's disk (often, while another
+    # job writes) left the stopped variants' one step with nothing read back (bytes_read 0 of
+    # 369664 written, about one run in six).
+    real_begin = ActivationOffloader.begin_backward
+
+    def begin_backward(self, key):
+        self.wait_writes()
+        real_begin(self, key)
+    monkeypatch.setattr(ActivationOffloader, "begin_backward", begin_backward)
 
     result = steps.compare(args, lambda r: None, spec, cfg, 2, gpu_check_common.CudaBox(), stream=False,
                            delay=delay)
