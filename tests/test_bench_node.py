@@ -5,6 +5,7 @@ ratios against the best single and fixed strategies; one small run end to end (s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -89,6 +90,23 @@ def test_the_prediction_prices_what_each_strategy_does_at_run_time():
     on_slow = predict(slow, stats, step, 2, {"planned": (("ssd", "host", "host", "keep"),) * 2})
     assert on_slow["offload"] > 2.0  # 60 MB each way at 0.1 GB/s against a 0.24 s step
     assert on_slow["host"] == pytest.approx(1.0, abs=0.02) and 1.0 < on_slow["planned"] < on_slow["offload"]
+
+
+def test_recomputing_is_priced_at_the_recompute_pass_the_runtime_measured():
+    """Where the recompute strategy's step measured each layer's recompute pass (a quarter of
+    its forward here, as on a CPU whose forward under keep also pays page faults), recompute's
+    prediction adds those passes, not the forward; a layer with no pass measured keeps the
+    forward. Broken by leaving ``recomputed`` out of measurements(): 1.333 predicted."""
+    stats = _keep_stats()
+    step = 2 * 4 * 3 * 0.01
+    rows = tuple(dataclasses.replace(r, decision="recompute", recompute_s=2 * 0.0025, recomputes=2)
+                 for r in stats.layers)
+    recomputed = dataclasses.replace(stats, layers=rows[:3] + (stats.layers[3],))
+    fast = NodeEmulation((0,), (1,), ssd_gbps=100.0, host_bytes=25_000_000, link_gbps=100.0)
+    got = predict(fast, stats, step, 2, {}, recomputed=recomputed)
+    assert got["recompute"] == pytest.approx((step + 2 * (3 * 0.0025 + 0.01)) / step)
+    assert [m.recompute_cost_s for m in measurements(stats, 2, recomputed)[0]] == \
+        pytest.approx([0.0025] * 3 + [0.01])
 
 
 def test_planned_and_adaptive_are_compared_with_the_fastest_strategy_within_the_budget():

@@ -82,6 +82,7 @@ class AdaptivePlanner:
         self._decisions: Dict[Tuple[int, Hashable], str] = {}
         self._bytes: Dict[str, int] = {}  # layer -> bytes of one micro-batch when not recomputed
         self._checkpoint: Dict[str, int] = {}  # layer -> bytes kept when recomputed
+        self._recompute: Dict[str, float] = {}  # layer -> seconds of one recompute pass, measured
         self._bw: Optional[Tuple[float, float]] = None  # (write, read) bytes/s last measured
         self._plan_write_bps = 0.0
         self._cpu_s_per_byte = 0.0
@@ -114,7 +115,7 @@ class AdaptivePlanner:
                num_micro_batches: int) -> bool:
         """Re-plan from a finished step when needed; True when the plan changed."""
         n = max(num_micro_batches, 1)
-        layers = self._measure(stats, order, layer_rows, n)
+        layers = self.measure(stats, order, layer_rows, n)
         positions = self.shape.take(sum(m.forward_s for m in layers))
         if not order or not positions:
             return False
@@ -184,7 +185,11 @@ class AdaptivePlanner:
         self._decisions = new
         return changed
 
-    def _measure(self, stats: StepStats, order, layer_rows, n: int) -> List[LayerMeasurement]:
+    def measure(self, stats: StepStats, order, layer_rows, n: int) -> List[LayerMeasurement]:
+        """One micro-batch's layers in ``order`` as the planner prices them, from a finished
+        step (``layer_rows``: its StepStats.layers by name; ``n`` micro-batches): bytes and
+        forward time, a recomputed layer's input and recompute pass as last measured (kept
+        across steps that did not recompute it); the tiers' and drive's rates are taken too."""
         if self._four is not None:
             self._four.measure(stats)
         if stats.write_gbps > 0:
@@ -199,9 +204,12 @@ class AdaptivePlanner:
                 self._checkpoint[str(key)] = row.bytes // n
             elif row is not None:
                 self._bytes[str(key)] = row.bytes // n
+            if row is not None and row.recomputes:
+                self._recompute[str(key)] = row.recompute_s / row.recomputes
             nbytes = self._bytes.get(str(key), 0)
             layers.append(LayerMeasurement(
                 forward_s=row.forward_s / n if row else 0.0, activation_bytes=nbytes,
+                recompute_s=self._recompute.get(str(key)),
                 checkpoint_bytes=min(nbytes, self._checkpoint.get(str(key), nbytes // CHECKPOINT_FRACTION))))
         return layers
 

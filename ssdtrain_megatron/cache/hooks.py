@@ -138,7 +138,8 @@ class SavedTensorHooks:
     def layer_scope(self, key: Hashable) -> Iterator[None]:
         """Forward of one layer. In a micro-batch's forward (not a recompute inside backward),
         entering a layer writes the deferred records of layers now older than the last
-        ``keep_last_layers``, and the layer's forward time is counted."""
+        ``keep_last_layers``, and the layer's forward time is counted; inside backward (a
+        checkpoint running the layer again) the time is counted as its recompute pass."""
         forward = _graph_task_id() == -1  # not a recompute inside backward
         prev = self._layer
         self._layer = key
@@ -156,6 +157,8 @@ class SavedTensorHooks:
             if mb is not None and forward:
                 decision = self._decisions.for_layer(mb.key, key, self._step.phase == "forward")
                 self._step.counters.layer(key, decision).forward_s += time.perf_counter() - t0
+            elif not forward:
+                self._step.counters.layer(key, "recompute").recomputed(time.perf_counter() - t0)
 
     def enter_backward(self, mb: MicroBatch) -> None:
         """``mb``'s backward starts: its deferred last layers stay in memory, and reads of its

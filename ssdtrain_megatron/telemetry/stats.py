@@ -36,6 +36,11 @@ class LayerStats:
     io_wait_s: float
     forward_s: float = 0.0
     """Forward compute time of the layer, all micro-batches together."""
+    recompute_s: float = 0.0
+    """Time of the layer's recompute passes inside backward (its forward run again by a
+    checkpoint), all micro-batches together; 0 where the layer was not recomputed."""
+    recomputes: int = 0
+    """How many recompute passes ``recompute_s`` sums (one per micro-batch recomputed)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,12 @@ class _LayerAcc:
     decision: str = "offload"
     io_wait_s: float = 0.0
     forward_s: float = 0.0
+    recompute_s: float = 0.0
+    recomputes: int = 0
+
+    def recomputed(self, seconds: float) -> None:
+        self.recompute_s += seconds
+        self.recomputes += 1
 
 
 # A record transition's effect (cache/record.py) -> the tensor count and the byte count it adds
@@ -295,7 +306,8 @@ class StepCounters:
         as ``(bytes, busy seconds)`` (telemetry/tiers.py)."""
         rows = tuple(LayerStats(layer=str(k), bytes=a.bytes, bytes_offloaded=a.bytes_offloaded,
                                 tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s,
-                                forward_s=a.forward_s)
+                                forward_s=a.forward_s, recompute_s=a.recompute_s,
+                                recomputes=a.recomputes)
                      for k, a in sorted(self.layers.items(), key=lambda kv: _sort_key(kv[0])))
         by_reason = self.passed_by_reason()
         return StepStats(

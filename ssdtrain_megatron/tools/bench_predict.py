@@ -8,7 +8,9 @@ Backward is what keep's forward-and-backward time (StepStats.step_time_s) leaves
 layers' forward, as a multiple of it (``Tiers.backward_factor``; the embedding, output layer and
 loss are counted in it); what the whole step adds to that (the optimizer) is the model's
 ``bubble``, the same for every strategy. A recomputed layer's input is taken as 1/16 of its
-bytes (cache/adaptive.py ``CHECKPOINT_FRACTION``). The bench's
+bytes (cache/adaptive.py ``CHECKPOINT_FRACTION``), and recomputing it costs the recompute pass
+the runtime measured for it in the recompute strategy's last step (StepStats.layers
+``recompute_s``, as adaptive measures it), or its forward where none ran. The bench's
 schedule has no pipeline: every micro-batch's backward follows its forward, one at a time.
 
 Each fixed strategy is priced by what it does at run time: offload sends every layer but the
@@ -30,15 +32,21 @@ from ..plan.tiers import HOST, KEEP, RECOMPUTE, SSD, TierPlan, Tiers, plan_tiers
 Rows = Tuple[Tuple[str, ...], ...]
 
 
-def measurements(stats, num_micro_batches: int) -> Tuple[List[LayerMeasurement], int, List[str]]:
+def measurements(stats, num_micro_batches: int,
+                 recomputed=None) -> Tuple[List[LayerMeasurement], int, List[str]]:
     """(one micro-batch's layers in forward order, bytes saved outside layers per micro-batch,
-    the layers' names) from a step's StepStats."""
+    the layers' names) from a step's StepStats; ``recomputed``: a step's StepStats in which
+    layers ran recomputed, whose measured recompute passes price recomputing them (without
+    it, or for a layer it did not recompute, the model's default: the layer's forward)."""
     from ..cache.adaptive import CHECKPOINT_FRACTION  # here: --help imports no torch
 
     n = max(num_micro_batches, 1)
     rows = [r for r in stats.layers if r.layer != "None"]
     outside = sum(r.bytes for r in stats.layers if r.layer == "None") // n
+    passes = {r.layer: r.recompute_s / r.recomputes
+              for r in (recomputed.layers if recomputed is not None else ()) if r.recomputes}
     layers = [LayerMeasurement(forward_s=r.forward_s / n, activation_bytes=r.bytes // n,
+                               recompute_s=passes.get(r.layer),
                                checkpoint_bytes=r.bytes // n // CHECKPOINT_FRACTION) for r in rows]
     return layers, outside, [r.layer for r in rows]
 
@@ -117,12 +125,14 @@ def as_run(rows: Rows, stats, names: Sequence[str]) -> Rows:
 
 
 def predict(node, keep_stats, keep_step_s: float, num_micro_batches: int,
-            plans: Dict[str, Rows], budget: Optional[int] = None) -> Dict[str, float]:
+            plans: Dict[str, Rows], budget: Optional[int] = None,
+            recomputed=None) -> Dict[str, float]:
     """Each strategy's predicted step time over keep's, from keep's own step (see the module
-    docstring); ``plans``: the rows of planned and adaptive, where they ran, priced under
+    docstring) and, where given, the recompute passes ``recomputed`` (a step's StepStats)
+    measured; ``plans``: the rows of planned and adaptive, where they ran, priced under
     ``budget`` as they ran (their forward waits for writes past it); the fixed strategies run
     without one."""
-    layers, _, _ = measurements(keep_stats, num_micro_batches)
+    layers, _, _ = measurements(keep_stats, num_micro_batches, recomputed)
     if not layers:
         return {}
     positions = [Position()] * num_micro_batches
@@ -204,7 +214,9 @@ def node_summary(run, at: Dict[tuple, object], ratio_mb: Optional[int], budget: 
         if rows is not None:
             plans["adaptive"] = as_run(rows, adaptive.last_stats, names)
             out["adaptive_places"] = [list(row) for row in plans["adaptive"]]
-    predicted = predict(node, keep.last_stats, at[("keep", ratio_mb)].step_s, n, plans, budget)
+    recompute = run.series.get(("recompute", ratio_mb))
+    predicted = predict(node, keep.last_stats, at[("keep", ratio_mb)].step_s, n, plans, budget,
+                        recompute.last_stats if recompute is not None else None)
     for name, value in predicted.items():
         point = at.get((name, ratio_mb))
         if point is None:
