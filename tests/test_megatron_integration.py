@@ -153,8 +153,18 @@ def test_every_rank_offloads_in_every_step_and_names_its_real_layers(layout, run
             else:
                 assert s["bytes_offloaded"] > 0 and s["tensors_offloaded"] > 0, (r.rank, s)
             assert s["fallbacks"] == 0
-            layers = [int(row["layer"]) for row in s["layers"] if row["layer"] != "None"]
+            # The layers whose forward ran in a scope (a layer run only again in backward, inside
+            # a checkpoint named by another, has a row of its recompute pass alone).
+            layers = [int(row["layer"]) for row in s["layers"] if row["layer"] != "None" and row["forward_s"] > 0]
             assert sorted(layers) == EXPECTED_LAYERS[layout][r.rank]
+            passes = {int(row["layer"]): row["recomputes"] for row in s["layers"] if row["layer"] != "None"}
+            if (spec.recompute_granularity, spec.recompute_method) == ("full", "uniform"):
+                # Megatron's uniform full recompute runs every layer of the rank again in
+                # backward, once per micro-batch; each pass is timed under its own layer.
+                ranks_layers = range(min(EXPECTED_LAYERS[layout][r.rank]), max(passes) + 1)
+                assert all(passes.get(k) == spec.num_microbatches for k in ranks_layers), passes
+            elif spec.recompute_granularity != "full":
+                assert not any(passes.values()), passes  # selective recompute reruns no whole layer
             assert sum(row["bytes"] for row in s["layers"]) > 0
 
 
@@ -217,6 +227,9 @@ def test_recompute_fallback_runs_chosen_layers_under_checkpoint_bitwise(tmp_path
         rows = {row["layer"]: row for row in s["layers"]}
         # A recomputed layer saves only its checkpoint inputs: far less than a stored layer.
         assert 0 < rows["2"]["bytes"] < rows["1"]["bytes"] / 4
+        # Its recompute pass in backward is timed, once per micro-batch; a stored layer has none.
+        assert rows["2"]["recomputes"] == rows["3"]["recomputes"] == spec.num_microbatches, rows
+        assert rows["2"]["recompute_s"] > 0 and rows["1"]["recomputes"] == rows["4"]["recomputes"] == 0
     # Equality alone could come from tensors that never left: the offloaded layers came back.
     assert sum(s["bytes_read"] for s in info["steps"]) > 0, info["steps"]
 

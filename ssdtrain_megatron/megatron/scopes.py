@@ -16,7 +16,9 @@ no layer scope of their own, on purpose:
   checkpointed_forward(block, ...)``, is wrapped to say which block is running and how many of
   its layers ran so far);
 * the recompute pass during backward (outside any forward_step): the offloader keeps what it
-  saves in memory.
+  saves in memory. Each layer it runs again is timed under ``offloader.layer`` all the same
+  (StepStats.layers ``recompute_s``: what recomputing the layer costs, which the adaptive
+  planner prices recompute with).
 
 A checkpoint's first forward runs under ``no_grad``, and yet saves tensors where the function
 turns grad on for a moment: megatron-core's ``TransformerLayer`` runs every bias-dropout-add
@@ -76,6 +78,8 @@ class LayerScopes:
         if self._block is not None and self.recording:
             self._block_layers_run += 1
         if not self._scoped() or self._layer_depth:
+            if not self._layer_depth and torch._C._current_graph_task_id() != -1:
+                return self.recompute_pass(layer.layer_number, self._layer_forward, layer, *args, **kwargs)
             return self._layer_forward(layer, *args, **kwargs)
         key = layer.layer_number
         # The static plan (recompute_layers) or the adaptive planner's decision for this layer.
@@ -89,6 +93,16 @@ class LayerScopes:
                     self.fallback_layers_run += 1
                     return self._checkpointed_layer(layer, args, kwargs)
                 return self._layer_forward(layer, *args, **kwargs)
+        finally:
+            self._layer_depth -= 1
+
+    def recompute_pass(self, key, function: Callable, *args, **kwargs):
+        """``function`` run again by a checkpoint's backward, as layer ``key``'s recompute
+        pass (the offloader times it; what it saves stays in memory)."""
+        self._layer_depth += 1
+        try:
+            with self.offloader.layer(key):
+                return function(*args, **kwargs)
         finally:
             self._layer_depth -= 1
 
@@ -125,7 +139,7 @@ class LayerScopes:
         # distribute_saved_activations=False: the input stays whole on every TP rank (it is
         # what gets offloaded, per rank, to that rank's own directory).
         if self.offloader is not None:  # its first forward's graph is discarded (module docstring)
-            run = _DiscardingForward(run, self.offloader)
+            run = _DiscardingForward(run, self.offloader, self, layer.layer_number)
         return self._checkpoint(run, False, *tensors)
 
     # -- TransformerBlock._checkpointed_forward (megatron's full recomputation) ---------------
@@ -178,16 +192,22 @@ def unscoped_layers(model: torch.nn.Module) -> Dict[Any, str]:
 
 class _DiscardingForward:
     """A checkpoint's function whose first forward (not the recompute pass in backward) runs
-    inside ``offloader.discarded_graph()``: see the module docstring."""
+    inside ``offloader.discarded_graph()``: see the module docstring. For the recompute
+    fallback's one layer (``key``), the recompute pass is that layer's, timed by ``scopes``."""
 
-    __slots__ = ("function", "offloader")
+    __slots__ = ("function", "offloader", "scopes", "key")
 
-    def __init__(self, function: Callable, offloader) -> None:
+    def __init__(self, function: Callable, offloader, scopes: Optional["LayerScopes"] = None,
+                 key: Any = None) -> None:
         self.function = function
         self.offloader = offloader
+        self.scopes = scopes
+        self.key = key
 
     def __call__(self, *args: Any) -> Any:
         if torch._C._current_graph_task_id() != -1:  # the recompute pass: its graph is used
+            if self.scopes is not None:
+                return self.scopes.recompute_pass(self.key, self.function, *args)
             return self.function(*args)
         with self.offloader.discarded_graph():
             return self.function(*args)
