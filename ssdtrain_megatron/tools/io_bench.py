@@ -32,8 +32,9 @@ from typing import Dict, List, Optional, Tuple
 from .cli_types import (EnvironmentProblem, UsageError, check_engine, deprecated_alias, positive_float,
                          positive_int, verify_methods, writable_dir)
 from ..config import ConfigError, OffloadConfig
+from .io_layout import layout_compare
 from .io_measure import (BASELINE_BLOCK, BASELINE_THREADS, GiB, MiB, BenchError, Progress, bench_engine,
-                         contender_label, layout_compare, raw_baseline)
+                         contender_label, raw_baseline)
 
 ENGINE_CHOICES = ("posix", "aio", "memory", "tiered", "gds", "all")
 ALL_ENGINES = ("posix", "aio", "memory")
