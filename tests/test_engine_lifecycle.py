@@ -131,3 +131,30 @@ def test_meters_count_every_byte_moved(open_engine, name):
     _round_trip(engine, [data])
     assert engine.write_meter.take()[0] == data.numel()
     assert engine.read_meter.take()[0] == data.numel()
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in ON_DISK])
+def test_a_steps_first_reservation_takes_what_the_last_step_reached_in_one_call(open_engine, name,
+                                                                                monkeypatch):
+    """ext4's fallocate waits for every direct write in flight on the file: a slab that grows in
+    the middle of a step drains the drive's queue each time (io/slab.py). From the second step
+    on, one fallocate per root at the step's first write, of the last step's peak. Broken
+    variant: ``Slab.end_step`` not keeping ``expected`` -> four calls in step 2."""
+    from ssdtrain_megatron.io import slab
+
+    monkeypatch.setattr(slab, "GROW_BYTES", CHUNK)  # step 1 grows the slab write by write
+    engine = open_engine(name)
+    tensors = [torch.full((CHUNK,), k, dtype=torch.uint8) for k in range(4)]
+
+    def step(first_key: int) -> None:
+        for i, o in enumerate(_round_trip(engine, tensors, first_key)):
+            assert torch.equal(o, tensors[i])
+            engine.release(first_key + i)
+        engine.end_step()
+
+    step(0)
+    calls = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (calls.append((off, n)), real(fd, off, n))[1])
+    step(10)
+    assert calls == [(0, engine.step_peak_bytes[0])] and engine.step_peak_bytes[0] >= 4 * CHUNK, calls

@@ -10,6 +10,7 @@ import pytest
 
 from ssdtrain_megatron.io import engine_class
 from ssdtrain_megatron.tools import io_bench as bench
+from ssdtrain_megatron.tools.io_measure import Segment
 from tests.cli_helpers import run_cli
 
 SMALL = ["--tensor-mib", "1", "--total-gib", "0.05", "--rounds", "1"]
@@ -36,13 +37,17 @@ def test_json_has_exactly_the_documented_shape_with_positive_figures(tmp_path, c
     rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "posix", "--json"] + SMALL, capsys)
     assert rc == 0, err
     report = json.loads(out)
-    assert set(report) == {"baseline", "engines", "tensor_mib", "page_cache_bypassed"}
+    assert set(report) == {"baseline", "engines", "tensor_mib", "page_cache_bypassed", "method"}
     assert set(report["baseline"]) == {"write_gbps", "read_gbps"}
     assert set(report["engines"]) == {"posix"}
     figures = report["engines"]["posix"]
-    assert set(figures) == {"write_gbps", "read_gbps", "write_ratio", "read_ratio", "cpu_us_per_tensor",
-                            "write_gb_per_core_s", "read_gb_per_core_s"}
-    assert all(v > 0 for v in list(figures.values()) + list(report["baseline"].values()))
+    scalars = {"write_gbps", "read_gbps", "write_ratio", "read_ratio", "cpu_us_per_tensor",
+               "write_gb_per_core_s", "read_gb_per_core_s"}
+    assert set(figures) == scalars | {"write_ratio_rounds", "read_ratio_rounds", "segments"}
+    assert all(figures[k] > 0 for k in scalars) and all(v > 0 for v in report["baseline"].values())
+    assert len(figures["write_ratio_rounds"]) == len(figures["read_ratio_rounds"]) == 1
+    assert report["method"] == {"order": "ABBA", "segments_per_side": 2, "segment_mib": 26,
+                                "space": "fresh, preallocated"}  # 51 tensors of 1 MiB: 26 + 25
     assert report["tensor_mib"] == 1
     assert report["page_cache_bypassed"] is _direct_io_works(tmp_path)
 
@@ -51,8 +56,8 @@ def test_progress_goes_to_stderr_and_only_the_json_to_stdout(tmp_path, capsys):
     rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "memory", "--json"] + SMALL, capsys)
     assert rc == 0
     json.loads(out)  # nothing else on stdout
-    assert "[io-bench] round 1/1: baseline | memory | baseline" in err
-    assert "[io-bench] memory write:" in err
+    assert "[io-bench] round 1/1: memory: 1 x (baseline memory memory baseline)" in err
+    assert "[io-bench] memory: write " in err
 
 
 def test_table_shows_the_baseline_and_each_engine_with_ratios(tmp_path, capsys):
@@ -137,7 +142,7 @@ def test_an_engine_that_cannot_run_fails_before_any_measurement(tmp_path, capsys
     from ssdtrain_megatron.io import aio
 
     monkeypatch.setattr(aio.AioEngine, "is_available", classmethod(lambda cls: (False, "libaio-dev is missing (test)")))
-    monkeypatch.setattr(bench, "raw_baseline", lambda *a, **k: pytest.fail("measured a baseline first"))
+    monkeypatch.setattr(bench, "BaselineSide", lambda *a, **k: pytest.fail("measured a baseline first"))
     rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "aio"] + SMALL, capsys)
     assert rc == 1 and out == ""
     assert err == ("ssdtrain io-bench: --engine aio: cannot run here: libaio-dev is missing (test) "
@@ -162,33 +167,63 @@ def test_aio_is_measured_against_the_same_baseline(tmp_path, capsys):
     assert figures["write_gbps"] > 0 and figures["read_gbps"] > 0 and figures["cpu_us_per_tensor"] > 0
 
 
-def test_each_engine_is_compared_with_the_baselines_measured_around_it(tmp_path, monkeypatch):
+class _FakeBaseline:
+    """Stands in for io_measure.BaselineSide: each segment takes the next of ``times``."""
+
+    def __init__(self, calls, times):
+        self.calls, self.times, self.direct = calls, times, True
+
+    def segment(self, directory, nbytes):
+        self.calls.append(("baseline", nbytes))
+        t = next(self.times)
+        return Segment(nbytes, t, t)
+
+    def close(self):
+        pass
+
+
+class _FakeEngine:
+    """Stands in for io_measure.EngineSide: each step takes the next of ``times``."""
+
+    def __init__(self, calls, times, name, tensor_bytes):
+        self.calls, self.times, self.label, self.tensor_bytes = calls, times, name, tensor_bytes
+        self.memory, self.page_cache_bypassed = None, True
+
+    def step(self, n):
+        self.calls.append((self.label, n * self.tensor_bytes))
+        t = next(self.times)
+        return Segment(n * self.tensor_bytes, t, t, calls=n)
+
+    def close(self):
+        pass
+
+
+def test_each_round_takes_turns_baseline_engine_engine_baseline_and_sums_bytes_and_seconds(tmp_path, monkeypatch):
+    """Per round and engine: ABBA quads, rounds starting with another engine; each side's
+    bytes over its summed seconds, the ratio of those. Broken variant: each side's GB/s as the
+    mean of its segments' -> posix round 1: 1.21, not 8/6."""
     calls = []
-    speeds = iter([1.0, 3.0, 2.0, 4.0, 6.0, 2.0])  # baselines, in the order they are measured
-
-    def fake_baseline(directory, total):
-        v = next(speeds)
-        calls.append(("baseline", v))
-        return {"direct": True, "write_gbps": v, "read_gbps": v / 2}
-
-    def fake_engine(name, directory, n, size, progress, base=None):
-        calls.append((name, None))
-        return {"write_gbps": 4.0, "read_gbps": 2.0, "write_cpu_s_per_gb": 0.1, "read_cpu_s_per_gb": 0.1,
-                "write_call_us": 10.0, "read_call_us": 20.0, "cpu_us_per_tensor": 20.0,
-                "write_gb_per_core_s": 2.0, "read_gb_per_core_s": 3.0,
-                "page_cache_bypassed": True, "on_disk": True}
-
-    monkeypatch.setattr(bench, "raw_baseline", fake_baseline)
-    monkeypatch.setattr(bench, "bench_engine", fake_engine)
-    report = bench.run(str(tmp_path), ["posix", "memory"], 1, 0.01, bench.Progress(False), rounds=2)
-    # Round 1: B posix B memory B; round 2 starts with the other engine: B memory B posix B.
-    assert [c[0] for c in calls] == ["baseline", "posix", "baseline", "memory", "baseline",
-                                     "baseline", "memory", "baseline", "posix", "baseline"]
-    # posix: 4 / mean(1, 3) = 2.0 in round 1; 4 / mean(6, 2) = 1.0 in round 2 -> median 1.5.
-    assert report["engines"]["posix"]["write_ratio"] == pytest.approx(1.5)
-    # memory: 4 / mean(3, 2) = 1.6; 4 / mean(4, 6) = 0.8 -> median 1.2.
-    assert report["engines"]["memory"]["write_ratio"] == pytest.approx(1.2)
-    assert report["baseline"]["write_gbps"] == pytest.approx(2.5)  # median of all six
+    # Seconds per segment, in the order measured: round 1 posix (B E E B B E E B), memory
+    # (same), round 2 memory, posix. Every segment moves 2 MiB.
+    times = iter([2, 1, 3, 4,  1, 1, 1, 1,
+                  1, 2, 2, 1,  1, 1, 1, 1,
+                  1, 1, 1, 1,  1, 1, 1, 1,
+                  4, 2, 2, 4,  4, 2, 2, 4])
+    monkeypatch.setattr(bench, "BaselineSide", lambda memory: _FakeBaseline(calls, times))
+    monkeypatch.setattr(bench, "EngineSide", lambda name, d, size, n, progress, cfg: _FakeEngine(calls, times, name,
+                                                                                                 size))
+    report = bench.run(str(tmp_path), ["posix", "memory"], 1, 8 / 1024, bench.Progress(False), rounds=2,
+                       segment_mib=2)
+    quad = lambda n: ["baseline", n, n, "baseline"] * 2  # noqa: E731 - 8 tensors of 1 MiB, 2 MiB segments
+    assert [c[0] for c in calls] == quad("posix") + quad("memory") + quad("memory") + quad("posix")
+    assert {c[1] for c in calls} == {2 << 20}
+    posix = report["engines"]["posix"]
+    # round 1: engine 8 MiB in 1+3+1+1 = 6 s, baseline in 2+4+1+1 = 8 s -> 8/6; round 2: 8/8 vs 16/16 -> 2.
+    assert posix["write_ratio_rounds"] == pytest.approx([8 / 6, 2.0])
+    assert posix["write_ratio"] == pytest.approx((8 / 6 + 2.0) / 2)  # median of two
+    assert report["engines"]["memory"]["read_ratio_rounds"] == pytest.approx([4 / 6, 1.0])  # 6 s vs 4 s; 1 vs 1
+    assert [s["side"] for s in posix["segments"][0]] == quad("engine")
+    assert posix["segments"][0][1]["write_gbps"] == pytest.approx((2 << 20) / 1e9)  # 2 MiB in 1 s
 
 
 def test_verify_off_and_crc32c_measures_each_engine_both_ways_and_reports_the_cost(tmp_path, capsys, monkeypatch):
@@ -200,17 +235,17 @@ def test_verify_off_and_crc32c_measures_each_engine_both_ways_and_reports_the_co
 
     seen = {"posix": 0, "posix+crc32c": 0}
     current = []
-    real_bench, real_crc = bench.bench_engine, bounce.checksum
+    real_side, real_crc = bench.EngineSide, bounce.checksum
 
-    def counted_bench(name, directory, n, size, progress, base=None):
+    def counted_side(name, directory, size, n, progress, base=None):
         current[:] = [bench.contender_label(name, base.verify)]
-        return real_bench(name, directory, n, size, progress, base)
+        return real_side(name, directory, size, n, progress, base)
 
     def counted_crc(buf):
         seen[current[0]] += len(memoryview(buf).cast("B"))
         return real_crc(buf)
 
-    monkeypatch.setattr(bench, "bench_engine", counted_bench)
+    monkeypatch.setattr(bench, "EngineSide", counted_side)
     monkeypatch.setattr(bounce, "checksum", counted_crc)
     rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "posix", "--json", "--verify",
                               "off,crc32c"] + SMALL, capsys)
@@ -231,3 +266,88 @@ def test_verify_off_and_crc32c_measures_each_engine_both_ways_and_reports_the_co
     rc, out, err = run_bench(["--dir", str(tmp_path), "--engine", "memory", "--quiet", "--verify",
                               "crc32c"] + SMALL, capsys)
     assert rc == 2 and err.startswith("ssdtrain io-bench: nothing to measure: memory+crc32c: "), err
+
+
+def _real_run(tmp_path, monkeypatch, record, **kwargs):
+    """bench.run on the real filesystem with the posix engine, 64 tensors of 1 MiB, 2 segments
+    a side; ``record(phase, ...)`` hooks; returns (report, the EngineSides built)."""
+    sides = []
+    real_side, real_round = bench.EngineSide, bench.measure_round
+    phase = ["warm-up"]
+
+    def side(*args, **kw):
+        sides.append(real_side(*args, **kw))
+        return sides[-1]
+
+    def measured(*args, **kw):
+        phase[0] = "measured"
+        try:
+            return real_round(*args, **kw)
+        finally:
+            phase[0] = "warm-up"
+
+    monkeypatch.setattr(bench, "EngineSide", side)
+    monkeypatch.setattr(bench, "measure_round", measured)
+    record(phase)
+    report = bench.run(str(tmp_path), ["posix"], 1, 1 / 16, bench.Progress(False), segment_mib=32, **kwargs)
+    return report, sides
+
+
+def test_every_segment_of_both_sides_writes_into_a_new_file_reserved_at_once(tmp_path, monkeypatch):
+    """Both sides into fresh preallocated space, as a training step writes (the slab is removed
+    at the end of every step): each baseline segment and each measured engine step reserve
+    their file in one fallocate at its start, while it holds no block. The engine's first step
+    (growing the slab by GROW_BYTES) is the untimed warm-up. Broken variants: no warm-up step in
+    EngineSide -> a measured slab reservation at an offset past 0; Slab.end_step forgetting
+    ``expected`` -> the same."""
+    from ssdtrain_megatron.io import slab
+
+    monkeypatch.setattr(slab, "GROW_BYTES", 1 << 20)
+    calls = []
+    real = os.posix_fallocate
+
+    def record(phase):
+        def fallocate(fd, offset, length):
+            held = os.fstat(fd).st_blocks
+            calls.append((phase[0], os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, held))
+            return real(fd, offset, length)
+
+        monkeypatch.setattr(os, "posix_fallocate", fallocate)
+
+    report, _ = _real_run(tmp_path, monkeypatch, record, rounds=2)
+    assert report["method"]["segments_per_side"] == 2
+    measured = [c for c in calls if c[0] == "measured"]
+    assert [c[1] for c in measured] == ["baseline.bin", "slab.bin", "slab.bin", "baseline.bin"] * 2, measured
+    assert {(c[2], c[3]) for c in measured} == {(0, 0)}, measured  # at the file's start, no block held
+    assert any(c[0] == "warm-up" and c[2] > 0 for c in calls)  # the warm-up grew its slab
+
+
+def test_the_baseline_moves_each_block_through_the_memory_the_engine_uses_for_those_bytes(tmp_path, monkeypatch):
+    """How large the requests reaching a drive are depends on the memory's physical layout
+    (io_measure.BenchMemory), so the baseline writes segment byte ``o`` from where the engine
+    keeps tensor byte ``o`` (source ``o // T % n``) and reads it into where the engine reads it.
+    Broken variant: BenchMemory.window ignoring the offset -> every block from the first
+    source."""
+    import ctypes
+
+    from ssdtrain_megatron.tools import io_measure
+
+    seen = []
+    real_do = io_measure._do
+
+    def record(phase):
+        def do(op, fd, mv, offset, path):
+            probe = ctypes.c_char.from_buffer(mv)
+            seen.append((op, ctypes.addressof(probe), offset))
+            del probe  # releases the export before the baseline releases ``mv``
+            return real_do(op, fd, mv, offset, path)
+
+        monkeypatch.setattr(io_measure, "_do", do)
+
+    _, sides = _real_run(tmp_path, monkeypatch, record)
+    size = 1 << 20
+    sources, outs = sides[0].sources, sides[0].outs
+    assert len(sources) == 32 and len(outs) == 32  # the baseline's 8 x 8 MiB, 32 tensors a segment
+    want = [(op, (sources if op == "write" else outs)[off // size % 32].data_ptr() + off % size, off)
+            for op in ("write", "read") for off in range(0, 32 * size, 8 << 20)]
+    assert sorted(seen) == sorted(want * 2)  # one round: 2 baseline segments of 32 MiB

@@ -220,10 +220,9 @@ class SlabEngine(IOEngine):
             if self._placed:
                 return
         # What this step needed per root (its slabs' high-water marks): the plan the
-        # offloader checks free space against before the next step.
-        self.step_peak_bytes = [s.alloc.size for s in self._slabs]
-        for s in self._slabs:
-            s.drop()
+        # offloader checks free space against before the next step, and what the next
+        # step's first reservation takes at once (slab.py).
+        self.step_peak_bytes = [s.end_step() for s in self._slabs]
 
     def _forget_all(self) -> None:
         with self._lock:

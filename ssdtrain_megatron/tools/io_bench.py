@@ -1,16 +1,24 @@
 """``ssdtrain io-bench``: the IO engines against the drive's own limit, measured in one run.
 
-The baseline is what fio would report for the device: one preallocated O_DIRECT file, several
-threads each keeping one large (8 MiB) pwrite/pread in flight, no copies. Each engine then
-writes and reads the same amount of data as tensors of ``--tensor-mib``, through its public
-interface, with at most ``max_inflight_bytes`` (1 GiB) in flight as the offloader would, and
-the report gives, for write and read: GB/s (10^9 bytes per second), the ratio to the baseline,
-and the CPU time the calling (training) thread spent per GB; plus ``cpu_us_per_tensor``, the
+The baseline is what fio would report for the device: an O_DIRECT file preallocated before
+the clock starts, several threads each keeping one large (8 MiB) pwrite/pread in flight, no
+copies. Each engine writes and reads the same bytes as tensors of ``--tensor-mib``, through
+its public interface, with at most ``max_inflight_bytes`` (1 GiB) in flight as the offloader
+would, one step per segment after an untimed first step (io_engine_side.py). The
+report gives, for write and read: GB/s (10^9 bytes per second), the ratio to the baseline, and
+the CPU time the calling (training) thread spent per GB; plus ``cpu_us_per_tensor``, the
 calling thread's CPU time inside one ``write``/``read`` call (the larger of the two means).
 
-A drive shared with other work, or a virtual one, changes speed within seconds. So each engine
-is measured between two baselines and its ratio is taken against their mean, over
-``--rounds`` rounds that start with different engines; every figure is a median over rounds.
+How the two sides are set against each other (io_rounds.py): in each round, segments of about
+``--segment-mib`` in the order baseline, engine, engine, baseline, repeated until each side has
+moved ``--total-gib``; each side's bytes and seconds summed; the ratio is the engine's GB/s over
+the baseline's in that round. A drive's drift, its bursts after a pause and its dependence on
+the writer before cost both sides the same there. Both write into fresh preallocated space:
+the engine into a new slab each step, as training does (the slab is removed at the end of every
+step), the baseline into a new file each segment. And both move each byte from and into the
+same memory (io_measure.py ``BenchMemory``): the size of the requests a drive gets depends on
+the physical layout of the memory, which differs from one allocation to the next. Every figure
+is a median over ``--rounds`` rounds, each of which starts with another engine.
 
 Reads are O_DIRECT everywhere, so they come from the drive and not the page cache; where a
 filesystem refuses O_DIRECT the report says so on stderr and ``page_cache_bypassed`` is false.
@@ -32,18 +40,18 @@ from typing import Dict, List, Optional, Tuple
 from .cli_types import (EnvironmentProblem, UsageError, check_engine, deprecated_alias, positive_float,
                          positive_int, verify_methods, writable_dir)
 from ..config import ConfigError, OffloadConfig
-from .io_measure import (BASELINE_BLOCK, BASELINE_THREADS, GiB, MiB, BenchError, Progress, bench_engine,
-                         contender_label, layout_compare, raw_baseline)
+from .io_engine_side import EngineSide, contender_label
+from .io_measure import BASELINE_BLOCK, BASELINE_THREADS, GiB, MiB, BaselineSide, BenchError, Progress
+from .io_rounds import Round, measure_round, segment_sizes
 
 ENGINE_CHOICES = ("posix", "aio", "memory", "tiered", "gds", "all")
+SEGMENT_MIB = 256.0
+"""Default size of one segment of the ABBA schedule (io_rounds.py): short enough that a round
+has many, long enough that a step's start and end are a small part of it."""
 ALL_ENGINES = ("posix", "aio", "memory")
 
 
 # -- report --------------------------------------------------------------------------------
-
-
-def _median(samples: List[Dict[str, object]], key: str) -> float:
-    return statistics.median(float(s[key]) for s in samples)
 
 
 def _runnable(engines: List[str], progress: Progress, skipped: Dict[str, str]) -> List[str]:
@@ -64,34 +72,29 @@ def _runnable(engines: List[str], progress: Progress, skipped: Dict[str, str]) -
 
 
 class _Rounds:
-    """The samples of every round: the baseline's, each engine's, and each engine's ratio to
-    the mean of the baselines measured just before and just after it."""
+    """Every engine's rounds (``io_rounds.Round``: its ABBA segments) and the baseline's
+    O_DIRECT status."""
 
-    def __init__(self, scratch: str, directory: str, total: int, runnable: List[str],
-                 progress: Progress) -> None:
-        self.scratch, self.directory, self.total = scratch, directory, total
+    def __init__(self, scratch: str, runnable: List[str], progress: Progress) -> None:
+        self.scratch = scratch
         self.progress = progress
-        self.samples: Dict[str, List[Dict[str, object]]] = {n: [] for n in ["baseline"] + runnable}
-        self.ratios: Dict[str, Dict[str, List[float]]] = {n: {"write": [], "read": []} for n in runnable}
+        self.rounds: Dict[str, List[Round]] = {n: [] for n in runnable}
+        self.page_cache_bypassed: Dict[str, bool] = {}
 
-    def baseline(self) -> Dict[str, object]:
-        say = self.progress.say
-        say(f"baseline: {BASELINE_THREADS} threads x {BASELINE_BLOCK // MiB} MiB "
-            f"O_DIRECT requests, {self.total / GiB:.2f} GiB")
-        base = raw_baseline(self.scratch, max(self.total, BASELINE_BLOCK))
-        if not base["direct"]:
-            say(f"WARNING: {self.directory} refuses O_DIRECT; buffered IO with "
-                f"fadvise(DONTNEED) is used and reads MAY BE SERVED BY THE PAGE CACHE")
-        say(f"baseline: write {base['write_gbps']:.2f} GB/s, read {base['read_gbps']:.2f} GB/s")
-        self.samples["baseline"].append(base)
-        return base
+    def bypassed(self, label: str, engine: bool, baseline: bool) -> None:
+        """Whether the reads of ``label`` and of the baseline came from the drive."""
+        if not baseline and self.page_cache_bypassed.get("baseline", True):
+            self.progress.say(f"WARNING: {self.scratch} refuses O_DIRECT; buffered IO with fadvise(DONTNEED) "
+                              f"is used and reads MAY BE SERVED BY THE PAGE CACHE")
+        for key, ok in ((label, engine), ("baseline", baseline)):
+            self.page_cache_bypassed[key] = self.page_cache_bypassed.get(key, True) and ok
 
-    def engine(self, name: str, before: Dict[str, object], after: Dict[str, object],
-               got: Dict[str, object]) -> None:
-        self.samples[name].append(got)
-        for op in ("write", "read"):
-            mean = (before[f"{op}_gbps"] + after[f"{op}_gbps"]) / 2
-            self.ratios[name][op].append(got[f"{op}_gbps"] / mean)
+    def add(self, label: str, got: Round) -> None:
+        self.rounds[label].append(got)
+        e, b = got.total("engine"), got.total("baseline")
+        self.progress.say(f"{label}: write {e.gbps('write'):.2f} GB/s vs baseline {b.gbps('write'):.2f} "
+                          f"(ratio {got.ratio('write'):.2f}), read {e.gbps('read'):.2f} vs "
+                          f"{b.gbps('read'):.2f} ({got.ratio('read'):.2f}); {len(got.segments)} segments")
 
 
 def _contenders(engines: List[str], verify: List[str], base: OffloadConfig,
@@ -123,61 +126,69 @@ def verify_cost(engines: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, flo
     return out
 
 
-def _measure_rounds(m: _Rounds, runnable: List[str], rounds: int, n_tensors: int, tensor_bytes: int,
+def _measure_rounds(m: _Rounds, runnable: List[str], rounds: int, sizes: List[int], tensor_bytes: int,
                     configs: Dict[str, Tuple[str, OffloadConfig]], skipped: Dict[str, str]) -> None:
-    """Each round: baseline, then each engine followed by a baseline. An engine that turns out
-    unavailable when built is dropped from ``runnable`` and reported in ``skipped``."""
+    """Each round: each engine in turn, built and warmed up, then ABBA segments against the
+    baseline (io_rounds.py). An engine that turns out unavailable when built is dropped from
+    ``runnable`` and reported in ``skipped``."""
     from ..io.base import EngineUnavailable
 
     progress = m.progress
     for r in range(rounds):
-        # A shared or virtual drive drifts within seconds: every engine is measured between
-        # two baselines and compared with their mean, and each round starts with another
-        # engine, so that none is always the one after a pause.
+        # Each round starts with another engine, so that none is always the one after a pause.
         order = runnable[r % len(runnable):] + runnable[:r % len(runnable)] if runnable else []
-        progress.say(f"round {r + 1}/{rounds}: " + " | ".join(["baseline"] + [f"{n} | baseline" for n in order]))
-        before = m.baseline()
+        progress.say(f"round {r + 1}/{rounds}: " + " | ".join(
+            f"{n}: {len(sizes) // 2} x (baseline {n} {n} baseline)" for n in order))
         for name in order:
-            if name not in runnable:
-                continue
-            progress.say(f"{name}: {n_tensors} tensors of {tensor_bytes / MiB:g} MiB")
+            engine, cfg = configs[name]
             try:
-                engine, cfg = configs[name]
-                got = bench_engine(engine, m.scratch, n_tensors, tensor_bytes, progress, cfg)
+                side = EngineSide(engine, m.scratch, tensor_bytes, max(sizes), progress, cfg)
             except EngineUnavailable as exc:
                 why = str(exc).replace(f"engine {engine!r} cannot run here: ", "")
                 progress.say(f"skipping {name}: {why}")
                 skipped[name] = why
                 runnable.remove(name)
                 continue
-            after = m.baseline()
-            m.engine(name, before, after, got)
-            before = after
+            baseline = BaselineSide(side.memory)  # the engine's memory (io_measure.BenchMemory)
+            try:
+                m.add(name, measure_round(baseline, side, m.scratch, sizes, progress))
+                m.bypassed(name, side.page_cache_bypassed, baseline.direct)
+            finally:
+                baseline.close()
+                side.close()
 
 
 def _summarize(m: _Rounds, runnable: List[str], report: Dict[str, object]) -> None:
     """The medians over rounds into ``report``: baseline, engines, page_cache_bypassed."""
-    samples = m.samples
-    report["baseline"] = {"write_gbps": _median(samples["baseline"], "write_gbps"),
-                          "read_gbps": _median(samples["baseline"], "read_gbps")}
-    bypassed = all(bool(s["direct"]) for s in samples["baseline"])
-    engines_out: Dict[str, Dict[str, float]] = {}
+    every = [got for name in runnable for got in m.rounds[name]]
+    report["baseline"] = {f"{op}_gbps": statistics.median(got.total("baseline").gbps(op) for got in every)
+                          for op in ("write", "read")} if every else {"write_gbps": 0.0, "read_gbps": 0.0}
+    bypassed = m.page_cache_bypassed.get("baseline", True)
+    engines_out: Dict[str, Dict[str, object]] = {}
     for name in runnable:
-        got = samples[name]
-        detail = {k: _median(got, k) for k in got[0] if isinstance(got[0][k], (int, float))
-                  and not isinstance(got[0][k], bool)}
+        got = m.rounds[name]
+        totals = [g.total("engine") for g in got]
+        detail: Dict[str, object] = {k: statistics.median(t.engine_figures()[k] for t in totals)
+                                     for k in totals[0].engine_figures()}
         for op in ("write", "read"):
-            detail[f"{op}_ratio"] = statistics.median(m.ratios[name][op])
-            detail[f"{op}_ratio_range"] = (min(m.ratios[name][op]), max(m.ratios[name][op]))
+            ratios = [g.ratio(op) for g in got]
+            detail[f"{op}_gbps"] = statistics.median(t.gbps(op) for t in totals)
+            detail[f"{op}_ratio"] = statistics.median(ratios)
+            detail[f"{op}_ratio_range"] = (min(ratios), max(ratios))
+            detail[f"{op}_ratio_rounds"] = ratios
         report["_detail"][name] = detail
         engines_out[name] = {
             "write_gbps": detail["write_gbps"], "read_gbps": detail["read_gbps"],
             "write_ratio": detail["write_ratio"], "read_ratio": detail["read_ratio"],
-            "cpu_us_per_tensor": detail["cpu_us_per_tensor"],
+            "cpu_us_per_tensor": max(detail["write_call_us"], detail["read_call_us"]),
             "write_gb_per_core_s": detail["write_gb_per_core_s"],
             "read_gb_per_core_s": detail["read_gb_per_core_s"],
+            "write_ratio_rounds": detail["write_ratio_rounds"],
+            "read_ratio_rounds": detail["read_ratio_rounds"],
+            "segments": [[{"side": side, "write_gbps": s.gbps("write"), "read_gbps": s.gbps("read")}
+                          for side, s in g.segments] for g in got],
         }
-        if got[0]["on_disk"] and not all(s["page_cache_bypassed"] for s in got):
+        if name != "memory" and not m.page_cache_bypassed.get(name, True):
             m.progress.say(f"WARNING: {name} read through the page cache; its read figures are inflated")
             bypassed = False
     report["engines"] = engines_out
@@ -188,13 +199,16 @@ def _summarize(m: _Rounds, runnable: List[str], report: Dict[str, object]) -> No
 
 def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
         progress: Progress, compare_layout: bool = False, rounds: int = 1,
-        base_config: Optional[OffloadConfig] = None, verify: Optional[List[str]] = None) -> Dict[str, object]:
-    """Measure the baseline and each engine, ``rounds`` times interleaved (the drive's speed
-    drifts; each figure is the median over rounds), each engine once per ``verify`` value
-    (default: the config's). Returns the report: the --json object plus private keys,
-    starting with '_', for the table."""
+        base_config: Optional[OffloadConfig] = None, verify: Optional[List[str]] = None,
+        segment_mib: float = SEGMENT_MIB) -> Dict[str, object]:
+    """Measure each engine against the baseline, ``rounds`` times (the drive's speed drifts;
+    each figure is the median over rounds), each engine once per ``verify`` value (default:
+    the config's). Returns the report: the --json object plus private keys, starting with
+    '_', for the table."""
     tensor_bytes = int(round(tensor_mib * MiB))
-    n_tensors = max(1, int(round(total_gib * GiB / max(tensor_bytes, 1))))
+    # At least two tensors: one per segment of the engine's two in a quad.
+    n_tensors = max(2, int(round(total_gib * GiB / max(tensor_bytes, 1))))
+    sizes = segment_sizes(n_tensors, tensor_bytes, int(segment_mib * MiB))
     total = n_tensors * tensor_bytes
     os.makedirs(directory, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="ssdtrain-iobench.", dir=directory)
@@ -205,14 +219,17 @@ def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
         configs = _contenders(_runnable(engines, progress, report["_skipped"]), verify or [base.verify],
                               base, report["_skipped"])
         runnable = list(configs)
-        m = _Rounds(scratch, directory, total, runnable, progress)
-        _measure_rounds(m, runnable, rounds, n_tensors, tensor_bytes, configs, report["_skipped"])
+        m = _Rounds(scratch, runnable, progress)
+        _measure_rounds(m, runnable, rounds, sizes, tensor_bytes, configs, report["_skipped"])
         _summarize(m, runnable, report)
         report["tensor_mib"] = tensor_mib
+        report["method"] = {"order": "ABBA", "segments_per_side": len(sizes),
+                            "segment_mib": max(sizes) * tensor_bytes / MiB, "space": "fresh, preallocated"}
         if compare_layout:
+            from .io_layout import layout_compare
+
             progress.say("layout: one slab vs one file per tensor")
-            cfg = base_config or OffloadConfig()
-            report["layout"] = layout_compare(scratch, n_tensors, tensor_bytes, cfg.io_threads, cfg.chunk_bytes)
+            report["layout"] = layout_compare(scratch, n_tensors, tensor_bytes, base.io_threads, base.chunk_bytes)
         return report
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -221,7 +238,7 @@ def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
 def public(report: Dict[str, object]) -> Dict[str, object]:
     """The --json object: the report without its private keys."""
     return {k: report[k] for k in ("baseline", "engines", "verify_cost", "tensor_mib", "page_cache_bypassed",
-                                   "layout")
+                                   "method", "layout")
             if k in report}
 
 
@@ -247,11 +264,15 @@ def format_table(report: Dict[str, object]) -> str:
                      f"{d['read_ratio_range'][0]:.2f}-{d['read_ratio_range'][1]:.2f}")
     for name, why in report["_skipped"].items():
         lines.append(f"{name:<14}skipped: {why}")
-    lines += ["", f"Medians of {report['_rounds']} round(s). baseline: {BASELINE_THREADS} threads x "
-              f"{BASELINE_BLOCK // MiB} MiB O_DIRECT requests on one preallocated file, measured before and "
-              f"after each engine;",
-              "ratio: the engine against the mean of those two baselines (median over rounds; range "
-              "at the right).",
+    method = report["method"]
+    lines += ["", f"Medians of {report['_rounds']} round(s). Each round, per engine: {method['segments_per_side']} "
+              f"segments a side of up to {method['segment_mib']:g} MiB, in the order baseline, engine, engine, "
+              "baseline (ABBA),",
+              f"both into fresh preallocated space; baseline: {BASELINE_THREADS} threads x "
+              f"{BASELINE_BLOCK // MiB} MiB O_DIRECT requests; the engine one step per segment after an "
+              "untimed first step.",
+              "ratio: the engine's GB/s over the baseline's, bytes and seconds summed per side over a round "
+              "(median over rounds; range at the right).",
               "CPU s/GB, write() us, read() us: CPU time of the calling (training) thread; "
               "cpu_us_per_tensor is the larger of the two per-call figures."]
     if "memory" in report["engines"]:
@@ -296,8 +317,12 @@ def add_io_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compare-layout", action="store_true",
                    help="also measure one slab file against one file per tensor")
     p.add_argument("--rounds", type=positive_int, default=3,
-                   help="measure everything this many times, interleaved, and report medians "
-                        "(the drive's speed drifts; default 3)")
+                   help="measure everything this many times and report medians (the drive's speed "
+                        "drifts; default 3)")
+    p.add_argument("--segment-mib", type=positive_float, default=SEGMENT_MIB, metavar="MIB",
+                   help="within a round the baseline and each engine take turns in segments of about "
+                        "this many MiB, in the order baseline, engine, engine, baseline (default "
+                        f"{SEGMENT_MIB:g})")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="an OffloadConfig field for the engines, e.g. --set io_threads=8 "
                         "(YAML value; repeatable)")
@@ -358,7 +383,7 @@ def run_io_bench(args: argparse.Namespace) -> int:
     try:
         with _stdout_to_stderr(args.json):
             report = run(directory, engines, args.tensor_mib, args.total_gib, progress,
-                         args.compare_layout, args.rounds, base_config, args.verify)
+                         args.compare_layout, args.rounds, base_config, args.verify, args.segment_mib)
     except BenchError as exc:
         raise EnvironmentProblem(str(exc)) from exc
     finally:

@@ -1,28 +1,35 @@
-"""The measurements behind ``ssdtrain io-bench``: the drive's own limit and one engine.
+"""The measurements behind ``ssdtrain io-bench``: one segment of the drive's own limit, and
+one step of an engine.
 
-``raw_baseline`` is what fio would report for the device: one preallocated O_DIRECT file,
-several threads each keeping one large pwrite/pread in flight, no copies. ``layout_compare``
-sets one slab with extents against one file per tensor. ``bench_engine`` writes and reads
-tensors through an engine's public interface, with at most ``max_inflight_bytes`` in flight as
-the offloader would, and verifies every byte read back. ``io_bench`` runs them in rounds and
-reports the ratios.
+A segment writes a number of bytes into fresh space and reads them back, timed each way; the
+schedule that sets segments of both sides side by side is ``io_rounds.py``.
+
+- ``BaselineSide`` is what fio would report for the device: a new O_DIRECT file preallocated
+  (before the clock starts) for each segment, several threads each keeping one large
+  pwrite/pread in flight, no copies; the file is removed after, as the engine's slab is.
+  ``raw_baseline`` is one such segment (``doctor --node-profile`` uses it).
+- ``EngineSide`` (io_engine_side.py) is an engine as a training job uses it from its second
+  step on: built, one untimed step, then one step per segment through its public interface,
+  with at most ``max_inflight_bytes`` in flight as the offloader would: the tensors written,
+  read back, a sample read again and compared bitwise, released, and ``end_step`` (the slab
+  removed). So each step writes into a new slab in fresh space, as every training step does,
+  and its one reservation (io/slab.py) is inside the timed write.
+- ``BenchMemory`` is the memory both sides move the bytes from and into.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import errno
-import gc
 import mmap
 import os
 import sys
 import threading
 import time
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .cli_types import progress as progress_bar
-from ..config import OffloadConfig
-from ..io.layout import align_up
+from ..io.layout import ALIGN, align_up
 
 
 MiB = 1 << 20
@@ -30,7 +37,7 @@ GiB = 1 << 30
 GB = 1e9
 BASELINE_BLOCK = 8 * MiB
 BASELINE_THREADS = 8
-SOURCES = 4  # distinct source tensors, so a misplaced extent shows up in the verification
+SOURCES = 4  # distinct source tensors at least, so a misplaced extent shows up in the verification
 
 
 class BenchError(RuntimeError):
@@ -74,7 +81,7 @@ class Progress:
         self._bar, self._phase = None, None
 
 
-# -- raw baseline ----------------------------------------------------------------------------
+# -- O_DIRECT files and threads -----------------------------------------------------------
 
 
 def _open_direct(path: str) -> Tuple[int, bool]:
@@ -140,193 +147,163 @@ def _do(op: str, fd: int, mv: memoryview, offset: int, path: str) -> None:
         raise BenchError(f"short {op} on {path} at offset {offset}: {done} of {len(mv)} bytes")
 
 
-def raw_baseline(directory: str, total: int, threads: int = BASELINE_THREADS,
-                 block: int = BASELINE_BLOCK) -> Dict[str, object]:
-    """Sequential O_DIRECT write then read of ``total`` bytes in ``block``-byte requests from
-    ``threads`` threads on one preallocated file: the device's limit."""
-    total = align_up(total, block)
-    path = os.path.join(directory, "baseline.bin")
-    fd, direct = _open_direct(path)
-    bufs = _buffers(threads, block)
-    try:
-        os.posix_fallocate(fd, 0, total)
-        out: Dict[str, object] = {"direct": direct}
-        for op in ("write", "read"):
-            work = _Blocks([(0, off, block) for off in range(0, total, block)])
+# -- what a segment measured ---------------------------------------------------------------
 
-            def worker(i: int, op: str = op, work: _Blocks = work) -> None:
-                with memoryview(bufs[i]) as mv:
+
+@dataclasses.dataclass
+class Segment:
+    """Bytes one side wrote (and read back) in one segment, or in several added up, and the
+    seconds each way. The CPU figures are the engine's (0 for the baseline): the calling
+    (training) thread's CPU time, the whole process's (IO threads included), and the calling
+    thread's CPU time inside the ``write``/``read`` calls of ``calls`` tensors."""
+
+    nbytes: int = 0
+    write_s: float = 0.0
+    read_s: float = 0.0
+    write_cpu_s: float = 0.0
+    read_cpu_s: float = 0.0
+    write_proc_s: float = 0.0
+    read_proc_s: float = 0.0
+    write_call_s: float = 0.0
+    read_call_s: float = 0.0
+    calls: int = 0
+
+    def __add__(self, other: "Segment") -> "Segment":
+        return Segment(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def gbps(self, op: str) -> float:
+        """Bytes over seconds, summed: a slow segment weighs by the time it took."""
+        return self.nbytes / max(getattr(self, f"{op}_s"), 1e-12) / GB
+
+    def engine_figures(self) -> Dict[str, float]:
+        """What the report gives per engine, besides GB/s and the ratios."""
+        gb = self.nbytes / GB
+        out: Dict[str, float] = {}
+        for op in ("write", "read"):
+            out[f"{op}_cpu_s_per_gb"] = getattr(self, f"{op}_cpu_s") / gb
+            out[f"{op}_gb_per_core_s"] = gb / max(getattr(self, f"{op}_proc_s"), 1e-9)
+            out[f"{op}_call_us"] = getattr(self, f"{op}_call_s") / max(self.calls, 1) * 1e6
+        return out
+
+
+# -- the memory both sides move bytes from and into -----------------------------------------
+
+
+class BenchMemory:
+    """Host memory that the engine's tensors and the baseline's requests share: ``src`` (random
+    bytes, written from) and ``dst`` (zeroed, read into), each page-aligned.
+
+    Why shared: a direct IO request takes at most ``max_segments`` runs of physically
+    contiguous pages (254 on a virtio disk), so how large the requests reaching the drive are
+    depends on how the kernel happened to lay out the memory, not on the program. On this
+    project's VM, buffers of three allocations in one process gave 512 KiB, 2 MiB and 4 MiB
+    write requests and 0.43, 0.95 and 1.4 GB/s, each the same every time it was used. So the
+    baseline moves each block from and into the memory the engine uses for the same bytes of
+    its segment (``window``): tensor i is written from source ``i % n_sources`` and read into
+    out ``i % n_outs``, and the baseline's block at file offset ``off`` from ``src`` at
+    ``off`` modulo the sources' length (likewise for reads)."""
+
+    def __init__(self, tensor_bytes: int, n_sources: int, n_outs: int,
+                 threads: int = BASELINE_THREADS, block: int = BASELINE_BLOCK) -> None:
+        import torch
+
+        from ..io.slab_engine import aligned_buffer
+
+        self.tensor_bytes, self.threads, self.block = tensor_bytes, threads, block
+        self.n_sources, self.n_outs = n_sources, n_outs
+        # A block past the tensors, so that a window that starts in the last one fits.
+        self.src = aligned_buffer(n_sources * tensor_bytes + block)
+        self.src.random_(0, 256, generator=torch.Generator().manual_seed(0))
+        self.dst = aligned_buffer(n_outs * tensor_bytes + block)
+        self.dst.zero_()  # faulted in, so reads measure the IO and not first touches
+        self._views = {"write": memoryview(self.src.numpy()), "read": memoryview(self.dst.numpy())}
+
+    def sources(self) -> list:
+        """The engine's source tensors: distinct random bytes, back to back in ``src``."""
+        size = self.tensor_bytes
+        return [self.src[i * size:(i + 1) * size] for i in range(self.n_sources)]
+
+    def outs(self) -> list:
+        size = self.tensor_bytes
+        return [self.dst[i * size:(i + 1) * size] for i in range(self.n_outs)]
+
+    def window(self, op: str, offset: int, length: int) -> memoryview:
+        """The baseline's buffer for ``length`` bytes at file ``offset``: where the engine's
+        segment keeps those bytes, rounded down to a page (O_DIRECT needs it)."""
+        start = offset % ((self.n_sources if op == "write" else self.n_outs) * self.tensor_bytes)
+        start -= start % ALIGN
+        return self._views[op][start:start + length]
+
+    def close(self) -> None:
+        for mv in self._views.values():
+            mv.release()
+
+
+# -- raw baseline ----------------------------------------------------------------------------
+
+
+class BaselineSide:
+    """The drive's limit, a segment at a time: a new O_DIRECT file preallocated before the
+    clock starts, written then read back sequentially in ``block``-byte requests from
+    ``threads`` threads (the last request shorter when the segment is not a whole number of
+    blocks), then removed. Its buffers are windows of ``memory`` (the engine's, see
+    ``BenchMemory``), or its own. ``direct`` is False once a filesystem refused O_DIRECT
+    (buffered IO with fdatasync and fadvise(DONTNEED) is used there)."""
+
+    def __init__(self, memory: Optional[BenchMemory] = None, threads: int = BASELINE_THREADS,
+                 block: int = BASELINE_BLOCK) -> None:
+        self._memory = memory
+        if memory is not None:
+            threads, block = memory.threads, memory.block
+        self._own = [] if memory is not None else _buffers(threads, block)
+        self.threads, self.block = threads, block
+        self.direct = True
+
+    def _buffer(self, op: str, thread: int, offset: int, length: int) -> memoryview:
+        if self._memory is not None:
+            return self._memory.window(op, offset, length)
+        return memoryview(self._own[thread])[:length]
+
+    def segment(self, directory: str, nbytes: int) -> Segment:
+        nbytes = align_up(nbytes, ALIGN)
+        path = os.path.join(directory, "baseline.bin")
+        fd, direct = _open_direct(path)
+        self.direct = self.direct and direct
+        block = self.block
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            seconds = {}
+            for op in ("write", "read"):
+                work = _Blocks([(0, off, min(block, nbytes - off)) for off in range(0, nbytes, block)])
+
+                def worker(i: int, op: str = op, work: _Blocks = work) -> None:
                     while (item := work.take()) is not None:
+                        _, off, length = item
                         if not direct and op == "read":
-                            os.posix_fadvise(fd, item[1], block, os.POSIX_FADV_DONTNEED)
-                        _do(op, fd, mv, item[1], path)
+                            os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
+                        with self._buffer(op, i, off, length) as mv:
+                            _do(op, fd, mv, off, path)
                         if not direct and op == "write":
                             os.fdatasync(fd)
-                            os.posix_fadvise(fd, item[1], block, os.POSIX_FADV_DONTNEED)
+                            os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
 
-            out[f"{op}_gbps"] = total / _run_threads(threads, worker) / GB
-        return out
-    finally:
-        os.close(fd)
-        os.unlink(path)
-        for b in bufs:
-            b.close()
-
-
-def layout_compare(directory: str, n_tensors: int, tensor_bytes: int, threads: int,
-                   chunk: int) -> Dict[str, Dict[str, float]]:
-    """Tensors in one preallocated slab vs one new file per tensor: same threads, same request
-    size (``min(chunk, tensor)``), O_DIRECT, each thread writing/reading whole tensors."""
-    req = min(chunk, align_up(tensor_bytes))
-    padded = align_up(tensor_bytes, req)
-    total = n_tensors * padded
-    bufs = _buffers(threads, req)
-    results: Dict[str, Dict[str, float]] = {}
-    try:
-        # Slab: one file, preallocated (the fallocate is timed with the writes).
-        path = os.path.join(directory, "layout-slab.bin")
-        fd, _ = _open_direct(path)
-        try:
-            res: Dict[str, float] = {}
-            for op in ("write", "read"):
-                work = _Blocks([(i, i * padded, 0) for i in range(n_tensors)])
-
-                def slab_worker(t: int, op: str = op, work: _Blocks = work) -> None:
-                    with memoryview(bufs[t]) as mv:
-                        while (item := work.take()) is not None:
-                            for off in range(item[1], item[1] + padded, req):
-                                _do(op, fd, mv, off, path)
-
-                t0 = time.perf_counter()
-                if op == "write":
-                    os.posix_fallocate(fd, 0, total)
-                _run_threads(threads, slab_worker)
-                res[f"{op}_gbps"] = n_tensors * tensor_bytes / (time.perf_counter() - t0) / GB
-            results["slab"] = res
+                seconds[op] = _run_threads(self.threads, worker)
+            return Segment(nbytes, seconds["write"], seconds["read"])
         finally:
             os.close(fd)
             os.unlink(path)
 
-        # One file per tensor, created by the write (what per-tensor torch.save does).
-        names = [os.path.join(directory, f"layout-file-{i}.bin") for i in range(n_tensors)]
-        res = {}
-        for op in ("write", "read"):
-            work = _Blocks([(i, 0, 0) for i in range(n_tensors)])
-
-            def file_worker(t: int, op: str = op, work: _Blocks = work) -> None:
-                with memoryview(bufs[t]) as mv:
-                    while (item := work.take()) is not None:
-                        name = names[item[0]]
-                        if op == "write":
-                            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-                        else:
-                            fd = os.open(name, os.O_RDONLY | os.O_DIRECT)
-                        try:
-                            for off in range(0, padded, req):
-                                _do(op, fd, mv, off, name)
-                        finally:
-                            os.close(fd)
-
-            res[f"{op}_gbps"] = n_tensors * tensor_bytes / _run_threads(threads, file_worker) / GB
-        t0 = time.perf_counter()
-        for name in names:
-            os.unlink(name)
-        res["unlink_us_per_file"] = (time.perf_counter() - t0) / n_tensors * 1e6
-        results["file_per_tensor"] = res
-        return results
-    finally:
-        for name in os.listdir(directory):
-            if name.startswith("layout-"):
-                os.unlink(os.path.join(directory, name))
-        for b in bufs:
+    def close(self) -> None:
+        for b in self._own:
             b.close()
 
 
-# -- engines -------------------------------------------------------------------------------
-
-
-def contender_label(engine: str, verify: str) -> str:
-    """How the report names an engine measured with ``verify``: 'posix', 'posix+crc32c'."""
-    return engine if verify == "off" else f"{engine}+{verify}"
-
-
-def bench_engine(name: str, directory: str, n_tensors: int, tensor_bytes: int,
-                 progress: Progress, base: Optional[OffloadConfig] = None) -> Dict[str, object]:
-    """Write then read ``n_tensors`` tensors through engine ``name``; verify a sample bitwise.
-    ``{op}_gb_per_core_s``: GB per CPU-second of the process, IO threads included."""
-    import torch
-
-    from ..io import make_engine
-
-    total = n_tensors * tensor_bytes
-    overrides: Dict[str, object] = {"dirs": [directory], "engine": name, "job": f"iobench{os.getpid()}"}
-    if name == "memory":
-        overrides["host_memory_bytes"] = n_tensors * align_up(max(tensor_bytes, 1), 512) + MiB
-    elif name == "tiered":
-        overrides["host_memory_bytes"] = total // 2  # half in memory, half spilled to SSD
-    cfg = (base or OffloadConfig()).replace(**overrides)
-    label = contender_label(name, cfg.verify)
-    window = max(cfg.max_inflight_bytes, 2 * tensor_bytes)
-    gen = torch.Generator().manual_seed(0)
-    sources = [torch.randint(0, 256, (tensor_bytes,), dtype=torch.uint8, generator=gen)
-               for _ in range(min(SOURCES, n_tensors))]
-    # Zero-filled, so the read pass measures the engine and not page faults on fresh buffers.
-    outs = [torch.zeros(tensor_bytes, dtype=torch.uint8)
-            for _ in range(min(n_tensors, max(2, window // max(tensor_bytes, 1))))]
-
-    engine = make_engine(cfg)
-    # The heap that exists before measuring is frozen, as a latency-minded training loop does,
-    # so a full collection of torch's objects is not billed to the call that happened to
-    # trigger it; what the engine allocates is still collected (and counted) as usual.
-    gc.collect()
-    gc.freeze()
+def raw_baseline(directory: str, total: int, threads: int = BASELINE_THREADS,
+                 block: int = BASELINE_BLOCK) -> Dict[str, object]:
+    """One baseline segment of ``total`` bytes (rounded up to ``block``): the device's limit."""
+    side = BaselineSide(threads=threads, block=block)
     try:
-        result: Dict[str, object] = {}
-        for op in ("write", "read"):
-            pending: Deque[Tuple[object, int]] = collections.deque()
-            inflight = 0
-            hand_cpu = 0.0
-            cpu0, proc0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
-            for i in range(n_tensors):
-                # At most len(outs) - 1 reads pending: outs[i % len(outs)] is free again.
-                while pending and inflight + tensor_bytes > window:
-                    fut, nb = pending.popleft()
-                    fut.result(cfg.io_timeout_s)
-                    inflight -= nb
-                h0 = time.thread_time()
-                if op == "write":
-                    fut = engine.write(i, sources[i % len(sources)])
-                else:
-                    fut = engine.read(i, outs[i % len(outs)])
-                hand_cpu += time.thread_time() - h0
-                pending.append((fut, tensor_bytes))
-                inflight += tensor_bytes
-                progress.tick(f"{label} {op}", i + 1, n_tensors, tensor_bytes)
-            for fut, _ in pending:
-                fut.result(cfg.io_timeout_s)
-            elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-            proc = time.process_time() - proc0  # every thread: the IO threads' copies and checksums
-            result[f"{op}_gbps"] = total / elapsed / GB
-            result[f"{op}_cpu_s_per_gb"] = cpu / (total / GB)
-            result[f"{op}_gb_per_core_s"] = total / GB / max(proc, 1e-9)
-            result[f"{op}_call_us"] = hand_cpu / n_tensors * 1e6
-            progress.say(f"{label} {op}: {result[f'{op}_gbps']:.2f} GB/s")
-        for key in sorted({0, n_tensors // 2, n_tensors - 1}):
-            got = torch.empty(tensor_bytes, dtype=torch.uint8)
-            engine.read(key, got).result(cfg.io_timeout_s)
-            if not torch.equal(got, sources[key % len(sources)]):
-                raise BenchError(f"engine {name!r} returned wrong bytes for tensor {key}")
-        result["page_cache_bypassed"] = bool(getattr(engine, "page_cache_bypassed", True))
-        result["on_disk"] = name not in ("memory",)
-        if name == "tiered":
-            result["tensors_spilled"] = engine.tensors_spilled
-        for i in range(n_tensors):
-            engine.release(i)
-        if engine.bytes_on_disk:
-            raise BenchError(f"engine {name!r} holds {engine.bytes_on_disk} bytes after every key was released")
-        engine.end_step()
+        got = side.segment(directory, align_up(total, block))
+        return {"direct": side.direct, "write_gbps": got.gbps("write"), "read_gbps": got.gbps("read")}
     finally:
-        gc.unfreeze()
-        engine.close()
-    result["cpu_us_per_tensor"] = max(result["write_call_us"], result["read_call_us"])
-    return result
+        side.close()
