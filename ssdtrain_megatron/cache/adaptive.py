@@ -205,7 +205,7 @@ class AdaptivePlanner:
             elif row is not None:
                 self._bytes[str(key)] = row.bytes // n
             if row is not None and row.recomputes:
-                self._recompute[str(key)] = row.recompute_s / row.recomputes
+                self._recompute[str(key)] = row.recompute_pass_s
             nbytes = self._bytes.get(str(key), 0)
             layers.append(LayerMeasurement(
                 forward_s=row.forward_s / n if row else 0.0, activation_bytes=nbytes,

@@ -42,6 +42,11 @@ class LayerStats:
     recomputes: int = 0
     """How many recompute passes ``recompute_s`` sums (one per micro-batch recomputed)."""
 
+    @property
+    def recompute_pass_s(self) -> Optional[float]:
+        """Seconds of one recompute pass (None: the layer was not recomputed)."""
+        return self.recompute_s / self.recomputes if self.recomputes else None
+
 
 @dataclass(frozen=True)
 class StepStats:

@@ -43,8 +43,7 @@ def measurements(stats, num_micro_batches: int,
     n = max(num_micro_batches, 1)
     rows = [r for r in stats.layers if r.layer != "None"]
     outside = sum(r.bytes for r in stats.layers if r.layer == "None") // n
-    passes = {r.layer: r.recompute_s / r.recomputes
-              for r in (recomputed.layers if recomputed is not None else ()) if r.recomputes}
+    passes = {r.layer: r.recompute_pass_s for r in (recomputed.layers if recomputed is not None else ())}
     layers = [LayerMeasurement(forward_s=r.forward_s / n, activation_bytes=r.bytes // n,
                                recompute_s=passes.get(r.layer),
                                checkpoint_bytes=r.bytes // n // CHECKPOINT_FRACTION) for r in rows]
