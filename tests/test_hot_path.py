@@ -154,9 +154,11 @@ class WriteGate:
 
     def __init__(self) -> None:
         self.open = threading.Event()
+        self.entered = threading.Event()  # an IO thread holds a write here
 
     def __call__(self, op, path, offset, nbytes):
         if op == "write":
+            self.entered.set()
             self.open.wait(60)
         return None
 
@@ -172,6 +174,9 @@ def test_a_tensor_forwarded_while_its_write_is_in_flight_counts_once(offload_dir
             h = lin(x)
             out = (h.sin() * h.cos()).sum()  # saves h twice (deduplicated) and sin/cos outputs
             del h
+        # An IO thread must have taken a write before backward asks for it (else every write is
+        # still queued, and backward takes them all back: nothing is in flight to forward).
+        assert gate.entered.wait(30)
         torch.autograd.grad(out, [x], retain_graph=True)  # unpacks while the writes are held
         gate.open.set()
         off.wait_writes()
