@@ -53,7 +53,7 @@ def test_the_demos_loss_comparison_is_bitwise_step_for_step():
 def test_core_bench_json_has_pack_and_unpack_medians_per_policy(tmp_path, capsys):
     d = tmp_path / "bench"
     rc = main(["core-bench", "--dir", str(d), "--tensors", "60", "--tensor-kib", "16", "--steps", "1",
-               "--json"])
+               "--rounds", "1", "--json"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     result = json.loads(out.out)
@@ -66,6 +66,25 @@ def test_core_bench_json_has_pack_and_unpack_medians_per_policy(tmp_path, capsys
     assert 0 < result["peak_resident_ratio"] < 1
     assert [f for _, _, fs in os.walk(d) for f in fs] == []
     assert "sweep" not in result
+    assert result["rounds"] == 1 and set(result["gap_us"]) == {"pack", "unpack"}
+    # One round: keep, offload, offload, keep; the gap is offload's mean minus keep's.
+    assert result["gap_us"]["pack"] == pytest.approx(result["pack_us"]["offload"] - result["pack_us"]["keep"])
+
+
+def test_core_bench_gap_pairs_each_round_keep_offload_offload_keep():
+    from ssdtrain_megatron.tools.corebench import _round_gaps
+
+    runs = {"keep": [(10.0, 5.0), (12.0, 7.0), (20.0, 9.0), (22.0, 9.0)],
+            "offload": [(13.0, 8.0), (15.0, 8.0), (21.0, 20.0), (23.0, 20.0)]}
+    # Round 1: offload 14 against keep 11; round 2: 22 against 21 (the machine slowed in between).
+    assert _round_gaps(runs, 0) == [3.0, 1.0]
+    assert _round_gaps(runs, 1) == [2.0, 11.0]
+
+
+def test_core_bench_refuses_zero_rounds(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["core-bench", "--dir", str(tmp_path), "--rounds", "0"])
+    assert "expected a whole number >= 1" in capsys.readouterr().err
 
 
 def test_core_bench_sweep_reports_flatness_over_tensor_counts(tmp_path, capsys):

@@ -7,6 +7,11 @@ Prints, from one run:
   for tensors passed through, kept, and offloaded (hook + hand-off to the engine; the IO
   itself runs on the engine's threads). Offloaded tensors are dropped before they are
   unpacked, so every unpack gets its bytes back from the engine;
+- keep and offload in ``--rounds`` rounds of four measurements in the order keep, offload,
+  offload, keep: this machine kind's speed drifts up to 2x within minutes, so each round's
+  offload-minus-keep ``gap_us`` (pack and unpack, the median over rounds) compares
+  measurements made moments apart; ``pack_us``/``unpack_us`` are each policy's median over
+  all its measurements;
 - peak resident activation bytes of the small GPT with ``policy="offload"`` vs ``"keep"``,
   steps of the two policies alternating so that machine noise hits both alike.
 """
@@ -38,12 +43,24 @@ def add_core_bench_parser(subparsers) -> None:
     p.add_argument("--tensor-kib", dest="tensor_kb", type=int, default=256,
                    help="size of each saved tensor, KiB (default 256)")
     deprecated_alias(p, "--tensor-kb", "--tensor-kib", "tensor_kb", int)
+    p.add_argument("--rounds", type=_positive, default=3,
+                   help="rounds of keep, offload, offload, keep hook measurements (default %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="steps per policy for the memory comparison")
     p.add_argument("--sweep", type=_counts, default=None, metavar="N,N,...",
                    help="also measure offload pack/unpack at each of these tensor counts per step "
                         "(e.g. 1000,10000) and report flatness = figure at the last / at the first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_core_bench)
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return n
 
 
 def _counts(text: str) -> List[int]:
@@ -129,6 +146,14 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple
     return (_median(pack_ns) / 1e3, _median(unpack_ns) / 1e3 if unpack_ns else None, stats.bytes_read)
 
 
+def _round_gaps(runs: Dict[str, List[Tuple[float, Optional[float]]]], which: int) -> List[float]:
+    """Per round, offload's mean minus keep's mean of figure ``which`` (0 pack, 1 unpack): each
+    round made two measurements of each policy, in the order keep, offload, offload, keep."""
+    keep, off = runs["keep"], runs["offload"]
+    return [(off[2 * r][which] + off[2 * r + 1][which]) / 2 - (keep[2 * r][which] + keep[2 * r + 1][which]) / 2
+            for r in range(len(keep) // 2)]
+
+
 def peak_memory(cfg: OffloadConfig, steps: int) -> Dict[str, dict]:
     import torch
 
@@ -174,13 +199,24 @@ def run_core_bench(args: argparse.Namespace) -> int:
     pack_frozen: Dict[str, float] = {}
     unpack_frozen: Dict[str, float] = {}
     bytes_read = 0
+    # Keep and offload alternate (module docstring); the gc-frozen figures follow, once each.
+    runs: Dict[str, List[Tuple[float, Optional[float]]]] = {"pass_through": [], "keep": [], "offload": []}
+    order = ["pass-through"] + ["keep", "offload", "offload", "keep"] * args.rounds
+    for i, policy in enumerate(order):
+        key = policy.replace("-", "_")
+        p_us, up, read = hook_costs_us(cfg, policy, args.tensors, nbytes)
+        runs[key].append((p_us, up))
+        if policy == "offload":
+            bytes_read = min(bytes_read, read) if bytes_read else read
+        print(f"[{i + 1}/{len(order)}] {policy}: pack {p_us:.1f} µs/tensor"
+              + (f", unpack {up:.1f} µs/tensor" if up is not None else ""), file=sys.stderr)
+    for key, figures in runs.items():
+        pack[key] = statistics.median(p for p, _ in figures)
+        if figures[0][1] is not None:
+            unpack[key] = statistics.median(u for _, u in figures)
+    gap = {"pack": statistics.median(_round_gaps(runs, 0)), "unpack": statistics.median(_round_gaps(runs, 1))}
     for policy in ("pass-through", "keep", "offload"):
         key = policy.replace("-", "_")
-        pack[key], up, read = hook_costs_us(cfg, policy, args.tensors, nbytes)
-        if up is not None:
-            unpack[key] = up
-        if policy == "offload":
-            bytes_read = read
         # Python's cyclic GC traverses the whole heap (torch, megatron) in its full collections,
         # and the hook's allocations trigger them; Megatron's --manual-gc (or gc.freeze()) takes
         # that away. Measure both.
@@ -207,6 +243,8 @@ def run_core_bench(args: argparse.Namespace) -> int:
         "tensors": args.tensors,
         "tensor_kb": args.tensor_kb,
         "peak_resident_ratio": peak_ratio,
+        "gap_us": gap,
+        "rounds": args.rounds,
         "pack_us_gc_frozen": pack_frozen,
         "unpack_us_gc_frozen": unpack_frozen,
         "timer_overhead_us": timer_us,
@@ -227,6 +265,8 @@ def run_core_bench(args: argparse.Namespace) -> int:
         up = f"{unpack[key]:6.1f} µs" if key in unpack else f"{'-':>9}"
         upf = f"{unpack_frozen[key]:6.1f} µs" if key in unpack_frozen else f"{'-':>9}"
         print(f"  {key:<13} {pack[key]:6.1f} µs {up}   {pack_frozen[key]:11.1f} µs {upf}")
+    print(f"  offload - keep, median over {args.rounds} rounds of keep, offload, offload, keep: "
+          f"pack {gap['pack']:+.1f} µs, unpack {gap['unpack']:+.1f} µs")
     print("small GPT (8 layers, hidden 256, seq 256, 2 micro-batches of 4), policies alternating:")
     for p in ("keep", "offload"):
         print(f"  {p:<8} peak resident {mem[p]['peak_resident_bytes'] / 1e6:8.1f} MB   "
