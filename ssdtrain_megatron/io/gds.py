@@ -139,6 +139,7 @@ class GdsEngine(SlabEngine):
     def _io(self, req: Request) -> None:
         """Worker thread: every chunk of ``req`` through kvikio at once, then wait for each."""
         op = "write" if req.writing else "read"
+        req.meter.begin()
         try:
             if req.ready_event is not None:
                 wait_for(req.ready_event)

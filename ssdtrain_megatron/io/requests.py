@@ -134,24 +134,33 @@ class Request:
 
 class ChunkQueue:
     """Requests waiting for IO threads, which take one chunk (or a run of them) at a time.
-    One lock and one notify per tensor: cheap for the training thread.
+
+    The training thread's side is cheap: ``put`` appends without the lock and takes it only to
+    wake an IO thread that is waiting (none is while IO is under way). That relies on the GIL
+    ordering the append before the read of ``_idle``: a thread counts itself idle under the
+    lock *before* it looks at the queues, so either ``put`` sees it counted or it sees the
+    request. (A free-threaded build would need the lock in ``put``.)
 
     Reads go first: a read is what backward is (or soon will be) waiting for, a write only
     frees memory, so a read never waits behind queued writes. A write that has not started
-    can be cancelled (its tensor was released before it was written)."""
+    can be cancelled (its tensor was released before it was written). A request's meter
+    starts when an IO thread takes its first chunk: the device's busy time, measured off the
+    training thread."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._reads: Deque[Request] = collections.deque()
         self._writes: Deque[Request] = collections.deque()
         self._closed = False
+        self._idle = 0  # IO threads in get_run that may wait (guarded by the lock)
 
     def put(self, req: Request) -> None:
         # Wake one thread; each thread that takes a chunk wakes the next while chunks are
         # left, so the futex wake-ups are not all paid by the training thread.
-        with self._cv:
-            (self._writes if req.writing else self._reads).append(req)
-            self._cv.notify()
+        (self._writes if req.writing else self._reads).append(req)
+        if self._idle:
+            with self._cv:
+                self._cv.notify()
 
     def cancel(self, req: Request) -> bool:
         """Take a queued write whose first chunk no IO thread has taken out of the queue;
@@ -179,10 +188,14 @@ class ChunkQueue:
         order. None when closed and drained, or, with ``wait=False``, when nothing is queued
         right now."""
         with self._cv:
-            items = self._head()
-            while wait and items is None and not self._closed:
-                self._cv.wait()
+            self._idle += wait  # before looking: see the class docstring
+            try:
                 items = self._head()
+                while wait and items is None and not self._closed:
+                    self._cv.wait()
+                    items = self._head()
+            finally:
+                self._idle -= wait
             if items is None:
                 return None
             run = collections.deque([self._pop(items)])
@@ -206,7 +219,7 @@ class ChunkQueue:
                     lo -= step
                 else:
                     break
-            if self._head() is not None:
+            if self._idle and self._head() is not None:
                 self._cv.notify()
             return list(run)
 
@@ -214,6 +227,8 @@ class ChunkQueue:
     def _pop(items: Deque[Request]) -> Tuple[Request, int]:
         req = items[0]
         i = req.next_chunk
+        if i == 0:
+            req.meter.begin()
         req.next_chunk += 1
         if req.next_chunk == len(req.extents):
             items.popleft()

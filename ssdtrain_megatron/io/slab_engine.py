@@ -183,8 +183,7 @@ class SlabEngine(IOEngine):
             return False
         with self._lock:
             self._queued -= req._left
-        req.tensor = req.ready_event = None
-        req.meter.end(0)
+        req.tensor = req.ready_event = None  # never taken by an IO thread: its meter never started
         return True
 
     def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
@@ -203,7 +202,7 @@ class SlabEngine(IOEngine):
         return self._start(Request(self, key, False, out, placement, n, ready_event, self.read_meter, depth))
 
     def _start(self, req: Request) -> Optional[Future]:
-        req.meter.begin()
+        # The request's meter starts where an IO thread takes it (ChunkQueue, gds._io), not here.
         self._enqueue(req)
         return req.future
 
