@@ -211,7 +211,7 @@ class SlabEngine(IOEngine):
             placement = self._placed.pop(key, None)
             self._write_requests.pop(key, None)
         for root, offset, size in placement.allocs if placement is not None else ():
-            self._slabs[root].alloc.free(offset, size)
+            self._slabs[root].alloc.free_later(offset, size)  # freed by the next allocation (layout.py)
 
     def end_step(self) -> None:
         """No key is live: remove the slab files, so nothing stays on disk between steps."""
