@@ -73,7 +73,7 @@ class MicroBatch:
             if rec.state != State.ON_DISK and rec.state != State.WRITING:
                 self.cursor += 1  # nothing to read: in memory, already asked for, or gone
                 continue
-            if self.index_of(rec) < floor:
+            if rec.pos < floor:  # index_of, inline: once per record read back
                 break
             if self.readahead_bytes and self.readahead_bytes + rec.nbytes > byte_cap:
                 break

@@ -157,7 +157,8 @@ class SlabEngine(IOEngine):
 
     def write(self, key: int, data: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
         """Register ``key`` and queue the request: all the training thread does."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         if not data.is_contiguous():
             # The IO threads move the bytes by address: a strided tensor would be stored in
             # memory order and come back as other bytes.
@@ -174,7 +175,8 @@ class SlabEngine(IOEngine):
             depth = self._queued
             req = self._write_requests[key] = Request(self, key, True, data, placement, n, ready_event,
                                                       self.write_meter, depth)
-        return self._start(req)
+        self._enqueue(req)  # its meter starts where an IO thread takes it (ChunkQueue, gds._io)
+        return req.future
 
     def cancel(self, key: int) -> bool:
         with self._lock:
@@ -187,7 +189,8 @@ class SlabEngine(IOEngine):
         return True
 
     def read(self, key: int, out: torch.Tensor, ready_event: Optional[object] = None) -> Optional[Future]:
-        self._check_open()
+        if self._closed:
+            self._check_open()
         with self._lock:
             placement = self._placed.get(key)
             if placement is None or placement.extents is None:
@@ -199,10 +202,7 @@ class SlabEngine(IOEngine):
             n = len(placement.extents)
             self._queued += n
             depth = self._queued
-        return self._start(Request(self, key, False, out, placement, n, ready_event, self.read_meter, depth))
-
-    def _start(self, req: Request) -> Optional[Future]:
-        # The request's meter starts where an IO thread takes it (ChunkQueue, gds._io), not here.
+        req = Request(self, key, False, out, placement, n, ready_event, self.read_meter, depth)
         self._enqueue(req)
         return req.future
 
