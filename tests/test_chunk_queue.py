@@ -11,7 +11,7 @@ import time
 import torch
 
 from ssdtrain_megatron.io.base import BusyMeter
-from ssdtrain_megatron.io.layout import Extent
+from ssdtrain_megatron.io.extents import Extent
 from ssdtrain_megatron.io.requests import ChunkQueue, Placement, Request
 
 

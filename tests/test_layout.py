@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ssdtrain_megatron.config import OffloadConfig
-from ssdtrain_megatron.io.layout import (ExtentAllocator, Identity, LayoutError, expand_root, make_rank_dir,
-                                         remove_rank_dir)
+from ssdtrain_megatron.io.extents import ExtentAllocator
+from ssdtrain_megatron.io.layout import Identity, LayoutError, expand_root, make_rank_dir, remove_rank_dir
 from ssdtrain_megatron.io.posix import PosixEngine
 from tests.drives import mount
 

@@ -57,7 +57,8 @@ import torch
 
 from ..io.base import as_bytes
 from ..io.gds import GDS_ALIGN
-from ..io.layout import ALIGN, ExtentAllocator
+from ..io.extents import ExtentAllocator
+from ..io.layout import ALIGN
 from .stream_ops import CudaStreams, StreamOps
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,8 @@ from .base import EngineError
 from .checksum import ALGORITHM, checksum
 from .gpu_wait import wait_for
 from .hostmem import buffer_at, memmove, memset
-from .layout import ALIGN, Extent, align_up, open_private
+from .extents import Extent
+from .layout import ALIGN, align_up, open_private
 from .requests import Request, Run
 
 

@@ -36,7 +36,8 @@ import torch
 from ..config import OffloadConfig
 from .affinity import pin_io_thread
 from .base import BusyMeter, EngineError, IOEngine, as_bytes
-from .layout import ExtentAllocator, Identity
+from .extents import ExtentAllocator
+from .layout import Identity
 from .gpu_wait import wait_for
 from .pinned import pin
 

@@ -24,7 +24,7 @@ import torch
 
 from . import hostmem
 from .base import BusyMeter, as_bytes
-from .layout import Extent
+from .extents import Extent
 
 class Placement:
     """Where one stored tensor's chunks live: one extent per root (``allocs``: root, offset,

@@ -1,7 +1,7 @@
 """Slab files: one preallocated file per root, carved into extents.
 
 Why these choices:
-- One slab per root with an extent allocator (``layout.ExtentAllocator``): no file creation and
+- One slab per root with an extent allocator (``extents.ExtentAllocator``): no file creation and
   no metadata update in the hot path; extents are reused as soon as a tensor is released, and
   the file is removed at the end of every step.
 - Space is reserved with ``posix_fallocate`` by the IO thread about to write past the reserved
@@ -28,7 +28,8 @@ import threading
 from typing import Callable, Optional
 
 from .base import EngineError
-from .layout import ExtentAllocator, free_bytes, open_private
+from .extents import ExtentAllocator
+from .layout import free_bytes, open_private
 
 log = logging.getLogger(__name__)
 

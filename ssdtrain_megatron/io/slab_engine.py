@@ -32,7 +32,8 @@ from . import cleanup
 from .base import BusyMeter, EngineError, IOEngine
 from .bounce import ChunkStaging, as_engine_error
 from .clean import sweep_before_start
-from .layout import ALIGN, Extent, Identity, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
+from .extents import Extent
+from .layout import ALIGN, Identity, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
 from .roots import check_roots
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
@@ -211,7 +212,7 @@ class SlabEngine(IOEngine):
             placement = self._placed.pop(key, None)
             self._write_requests.pop(key, None)
         for root, offset, size in placement.allocs if placement is not None else ():
-            self._slabs[root].alloc.free_later(offset, size)  # freed by the next allocation (layout.py)
+            self._slabs[root].alloc.free_later(offset, size)  # freed by the next allocation (extents.py)
 
     def end_step(self) -> None:
         """No key is live: remove the slab files, so nothing stays on disk between steps."""
