@@ -84,7 +84,7 @@ def test_core_bench_gap_pairs_each_round_keep_offload_offload_keep():
 def test_core_bench_refuses_zero_rounds(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["core-bench", "--dir", str(tmp_path), "--rounds", "0"])
-    assert "expected a whole number >= 1" in capsys.readouterr().err
+    assert "expected a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_core_bench_sweep_reports_flatness_over_tensor_counts(tmp_path, capsys):

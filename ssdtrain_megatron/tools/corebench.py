@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-from .cli_types import deprecated_alias
+from .cli_types import deprecated_alias, positive_int
 from ..config import OffloadConfig
 
 # torch, the offloader and the model are imported inside the functions: `ssdtrain --help`
@@ -43,7 +43,7 @@ def add_core_bench_parser(subparsers) -> None:
     p.add_argument("--tensor-kib", dest="tensor_kb", type=int, default=256,
                    help="size of each saved tensor, KiB (default 256)")
     deprecated_alias(p, "--tensor-kb", "--tensor-kib", "tensor_kb", int)
-    p.add_argument("--rounds", type=_positive, default=3,
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="rounds of keep, offload, offload, keep hook measurements (default %(default)s)")
     p.add_argument("--steps", type=int, default=3, help="steps per policy for the memory comparison")
     p.add_argument("--sweep", type=_counts, default=None, metavar="N,N,...",
@@ -51,16 +51,6 @@ def add_core_bench_parser(subparsers) -> None:
                         "(e.g. 1000,10000) and report flatness = figure at the last / at the first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_core_bench)
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
-    return n
 
 
 def _counts(text: str) -> List[int]:
