@@ -20,6 +20,16 @@ Why these choices:
   place, by the kernel. A restored tensor has the address residue its original had
   (record.py, modulo 512), so reads of it go in place too; a read whose target has another
   residue goes through the bounce buffer, as every chunk of the aio engine does (shift 0).
+- Writes move in place only from page-aligned memory: the GPU path's pinned staging blocks
+  and the engine's own buffers, mapped once and reused. A CPU tensor's chunk (memory autograd
+  allocated moments ago, 64 bytes past a page) is copied whole into the bounce buffer, at its
+  shift, so that its read still goes in place. How large a direct IO request reaching the
+  drive is depends on how physically contiguous its memory is (tools/io_measure.py), and
+  fresh activations are not: training the bench's model at micro-batch 4 on this project's
+  VM, the IO threads wrote them in place at 0.26-0.43 GB/s and through the bounce buffer at
+  0.51-0.64 GB/s, so in place the writes lagged the forward and stayed resident (offload's
+  peak 0.74 of keep's, against 0.38).
+  Reads land in the restore pool's reused memory (cache/restore_pool.py) and stay in place.
 - Each chunk's place in the slab (``Extent.room``) has room for any shift: its length plus
   ``dio_align - 1``, padded to the page (a page more than before for most chunks, 0.05% of
   an 8 MiB chunk). Not the shift it got: the space a step needs must not depend on where its
@@ -142,7 +152,9 @@ class ChunkStaging:
             if req.ready_event is not None:
                 wait_for(req.ready_event)
             src = self._chunk_address(req, i)
-            body = self.in_place(req, i, ext)
+            # In place only from page-aligned memory (see the module docstring): a CPU
+            # tensor's chunk is copied whole, at its shift, so its read still goes in place.
+            body = self.in_place(req, i, ext) if src % ALIGN == 0 else None
             direct.append(body)
             lo, hi = (self.head(ext), self.head(ext) + len(body)) if body is not None else (s + n, s + n)
             # [0, s) zeros, [s, lo) bytes, [lo, hi) in place, [hi, s + n) bytes, then zeros

@@ -15,9 +15,11 @@ Why these choices:
   ``chunk_bytes``; the copy in and out of it runs in the worker, not in the training thread.
   A host chunk (a CPU tensor, the GPU path's pinned staging blocks) is stored at its address
   residue, so that all of it but a head and a tail of less than the direct-IO granularity
-  (probed at start: 512 bytes, else 4096) is written from and read into its own memory, one
-  ``pwritev``/``preadv`` for the run, without the copy (io/bounce.py; ``zero_copy_bytes`` /
-  ``bounced_bytes`` count which way the bytes went).
+  (probed at start: 512 bytes, else 4096) is read into its own memory, one ``preadv`` for the
+  run, without the copy; page-aligned memory (the staging blocks) is also written from in
+  place, a CPU tensor's chunk through the bounce buffer, which the drive takes faster than
+  fresh activations' scattered pages (io/bounce.py; ``zero_copy_bytes`` / ``bounced_bytes``
+  count which way the bytes went).
 """
 
 from __future__ import annotations
