@@ -37,6 +37,7 @@ from .record import TensorRecord
 if TYPE_CHECKING:
     from .adaptive import AdaptivePlanner
     from .four_places import TierPlacement
+    from .step import Step
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
 HOST, SSD = TIERS
@@ -95,20 +96,21 @@ class Decisions:
             return "recompute"  # budget: the layer's bytes would not fit; run it recomputed
         return d
 
-    def for_record(self, rec: TensorRecord, step_number: int, forward: bool) -> str:
+    def for_record(self, rec: TensorRecord, step: "Step") -> str:
         """The pack hook's question for a new record: sets and returns ``rec.decision``, after
-        the budget made room for the record's bytes (``forward``: as in :meth:`for_layer`)."""
+        the budget made room for the record's bytes. ``step`` (cache/step.py): its phase and
+        number, read only past the two plain cases (``forward`` as in :meth:`for_layer`)."""
         if self._keep_all:
             d = rec.decision = "keep"
             return d
         if self._plain:
             d = rec.decision = self._by_layer.get(rec.layer, "offload")
             return d
-        rec.decision = self.for_layer(rec.microbatch, rec.layer, forward)
+        rec.decision = self.for_layer(rec.microbatch, rec.layer, step.phase == "forward")
         b = self._budget
         if b is not None:
             if not b.make_room(rec.nbytes):
-                b.overrun(rec.nbytes, step_number, f"saving a {rec.describe()} in layer {rec.layer}")
+                b.overrun(rec.nbytes, step.number, f"saving a {rec.describe()} in layer {rec.layer}")
             if rec.decision == "keep" and not b.may_keep(rec.nbytes):
                 rec.decision = "offload"
         return rec.decision

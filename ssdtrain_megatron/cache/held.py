@@ -20,7 +20,7 @@ object, which keeps the address from being reused by another storage while it is
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Set
 
 import torch
 
@@ -32,18 +32,21 @@ _expired = torch.UntypedStorage._expired
 
 
 class HeldStorages:
-    """``cdata in held``: a saved tensor on that storage passes through (hooks.py)."""
+    """``cdata in held.addresses``: a saved tensor on that storage passes through (hooks.py)."""
 
-    __slots__ = ("step", "learned")
+    __slots__ = ("step", "learned", "addresses")
 
     def __init__(self) -> None:
         self.step: Dict[int, int] = {}
         """Registered this step: storage address -> weak reference (freed at the step's end)."""
         self.learned: Dict[int, int] = {}
         """Found alive at backward: storage address -> weak reference (kept while it lives)."""
+        self.addresses: Set[int] = set()
+        """Every address in ``step`` or ``learned``: the pack hook's one test (a set, changed
+        in place only, so a reference taken once stays current)."""
 
     def __contains__(self, cdata: int) -> bool:
-        return cdata in self.step or cdata in self.learned
+        return cdata in self.addresses
 
     def register(self, tensors: Iterable[Optional[torch.Tensor]], device: torch.device) -> None:
         """The storages of ``tensors`` on ``device`` (others and None are skipped), for this step."""
@@ -52,10 +55,12 @@ class HeldStorages:
                 storage = t.untyped_storage()
                 if storage._cdata not in self.step:
                     self.step[storage._cdata] = storage._weak_ref()
+                    self.addresses.add(storage._cdata)
 
     def learn(self, storage: torch.UntypedStorage) -> None:
         if storage._cdata not in self.learned and len(self.learned) < MAX_LEARNED:
             self.learned[storage._cdata] = storage._weak_ref()
+            self.addresses.add(storage._cdata)
 
     def end_step(self) -> None:
         """Forget this step's registrations, and the learned storages that have been freed."""
@@ -66,9 +71,12 @@ class HeldStorages:
             if _expired(ref):
                 _free(ref)
                 del self.learned[cdata]
+        self.addresses.clear()
+        self.addresses.update(self.learned)
 
     def close(self) -> None:
         self.end_step()
         for ref in self.learned.values():
             _free(ref)
         self.learned.clear()
+        self.addresses.clear()

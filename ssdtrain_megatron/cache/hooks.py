@@ -106,6 +106,8 @@ class SavedTensorHooks:
         self._keep_last_layers = config.keep_last_layers
         self._note_sites = config.debug_save_sites
         self._table = table
+        self._param_storages = table.param_storages  # both sets change in place: read once
+        self._held = table.held_addresses
         self._transfers = transfers
         self._decisions = decisions
         self._step = step
@@ -199,12 +201,11 @@ class SavedTensorHooks:
         if t.nbytes < self._min_bytes:  # the cheapest test first
             c.pass_through("small", self._layer)
             return t
-        table = self._table
-        storage = offloadable_storage(t, self._device, table.param_storages)
+        storage = offloadable_storage(t, self._device, self._param_storages)
         if storage is None:
             self._pass_other(t)
             return t
-        if table.is_held(storage._cdata):  # held until backward anyway: writing frees nothing
+        if storage._cdata in self._held:  # held until backward anyway: writing frees nothing
             c.pass_through("held_by_schedule", self._layer)  # StepStats.tensors_held_by_schedule
             return t
         if not self._events.empty():
@@ -212,18 +213,15 @@ class SavedTensorHooks:
         # The identity of identity.py, from attributes read once (the record keeps them).
         shape, stride, dtype, version = t.shape, t.stride(), t.dtype, t._version
         key = (storage._cdata, t.storage_offset(), shape, stride, dtype, version)
+        table = self._table
         rec = table.find(key)
         if rec is not None:
             return self._saved_again(rec)
         mb = self._current
         layer = self._layer
         rec = table.add(t, key, storage, mb, layer, (shape, stride, dtype, version, self._device))
-        decision = self._decisions.for_record(rec, self._step.number, self._step.phase == "forward")
-        nbytes = rec.nbytes
-        c.add_resident(nbytes)
-        acc = c.layer(layer, decision)
-        acc.bytes += nbytes
-        acc.tensors += 1
+        decision = self._decisions.for_record(rec, self._step)
+        c.saved(layer, decision, rec.nbytes)
         if decision == "keep":
             self._transfers.keep(rec)
         elif mb is not None and mb.layer_keys and (self._keep_last_layers or layer is None):
@@ -248,7 +246,7 @@ class SavedTensorHooks:
 
     def _pass_other(self, t: torch.Tensor) -> None:
         """Count a tensor offloadable_storage refused, by its reason (pass_reason's words)."""
-        reason = pass_reason(t, self._device, self._table.param_storages, 0) or "parameter"
+        reason = pass_reason(t, self._device, self._param_storages, 0) or "parameter"
         self._step.counters.pass_through(reason, self._layer, str(t.device) if reason == "device" else "")
 
     def _saved_again(self, rec: TensorRecord) -> _Handle:

@@ -48,7 +48,8 @@ class RecordTable:
     @property
     def param_storages(self) -> Set[int]:
         """Storage addresses of registered parameters (the pack hook's ``offloadable_storage``
-        reads this set; register through :meth:`register_parameters`)."""
+        reads this set, taken once: it changes in place; register through
+        :meth:`register_parameters`)."""
         return self._param_storages
 
     def register_parameters(self, params: Iterable[torch.Tensor]) -> None:
@@ -62,8 +63,11 @@ class RecordTable:
         """A record found alive at backward: later saves of its storage pass through."""
         self._held.learn(storage)
 
-    def is_held(self, cdata: int) -> bool:
-        return cdata in self._held
+    @property
+    def held_addresses(self) -> Set[int]:
+        """Addresses of the storages something else holds until backward (``held.py``): the
+        pack hook reads this set once and tests ``cdata in`` it per tensor (it changes in place)."""
+        return self._held.addresses
 
     # -- records --------------------------------------------------------------------------------
 

@@ -268,6 +268,16 @@ class StepCounters:
             acc = self.layers[key] = _LayerAcc(decision=decision)
         return acc
 
+    def saved(self, key: Hashable, decision: str, nbytes: int) -> None:
+        """A new record of ``nbytes`` in layer ``key`` (the pack hook): resident now, and one
+        more tensor of its layer."""
+        self.add_resident(nbytes)
+        acc = self.layers.get(key)
+        if acc is None:
+            acc = self.layers[key] = _LayerAcc(decision=decision)
+        acc.bytes += nbytes
+        acc.tensors += 1
+
     def count(self, effect: str, nbytes: int, layer: Hashable, decision: str,
               record: Any = None) -> None:
         """What one record transition did (an effect of cache/record.py's TRANSITIONS).

@@ -114,11 +114,12 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple
     unpack_ns: List[int] = []
     clock = time.thread_time_ns
     with ActivationOffloader(c) as off:
+        pack, unpack = off.hooks.pack, off.hooks.unpack  # bound once, as saved_tensors_hooks holds them
         with off.microbatch(0):
-            handles = [off.hooks.pack(tensors[0])]  # warm up the engine threads
+            handles = [pack(tensors[0])]  # warm up the engine threads
             for t in tensors[1:]:
                 t0 = clock()
-                h = off.hooks.pack(t)
+                h = pack(t)
                 pack_ns.append(clock() - t0)
                 handles.append(h)
         off.wait_writes()
@@ -128,7 +129,7 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple
                 h = handles[i]
                 handles[i] = None
                 t0 = clock()
-                off.hooks.unpack(h)  # backward is done with the tensor at once,
+                unpack(h)  # backward is done with the tensor at once,
                 unpack_ns.append(clock() - t0)
                 del h  # and drops the handle: the record is released
         del handles
