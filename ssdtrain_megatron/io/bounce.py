@@ -28,7 +28,7 @@ Why these choices:
   fresh activations are not: training the bench's model at micro-batch 4 on this project's
   VM, the IO threads wrote them in place at 0.26-0.43 GB/s and through the bounce buffer at
   0.51-0.64 GB/s, so in place the writes lagged the forward and stayed resident (offload's
-  peak 0.74 of keep's, against 0.38).
+  peak 0.68-0.74 of keep's, against 0.385).
   Reads land in the restore pool's reused memory (cache/restore_pool.py) and stay in place.
 - Each chunk's place in the slab (``Extent.room``) has room for any shift: its length plus
   ``dio_align - 1``, padded to the page (a page more than before for most chunks, 0.05% of
