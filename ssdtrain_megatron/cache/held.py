@@ -45,9 +45,6 @@ class HeldStorages:
         """Every address in ``step`` or ``learned``: the pack hook's one test (a set, changed
         in place only, so a reference taken once stays current)."""
 
-    def __contains__(self, cdata: int) -> bool:
-        return cdata in self.addresses
-
     def register(self, tensors: Iterable[Optional[torch.Tensor]], device: torch.device) -> None:
         """The storages of ``tensors`` on ``device`` (others and None are skipped), for this step."""
         for t in tensors:
