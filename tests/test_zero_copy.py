@@ -180,8 +180,8 @@ def test_an_unaligned_tail_is_bounced_and_the_rest_moved_in_place(open_engine, c
 def test_a_drive_that_refuses_sub_page_pieces_gets_page_granularity(open_engine, checksum, monkeypatch):
     """The probe: a system call refusing the 512-byte piece (EINVAL, as a 4Kn drive does)
     gives page granularity, and chunks off a page are then read in place for all but a
-    page-sized head and tail (written through the bounce buffer). Broken variant: ``probe_dio_align`` returning DIO_PROBE whatever the IO
-    said: the first assertion fails."""
+    page-sized head and tail (written through the bounce buffer). Broken variant:
+    ``probe_dio_align`` returning DIO_PROBE whatever the IO said: the first assertion fails."""
     import errno
 
     from ssdtrain_megatron.io import bounce
