@@ -222,10 +222,12 @@ class OffloadConfig:
 
     adaptive_explore_steps: int = knob(21, check=int_at_least(0), metavar="N", help=(
         "Adaptive policy: steps per exploration round that may run plans other than the best "
-        "measured so far (each tried for adaptive_trial_steps steps); 0: run the model's plan"))
+        "measured so far (each tried for adaptive_trial_steps steps, each step followed by one of "
+        "the best plan, so a round lasts up to twice as many); 0: run the model's plan"))
     """Adaptive policy: steps per exploration round that may run plans other than the best
-    measured so far, each tried for ``adaptive_trial_steps`` steps (plan/explore.py). 0: no
-    measuring, the model's plan runs as it did before measured selection."""
+    measured so far, each tried for ``adaptive_trial_steps`` steps, each step followed by one of
+    the best plan so far to compare with (plan/explore.py): a round lasts up to twice this many
+    steps. 0: no measuring, the model's plan runs as it did before measured selection."""
 
     adaptive_trial_steps: int = knob(3, check=int_at_least(1), metavar="N", help=(
         "Adaptive policy: steps each plan runs before its median step time is compared"))
@@ -233,10 +235,12 @@ class OffloadConfig:
 
     adaptive_min_gain: float = knob(0.02, check=number_in(0, 1, "expected a number in (0, 1)"),
                                     metavar="F", help=(
-        "Adaptive policy: a plan replaces the best measured one only when its median step time is "
-        "lower by more than this fraction (or by more than the measured spread, if larger)"))
-    """Adaptive policy: a plan replaces the best measured one only when its median step time is
-    lower by more than this fraction, or by more than the measured spread if that is larger."""
+        "Adaptive policy: a plan replaces the best measured one only when its steps are faster than "
+        "the best one's steps beside them by more than this fraction (the median of the paired "
+        "ratios; or by more than their spread, if larger)"))
+    """Adaptive policy: a plan replaces the best measured one only when its steps are faster than
+    the best one's steps beside them (the median of the paired ratios) by more than this
+    fraction, or by more than the ratios' spread if that is larger."""
 
     adaptive_drift: float = knob(0.15, check=number_in(0, 1, "expected a number in (0, 1)"),
                                  metavar="F", help=(

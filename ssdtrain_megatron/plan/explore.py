@@ -9,23 +9,26 @@ How it moves, in rounds:
 * prior: the model's plan runs ``trial_steps`` steps; it is the incumbent.
 * explore: candidates (neighbouring plans, and whole-plan ones such as all-recompute, that the
   planner offers and has checked against the memory budget) run ``trial_steps`` steps each, at
-  most ``explore_steps`` steps in the round. A candidate replaces the incumbent only when its
-  median step time is lower by more than the noise: ``min_gain``, or the spread of the two sets
-  of samples (each one's median absolute deviation over its median, combined as independent
-  errors: the root of the sum of squares), whichever is larger; the candidates are then offered
-  anew around it.
+  most ``explore_steps`` steps in the round, each candidate step followed by a step of the
+  incumbent: the pair saw the same machine. A candidate replaces the incumbent only when the
+  median of its pairs' ratios (candidate step over the incumbent step after it) is below 1 by
+  more than the noise: ``min_gain``, or the ratios' spread (their median absolute deviation
+  over their median), whichever is larger; the candidates are then offered anew around it.
+  Why pairs: the machines this runs on change speed by up to 2x within minutes, so a candidate
+  measured minutes after the incumbent's last steps is compared with another machine; a step
+  beside it is not (docs/benchmarks.md measures every strategy the same way).
 * settled: the incumbent runs, and nothing else. When the median of its last ``trial_steps``
   step times moves by more than ``drift`` (relative) from the median it settled on, a new
   round starts, bounded like the first (its incumbent measured again, not remembered).
 
 The bound is on steps, so the cost of exploring is known up front: at most ``explore_steps``
-steps per round run a plan other than the incumbent.
+steps per round run a plan other than the incumbent, and as many run the incumbent beside them:
+a round lasts at most ``trial_steps + 2 * explore_steps`` steps.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
@@ -80,8 +83,9 @@ class Bounds:
 
     def describe(self) -> str:
         return (f"the model's plan for {self.trial_steps} steps, then at most {self.explore_steps} "
-                f"steps on other plans ({self.trial_steps} steps each, kept only when faster by more "
-                f"than max({self.min_gain:.0%}, the measured spread)); none after settling unless "
+                f"steps on other plans ({self.trial_steps} steps each, each followed by a step of the "
+                f"best so far, kept only when faster than it by more than max({self.min_gain:.0%}, "
+                "the measured spread)); none after settling unless "
                 f"the step time drifts by more than {self.drift:.0%}, which starts a re-exploration "
                 "with the same bound")
 
@@ -97,6 +101,8 @@ class MeasuredSelection:
         self.current: Optional[Hashable] = None
         self._trials: Dict[Hashable, Trial] = {}
         self._explored = 0  # steps of this round spent on plans other than the incumbent
+        self._candidate: Optional[Hashable] = None  # the plan being measured beside the incumbent
+        self._beside: List[float] = []  # the incumbent's steps, each right after one of the candidate's
         self._settled_s = 0.0
         self._since_settled: List[float] = []
         self.steps = 0
@@ -126,41 +132,55 @@ class MeasuredSelection:
             raise RuntimeError("MeasuredSelection.observe() before start()")
         if self.phase == SETTLED:
             return self._watch(step_s)
-        trial = self._trials[self.current]
-        trial.times.append(step_s)
-        if len(trial.times) < self.bounds.trial_steps:
+        self._trials[self.current].times.append(step_s)
+        if self.phase == PRIOR:
+            if len(self._trials[self.current].times) < self.bounds.trial_steps:
+                return self.current
+            self.phase = EXPLORE
+            return self._next()
+        if self.current != self.incumbent:  # a candidate's step: the incumbent's runs beside it
+            self.current = self.incumbent
             return self.current
-        if self.phase == EXPLORE and self.current != self.incumbent:
-            self._judge(trial)
-        self.phase = EXPLORE
+        self._beside.append(step_s)
+        trial = self._trials[self._candidate]
+        if len(trial.times) < self.bounds.trial_steps:
+            self.current = self._candidate
+            return self.current
+        self._judge(self._candidate)
         return self._next()
 
-    def _judge(self, trial: Trial) -> None:
-        inc = self._trials[self.incumbent]
-        ref = Trial(inc.label, inc.times[-self.bounds.trial_steps:])
-        needed = max(self.bounds.min_gain, math.hypot(ref.noise, trial.noise))
-        gain = 1.0 - trial.median / ref.median if ref.median > 0 else 0.0
+    def _judge(self, candidate: Hashable) -> None:
+        """Each of the candidate's steps over the incumbent's step after it (module docstring)."""
+        trial = self._trials[candidate]
+        ref = Trial(self._trials[self.incumbent].label, list(self._beside))
+        ratios = [c / i for c, i in zip(trial.times, ref.times) if i > 0]
+        ratio = statistics.median(ratios) if ratios else 1.0
+        noise = statistics.median(abs(r - ratio) for r in ratios) / ratio if ratios and ratio > 0 else 0.0
+        needed = max(self.bounds.min_gain, noise)
+        gain = 1.0 - ratio
         better = gain > needed
-        line = (f"tried {trial.describe()} against {ref.describe()}: "
-                f"{'faster' if gain > 0 else 'slower'} by {abs(gain):.1%}, needed {needed:.1%}: "
-                + ("now the incumbent" if better else "rejected"))
+        line = (f"tried {trial.describe()} against {ref.describe()} beside it: "
+                f"{'faster' if gain > 0 else 'slower'} by {abs(gain):.1%} (median of {len(ratios)} "
+                f"paired steps), needed {needed:.1%}: " + ("now the incumbent" if better else "rejected"))
         self.history.append(line)
         log.info("ssdtrain adaptive: %s", line)
         if better:
-            self.incumbent = self.current
+            self.incumbent = candidate
 
     def _next(self) -> Hashable:
+        """The next candidate to measure beside the incumbent, or settle (the bound, or none left)."""
         if self._explored + self.bounds.trial_steps <= self.bounds.explore_steps:
             for label, plan in self._candidates(self.incumbent):
                 if plan not in self._trials:
                     self._trials[plan] = Trial(label)
                     self._explored += self.bounds.trial_steps
-                    self.current = plan
+                    self.current = self._candidate = plan
+                    self._beside = []
                     return plan
         return self._settle()
 
     def _settle(self) -> Hashable:
-        self.phase, self.current = SETTLED, self.incumbent
+        self.phase, self.current, self._candidate = SETTLED, self.incumbent, None
         inc = self._trials[self.incumbent]
         self._settled_s = statistics.median(inc.times[-self.bounds.trial_steps:])
         self._since_settled = []
