@@ -144,6 +144,44 @@ def test_planned_and_adaptive_are_compared_with_the_fastest_strategy_within_the_
     assert "planned / best single step time" in text and "predicted" in text
 
 
+_REFAULTS = r"""
+import resource, sys
+sys.path.insert(0, {root!r})
+if {cached}:
+    from ssdtrain_megatron.tools.bench_node import cache_freed_host_memory
+    print(cache_freed_host_memory(), file=sys.stderr)
+def step():  # a micro-batch's activations: 48 blocks of 4 MiB written, then all freed
+    held = [bytearray(4 << 20) for _ in range(48)]
+    del held
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(4):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="glibc's allocator (Linux)")
+def test_the_emulated_node_reuses_freed_host_memory_as_a_gpu_allocator_does():
+    """Four more rounds of 192 MiB allocated, written and freed: with glibc's defaults each round
+    faults its pages in again (the heap is trimmed when they are freed); after
+    cache_freed_host_memory() the heap keeps them. Run in a child process: the thresholds stay
+    set for the life of a process. Broken by making it return before mallopt: 'faulted ...'."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    faults = {}
+    for cached in (False, True):
+        out = subprocess.run([sys.executable, "-c", _REFAULTS.format(root=root, cached=cached)],
+                             capture_output=True, text=True, timeout=120, check=True)
+        faults[cached] = int(out.stdout.split()[-1])
+    pages = 4 * 48 * (4 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert faults[False] > pages // 2, f"the defaults faulted {faults[False]} of {pages} pages: the test shows nothing"
+    assert faults[True] < pages // 100, f"faulted {faults[True]} pages again after cache_freed_host_memory()"
+    assert "kept for reuse" in out.stderr
+
+
 def test_host_and_planned_need_node_emulation(tmp_path, capsys):
     """Broken by accepting them without it: the bench runs (exit 0)."""
     rc = _bench(["--strategies", "keep,host", "--out", str(tmp_path / "o"), "--dir", str(tmp_path / "s"),
@@ -171,6 +209,7 @@ def test_a_small_node_emulation_runs_every_strategy_with_equal_losses(tmp_path, 
     assert set(node["vs_keep_step_time"]) >= {"keep", "offload", "host", "recompute"}
     assert result["losses_bitwise_equal"] is True and result["offload_files_left"] == 0
     assert result["warmup"] == 2 and "node emulation: compute on CPU" in captured.err
+    assert "host allocator: freed host memory kept for reuse" in captured.err
 
 
 def test_a_layer_the_budget_ran_recomputed_is_priced_as_recompute():

@@ -12,6 +12,8 @@ IO on the same cores, which hides all of that behind contention. With ``--node-e
   the largest micro-batch size needs: every layer but the last written in the first half of
   keep's step and read back in the second) and the host tier holds ``--host-memory`` (default:
   half of one micro-batch's layer activations at that size, below what one step writes);
+* the C allocator keeps freed host memory for reuse (:func:`cache_freed_host_memory`), as a
+  GPU's caching allocator keeps freed device memory;
 * the strategies are keep, offload (to the capped SSD, posix), host (the host tier alone, the
   memory engine: what does not fit stays in memory), planned (the four-place plan of
   plan/tiers.py for this node, run as fixed per-layer decisions on the tiered engine), adaptive
@@ -25,6 +27,8 @@ come from a calibration: two steps of keep before the measured ones.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -56,6 +60,8 @@ class NodeEmulation:
     None: the host link measured here and the SSD cap."""
     link_gbps: float = 0.0
     """The host link the planner uses, GB/s (set by ``start``)."""
+    allocator: str = ""
+    """What ``start`` did to the C allocator (:func:`cache_freed_host_memory`)."""
     calibration: Dict[str, float] = field(default_factory=dict)
     """What the calibration measured: keep's step time and bytes at the largest size, what a
     full offload needs, and the caps derived from them."""
@@ -63,6 +69,7 @@ class NodeEmulation:
     def start(self, spec, cfg: OffloadConfig, device, micro_batch: int) -> None:
         """Confine the training thread, measure the host link, calibrate what is left to it."""
         confine_training_thread(self.compute_cpus)
+        self.allocator = cache_freed_host_memory()
         if self.profile is not None:
             self.link_gbps = self.profile.host_link_gbps
         else:
@@ -121,7 +128,8 @@ class NodeEmulation:
                  f"{self.ssd_gbps:.3g} GB/s (planner: write {write:.3g}, read {read:.3g}); host tier "
                  f"{(self.host_bytes or 0) / 1e6:.1f} MB over a {self.link_gbps:.3g} GB/s link"
                  + (f" (node profile {self.profile.name})" if self.profile is not None else
-                    " (the host copy measured here)")]
+                    " (the host copy measured here)"),
+                 f"host allocator: {self.allocator}"]
         if cal:
             lines.append(f"calibration (keep at micro-batch {cal['micro_batch']:.0f}): step "
                          f"{cal['keep_step_s']:.3f}s, {cal['layer_bytes_per_step'] / 1e6:.1f} MB of layer "
@@ -134,7 +142,36 @@ class NodeEmulation:
                 "ssd_gbps": self.ssd_gbps, "host_memory_bytes": self.host_bytes,
                 "host_link_gbps": self.link_gbps, "drive_write_gbps": write, "drive_read_gbps": read,
                 "node_profile": None if self.profile is None else self.profile.name,
+                "host_allocator": self.allocator,
                 "calibration": dict(self.calibration)}
+
+
+HEAP_THRESHOLD = 32 << 20
+"""glibc's largest ``M_MMAP_THRESHOLD`` (64-bit): every smaller block comes from the heap."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+
+
+def cache_freed_host_memory() -> str:
+    """Make the C allocator keep freed blocks for reuse, as a GPU's caching allocator keeps
+    freed device memory; returns what was done, for the run's header.
+
+    Why: glibc gives each block of at least its mmap threshold (128 KiB, raised up to 32 MiB as
+    blocks are freed) a mapping of its own and unmaps it when freed, so every activation of
+    that size faults its pages in again, micro-batch after micro-batch. On the CPU that cost
+    falls on the strategy that holds the most (keep, 546 MB at the default shape: a median step
+    of 6.51 s with glibc's defaults, 5.57 s with the blocks reused, in two runs of
+    ``bench --node-emulation`` 8 minutes apart, in which offload's stayed at 9.41 and 9.40 s);
+    a GPU's allocator hands freed blocks out again and has no such cost. With both thresholds raised,
+    blocks below 32 MiB come from the heap and stay there: every strategy reuses what it
+    freed. (The peak-memory reset still trims the heap before each step: telemetry/peak_memory.py.)"""
+    path = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
+    if mallopt is None:
+        return "the C allocator's defaults (no glibc mallopt here)"
+    if not (mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
+        return "the C allocator's defaults (mallopt refused the thresholds)"
+    return (f"freed host memory kept for reuse, as a GPU's caching allocator does (glibc: blocks "
+            f"below {HEAP_THRESHOLD >> 20} MiB from the heap, not trimmed between them)")
 
 
 def _cpus(cpus: Sequence[int]) -> str:
