@@ -97,3 +97,28 @@ def test_plan_prints_a_table(capsys, preset):
     text = "\n".join(lines)
     assert text.index("SSD lifespan (rated TBW)") < text.index("SSD lifespan (paper, relaxed)")
     assert "per iteration" in text and "binding" in text
+
+
+
+def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, preset, monkeypatch):
+    """The runtime reads prefetch_layers ahead of backward, and the plan's timeline must assume
+    the same read-ahead (plan/tier_costs.py). Broken by plan_stage not passing it on (the
+    Tiers default of 2 for every preset): 'planned with 2'."""
+    from ssdtrain_megatron.tools import plan_build
+
+    seen = []
+    real = plan_build.plan_stage
+
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        seen.append(plan.tiers.prefetch_layers)
+        return plan
+
+    monkeypatch.setattr(plan_build, "plan_stage", spy)
+    with open(preset) as fh:
+        text = fh.read()
+    with open(preset, "w") as fh:
+        fh.write(text.replace("offload:\n", "offload:\n  prefetch_layers: 5\n", 1))
+    out = plan_json(capsys, preset, "--policy", "adaptive", "--ssd-gbps", "0.01")
+    assert out["prefetch_layers"] == 5
+    assert seen and set(seen) == {5}, f"planned with {sorted(set(seen))}"

@@ -128,13 +128,14 @@ def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
 
 def plan_stage(st: Stage, node: NodeProfile, *, budget_bytes: Optional[int],
                places: Tuple[str, ...] = PLACES, keep_last_layers: int = 1,
-               cpu_s_per_byte: float = 0.0) -> TierPlan:
+               cpu_s_per_byte: float = 0.0, prefetch_layers: int = 2) -> TierPlan:
     """The four-place plan of ``st`` on ``node`` within ``budget_bytes`` of GPU activation
     memory (head bytes included: they stay), None: keep everything.
 
     The reserve is one layer (being written, read back or re-created) beside what is kept. A
     layout that recomputes already (selective or full) gets no per-layer recompute on top:
-    Megatron runs one granularity."""
+    Megatron runs one granularity. ``prefetch_layers``: how far ahead of backward the runtime
+    reads (OffloadConfig.prefetch_layers)."""
     if st.layout_recompute_s > 0:
         places = tuple(p for p in places if p != RECOMPUTE)
     budget = None if budget_bytes is None else max(0, budget_bytes - st.head_bytes)
@@ -144,7 +145,7 @@ def plan_stage(st: Stage, node: NodeProfile, *, budget_bytes: Optional[int],
                   reserve_bytes=st.layer_bytes, places=places,
                   bubble_s=st.bubble_s + len(st.positions) * st.head_s,
                   cpu_s_per_byte=cpu_s_per_byte, backward_factor=st.backward_factor,
-                  keep_last_layers=keep_last_layers)
+                  keep_last_layers=keep_last_layers, prefetch_layers=prefetch_layers)
     return plan_tiers(st.layers, st.positions, tiers)
 
 

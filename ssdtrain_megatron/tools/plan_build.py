@@ -68,9 +68,10 @@ def places_for(engine: str, recompute: bool) -> Tuple[str, ...]:
 
 
 def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ...],
-                budget: int, keep_last_layers: int) -> TierPlan:
+                budget: int, keep_last_layers: int, prefetch_layers: int = 2) -> TierPlan:
     """The plan ``policy`` makes: keep (nothing moves), offload (every layer but the last
-    keep_last_layers leaves GPU memory, for the engine's tiers), adaptive (within ``budget``)."""
+    keep_last_layers leaves GPU memory, for the engine's tiers), adaptive (within ``budget``);
+    reads start ``prefetch_layers`` ahead of backward, as the preset's runtime starts them."""
     if policy == "keep":
         return plan_stage(st, node, budget_bytes=None, places=places)
     if policy == "offload":
@@ -79,7 +80,7 @@ def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ..
         budget = st.positions[0].live * kept + st.layer_bytes + st.head_bytes
         places = tuple(p for p in places if p != RECOMPUTE)
     return plan_stage(st, node, budget_bytes=budget, places=places,
-                      keep_last_layers=keep_last_layers)
+                      keep_last_layers=keep_last_layers, prefetch_layers=prefetch_layers)
 
 
 def lifespan(plan: TierPlan, node: NodeProfile) -> Optional[Dict[str, float]]:
@@ -136,8 +137,10 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
                                offload.activation_budget_bytes)
     budget = memory["activation_budget_bytes"]
     st = stage(shape, profile, node, m)
-    plan = plan_policy(st, node, policy, places, budget, keep_last)
-    every = plan_stage(st, node, budget_bytes=budget, places=PLACES, keep_last_layers=keep_last)
+    ahead = offload.prefetch_layers
+    plan = plan_policy(st, node, policy, places, budget, keep_last, ahead)
+    every = plan_stage(st, node, budget_bytes=budget, places=PLACES, keep_last_layers=keep_last,
+                       prefetch_layers=ahead)
 
     def fits(mode: str):
         def check(b: int) -> bool:
@@ -145,7 +148,7 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
             if mode == "planned":
                 sized_stage = stage(sized, profile, node, m)
                 return tier_summary(plan_policy(sized_stage, node, policy, places, budget,
-                                                keep_last), sized_stage, budget)["fits_budget"]
+                                                keep_last, ahead), sized_stage, budget)["fits_budget"]
             if mode == "recompute":
                 return full_recompute_fits(stage(sized, profile, node, m), budget)
             return peak_activation_bytes(sized, "keep", profile) <= budget
@@ -163,6 +166,7 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
         "model": {name: getattr(shape, name) for name in shape.__dataclass_fields__},
         "layers_per_stage": shape.layers_per_stage,
         "keep_last_layers": keep_last,
+        "prefetch_layers": ahead,
         "num_micro_batches": m,
         # Numbered from 1 within the stage, as Megatron numbers layers.
         "layers": [{"layer": i, "bytes": layer_bytes, "decision": d}
