@@ -250,6 +250,21 @@ def test_peak_memory_is_the_rss_high_water_mark_since_the_last_reset():
     assert peak.peak() <= high - (48 << 20)
 
 
+def test_an_emulated_node_keeps_freed_heap_memory_between_steps():
+    """Node emulation (trim=False) must not hand the heap back before each step, or every step
+    faults its activations in again; the kind says the peak then includes what others left.
+    Broken by trimming whatever trim says: 'trimmed [0] with trim=False'."""
+    for trim in (True, False):
+        peak = PeakMemory(torch.device("cpu"), trim=trim)
+        if peak.kind is None:
+            pytest.skip("/proc/self/clear_refs is not writable here")
+        calls = []
+        peak._trim = calls.append  # malloc_trim's stand-in: what reset() hands back
+        peak.reset()
+        assert calls == ([0] if trim else []), f"trimmed {calls} with trim={trim}"
+        assert ("kept between steps" in peak.kind) == (not trim)
+
+
 # -- telemetry ----------------------------------------------------------------------------------
 
 

@@ -6,7 +6,10 @@ CPU (Linux): the resident-set high-water mark ``VmHWM`` of ``/proc/self/status``
 
 Why ``malloc_trim`` before each reset: memory the C allocator has freed but not returned to the
 kernel stays resident. When several runs take turns in one process (the benchmarks), the pages
-one run's activations left in the heap would otherwise count in the next run's peak.
+one run's activations left in the heap would otherwise count in the next run's peak. The price:
+the next step faults those pages in again, a cost a GPU's caching allocator does not have; an
+emulated GPU node (``bench --node-emulation``) measures without it (``trim=False``), and its
+RSS peak then includes what the other strategies left in the heap.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ class PeakMemory:
 
     Args:
         device: the training device; CUDA devices use the CUDA allocator's statistics.
+        trim: on the CPU, hand freed heap memory back to the kernel before each reset (see the
+            module docstring).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, trim: bool = True) -> None:
         self.device = torch.device(device)
         self.kind: Optional[str] = None
         """What ``peak()`` measures, in words; None when nothing can be measured here."""
         self._trim = None
+        self.trim = trim
         if self.device.type == "cuda":
             self.kind = "CUDA max allocated"
             return
@@ -50,6 +56,8 @@ class PeakMemory:
                         "high-water mark through %s failed: %s)", _CLEAR_REFS, exc)
             return
         self.kind = "RSS high-water mark"
+        if not trim:
+            self.kind += " (freed heap memory kept between steps: it includes what other runs left)"
         libc = ctypes.util.find_library("c")
         if libc:
             self._trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)  # glibc only
@@ -61,7 +69,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        if self._trim is not None:
+        if self.trim and self._trim is not None:
             self._trim(0)
         with open(_CLEAR_REFS, "wb") as fh:
             fh.write(RESET_PEAK_RSS)

@@ -159,7 +159,7 @@ def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, 
     from ..telemetry.peak_memory import PeakMemory
 
     with MegatronRuntime() as rt, BackgroundLoad(background_load):
-        peak = PeakMemory(rt.device)
+        peak = PeakMemory(rt.device, trim=node is None)  # an emulated node keeps freed memory (bench_node.py)
         run = BenchRun(spec, steps, warmup, str(rt.device), peak.kind, background_load=background_load,
                        node=node)
         print(f"ssdtrain bench: megatron-core GPT, {spec.layers} layers, hidden {spec.hidden}, "

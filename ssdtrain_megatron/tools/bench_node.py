@@ -163,7 +163,8 @@ def cache_freed_host_memory() -> str:
     ``bench --node-emulation`` 8 minutes apart, in which offload's stayed at 9.41 and 9.40 s);
     a GPU's allocator hands freed blocks out again and has no such cost. With both thresholds raised,
     blocks below 32 MiB come from the heap and stay there: every strategy reuses what it
-    freed. (The peak-memory reset still trims the heap before each step: telemetry/peak_memory.py.)"""
+    freed, and the bench's peak-memory reset does not trim the heap between steps under node
+    emulation (telemetry/peak_memory.py ``trim``)."""
     path = ctypes.util.find_library("c")
     mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
     if mallopt is None:
