@@ -177,7 +177,8 @@ def test_the_emulated_node_reuses_freed_host_memory_as_a_gpu_allocator_does():
                              capture_output=True, text=True, timeout=120, check=True)
         faults[cached] = int(out.stdout.split()[-1])
     pages = 4 * 48 * (4 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert faults[False] > pages // 2, f"the defaults faulted {faults[False]} of {pages} pages: the test shows nothing"
+    assert faults[False] > pages // 2, \
+        f"the defaults faulted {faults[False]} of {pages} pages: the test shows nothing"
     assert faults[True] < pages // 100, f"faulted {faults[True]} pages again after cache_freed_host_memory()"
     assert "kept for reuse" in out.stderr
 

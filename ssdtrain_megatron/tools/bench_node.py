@@ -155,16 +155,17 @@ def cache_freed_host_memory() -> str:
     """Make the C allocator keep freed blocks for reuse, as a GPU's caching allocator keeps
     freed device memory; returns what was done, for the run's header.
 
-    Why: glibc gives each block of at least its mmap threshold (128 KiB, raised up to 32 MiB as
-    blocks are freed) a mapping of its own and unmaps it when freed, so every activation of
-    that size faults its pages in again, micro-batch after micro-batch. On the CPU that cost
-    falls on the strategy that holds the most (keep, 546 MB at the default shape: a median step
-    of 6.51 s with glibc's defaults, 5.57 s with the blocks reused, in two runs of
-    ``bench --node-emulation`` 8 minutes apart, in which offload's stayed at 9.41 and 9.40 s);
-    a GPU's allocator hands freed blocks out again and has no such cost. With both thresholds raised,
-    blocks below 32 MiB come from the heap and stay there: every strategy reuses what it
-    freed, and the bench's peak-memory reset does not trim the heap between steps under node
-    emulation (telemetry/peak_memory.py ``trim``)."""
+    Why: glibc gives a block above its mmap threshold (128 KiB at first, raised by frees up to
+    32 MiB) a mapping of its own, unmapped when it is freed, and hands the top of its heap back
+    to the kernel once more than its trim threshold is free there: either way the next
+    micro-batch faults an activation's pages in again. On the CPU that cost falls on the
+    strategy that holds the most (keep, 546 MB at the default shape: a median step of 6.51 s
+    with glibc's defaults and 5.57 s with the thresholds raised, one run each of
+    ``bench --node-emulation`` 8 minutes apart, offload's 9.41 and 9.40 s); a GPU's allocator
+    hands freed blocks out again and has no such cost. With both thresholds raised, blocks
+    below 32 MiB come from the heap and stay there: every strategy reuses what it freed. The
+    bench's peak-memory reset does not trim the heap between steps under node emulation either
+    (telemetry/peak_memory.py ``trim``)."""
     path = ctypes.util.find_library("c")
     mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
     if mallopt is None:
