@@ -298,6 +298,8 @@ def summarize(run: BenchRun, memory_budget: Optional[int] = None) -> dict:
                                       "budget_wait_s": statistics.median(s.budget_wait[run.warmup:] or [0.0]),
                                       "cpu_s": statistics.median(s.cpu[run.warmup:]),
                                       "bytes_offloaded": statistics.median(s.offloaded[run.warmup:]),
+                                      "bytes_read": statistics.median(s.read[run.warmup:] or [0]),
+                                      "tensors_forwarded": statistics.median(s.forwarded[run.warmup:] or [0]),
                                       "fallbacks": sum(s.fallbacks)}
                         for (n, mb), s in run.series.items()},
         "out_of_memory": [{"strategy": n, "micro_batch": mb} for n, mb in run.out_of_memory],

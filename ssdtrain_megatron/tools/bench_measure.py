@@ -82,6 +82,10 @@ class _Series:
     budget_wait: List[float] = field(default_factory=list)
     """Seconds pack or a read waited for writes to stay within the budget, per step."""
     offloaded: List[int] = field(default_factory=list)
+    read: List[int] = field(default_factory=list)
+    """Bytes read back from the engine, per step (what crossed the drive on the way back)."""
+    forwarded: List[int] = field(default_factory=list)
+    """Tensors served from memory instead of read back (their write had not finished), per step."""
     fallbacks: List[int] = field(default_factory=list)
     """Writes that failed (a full disk) and stayed in memory, per step."""
     cpu: List[float] = field(default_factory=list)
@@ -254,7 +258,8 @@ def _settle(c: "_Contender", peak, bar, mb: int) -> None:
             return
         series.explore_times.append(series.times.pop())
         series.explore_peak = max(series.explore_peak, series.activation.pop())
-        for name in ("losses", "mb_losses", "memory", "io_wait", "budget_wait", "offloaded", "fallbacks", "cpu"):
+        for name in ("losses", "mb_losses", "memory", "io_wait", "budget_wait", "offloaded", "read", "forwarded",
+                     "fallbacks", "cpu"):
             getattr(series, name).pop()
         say(bar, f"micro-batch {mb}: adaptive exploring, step {n}: {series.explore_times[-1]:.2f}s")
         if sel.settled:
@@ -329,6 +334,8 @@ class _Contender:
         ser.io_wait.append(st.io_wait_s)
         ser.budget_wait.append(st.budget_wait_s)
         ser.offloaded.append(st.bytes_offloaded)
+        ser.read.append(st.bytes_read)
+        ser.forwarded.append(st.tensors_forwarded)
         ser.fallbacks.append(st.fallbacks)
         ser.last_stats = st
         ser.cpu.append(cpu1.user - cpu0.user + cpu1.system - cpu0.system)
