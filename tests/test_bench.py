@@ -72,7 +72,7 @@ def test_quick_json_has_every_strategy_positive_figures_equal_losses_and_a_plot(
     diag = result["diagnostics"]
     assert diag["offload@1"]["bytes_offloaded"] > 0 and diag["offload@2"]["bytes_offloaded"] > 0
     assert diag["offload@1"]["bytes_read"] > 0 and diag["offload@2"]["bytes_read"] > 0  # and read back
-    assert diag["offload@2"]["tensors_forwarded"] >= 0 and diag["keep@2"]["bytes_read"] == 0
+    assert "tensors_forwarded" in diag["offload@2"] and diag["keep@2"]["bytes_read"] == 0
     assert diag["keep@2"]["bytes_offloaded"] == diag["recompute@2"]["bytes_offloaded"] == 0
     assert (out / "rok.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "points.json").read_text()) == result

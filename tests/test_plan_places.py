@@ -99,7 +99,6 @@ def test_plan_prints_a_table(capsys, preset):
     assert "per iteration" in text and "binding" in text
 
 
-
 def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, preset, monkeypatch):
     """The runtime reads prefetch_layers ahead of backward, and the plan's timeline must assume
     the same read-ahead (plan/tier_costs.py). Broken by plan_stage not passing it on (the
