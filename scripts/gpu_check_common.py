@@ -146,7 +146,11 @@ class GpuGPT(MiniGPT):
             self.model = GPTModel(config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(),
                                   vocab_size=spec.vocab, max_sequence_length=spec.seq,
                                   share_embeddings_and_output_weights=False, position_embedding_type="rope")
-        self.model.to(device)
+        # All of it in bf16, as Megatron's Float16Module makes it (module.bfloat16()): the local
+        # spec's torch norms are created in fp32 whatever params_dtype says, and a CUDA
+        # layer_norm refuses bf16 input with fp32 weights (the CPU accepts the mix, which is why
+        # only the first GPU run showed it).
+        self.model.to(device).bfloat16()
         self.model.train()
         self.params = list(self.model.parameters())
         self.optimizer = torch.optim.Adam(self.params, lr=spec.lr)

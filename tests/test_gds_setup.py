@@ -209,3 +209,29 @@ def test_cuda_gds_reads_are_4k_aligned_and_bitwise(tmp_path, compact):
         saved = y[:, COLS // 3:2 * COLS // 3] if compact else y
         (saved * saved).sum().backward()
         assert torch.equal(g.view(torch.int32), x.grad.view(torch.int32))
+
+
+def test_kvikio_defaults_is_imported_when_the_package_does_not_import_it(tmp_path, monkeypatch):
+    """kvikio 26.10's ``import kvikio`` leaves its ``defaults`` submodule unimported (the first
+    GPU run of gpu-check: "module 'kvikio' has no attribute 'defaults'"). A stand-in package laid
+    out the same way (kvikio itself needs CUDA) must still be configured. Broken by reading
+    ``kvikio.defaults`` as an attribute only: AttributeError."""
+    import importlib
+    import sys
+
+    pkg = tmp_path / "kvikio_layout"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "defaults.py").write_text("calls = []\n"
+                                     "def set(name, value):\n    calls.append((name, value))\n"
+                                     "def is_compat_mode_preferred():\n    return True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
+    module = importlib.import_module("kvikio_layout")
+    try:
+        assert not hasattr(module, "defaults")
+        assert configure_kvikio(module, 3) is True
+        assert sys.modules["kvikio_layout.defaults"].calls == [("num_threads", 3)]
+    finally:
+        sys.modules.pop("kvikio_layout.defaults", None)
+        sys.modules.pop("kvikio_layout", None)

@@ -32,6 +32,7 @@ Why these choices:
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
@@ -188,8 +189,12 @@ def configure_kvikio(kvikio, threads: int) -> bool:
     """Give kvikio's thread pool ``threads`` threads (unless ``KVIKIO_NTHREADS`` is set);
     True when kvikio prefers compat mode (POSIX IO instead of cuFile). Both the current
     (``defaults.set`` / ``is_compat_mode_preferred``) and the older (``num_threads_reset`` /
-    ``compat_mode``) kvikio APIs."""
-    defaults = kvikio.defaults
+    ``compat_mode``) kvikio APIs. ``kvikio.defaults`` is a submodule that ``import kvikio``
+    does not always import (kvikio 26.10 does not: the first GPU run of gpu-check failed on it),
+    so it is imported by name where the attribute is missing."""
+    defaults = getattr(kvikio, "defaults", None)
+    if defaults is None:
+        defaults = importlib.import_module(f"{kvikio.__name__}.defaults")
     if "KVIKIO_NTHREADS" not in os.environ:
         if hasattr(defaults, "set"):
             defaults.set("num_threads", threads)
