@@ -219,7 +219,7 @@ def test_the_two_commands_of_the_first_screen_are_the_ones_ci_runs():
     assert "make test" in block
     assert re.search(r"^make test$", _read(".ci/run"), re.M)
     head = "\n".join(readme.splitlines()[:100])
-    for said in ("GPU figures are not yet measured", "pip install --no-deps", "--ssd-offload",
+    for said in ("performance targets not yet met", "pip install --no-deps", "--ssd-offload",
                  "plan-table"):
         assert said in head, said
 
