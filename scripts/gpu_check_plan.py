@@ -27,10 +27,10 @@ STEPS = [
     ("bitwise-gds", 30, ("imports",), "the same with gds through GPUDirect Storage (not run in compat mode)"),
     ("bitwise-gds-compat", 30, ("imports",), "the same with gds in kvikio's compat mode (KVIKIO_COMPAT_MODE=ON)"),
     ("stress", 40, ("imports",), "100 steps, delayed side compute stream, compact views: bitwise"),
-    ("cuda-tests", 45, ("install",), "the cuda tests this box can run (scripts/gpu_check_cuda.py): all pass"),
+    ("cuda-tests", 40, ("install",), "the cuda tests this box can run (scripts/gpu_check_cuda.py): all pass"),
     ("syncs", 25, ("imports",), "host syncs on the training thread, offload (memory) vs keep"),
     ("io-bench", 20, ("install",), "the drive's write/read bandwidth through the posix engine"),
-    ("measure", 115, ("imports",), "peak activation memory, step time, stall, tokens/s per policy"),
+    ("measure", 120, ("imports",), "peak activation memory, step time, stall, tokens/s per policy"),
 ]
 TOTAL_S = 480  # the whole check, the parent's own work included
 PARENT_S = 10  # the parent's share: starting the steps, writing the results
@@ -58,7 +58,12 @@ STRESS_INFLIGHT = 64 * MiB
 MEASURE_INFLIGHT = GiB
 OVERFLOW_STAGING = 64 * MiB  # the staging of an engine that copies into its own pool (memory)
 ADAPTIVE_TRIAL_STEPS, ADAPTIVE_EXPLORE_STEPS = 1, 3  # the measure step's adaptive: settles fast
-ADAPTIVE_SETTLE_CAP = 8  # warm-up steps at most before its timed steps
+# Warm-up steps at most before its timed steps: one before anything went through the drive
+# (no bandwidth to plan with), one making the model's plan, one re-plan while the plan is
+# measured (cache/adaptive.py), then one round of measured selection (plan/explore.py's
+# Bounds.round_steps; this module imports nothing of the package, which the parent process
+# cannot import: tests/test_gpu_check.py checks that the two agree).
+ADAPTIVE_SETTLE_CAP = 3 + ADAPTIVE_TRIAL_STEPS + 2 * ADAPTIVE_EXPLORE_STEPS
 
 
 def activation_bytes(shape: dict, micro_batch: Optional[int] = None) -> int:

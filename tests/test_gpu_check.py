@@ -61,6 +61,20 @@ def test_the_plan_fits_480_s_with_every_estimate_inside_its_limit():
     assert gpu_check_plan.estimates(big)["measure"]["total"] > slot
 
 
+def test_adaptive_warm_up_cap_is_one_round_of_measured_selection_and_its_first_steps():
+    """The measure step's adaptive waits at most ADAPTIVE_SETTLE_CAP steps to settle: one round
+    of its bounds (plan/explore.py) and the three steps before the round (no bandwidth yet, the
+    model's plan, one re-plan). At 8, before paired exploration was counted, the first GPU run's
+    adaptive row could not settle; the dry-run plan prices the cap's steps."""
+    from ssdtrain_megatron.plan.explore import Bounds
+
+    bounds = Bounds(gpu_check_plan.ADAPTIVE_TRIAL_STEPS, gpu_check_plan.ADAPTIVE_EXPLORE_STEPS)
+    assert gpu_check_plan.ADAPTIVE_SETTLE_CAP == 3 + bounds.round_steps
+    args = gpu_check.parse_args(["--dry-run"])
+    adaptive = next(p for p in gpu_check_plan.measure_points(args) if p["name"].startswith("adaptive"))
+    assert adaptive["steps"] == gpu_check_plan.ADAPTIVE_SETTLE_CAP + args.steps
+
+
 def test_the_bitwise_pools_are_sized_to_the_step_and_hold_a_micro_batch():
     mb = gpu_check_plan.activation_bytes(gpu_check_plan.BITWISE_SHAPE)
     memory = gpu_check_plan.bitwise_settings("memory")
@@ -80,7 +94,8 @@ def test_make_dry_run_prints_each_limit_estimate_and_the_sum(tmp_path):
     assert "registering pinned memory" in proc.stdout and "collecting tests 15s" in proc.stdout
     assert "the plan fits" in proc.stdout
     plan = json.loads((tmp_path / "res" / "plan.json").read_text())
-    assert plan["dry_run"] and plan["measure_estimate"]["seconds"] <= 115
+    measure_limit = next(limit for name, limit, *_ in gpu_check.STEPS if name == "measure")
+    assert plan["dry_run"] and plan["measure_estimate"]["seconds"] <= measure_limit
     assert plan["estimates"]["measure"]["register"] > 0
     assert sorted(os.listdir(tmp_path / "res")) == ["plan.json"]  # nothing ran
 

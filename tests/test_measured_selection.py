@@ -39,6 +39,7 @@ def test_exploration_never_exceeds_its_step_bound_and_then_settles_on_the_incumb
     assert exploring == 12  # four candidates of three steps
     assert sel.phase == SETTLED and sel.incumbent == 0
     assert sel.settled_step == 3 + 2 * 12  # each candidate step followed by one of the incumbent
+    assert sel.settled_step == sel.bounds.round_steps  # what the bench and gpu-check wait for
     assert all(ran[k] == 0 for k in range(4, 3 + 2 * 12, 2))  # the steps beside them
     assert set(ran[27:]) == {0}  # none after settling
 

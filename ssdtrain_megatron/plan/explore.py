@@ -81,6 +81,12 @@ class Bounds:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected a number in [0, 1)")
 
+    @property
+    def round_steps(self) -> int:
+        """The most steps one round takes: the prior's, and each explored step with the
+        incumbent's step beside it."""
+        return self.trial_steps + 2 * self.explore_steps
+
     def describe(self) -> str:
         return (f"the model's plan for {self.trial_steps} steps, then at most {self.explore_steps} "
                 f"steps on other plans ({self.trial_steps} steps each, each followed by a step of the "

@@ -250,8 +250,7 @@ def _settle(c: "_Contender", peak, bar, mb: int) -> None:
     from .minigpt import MiniGPT
 
     sel = c.offloader.planner.selection
-    b = sel.bounds
-    cap = 1 + 2 * (b.trial_steps + 2 * b.explore_steps)  # a round pairs each explored step (plan/explore.py)
+    cap = 1 + 2 * sel.bounds.round_steps
     series = c.series
     for n in range(1, cap + 1):
         if not c.step(peak):
