@@ -174,7 +174,8 @@ def test_in_compat_mode_gds_stages_through_pinned_host_memory(tmp_path, monkeypa
 def test_cuda_gds_reads_are_4k_aligned_and_bitwise(tmp_path, compact):
     """Real kvikio (GDS or compat mode, whichever this box has) and real streams: reads land
     4 KiB-aligned when the engine is direct, the engine is staged in compat mode, and the
-    gradients are bitwise those of a run without offload."""
+    gradients are bitwise those of a run without offload. (The first GPU run failed it with
+    0 bytes read: the test itself still held the saved tensors.)"""
     from ssdtrain_megatron.io.gds import GdsEngine, gds_unavailable_reason
 
     if gds_unavailable_reason():
@@ -195,6 +196,7 @@ def test_cuda_gds_reads_are_4k_aligned_and_bitwise(tmp_path, compact):
                 y = torch.tanh(x)
                 saved = y[:, COLS // 3:2 * COLS // 3] if compact else y
                 loss = (saved * saved).sum()
+            del y, saved  # held here, they would be served from memory at unpack: no read
             off.wait_writes()
             loss.backward()
             grads.append(x.grad)
