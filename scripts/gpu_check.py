@@ -15,7 +15,7 @@ and each step's estimate (start, pinning its pools, collecting tests, its work) 
                gds through GPUDirect Storage, gds in kvikio's compat mode), the compute stream
                delayed (torch.cuda._sleep) before every layer's forward and backward, so a missing
                wait shows up as wrong bytes: losses and gradients bitwise equal at every step
-  stress       100 steps, compute on a non-default stream (delayed too), megatron's split QKV
+  stress       50 steps, compute on a non-default stream (delayed too), megatron's split QKV
                (compact views) offloaded: bitwise equal at every step
   cuda-tests   the cuda-marked tests this box can run, each required to pass (gpu_check_cuda.py)
   syncs        host synchronisations on the training thread (torch.cuda.set_sync_debug_mode),

@@ -164,7 +164,7 @@ TARGETS: List[Tuple[str, str, Callable[[dict], Verdict]]] = [
      for e in ("posix", "memory", "tiered")] + [
     ("bitwise gds (GPUDirect Storage): keep == offload", "bitwise-gds", functools.partial(_gds, "direct")),
     ("bitwise gds-compat (kvikio compat mode): keep == offload", "bitwise-gds-compat", functools.partial(_gds, "compat")),
-    ("stress: 100 steps bitwise, side stream, compact views", "stress", _status),
+    ("stress: 50 steps bitwise, side stream, compact views", "stress", _status),
     ("cuda tests: every required one passed", "cuda-tests", _status),
     ("no host sync added by offload (memory engine)", "syncs", _syncs),
 ] + [(f"host stall offload-{e} <= {STALL_MAX:.0%} of step time", "measure", functools.partial(_stall, e))

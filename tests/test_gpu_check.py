@@ -308,7 +308,7 @@ def test_targets_compute_pass_fail_and_not_run_from_the_results():
     assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point5_tokens_per_s=1.0) == "FAIL"
     assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point3_oom=False) == "NOT RUN"
     assert result("no host sync added by offload (memory engine)", syncs__offload_syncs=3.0) == "FAIL"
-    assert result("stress: 100 steps bitwise, side stream, compact views", stress__status="fail") == "FAIL"
+    assert result("stress: 50 steps bitwise, side stream, compact views", stress__status="fail") == "FAIL"
     assert result("bitwise gds (GPUDirect Storage): keep == offload", **{"bitwise-gds__status": "error"}) == "NOT RUN"
     assert result("import kvikio; the gds engine is available", imports__kvikio={"error": "no libcufile"}) == "FAIL"
     assert result("import megatron.core 0.16.1", imports__megatron_core={"version": "0.17.1"}) == "FAIL"
