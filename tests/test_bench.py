@@ -398,3 +398,22 @@ def test_the_bench_sets_a_passive_openmp_wait_policy_unless_the_environment_sets
     said, value = run("import torch; " + code)  # too late: the bench says so and sets nothing
     assert said.startswith("the OpenMP runtime's default") and value == "None"
 
+
+
+def test_an_exploring_step_taken_back_leaves_every_per_step_list_one_shorter():
+    """Adaptive's exploring steps leave the measured series (bench_measure._settle): every list
+    with one entry per step loses its last one. Broken by appending one more per-step figure in
+    add_step outside PER_STEP: that list keeps the exploring step and is a step out of line."""
+    import dataclasses
+
+    st = types.SimpleNamespace(peak_resident_bytes=7, io_wait_s=0.1, budget_wait_s=0.0, bytes_offloaded=3,
+                               bytes_read=2, tensors_forwarded=1, fallbacks=0, layers=[])
+    series = _Series()
+    for k in range(2):
+        series.add_step(1.0 + k, [1.0 + k], 2.0 + k, st, 5, 0.5, 1)
+    per_step = [f.name for f in dataclasses.fields(series)
+                if isinstance(getattr(series, f.name), list) and getattr(series, f.name)]
+    assert sorted(per_step) == sorted(_Series.PER_STEP)
+    assert series.take_last_step() == (3.0, 7)
+    assert {name: len(getattr(series, name)) for name in per_step} == {name: 1 for name in per_step}
+    assert series.times == [2.0] and series.losses == [1.0] and series.last_stats is st

@@ -12,7 +12,7 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 from .bench_budget import adaptive_config, default_budget
 from .bench_compare import CONTROL
@@ -109,6 +109,29 @@ class _Series:
     """The StepStats of its last step (per-layer figures, the plan adaptive ran)."""
     plan_rows: Optional[tuple] = None
     """planned: the places it ran, per micro-batch position and layer."""
+
+    PER_STEP: ClassVar[Tuple[str, ...]] = (
+        "losses", "mb_losses", "times", "activation", "memory", "io_wait", "budget_wait", "offloaded",
+        "read", "forwarded", "fallbacks", "cpu")
+    """The lists with one entry per step, in ``add_step``'s order."""
+
+    def add_step(self, loss: float, mb_losses: List[float], seconds: float, st, memory: Optional[int],
+                 cpu_s: float, num_microbatches: int) -> None:
+        """One step's figures, ``st`` its StepStats, into every per-step list."""
+        for name, value in zip(self.PER_STEP, (
+                loss, list(mb_losses), seconds, st.peak_resident_bytes, memory, st.io_wait_s,
+                st.budget_wait_s, st.bytes_offloaded, st.bytes_read, st.tensors_forwarded,
+                st.fallbacks, cpu_s)):
+            getattr(self, name).append(value)
+        self.last_stats = st
+        layers = [r.bytes // num_microbatches for r in st.layers if r.layer != "None"]
+        self.layer_bytes = max(layers + [self.layer_bytes])
+
+    def take_last_step(self) -> Tuple[float, int]:
+        """Remove the last step from every per-step list (adaptive's exploring steps are not
+        measured steps); (its time, its peak resident activation bytes)."""
+        last = {name: getattr(self, name).pop() for name in self.PER_STEP}
+        return last["times"], last["activation"]
 
     def point(self, strategy: str, micro_batch: int, tokens: int, warmup: int) -> Point:
         times = self.times[warmup:]
@@ -255,11 +278,9 @@ def _settle(c: "_Contender", peak, bar, mb: int) -> None:
     for n in range(1, cap + 1):
         if not c.step(peak):
             return
-        series.explore_times.append(series.times.pop())
-        series.explore_peak = max(series.explore_peak, series.activation.pop())
-        for name in ("losses", "mb_losses", "memory", "io_wait", "budget_wait", "offloaded", "read", "forwarded",
-                     "fallbacks", "cpu"):
-            getattr(series, name).pop()
+        seconds, activation = series.take_last_step()
+        series.explore_times.append(seconds)
+        series.explore_peak = max(series.explore_peak, activation)
         say(bar, f"micro-batch {mb}: adaptive exploring, step {n}: {series.explore_times[-1]:.2f}s")
         if sel.settled:
             series.settle_steps = n
@@ -323,23 +344,8 @@ class _Contender:
             torch.cuda.empty_cache()
             return False
         cpu1 = os.times()
-        st = self.offloader.last_step_stats
-        ser = self.series
-        ser.losses.append(loss)
-        ser.mb_losses.append(list(self.model.last_losses))
-        ser.times.append(dt)
-        ser.activation.append(st.peak_resident_bytes)
-        ser.memory.append(peak.peak())
-        ser.io_wait.append(st.io_wait_s)
-        ser.budget_wait.append(st.budget_wait_s)
-        ser.offloaded.append(st.bytes_offloaded)
-        ser.read.append(st.bytes_read)
-        ser.forwarded.append(st.tensors_forwarded)
-        ser.fallbacks.append(st.fallbacks)
-        ser.last_stats = st
-        ser.cpu.append(cpu1.user - cpu0.user + cpu1.system - cpu0.system)
-        layers = [r.bytes // self.spec.num_microbatches for r in st.layers if r.layer != "None"]
-        ser.layer_bytes = max(layers + [ser.layer_bytes])
+        self.series.add_step(loss, self.model.last_losses, dt, self.offloader.last_step_stats, peak.peak(),
+                             cpu1.user - cpu0.user + cpu1.system - cpu0.system, self.spec.num_microbatches)
         return True
 
     def close(self) -> List[str]:
