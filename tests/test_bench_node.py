@@ -109,6 +109,33 @@ def test_recomputing_is_priced_at_the_recompute_pass_the_runtime_measured():
         pytest.approx([0.0025] * 3 + [0.01])
 
 
+def test_the_planned_strategy_prices_recomputing_at_the_measured_passes_too(tmp_path):
+    """The planned strategy's plan (PlannedTiers, bench_node.py) prices a recomputed layer as the
+    prediction does: at the pass the recompute strategy measured, not at keep's forward. Drives
+    and host memory too small to help: the budget is met by recomputing. Broken by leaving
+    ``recomputed`` out of plan_for: recompute_s 0.06 (the forward), not 0.015."""
+    from ssdtrain_megatron.cache import ActivationOffloader
+    from ssdtrain_megatron.tools.bench_node import PlannedTiers
+
+    stats = _keep_stats()
+    rows = tuple(dataclasses.replace(r, decision="recompute", recompute_s=2 * 0.0025, recomputes=2)
+                 for r in stats.layers)
+    recomputed = dataclasses.replace(stats, layers=rows)
+    node = NodeEmulation((0,), (1,), ssd_gbps=1e-6, host_bytes=1, link_gbps=100.0)
+    budget = 10_000_000 + 2 * 10_000_000  # the reserve (one layer) and two layers' room
+    cfg = OffloadConfig(dirs=[str(tmp_path)], policy="keep", create_dirs=True)
+    with ActivationOffloader(cfg) as off:
+        planned = PlannedTiers(node, budget, 4, off)
+        planned.plan_from(off, stats, 2, recomputed)
+        measured = planned.plan
+        planned.plan_from(off, stats, 2)
+        forward = planned.plan
+    k = measured.decisions[0].count("recompute")
+    assert k >= 2 and forward.decisions[0].count("recompute") == k  # the inputs stay: 2 are not enough
+    assert measured.recompute_s == pytest.approx(k * 2 * 0.0025)  # per layer, per micro-batch
+    assert forward.recompute_s == pytest.approx(k * 2 * 0.01)
+
+
 def test_planned_and_adaptive_are_compared_with_the_fastest_strategy_within_the_budget():
     """At the ratios' size, planned's step time over the fastest single strategy whose peak
     fits the budget (keep does not fit here, host does not either), adaptive's over the

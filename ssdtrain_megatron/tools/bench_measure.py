@@ -248,8 +248,9 @@ def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: Offl
                      f"{' (warm-up)' if i < run.warmup else ''}: {times}")
             bar.update(1)
             if i < run.warmup:  # planned plans from keep's latest step, before the measured ones
+                recompute = next((c for c in contenders if c.strategy.name == "recompute"), None)
                 for c in planned:
-                    c.plan_from(contenders[0], spec.num_microbatches)
+                    c.plan_from(contenders[0], spec.num_microbatches, recompute)
     finally:
         for c in contenders:
             run.files_left += c.close()
@@ -314,10 +315,14 @@ class _Contender:
         self.planned = None
         """planned: its PlannedTiers (bench_node.py)."""
 
-    def plan_from(self, keep: "_Contender", num_micro_batches: int) -> None:
-        """planned: (re)plan from the keep contender's last step."""
+    def plan_from(self, keep: "_Contender", num_micro_batches: int,
+                  recompute: Optional["_Contender"] = None) -> None:
+        """planned: (re)plan from the keep contender's last step, recomputing a layer priced
+        at the pass the recompute contender's last step measured for it (as the prediction
+        prices it; bench_predict.py)."""
         if self.planned is not None and keep.series.last_stats is not None:
-            self.planned.plan_from(self.offloader, keep.series.last_stats, num_micro_batches)
+            recomputed = recompute.series.last_stats if recompute is not None else None
+            self.planned.plan_from(self.offloader, keep.series.last_stats, num_micro_batches, recomputed)
             if self.planned.plan is not None:
                 self.series.plan_rows = self.planned.plan.decisions
 

@@ -265,8 +265,8 @@ def node_from_args(args: argparse.Namespace) -> Optional[NodeEmulation]:
 class PlannedTiers:
     """The 'planned' contender's places: the four-place plan (plan/tiers.py) for the bench's
     budget on the emulated node, from the per-layer figures of keep's latest warm-up step,
-    set as fixed per-layer decisions ('keep', 'host', 'ssd', 'recompute') before the measured
-    steps. Its own warm-up steps offload to the tiered engine's default place (host memory
+    recomputing a layer priced at the pass the recompute strategy measured for it, set as fixed
+    per-layer decisions ('keep', 'host', 'ssd', 'recompute') before the measured steps. Its own warm-up steps offload to the tiered engine's default place (host memory
     first). Without a budget the plan keeps everything (keeping costs no time)."""
 
     def __init__(self, node: NodeEmulation, budget: Optional[int], layers: int, offloader) -> None:
@@ -279,12 +279,14 @@ class PlannedTiers:
             for k in self.layer_keys:
                 offloader.set_layer_decision(k, "keep")
 
-    def plan_from(self, offloader, keep_stats, num_micro_batches: int) -> None:
+    def plan_from(self, offloader, keep_stats, num_micro_batches: int, recomputed=None) -> None:
+        """Plan from ``keep_stats`` (StepStats of keep) and, where given, the recompute passes
+        ``recomputed`` (StepStats of a step that recomputed) measured."""
         if self.budget is None:
             return
         from .bench_predict import plan_for
 
-        self.plan = plan_for(self.node, keep_stats, num_micro_batches, self.budget)
+        self.plan = plan_for(self.node, keep_stats, num_micro_batches, self.budget, recomputed)
         row = self.plan.decisions[0]  # no pipeline here: every position is alike
         for k, place in zip(self.layer_keys, row):
             offloader.set_layer_decision(k, place)

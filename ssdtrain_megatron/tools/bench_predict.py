@@ -68,11 +68,12 @@ def tiers(node, budget: Optional[int], reserve: int = 0, bubble_s: float = 0.0,
                  reserve_bytes=reserve, bubble_s=bubble_s, backward_factor=factor, keep_last_layers=1)
 
 
-def plan_for(node, stats, num_micro_batches: int, budget: int) -> TierPlan:
+def plan_for(node, stats, num_micro_batches: int, budget: int, recomputed=None) -> TierPlan:
     """The planned strategy's plan: within ``budget`` (all resident activation bytes), less the
     reserve the runtime needs beside the kept layers (what is saved outside layers, and one
-    layer being saved, written or read back), as the adaptive planner reserves it."""
-    layers, outside, _ = measurements(stats, num_micro_batches)
+    layer being saved, written or read back), as the adaptive planner reserves it; recomputing
+    priced as :func:`predict` prices it (``recomputed``: see :func:`measurements`)."""
+    layers, outside, _ = measurements(stats, num_micro_batches, recomputed)
     reserve = outside + max((m.activation_bytes for m in layers), default=0)
     positions = [Position()] * num_micro_batches
     factor = backward_factor(stats, layers, num_micro_batches)
