@@ -18,8 +18,9 @@ write completed; a read that completes after its layer's backward is due stalls 
 difference (the runtime bounds its read-ahead by the budget's reserve; here it is unbounded).
 A layer whose write has not completed when the runtime asks for it (as backward reaches the
 layer ``prefetch_layers`` above it, or at the backward's start for the last ones) is still in
-GPU memory, and the runtime forwards it from there (cache/transfers.py): backward waits for the
-write, and nothing is read back. The bytes still being written when the forward ends are
+GPU memory, and the runtime forwards it from there (cache/transfers.py): backward uses it at
+once while the write goes on (the drive still carries it, and the reads queue behind it), and
+nothing is read back. The bytes still being written when the forward ends are
 resident then too (``PositionCost.lagging_bytes``): a drive too slow for its layers does not
 free their memory.
 Under a budget the forward waits for the oldest writes instead of exceeding it (cache/budget.py);
@@ -291,7 +292,7 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
         turn[i] = clock
         asked = turn[i + ahead] if i + ahead in turn else backward
         if place in (HOST, SSD) and done[i] > asked:
-            arrival = done[i]  # still being written: forwarded from memory once it completes
+            arrival = 0.0  # still being written: forwarded from memory at once
         elif place == HOST:
             host_read += size
             h2d_free = max(backward, h2d_free, done[i]) + size / link
