@@ -266,8 +266,9 @@ class PlannedTiers:
     """The 'planned' contender's places: the four-place plan (plan/tiers.py) for the bench's
     budget on the emulated node, from the per-layer figures of keep's latest warm-up step,
     recomputing a layer priced at the pass the recompute strategy measured for it, set as fixed
-    per-layer decisions ('keep', 'host', 'ssd', 'recompute') before the measured steps. Its own warm-up steps offload to the tiered engine's default place (host memory
-    first). Without a budget the plan keeps everything (keeping costs no time)."""
+    per-layer decisions ('keep', 'host', 'ssd', 'recompute') before the measured steps. Its own
+    warm-up steps offload to the tiered engine's default place (host memory first). Without a
+    budget the plan keeps everything (keeping costs no time)."""
 
     def __init__(self, node: NodeEmulation, budget: Optional[int], layers: int, offloader) -> None:
         self.node = node
