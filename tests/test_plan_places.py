@@ -3,6 +3,8 @@ the iteration is every micro-batch, a slow drive stalls or is replaced by recomp
 lifespan is rated first, and --json has the names a script reads. The tiny preset of
 tests/test_plan_model.py at 1 GFLOP/s, on the real parser and planner."""
 
+import json
+
 import pytest
 
 from ssdtrain_megatron.plan.lifespan import ssd_lifespan
@@ -121,3 +123,19 @@ def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, pre
     out = plan_json(capsys, preset, "--policy", "adaptive", "--ssd-gbps", "0.01")
     assert out["prefetch_layers"] == 5
     assert seen and set(seen) == {5}, f"planned with {sorted(set(seen))}"
+
+
+def test_host_memory_takes_layers_the_greedy_alone_would_recompute(capsys):
+    """Mixtral 8x7B at micro-batch 4 on a DGX H100, four micro-batches live on the first stage:
+    moving one layer at a time, the greedy took recompute (a single host move stalls the forward
+    under the budget) and ended with four of eight layers recomputed, 1.12x keep; five layers in
+    host memory fit the budget at 1.002x keep (plan/tiers.py _prefer_prefix). Broken by leaving
+    _prefer_prefix out: vs_keep 1.120, 15.3 GB recomputed per micro-batch."""
+    from tests.test_plan_model import main as cli
+
+    assert cli(["plan", "--config", "mixtral-8x7b", "--num-microbatches", "8", "--micro-batch-size", "4",
+                "--engine", "tiered", "--policy", "adaptive", "--recompute-fallback", "--node", "dgx-h100",
+                "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tiers"]["recompute"] == 0 and out["tiers"]["host"] > 0, out["tiers"]
+    assert out["vs_keep"] < 1.01 and out["peak_bytes"] <= out["budget_bytes"], (out["vs_keep"], out["peak_bytes"])
