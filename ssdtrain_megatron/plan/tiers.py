@@ -141,16 +141,13 @@ def _prefer_prefix(step: _Step, rows: List[List[str]], costs: List[PositionCost]
     eight (1.12x keep) where five in host memory fit the budget at 1.002x keep."""
     n = len(step.layers)
     tail = tiers.keep_last_layers if any(p.gap_s == 0 for p, _ in step.groups) else 0
-    free = max(0, tiers.budget_bytes - tiers.reserve_bytes)
     best = step.iteration(costs)[0]
     for place in tiers.usable():
         for k in range(1, max(0, n - tail) + 1):
             row = [place] * k + [KEEP] * (n - k)
             trial = [step.cost(g, row) for g in range(len(step.groups))]
-            fits = all(c.kept_bytes <= free // p.live and
-                       (place != HOST or c.host_bytes <= tiers.host_capacity_bytes // p.live)
-                       for c, (p, _) in zip(trial, step.groups))
-            if not fits:
+            if not _within_budget(step, trial, tiers) or any(
+                    c.host_bytes > tiers.host_capacity_bytes // p.live for c, (p, _) in zip(trial, step.groups)):
                 continue
             now = step.iteration(trial)[0]
             if now < best * (1 - REL_EPS):
@@ -311,7 +308,11 @@ def price(layers: Sequence[LayerMeasurement], positions: Sequence[Position], tie
     step = _Step(layers, groups, tiers)
     rows = [list(row) for row in decisions]
     costs = [step.cost(g, rows[g]) for g in range(len(groups))]
-    fits = tiers.budget_bytes is None or all(
-        c.kept_bytes <= max(0, tiers.budget_bytes - tiers.reserve_bytes) // p.live
-        for c, (p, _) in zip(costs, groups))
+    fits = tiers.budget_bytes is None or _within_budget(step, costs, tiers)
     return _result(step, rows, costs, list(range(len(groups))), fits)
+
+
+def _within_budget(step: _Step, costs: Sequence[PositionCost], tiers: Tiers) -> bool:
+    """Every position keeps no more than its share of the GPU budget less the reserve."""
+    free = max(0, tiers.budget_bytes - tiers.reserve_bytes)
+    return all(c.kept_bytes <= free // p.live for c, (p, _) in zip(costs, step.groups))

@@ -224,6 +224,7 @@ def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: Offl
     contenders = [_Contender(s, dataclasses.replace(spec, micro_batch=mb), _config(s, cfg, budget, run.node),
                              device) for s in alive]
     planned = [c for c in contenders if c.strategy is PLANNED]
+    recompute = next((c for c in contenders if c.strategy.name == "recompute"), None)
     if planned:
         from .bench_node import PlannedTiers
 
@@ -248,7 +249,6 @@ def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: Offl
                      f"{' (warm-up)' if i < run.warmup else ''}: {times}")
             bar.update(1)
             if i < run.warmup:  # planned plans from keep's latest step, before the measured ones
-                recompute = next((c for c in contenders if c.strategy.name == "recompute"), None)
                 for c in planned:
                     c.plan_from(contenders[0], spec.num_microbatches, recompute)
     finally:
