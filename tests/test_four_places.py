@@ -99,7 +99,7 @@ def _steps(off, weights, x, steps):
 
 
 def test_adaptive_on_tiered_plans_host_and_ssd_within_budget_and_host_memory(tmp_path):
-    """Under a budget that holds a third of a micro-batch and host memory that holds a third,
+    """Under a budget that holds half of a micro-batch and host memory that holds a third,
     the model's plan uses both tiers, every step stays within the budget after the first, host
     memory is never exceeded, bytes come back from both tiers, and the gradients equal keep's
     bit for bit. Broken by building no FourPlaces for 'tiered' in AdaptivePlanner: the plan
@@ -110,7 +110,7 @@ def test_adaptive_on_tiered_plans_host_and_ssd_within_budget_and_host_memory(tmp
     layer = 1024 * 256 * 4  # the tanh output each layer saves
     cfg = OffloadConfig(dirs=[str(tmp_path)], engine="tiered", min_tensor_bytes=4096,
                         host_memory_bytes=2 * layer, bandwidth_cap_gbps=0.5, policy="adaptive",
-                        activation_budget_bytes=4 * layer, adaptive_explore_steps=0)
+                        activation_budget_bytes=3 * layer, adaptive_explore_steps=0)
     with ActivationOffloader(cfg.replace(policy="keep")) as keep:
         want, _ = _steps(keep, weights, x, 1)
     with ActivationOffloader(cfg) as off:
@@ -119,7 +119,7 @@ def test_adaptive_on_tiered_plans_host_and_ssd_within_budget_and_host_memory(tmp
     last = stats[-1]
     places = {d for _, _, d in last.plan}
     assert {"host", "ssd"} <= places, last.plan
-    assert all(s.peak_resident_bytes <= 4 * layer for s in stats[1:])
+    assert all(s.peak_resident_bytes <= 3 * layer for s in stats[1:])
     assert all(s.tier_bytes["host"] <= 2 * 2 * layer for s in stats)  # 2 micro-batches, one at a time
     assert last.tier_bytes["host"] > 0 and last.tier_bytes["ssd"] > 0 and last.bytes_read > 0
     assert planner._four.last is not None and planner._four.last.fits_budget

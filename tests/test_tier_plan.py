@@ -33,11 +33,15 @@ def test_no_budget_keeps_everything():
     assert plan.binding == "nothing"
 
 
-def test_host_takes_the_last_movable_layers_and_the_drives_the_first_once_host_is_full():
+def test_host_takes_the_first_movable_layers_and_the_drives_the_next_once_host_is_full():
+    """The budget holds two layers. Kept last, they are freed first in backward and make room
+    to read the moved ones ahead; kept around moved ones, they leave no room, and each read
+    waits until backward needs it (a stall, however fast the link)."""
     roomy = plan_tiers(LAYERS, ONE, tiers())
-    assert roomy.decisions == ((KEEP, HOST, HOST, KEEP),)
+    assert roomy.decisions == ((HOST, HOST, KEEP, KEEP),)
+    assert price(LAYERS, ONE, tiers(), [(KEEP, HOST, HOST, KEEP)]).stall_s == pytest.approx(2e-4)
     full = plan_tiers(LAYERS, ONE, tiers(host_capacity_bytes=100))
-    assert full.decisions == ((SSD, KEEP, HOST, KEEP),)
+    assert full.decisions == ((HOST, SSD, KEEP, KEEP),)
     assert full.tier_bytes == {KEEP: 200, HOST: 100, SSD: 100, RECOMPUTE: 0}
     assert full.peak_bytes == 200 and full.host_peak_bytes == 100
     assert full.stall_s == 0 and full.iteration_s == 12.0
@@ -46,7 +50,7 @@ def test_host_takes_the_last_movable_layers_and_the_drives_the_first_once_host_i
 def test_a_slow_drive_with_full_host_memory_recomputes_and_host_memory_binds():
     plan = plan_tiers(LAYERS, ONE, tiers(host_capacity_bytes=100, ssd_write_bps=10,
                                          ssd_read_bps=10))
-    assert plan.decisions == ((RECOMPUTE, RECOMPUTE, HOST, KEEP),)
+    assert plan.decisions == ((HOST, RECOMPUTE, RECOMPUTE, KEEP),)
     assert plan.recompute_s == 2.0 and plan.stall_s == 0 and plan.iteration_s == 14.0
     assert plan.tier_bytes[RECOMPUTE] == 180 and plan.tier_bytes[KEEP] == 120
     assert plan.binding == "host memory"
@@ -55,7 +59,7 @@ def test_a_slow_drive_with_full_host_memory_recomputes_and_host_memory_binds():
 def test_without_recompute_the_slow_drive_stalls_and_binds():
     plan = plan_tiers(LAYERS, ONE, tiers(host_capacity_bytes=100, ssd_write_bps=10,
                                          ssd_read_bps=10, places=(KEEP, HOST, SSD)))
-    assert plan.decisions == ((SSD, KEEP, HOST, KEEP),)
+    assert plan.decisions == ((HOST, SSD, KEEP, KEEP),)
     assert plan.stall_s > 0 and plan.iteration_s == plan.work_s + plan.stall_s
     assert plan.binding == "the drives"
 
@@ -66,19 +70,19 @@ def test_micro_batches_share_the_drives_so_the_iteration_pays_for_their_bytes():
     lasts. The iteration is the drives' time, the stall is not 0, and the bandwidth needed is
     above what the drives have; with drives twice as fast, no stall. (Each micro-batch writes
     300 bytes at 40 B/s and reads them at 60 B/s: 12.5 s of the drives' time per 12 s of
-    compute, 100 s for the 96 s iteration.) The budget leaves 200 bytes for writes under way,
-    so no forward waits for one."""
+    compute, 100 s for the 96 s iteration.) Without a budget no forward waits for a write."""
     positions = [Position(gap_s=100.0, live=1)] * 8
-    slow = plan_tiers(LAYERS, positions, tiers(budget_bytes=300, reserve_bytes=200, host_capacity_bytes=0,
-                                               ssd_write_bps=40.0, ssd_read_bps=60.0))
+    rows = [(SSD, SSD, SSD, KEEP)] * 8
+    slow = price(LAYERS, positions, tiers(budget_bytes=None, host_capacity_bytes=0,
+                                          ssd_write_bps=40.0, ssd_read_bps=60.0), rows)
     assert all(timeline(LAYERS, row, 100.0, slow.tiers).stall_s == 0 for row in slow.decisions)
     assert slow.ssd_bytes == 8 * 300 and slow.work_s == 96.0
     assert slow.iteration_s == pytest.approx(100.0) and slow.stall_s == pytest.approx(4.0)
     bw = slow.bandwidth_bps()[SSD]
     assert bw["needed"] > bw["available"] and bw["used"] == pytest.approx(bw["available"])
     assert slow.binding == "the drives"
-    fast = plan_tiers(LAYERS, positions, tiers(budget_bytes=300, reserve_bytes=200, host_capacity_bytes=0,
-                                               ssd_write_bps=80.0, ssd_read_bps=120.0))
+    fast = price(LAYERS, positions, tiers(budget_bytes=None, host_capacity_bytes=0,
+                                          ssd_write_bps=80.0, ssd_read_bps=120.0), rows)
     assert fast.stall_s == 0 and fast.bandwidth_bps()[SSD]["needed"] <= \
         fast.bandwidth_bps()[SSD]["available"]
 
@@ -188,3 +192,17 @@ def test_under_a_budget_the_forward_waits_for_writes_instead_of_exceeding_it():
     budgeted = price(LAYERS, ONE, tiers(budget_bytes=200, reserve_bytes=100, ssd_write_bps=25.0,
                                         ssd_read_bps=25.0), [(SSD, SSD, SSD, KEEP)])
     assert budgeted.stall_s > 0 and budgeted.peak_bytes == 200 and budgeted.fits_budget
+
+
+def test_the_room_beside_kept_layers_follows_their_order():
+    """A budget of three layers: keeping the last three and moving the first fits, since the
+    moved layer is saved and read back while only the layers before it (none) are kept; keeping
+    the first three and moving the last does not: it comes back beside all three."""
+    plan = plan_tiers(LAYERS, ONE, tiers(budget_bytes=300))
+    assert plan.decisions == ((HOST, KEEP, KEEP, KEEP),)
+    assert plan.fits_budget and plan.peak_bytes == 300 and plan.stall_s == 0
+    late = price(LAYERS, ONE, tiers(budget_bytes=300), [(KEEP, KEEP, KEEP, HOST)])
+    assert not late.fits_budget and late.peak_bytes == 400
+    # what is saved outside the layers (the reserve) comes off the budget
+    assert plan_tiers(LAYERS, ONE, tiers(budget_bytes=300, reserve_bytes=100)).decisions == \
+        ((HOST, HOST, KEEP, KEEP),)

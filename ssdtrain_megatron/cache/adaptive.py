@@ -216,8 +216,10 @@ class AdaptivePlanner:
     def _budget_and_reserve(self, order, layers, layer_rows, n: int) -> Tuple[Optional[int], int]:
         """Without activation_budget_bytes, memory_budget_bytes is one micro-batch's kept bytes.
         With it, the reserve is what stays resident beside the kept layers: tensors saved
-        outside layers (embedding, head, loss) and one layer (being saved and written in
-        forward, read back in backward; the runtime waits for writes beyond that)."""
+        outside layers (embedding, head, loss) and, for the three-place model, one layer
+        (being saved and written in forward, read back in backward; the runtime waits for
+        writes beyond that). The four-place model sizes that room from the plan's own order
+        (plan.tier_costs.need_bytes), as the runtime's budget does (cache/budget.py)."""
         if self.budget_bytes is None:
             return self.config.memory_budget_bytes, 0
         outside = sum(r.bytes for k, r in layer_rows.items() if k not in {str(x) for x in order}) // n
@@ -225,7 +227,7 @@ class AdaptivePlanner:
         budget = self.budget_bytes
         if self.config.memory_budget_bytes is not None:
             budget = min(budget, self.config.memory_budget_bytes)
-        return budget, outside + largest
+        return budget, outside + (0 if self._four is not None else largest)
 
     def _apply(self, order: Sequence[Hashable], plan: StepPlan, write_bps: float, read_bps: float) -> bool:
         new = {(p, k): d for p, row in enumerate(plan.decisions) for k, d in zip(order, row)}

@@ -13,7 +13,8 @@ four-place planner (plan/tiers.py), from what the steps measured:
   the emulated drive's);
 * host memory: ``host_memory_bytes``, shared by the micro-batches holding activations at once;
 * per layer its forward time and bytes, the training thread's cost per byte handed over, and
-  the GPU budget and reserve, as the three-place model has them (cache/adaptive.py).
+  the GPU budget and the reserve for what is saved outside the layers (cache/adaptive.py);
+  the room the layers need beside what they keep comes from the plan's order.
 
 A tier not measured yet (no byte went there) is not planned with. The model's plan is the
 prior of measured selection (plan/explore.py); ``candidates`` offers the plans measured next to
@@ -34,6 +35,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 from ..config import OffloadConfig
 from ..plan.policy import OFFLOAD, LayerMeasurement
 from ..plan.step_plan import Decisions, Position, StepPlan
+from ..plan.tier_costs import need_bytes
 from ..plan.tiers import (HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan, Tiers, kept_bytes, plan_tiers,
                           price)
 from ..telemetry.stats import StepStats
@@ -106,9 +108,9 @@ class FourPlaces:
     def candidates(self, current: Decisions, layers: Sequence[LayerMeasurement],
                    positions: Sequence[Position], budget: Optional[int], reserve: int,
                    cpu_s_per_byte: float, names: Sequence[str]) -> List[Tuple[str, Decisions]]:
-        """Plans worth measuring next to ``current`` (see the module docstring): each keeps,
-        at every position, within its share of the GPU budget (or no more than ``current``
-        does: the reserve is an estimate) and its share of host memory."""
+        """Plans worth measuring next to ``current`` (see the module docstring): each holds,
+        at every position, no more than the GPU budget allows (:func:`holds`; or no more than
+        ``current`` does: the bytes are last step's) and its share of host memory."""
         tiers = self.tiers(budget, reserve, cpu_s_per_byte)
         usable = tiers.usable()
         n = len(layers)
@@ -129,17 +131,23 @@ class FourPlaces:
                         single.append((cost, f"mb{p} layer {names[i]}: {row[i]} -> {place}", plan))
         single.sort(key=lambda c: c[0])
         free = None if budget is None else max(0, budget - reserve)
-        now = [kept_bytes(layers, row) for row in current]
+        now = [holds(layers, row, pos) for row, pos in zip(current, positions)]
 
         def allowed(plan: Decisions) -> bool:
-            gpu = free is None or all(kept_bytes(layers, row) <= free // pos.live for row, pos in zip(plan, positions)) \
-                or all(kept_bytes(layers, row) <= k for row, k in zip(plan, now))
+            held = [holds(layers, row, pos) for row, pos in zip(plan, positions)]
+            gpu = free is None or all(h <= free for h in held) or all(h <= k for h, k in zip(held, now))
             host = all(_host(layers, row) <= tiers.host_capacity_bytes // pos.live
                        for row, pos in zip(plan, positions))
             return gpu and host
 
         out = whole + [(label, plan) for _, label, plan in single]
         return [(label, plan) for label, plan in out if plan != current and allowed(plan)]
+
+
+def holds(layers: Sequence[LayerMeasurement], row: Sequence[str], position: Position) -> int:
+    """The most a position's live micro-batches hold at once under ``row``: the others' kept
+    bytes beside its own need (plan.tier_costs.need_bytes), as plan.tiers weighs the budget."""
+    return (position.live - 1) * kept_bytes(layers, row) + need_bytes(layers, row)
 
 
 class TierPlacement:

@@ -31,7 +31,7 @@ from .node import NodeProfile
 from .policy import LayerMeasurement
 from .shape import ModelShape, SaveProfile
 from .step_plan import Position
-from .tiers import PLACES, RECOMPUTE, TierPlan, Tiers, plan_tiers
+from .tiers import PLACES, RECOMPUTE, TierPlan, Tiers, plan_tiers, price
 
 
 @dataclass(frozen=True)
@@ -132,21 +132,38 @@ def plan_stage(st: Stage, node: NodeProfile, *, budget_bytes: Optional[int],
     """The four-place plan of ``st`` on ``node`` within ``budget_bytes`` of GPU activation
     memory (head bytes included: they stay), None: keep everything.
 
-    The reserve is one layer (being written, read back or re-created) beside what is kept. A
+    The room a layer needs beside what is kept (being saved, read back or re-created) comes
+    from the plan's order (tier_costs.need_bytes); the head's bytes come off the budget. A
     layout that recomputes already (selective or full) gets no per-layer recompute on top:
     Megatron runs one granularity. ``prefetch_layers``: how far ahead of backward the runtime
     reads (OffloadConfig.prefetch_layers)."""
     if st.layout_recompute_s > 0:
         places = tuple(p for p in places if p != RECOMPUTE)
     budget = None if budget_bytes is None else max(0, budget_bytes - st.head_bytes)
-    tiers = Tiers(budget_bytes=budget, host_capacity_bytes=node.host_memory_bytes,
-                  host_link_bps=node.host_link_gbps * 1e9,
-                  ssd_write_bps=node.ssd_write_gbps * 1e9, ssd_read_bps=node.ssd_read_gbps * 1e9,
-                  reserve_bytes=st.layer_bytes, places=places,
-                  bubble_s=st.bubble_s + len(st.positions) * st.head_s,
-                  cpu_s_per_byte=cpu_s_per_byte, backward_factor=st.backward_factor,
-                  keep_last_layers=keep_last_layers, prefetch_layers=prefetch_layers)
-    return plan_tiers(st.layers, st.positions, tiers)
+    return plan_tiers(st.layers, st.positions,
+                      _tiers(st, node, budget, places, keep_last_layers, cpu_s_per_byte, prefetch_layers))
+
+
+def price_stage(st: Stage, node: NodeProfile, decisions, *, budget_bytes: Optional[int],
+                keep_last_layers: int = 1, cpu_s_per_byte: float = 0.0,
+                prefetch_layers: int = 2) -> TierPlan:
+    """What ``decisions`` (one row of places per micro-batch position) cost on ``node``, the
+    forward waiting for writes and backward reading ahead only within ``budget_bytes`` (head
+    bytes included; None: no bound)."""
+    budget = None if budget_bytes is None else max(0, budget_bytes - st.head_bytes)
+    return price(st.layers, st.positions,
+                 _tiers(st, node, budget, PLACES, keep_last_layers, cpu_s_per_byte, prefetch_layers),
+                 decisions)
+
+
+def _tiers(st: Stage, node: NodeProfile, budget: Optional[int], places: Tuple[str, ...],
+           keep_last_layers: int, cpu_s_per_byte: float, prefetch_layers: int) -> Tiers:
+    return Tiers(budget_bytes=budget, host_capacity_bytes=node.host_memory_bytes,
+                 host_link_bps=node.host_link_gbps * 1e9,
+                 ssd_write_bps=node.ssd_write_gbps * 1e9, ssd_read_bps=node.ssd_read_gbps * 1e9,
+                 places=places, bubble_s=st.bubble_s + len(st.positions) * st.head_s,
+                 cpu_s_per_byte=cpu_s_per_byte, backward_factor=st.backward_factor,
+                 keep_last_layers=keep_last_layers, prefetch_layers=prefetch_layers)
 
 
 def full_recompute_fits(st: Stage, budget_bytes: int) -> bool:
@@ -157,4 +174,5 @@ def full_recompute_fits(st: Stage, budget_bytes: int) -> bool:
     return live * inputs + st.layer_bytes + st.head_bytes <= budget_bytes
 
 
-__all__ = ["RECOMPUTE", "Stage", "full_recompute_fits", "plan_stage", "stage", "tp_comm_bytes"]
+__all__ = ["RECOMPUTE", "Stage", "full_recompute_fits", "plan_stage", "price_stage", "stage",
+           "tp_comm_bytes"]

@@ -13,10 +13,12 @@ What each place costs, per micro-batch (the timeline of ``plan.policy``, with tw
 * recompute: one extra forward of the layer in backward; its input stays in GPU memory.
 * host and ssd also cost the training thread ``cpu_s_per_byte`` per byte handed over.
 
-Reads start with the micro-batch's backward, in reverse layer order, each no earlier than its
-write completed; a read that completes after its layer's backward is due stalls for the
-difference (the runtime bounds its read-ahead by the budget's reserve; here it is unbounded).
-A layer whose write has not completed when the runtime asks for it (as backward reaches the
+Reads go in reverse layer order, each no earlier than its write completed and than the runtime
+asks for it (as backward reaches the layer ``prefetch_layers`` above it, or at the backward's
+start for the last ones); under a budget a read ahead also waits until its bytes fit beside
+what the micro-batch still holds (the runtime reads ahead less, cache/budget.py), except the
+one backward needs now. A read that completes after its layer's backward is due stalls for the
+difference. A layer whose write has not completed when the runtime asks for it (as backward reaches the
 layer ``prefetch_layers`` above it, or at the backward's start for the last ones) is still in
 GPU memory, and the runtime forwards it from there (cache/transfers.py): backward uses it at
 once while the write goes on (the drive still carries it, and the reads queue behind it), and
@@ -76,7 +78,9 @@ class Tiers:
     ssd_read_bps: float = 0.0
     """Drive read bytes/s this GPU gets."""
     reserve_bytes: int = 0
-    """Part of the budget left for what is not kept (a layer being saved or read back)."""
+    """Part of the budget held by what is not planned here (tensors saved outside the layers:
+    embedding, head, loss). What the layers need beside what they keep (a layer saved, read
+    back or re-created after kept ones) is the plan's own: :func:`need_bytes`."""
     places: Tuple[str, ...] = PLACES
     """Places the plan may use (keep always): the engine's tiers, recompute if allowed."""
     bubble_s: float = 0.0
@@ -142,6 +146,10 @@ class PositionCost:
     """Host bytes read back (the rest were forwarded from memory: backward came first)."""
     ssd_read_bytes: int
     """SSD bytes read back, likewise."""
+    need_bytes: int = 0
+    """The most its layers hold at once: :func:`need_bytes`, or more where writes still under
+    way are held beside a layer being saved, or reads ahead beside what backward holds (under
+    a budget the forward waits for the one and backward cuts the other short)."""
 
     def resident_bytes(self, live: int) -> int:
         """GPU activation bytes when ``live`` micro-batches are held: each keeps its kept
@@ -177,7 +185,8 @@ class TierPlan:
     """Bytes per iteration read back from the drives (not those forwarded from memory)."""
     peak_bytes: int
     """GPU activation bytes at the worst moment: the most any position's live micro-batches
-    keep, plus the reserve when any layer leaves keep; without a budget, at least what they
+    hold (the others' kept bytes beside its own :func:`need_bytes`), plus the reserve; without
+    a budget, at least what they
     keep with the bytes still being written when the forward ends (a budget waits for those
     writes instead: their time is stall)."""
     host_peak_bytes: int
@@ -185,8 +194,8 @@ class TierPlan:
     binding: str
     """What limits the plan: one of :data:`BINDING`, or "nothing"."""
     fits_budget: bool
-    """False when even moving every movable layer leaves a position above its GPU share, or
-    the reserve alone is over the budget."""
+    """False when even moving every movable layer leaves a position above its GPU share (its
+    live micro-batches' kept bytes beside its need), or the reserve alone is over the budget."""
     tiers: Tiers = field(repr=False)
     """What the plan was made for (rates, capacities, allowed places)."""
 
@@ -249,19 +258,20 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
     d2h_free = drive_free = 0.0
     done: Dict[int, float] = {}
     host = ssd = kept = 0
+    most = 0  # the most the forward holds: kept, the layer being saved, writes under way
     for i, layer in enumerate(layers):
         clock += layer.forward_s
         place, size = row[i], layer.activation_bytes
-        if cap is not None:  # past the cap, the budget waits for the oldest write under way
-            own = layer.checkpoint_bytes if place == RECOMPUTE else size
-            pending = sorted((t, j) for j, t in done.items() if t > clock)
-            held = kept + own + sum(layers[j].activation_bytes for _, j in pending)
-            for t, j in pending:
-                if held <= cap:
-                    break
-                stall += t - clock
-                clock = t
-                held -= layers[j].activation_bytes
+        own = layer.checkpoint_bytes if place == RECOMPUTE else size
+        pending = sorted((t, j) for j, t in done.items() if t > clock)
+        held = kept + own + sum(layers[j].activation_bytes for _, j in pending)
+        for t, j in pending if cap is not None else ():
+            if held <= cap:  # past the cap, the budget waits for the oldest write under way
+                break
+            stall += t - clock
+            clock = t
+            held -= layers[j].activation_bytes
+        most = max(most, held)
         if place in (HOST, SSD):
             hand = size * tiers.cpu_s_per_byte
             clock += hand
@@ -282,36 +292,68 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
             kept += layer.checkpoint_bytes
     lagging = sum(layers[i].activation_bytes for i, t in done.items() if t > clock)
     clock += gap_s
-    backward = h2d_free = clock
+    h2d_free = clock
     recompute = 0.0
     host_read = ssd_read = 0
-    turn: Dict[int, float] = {}  # when backward reached each layer
+    n = len(layers)
+    held = kept  # what this micro-batch holds in backward: kept layers not yet freed, reads
+    arrival: Dict[int, float] = {}  # moved layer -> when its bytes are back (0: forwarded)
+    nxt = [n - 1]  # the next layer, in reverse order, whose bytes may be asked for
+
+    def ask(floor: int, now: float, demand: int) -> None:
+        """The runtime asks for the moved layers down to ``floor`` (prefetch), in reverse order;
+        under the cap a read waits until it fits beside what is held, except the layer
+        backward needs now (``demand``)."""
+        nonlocal held, h2d_free, drive_free, host_read, ssd_read
+        while nxt[0] >= max(floor, 0):
+            j = nxt[0]
+            place, size = row[j], layers[j].activation_bytes
+            if place in (HOST, SSD) and done[j] > now:
+                arrival[j] = 0.0  # still being written: forwarded from memory at once
+                held += size
+            elif place in (HOST, SSD):
+                if cap is not None and held + size > cap and j != demand:
+                    return  # read ahead less: asked again when backward frees a layer
+                if place == HOST:
+                    host_read += size
+                    h2d_free = max(now, h2d_free, done[j]) + size / link
+                else:
+                    ssd_read += size
+                    drive_start = max(now, drive_free, done[j])
+                    drive_free = drive_start + size / r
+                    h2d_free = max(max(drive_start, h2d_free) + size / link, drive_free)
+                arrival[j] = h2d_free
+                held += size
+            nxt[0] -= 1
+
     ahead = tiers.prefetch_layers
-    for i in reversed(range(len(layers))):
+    ask(n - ahead, clock, -1)  # the backward's start: the last layers
+    for i in reversed(range(n)):
         layer, place, size = layers[i], row[i], layers[i].activation_bytes
-        turn[i] = clock
-        asked = turn[i + ahead] if i + ahead in turn else backward
-        if place in (HOST, SSD) and done[i] > asked:
-            arrival = 0.0  # still being written: forwarded from memory at once
-        elif place == HOST:
-            host_read += size
-            h2d_free = max(backward, h2d_free, done[i]) + size / link
-            arrival = h2d_free
-        elif place == SSD:
-            ssd_read += size
-            drive_start = max(backward, drive_free, done[i])
-            drive_free = drive_start + size / r
-            h2d_free = max(max(drive_start, h2d_free) + size / link, drive_free)
-            arrival = h2d_free
-        else:
-            arrival = 0.0
-        if arrival > clock:
-            stall += arrival - clock
-            clock = arrival
+        ask(i - ahead, clock, i)
+        most = max(most, held)  # a recomputed layer's own bytes: need_bytes
+        if arrival.get(i, 0.0) > clock:
+            stall += arrival[i] - clock
+            clock = arrival[i]
         if place == RECOMPUTE:
             recompute += layer.recompute_cost_s
             clock += layer.recompute_cost_s
         clock += tiers.backward_factor * layer.forward_s
-    return PositionCost(stall, recompute, cpu, host, ssd, kept, lagging, host_read, ssd_read)
+        held -= size if place in (KEEP, HOST, SSD) else layer.checkpoint_bytes
+    return PositionCost(stall, recompute, cpu, host, ssd, kept, lagging, host_read, ssd_read,
+                        max(most, need_bytes(layers, row)))
 
 
+def need_bytes(layers: Sequence[LayerMeasurement], row: Sequence[str]) -> int:
+    """The most one micro-batch's layers hold at once under ``row``, writes in flight and reads
+    ahead apart (the budget waits for the one and cuts the other): what it keeps at the
+    forward's end, or, for a layer it does not keep, what it keeps of the layers before it
+    beside that layer's whole bytes (saved in forward, read back or re-created in backward).
+    Kept layers late in the forward need no room beyond themselves; a layer moved after kept
+    ones needs its own bytes beside them."""
+    need = before = 0
+    for m, d in zip(layers, row):
+        if d != KEEP:
+            need = max(need, before + m.activation_bytes)
+        before += m.activation_bytes if d == KEEP else m.checkpoint_bytes if d == RECOMPUTE else 0
+    return max(need, before)

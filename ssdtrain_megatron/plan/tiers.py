@@ -9,12 +9,15 @@ time, the bytes and bandwidth of each place, the peaks and the resource that bin
 
 What each place costs, and the iteration's shared bandwidth: plan/tier_costs.py.
 
-Choosing: from keep-all, while a position keeps more than its share of the GPU budget, make the
+Choosing: from keep-all, while a position holds more than the GPU budget allows (its live
+micro-batches' kept bytes beside the most one of them needs at once, in forward order), make the
 move that adds the least iteration time per byte freed (keep -> host, ssd or recompute;
 recompute -> host or ssd), within each position's share of host memory. Ties: host before ssd
-before recompute; host takes the last layers first (they come back first and want the nearest
-place), ssd the first layers (they have the whole forward to be written and the whole backward
-to come back). Lazy greedy: a move's cost only grows as the resources fill, so a stale cost is
+before recompute, the first layers first: they have the whole forward to be written and the
+whole backward to come back, and the layers kept are then the last ones, which backward frees
+first, making room to read the moved ones ahead under the budget (a layer moved after kept ones
+is read back while they still hold their bytes). Where a tier's bandwidth matters, the costs
+differ and decide. Lazy greedy: a move's cost only grows as the resources fill, so a stale cost is
 a lower bound and only the best candidate is re-evaluated. Then, since one move at a time
 can take recompute where a tier only pays once several layers move, the plans that put the
 first k layers of every position in one place are priced too, and one that fits and is
@@ -47,13 +50,12 @@ class _Step:
                            for _, count in groups) + tiers.bubble_s
 
     def cost(self, g: int, row: Sequence[str]) -> PositionCost:
-        """Group ``g`` under ``row``; with a budget, its forward may hold what the budget
-        leaves after the group's other live micro-batches keep theirs (the reserve is for
-        what is being written)."""
+        """Group ``g`` under ``row``; with a budget, it may hold what the budget leaves after
+        the reserve and the group's other live micro-batches' kept bytes."""
         p, t = self.groups[g][0], self.tiers
         cap = None
         if t.budget_bytes is not None:
-            cap = max(0, t.budget_bytes - (p.live - 1) * kept_bytes(self.layers, row))
+            cap = max(0, t.budget_bytes - t.reserve_bytes - (p.live - 1) * kept_bytes(self.layers, row))
         return timeline(self.layers, row, p.gap_s, t, cap)
 
     def busy(self, costs: Sequence[PositionCost]) -> Tuple[float, float]:
@@ -159,10 +161,8 @@ def _prefer_prefix(step: _Step, rows: List[List[str]], costs: List[PositionCost]
 def _free(step: _Step, rows: List[List[str]], costs: List[PositionCost], tiers: Tiers) -> bool:
     """Lazy greedy, in place (see the module docstring); False when some position still keeps
     more than its share once no move is left."""
-    free = max(0, tiers.budget_bytes - tiers.reserve_bytes)
     usable = tiers.usable()
     layers, n = step.layers, len(step.layers)
-    share = [free // p.live for p, _ in step.groups]
     host_share = [tiers.host_capacity_bytes // p.live for p, _ in step.groups]
     version = [[0] * n for _ in step.groups]
     base = [step.iteration(costs)[0]]
@@ -191,7 +191,7 @@ def _free(step: _Step, rows: List[List[str]], costs: List[PositionCost], tiers: 
         now, _ = step.iteration(costs[:g] + [trial] + costs[g + 1:])
         extra = now - base[0]
         cost = 0.0 if extra <= REL_EPS * max(base[0], 1e-30) else extra / freed
-        return (cost, _RANK[place], -i if place == HOST else i, g), trial
+        return (cost, _RANK[place], i, g), trial
 
     heap: list = []
 
@@ -202,16 +202,16 @@ def _free(step: _Step, rows: List[List[str]], costs: List[PositionCost], tiers: 
                 heapq.heappush(heap, (scored[0], i, place, freed, version[g][i]))
 
     for g, (p, _) in enumerate(step.groups):
-        if costs[g].kept_bytes > share[g]:
+        if _over(step, g, costs[g], tiers):
             tail = tiers.keep_last_layers if p.gap_s == 0 else 0
             for i in range(max(0, n - tail)):
                 offer(g, i)
-    while any(c.kept_bytes > s for c, s in zip(costs, share)):
+    while any(_over(step, g, c, tiers) for g, c in enumerate(costs)):
         if not heap:
             return False
         key, i, place, freed, seen = heapq.heappop(heap)
         g = key[3]
-        if seen != version[g][i] or costs[g].kept_bytes <= share[g]:
+        if seen != version[g][i] or not _over(step, g, costs[g], tiers):
             continue  # the layer has moved since, or its position fits already
         fresh = score(g, i, place, freed)
         if fresh is None:
@@ -269,9 +269,7 @@ def _result(step: _Step, rows: List[List[str]], costs: List[PositionCost], of: L
     ssd = sum(c.ssd_bytes * n for c, n in zip(costs, counts))
     ssd_read = sum(c.ssd_read_bytes * n for c, n in zip(costs, counts))
     link = ssd + sum(c.host_bytes * n for c, n in zip(costs, counts))
-    moved = any(place != KEEP for row in rows for place in row)
-    peak = max(p.live * c.kept_bytes for (p, _), c in zip(step.groups, costs)) \
-        + (t.reserve_bytes if moved else 0)
+    peak = max(_holds(p, c) for (p, _), c in zip(step.groups, costs)) + t.reserve_bytes
     peak = max(peak, max(c.resident_bytes(p.live) for (p, _), c in zip(step.groups, costs)))
     host_peak = max(p.live * c.host_bytes for (p, _), c in zip(step.groups, costs))
     stall = iteration - work
@@ -313,6 +311,16 @@ def price(layers: Sequence[LayerMeasurement], positions: Sequence[Position], tie
 
 
 def _within_budget(step: _Step, costs: Sequence[PositionCost], tiers: Tiers) -> bool:
-    """Every position keeps no more than its share of the GPU budget less the reserve."""
-    free = max(0, tiers.budget_bytes - tiers.reserve_bytes)
-    return all(c.kept_bytes <= free // p.live for c, (p, _) in zip(costs, step.groups))
+    """No position holds more than the GPU budget less the reserve (:func:`_holds`)."""
+    return not any(_over(step, g, c, tiers) for g, c in enumerate(costs))
+
+
+def _holds(p: Position, c: PositionCost) -> int:
+    """The most a position's live micro-batches hold at once: the others keep their kept
+    bytes while one needs its most (tier_costs.need_bytes: order-aware, so kept layers
+    late in the forward leave no room unused for moved layers that come back after them)."""
+    return (p.live - 1) * c.kept_bytes + c.need_bytes
+
+
+def _over(step: _Step, g: int, c: PositionCost, tiers: Tiers) -> bool:
+    return _holds(step.groups[g][0], c) > tiers.budget_bytes - tiers.reserve_bytes

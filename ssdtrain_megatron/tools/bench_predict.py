@@ -69,12 +69,12 @@ def tiers(node, budget: Optional[int], reserve: int = 0, bubble_s: float = 0.0,
 
 
 def plan_for(node, stats, num_micro_batches: int, budget: int, recomputed=None) -> TierPlan:
-    """The planned strategy's plan: within ``budget`` (all resident activation bytes), less the
-    reserve the runtime needs beside the kept layers (what is saved outside layers, and one
-    layer being saved, written or read back), as the adaptive planner reserves it; recomputing
-    priced as :func:`predict` prices it (``recomputed``: see :func:`measurements`)."""
+    """The planned strategy's plan: within ``budget`` (all resident activation bytes), less
+    what is saved outside layers, as the adaptive planner reserves it (the room the layers need
+    beside what they keep comes from the plan's order, as the runtime's budget sizes it);
+    recomputing priced as :func:`predict` prices it (``recomputed``: see :func:`measurements`)."""
     layers, outside, _ = measurements(stats, num_micro_batches, recomputed)
-    reserve = outside + max((m.activation_bytes for m in layers), default=0)
+    reserve = outside
     positions = [Position()] * num_micro_batches
     factor = backward_factor(stats, layers, num_micro_batches)
     return plan_tiers(layers, positions, tiers(node, budget, reserve, factor=factor))
@@ -132,14 +132,14 @@ def predict(node, keep_stats, keep_step_s: float, num_micro_batches: int,
     measured; ``plans``: the rows of planned and adaptive, where they ran, priced under
     ``budget`` as they ran (their forward waits for writes past it); the fixed strategies run
     without one."""
-    layers, _, _ = measurements(keep_stats, num_micro_batches, recomputed)
+    layers, outside, _ = measurements(keep_stats, num_micro_batches, recomputed)
     if not layers:
         return {}
     positions = [Position()] * num_micro_batches
     factor = backward_factor(keep_stats, layers, num_micro_batches)
     bubble = max(0.0, keep_step_s - keep_stats.step_time_s)
     t = tiers(node, None, 0, bubble, factor)
-    budgeted = t if budget is None else tiers(node, budget, 0, bubble, factor)
+    budgeted = t if budget is None else tiers(node, budget, outside, bubble, factor)
     keep = price(layers, positions, t, fixed_rows("keep", layers, 0, num_micro_batches)).iteration_s
     out = {}
     for name in ("keep", "offload", "offload+crc32c", "host", "recompute"):

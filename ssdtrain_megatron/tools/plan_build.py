@@ -17,7 +17,7 @@ from ..plan.model import (head_activation_terms, largest_micro_batch, layer_acti
                           layer_activation_terms, peak_activation_bytes)
 from ..plan.node import NodeProfile, load_profile
 from ..plan.shape import ModelShape, SaveProfile
-from ..plan.stage import Stage, full_recompute_fits, plan_stage, stage
+from ..plan.stage import Stage, full_recompute_fits, plan_stage, price_stage, stage
 from ..plan.tiers import HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan
 from .plan_budget import activation_budget
 
@@ -68,19 +68,29 @@ def places_for(engine: str, recompute: bool) -> Tuple[str, ...]:
 
 
 def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ...],
-                budget: int, keep_last_layers: int, prefetch_layers: int = 2) -> TierPlan:
+                budget: int, offload: Any) -> TierPlan:
     """The plan ``policy`` makes: keep (nothing moves), offload (every layer but the last
-    keep_last_layers leaves GPU memory, for the engine's tiers), adaptive (within ``budget``);
-    reads start ``prefetch_layers`` ahead of backward, as the preset's runtime starts them."""
+    ``keep_last_layers`` leaves GPU memory, for the engine's tiers: chosen as under a budget
+    that holds only those, and priced with one layer's room beside them for writes in flight
+    and reads ahead: one layer in transit), adaptive (within ``budget``); reads start
+    ``prefetch_layers`` ahead of backward, as the preset's runtime (``offload``) starts them."""
+    keep_last, ahead = offload.keep_last_layers, offload.prefetch_layers
     if policy == "keep":
         return plan_stage(st, node, budget_bytes=None, places=places)
     if policy == "offload":
-        tail = keep_last_layers if st.positions[0].gap_s == 0 else 0
-        kept = min(tail, len(st.layers)) * st.layer_bytes
-        budget = st.positions[0].live * kept + st.layer_bytes + st.head_bytes
-        places = tuple(p for p in places if p != RECOMPUTE)
+        tail = keep_last if st.positions[0].gap_s == 0 else 0
+        kept = st.positions[0].live * min(tail, len(st.layers)) * st.layer_bytes
+        # what holding only the tail needs: the tail kept by every live micro-batch, and, where
+        # nothing is kept, one layer's room to be saved and read back (tier_costs.need_bytes)
+        only_tail = kept + max(0, st.layer_bytes - kept) + st.head_bytes
+        chosen = plan_stage(st, node, budget_bytes=only_tail,
+                            places=tuple(p for p in places if p != RECOMPUTE),
+                            keep_last_layers=keep_last, prefetch_layers=ahead)
+        return price_stage(st, node, chosen.decisions,
+                           budget_bytes=only_tail + st.layer_bytes,
+                           keep_last_layers=keep_last, prefetch_layers=ahead)
     return plan_stage(st, node, budget_bytes=budget, places=places,
-                      keep_last_layers=keep_last_layers, prefetch_layers=prefetch_layers)
+                      keep_last_layers=keep_last, prefetch_layers=ahead)
 
 
 def lifespan(plan: TierPlan, node: NodeProfile) -> Optional[Dict[str, float]]:
@@ -138,7 +148,7 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
     budget = memory["activation_budget_bytes"]
     st = stage(shape, profile, node, m)
     ahead = offload.prefetch_layers
-    plan = plan_policy(st, node, policy, places, budget, keep_last, ahead)
+    plan = plan_policy(st, node, policy, places, budget, offload)
     every = plan_stage(st, node, budget_bytes=budget, places=PLACES, keep_last_layers=keep_last,
                        prefetch_layers=ahead)
 
@@ -147,8 +157,8 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
             sized = shape.replace(micro_batch=b)
             if mode == "planned":
                 sized_stage = stage(sized, profile, node, m)
-                return tier_summary(plan_policy(sized_stage, node, policy, places, budget,
-                                                keep_last, ahead), sized_stage, budget)["fits_budget"]
+                return tier_summary(plan_policy(sized_stage, node, policy, places, budget, offload),
+                                    sized_stage, budget)["fits_budget"]
             if mode == "recompute":
                 return full_recompute_fits(stage(sized, profile, node, m), budget)
             return peak_activation_bytes(sized, "keep", profile) <= budget
