@@ -160,3 +160,34 @@ def test_with_recompute_fallback_a_layer_that_cannot_fit_beside_pinned_bytes_is_
     assert b.recomputed_layers() == {4}
     assert b.end_step(600, step=1).recomputes == 1
     assert b.recomputed_layers() == set()
+
+
+def test_kept_layers_after_an_offloaded_one_fill_the_budget_without_forced_offloads(offload_dir):
+    """The order-aware reserve (cache/decisions.py ``_room_after``): a budget of exactly what
+    layers 2-4 save, what is saved outside layers, and a little slack; layer 1 offloaded, 2-4
+    kept. Layer 1 is saved and read back while nothing else is kept, so keeping the others
+    leaves it room; the budget keeps all three from the second step on (the first has no
+    layer bytes yet), nothing crosses it, and layer 1's bytes come back from the drive.
+    Broken by passing no room_after to may_keep (the old rule: one largest layer beside
+    everything resident): 8 forced offloads (records) per step instead of 0."""
+    model = tiny_gpt(layers=4, hidden=64, seq=64)
+    data = batches(n=1)
+    ref = run_steps(model, data, steps=3)
+    cfg = OffloadConfig(dirs=mount(offload_dir / "probe"), policy="keep", min_tensor_bytes=1024)
+    with ActivationOffloader(cfg) as off:
+        rows = {r.layer: r.bytes for r in run_steps(model, data, off, steps=1)[2][-1].layers}
+    layers = [rows[str(i)] for i in range(4)]
+    outside = sum(rows.values()) - sum(layers)
+    budget = outside + sum(layers[1:]) + 4096
+    assert budget < sum(layers[1:]) + max(layers) + outside  # the old rule could not keep all three
+    cfg = OffloadConfig(dirs=mount(offload_dir / "order"), policy="offload", min_tensor_bytes=1024,
+                        activation_budget_bytes=budget)
+    with ActivationOffloader(cfg) as off:
+        for i, d in enumerate(["offload", "keep", "keep", "keep"]):
+            off.set_layer_decision(i, d)
+        got = run_steps(model, data, off, steps=3, wait_writes=True)
+    assert_bitwise_equal(ref, got)
+    for s in got[2][1:]:
+        assert s.budget_forced_offloads == 0 and s.budget_overruns == 0
+        assert s.peak_resident_bytes <= budget
+        assert s.bytes_read >= layers[0] > 0

@@ -12,7 +12,8 @@ room, cheapest first:
 * in forward, with ``recompute_fallback`` (Megatron integration), run a layer under
   recomputation when its bytes (as measured in the last step) would not fit beside what is
   resident and not being written; decided once per micro-batch and layer in a step,
-* offload a record the plan wanted kept when keeping it would leave too little room.
+* offload a record the plan wanted kept when keeping it would leave too little room for what the
+  micro-batch's later layers need (sized from the plan's order once the layers' bytes are known).
 
 Each of these is counted and lands in StepStats (``budget_*`` fields). When none of them makes
 room (the budget is smaller than what one layer's backward needs at once), the first step
@@ -140,10 +141,22 @@ class ActivationBudget:
             self.c.wait_s += time.perf_counter() - t0
         return self.fits(nbytes)
 
-    def may_keep(self, nbytes: int) -> bool:
-        """Whether a record the plan keeps can stay: it must leave room for a layer's backward
-        (the largest layer seen), else it is written instead (counted)."""
-        if self._resident() + nbytes + self.largest_layer_bytes <= self.limit:
+    def may_keep(self, nbytes: int, room_after: Optional[int] = None) -> bool:
+        """Whether a record the plan keeps can stay, else it is written instead (counted).
+
+        ``room_after``: what the micro-batch's later layers will need beside it, from the plan's
+        order (``plan.tier_costs.need_bytes`` of the layers after this one and what is saved
+        outside layers): with it, the record stays when it fits beside that and what no write
+        will free (a write in flight frees its bytes; the budget waits for it when the room is
+        wanted). Kept layers late in the forward then leave no room unused, and a layer moved
+        after kept ones still finds its own bytes' room. None (its layer or the bytes of later
+        ones not known yet): it must leave room for one layer's backward (the largest seen)
+        beside everything resident."""
+        if room_after is None:
+            fits = self._resident() + nbytes + self.largest_layer_bytes <= self.limit
+        else:
+            fits = self._pinned() + nbytes + room_after <= self.limit
+        if fits:
             return True
         self.c.forced_offloads += 1
         return False

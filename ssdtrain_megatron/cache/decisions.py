@@ -14,7 +14,8 @@ the per-layer plan the integration or the user set (``set_layer``; offload by de
 tiered engine) sends to host memory or SSD by layer. The
 activation budget (``budget.py``) then has the last word on a record that would not fit: it
 makes room before the record counts as resident, writes a record the plan keeps when keeping it
-would leave no room for a layer's backward, and, with ``recompute_fallback``, turns a layer the
+would leave no room for what the micro-batch's later layers need (sized from the plan's order:
+``_room_after``), and, with ``recompute_fallback``, turns a layer the
 plan offloads into a recomputed one when its bytes could not be read back beside what no write
 can free. At a step's end the budget's and the planner's figures go into the step's stats, and
 the planner re-plans from them.
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING, Dict, Hashable, Optional, Sequence
 
 from ..config import OffloadConfig
 from ..io.base import TIERS
+from ..plan.policy import LayerMeasurement
+from ..plan.tier_costs import need_bytes
 from ..telemetry.stats import StepStats
 from .budget import ActivationBudget
 from .record import TensorRecord
@@ -67,6 +70,8 @@ class Decisions:
         self._planner = planner
         self._placement = placement
         self._by_layer: Dict[Hashable, str] = {}
+        self._order: Dict[Hashable, int] = {}  # layer -> forward position, from the last step
+        self._after: Dict[tuple, Optional[int]] = {}  # (micro-batch, layer) -> room_after, this step
         # Without a budget, a planner or a placement a record's decision is its layer's: one
         # dict lookup.
         self._plain = budget is None and planner is None and placement is None
@@ -111,9 +116,30 @@ class Decisions:
         if b is not None:
             if not b.make_room(rec.nbytes):
                 b.overrun(rec.nbytes, step.number, f"saving a {rec.describe()} in layer {rec.layer}")
-            if rec.decision == "keep" and not b.may_keep(rec.nbytes):
+            if rec.decision == "keep" and not b.may_keep(rec.nbytes, self._room_after(rec.microbatch, rec.layer)):
                 rec.decision = "offload"
         return rec.decision
+
+    def _room_after(self, micro_batch: Hashable, layer: Hashable) -> Optional[int]:
+        """What the layers after ``layer`` of ``micro_batch`` will need beside what is resident
+        when one of its records is kept: tier_costs.need_bytes of those layers under their
+        decisions now, with what is saved outside layers kept after them (the head and loss
+        stay until backward starts). None until a step measured the layers' bytes. Once per
+        micro-batch and layer in a step (decisions change only between steps)."""
+        key = (micro_batch, layer)
+        if key in self._after:
+            return self._after[key]
+        b, i = self._budget, self._order.get(layer)
+        room = None
+        if i is not None and b.layer_bytes:
+            later = [k for k, j in self._order.items() if j > i]
+            sizes = [b.layer_bytes.get(str(k), b.largest_layer_bytes) for k in later]
+            named = {str(k) for k in self._order}
+            sizes.append(sum(v for k, v in b.layer_bytes.items() if k not in named))
+            rows = [self.for_layer(micro_batch, k, False) for k in later] + ["keep"]
+            room = need_bytes([LayerMeasurement(0.0, s) for s in sizes], rows)
+        self._after[key] = room
+        return room
 
     def forward_started(self, micro_batch: Hashable) -> None:
         """A micro-batch's first forward in the step (the planner learns the step's shape)."""
@@ -129,6 +155,7 @@ class Decisions:
         """The step's budget counters, the training thread's offload cost and the plan in force
         go into its stats; the budget learns each layer's bytes and its one-step recomputes end."""
         n = max(num_micro_batches, 1)
+        self._after.clear()
         extra = {"offload_submit_s": submit_s}
         if self._planner is not None:
             extra["plan"] = self._planner.rows()
@@ -145,6 +172,8 @@ class Decisions:
     def learn(self, stats: StepStats, order: Sequence[Hashable], num_micro_batches: int) -> None:
         """The tier placement and the planner learn from a finished step's stats (``order``:
         the layers in forward order)."""
+        self._order = {k: i for i, k in enumerate(order)}
+        self._after.clear()
         if self._placement is not None:
             self._placement.learn(stats, num_micro_batches)
         if self._planner is not None:
