@@ -260,3 +260,31 @@ def test_a_layer_the_budget_ran_recomputed_is_priced_as_recompute():
     plan = (("ssd", "ssd", "host", "keep"),) * 2
     assert as_run(plan, stats, ["1", "2", "3", "4"]) == (("recompute", "ssd", "host", "keep"),) * 2
     assert as_run(plan, None, ["1", "2", "3", "4"]) == plan
+
+
+def test_the_planned_strategy_sizes_layers_by_what_offloading_them_moved(tmp_path):
+    """keep counted 256 KiB more in the bench's first layer than that layer hands a tier when
+    offloaded (a tensor something else holds), and a host tier of exactly four offloaded layers
+    then could not take the first four in the model: the plan recomputed a layer the runtime
+    would have put in host memory. Sized by what the offload step moved, four layers go to host
+    memory and none is recomputed. Broken by leaving ``moved`` out of plan_for: 1 recomputed."""
+    from ssdtrain_megatron.cache import ActivationOffloader
+    from ssdtrain_megatron.tools.bench_node import PlannedTiers
+
+    mib = 1 << 20
+    stats = _keep_stats(nbytes=64 * mib, layers=8, forward_s=0.05)
+    first = dataclasses.replace(stats.layers[0], bytes=2 * (64 * mib + 256 * 1024))
+    stats = dataclasses.replace(stats, layers=(first,) + stats.layers[1:])
+    moved = dataclasses.replace(stats, layers=tuple(
+        dataclasses.replace(r, bytes=2 * 64 * mib, bytes_offloaded=2 * 64 * mib, decision="offload")
+        for r in stats.layers[:7]) + stats.layers[7:])
+    node = NodeEmulation((0,), (1,), ssd_gbps=1e-6, host_bytes=4 * 64 * mib + 64 * 1024, link_gbps=100.0)
+    cfg = OffloadConfig(dirs=[str(tmp_path)], policy="keep", create_dirs=True)
+    with ActivationOffloader(cfg) as off:
+        planned = PlannedTiers(node, 4 * 64 * mib + 256 * 1024 + mib, 8, off)
+        planned.plan_from(off, stats, 2, None, moved)
+        sized = planned.plan.decisions[0]
+        planned.plan_from(off, stats, 2)
+        unsized = planned.plan.decisions[0]
+    assert sized.count("host") == 4 and "recompute" not in sized and "ssd" not in sized
+    assert unsized.count("host") == 3

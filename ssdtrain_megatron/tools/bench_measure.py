@@ -225,6 +225,7 @@ def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: Offl
                              device) for s in alive]
     planned = [c for c in contenders if c.strategy is PLANNED]
     recompute = next((c for c in contenders if c.strategy.name == "recompute"), None)
+    offload = next((c for c in contenders if c.strategy.name == "offload"), None)
     if planned:
         from .bench_node import PlannedTiers
 
@@ -250,7 +251,7 @@ def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: Offl
             bar.update(1)
             if i < run.warmup:  # planned plans from keep's latest step, before the measured ones
                 for c in planned:
-                    c.plan_from(contenders[0], spec.num_microbatches, recompute)
+                    c.plan_from(contenders[0], spec.num_microbatches, recompute, offload)
     finally:
         for c in contenders:
             run.files_left += c.close()
@@ -316,13 +317,15 @@ class _Contender:
         """planned: its PlannedTiers (bench_node.py)."""
 
     def plan_from(self, keep: "_Contender", num_micro_batches: int,
-                  recompute: Optional["_Contender"] = None) -> None:
+                  recompute: Optional["_Contender"] = None, offload: Optional["_Contender"] = None) -> None:
         """planned: (re)plan from the keep contender's last step, recomputing a layer priced
         at the pass the recompute contender's last step measured for it (as the prediction
-        prices it; bench_predict.py)."""
+        prices it; bench_predict.py), each layer's bytes what the offload contender's last
+        step moved of it."""
         if self.planned is not None and keep.series.last_stats is not None:
             recomputed = recompute.series.last_stats if recompute is not None else None
-            self.planned.plan_from(self.offloader, keep.series.last_stats, num_micro_batches, recomputed)
+            moved = offload.series.last_stats if offload is not None else None
+            self.planned.plan_from(self.offloader, keep.series.last_stats, num_micro_batches, recomputed, moved)
             if self.planned.plan is not None:
                 self.series.plan_rows = self.planned.plan.decisions
 

@@ -280,14 +280,16 @@ class PlannedTiers:
             for k in self.layer_keys:
                 offloader.set_layer_decision(k, "keep")
 
-    def plan_from(self, offloader, keep_stats, num_micro_batches: int, recomputed=None) -> None:
+    def plan_from(self, offloader, keep_stats, num_micro_batches: int, recomputed=None,
+                  moved=None) -> None:
         """Plan from ``keep_stats`` (StepStats of keep) and, where given, the recompute passes
-        ``recomputed`` (StepStats of a step that recomputed) measured."""
+        ``recomputed`` (StepStats of a step that recomputed) and the bytes per layer ``moved``
+        (StepStats of a step that offloaded) measured."""
         if self.budget is None:
             return
         from .bench_predict import plan_for
 
-        self.plan = plan_for(self.node, keep_stats, num_micro_batches, self.budget, recomputed)
+        self.plan = plan_for(self.node, keep_stats, num_micro_batches, self.budget, recomputed, moved)
         row = self.plan.decisions[0]  # no pipeline here: every position is alike
         for k, place in zip(self.layer_keys, row):
             offloader.set_layer_decision(k, place)

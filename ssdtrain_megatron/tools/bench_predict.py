@@ -32,19 +32,23 @@ from ..plan.tiers import HOST, KEEP, RECOMPUTE, SSD, TierPlan, Tiers, plan_tiers
 Rows = Tuple[Tuple[str, ...], ...]
 
 
-def measurements(stats, num_micro_batches: int,
-                 recomputed=None) -> Tuple[List[LayerMeasurement], int, List[str]]:
+def measurements(stats, num_micro_batches: int, recomputed=None,
+                 moved=None) -> Tuple[List[LayerMeasurement], int, List[str]]:
     """(one micro-batch's layers in forward order, bytes saved outside layers per micro-batch,
     the layers' names) from a step's StepStats; ``recomputed``: a step's StepStats in which
     layers ran recomputed, whose measured recompute passes price recomputing them (without
-    it, or for a layer it did not recompute, the model's default: the layer's forward)."""
+    it, or for a layer it did not recompute, the model's default: the layer's forward);
+    ``moved``: a step's StepStats in which layers were offloaded, whose bytes are what moving
+    each of them hands a tier (keep can count a tensor in a layer that, offloaded, the layer
+    does not hand over: something else holds it; the bench's first layer, by 256 KiB)."""
     from ..cache.adaptive import CHECKPOINT_FRACTION  # here: --help imports no torch
 
     n = max(num_micro_batches, 1)
     rows = [r for r in stats.layers if r.layer != "None"]
     outside = sum(r.bytes for r in stats.layers if r.layer == "None") // n
     passes = {r.layer: r.recompute_pass_s for r in (recomputed.layers if recomputed is not None else ())}
-    layers = [LayerMeasurement(forward_s=r.forward_s / n, activation_bytes=r.bytes // n,
+    handed = {r.layer: r.bytes for r in (moved.layers if moved is not None else ()) if r.bytes_offloaded}
+    layers = [LayerMeasurement(forward_s=r.forward_s / n, activation_bytes=handed.get(r.layer, r.bytes) // n,
                                recompute_s=passes.get(r.layer),
                                checkpoint_bytes=r.bytes // n // CHECKPOINT_FRACTION) for r in rows]
     return layers, outside, [r.layer for r in rows]
@@ -68,12 +72,15 @@ def tiers(node, budget: Optional[int], reserve: int = 0, bubble_s: float = 0.0,
                  reserve_bytes=reserve, bubble_s=bubble_s, backward_factor=factor, keep_last_layers=1)
 
 
-def plan_for(node, stats, num_micro_batches: int, budget: int, recomputed=None) -> TierPlan:
+def plan_for(node, stats, num_micro_batches: int, budget: int, recomputed=None,
+             moved=None) -> TierPlan:
     """The planned strategy's plan: within ``budget`` (all resident activation bytes), less
     what is saved outside layers, as the adaptive planner reserves it (the room the layers need
     beside what they keep comes from the plan's order, as the runtime's budget sizes it);
-    recomputing priced as :func:`predict` prices it (``recomputed``: see :func:`measurements`)."""
-    layers, outside, _ = measurements(stats, num_micro_batches, recomputed)
+    recomputing priced as :func:`predict` prices it, and each layer's bytes what offloading it
+    moved, as the adaptive planner measures them (``recomputed``, ``moved``: see
+    :func:`measurements`)."""
+    layers, outside, _ = measurements(stats, num_micro_batches, recomputed, moved)
     reserve = outside
     positions = [Position()] * num_micro_batches
     factor = backward_factor(stats, layers, num_micro_batches)
