@@ -237,10 +237,11 @@ class OffloadConfig:
                                     metavar="F", help=(
         "Adaptive policy: a plan replaces the best measured one only when its steps are faster than "
         "the best one's steps beside them by more than this fraction (the median of the paired "
-        "ratios; or by more than their spread, if larger)"))
+        "ratios; or by more than their spread, if larger) and every paired step was faster"))
     """Adaptive policy: a plan replaces the best measured one only when its steps are faster than
     the best one's steps beside them (the median of the paired ratios) by more than this
-    fraction, or by more than the ratios' spread if that is larger."""
+    fraction, or by more than the ratios' spread if that is larger, and every paired step was
+    faster."""
 
     adaptive_drift: float = knob(0.15, check=number_in(0, 1, "expected a number in (0, 1)"),
                                  metavar="F", help=(

@@ -67,6 +67,27 @@ def test_a_gain_within_min_gain_or_within_the_spread_is_not_taken():
     assert sel.incumbent == 0, "took plan 1, a gain within the noise"
 
 
+def test_a_median_gain_with_one_pair_slower_is_not_taken(caplog):
+    """The node emulation's false step (2026-12-04, docs/benchmarks.md): two pairs of three
+    3-4% faster, one 0.6% slower, median gain 2.7% over a 2% bar; the plan ran 2.6% slower than
+    the model's once settled. Every pair must be faster. Broken by dropping that condition:
+    plan 1 is taken."""
+    sel = MeasuredSelection(Bounds(trial_steps=3, explore_steps=3, min_gain=0.02), endless)
+    sel.start("model", 0)
+    candidate = iter([4.603, 4.614, 4.769])
+    beside = iter([4.740, 4.733, 4.740])
+    with caplog.at_level(logging.INFO, logger="ssdtrain_megatron.plan.explore"):
+        run(sel, lambda plan, i: next(candidate, 4.60) if plan == 1 else
+            (next(beside, 4.73) if i >= 3 else 4.73), 12)
+    assert sel.incumbent == 0, "took plan 1 on two faster pairs of three"
+    assert "and every pair faster (1 not): rejected" in caplog.text
+    # the same gain on every pair is taken
+    sel = MeasuredSelection(Bounds(trial_steps=3, explore_steps=3, min_gain=0.02), endless)
+    sel.start("model", 0)
+    run(sel, lambda plan, i: 4.60 if plan == 1 else 4.73, 12)
+    assert sel.incumbent == 1
+
+
 def test_a_machine_that_speeds_up_while_exploring_does_not_make_an_equal_plan_look_faster():
     """The incumbent measured while the machine is slow, an equal plan after it sped up by 30%
     (these VMs drift 2x within minutes): each candidate step is compared with the incumbent's
