@@ -27,7 +27,7 @@ operations it makes room with) and the planner; nothing here moves bytes or reco
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Hashable, List, Optional, Sequence
 
 from ..config import OffloadConfig
 from ..io.base import TIERS
@@ -71,7 +71,9 @@ class Decisions:
         self._placement = placement
         self._by_layer: Dict[Hashable, str] = {}
         self._order: Dict[Hashable, int] = {}  # layer -> forward position, from the last step
+        self._layers: List[Hashable] = []  # the layers in forward order, from the last step
         self._after: Dict[tuple, Optional[int]] = {}  # (micro-batch, layer) -> room_after, this step
+        self._outside = 0  # bytes one micro-batch saves outside layers, from the last step
         # Without a budget, a planner or a placement a record's decision is its layer's: one
         # dict lookup.
         self._plain = budget is None and planner is None and placement is None
@@ -132,10 +134,8 @@ class Decisions:
         b, i = self._budget, self._order.get(layer)
         room = None
         if i is not None and b.layer_bytes:
-            later = [k for k, j in self._order.items() if j > i]
-            sizes = [b.layer_bytes.get(str(k), b.largest_layer_bytes) for k in later]
-            named = {str(k) for k in self._order}
-            sizes.append(sum(v for k, v in b.layer_bytes.items() if k not in named))
+            later = self._layers[i + 1:]
+            sizes = [b.layer_bytes.get(str(k), b.largest_layer_bytes) for k in later] + [self._outside]
             rows = [self.for_layer(micro_batch, k, False) for k in later] + ["keep"]
             room = need_bytes([LayerMeasurement(0.0, s) for s in sizes], rows)
         self._after[key] = room
@@ -172,8 +172,12 @@ class Decisions:
     def learn(self, stats: StepStats, order: Sequence[Hashable], num_micro_batches: int) -> None:
         """The tier placement and the planner learn from a finished step's stats (``order``:
         the layers in forward order)."""
+        self._layers = list(order)
         self._order = {k: i for i, k in enumerate(order)}
         self._after.clear()
+        if self._budget is not None:  # bytes saved outside layers (end_step learned them)
+            named = {str(k) for k in order}
+            self._outside = sum(v for k, v in self._budget.layer_bytes.items() if k not in named)
         if self._placement is not None:
             self._placement.learn(stats, num_micro_batches)
         if self._planner is not None:

@@ -298,15 +298,15 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
     n = len(layers)
     held = kept  # what this micro-batch holds in backward: kept layers not yet freed, reads
     arrival: Dict[int, float] = {}  # moved layer -> when its bytes are back (0: forwarded)
-    nxt = [n - 1]  # the next layer, in reverse order, whose bytes may be asked for
+    nxt = n - 1  # the next layer, in reverse order, whose bytes may be asked for
 
     def ask(floor: int, now: float, demand: int) -> None:
         """The runtime asks for the moved layers down to ``floor`` (prefetch), in reverse order;
         under the cap a read waits until it fits beside what is held, except the layer
         backward needs now (``demand``)."""
-        nonlocal held, h2d_free, drive_free, host_read, ssd_read
-        while nxt[0] >= max(floor, 0):
-            j = nxt[0]
+        nonlocal nxt, held, h2d_free, drive_free, host_read, ssd_read
+        while nxt >= max(floor, 0):
+            j = nxt
             place, size = row[j], layers[j].activation_bytes
             if place in (HOST, SSD) and done[j] > now:
                 arrival[j] = 0.0  # still being written: forwarded from memory at once
@@ -324,7 +324,7 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
                     h2d_free = max(max(drive_start, h2d_free) + size / link, drive_free)
                 arrival[j] = h2d_free
                 held += size
-            nxt[0] -= 1
+            nxt -= 1
 
     ahead = tiers.prefetch_layers
     ask(n - ahead, clock, -1)  # the backward's start: the last layers

@@ -125,10 +125,8 @@ def plan_tiers(layers: Sequence[LayerMeasurement], positions: Sequence[Position]
     fits = True
     if tiers.budget_bytes is not None:
         fits = _free(step, rows, costs, tiers)
-        if fits:
+        if fits:  # (a reserve over the budget leaves every position over it: not fits)
             _prefer_prefix(step, rows, costs, tiers)
-        moved = any(place != KEEP for row in rows for place in row)
-        fits = fits and not (moved and tiers.reserve_bytes > tiers.budget_bytes)
     return _result(step, rows, costs, of, fits)
 
 

@@ -81,10 +81,9 @@ def plan_for(node, stats, num_micro_batches: int, budget: int, recomputed=None,
     moved, as the adaptive planner measures them (``recomputed``, ``moved``: see
     :func:`measurements`)."""
     layers, outside, _ = measurements(stats, num_micro_batches, recomputed, moved)
-    reserve = outside
     positions = [Position()] * num_micro_batches
     factor = backward_factor(stats, layers, num_micro_batches)
-    return plan_tiers(layers, positions, tiers(node, budget, reserve, factor=factor))
+    return plan_tiers(layers, positions, tiers(node, budget, outside, factor=factor))
 
 
 def fixed_rows(name: str, layers: Sequence[LayerMeasurement], host_bytes: int,

@@ -82,7 +82,7 @@ def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ..
         kept = st.positions[0].live * min(tail, len(st.layers)) * st.layer_bytes
         # what holding only the tail needs: the tail kept by every live micro-batch, and, where
         # nothing is kept, one layer's room to be saved and read back (tier_costs.need_bytes)
-        only_tail = kept + max(0, st.layer_bytes - kept) + st.head_bytes
+        only_tail = max(kept, st.layer_bytes) + st.head_bytes
         chosen = plan_stage(st, node, budget_bytes=only_tail,
                             places=tuple(p for p in places if p != RECOMPUTE),
                             keep_last_layers=keep_last, prefetch_layers=ahead)
