@@ -103,13 +103,15 @@ def test_adaptive_on_tiered_plans_host_and_ssd_within_budget_and_host_memory(tmp
     the model's plan uses both tiers, every step stays within the budget after the first, host
     memory is never exceeded, bytes come back from both tiers, and the gradients equal keep's
     bit for bit. Broken by building no FourPlaces for 'tiered' in AdaptivePlanner: the plan
-    has no 'host' or 'ssd' (only offload)."""
+    has no 'host' or 'ssd' (only offload). The drives are capped at 0.05 GB/s, well below any
+    host copy: the model plans once, from the first step's host rate, and at 0.5 GB/s a slow
+    first host measurement made it put all three layers on the drives in about one run of four."""
     torch.manual_seed(0)
     weights = [(torch.randn(256, 256) * 0.05).requires_grad_(True) for _ in range(6)]
     x = torch.randn(1024, 256)
     layer = 1024 * 256 * 4  # the tanh output each layer saves
     cfg = OffloadConfig(dirs=[str(tmp_path)], engine="tiered", min_tensor_bytes=4096,
-                        host_memory_bytes=2 * layer, bandwidth_cap_gbps=0.5, policy="adaptive",
+                        host_memory_bytes=2 * layer, bandwidth_cap_gbps=0.05, policy="adaptive",
                         activation_budget_bytes=3 * layer, adaptive_explore_steps=0)
     with ActivationOffloader(cfg.replace(policy="keep")) as keep:
         want, _ = _steps(keep, weights, x, 1)
