@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+import time
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -84,12 +85,22 @@ class RecEvent:
         self.rec, self.name, self.real = rec, name, real
         self.vc: Dict[str, int] = {}  # empty until recorded: waiting on it orders nothing
         self.node: Optional[Node] = None
+        self.recorded_ns = 0  # the stand-in's "GPU time": the host time of the record (elapsed_time)
 
     def record(self, stream: RecStream) -> None:
         if self.real is not None:
             self.real.record(stream.real)
         self.node = self.rec._stream_op(stream, "record", event=self.name)
         self.vc = self.node.vc
+        self.recorded_ns = time.perf_counter_ns()
+
+    def elapsed_time(self, end: "RecEvent") -> float:
+        """Milliseconds from this event to ``end`` (a timing event): the real events' where
+        they exist; on the stand-in, which runs every operation when it is issued, the host
+        times of the two records."""
+        if self.real is not None:
+            return self.real.elapsed_time(end.real)
+        return (end.recorded_ns - self.recorded_ns) / 1e6
 
     def synchronize(self) -> None:
         self.rec._check_capture("synchronize", self.name)
@@ -186,6 +197,12 @@ class Recorder(StreamOps):
             self._n_events += 1
             name = f"e{self._n_events}"
         return RecEvent(self, name, self.inner.new_event() if self.inner is not None else None)
+
+    def timing_event(self) -> RecEvent:
+        with self._lock:
+            self._n_events += 1
+            name = f"t{self._n_events}"
+        return RecEvent(self, name, self.inner.timing_event() if self.inner is not None else None)
 
     @contextlib.contextmanager
     def use(self, stream: RecStream):

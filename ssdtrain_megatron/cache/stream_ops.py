@@ -55,6 +55,11 @@ class StreamOps:
     def new_event(self) -> Any:
         raise NotImplementedError
 
+    def timing_event(self) -> Any:
+        """An event whose ``elapsed_time(other)`` gives milliseconds between two record points
+        (telemetry/timeline.py; never used to order copies)."""
+        raise NotImplementedError
+
     def use(self, stream: Any) -> ContextManager:
         """Make ``stream`` current for the calling thread inside the block."""
         raise NotImplementedError
@@ -95,6 +100,9 @@ class CudaStreams(StreamOps):
 
     def new_event(self) -> Any:
         return torch.cuda.Event(blocking=True)
+
+    def timing_event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True)
 
     def use(self, stream: Any) -> ContextManager:
         return torch.cuda.stream(stream)
