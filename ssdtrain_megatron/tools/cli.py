@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"show the traceback of an error (also {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Every module here imports torch only inside the command that runs (tests/test_cli.py).
-    from .bench import add_bench_parser
-    from .corebench import add_core_bench_parser
+    from .bench.cli import add_bench_parser
+    from .bench.corebench import add_core_bench_parser
     from .demo import add_demo_parser
     from .doctor import add_doctor_parser
     from .io_bench import add_io_bench_parser
