@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.corebench import add_core_bench_parser
     from .demo import add_demo_parser
     from .doctor import add_doctor_parser
-    from .io_bench import add_io_bench_parser
+    from .iobench.cli import add_io_bench_parser
     from .clean import add_clean_parser
     from .plan_cli import add_lifespan_parser, add_plan_parser
     from .report import add_report_parser
