@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .doctor import add_doctor_parser
     from .iobench.cli import add_io_bench_parser
     from .clean import add_clean_parser
-    from .plan_cli import add_lifespan_parser, add_plan_parser
+    from .plan.cli import add_lifespan_parser, add_plan_parser
     from .report import add_report_parser
     from .soak import add_soak_parser
 
