@@ -6,5 +6,5 @@ would report; ``node_profile`` measures drives with it too) and the memory both 
 the two side by side, ``layout_compare`` the slab-or-files comparison of ``--compare-layout``.
 
 Named ``iobench``, not ``io``: ``ssdtrain_megatron.io`` is the engines themselves, which this
-room measures.
+folder measures.
 """

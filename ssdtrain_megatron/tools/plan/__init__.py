@@ -6,6 +6,6 @@ plans the preset on a node across keep, host, SSD and recompute, within the acti
 of ``budget``; ``search`` runs ``plan --search`` over parallel layouts; ``report`` prints the
 table.
 
-This room is the command; the model and the planner it calls are the library's
+This folder is the command; the model and the planner it calls are the library's
 ``ssdtrain_megatron.plan``, which never imports it.
 """
