@@ -30,11 +30,11 @@ END = "<!-- /plan-table -->"
 
 def result(preset: str) -> Dict[str, Any]:
     """``ssdtrain plan --config PRESET --num-microbatches 8 --search --node dgx-h100 --json``'s
-    best layouts (the search itself: tools/plan_search.py)."""
+    best layouts (the search itself: tools/plan/search.py)."""
     sys.path.insert(0, REPO)
     from ssdtrain_megatron.plan.node import load_profile
-    from ssdtrain_megatron.tools.plan_cli import read_preset
-    from ssdtrain_megatron.tools.plan_search import search_result
+    from ssdtrain_megatron.tools.plan.cli import read_preset
+    from ssdtrain_megatron.tools.plan.search import search_result
 
     shape, offload = read_preset(os.path.join(REPO, "configs", f"{preset}.yaml"))
     return search_result(shape, NUM_MICROBATCHES, load_profile(NODE), offload.keep_last_layers,

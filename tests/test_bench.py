@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"
 
 from ssdtrain_megatron import OffloadConfig  # noqa: E402
 from ranks import REPO  # noqa: E402
-from ssdtrain_megatron.tools.bench import BenchRun, add_bench_parser, summarize  # noqa: E402
-from ssdtrain_megatron.tools.bench_measure import _Series  # noqa: E402
+from ssdtrain_megatron.tools.bench.cli import add_bench_parser, summarize  # noqa: E402
+from ssdtrain_megatron.tools.bench.measure import BenchRun, _Series  # noqa: E402
 from ssdtrain_megatron.megatron import telemetry  # noqa: E402
 from ssdtrain_megatron.tools.minigpt import GPTSpec  # noqa: E402
 from ssdtrain_megatron.telemetry.peak_memory import PeakMemory  # noqa: E402
@@ -84,7 +84,7 @@ def test_quick_json_has_every_strategy_positive_figures_equal_losses_and_a_plot(
 
 
 def test_a_strategy_out_of_device_memory_is_dropped_for_larger_micro_batches(tmp_path, monkeypatch):
-    from ssdtrain_megatron.tools.bench import measure
+    from ssdtrain_megatron.tools.bench.measure import measure
     from ssdtrain_megatron.tools import minigpt
 
     real_step = minigpt.installed_step
@@ -145,7 +145,7 @@ def test_ratios_are_taken_at_the_largest_micro_batch_every_strategy_ran():
 
 
 def test_adaptive_is_compared_with_the_fastest_fixed_strategy_within_the_budget():
-    from ssdtrain_megatron.tools.bench import render
+    from ssdtrain_megatron.tools.bench.render import render
 
     same = [1.0, 0.9]
     run = _run({("keep", 1): ([1.0, 1.0], [100, 100], same), ("keep", 2): ([2.0, 2.0], [200, 200], same),
@@ -166,7 +166,7 @@ def test_adaptive_is_compared_with_the_fastest_fixed_strategy_within_the_budget(
 
 
 def test_the_table_shows_no_target_the_user_did_not_set_and_shows_fallbacks():
-    from ssdtrain_megatron.tools.bench import render
+    from ssdtrain_megatron.tools.bench.render import render
 
     same = [1.0, 0.9]
     run = _run({("keep", 1): ([1.0, 1.0], [100, 100], same), ("offload", 1): ([2.0, 2.0], [90, 90], same)})
@@ -194,7 +194,7 @@ def test_the_first_difference_says_strategy_micro_batch_step_and_both_values_bit
     """A run that is not bitwise must say exactly where (issue 38, 4.3): per strategy, the first
     step and micro-batch whose loss differs from keep's in any bit, with both values' bits; and
     the control (a second keep run) says whether the process's arithmetic is reproducible."""
-    from ssdtrain_megatron.tools.bench import render
+    from ssdtrain_megatron.tools.bench.render import render
 
     keep = [[1.0, 0.5], [0.75, 0.25]]
     off = [[1.0, 0.5], [0.75, float(np.nextafter(0.25, 1.0))]]

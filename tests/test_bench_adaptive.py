@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"),
               pytest.mark.filterwarnings("ignore::UserWarning:megatron.*")]
 
-from ssdtrain_megatron.tools.bench import summarize  # noqa: E402
+from ssdtrain_megatron.tools.bench.cli import summarize  # noqa: E402
 from test_bench import TINY, _bench, _run  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def test_each_step_time_ratio_has_its_paired_spread_and_says_when_noise_explains
     """Broken by comparing the full range (not half of it) with |ratio - 1| in bench_spread:
     'offload_vs_keep_step_time within noise' for 1.04 / 1.10 / 1.16 (half the range, 0.06, is
     below the 0.10 difference)."""
-    from ssdtrain_megatron.tools.bench import render
+    from ssdtrain_megatron.tools.bench.render import render
 
     same = [1.0, 0.9, 0.8, 0.7]
     run = _run({("keep", 1): ([9.0, 1.0, 1.0, 1.0], [100] * 4, same),

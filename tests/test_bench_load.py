@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ssdtrain_megatron.tools.bench_load import BackgroundLoad
+from ssdtrain_megatron.tools.bench.background_load import BackgroundLoad
 from ranks import REPO
 
 
@@ -65,7 +65,7 @@ def test_none_survives_an_error_inside_the_block():
 _CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
-    from ssdtrain_megatron.tools.bench_load import BackgroundLoad
+    from ssdtrain_megatron.tools.bench.background_load import BackgroundLoad
     with BackgroundLoad(2) as load:
         print(" ".join(map(str, load.pids)), flush=True)
         time.sleep(120)

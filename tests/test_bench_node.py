@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"
 
 from ssdtrain_megatron import OffloadConfig  # noqa: E402
 from ssdtrain_megatron.telemetry.stats import LayerStats, StepStats  # noqa: E402
-from ssdtrain_megatron.tools.bench import summarize  # noqa: E402
-from ssdtrain_megatron.tools.bench_node import NodeEmulation, node_from_args  # noqa: E402
-from ssdtrain_megatron.tools.bench_predict import fixed_rows, measurements, predict  # noqa: E402
+from ssdtrain_megatron.tools.bench.cli import summarize  # noqa: E402
+from ssdtrain_megatron.tools.bench.node import NodeEmulation, node_from_args  # noqa: E402
+from ssdtrain_megatron.tools.bench.predict import fixed_rows, measurements, predict  # noqa: E402
 from test_bench import TINY, _bench, _run  # noqa: E402
 
 TWO_CPUS = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -114,12 +114,12 @@ def test_recomputing_is_priced_at_the_recompute_pass_the_runtime_measured():
 
 
 def test_the_planned_strategy_prices_recomputing_at_the_measured_passes_too(tmp_path):
-    """The planned strategy's plan (PlannedTiers, bench_node.py) prices a recomputed layer as the
+    """The planned strategy's plan (PlannedTiers, bench/node.py) prices a recomputed layer as the
     prediction does: at the pass the recompute strategy measured, not at keep's forward. Drives
     and host memory too small to help: the budget is met by recomputing. Broken by leaving
     ``recomputed`` out of plan_for: recompute_s 0.06 (the forward), not 0.015."""
     from ssdtrain_megatron.cache import ActivationOffloader
-    from ssdtrain_megatron.tools.bench_node import PlannedTiers
+    from ssdtrain_megatron.tools.bench.node import PlannedTiers
 
     stats = _keep_stats()
     rows = tuple(dataclasses.replace(r, decision="recompute", recompute_s=2 * 0.0025, recomputes=2)
@@ -171,7 +171,7 @@ def test_planned_and_adaptive_are_compared_with_the_fastest_strategy_within_the_
     assert s["targets"]["planned_vs_best_single_step_time"] == {"target": "<= 1.0", "met": True}
     assert s["targets"]["adaptive_vs_best_fixed_step_time"] == {"target": "<= 1.02", "met": False}
     assert "prediction_max_abs_error" in s["targets"]
-    from ssdtrain_megatron.tools.bench import render
+    from ssdtrain_megatron.tools.bench.render import render
 
     text = render(s)
     assert "planned / best single step time" in text and "predicted" in text
@@ -181,7 +181,7 @@ _REFAULTS = r"""
 import resource, sys
 sys.path.insert(0, {root!r})
 if {cached}:
-    from ssdtrain_megatron.tools.bench_node import cache_freed_host_memory
+    from ssdtrain_megatron.tools.bench.node import cache_freed_host_memory
     print(cache_freed_host_memory(), file=sys.stderr)
 def step():  # a micro-batch's activations: 48 blocks of 4 MiB written, then all freed
     held = [bytearray(4 << 20) for _ in range(48)]
@@ -252,7 +252,7 @@ def test_a_layer_the_budget_ran_recomputed_is_priced_as_recompute():
     are in as_run: ('ssd', ...)."""
     import dataclasses
 
-    from ssdtrain_megatron.tools.bench_predict import as_run
+    from ssdtrain_megatron.tools.bench.predict import as_run
 
     stats = _keep_stats()
     first = dataclasses.replace(stats.layers[0], decision="recompute")
@@ -269,7 +269,7 @@ def test_the_planned_strategy_sizes_layers_by_what_offloading_them_moved(tmp_pat
     would have put in host memory. Sized by what the offload step moved, four layers go to host
     memory and none is recomputed. Broken by leaving ``moved`` out of plan_for: 1 recomputed."""
     from ssdtrain_megatron.cache import ActivationOffloader
-    from ssdtrain_megatron.tools.bench_node import PlannedTiers
+    from ssdtrain_megatron.tools.bench.node import PlannedTiers
 
     mib = 1 << 20
     stats = _keep_stats(nbytes=64 * mib, layers=8, forward_s=0.05)

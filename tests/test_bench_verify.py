@@ -12,7 +12,7 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"),
               pytest.mark.filterwarnings("ignore::UserWarning:megatron.*")]
 
-from ssdtrain_megatron.tools.bench import summarize  # noqa: E402
+from ssdtrain_megatron.tools.bench.cli import summarize  # noqa: E402
 from tests.test_bench import TINY, _bench, _run  # noqa: E402
 
 
@@ -23,7 +23,7 @@ def test_verify_off_and_crc32c_runs_offload_both_ways_in_one_run(tmp_path, capsy
     """``--verify off,crc32c`` adds offload+crc32c beside offload (verify off): same losses,
     both offload, and only the verified one checksums (a real run; the checksum function is
     wrapped to count the bytes it sees). Break: drop ``**changes`` where _Contender builds its
-    offloader (bench_measure.py) -> 'assert 0 > 0' on the checksummed bytes."""
+    offloader (bench/measure.py) -> 'assert 0 > 0' on the checksummed bytes."""
     from ssdtrain_megatron.io import bounce  # where the engine checksums its chunks
 
     seen = []
@@ -66,7 +66,7 @@ def test_verify_ratios_compare_offload_crc32c_with_offload():
     assert s["ratios"]["offload+crc32c_vs_offload_step_time"] == 2.1 / 2.0
     assert s["ratios"]["offload+crc32c_vs_offload_cpu_time"] == 1.5
     assert [p["strategy"] for p in s["points"]] == ["keep", "offload", "offload+crc32c"]
-    from ssdtrain_megatron.tools.bench import render
+    from ssdtrain_megatron.tools.bench.render import render
 
     assert "offload+crc32c / offload step time   1.05" in render(s)
 

@@ -161,7 +161,7 @@ def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
 
 
 def test_an_unexpected_error_is_one_line_that_points_at_debug(capsys, monkeypatch):
-    from ssdtrain_megatron.tools import plan_cli
+    from ssdtrain_megatron.tools.plan import cli as plan_cli
 
     def broken(args):
         raise TypeError("unsupported operand")

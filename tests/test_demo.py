@@ -72,7 +72,7 @@ def test_core_bench_json_has_pack_and_unpack_medians_per_policy(tmp_path, capsys
 
 
 def test_core_bench_gap_pairs_each_round_keep_offload_offload_keep():
-    from ssdtrain_megatron.tools.corebench import _round_gaps
+    from ssdtrain_megatron.tools.bench.corebench import _round_gaps
 
     runs = {"keep": [(10.0, 5.0), (12.0, 7.0), (20.0, 9.0), (22.0, 9.0)],
             "offload": [(13.0, 8.0), (15.0, 8.0), (21.0, 20.0), (23.0, 20.0)]}

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from ssdtrain_megatron.io import engine_class
-from ssdtrain_megatron.tools import io_bench as bench
-from ssdtrain_megatron.tools.io_measure import Segment
+from ssdtrain_megatron.tools.iobench import cli as bench
+from ssdtrain_megatron.tools.iobench.measure import Segment
 from tests.cli_helpers import run_cli
 
 SMALL = ["--tensor-mib", "1", "--total-gib", "0.05", "--rounds", "1"]
@@ -168,7 +168,7 @@ def test_aio_is_measured_against_the_same_baseline(tmp_path, capsys):
 
 
 class _FakeBaseline:
-    """Stands in for io_measure.BaselineSide: each segment takes the next of ``times``."""
+    """Stands in for iobench.measure.BaselineSide: each segment takes the next of ``times``."""
 
     def __init__(self, calls, times):
         self.calls, self.times, self.direct = calls, times, True
@@ -183,7 +183,7 @@ class _FakeBaseline:
 
 
 class _FakeEngine:
-    """Stands in for io_measure.EngineSide: each step takes the next of ``times``."""
+    """Stands in for iobench.engine_side.EngineSide: each step takes the next of ``times``."""
 
     def __init__(self, calls, times, name, tensor_bytes):
         self.calls, self.times, self.label, self.tensor_bytes = calls, times, name, tensor_bytes
@@ -229,7 +229,7 @@ def test_each_round_takes_turns_baseline_engine_engine_baseline_and_sums_bytes_a
 def test_verify_off_and_crc32c_measures_each_engine_both_ways_and_reports_the_cost(tmp_path, capsys, monkeypatch):
     """``--verify off,crc32c``: posix and posix+crc32c in one run, the cost as ratios; only the
     crc32c contender checksums (the function is wrapped to count); memory has no file to
-    verify and says so. Break: drop ``verify=v`` in io_bench._contenders -> 'checksummed
+    verify and says so. Break: drop ``verify=v`` in iobench.cli._contenders -> 'checksummed
     bytes: 0'."""
     from ssdtrain_megatron.io import bounce  # where the engine checksums its chunks
 
@@ -324,13 +324,13 @@ def test_every_segment_of_both_sides_writes_into_a_new_file_reserved_at_once(tmp
 
 def test_the_baseline_moves_each_block_through_the_memory_the_engine_uses_for_those_bytes(tmp_path, monkeypatch):
     """How large the requests reaching a drive are depends on the memory's physical layout
-    (io_measure.BenchMemory), so the baseline writes segment byte ``o`` from where the engine
+    (iobench.measure.BenchMemory), so the baseline writes segment byte ``o`` from where the engine
     keeps tensor byte ``o`` (source ``o // T % n``) and reads it into where the engine reads it.
     Broken variant: BenchMemory.window ignoring the offset -> every block from the first
     source."""
     import ctypes
 
-    from ssdtrain_megatron.tools import io_measure
+    from ssdtrain_megatron.tools.iobench import measure as io_measure
 
     seen = []
     real_do = io_measure._do

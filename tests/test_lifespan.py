@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ssdtrain_megatron.tools.plan_cli import add_lifespan_parser, add_plan_parser
+from ssdtrain_megatron.tools.plan.cli import add_lifespan_parser, add_plan_parser
 from ssdtrain_megatron.plan.lifespan import endurance_bytes, ssd_lifespan
 
 # The paper's worked example: 4 drives of 1 TB rated 600 TBW each, WAF 2.5 -> 1, 86x retention

@@ -10,7 +10,7 @@ import pytest
 
 from ssdtrain_megatron.plan.model import (ModelShape, SaveProfile, layer_activation_bytes,
                                           layer_activation_terms)
-from ssdtrain_megatron.tools.plan_cli import load_preset
+from ssdtrain_megatron.tools.plan.cli import load_preset
 
 S, B, H, A = 2048, 4, 4096, 32
 SBH = S * B * H

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ssdtrain_megatron.tools.plan_cli import add_lifespan_parser, add_plan_parser
+from ssdtrain_megatron.tools.plan.cli import add_lifespan_parser, add_plan_parser
 from ssdtrain_megatron.plan.model import (ModelShape, SaveProfile, estimate_step_time_s,
                                           forward_flops_per_layer, head_activation_terms,
                                           largest_micro_batch, layer_activation_bytes,

@@ -106,7 +106,7 @@ def test_model_state_is_18_bytes_per_parameter_or_6_plus_12_over_d_sharded():
 @pytest.mark.parametrize("preset, billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55),
                                               ("mixtral-8x7b", 46.70)])
 def test_parameter_counts_match_the_published_sizes(preset, billions):
-    from ssdtrain_megatron.tools.plan_cli import load_preset
+    from ssdtrain_megatron.tools.plan.cli import load_preset
 
     shape, _ = load_preset(os.path.join(REPO, "configs", f"{preset}.yaml"))
     layer = layer_parameters(shape)

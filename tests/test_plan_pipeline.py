@@ -1,5 +1,5 @@
 """`ssdtrain plan` for a pipeline's first stage: the deferred last layers it writes, and a plan's
-kept layers held for every micro-batch in flight (plan/model.py, tools/plan_cli.py)."""
+kept layers held for every micro-batch in flight (plan/model.py, tools/plan/cli.py)."""
 
 from __future__ import annotations
 

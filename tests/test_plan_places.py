@@ -107,7 +107,7 @@ def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, pre
     """The runtime reads prefetch_layers ahead of backward, and the plan's timeline must assume
     the same read-ahead (plan/tier_costs.py). Broken by plan_stage not passing it on (the
     Tiers default of 2 for every preset): 'planned with 2'."""
-    from ssdtrain_megatron.tools import plan_build
+    from ssdtrain_megatron.tools.plan import build as plan_build
 
     seen = []
     real = plan_build.plan_stage

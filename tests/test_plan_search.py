@@ -11,7 +11,7 @@ import pytest
 from ssdtrain_megatron.plan.node import load_profile
 from ssdtrain_megatron.plan.search import layouts
 from ssdtrain_megatron.tools.cli import main
-from ssdtrain_megatron.tools.plan_cli import read_preset
+from ssdtrain_megatron.tools.plan.cli import read_preset
 
 
 def _search(capsys, *argv):

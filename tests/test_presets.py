@@ -14,7 +14,7 @@ from ssdtrain_megatron.tools import cli
 from ssdtrain_megatron.cache import ActivationOffloader
 from ssdtrain_megatron.config import OffloadConfig
 from ssdtrain_megatron.megatron.args import megatron_args_from_preset
-from ssdtrain_megatron.tools.plan_cli import PRESET_SECTIONS, load_preset
+from ssdtrain_megatron.tools.plan.cli import PRESET_SECTIONS, load_preset
 from ssdtrain_megatron.plan.model import (ModelShape, SaveProfile, layer_activation_bytes,
                                           layer_activation_terms)
 

@@ -24,7 +24,7 @@ Why these choices:
   and the engine's own buffers, mapped once and reused. A CPU tensor's chunk (memory autograd
   allocated moments ago, 64 bytes past a page) is copied whole into the bounce buffer, at its
   shift, so that its read still goes in place. How large a direct IO request reaching the
-  drive is depends on how physically contiguous its memory is (tools/io_measure.py), and
+  drive is depends on how physically contiguous its memory is (tools/iobench/measure.py), and
   fresh activations are not: training the bench's model at micro-batch 4 on this project's
   VM, the IO threads wrote them in place at 0.26-0.43 GB/s and through the bounce buffer at
   0.51-0.64 GB/s, so in place the writes lagged the forward and stayed resident (offload's

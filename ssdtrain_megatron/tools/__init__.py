@@ -1,11 +1,19 @@
 """What a training job never imports: the ``ssdtrain`` command and what it runs.
 
-``cli`` builds the command and dispatches to one module per subcommand (``demo``, ``bench``,
-``corebench``, ``io_bench``, ``plan_cli`` for plan and lifespan, ``report``, ``clean``,
-``doctor``); ``cli_types`` holds their shared argument types and messages. ``demo_model`` and
-``minigpt`` are the small models they train, ``megatron_cpu`` the CPU runtime that lets
-megatron-core run without CUDA, ``report_render`` the markdown and plots of ``ssdtrain report``.
+``cli`` builds the command and dispatches to its subcommands. Those with several modules have
+a folder each, whose ``__init__`` says what is in it and which module is the entry: ``bench/``
+(bench and core-bench), ``iobench/`` (io-bench), ``plan/`` (plan and lifespan). The others are
+one module each here: ``demo``, ``report``, ``clean``, ``doctor`` and ``soak``, with the
+helpers only they use (``demo_report``, ``report_render``, ``preflight_cli``, and soak's
+``faults``, ``fault_kinds`` and ``forwarding``).
 
-Imports go one way: tools import the library (config, cache, io, plan, telemetry, megatron);
-nothing in the library imports tools (tests/test_structure.py checks it).
+What several commands share stays at this level: ``cli_types`` (argument types, errors and
+messages), ``quiet`` (each warning once), ``demo_model`` and ``minigpt`` (the small models they
+train, the tests too), ``megatron_cpu`` (the CPU runtime that lets megatron-core run without
+CUDA) and ``node_profile`` (a node measured, for doctor and bench; it measures each drive with
+``iobench/measure.py``, as ``soak`` reads presets with ``plan/cli.py``).
+
+Imports go one way: a folder imports the modules of this level and the library, never another
+folder; tools import the library (config, cache, io, plan, telemetry, megatron); nothing in the
+library imports tools (tests/test_structure.py checks it).
 """

@@ -43,13 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"show the traceback of an error (also {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Every module here imports torch only inside the command that runs (tests/test_cli.py).
-    from .bench import add_bench_parser
-    from .corebench import add_core_bench_parser
+    from .bench.cli import add_bench_parser
+    from .bench.corebench import add_core_bench_parser
     from .demo import add_demo_parser
     from .doctor import add_doctor_parser
-    from .io_bench import add_io_bench_parser
+    from .iobench.cli import add_io_bench_parser
     from .clean import add_clean_parser
-    from .plan_cli import add_lifespan_parser, add_plan_parser
+    from .plan.cli import add_lifespan_parser, add_plan_parser
     from .report import add_report_parser
     from .soak import add_soak_parser
 

@@ -5,7 +5,7 @@ them from datasheets. This module measures them where the job will run and write
 same schema, so that ``--node OUT.yaml`` plans with this machine's own numbers:
 
 * drives: each offload root on a distinct drive is one drive; its sequential O_DIRECT write and
-  read GB/s come from io-bench's raw baseline (tools/io_measure.py ``raw_baseline``: several
+  read GB/s come from io-bench's raw baseline (tools/iobench/measure.py ``raw_baseline``: several
   threads, 8 MiB requests, one preallocated file), in a private directory under the root that
   is removed after. Their median is the per-drive figure.
 * host memory: what the kernel reports available now (MemAvailable), shared by the GPUs.
@@ -70,7 +70,7 @@ def measure_drives(roots: List[str], nbytes: Optional[int] = None) -> Dict[str, 
         RuntimeError: no root given.
     """
     from ..io.roots import drive_of
-    from .io_measure import raw_baseline
+    from .iobench.measure import raw_baseline
 
     nbytes = nbytes or DRIVE_BYTES
     if not roots:

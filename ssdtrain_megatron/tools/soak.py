@@ -105,7 +105,7 @@ def preset_spec(path: str) -> Tuple[object, List[str]]:
     """
     from .cli_types import UsageError
     from .minigpt import GPTSpec
-    from .plan_cli import load_preset
+    from .plan.cli import load_preset
 
     try:
         shape, _ = load_preset(path)

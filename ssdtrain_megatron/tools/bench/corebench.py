@@ -28,8 +28,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-from .cli_types import deprecated_alias, positive_int
-from ..config import OffloadConfig
+from ...config import OffloadConfig
+from ..cli_types import deprecated_alias, positive_int
 
 # torch, the offloader and the model are imported inside the functions: `ssdtrain --help`
 # builds this command's parser and must not pay for torch.
@@ -103,7 +103,7 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple
     order, as backward does; reads start ahead of the unpacks, as prefetch does)."""
     import torch
 
-    from ..cache import ActivationOffloader
+    from ...cache import ActivationOffloader
 
     min_bytes = nbytes + 1 if policy == "pass-through" else 0
     c = cfg.replace(policy="keep" if policy != "offload" else "offload", min_tensor_bytes=min_bytes,
@@ -148,8 +148,8 @@ def _round_gaps(runs: Dict[str, List[Tuple[float, Optional[float]]]], which: int
 def peak_memory(cfg: OffloadConfig, steps: int) -> Dict[str, dict]:
     import torch
 
-    from ..cache import ActivationOffloader
-    from .demo_model import TinyGPT, lm_loss
+    from ...cache import ActivationOffloader
+    from ..demo_model import TinyGPT, lm_loss
 
     torch.manual_seed(0)
     model = TinyGPT(vocab=512, hidden=256, heads=4, layers=8, seq=256)

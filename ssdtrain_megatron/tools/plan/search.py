@@ -1,5 +1,5 @@
 """``ssdtrain plan --search``: the preset's model on its GPU count and global batch, every
-layout planned on the node without and with offload (plan/search.py), fastest first."""
+layout planned on the node without and with offload (the library's plan/search.py), fastest first."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import json
 from typing import Any, Dict, List, Optional
 
-from ..plan.node import NodeProfile
-from ..plan.search import Layout, search
-from ..plan.shape import ModelShape
-from .plan_build import lifespan, tier_summary
+from ...plan.node import NodeProfile
+from ...plan.search import Layout, search
+from ...plan.shape import ModelShape
+from .build import lifespan, tier_summary
 
 MODEL_LABEL = ("the model's figures (docs/models.md, \"The model's terms\"), not measurements: "
                "no GPU has measured them yet")

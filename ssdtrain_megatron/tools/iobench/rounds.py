@@ -14,8 +14,8 @@ engine a new slab per step, since the offloader removes the slab at the end of e
 (io/slab_engine.py ``end_step``). A drive may write blocks it already holds faster than fresh
 ones (this VM, ext4 mounted with ``discard``: 1.1 GB/s over 0.68, measured side by side), so
 measuring the engine on reused blocks would show it faster than training runs it. The engine
-is measured from its second step on (io_engine_side.py): what a job runs in after its first
-step. And both sides move the bytes through the same memory (io_measure.py ``BenchMemory``).
+is measured from its second step on (engine_side.py): what a job runs in after its first
+step. And both sides move the bytes through the same memory (measure.py ``BenchMemory``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
-from .io_engine_side import EngineSide
-from .io_measure import BaselineSide, Progress, Segment
+from .engine_side import EngineSide
+from .measure import BaselineSide, Progress, Segment
 
 ORDER = ("baseline", "engine", "engine", "baseline")
 """One quad of segments; a round repeats it."""

@@ -1,5 +1,5 @@
 """``ssdtrain plan``'s result: the preset on a node, planned across keep, host, SSD and recompute
-(plan/stage.py, plan/tiers.py), as the JSON-ready dict ``plan --json`` prints.
+(the library's plan/stage.py and plan/tiers.py), as the JSON-ready dict ``plan --json`` prints.
 
 What the preset's offload: section says is what is planned: ``policy`` (keep: nothing leaves
 GPU memory; offload: every layer but the last keep_last_layers leaves it; adaptive: as much
@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Optional, Tuple
 
-from ..plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
-from ..plan.model import (head_activation_terms, largest_micro_batch, layer_activation_bytes,
-                          layer_activation_terms, peak_activation_bytes)
-from ..plan.node import NodeProfile, load_profile
-from ..plan.shape import ModelShape, SaveProfile
-from ..plan.stage import Stage, full_recompute_fits, plan_stage, price_stage, stage
-from ..plan.tiers import HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan
-from .plan_budget import activation_budget
+from ...plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
+from ...plan.model import (head_activation_terms, largest_micro_batch, layer_activation_bytes,
+                           layer_activation_terms, peak_activation_bytes)
+from ...plan.node import NodeProfile, load_profile
+from ...plan.shape import ModelShape, SaveProfile
+from ...plan.stage import Stage, full_recompute_fits, plan_stage, price_stage, stage
+from ...plan.tiers import HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan
+from .budget import activation_budget
 
 DEFAULT_NODE = "dgx-h100"
 """The node planned for when neither --node nor the preset's node: section names one."""

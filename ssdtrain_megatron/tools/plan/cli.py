@@ -13,12 +13,12 @@ import json
 import sys
 from typing import Any, Callable, Optional, Tuple
 
-from .cli_types import (PRESET_HELP, deprecated_alias, positive_float, preset_arg, size_with_unit,
-                        size_with_unit_or_fraction)
-from ..plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
-from ..plan.node import NodeProfile, profile_from_preset
-from ..plan.shape import ModelShape
-from .plan_report import _bytes, _duration, print_plan
+from ...plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
+from ...plan.node import NodeProfile, profile_from_preset
+from ...plan.shape import ModelShape
+from ..cli_types import (PRESET_HELP, deprecated_alias, positive_float, preset_arg, size_with_unit,
+                         size_with_unit_or_fraction)
+from .report import _bytes, _duration, print_plan
 
 PRESET_SECTIONS = ("model", "parallel", "offload", "node")
 
@@ -56,7 +56,7 @@ def _gb(text: str) -> int:
 def _node_arg(text: str) -> NodeProfile:
     """--node: a built-in profile's name or a profile file, read at once (argparse names the
     flag in the one-line error)."""
-    from ..plan.node import load_profile
+    from ...plan.node import load_profile
 
     try:
         return load_profile(text)
@@ -134,8 +134,8 @@ def run_lifespan(args: argparse.Namespace) -> int:
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``ssdtrain plan``."""
-    from ..config import ENGINES, POLICIES
-    from ..plan.node import BUILTIN
+    from ...config import ENGINES, POLICIES
+    from ...plan.node import BUILTIN
 
     parser = subparsers.add_parser(
         "plan", help="a preset on a node: keep, host, SSD or recompute per layer, bandwidth, "
@@ -204,7 +204,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _add_node_flags(parser: argparse.ArgumentParser) -> None:
-    """The node's figures, each replacing the profile's (plan_build.node_for)."""
+    """The node's figures, each replacing the profile's (build.node_for)."""
     node = parser.add_argument_group(
         "the node's figures (each replaces the profile's)",
         "Per GPU unless said: achieved TFLOP/s in Megatron, memory, host memory for "
@@ -260,7 +260,7 @@ def read_preset(path: str) -> Tuple[ModelShape, Any]:
         ValueError: unreadable file, unknown section or key, invalid value; one line that
             names the file and the key.
     """
-    from ..config import OffloadConfig
+    from ...config import OffloadConfig
 
     data = _preset_data(path)
     try:
@@ -288,7 +288,7 @@ def preset_node(path: str) -> Optional[NodeProfile]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from .plan_build import build_plan, node_for
+    from .build import build_plan, node_for
 
     try:
         shape, offload = read_preset(args.config)
@@ -301,7 +301,7 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _error("plan", str(exc))
     if args.search:
-        from .plan_search import run_search
+        from .search import run_search
 
         return run_search(shape, offload, args, node, source)
     result = build_plan(shape, offload, args, node, source)

@@ -18,7 +18,7 @@ IO on the same cores, which hides all of that behind contention. With ``--node-e
   memory engine: what does not fit stays in memory), planned (the four-place plan of
   plan/tiers.py for this node, run as fixed per-layer decisions on the tiered engine), adaptive
   (on the tiered engine: measured selection from the four-place plan) and recompute, side by
-  side at one memory budget (bench_budget.py).
+  side at one memory budget (budget.py).
 
 The figures a run needs beyond the defaults (keep's bytes and step time at the largest size)
 come from a calibration: two steps of keep before the measured ones.
@@ -34,8 +34,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..config import OffloadConfig
-from .cli_types import byte_count, positive_float
+from ...config import OffloadConfig
+from ..cli_types import byte_count, positive_float
 
 SSD_FRACTION = 0.5
 """The default SSD cap, as a fraction of what a full offload needs."""
@@ -73,7 +73,7 @@ class NodeEmulation:
         if self.profile is not None:
             self.link_gbps = self.profile.host_link_gbps
         else:
-            from .node_profile import host_copy_gbps
+            from ..node_profile import host_copy_gbps
 
             self.link_gbps = host_copy_gbps(64 << 20)
         if self.ssd_gbps is None or self.host_bytes is None:
@@ -82,8 +82,8 @@ class NodeEmulation:
     def _calibrate(self, spec, cfg: OffloadConfig, device, micro_batch: int) -> None:
         import dataclasses
 
-        from ..cache import ActivationOffloader
-        from .minigpt import MiniGPT, installed_step
+        from ...cache import ActivationOffloader
+        from ..minigpt import MiniGPT, installed_step
 
         model = MiniGPT(dataclasses.replace(spec, micro_batch=micro_batch), device)
         with ActivationOffloader(cfg.replace(policy="keep", job="bench-calibrate"), device=device) as off:
@@ -250,7 +250,7 @@ def node_from_args(args: argparse.Namespace) -> Optional[NodeEmulation]:
                                          "overlap: the point is that they do not")
     profile = None
     if args.node is not None:
-        from ..plan.node import ProfileError, load_profile
+        from ...plan.node import ProfileError, load_profile
 
         try:
             profile = load_profile(args.node)
@@ -287,7 +287,7 @@ class PlannedTiers:
         (StepStats of a step that offloaded) measured."""
         if self.budget is None:
             return
-        from .bench_predict import plan_for
+        from .predict import plan_for
 
         self.plan = plan_for(self.node, keep_stats, num_micro_batches, self.budget, recomputed, moved)
         row = self.plan.decisions[0]  # no pipeline here: every position is alike

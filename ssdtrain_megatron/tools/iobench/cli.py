@@ -4,19 +4,19 @@ The baseline is what fio would report for the device: an O_DIRECT file prealloca
 the clock starts, several threads each keeping one large (8 MiB) pwrite/pread in flight, no
 copies. Each engine writes and reads the same bytes as tensors of ``--tensor-mib``, through
 its public interface, with at most ``max_inflight_bytes`` (1 GiB) in flight as the offloader
-would, one step per segment after an untimed first step (io_engine_side.py). The
+would, one step per segment after an untimed first step (iobench/engine_side.py). The
 report gives, for write and read: GB/s (10^9 bytes per second), the ratio to the baseline, and
 the CPU time the calling (training) thread spent per GB; plus ``cpu_us_per_tensor``, the
 calling thread's CPU time inside one ``write``/``read`` call (the larger of the two means).
 
-How the two sides are set against each other (io_rounds.py): in each round, segments of about
+How the two sides are set against each other (rounds.py): in each round, segments of about
 ``--segment-mib`` in the order baseline, engine, engine, baseline, repeated until each side has
 moved ``--total-gib``; each side's bytes and seconds summed; the ratio is the engine's GB/s over
 the baseline's in that round. A drive's drift, its bursts after a pause and its dependence on
 the writer before cost both sides the same there. Both write into fresh preallocated space:
 the engine into a new slab each step, as training does (the slab is removed at the end of every
 step), the baseline into a new file each segment. And both move each byte from and into the
-same memory (io_measure.py ``BenchMemory``): the size of the requests a drive gets depends on
+same memory (measure.py ``BenchMemory``): the size of the requests a drive gets depends on
 the physical layout of the memory, which differs from one allocation to the next. Every figure
 is a median over ``--rounds`` rounds, each of which starts with another engine.
 
@@ -37,16 +37,16 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Tuple
 
-from .cli_types import (EnvironmentProblem, UsageError, check_engine, deprecated_alias, positive_float,
+from ...config import ConfigError, OffloadConfig
+from ..cli_types import (EnvironmentProblem, UsageError, check_engine, deprecated_alias, positive_float,
                          positive_int, verify_methods, writable_dir)
-from ..config import ConfigError, OffloadConfig
-from .io_engine_side import EngineSide, contender_label
-from .io_measure import BASELINE_BLOCK, BASELINE_THREADS, GiB, MiB, BaselineSide, BenchError, Progress
-from .io_rounds import Round, measure_round, segment_sizes
+from .engine_side import EngineSide, contender_label
+from .measure import BASELINE_BLOCK, BASELINE_THREADS, GiB, MiB, BaselineSide, BenchError, Progress
+from .rounds import Round, measure_round, segment_sizes
 
 ENGINE_CHOICES = ("posix", "aio", "memory", "tiered", "gds", "all")
 SEGMENT_MIB = 256.0
-"""Default size of one segment of the ABBA schedule (io_rounds.py): short enough that a round
+"""Default size of one segment of the ABBA schedule (rounds.py): short enough that a round
 has many, long enough that a step's start and end are a small part of it."""
 ALL_ENGINES = ("posix", "aio", "memory")
 
@@ -56,7 +56,7 @@ ALL_ENGINES = ("posix", "aio", "memory")
 
 def _runnable(engines: List[str], progress: Progress, skipped: Dict[str, str]) -> List[str]:
     """The engines that can run here; the others are reported, with why, in ``skipped``."""
-    from ..io import engine_class
+    from ...io import engine_class
 
     runnable = []
     for name in engines:
@@ -72,7 +72,7 @@ def _runnable(engines: List[str], progress: Progress, skipped: Dict[str, str]) -
 
 
 class _Rounds:
-    """Every engine's rounds (``io_rounds.Round``: its ABBA segments) and the baseline's
+    """Every engine's rounds (``rounds.Round``: its ABBA segments) and the baseline's
     O_DIRECT status."""
 
     def __init__(self, scratch: str, runnable: List[str], progress: Progress) -> None:
@@ -129,9 +129,9 @@ def verify_cost(engines: Dict[str, Dict[str, float]]) -> Dict[str, Dict[str, flo
 def _measure_rounds(m: _Rounds, runnable: List[str], rounds: int, sizes: List[int], tensor_bytes: int,
                     configs: Dict[str, Tuple[str, OffloadConfig]], skipped: Dict[str, str]) -> None:
     """Each round: each engine in turn, built and warmed up, then ABBA segments against the
-    baseline (io_rounds.py). An engine that turns out unavailable when built is dropped from
+    baseline (rounds.py). An engine that turns out unavailable when built is dropped from
     ``runnable`` and reported in ``skipped``."""
-    from ..io.base import EngineUnavailable
+    from ...io.base import EngineUnavailable
 
     progress = m.progress
     for r in range(rounds):
@@ -149,7 +149,7 @@ def _measure_rounds(m: _Rounds, runnable: List[str], rounds: int, sizes: List[in
                 skipped[name] = why
                 runnable.remove(name)
                 continue
-            baseline = BaselineSide(side.memory)  # the engine's memory (io_measure.BenchMemory)
+            baseline = BaselineSide(side.memory)  # the engine's memory (measure.BenchMemory)
             try:
                 m.add(name, measure_round(baseline, side, m.scratch, sizes, progress))
                 m.bypassed(name, side.page_cache_bypassed, baseline.direct)
@@ -226,7 +226,7 @@ def run(directory: str, engines: List[str], tensor_mib: float, total_gib: float,
         report["method"] = {"order": "ABBA", "segments_per_side": len(sizes),
                             "segment_mib": max(sizes) * tensor_bytes / MiB, "space": "fresh, preallocated"}
         if compare_layout:
-            from .io_layout import layout_compare
+            from .layout_compare import layout_compare
 
             progress.say("layout: one slab vs one file per tensor")
             report["layout"] = layout_compare(scratch, n_tensors, tensor_bytes, base.io_threads, base.chunk_bytes)

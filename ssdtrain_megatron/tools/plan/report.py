@@ -1,10 +1,10 @@
-"""``ssdtrain plan``'s table: the plan of ``plan_cli.build_plan`` as aligned lines."""
+"""``ssdtrain plan``'s table: the plan of ``build.build_plan`` as aligned lines."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from ..plan.shape import ModelShape
+from ...plan.shape import ModelShape
 
 
 def _bytes(n: float) -> str:
@@ -40,7 +40,7 @@ def header(shape: ModelShape, config: str) -> str:
 
 
 def print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
-    from ..plan.node import NodeProfile
+    from ...plan.node import NodeProfile
 
     node = NodeProfile(**{k: r["node"][k] for k in NodeProfile.FIELDS})
     print(header(shape, r["config"]))

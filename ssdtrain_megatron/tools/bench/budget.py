@@ -12,16 +12,16 @@ without one, keeping everything, which fits by the budget's definition.
                                     whose peak activations fit the budget, at the ratios'
                                     micro-batch size (the largest every strategy ran)
   adaptive_peak_vs_budget           adaptive's peak activations / the budget, at the same size,
-                                    its exploration steps included (bench.py)
+                                    its exploration steps included (cli.py)
   adaptive_settle_steps             steps adaptive's measured selection took to settle there
-                                    (bench.py; None: not within its bound)
+                                    (cli.py; None: not within its bound)
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from ..config import OffloadConfig
+from ...config import OffloadConfig
 
 FIXED = ("offload", "recompute")
 

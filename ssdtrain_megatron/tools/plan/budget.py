@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from ..plan.memory import model_state_bytes
-from ..plan.shape import ModelShape
+from ...plan.memory import model_state_bytes
+from ...plan.shape import ModelShape
 
 def activation_budget(shape: ModelShape, gpu_memory: int, given: Any = None,
                       preset_budget: Any = None) -> Dict[str, Any]:
     """Activation memory per GPU for the plan, and where it comes from: ``given``
     (--activation-budget), else the preset's activation_budget_bytes, else ``gpu_memory`` less
-    the model state (weights, gradients, optimizer state: plan/memory.py). A fraction is of
-    ``gpu_memory``."""
+    the model state (weights, gradients, optimizer state: the library's plan/memory.py). A
+    fraction is of ``gpu_memory``."""
     state = model_state_bytes(shape)
     source = "--activation-budget"
     if given is None and preset_budget is not None:

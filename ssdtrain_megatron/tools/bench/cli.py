@@ -6,7 +6,7 @@ strategies, at each micro-batch size of ``--micro-batch-size``:
   keep       the offloader installed with policy="keep": nothing leaves memory (the baseline)
   offload    policy="offload": every eligible activation goes to SSD under --dir
   adaptive   policy="adaptive": the planner decides per micro-batch position and layer from
-             the measured steps, within the memory budget (bench_budget.py)
+             the measured steps, within the memory budget (bench/budget.py)
   recompute  megatron's full recompute (uniform, one layer per checkpoint), the keep offloader
              installed for its accounting
 
@@ -27,11 +27,11 @@ Prints a table, the ratios offload/keep and recompute/keep at the largest micro-
 strategies ran, adaptive against the fastest fixed strategy (offload, recompute) that fits the
 memory budget, and the largest micro-batch each strategy fits under it; step times as
 median [min-max], and each step-time ratio's spread over the rounds, flagged where the spread
-is larger than the difference the ratio reports (bench_spread.py); writes
+is larger than the difference the ratio reports (bench/spread.py); writes
 OUT/rok.png (x: peak activation memory, y: throughput, one line per strategy) and
 OUT/points.json (the object --json prints). Progress goes to stderr.
 
-With --node-emulation (bench_node.py) the CPU takes a GPU node's shape: compute on one core, the
+With --node-emulation (bench/node.py) the CPU takes a GPU node's shape: compute on one core, the
 IO threads on another, the SSD tier capped below what a full offload needs and the host tier
 below one step's bytes; the strategies are keep, offload (to the capped SSD), host (the host
 tier alone), planned (the four-place plan for that node), adaptive (on the tiered engine) and
@@ -55,18 +55,18 @@ import statistics
 import sys
 from typing import Dict, List, Optional
 
-from .bench_budget import budget_comparison
-from .bench_compare import CONTROL, compare_losses
-from .bench_measure import (ALL_STRATEGIES, CONTROL_RUN, NODE_STRATEGIES, SAME_LOSSES, STRATEGIES, VERIFIED, BenchRun,
-                            Point, measure, verify_ratios)
-from .bench_node import add_node_arguments, node_from_args
-from .bench_predict import node_summary
-from .bench_render import plot_rok, render
-from .bench_spread import ratio_spread
-from .cli_types import (PRESET_HELP, byte_count, check_engine, deprecated_alias, openmp_wait_policy,
-                        positive_int, preset_arg, quiet_megatron_warnings, verify_methods,
-                        writable_dir)
-from ..config import OffloadConfig
+from ...config import OffloadConfig
+from ..cli_types import (PRESET_HELP, byte_count, check_engine, deprecated_alias, openmp_wait_policy,
+                         positive_int, preset_arg, quiet_megatron_warnings, verify_methods,
+                         writable_dir)
+from .budget import budget_comparison
+from .compare import CONTROL, compare_losses
+from .measure import (ALL_STRATEGIES, CONTROL_RUN, NODE_STRATEGIES, SAME_LOSSES, STRATEGIES, VERIFIED, BenchRun,
+                      Point, measure, verify_ratios)
+from .node import add_node_arguments, node_from_args
+from .predict import node_summary
+from .render import plot_rok, render
+from .spread import ratio_spread
 
 TARGETS = {"offload_vs_keep_step_time": ("<=", 1.05, 1.02),
            "offload_vs_keep_peak_activation": ("<=", 0.5, 0.5),
@@ -170,7 +170,7 @@ def run_bench(args: argparse.Namespace) -> int:
     omp = openmp_wait_policy("the bench")  # first: before anything imports torch
     quiet_megatron_warnings()
     root = writable_dir("--dir", args.dir)
-    from .minigpt import GPTSpec
+    from ..minigpt import GPTSpec
 
     shape = _shape(args)
     try:
@@ -192,14 +192,14 @@ def run_bench(args: argparse.Namespace) -> int:
               "plans from keep's warm-up step)", file=sys.stderr)
         return 2
     base = OffloadConfig.from_yaml(args.config) if args.config else OffloadConfig()
-    # The preset's own budget is not the bench's: adaptive gets --memory-budget (bench_budget.py).
+    # The preset's own budget is not the bench's: adaptive gets --memory-budget (budget.py).
     changes = {"dirs": [root], "activation_budget_bytes": None}
     if args.engine:
         changes["engine"] = args.engine
     if args.min_tensor_bytes is not None:
         changes["min_tensor_bytes"] = args.min_tensor_bytes
     strategies = [s for s in known if s.name in args.strategies]
-    if len(strategies) > 1:  # the control of the loss comparison (bench_compare.py)
+    if len(strategies) > 1:  # the control of the loss comparison (compare.py)
         strategies.insert(1, CONTROL_RUN)
     if args.verify:
         changes["verify"] = args.verify[0] if len(args.verify) == 1 else "off"

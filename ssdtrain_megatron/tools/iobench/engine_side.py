@@ -1,5 +1,5 @@
 """One engine measured for ``ssdtrain io-bench``: as a training job uses it from its second
-step on (``EngineSide``), over the memory it shares with the baseline (io_measure.py
+step on (``EngineSide``), over the memory it shares with the baseline (measure.py
 ``BenchMemory``)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import os
 import time
 from typing import Deque, Dict, Optional, Tuple
 
-from ..config import OffloadConfig
-from ..io.layout import align_up
-from .io_measure import (BASELINE_BLOCK, BASELINE_THREADS, MiB, SOURCES, BenchError, BenchMemory, Progress,
-                         Segment)
+from ...config import OffloadConfig
+from ...io.layout import align_up
+from .measure import (BASELINE_BLOCK, BASELINE_THREADS, MiB, SOURCES, BenchError, BenchMemory, Progress,
+                      Segment)
 
 
 def contender_label(engine: str, verify: str) -> str:
@@ -28,7 +28,7 @@ class EngineSide:
 
     def __init__(self, name: str, directory: str, tensor_bytes: int, max_tensors: int,
                  progress: Progress, base: Optional[OffloadConfig] = None) -> None:
-        from ..io import make_engine
+        from ...io import make_engine
 
         overrides: Dict[str, object] = {"dirs": [directory], "engine": name, "job": f"iobench{os.getpid()}"}
         if name == "memory":

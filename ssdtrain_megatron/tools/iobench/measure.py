@@ -2,13 +2,13 @@
 one step of an engine.
 
 A segment writes a number of bytes into fresh space and reads them back, timed each way; the
-schedule that sets segments of both sides side by side is ``io_rounds.py``.
+schedule that sets segments of both sides side by side is ``rounds.py``.
 
 - ``BaselineSide`` is what fio would report for the device: a new O_DIRECT file preallocated
   (before the clock starts) for each segment, several threads each keeping one large
   pwrite/pread in flight, no copies; the file is removed after, as the engine's slab is.
   ``raw_baseline`` is one such segment (``doctor --node-profile`` uses it).
-- ``EngineSide`` (io_engine_side.py) is an engine as a training job uses it from its second
+- ``EngineSide`` (engine_side.py) is an engine as a training job uses it from its second
   step on: built, one untimed step, then one step per segment through its public interface,
   with at most ``max_inflight_bytes`` in flight as the offloader would: the tensors written,
   read back, a sample read again and compared bitwise, released, and ``end_step`` (the slab
@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .cli_types import progress as progress_bar
-from ..io.layout import ALIGN, align_up
+from ...io.layout import ALIGN, align_up
+from ..cli_types import progress as progress_bar
 
 
 MiB = 1 << 20
@@ -207,7 +207,7 @@ class BenchMemory:
                  threads: int = BASELINE_THREADS, block: int = BASELINE_BLOCK) -> None:
         import torch
 
-        from ..io.slab_engine import aligned_buffer
+        from ...io.slab_engine import aligned_buffer
 
         self.tensor_bytes, self.threads, self.block = tensor_bytes, threads, block
         self.n_sources, self.n_outs = n_sources, n_outs

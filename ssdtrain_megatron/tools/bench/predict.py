@@ -2,7 +2,7 @@
 step time against keep, next to what the bench measured (``--node-emulation``).
 
 Both use the four-place model (plan/tiers.py) with the emulated node's figures
-(bench_node.py: the host tier's capacity and link, the capped drives) and per-layer figures a
+(node.py: the host tier's capacity and link, the capped drives) and per-layer figures a
 step of keep measured: forward time and bytes of one micro-batch per layer (StepStats.layers).
 Backward is what keep's forward-and-backward time (StepStats.step_time_s) leaves after the
 layers' forward, as a multiple of it (``Tiers.backward_factor``; the embedding, output layer and
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..plan.policy import LayerMeasurement
-from ..plan.step_plan import Position
-from ..plan.tiers import HOST, KEEP, RECOMPUTE, SSD, TierPlan, Tiers, plan_tiers, price
+from ...plan.policy import LayerMeasurement
+from ...plan.step_plan import Position
+from ...plan.tiers import HOST, KEEP, RECOMPUTE, SSD, TierPlan, Tiers, plan_tiers, price
 
 Rows = Tuple[Tuple[str, ...], ...]
 
@@ -41,7 +41,7 @@ def measurements(stats, num_micro_batches: int, recomputed=None,
     ``moved``: a step's StepStats in which layers were offloaded, whose bytes are what moving
     each of them hands a tier (keep can count a tensor in a layer that, offloaded, the layer
     does not hand over: something else holds it; the bench's first layer, by 256 KiB)."""
-    from ..cache.adaptive import CHECKPOINT_FRACTION  # here: --help imports no torch
+    from ...cache.adaptive import CHECKPOINT_FRACTION  # here: --help imports no torch
 
     n = max(num_micro_batches, 1)
     rows = [r for r in stats.layers if r.layer != "None"]
@@ -175,7 +175,7 @@ def node_ratios(at: Dict[tuple, object], ratio_mb: Optional[int], budget: Option
     """(ratios, which strategy was best): at ``ratio_mb``, ``planned_vs_best_single_step_time``
     (planned's step time over the fastest single strategy's whose peak fits the budget),
     ``planned_peak_vs_budget``, and ``adaptive_vs_best_fixed_step_time`` against the single
-    strategies and planned (replacing bench_budget.py's, which knows offload and recompute)."""
+    strategies and planned (replacing budget.py's, which knows offload and recompute)."""
     ratios: dict = {}
     best: dict = {}
     for who, names, key in (("planned", SINGLE, "planned_vs_best_single_step_time"),

@@ -7,8 +7,8 @@ import os
 import time
 from typing import Dict
 
-from ..io.layout import align_up
-from .io_measure import GB, _Blocks, _buffers, _do, _open_direct, _run_threads
+from ...io.layout import align_up
+from .measure import GB, _Blocks, _buffers, _do, _open_direct, _run_threads
 
 
 def layout_compare(directory: str, n_tensors: int, tensor_bytes: int, threads: int,

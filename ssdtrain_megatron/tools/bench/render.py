@@ -1,6 +1,6 @@
 """`ssdtrain bench`'s output: the table and ratios (``render``) and the ROK plot (``plot_rok``).
 
-Split out of ``bench.py`` (the command line and the figures; it re-exports these names).
+Split out of ``cli.py`` (the command line and the figures; it re-exports these names).
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from .bench_budget import render_lines
-from .bench_compare import render_differences
-from .bench_measure import ALL_STRATEGIES, SAME_LOSSES
-from .bench_predict import render_node_lines
-from .bench_spread import render_spread
+from .budget import render_lines
+from .compare import render_differences
+from .measure import ALL_STRATEGIES, SAME_LOSSES
+from .predict import render_node_lines
+from .spread import render_spread
 
 
 def _mb(n: Optional[int]) -> str:

@@ -1,6 +1,6 @@
 """`ssdtrain bench`'s measurement loop: every strategy at every micro-batch size, step by step.
 
-Split out of ``bench.py`` (the command line, the figures and the table; it re-exports these
+Split out of ``cli.py`` (the command line, the figures and the table; it re-exports these
 names) so that no module is longer than a few hundred lines. Progress goes to stderr.
 """
 
@@ -14,14 +14,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Dict, List, Optional, Sequence, Tuple
 
-from .bench_budget import adaptive_config, default_budget
-from .bench_compare import CONTROL
-from .bench_load import BackgroundLoad
-from .cli_types import progress, say
-from ..config import OffloadConfig
+from ...config import OffloadConfig
+from ..cli_types import progress, say
+from .background_load import BackgroundLoad
+from .budget import adaptive_config, default_budget
+from .compare import CONTROL
 
 if TYPE_CHECKING:
-    from ..telemetry.peak_memory import PeakMemory
+    from ...telemetry.peak_memory import PeakMemory
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Strategy:
 STRATEGIES = (Strategy("keep", "keep"), Strategy("offload", "offload"),
               Strategy("adaptive", "adaptive"), Strategy("recompute", "keep", "full"))
 CONTROL_RUN = Strategy(CONTROL, "keep")
-"""A second keep run beside keep: the control of the loss comparison (bench_compare.py)."""
+"""A second keep run beside keep: the control of the loss comparison (compare.py)."""
 VERIFIED = Strategy("offload+crc32c", "offload", verify="crc32c")
 """offload with every chunk checksummed and verified: ``--verify off,crc32c`` runs it beside
 offload (verify off), so the cost of verification is a ratio of one run."""
@@ -46,7 +46,7 @@ HOST_ONLY = Strategy("host", "offload")
 """--node-emulation: the host tier alone (the memory engine; what does not fit stays in memory)."""
 PLANNED = Strategy("planned", "offload")
 """--node-emulation: the four-place plan for the emulated node, as fixed per-layer decisions
-on the tiered engine, within the budget (bench_node.py ``PlannedTiers``)."""
+on the tiered engine, within the budget (node.py ``PlannedTiers``)."""
 NODE_STRATEGIES = STRATEGIES[:2] + (HOST_ONLY, PLANNED) + STRATEGIES[2:]
 """What --node-emulation runs by default."""
 ALL_STRATEGIES = STRATEGIES[:1] + (CONTROL_RUN,) + STRATEGIES[1:2] + (VERIFIED, HOST_ONLY, PLANNED) + STRATEGIES[2:]
@@ -74,7 +74,7 @@ class _Series:
 
     losses: List[float] = field(default_factory=list)
     mb_losses: List[List[float]] = field(default_factory=list)
-    """Per step, each micro-batch's loss (what bench_compare.py compares bit for bit)."""
+    """Per step, each micro-batch's loss (what compare.py compares bit for bit)."""
     times: List[float] = field(default_factory=list)
     activation: List[int] = field(default_factory=list)
     memory: List[Optional[int]] = field(default_factory=list)
@@ -158,7 +158,7 @@ class BenchRun:
     background_load: int = 0
     """Busy processes that competed for the CPU during every strategy's steps."""
     node: Optional[object] = None
-    """--node-emulation: the emulated node (bench_node.py ``NodeEmulation``)."""
+    """--node-emulation: the emulated node (node.py ``NodeEmulation``)."""
 
 
 def verify_ratios(run: BenchRun, at: dict, mb: Optional[int]) -> Dict[str, float]:
@@ -180,13 +180,13 @@ def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, 
     first runs alone until its measured selection settles (bounded), then starts over on a
     fresh model beside the others, settled. A strategy that runs out of device memory at a size
     is not tried at larger ones. ``background_load`` busy processes run all along; ``node``
-    (bench_node.py): the emulated node the strategies run on."""
-    from .demo import header_lines
-    from .minigpt import MegatronRuntime
-    from ..telemetry.peak_memory import PeakMemory
+    (node.py): the emulated node the strategies run on."""
+    from ..demo import header_lines
+    from ..minigpt import MegatronRuntime
+    from ...telemetry.peak_memory import PeakMemory
 
     with MegatronRuntime() as rt, BackgroundLoad(background_load):
-        peak = PeakMemory(rt.device, trim=node is None)  # an emulated node keeps freed memory (bench_node.py)
+        peak = PeakMemory(rt.device, trim=node is None)  # an emulated node keeps freed memory (node.py)
         run = BenchRun(spec, steps, warmup, str(rt.device), peak.kind, background_load=background_load,
                        node=node)
         print(f"ssdtrain bench: megatron-core GPT, {spec.layers} layers, hidden {spec.hidden}, "
@@ -197,7 +197,7 @@ def measure(spec, cfg: OffloadConfig, micro_batches: Sequence[int], steps: int, 
               file=sys.stderr)
         for line in header_lines(cfg, cfg.dirs[0]):
             print("  " + line, file=sys.stderr)
-        if node is not None:  # confine compute, measure what the plan needs (bench_node.py)
+        if node is not None:  # confine compute, measure what the plan needs (node.py)
             node.start(spec, cfg, rt.device, max(micro_batches))
             for line in node.describe():
                 print("  " + line, file=sys.stderr)
@@ -227,7 +227,7 @@ def _measure_size(run: BenchRun, mb: int, alive: List[Strategy], spec, cfg: Offl
     recompute = next((c for c in contenders if c.strategy.name == "recompute"), None)
     offload = next((c for c in contenders if c.strategy.name == "offload"), None)
     if planned:
-        from .bench_node import PlannedTiers
+        from .node import PlannedTiers
 
         planned[0].planned = PlannedTiers(run.node, budget, spec.layers, planned[0].offloader)
     try:
@@ -272,7 +272,7 @@ def _settle(c: "_Contender", peak, bar, mb: int) -> None:
     """Adaptive alone until its measured selection settles (at most the bound its settings
     give, twice over for one drift), then a fresh model: its measured steps start where the
     others' do, so that the losses compare step by step."""
-    from .minigpt import MiniGPT
+    from ..minigpt import MiniGPT
 
     sel = c.offloader.planner.selection
     cap = 1 + 2 * sel.bounds.round_steps
@@ -300,8 +300,8 @@ class _Contender:
     """One strategy at one micro-batch size: its model, its offloader and what they measured."""
 
     def __init__(self, strategy: Strategy, spec, cfg: OffloadConfig, device) -> None:
-        from ..cache import ActivationOffloader
-        from .minigpt import MiniGPT
+        from ...cache import ActivationOffloader
+        from ..minigpt import MiniGPT
 
         self.strategy = strategy
         self.device = device
@@ -314,13 +314,13 @@ class _Contender:
                                              device=device)
         self.series = _Series()
         self.planned = None
-        """planned: its PlannedTiers (bench_node.py)."""
+        """planned: its PlannedTiers (node.py)."""
 
     def plan_from(self, keep: "_Contender", num_micro_batches: int,
                   recompute: Optional["_Contender"] = None, offload: Optional["_Contender"] = None) -> None:
         """planned: (re)plan from the keep contender's last step, recomputing a layer priced
         at the pass the recompute contender's last step measured for it (as the prediction
-        prices it; bench_predict.py), each layer's bytes what the offload contender's last
+        prices it; predict.py), each layer's bytes what the offload contender's last
         step moved of it."""
         if self.planned is not None and keep.series.last_stats is not None:
             recomputed = recompute.series.last_stats if recompute is not None else None
@@ -338,7 +338,7 @@ class _Contender:
         """One measured step; False when it ran out of device memory (the model is dropped)."""
         import torch
 
-        from .minigpt import installed_step
+        from ..minigpt import installed_step
 
         if self.model is None:
             return True
