@@ -9,10 +9,13 @@ import json
 import threading
 import time
 
+import pytest
 import torch
 
+from ssdtrain_megatron import ActivationOffloader
 from ssdtrain_megatron.telemetry.timeline import DROP_ORDER, Timeline, thread_cpu_seconds
 from tests.recording_streams import Recorder
+from tests.test_device_copy import _config, _run
 
 
 def _well_formed(trace: dict) -> None:
@@ -113,3 +116,43 @@ def test_thread_cpu_time_is_named_by_python_thread_and_family():
         return  # no /proc per-thread stat here
     assert "ssdtrain-mem-0" not in after
     assert after.get("ssdtrain-mem", 0) > 0.05
+
+
+# -- the offloader's timeline ----------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["posix", "memory"])
+def test_a_recorded_step_shows_every_copy_wait_layer_and_phase(tmp_path, engine):
+    """A step of the recording stand-in's small model (tests/test_device_copy.py), recorded: one
+    d2h per offloaded tensor on the offload track, one h2d per read on the reload track, the
+    compute stream's wait for each reload, each layer's forward on the compute track and
+    backward's marks, the drive's chunks (posix), pack and unpack spans, the phases with
+    their memory figures; and the trace is well formed. The step after, not recorded, adds
+    nothing."""
+    rec = Recorder()
+    cpu = torch.device("cpu")
+    with ActivationOffloader(_config(tmp_path, engine), device=cpu, streams=rec) as off:
+        tl = Timeline(off.copy.ops, off.device)
+        off.record_timeline(tl)
+        tl.start()
+        _, stats = _run(off, rec, cpu, False, None)
+        tl.stop()
+        off.record_timeline(None)
+        n_events = len(tl.events)
+        _run(off, rec, cpu, False, None)
+    assert len(tl.events) == n_events
+    _well_formed(tl.to_chrome())
+    d2h, h2d = tl.of("copy", name="d2h"), tl.of("copy", name="h2d")
+    assert len(d2h) == stats.tensors_offloaded > 0 and {e["tid"] for e in d2h} == {"offload"}
+    assert len(h2d) == stats.bytes_read // d2h[0]["args"]["bytes"] > 0 and {e["tid"] for e in h2d} == {"reload"}
+    reloads = tl.of("wait", pid="gpu", name="reload")
+    assert len(reloads) == len(h2d) and {e["tid"] for e in reloads} == {"compute"}
+    assert len(tl.of("layer", pid="gpu")) >= 2 * 4 * 2  # 4 layers x 2 micro-batches: forward spans, backward marks
+    assert len(tl.of("hook", name="pack")) == stats.tensors_offloaded
+    assert tl.of("wait", pid="host", name="step-end")
+    phases = [e["name"] for e in tl.of("phase")]
+    assert phases[:2] == ["forward mb 0", "backward mb 0"] and phases[-1] == "step end"
+    assert len(tl.of("memory")) == len(phases) and "resident" in tl.of("memory")[0]["args"]
+    if engine == "posix":
+        assert sum(e["args"]["bytes"] for e in tl.of("drive") if e["args"]["op"] == "write") >= stats.bytes_offloaded
+    else:  # the memory engine's chunks are its pool's, on their own rows
+        assert {e["tid"] for e in tl.of("drive")} <= {"write host memory", "read host memory"}

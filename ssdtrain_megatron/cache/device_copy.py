@@ -203,6 +203,7 @@ class DeviceCopy:
         self.offload_stream = self.ops.new_stream(self.device)
         self.reload_stream = self.ops.new_stream(self.device)
         self.pool = None if direct else StagingPool(staging_bytes, self.ops)
+        self.timeline = None  # telemetry/timeline.py, while a step is recorded (the offloader sets it)
         self._warned = False
         self._closed = False
 
@@ -231,10 +232,15 @@ class DeviceCopy:
             target = xfer.block.tensor
         stream = self.offload_stream
         copied = ops.new_event()
+        tl = self.timeline
         try:
             stream.wait_event(produced)
             with ops.use(stream):
+                span = tl.gpu_begin(stream, "offload", "d2h", "copy", record=rec.id, bytes=view.numel(),
+                                    layer=str(rec.layer)) if tl is not None else None
                 ops.copy(target, view)
+                if span is not None:
+                    tl.gpu_end(stream, span)
                 copied.record(stream)
         except BaseException:
             # The caller keeps the tensor in memory. The copy may have been queued before the
@@ -306,12 +312,17 @@ class DeviceCopy:
         ops = self.ops
         stream = self.reload_stream
         stream.wait_event(xfer.alloc_event)
+        tl = self.timeline
         with ops.use(stream):
+            span = tl.gpu_begin(stream, "reload", "h2d", "copy", record=rec.id, bytes=rec.nbytes,
+                                layer=str(rec.layer)) if tl is not None else None
             source = xfer.block.tensor if xfer.block is not None else xfer.pooled
             if source is not None:
                 ops.copy(xfer.dest, source)
             if xfer.packed is not None:
                 ops.copy(rec.tensor, xfer.packed)  # scatter into the strided places
+            if span is not None:
+                tl.gpu_end(stream, span)
             xfer.ready_event = ops.new_event()
             xfer.ready_event.record(stream)
         # Allocated on the compute stream, written on this one: if the record is released
@@ -342,7 +353,12 @@ class DeviceCopy:
         ops = self.ops
         current = ops.current_stream(self.device)
         if xfer.ready_event is not None:
+            tl = self.timeline
+            span = tl.gpu_begin(current, "compute", "reload", "wait", record=rec.id, bytes=rec.nbytes,
+                                layer=str(rec.layer)) if tl is not None else None
             current.wait_event(xfer.ready_event)
+            if span is not None:
+                tl.gpu_end(current, span)
         if current != xfer.alloc_stream:
             ops.record_stream(out, current)
 

@@ -115,6 +115,7 @@ class SavedTensorHooks:
         self._capturing = capturing
         self._current: Optional[MicroBatch] = None
         self._layer: Optional[Hashable] = None
+        self.timeline = None  # telemetry/timeline.py, while a step is recorded (the offloader sets it)
 
     @property
     def current_microbatch(self) -> Optional[Hashable]:
@@ -129,9 +130,15 @@ class SavedTensorHooks:
         prev, prev_layer = self._current, self._layer
         self._current, self._layer = mb, None
         self._step.enter("forward")
+        tl = self.timeline
+        if tl is not None:
+            tl.phase(f"forward mb {mb.key}")
         try:
             pack = self.pack_noting_site if self._note_sites else self.pack
-            with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
+            unpack = self.unpack
+            if tl is not None:  # a recorded step: each hook call timed (never otherwise)
+                pack, unpack = self._timed(pack, "pack"), self._timed(self.unpack, "unpack")
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 yield
         finally:
             self._current, self._layer = prev, prev_layer
@@ -151,10 +158,15 @@ class SavedTensorHooks:
             keep = self._keep_last_layers
             if not self._capturing():  # a capture: no copy or IO enters it (the offloader's microbatch())
                 self._transfers.submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
+        tl = self.timeline
+        span = tl.compute_begin(f"{'forward' if forward else 'recompute'} layer {key}", "layer",
+                                mb=str(mb.key) if mb is not None else None) if tl is not None else None
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            if span is not None:
+                tl.compute_end(span)
             self._layer = prev
             if mb is not None and forward:
                 decision = self._decisions.for_layer(mb.key, key, self._step.phase == "forward")
@@ -168,6 +180,8 @@ class SavedTensorHooks:
         mb.in_backward = True
         self._decisions.backward_started(mb.key)
         self._step.enter("backward")
+        if self.timeline is not None:
+            self.timeline.phase(f"backward mb {mb.key}")
         self._transfers.keep_deferred(mb)
         self._transfers.prefetch(mb)
 
@@ -244,6 +258,22 @@ class SavedTensorHooks:
             handle.record.site = save_site()
         return handle
 
+    def _timed(self, hook: Callable, name: str) -> Callable:
+        """``hook`` (pack or unpack) with each call that involves a record put on the timeline
+        as a span: its record, bytes, and the decision (pack) or state it left (unpack)."""
+        tl = self.timeline
+
+        def timed(x):
+            t0 = tl.now()
+            out = hook(x)
+            rec = out.record if isinstance(out, _Handle) else getattr(x, "record", None)
+            if rec is not None:
+                tl.span(name, "hook", t0, record=rec.id, bytes=rec.nbytes, layer=str(rec.layer),
+                        decision=rec.decision, state=rec.state_name)
+            return out
+
+        return timed
+
     def _pass_other(self, t: torch.Tensor) -> None:
         """Count a tensor offloadable_storage refused, by its reason (pass_reason's words)."""
         reason = pass_reason(t, self._device, self._param_storages, 0) or "parameter"
@@ -287,5 +317,7 @@ class SavedTensorHooks:
             idx = rec.last_pos
             if mb.backward_layer is None or idx < mb.backward_layer:
                 mb.backward_layer = idx
+                if self.timeline is not None:
+                    self.timeline.compute_mark(f"backward layer {rec.layer}", "layer", mb=str(mb.key))
             self._transfers.prefetch(mb)
         return out

@@ -144,6 +144,8 @@ class ActivationOffloader:
         self._hooks = SavedTensorHooks(config, self.device, self._table, self._transfers, self._decisions,
                                        self._step, events, self._capturing)
         self._copy = copy
+        self._timeline = None  # record_timeline()
+        self._tracer_before: Optional[tuple] = None  # the engine's own trace sink, while recording
         self._step_started = self._step_first = time.perf_counter()
         self.watch = OffloadWatch(self.device, config.min_tensor_bytes,
                                   self._engine is not None and config.policy != "keep")  # silence.py
@@ -275,6 +277,42 @@ class ActivationOffloader:
         if self._step.counters.timeline is None:
             self._step.counters.timeline = []
 
+    def record_timeline(self, timeline) -> None:
+        """Record into ``timeline`` (telemetry/timeline.py, built as
+        ``Timeline(off.copy.ops if off.copy else None, off.device)``) from now on, or stop
+        (None): layers, copies, waits with their reasons, hook calls, drains, the engine's
+        drive chunks, and the memory at each phase boundary. The caller starts and stops the
+        timeline around the step(s) it wants; nothing is recorded, and the hot path costs one
+        attribute test, while none is set."""
+        self._timeline = timeline
+        for part in (self._hooks, self._transfers, self._copy):
+            if part is not None:
+                part.timeline = timeline
+        engine = self._engine
+        if engine is not None:
+            if timeline is not None:
+                if self._tracer_before is None:
+                    self._tracer_before = (engine.tracer,)
+                before = self._tracer_before[0]
+                engine.tracer = timeline.on_io if before is None else _Both(before, timeline.on_io)
+            elif self._tracer_before is not None:
+                engine.tracer, self._tracer_before = self._tracer_before[0], None
+        if timeline is not None:
+            timeline.probe = self._memory_figures
+
+    def _memory_figures(self) -> dict:
+        """The timeline's memory counter: CUDA allocated and reserved, and the offloader's
+        record bytes by state."""
+        out = {}
+        if self.device.type == "cuda":
+            out["allocated"] = torch.cuda.memory_allocated(self.device)
+            out["reserved"] = torch.cuda.memory_reserved(self.device)
+        for rec in self._table.records():
+            key = f"records_{rec.state_name}"
+            out[key] = out.get(key, 0) + rec.nbytes
+        out["resident"] = self._step.counters.resident_bytes
+        return out
+
     def poll(self) -> None:
         """Process what the IO threads and dropped handles reported so far (pack, unpack and
         end_step do this themselves): completed writes free their memory, released records
@@ -290,6 +328,8 @@ class ActivationOffloader:
         """Finish the step: wait for IO, release what is left, emit and return StepStats."""
         self._check_open()
         self._step.enter("step_end")
+        if self._timeline is not None:
+            self._timeline.phase("step end")
         self._transfers.drain()
         self._transfers.wait_all()
         leftovers = self._transfers.release_all()  # no IO is in flight after wait_all
@@ -380,3 +420,16 @@ class ActivationOffloader:
         self._closed_by = cleanup.interrupted
         if self._engine is not None:
             self._engine.remove_files()
+
+
+class _Both:
+    """An engine trace sink feeding two (the IO trace and the timeline)."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, *args) -> None:
+        self.first(*args)
+        self.second(*args)

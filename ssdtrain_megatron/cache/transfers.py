@@ -99,6 +99,7 @@ class Transfers:
         self._time_submit = time_submit
         self._submit_s = 0.0
         self._inflight_bytes = 0
+        self.timeline = None  # telemetry/timeline.py, while a step is recorded (the offloader sets it)
         self._budget: Optional[ActivationBudget] = None
         if budget_limit is not None:
             self._budget = ActivationBudget(budget_limit, self._resident_bytes, self.drain,
@@ -130,6 +131,14 @@ class Transfers:
     def drain(self) -> None:
         """Process every event queued so far (IO completions, dropped handles)."""
         events = self._events
+        tl = self.timeline
+        if tl is not None and not events.empty():
+            t0, n = tl.now(), 0
+            while not events.empty():
+                self._on_event(*events.get_nowait())
+                n += 1
+            tl.span("drain", "drain", t0, events=n)
+            return
         while not events.empty():
             self._on_event(*events.get_nowait())
 
@@ -233,12 +242,15 @@ class Transfers:
         record's IO wait)."""
         self.drain()
         t0 = time.perf_counter()
+        t0_ns = self.timeline.now() if self.timeline is not None else 0
         deadline = t0 + self._config.io_timeout_s
         while self._inflight_bytes and self._inflight_bytes > limit:
             if not self._next_event(deadline):
                 raise IOTimeout(f"waited {self._config.io_timeout_s:g}s for {self._inflight_bytes} "
                                 f"bytes of writes to finish before writing a {rec.describe()}")
         self._count_wait(rec, time.perf_counter() - t0)
+        if self.timeline is not None:
+            self.timeline.wait("back-pressure", t0_ns, record=rec.id, bytes=rec.nbytes)
 
     def _stage_out(self, rec: TensorRecord):
         """GPU: (the bytes for the engine, the event it waits for), through pinned staging or,
@@ -423,13 +435,18 @@ class Transfers:
         if rec.state not in IN_FLIGHT:
             return
         t0 = time.perf_counter()
+        t0_ns = self.timeline.now() if self.timeline is not None else 0
         deadline = t0 + self._config.io_timeout_s
+        what = rec.state_name
         while rec.state in IN_FLIGHT:
             if not self._next_event(deadline):
                 raise IOTimeout(f"waited {self._config.io_timeout_s:g}s for the "
                                 f"{rec.state_name} of a {rec.describe()} (record {rec.id})")
         if count:
             self._count_wait(rec, time.perf_counter() - t0)
+            if self.timeline is not None:
+                self.timeline.wait("read", t0_ns, record=rec.id, bytes=rec.nbytes, layer=str(rec.layer),
+                                   was=what)
 
     def wait_writes(self) -> None:
         """Block until every write handed to the engine has completed (or failed)."""
@@ -443,10 +460,13 @@ class Transfers:
         """Wait for every pending write and read (releases deferred to their completion run);
         the time it blocks is the step's ``step_end_wait_s``."""
         t0 = time.perf_counter()
+        t0_ns = self.timeline.now() if self.timeline is not None else 0
         self.wait_writes()
         for rec in self._table.records():
             self._wait_record(rec, count=False)
         self._step.counters.step_end_wait_s += time.perf_counter() - t0
+        if self.timeline is not None:
+            self.timeline.wait("step-end", t0_ns)
 
     def _count_wait(self, rec: TensorRecord, seconds: float) -> None:
         c = self._step.counters
@@ -468,9 +488,12 @@ class Transfers:
         return self._step.counters.resident_bytes - self._inflight_bytes - deferred
 
     def _wait_for_room(self) -> bool:
+        t0_ns = self.timeline.now() if self.timeline is not None else 0
         if not self._next_event(time.perf_counter() + self._config.io_timeout_s):
             raise IOTimeout(f"waited {self._config.io_timeout_s:g}s for {self._inflight_bytes} bytes "
                             "of writes to finish to stay within activation_budget_bytes")
+        if self.timeline is not None:
+            self.timeline.wait("budget", t0_ns)
         return True
 
     # -- release ----------------------------------------------------------------------------

@@ -96,7 +96,8 @@ class Timeline:
         self._cpu0: Dict[str, float] = {}
         self.thread_cpu_s: Dict[str, float] = {}
         self.meta: Dict[str, Any] = {}
-        self.streams: Dict[str, str] = {}  # stream key -> track name ("compute", "offload", ...)
+        self.probe: Optional[Callable[[], Dict[str, float]]] = None
+        """Figures for :meth:`phase` (set by ``ActivationOffloader.record_timeline``)."""
 
     # -- start and stop ---------------------------------------------------------------------
 
@@ -172,12 +173,14 @@ class Timeline:
 
     def on_io(self, op: str, key: int, path: str, offset: int, nbytes: int, t_submit: float,
               t_done: float, queue_depth: int) -> None:
-        """The engines' per-chunk trace hook (seconds on ``time.perf_counter``): one drive event."""
+        """The engines' per-chunk trace hook (seconds on ``time.perf_counter``): one drive event
+        (the memory engine's copies, whose path is "<host memory>", on their own rows)."""
         if not self.recording:
             return
         t0, t1 = int(t_submit * 1e9), int(t_done * 1e9)
+        row = op if not path.startswith("<") else f"{op} {path.strip('<>')}"
         ev = {"name": f"{op} {nbytes >> 10} KiB", "cat": "drive", "ph": "X", "ts": self._us(t0),
-              "dur": max((t1 - t0) / 1e3, 0.0), "pid": "drive", "tid": op,
+              "dur": max((t1 - t0) / 1e3, 0.0), "pid": "drive", "tid": row,
               "args": {"op": op, "key": key, "file": os.path.basename(path), "offset": offset, "bytes": nbytes,
                        "queue_depth": queue_depth}}
         with self._lock:
@@ -211,6 +214,44 @@ class Timeline:
         token = self.gpu_begin(stream, track, name, cat, **args)
         if token is not None:
             token.end_issued_ns = token.issued_ns
+
+    # -- the compute stream (or, without a GPU data path, the training thread) ----------------
+
+    def compute_begin(self, name: str, cat: str, **args: Any) -> Any:
+        """Start a span where the model's work runs: on the current (compute) stream, or, on a
+        CPU device (no ``ops``), on the calling thread. Returns the token for
+        :meth:`compute_end` (None when not recording)."""
+        if not self.recording:
+            return None
+        if self.ops is None:
+            return (name, cat, self.clock(), args)
+        return self.gpu_begin(self.ops.current_stream(self.device), "compute", name, cat, **args)
+
+    def compute_end(self, token: Any) -> None:
+        if token is None:
+            return
+        if isinstance(token, tuple):
+            name, cat, t0, args = token
+            self.span(name, cat, t0, **args)
+        else:
+            self.gpu_end(self.ops.current_stream(self.device), token)
+
+    def compute_mark(self, name: str, cat: str, **args: Any) -> None:
+        """An instant where the model's work runs (see :meth:`compute_begin`)."""
+        if self.ops is None:
+            self.instant(name, cat, **args)
+        else:
+            self.gpu_mark(self.ops.current_stream(self.device), "compute", name, cat, **args)
+
+    def phase(self, name: str) -> None:
+        """A phase boundary of the step (a micro-batch's forward or backward starts, the step
+        ends): an instant, and the figures of ``probe`` (the offloader's memory: allocated and
+        reserved on CUDA, resident bytes by record state) as a counter."""
+        if not self.recording:
+            return
+        self.instant(name, "phase")
+        if self.probe is not None:
+            self.counter("memory", self.probe())
 
     # -- results ----------------------------------------------------------------------------
 
