@@ -152,3 +152,91 @@ def cuda_runtime(maps: str = MAPS) -> Optional[Any]:
         log.debug("ssdtrain: %s: %s", path, exc)
         return None
     return lib
+
+
+class NullStreams(StreamOps):
+    """Streams, events and copies that do nothing but count their calls: what
+    ``ssdtrain core-bench --gpu-path`` runs the GPU data path with on a CPU, so that what it
+    times is this package's Python on that path (staging, events, bookkeeping), not CUDA, and
+    ``calls`` says how many stream, event and copy calls each record costs. Events complete
+    at once; copies move nothing (the bytes that come back are not the ones that went)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._stream = _NullStream(self)
+
+    def current_stream(self, device: torch.device) -> Any:
+        self.calls += 1
+        return self._stream
+
+    def new_stream(self, device: torch.device) -> Any:
+        return _NullStream(self)
+
+    def new_event(self) -> Any:
+        self.calls += 1
+        return _NullEvent(self)
+
+    def timing_event(self) -> Any:
+        return _NullEvent(self)
+
+    def use(self, stream: Any) -> ContextManager:
+        self.calls += 1
+        return _NULL_CONTEXT
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.calls += 1
+
+    def compact(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return t.contiguous()
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        self.calls += 1
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        from ..io.slab_engine import aligned_buffer  # page-aligned, as cudaHostAlloc's memory is
+
+        return aligned_buffer(nbytes)
+
+
+class _NullStream:
+    __slots__ = ("ops",)
+
+    def __init__(self, ops: NullStreams) -> None:
+        self.ops = ops
+
+    def wait_event(self, event: Any) -> None:
+        self.ops.calls += 1
+
+
+class _NullEvent:
+    __slots__ = ("ops",)
+
+    def __init__(self, ops: NullStreams) -> None:
+        self.ops = ops
+
+    def record(self, stream: Any = None) -> None:
+        self.ops.calls += 1
+
+    def synchronize(self) -> None:
+        self.ops.calls += 1
+
+    def query(self) -> bool:
+        self.ops.calls += 1
+        return True
+
+    def elapsed_time(self, end: Any) -> float:
+        return 0.0
+
+
+class _NullContext:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NULL_CONTEXT = _NullContext()
