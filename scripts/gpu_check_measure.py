@@ -41,21 +41,21 @@ MIN_TENSOR_BYTES = 256 * 1024  # the default: what a user's run offloads
 class StallProbe:
     """Seconds the training thread spends waiting on the offloader's IO: every such wait
     (back-pressure in pack, a read in unpack, a budget wait, the end-of-step wait for writes and
-    reads) goes through ``Transfers._next_event``, which blocks on the IO threads' event queue;
+    reads) goes through ``Progress.next_event``, which blocks on the IO threads' event queue;
     StepStats.io_wait_s leaves the end-of-step wait out. Where that method is gone (the data
     path was reshaped), ``source`` says so and the stats are used instead."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._real = None
-        self.source = "Transfers._next_event on the training thread"
+        self.source = "Progress.next_event on the training thread"
 
     def __enter__(self) -> "StallProbe":
-        from ssdtrain_megatron.cache.transfers import Transfers
+        from ssdtrain_megatron.cache.progress import Progress
 
-        real = getattr(Transfers, "_next_event", None)
+        real = getattr(Progress, "next_event", None)
         if real is None:
-            self.source = "StepStats io_wait_s + budget_wait_s (Transfers._next_event not found)"
+            self.source = "StepStats io_wait_s + budget_wait_s (Progress.next_event not found)"
             return self
         probe = self
 
@@ -70,14 +70,14 @@ class StallProbe:
                 probe.seconds += time.perf_counter() - t0
 
         self._real = real
-        Transfers._next_event = timed_next_event
+        Progress.next_event = timed_next_event
         return self
 
     def __exit__(self, *exc) -> None:
-        from ssdtrain_megatron.cache.transfers import Transfers
+        from ssdtrain_megatron.cache.progress import Progress
 
         if self._real is not None:
-            Transfers._next_event = self._real
+            Progress.next_event = self._real
             self._real = None
 
     @property

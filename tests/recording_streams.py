@@ -111,6 +111,8 @@ class RecEvent:
     def query(self) -> bool:
         self.rec._check_capture("query", self.name)
         done = self.real.query() if self.real is not None else self.node is not None
+        if done and self.node is not None and self.node.agent in self.rec.unobserved:
+            return False  # a stream the host never sees finish (Recorder.unobserved)
         if done:
             self.rec._host_op("query_done", joins=self.vc, event=self.name)
         return done
@@ -155,6 +157,10 @@ class Recorder(StreamOps):
         self.capture_thread: Optional[int] = None  # the thread capturing in global mode
         self._modes: Dict[int, int] = {}  # thread -> its stream-capture interaction mode
         self.driver = CaptureDriver(self)
+        self.unobserved: set = set()
+        """Names of streams whose events ``query()`` never reports done: the host then learns
+        nothing of their progress, as on a GPU that runs far behind (``synchronize`` still
+        waits and orders)."""
 
     # -- stream capture ---------------------------------------------------------------------
 
@@ -228,10 +234,28 @@ class Recorder(StreamOps):
         self._stream_op(self.current_stream(t.device), "compact", dst=_range(out), src=_range(t))
         return out
 
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Memory for a restored tensor, logged as an ``alloc`` on the current stream with the
+        bytes asked for; on the stand-in 512-byte aligned, as CUDA's caching allocator's is."""
+        if self.inner is not None:
+            t = self.inner.empty(numel, dtype, device)
+        else:  # a storage of its own, starting on a page (as torch.empty's: storage offset 0)
+            from ssdtrain_megatron.io.slab_engine import aligned_buffer
+
+            t = aligned_buffer(numel * dtype.itemsize).view(dtype)
+        self._stream_op(self.current_stream(device), "alloc", ptr=_range(t), nbytes=numel * dtype.itemsize)
+        return t
+
     def record_stream(self, t: torch.Tensor, stream: RecStream) -> None:
         if self.inner is not None:
             t.record_stream(stream.real)
         self._host_op("record_stream", ptr=_range(t), stream=stream.name)
+
+    def let_go(self, t) -> None:
+        """The data path dropped its reference to device bytes a copy read: a host ``let_go``
+        node with their range (the checks order it after that copy)."""
+        if t is not None:
+            self._host_op("let_go", ptr=_range(t))
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         if self.pin_fails:

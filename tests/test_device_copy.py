@@ -29,10 +29,8 @@ import pytest
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
-from ssdtrain_megatron.cache.device_copy import DeviceCopy, StagingPool, StagingUnavailable
-from ssdtrain_megatron.config import ConfigError
+from ssdtrain_megatron.cache.device_copy import DeviceCopy
 from ssdtrain_megatron.io import IOEngine, make_engine
-from ssdtrain_megatron.io.base import as_bytes
 from tests import fake_kvikio
 from tests.faulty import FaultyEngine, HeldWrites
 from tests.forwarding import ForwardingEngine
@@ -47,8 +45,10 @@ ENGINES = ["posix", "memory", "tiered", "gds"]
 class LoggedEngine(ForwardingEngine):
     """Delegates to a real engine (tests/forwarding.py: every attribute the offloader reads or
     sets, ``completions`` above all, reaches it); logs each write/read submission (key, the
-    bytes handed over, the event), what the engine returned, each ``cancel`` and its answer,
-    and each chunk that reached or left the file (the engine's tracer)."""
+    bytes handed over, the event), each pool extent handed out, each commit of a copy into one
+    and each read the offloader copies out of one itself, what the engine returned, each
+    ``cancel`` and its answer, and each chunk that reached or left the file (the engine's
+    tracer)."""
 
     _own = ("rec", "returned", "cancels")
 
@@ -72,6 +72,22 @@ class LoggedEngine(ForwardingEngine):
         fut = self.inner.read(key, out, ready_event)
         self.returned.append(fut)
         return fut
+
+    def pool_view(self, key: int, nbytes: int):
+        view = self.inner.pool_view(key, nbytes)
+        if view is not None:
+            self.rec.host("pool_view", key=key, ptr=_range(view))
+        return view
+
+    def commit(self, key: int) -> None:
+        self.rec.host("commit", key=key)
+        self.inner.commit(key)
+        self.returned.append(None)
+
+    def pool_read(self, key: int, started: bool) -> None:
+        if started:
+            self.rec.host("submit_pool_read", key=key, ptr=_range(self.inner.pool_view_of(key)))
+        self.inner.pool_read(key, started)
 
     def cancel(self, key: int) -> bool:
         taken = self.inner.cancel(key)
@@ -109,10 +125,33 @@ def _hb(rec: Recorder, a: Node, b: Node, what: str) -> None:
     assert rec.happens_before(a, b), f"{what}: {a} is not ordered before {b}"
 
 
+def _the_copy_out(rec: Recorder, w: Node) -> Node:
+    """The device->host copy behind a write: for a staged one (``submit_write``) the last copy
+    into its bytes before the last record of the event the engine got; for one into the
+    memory engine's pool (``commit``) the first copy into the extent handed out for its key."""
+    log, key = rec.log, w.tags["key"]
+    if w.kind == "submit_write":
+        ready = _last_before(log, w.idx, lambda n: n.kind == "record" and n.tags["event"] == w.tags["event"])
+        assert ready is not None, f"key {key}: the engine got event {w.tags['event']}, never recorded"
+        d2h = _last_before(log, ready.idx, lambda n: n.kind == "copy" and n.agent == ready.agent
+                           and contains(n.tags["dst"], w.tags["ptr"]))
+        assert d2h is not None, f"key {key}: no device->host copy into the staging before its event"
+        return d2h
+    view = _last_before(log, w.idx, lambda n: n.kind == "pool_view" and n.tags["key"] == key)
+    assert view is not None, f"key {key}: committed without a pool extent"
+    d2h = _first_after(log, view.idx, lambda n: n.kind == "copy" and contains(view.tags["ptr"], n.tags["dst"]))
+    assert d2h is not None and d2h.idx < w.idx, f"key {key}: committed before any copy into its extent"
+    _hb(rec, d2h, w, f"key {key}: the copy into the pool before its commit")
+    return d2h
+
+
 def check_write_chains(rec: Recorder, direct: bool, compute: str = "compute") -> int:
-    """Every submitted write: producer -> compaction -> D2H -> disk. Returns how many."""
+    """Every write (a submission, or a commit of a copy into the memory engine's pool):
+    producer -> compaction -> D2H -> every disk (or pool) write of its key; and the device
+    bytes the copy read are let go only after it ran (no record_stream needed). Returns how
+    many."""
     log = rec.log
-    writes = rec.nodes("submit_write")
+    writes = rec.nodes("submit_write") + rec.nodes("commit")
     for w in writes:
         key = w.tags["key"]
         disk = rec.nodes("disk_write", key=key)
@@ -120,13 +159,12 @@ def check_write_chains(rec: Recorder, direct: bool, compute: str = "compute") ->
         if direct:
             src, last = w.tags["ptr"], None
         else:
-            ready = [n for n in log if n.kind == "record" and n.tags["event"] == w.tags["event"]]
-            assert len(ready) == 1, f"key {key}: the engine got event {w.tags['event']}, recorded {len(ready)} times"
-            d2h = _last_before(log, ready[0].idx, lambda n: n.kind == "copy" and n.agent == ready[0].agent
-                               and contains(n.tags["dst"], w.tags["ptr"]))
-            assert d2h is not None, f"key {key}: no device->host copy into the staging before its event"
+            d2h = _the_copy_out(rec, w)
             assert d2h.agent != compute, f"key {key}: the copy ran on the compute stream"
             src, last = d2h.tags["src"], d2h
+            gone = _first_after(log, d2h.idx, lambda n: n.kind == "let_go" and overlaps(n.tags["ptr"], src))
+            if gone is not None:
+                _hb(rec, d2h, gone, f"key {key}: device bytes let go before their copy ran")
         compact = _last_before(log, (last or w).idx, lambda n: n.kind == "compact" and contains(n.tags["dst"], src))
         producer = _last_before(log, (compact or last or w).idx,
                                 lambda n: n.kind == "produce" and contains(n.tags["ptr"],
@@ -141,29 +179,33 @@ def check_write_chains(rec: Recorder, direct: bool, compute: str = "compute") ->
 
 
 def check_read_chains(rec: Recorder, direct: bool, alloc_stream: str) -> int:
-    """Every submitted read: allocating stream's past -> (disk read ->) H2D -> scatter ->
-    consumer. Returns how many."""
+    """Every read (from the engine, or a copy straight out of the memory engine's pool):
+    (disk read ->) allocation on the reload stream -> H2D -> scatter (compact) -> the consumer,
+    which marks the tensor used by its stream (gds: the allocating stream's past -> cuFile
+    read -> scatter -> consumer). Returns how many."""
     log = rec.log
-    reads = rec.nodes("submit_read")
+    reads = rec.nodes("submit_read") + rec.nodes("submit_pool_read")
     for r in reads:
         key = r.tags["key"]
-        disk = [n for n in rec.nodes("disk_read", key=key) if n.idx > r.idx]
-        assert disk, f"key {key}: nothing was read back from the engine"
-        past = _last_before(log, r.idx, lambda n: n.agent == alloc_stream and n.kind != "record")
+        pooled = r.kind == "submit_pool_read"
+        disk = [] if pooled else [n for n in rec.nodes("disk_read", key=key) if n.idx > r.idx]
+        assert pooled or disk, f"key {key}: nothing was read back from the engine"
         if direct:
-            first_write = disk
-            dst = r.tags["ptr"]
-            final = None
+            past = _last_before(log, r.idx, lambda n: n.agent == alloc_stream and n.kind != "record")
+            first_write, dst, final = disk, r.tags["ptr"], None
         else:
+            past = None
             h2d = _first_after(log, r.idx, lambda n: n.kind == "copy" and contains(r.tags["ptr"], n.tags["src"]))
-            assert h2d is not None, f"key {key}: no host->device copy out of its staging"
+            assert h2d is not None, f"key {key}: no host->device copy out of its staging or pool extent"
             assert h2d.agent != alloc_stream, f"key {key}: the reload ran on the compute stream"
+            alloc = _last_before(log, h2d.idx, lambda n: n.kind == "alloc" and contains(n.tags["ptr"], h2d.tags["dst"]))
+            assert alloc is not None and alloc.agent == h2d.agent and alloc.idx > r.idx, \
+                f"key {key}: the restored tensor was not allocated on the reload stream just before its copy: {alloc}"
             for d in disk:
+                _hb(rec, d, alloc, f"key {key}: device memory taken before the disk read completed")
                 _hb(rec, d, h2d, f"key {key}: disk read before the host->device copy")
-            first_write = [h2d]
-            dst, final = h2d.tags["dst"], h2d
-        # A compact record's scatter follows at once (finish_in runs under the offloader's lock,
-        # before any other submission): look no further than the next submission.
+            first_write, dst, final = [h2d], h2d.tags["dst"], h2d
+        # A compact record's scatter follows at once: look no further than the next submission.
         anchor = (final or disk[-1]).idx
         bound = _first_after(log, anchor, lambda n: n.kind.startswith("submit_"))
         scatter = _first_after(log[:bound.idx] if bound else log, anchor,
@@ -184,6 +226,11 @@ def check_read_chains(rec: Recorder, direct: bool, alloc_stream: str) -> int:
         assert consumer is not None, f"key {key}: no consumer read the restored tensor"
         for n in ([final] if final is not None else disk):
             _hb(rec, n, consumer, f"key {key}: restored bytes before their consumer")
+        if not direct:
+            marked = _last_before(log, consumer.idx, lambda n: n.kind == "record_stream"
+                                  and n.tags["stream"] == consumer.agent and overlaps(n.tags["ptr"], dst))
+            assert marked is not None and marked.idx > final.idx, \
+                f"key {key}: the restored tensor was not marked used by its consumer's stream"
     return len(reads)
 
 
@@ -318,8 +365,11 @@ def test_every_offloaded_tensor_is_ordered_producer_to_disk_to_consumer(tmp_path
     assert direct == (engine == "gds")
     _check_all(rec, stats, direct, alloc)
     _bitwise(_reference(cpu, compact), grads)
-    if not direct:  # the source of every device->host copy is marked used by the offload stream
-        assert len(rec.nodes("record_stream")) >= stats.tensors_offloaded
+    if not direct:  # the device bytes of every copy were let go once it ran, not marked for the offload stream
+        assert len(rec.nodes("let_go")) >= stats.tensors_offloaded
+        offload = {n.agent for n in rec.nodes("copy") if n.tags["dst"] in
+                   [w.tags["ptr"] for w in rec.nodes("submit_write")]}
+        assert not [n for n in rec.nodes("record_stream") if n.tags["stream"] in offload]
 
 
 def test_the_wrapper_forwards_every_name_the_engine_interface_declares():
@@ -376,26 +426,13 @@ def test_a_write_released_before_it_starts_is_cancelled_by_the_real_engine(tmp_p
     _bitwise(_reference(cpu, False)[:1], [x.grad])
 
 
-def test_the_checks_fail_when_the_event_is_recorded_before_compaction(tmp_path, monkeypatch):
-    """The bug this layer fixes: the producer event recorded before ``.contiguous()``."""
+def test_the_checks_fail_when_the_offload_stream_does_not_wait_for_the_producer(tmp_path, monkeypatch):
+    """The bug the producer event prevents: the copy (and a compact record's packing, on the
+    offload stream) not ordered after the kernel that wrote the bytes."""
     rec = Recorder()
 
     def patch(copy: DeviceCopy) -> None:
-        def stage_out(self, r):
-            produced = self.ops.new_event()
-            produced.record(self.ops.current_stream(self.device))
-            view = as_bytes(r.bytes_view(self.ops.compact))
-            xfer_block = self.pool.take(view.numel())
-            self.offload_stream.wait_event(produced)
-            with self.ops.use(self.offload_stream):
-                self.ops.copy(xfer_block.tensor, view)
-                copied = self.ops.new_event()
-                copied.record(self.offload_stream)
-            from ssdtrain_megatron.cache.device_copy import Transfer
-            x = Transfer()
-            x.block = xfer_block
-            return xfer_block.tensor, copied, x
-        copy.stage_out = types.MethodType(stage_out, copy)
+        copy.offload_stream.wait_event = lambda ev: None
 
     _, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, "posix", True, "compute", rec,
                                              torch.device("cpu"), patch)
@@ -403,22 +440,53 @@ def test_the_checks_fail_when_the_event_is_recorded_before_compaction(tmp_path, 
         check_write_chains(rec, direct)
 
 
-@pytest.mark.parametrize("missing", ["alloc", "consumer"])
+def test_the_checks_fail_when_device_bytes_are_let_go_before_their_copy_ran(tmp_path, monkeypatch):
+    """The bug the landing poll prevents: a write's device memory let go as soon as its copy
+    was queued (the allocator could hand it out under the copy)."""
+    rec = Recorder()
+
+    def patch(copy: DeviceCopy) -> None:
+        real = copy.stage_out
+
+        def stage_out(r, *args, **kwargs):
+            out = real(r, *args, **kwargs)
+            copy.ops.let_go(out[2].source)  # dropped at once, before anyone saw the copy run
+            return out
+        copy.stage_out = stage_out
+
+    _, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, "posix", False, "compute", rec,
+                                             torch.device("cpu"), patch)
+    with pytest.raises(AssertionError, match="let go before their copy ran"):
+        check_write_chains(rec, direct)
+
+
+@pytest.mark.parametrize("missing", ["alloc", "consumer", "mark"])
 def test_the_checks_fail_without_the_reload_waits(tmp_path, monkeypatch, missing):
+    """Each broken variant: the restored tensor allocated on the compute stream (as at prefetch
+    before), the consumer not waiting for the reload, or not marking the tensor used by its
+    stream (the reload stream's allocator could reuse it under the consumer)."""
     rec = Recorder()
 
     def patch(copy: DeviceCopy) -> None:
         if missing == "alloc":
-            real = copy.reload_stream.wait_event
-            copy.reload_stream.wait_event = lambda ev: None
-            copy._keep = real
-        else:
+            real_use = copy.ops.use
+
+            def use(stream):  # the allocation happens before the stream switch takes effect
+                if stream is copy.reload_stream:
+                    return _null()
+                return real_use(stream)
+            copy.ops.use = use
+        elif missing == "consumer":
             copy.consume = types.MethodType(lambda self, r, out: None, copy)
+        else:
+            copy.ops.record_stream = lambda t, stream: None
 
     _, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, "posix", False, "compute", rec,
                                              torch.device("cpu"), patch)
     check_write_chains(rec, direct)
-    with pytest.raises(AssertionError, match="memory reused" if missing == "alloc" else "before their consumer"):
+    match = {"alloc": "reload ran on the compute stream", "consumer": "consumer",
+             "mark": "not marked used by its consumer"}[missing]
+    with pytest.raises(AssertionError, match=match):
         check_read_chains(rec, direct, alloc)
 
 
@@ -438,57 +506,6 @@ def test_gds_checks_fail_when_cufile_does_not_wait_for_the_producer(tmp_path, mo
     assert direct
     with pytest.raises(AssertionError, match=r"write reaches the disk: .*produce@compute.* is not ordered before .*disk_write"):
         check_write_chains(rec, direct)
-
-
-def test_staging_pool_is_allocated_once_and_overflows_without_blocking(caplog):
-    rec = Recorder()
-    pool = StagingPool(8192, rec)
-    a = pool.take(5000)
-    assert a.offset == 0 and pool.bytes_in_use == 8192  # blocks are whole pages (zero-copy O_DIRECT)
-    b = pool.take(3000)  # does not fit: an overflow block, not a wait
-    assert b.offset is None and pool.overflows == 1 and b.tensor.numel() == 3000
-    ev = rec.new_event()
-    pool.give(a, after=ev)  # the copy out of it has not been recorded yet: not reusable
-    c = pool.take(1500)
-    assert c.offset is None and pool.overflows == 2
-    ev.record(rec.default)
-    d = pool.take(5000)  # the event completed: the block is reclaimed (by query, never a wait)
-    assert d.offset == 0
-    assert not rec.nodes("synchronize") and rec.nodes("query_done")
-
-
-def test_pinned_memory_that_cannot_be_had_is_a_clear_error(tmp_path):
-    config = _config(tmp_path, "posix", pinned_staging_bytes=1 << 20)
-    engine = make_engine(config)
-    with pytest.raises(StagingUnavailable, match=r"pinned_staging_bytes=1048576 .*ulimit -l"):
-        ActivationOffloader(config, device=torch.device("cpu"), engine=engine,
-                            streams=Recorder(pin_fails=True))
-    engine.close()
-
-
-def test_pinned_staging_bytes_is_validated_and_defaults_from_max_inflight_bytes(tmp_path):
-    assert OffloadConfig(dirs=[str(tmp_path)], max_inflight_bytes=3 << 20).staging_bytes() == 6 << 20
-    assert OffloadConfig(dirs=[str(tmp_path)], pinned_staging_bytes=5000).staging_bytes() == 5000
-    for bad in (0, -1, True, "1G", 1.5):
-        with pytest.raises(ConfigError, match=r"OffloadConfig.pinned_staging_bytes=.* expected an integer >= 1"):
-            OffloadConfig(dirs=[str(tmp_path)], pinned_staging_bytes=bad)
-
-
-def test_pinned_staging_bytes_has_a_flag():
-    import argparse
-
-    from ssdtrain_megatron.megatron.args import add_ssd_offload_args, config_from_args
-
-    parser = add_ssd_offload_args(argparse.ArgumentParser())
-    ns = parser.parse_args(["--ssd-offload", "--ssd-offload-pinned-staging-bytes", "65536"])
-    assert config_from_args(ns).pinned_staging_bytes == 65536
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--ssd-offload", "--ssd-offload-pinned-staging-bytes", "0"])
-
-
-def test_cpu_device_without_streams_keeps_the_direct_path(tmp_path):
-    with ActivationOffloader(_config(tmp_path, "posix"), device=torch.device("cpu")) as off:
-        assert off.copy is None
 
 
 # -- the same, for real ---------------------------------------------------------------------

@@ -526,22 +526,22 @@ def test_stall_probe_times_the_training_threads_waits_on_the_offloader(tmp_path,
     import torch
 
     from ssdtrain_megatron import ActivationOffloader, OffloadConfig
-    from ssdtrain_megatron.cache.transfers import Transfers
+    from ssdtrain_megatron.cache.progress import Progress
     from ssdtrain_megatron.io.syscalls import SysCalls
     from tests.models import mlp, run_steps
 
     real_read = SysCalls.preadv
     monkeypatch.setattr(SysCalls, "preadv", lambda self, *a: (time.sleep(0.2), real_read(self, *a))[1])
-    real = Transfers._next_event
+    real = Progress.next_event
     batches = [torch.randn(32, 256, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     with gpu_check_measure.StallProbe() as probe, \
             ActivationOffloader(OffloadConfig(dirs=[str(tmp_path)], engine="posix", min_tensor_bytes=1024)) as off:
-        assert probe.works and Transfers._next_event is not real
+        assert probe.works and Progress.next_event is not real
         stats = run_steps(mlp(), batches, off, steps=1, wait_writes=True)[2]
     assert sum(st.bytes_read for st in stats) > 0
     counted = sum(st.io_wait_s for st in stats)
     assert counted > 0 and probe.seconds >= 0.9 * counted - 1e-3, (probe.seconds, counted)
-    assert Transfers._next_event is real
+    assert Progress.next_event is real
 
 
 def test_imports_step_reports_megatron_and_kvikio_as_the_targets_read_them():

@@ -7,7 +7,7 @@ two tests fail ("DID NOT RAISE IllegalTransition").
 import pytest
 import torch
 
-from ssdtrain_megatron.cache.lifecycle import (IN_FLIGHT, RESIDENT, TRANSITIONS, IllegalTransition,
+from ssdtrain_megatron.cache.lifecycle import (IN_FLIGHT, RESIDENT, STAGED_STATES, TRANSITIONS, IllegalTransition,
                                                State, allowed_from, move)
 from ssdtrain_megatron.cache.record import TensorRecord
 from ssdtrain_megatron.telemetry.stats import StepCounters
@@ -55,13 +55,16 @@ def test_the_counters_follow_the_tables_rows():
 
 def test_the_table_is_consistent():
     """Every row joins two states; a record can always be released (but once it is, nothing
-    follows); the in-flight states hold their bytes in memory."""
+    follows); the in-flight states hold their bytes in (device) memory, but for the STAGED
+    ones, whose bytes are in host staging (a drive write after its copy landed), unless
+    backward took a copy back (STAGED_WANTED)."""
     states = set(range(len(State.NAMES)))
     assert len(State.EXACT) == len(State.NAMES)
     assert all(a in states and b in states and a != b for a, b in TRANSITIONS)
     assert all((s, State.RELEASED) in TRANSITIONS for s in states - {State.RELEASED})
     assert allowed_from(State.RELEASED) == ()
-    assert IN_FLIGHT <= RESIDENT
+    assert IN_FLIGHT - STAGED_STATES <= RESIDENT
+    assert STAGED_STATES & RESIDENT == {State.STAGED_WANTED}
 
 
 def _state_names(cell: str):

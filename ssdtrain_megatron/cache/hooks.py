@@ -112,6 +112,7 @@ class SavedTensorHooks:
         self._decisions = decisions
         self._step = step
         self._events = events
+        self._landing = transfers.landing  # GPU: copies to poll (a deque; tested per pack and unpack)
         self._capturing = capturing
         self._current: Optional[MicroBatch] = None
         self._layer: Optional[Hashable] = None
@@ -222,7 +223,7 @@ class SavedTensorHooks:
         if storage._cdata in self._held:  # held until backward anyway: writing frees nothing
             c.pass_through("held_by_schedule", self._layer)  # StepStats.tensors_held_by_schedule
             return t
-        if not self._events.empty():
+        if self._landing or not self._events.empty():
             self._transfers.drain()
         # The identity of identity.py, from attributes read once (the record keeps them).
         shape, stride, dtype, version = t.shape, t.stride(), t.dtype, t._version
@@ -285,6 +286,8 @@ class SavedTensorHooks:
         c = self._step.counters
         if rec.state == State.WRITE_DROPPED:  # it has a user again
             move(rec, State.WRITING, c)
+        elif rec.state == State.STAGED_DROPPED:
+            move(rec, State.STAGED, c)
         elif rec.state == State.READ_DROPPED:
             move(rec, State.READING, c)
         cur = self._current
@@ -298,7 +301,7 @@ class SavedTensorHooks:
     def unpack(self, handle):
         if isinstance(handle, torch.Tensor):
             return handle
-        if not self._events.empty():
+        if self._landing or not self._events.empty():
             self._transfers.drain()
         rec: TensorRecord = handle.record
         if self._capturing():

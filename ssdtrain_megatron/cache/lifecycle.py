@@ -11,11 +11,19 @@ leaves a state that holds its bytes in memory (``RESIDENT``). So a tensor is cou
 thing that happened to it, whichever part of the offloader moved it.
 
 In the words of the user-facing statistics: *queued* is SAVED (a write not handed over yet:
-the deferred last layers, or back-pressure); *writing* the three WRITING states; *written*
-ON_DISK; *reading* the two READING states; *resident* KEPT (never written) and READY (read
-back or forwarded); *released* RELEASED. *Fallback* (a write failed: the tensor stays in
-memory) and *forwarded* (backward gets the in-memory tensor, no read) are transitions, the
-rows that count ``fallback`` and ``forwarded``.
+the deferred last layers, or back-pressure); *writing* the three WRITING states and the three
+STAGED ones; *written* ON_DISK; *reading* the two READING states; *resident* KEPT (never
+written) and READY (read back or forwarded); *released* RELEASED. *Fallback* (a write failed:
+the tensor stays in memory) and *forwarded* (backward gets the in-memory tensor, no read) are
+transitions, the rows that count ``fallback`` and ``forwarded``.
+
+On the GPU path a drive engine's write has two parts: the device->host copy into pinned
+staging, then the drive write from there. Once the copy has landed (its event answered
+``query``) the device memory is let go: the record is STAGED, its bytes in host memory only,
+not resident. A STAGED record backward wants is copied back to the device from its staging
+block (``from_staging``: no read from the drive), taken back from the engine when its drive
+write has not started (READY), else STAGED_WANTED until the write ends. A drive write that
+fails after its copy landed brings the bytes back from staging too (KEPT: the fallback).
 
     SAVED ─submit─▶ WRITING ──ok──▶ ON_DISK ──read──▶ READING ──ok──▶ READY
       │              │  │ unpack/prefetch     │ still alive ─────────────▶ READY
@@ -26,6 +34,9 @@ rows that count ``fallback`` and ``forwarded``.
                                              READING ──error, retries left──▶ ON_DISK (read again)
     WRITING, READING ──last handle dropped──▶ WRITE_DROPPED / READ_DROPPED ──IO ends──▶ … ▶ RELEASED
     WRITING_WANTED ──last handle dropped──▶ (stays; forwarded) ──write ends──▶ READY ▶ RELEASED
+    WRITING ──copy landed──▶ STAGED ──ok──▶ ON_DISK;  STAGED ──wanted──▶ STAGED_WANTED ──ok──▶ READY
+    STAGED ──wanted, write not started: taken back──▶ READY;  STAGED ──error──▶ KEPT (from staging)
+    WRITE_DROPPED ──copy landed──▶ STAGED_DROPPED ──IO ends──▶ … ▶ RELEASED
     every other state ──last handle dropped──▶ RELEASED
 """
 
@@ -48,23 +59,29 @@ class State:
     READY = 8  # in memory for backward (read back, or forwarded)
     BROKEN = 9  # cannot be given to backward: ``error`` says why (unpack raises it)
     RELEASED = 10
+    STAGED = 11  # drive write in flight from host staging; the device memory is let go
+    STAGED_WANTED = 12  # ... and backward wants it: copied back from staging, READY when the write ends
+    STAGED_DROPPED = 13  # ... and no user left: release when the write ends
 
     NAMES = ("saved", "kept", "writing", "writing", "writing", "on_disk", "reading", "reading",
-             "ready", "broken", "released")
+             "ready", "broken", "released", "writing", "writing", "writing")
     """What each state is in an error message (the dropped/wanted variants read as their IO)."""
 
     EXACT = ("SAVED", "KEPT", "WRITING", "WRITING_WANTED", "WRITE_DROPPED", "ON_DISK", "READING",
-             "READ_DROPPED", "READY", "BROKEN", "RELEASED")
+             "READ_DROPPED", "READY", "BROKEN", "RELEASED", "STAGED", "STAGED_WANTED", "STAGED_DROPPED")
     """Each state's own name (the table's messages)."""
 
 
 S = State
-# States in which the record holds the bytes in memory.
+# States in which the record holds the bytes in (device) memory.
 RESIDENT = frozenset({S.SAVED, S.KEPT, S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.READING,
-                      S.READ_DROPPED, S.READY})
+                      S.READ_DROPPED, S.READY, S.STAGED_WANTED})
 # States with IO in flight (the engine still uses the record's key and memory).
-IN_FLIGHT = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.READING, S.READ_DROPPED})
-WRITES = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED})
+IN_FLIGHT = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.READING, S.READ_DROPPED,
+                       S.STAGED, S.STAGED_WANTED, S.STAGED_DROPPED})
+WRITES = frozenset({S.WRITING, S.WRITING_WANTED, S.WRITE_DROPPED, S.STAGED, S.STAGED_WANTED,
+                    S.STAGED_DROPPED})
+STAGED_STATES = frozenset({S.STAGED, S.STAGED_WANTED, S.STAGED_DROPPED})
 READS = frozenset({S.READING, S.READ_DROPPED})
 
 # (from, to) -> what the step's counters record when it happens: "kept" (tensors_kept),
@@ -72,7 +89,9 @@ READS = frozenset({S.READING, S.READ_DROPPED})
 # tensor stays in memory), "forwarded" (backward gets the in-memory tensor, no read),
 # "taken_back" (a write not yet started was cancelled because backward wants the tensor),
 # "held" (written, then found alive at backward: held by someone else, so written for nothing),
-# "read" (bytes came back from the engine), "read_retried" (a failed read starts again),
+# "read" (bytes came back from the engine), "from_staging" (bytes came back from the write's
+# host staging, not the engine: its drive write was still under way), "read_retried" (a
+# failed read starts again),
 # "written_forwarded" (written, but backward took the tensor from memory while the write was
 # under way), "released_unread" (written, then released without a read: its graph was dropped,
 # or the step ended without its backward), "written_modified" (written, but modified in place
@@ -113,6 +132,21 @@ TRANSITIONS: Dict[Tuple[int, int], Tuple[str, ...]] = {
     (S.READ_DROPPED, S.RELEASED): (),
     (S.READY, S.RELEASED): (),
     (S.BROKEN, S.RELEASED): (),
+    (S.WRITING, S.STAGED): (),  # the device->host copy landed: the device memory goes
+    (S.WRITE_DROPPED, S.STAGED_DROPPED): (),
+    (S.STAGED, S.ON_DISK): ("offloaded",),
+    (S.STAGED, S.STAGED_WANTED): ("from_staging", "forwarded"),  # copied back while the write runs
+    (S.STAGED, S.READY): ("from_staging", "forwarded", "taken_back"),  # ... before it started: cancelled
+    (S.STAGED, S.STAGED_DROPPED): (),
+    (S.STAGED, S.KEPT): ("fallback", "kept"),  # the drive write failed: back from staging
+    (S.STAGED, S.BROKEN): ("offloaded", "written_modified"),
+    (S.STAGED, S.RELEASED): (),  # close() stopped waiting for a hung write
+    (S.STAGED_WANTED, S.READY): ("offloaded", "written_forwarded"),
+    (S.STAGED_WANTED, S.KEPT): ("fallback", "kept"),
+    (S.STAGED_WANTED, S.RELEASED): (),
+    (S.STAGED_DROPPED, S.STAGED): (),  # saved again (dedup) before its write completed
+    (S.STAGED_DROPPED, S.ON_DISK): ("offloaded",),  # then released at once
+    (S.STAGED_DROPPED, S.RELEASED): (),  # a queued write cancelled, a failed one, or close()
 }
 
 

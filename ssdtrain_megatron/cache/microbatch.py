@@ -70,7 +70,7 @@ class MicroBatch:
         n = len(self.records)
         while self.cursor < n:
             rec = self.records[n - 1 - self.cursor]
-            if rec.state != State.ON_DISK and rec.state != State.WRITING:
+            if rec.state != State.ON_DISK and rec.state != State.WRITING and rec.state != State.STAGED:
                 self.cursor += 1  # nothing to read: in memory, already asked for, or gone
                 continue
             if rec.pos < floor:  # index_of, inline: once per record read back

@@ -27,7 +27,7 @@ class TensorRecord:
     __slots__ = ("id", "microbatch", "layer", "state", "tensor", "ref", "storage_ref", "version", "shape",
                  "stride", "dtype", "device", "span", "dense", "nbytes", "residue", "compact", "staging", "handles",
                  "error", "readahead", "decision", "pos", "last_pos", "shared", "transfer", "read_retries",
-                 "site", "__weakref__")
+                 "site", "inflight", "__weakref__")
 
     def __init__(self, rid: int, t: torch.Tensor, microbatch: Hashable, layer: Hashable,
                  geometry: Optional[Tuple] = None, storage_ref: int = 0) -> None:
@@ -74,7 +74,8 @@ class TensorRecord:
         self.last_pos = -1  # position of its latest save (dedup hits in later layers)
         self.shared = False  # also saved by another micro-batch (a shared mask, RoPE table)
         self.transfer = None  # its GPU copy in flight (cache/device_copy.py), if any
-        self.read_retries = 0  # failed reads retried so far (transfers.py: READ_RETRIES)
+        self.read_retries = 0  # failed reads retried so far (reads.py: READ_RETRIES)
+        self.inflight = False  # its bytes count in the transfers' bytes in flight (transfers.py)
 
     def storage_alive(self) -> bool:
         """The saved tensor's storage still exists (a deduplication hit may use this record)."""
@@ -115,32 +116,36 @@ class TensorRecord:
             t = self.tensor = t.detach()
         return t
 
-    def allocate_restore(self, align: int = ALIGN_RESIDUE,
-                         empty: Callable[..., torch.Tensor] = torch.empty) -> Tuple[torch.Tensor, torch.Tensor]:
+    def allocate_restore(self, align: int = ALIGN_RESIDUE, empty: Callable[..., torch.Tensor] = torch.empty,
+                         pad: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """(tensor with the saved shape/stride, contiguous tensor to read the bytes into: the
         first itself when it is dense, io/base.py).
 
         The new tensor sits at the same address alignment (mod 512) as the original: some
         CPU kernels choose their vector path by alignment, and bitwise-equal gradients must
         not depend on where the bytes came back to. ``align`` (a multiple of 512, e.g. 4096
-        for cuFile, which bounces unaligned device buffers) makes it the same residue modulo
+        for cuFile, which bounces unaligned buffers) makes it the same residue modulo
         ``align``: a tensor that started on a 512-byte boundary (most do) comes back on an
         ``align`` boundary; a compact record's packed bytes start on one. ``empty``: where the
         memory comes from (``torch.empty``'s signature; on a CPU device, the offloader's
-        restore_pool.py).
+        restore_pool.py; on the GPU path, the reload stream's allocator). ``pad=False``:
+        ``empty`` gives ``align``-aligned memory (CUDA's caching allocator: 512 bytes), so a
+        tensor that started on a boundary is allocated at exactly its bytes, in the size
+        class of the block it came from (padding it would put it in the next one, where it
+        cannot reuse that block); only one at another residue is padded to reach it.
         """
         itemsize = self.dtype.itemsize
-        extra = align // itemsize
+        extra = 0 if not pad and self.residue % align == 0 else align // itemsize
         storage = empty(self.span + extra, dtype=self.dtype, device=self.device)
         delta = (self.residue - storage.data_ptr() % align) % align
-        pad = delta // itemsize if delta % itemsize == 0 else 0
-        restored = storage.as_strided(self.shape, self.stride, pad)
+        offset = delta // itemsize if extra and delta % itemsize == 0 else 0
+        restored = storage.as_strided(self.shape, self.stride, offset)
         if self.compact:  # read packed elements, scatter them into the strided view after
-            self.staging = _aligned_empty(self.shape, self.dtype, self.device, align, empty)
+            self.staging = _aligned_empty(self.shape, self.dtype, self.device, align, empty, pad)
             return restored, self.staging
         if self.dense:
             return restored, restored
-        return restored, storage[pad:pad + self.span]
+        return restored, storage[offset:offset + self.span]
 
     def finish_read(self) -> None:
         """After the read: a compact record's packed bytes go to their strided places."""
@@ -178,16 +183,18 @@ class StorageFreed(RuntimeError):
 
 
 def _aligned_empty(shape, dtype: torch.dtype, device: torch.device, align: int,
-                   empty: Callable[..., torch.Tensor] = torch.empty) -> torch.Tensor:
+                   empty: Callable[..., torch.Tensor] = torch.empty, pad: bool = True) -> torch.Tensor:
     """A contiguous tensor whose first byte is on an ``align`` boundary (when the allocator's
-    own alignment is a multiple of the element size, as it is)."""
+    own alignment is a multiple of the element size, as it is; ``pad=False``: the allocator
+    aligns to ``align`` itself, so no padding is needed)."""
     itemsize = dtype.itemsize
     n = 1
     for s in shape:
         n *= s
-    raw = empty(n + align // itemsize, dtype=dtype, device=device)
+    extra = align // itemsize if pad else 0
+    raw = empty(n + extra, dtype=dtype, device=device)
     delta = (-raw.data_ptr()) % align
-    skip = delta // itemsize if delta % itemsize == 0 else 0
+    skip = delta // itemsize if extra and delta % itemsize == 0 else 0
     return raw[skip:skip + n].view(shape)
 
 

@@ -39,6 +39,12 @@ class Step:
             raise ValueError(f"phase={phase!r} is invalid; allowed: {', '.join(PHASES)}")
         self.phase = phase
 
+    def count_wait(self, rec, seconds: float) -> None:
+        """The training thread waited ``seconds`` on IO for record ``rec`` (its layer's too)."""
+        c = self.counters
+        c.io_wait_s += seconds
+        c.layer(rec.layer, rec.decision).io_wait_s += seconds
+
     def next(self, timeline: Optional[list] = None) -> None:
         """The step ended: the next one starts with fresh counters (``timeline``: a list to
         record the resident bytes' changes in, for plots; None: none)."""

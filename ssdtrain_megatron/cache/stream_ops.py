@@ -72,8 +72,18 @@ class StreamOps:
         """``t.contiguous()`` on the current stream."""
         return t.contiguous()
 
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``torch.empty`` on the current stream (CUDA's caching allocator gives each stream's
+        memory back to that stream: 512-byte aligned)."""
+        return torch.empty(numel, dtype=dtype, device=device)
+
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
+
+    def let_go(self, t: Optional[torch.Tensor]) -> None:
+        """The data path drops its reference to device bytes a copy read (the allocator may
+        reuse them once every other reference is gone too): nothing to do on CUDA; the tests'
+        recording stand-in logs it, to check it comes after the copy ran."""
 
     def capturing(self) -> bool:
         """True while the calling thread's current stream is capturing a CUDA graph."""

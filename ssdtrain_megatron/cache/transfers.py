@@ -8,10 +8,24 @@ release. All of it runs on the training thread; the IO threads only put ``(recor
 outcome)`` on the events queue, and a dropped handle puts ``(record, DROP)`` there
 (``hooks.py``); :meth:`Transfers.drain` processes them.
 
-Collaborators, all received at construction: the IO engine, the GPU copy layer
-(``device_copy.py``, None off the GPU path), the restore pool (``restore_pool.py``), the record
-table (``table.py``), the step (``step.py``), the events queue, the warn-once log, the IO
-tracer. The activation budget (``budget.py``) makes room by operations only this object has
+On the GPU path (``device_copy.py``) a write starts with a device->host copy on the offload
+stream. The training thread sees each copy land by polling its event (``query``, in FIFO
+order: one stream runs them in order) whenever it processes events; from then on the device
+memory is not needed: the memory engine's write is done (``commit``, no IO thread), and a drive
+engine's record is STAGED, its bytes in pinned host staging until the drive has them, the
+device memory let go. So two limits hold a forward back, each making pack wait (counted):
+``max_inflight_bytes`` of device memory whose copy has not landed, and the staging pool's
+room for bytes not yet on the drive (``pinned_staging_bytes``). A record backward wants while
+its drive write runs comes back from its staging block by a host->device copy; a read from the
+memory engine is a host->device copy straight out of its pool, issued at once, with no IO
+thread between.
+
+Two parts of its own: how the training thread learns what happened and waits for it
+(``progress.py``: the events queue, the copies in flight) and the read side (``reads.py``:
+read-ahead, reads, their completion). Collaborators, all received at construction: the IO
+engine, the GPU copy layer (``device_copy.py``, None off the GPU path), the restore pool
+(``restore_pool.py``), the record table (``table.py``), the step (``step.py``), the events
+queue, the warn-once log, the IO tracer. The activation budget (``budget.py``) makes room by operations only this object has
 (drain, write the deferred, wait for a write), so it is built here, and the decisions
 (``decisions.py``) receive it from here.
 """
@@ -28,15 +42,19 @@ from typing import List, Optional
 import torch
 
 from ..config import OffloadConfig
-from ..io.base import TIERS, EngineError, IOEngine
+from ..io.base import TIERS, IOEngine
 from ..io.memory import PoolFull
-from .budget import ActivationBudget, give_back_readahead
-from .lifecycle import IN_FLIGHT, READS, WRITES, State, move
+from .budget import ActivationBudget
+from .lifecycle import IN_FLIGHT, READS, STAGED_STATES, WRITES, State, move
 from .microbatch import MicroBatch
+from .progress import IOTimeout, Progress, relay
+from .reads import READ_RETRIES, Reads
 from .record import StorageFreed, TensorRecord
 from .restore_pool import RestorePool
 from .step import Step, WarnOnce
 from .table import RecordTable
+
+__all__ = ["DROP", "EXPECTED_WRITE_REFUSALS", "IOTimeout", "READ_RETRIES", "Transfers"]
 
 log = logging.getLogger("ssdtrain_megatron.cache.offloader")
 
@@ -52,21 +70,8 @@ def _is_disk_full(exc: Optional[BaseException]) -> bool:
     return False
 
 
-class IOTimeout(RuntimeError):
-    """An IO wait exceeded ``io_timeout_s``; the message says what was pending."""
-
-
 # Write refusals that mean "keep it in memory" (pool full, storage freed); others propagate.
 EXPECTED_WRITE_REFUSALS = (PoolFull, StorageFreed)
-
-READ_RETRIES = 2
-"""A failed read is started again this many times before the step fails: a read that fails
-has lost the only copy, and transient errors (a bus reset, a flaky link) pass on a retry."""
-
-
-def _relay(events: "queue.SimpleQueue", key: int, fut) -> None:
-    """For an engine that returns Futures instead of reporting to ``completions``."""
-    events.put((key, fut.exception()))
 
 
 class Transfers:
@@ -99,12 +104,20 @@ class Transfers:
         self._time_submit = time_submit
         self._submit_s = 0.0
         self._inflight_bytes = 0
-        self.timeline = None  # telemetry/timeline.py, while a step is recorded (the offloader sets it)
+        self._writes = 0  # records handed to the engine (or copying into its pool) whose write is not done
+        self._write_bytes = 0  # ... and their bytes
+        self._progress = Progress(events, copy, self._on_event, self._landed, self._pool_read_done,
+                                  config.io_timeout_s)
+        self.landing = self._progress.landing
+        """GPU: writes whose device->host copy is not known to have run, in issue order (the
+        hooks test it to know there is something to poll)."""
         self._budget: Optional[ActivationBudget] = None
         if budget_limit is not None:
             self._budget = ActivationBudget(budget_limit, self._resident_bytes, self.drain,
                                             self.write_deferred, self._wait_for_room,
                                             self._in_flight_bytes, self._pinned_bytes)
+        self._reads = Reads(config, engine, copy, restore_pool, table, step, warn, tracer, self._progress,
+                            self._budget, self._wanted_while_writing, self._staging_block, self.release, events)
 
     @property
     def budget(self) -> Optional[ActivationBudget]:
@@ -118,8 +131,18 @@ class Transfers:
 
     @property
     def inflight_bytes(self) -> int:
-        """Bytes of writes handed to the engine and not yet completed."""
+        """Bytes of writes still holding device memory: on the GPU path, those whose
+        device->host copy has not landed; elsewhere, those not yet completed."""
         return self._inflight_bytes
+
+    @property
+    def timeline(self):
+        return self._progress.timeline
+
+    @timeline.setter
+    def timeline(self, tl) -> None:
+        """telemetry/timeline.py, while a step is recorded (the offloader sets it)."""
+        self._progress.timeline = tl
 
     def take_submit_s(self) -> float:
         """Training-thread seconds spent handing writes over since the last call."""
@@ -129,18 +152,9 @@ class Transfers:
     # -- events -----------------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Process every event queued so far (IO completions, dropped handles)."""
-        events = self._events
-        tl = self.timeline
-        if tl is not None and not events.empty():
-            t0, n = tl.now(), 0
-            while not events.empty():
-                self._on_event(*events.get_nowait())
-                n += 1
-            tl.span("drain", "drain", t0, events=n)
-            return
-        while not events.empty():
-            self._on_event(*events.get_nowait())
+        """Process everything that happened so far: IO completions, dropped handles, and (GPU)
+        copies that landed."""
+        self._progress.drain()
 
     def _on_event(self, what, outcome) -> None:
         if outcome is DROP:
@@ -155,21 +169,13 @@ class Transfers:
         if rec.state in WRITES:
             self._write_done(rec, outcome)
         elif rec.state in READS:
-            self._read_done(rec, outcome)
+            self._reads.done(rec, outcome)
         else:
             raise RuntimeError(f"ssdtrain internal error: IO completed for record {rec.id} "
                                f"in state {rec.state_name}")
 
-    def _next_event(self, deadline: float) -> bool:
-        """Wait for one event until ``deadline`` and process it; False on timeout. An error
-        raised while processing it (a failed finish_read) reaches the caller as it is."""
-        left = deadline - time.perf_counter()
-        try:
-            item = self._events.get(timeout=left) if left > 0 else self._events.get_nowait()
-        except queue.Empty:
-            return False
-        self._on_event(*item)
-        return True
+    def _pool_read_done(self, key: int) -> None:
+        self._engine.pool_read(key, False)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -179,13 +185,21 @@ class Transfers:
         move(rec, State.KEPT, self._step.counters)
 
     def submit_all(self, records: List[TensorRecord]) -> None:
-        if records and not self._events.empty():
+        if records and self._progress.pending:
             # Dropped handles first: a deferred tensor whose graph is gone (megatron's
             # bias-dropout-add inside a checkpoint's no-grad forward) is released, not written.
             self.drain()
-        for rec in records:
-            if rec.state == State.SAVED:
-                self.submit(rec)
+        if not records:
+            return
+        if self._copy is None:
+            for rec in records:
+                if rec.state == State.SAVED:
+                    self.submit(rec)
+            return
+        with self._copy.writes():  # one producer event and stream context for the batch
+            for rec in records:
+                if rec.state == State.SAVED:
+                    self.submit(rec)
 
     def write_deferred(self, skip: Optional[MicroBatch] = None) -> int:
         """Write the deferred last-layer records of every micro-batch still in forward (but
@@ -213,6 +227,9 @@ class Transfers:
             self._wait_below(cap - rec.nbytes, rec)
         move(rec, State.WRITING, self._step.counters)
         self._inflight_bytes += rec.nbytes
+        rec.inflight = True
+        self._writes += 1
+        self._write_bytes += rec.nbytes
         if self._tracer is not None:
             self._tracer.tag(rec.id, self._step.number, rec.microbatch, rec.layer, self._step.phase)
         t_submit = time.perf_counter() if self._time_submit else 0.0  # budget/plan: its cost
@@ -221,8 +238,10 @@ class Transfers:
                 rec.check_storage()  # before any copy or IO could read memory its owner freed
             if rec.decision in TIERS:  # the plan's tier ('host', 'ssd'): said before pool_view
                 self._engine.place(rec.id, rec.decision)
-            data, event = self._stage_out(rec) if self._copy is not None else (rec.bytes_view(), None)
-            fut = self._engine.write(rec.id, data, event)
+            if self._copy is None:
+                fut = self._engine.write(rec.id, rec.bytes_view(), None)
+            else:
+                fut = self._stage_out(rec)
         except EXPECTED_WRITE_REFUSALS as exc:  # nothing started (the memory pool is full): keep it
             self._written(rec)
             self._fallback(rec, exc)
@@ -235,36 +254,86 @@ class Transfers:
         if self._time_submit:  # budget/plan: (end of the measured part)
             self._submit_s += time.perf_counter() - t_submit
         if fut is not None:  # an engine without ``completions``
-            fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
+            fut.add_done_callback(functools.partial(relay, self._events, rec.id))
 
     def _wait_below(self, limit: int, rec: TensorRecord) -> None:
-        """Back-pressure: wait until the bytes in flight are at most ``limit`` (counted as the
-        record's IO wait)."""
+        """Back-pressure: wait until the device bytes in flight are at most ``limit`` (counted
+        as the record's IO wait)."""
         self.drain()
-        t0 = time.perf_counter()
-        t0_ns = self.timeline.now() if self.timeline is not None else 0
-        deadline = t0 + self._config.io_timeout_s
-        while self._inflight_bytes and self._inflight_bytes > limit:
-            if not self._next_event(deadline):
-                raise IOTimeout(f"waited {self._config.io_timeout_s:g}s for {self._inflight_bytes} "
-                                f"bytes of writes to finish before writing a {rec.describe()}")
-        self._count_wait(rec, time.perf_counter() - t0)
-        if self.timeline is not None:
-            self.timeline.wait("back-pressure", t0_ns, record=rec.id, bytes=rec.nbytes)
+        waited = self._progress.wait(
+            lambda: not self._inflight_bytes or self._inflight_bytes <= limit,
+            lambda: f"{self._inflight_bytes} bytes of writes to finish before writing a {rec.describe()}",
+            "back-pressure", record=rec.id, bytes=rec.nbytes)
+        if waited:
+            self._step.count_wait(rec, waited)
+
+    def _staging_block(self, rec: TensorRecord, wait: bool = True):
+        """A staging block for ``rec``'s bytes. Without room: wait (``wait``; counted as the
+        record's IO wait) for a write to reach the drive and free one, or None; with nothing
+        in flight that could free one (or a record larger than the pool), an overflow block
+        from torch's pinned allocator (warned once)."""
+        copy = self._copy
+        found = [copy.take_staging(rec.nbytes)]
+        if found[0] is not None or not wait:
+            return found[0]
+
+        def room() -> bool:
+            if not self._writes or rec.nbytes > copy.pool.capacity:
+                return True  # nothing in flight could make room: overflow
+            found[0] = copy.take_staging(rec.nbytes)
+            return found[0] is not None
+
+        waited = self._progress.wait(
+            room, lambda: (f"room in the pinned staging pool (pinned_staging_bytes={copy.pool.capacity}) "
+                           f"for a {rec.describe()}"), "back-pressure", record=rec.id, bytes=rec.nbytes, on="staging")
+        if waited:
+            self._step.count_wait(rec, waited)
+        return found[0] if found[0] is not None else copy.take_block(rec.nbytes)
 
     def _stage_out(self, rec: TensorRecord):
-        """GPU: (the bytes for the engine, the event it waits for), through pinned staging or,
-        for the memory engine, straight into its pinned pool (one copy, no staging)."""
-        into = None if self._copy.direct else self._engine.pool_view(rec.id, rec.nbytes)
-        if into is None:
-            data, event, rec.transfer = self._copy.stage_out(rec)
-        else:
+        """GPU: the device->host copy, into the memory engine's pool (its write completes when
+        the copy lands: no IO thread, no ``write`` call) or into pinned staging, which the
+        engine then writes (returns what ``write`` returned)."""
+        copy = self._copy
+        if copy.direct:
+            data, event, rec.transfer = copy.stage_out(rec)
+            return self._engine.write(rec.id, data, event)
+        into = self._engine.pool_view(rec.id, rec.nbytes)
+        if into is not None:
             fence = functools.partial(self._engine.fence, rec.id)
-            data, event, rec.transfer = self._copy.stage_out(rec, into, fence)
-        return data, event
+            _, _, rec.transfer = copy.stage_out(rec, into, fence)
+            self.landing.append(rec)
+            return None
+        block = self._staging_block(rec)
+        data, event, rec.transfer = copy.stage_out(rec, block=block)
+        self.landing.append(rec)
+        return self._engine.write(rec.id, data, event)
+
+    def _landed(self, rec: TensorRecord) -> None:
+        """GPU: ``rec``'s device->host copy ran. Its device bytes no longer count in flight; the
+        memory engine's write is done; a drive engine's record is STAGED (lifecycle.py) and
+        lets its device memory go, unless backward already took it (WRITING_WANTED)."""
+        self._inflight_bytes -= rec.nbytes
+        rec.inflight = False
+        if rec.transfer.pooled is not None:
+            self._engine.commit(rec.id)
+            self._write_done(rec, None)
+            return
+        t = rec.tensor
+        if t is not None and t._version != rec.version:  # the write completes as usual: noted
+            rec.error = (f"a {rec.describe()} was modified in place while it was being "
+                         f"offloaded (version {rec.version} -> {t._version})")
+        if rec.state == State.WRITING:
+            move(rec, State.STAGED, self._step.counters)
+            self._copy.let_go(rec)
+        elif rec.state == State.WRITE_DROPPED:
+            move(rec, State.STAGED_DROPPED, self._step.counters)
+            self._copy.let_go(rec)
 
     def _write_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
         """A write finished (or failed)."""
+        if exc is not None and rec.state in (State.STAGED, State.STAGED_WANTED) and rec.tensor is None:
+            self._copy.restore(rec, source=rec.transfer.block.tensor)  # before its block goes back
         self._written(rec)
         if exc is not None:
             # Its extent stays allocated until the record is released (release), as a
@@ -273,139 +342,94 @@ class Transfers:
             self._fallback(rec, exc)
             return
         c = self._step.counters
-        dropped = rec.state == State.WRITE_DROPPED
-        t = rec.tensor
-        if t is not None and t._version != rec.version:
-            rec.error = (f"a {rec.describe()} was modified in place while it was being "
-                         f"offloaded (version {rec.version} -> {t._version})")
-            move(rec, State.ON_DISK if dropped else State.BROKEN, c)
-            rec.tensor = None
-        elif rec.state == State.WRITING_WANTED:
-            move(rec, State.READY, c)  # backward already has it: keep our reference
+        s = rec.state
+        dropped = s == State.WRITE_DROPPED or s == State.STAGED_DROPPED
+        if s in STAGED_STATES:
+            if s == State.STAGED_WANTED:
+                move(rec, State.READY, c)  # backward has its copy from staging
+            elif rec.error is not None and not dropped:
+                move(rec, State.BROKEN, c)
+            else:
+                move(rec, State.ON_DISK, c)
         else:
-            move(rec, State.ON_DISK, c)
-            rec.tensor = None  # our copy is on disk; the memory goes when the model drops it
+            t = rec.tensor
+            if t is not None and t._version != rec.version:
+                rec.error = (f"a {rec.describe()} was modified in place while it was being "
+                             f"offloaded (version {rec.version} -> {t._version})")
+                move(rec, State.ON_DISK if dropped else State.BROKEN, c)
+                rec.tensor = None
+            elif s == State.WRITING_WANTED:
+                move(rec, State.READY, c)  # backward already has it: keep our reference
+            else:
+                move(rec, State.ON_DISK, c)
+                # our copy is on disk; the memory goes when the model drops it
+                if self._copy is not None:
+                    self._copy.let_go(rec)
+                else:
+                    rec.tensor = None
         if dropped or not rec.handles:  # no user left (a forwarded one waited for its write)
             self.release(rec)
 
     def _written(self, rec: TensorRecord) -> None:
         """The engine is done with a write's bytes (written, failed, refused or cancelled):
-        they no longer count in flight, and a GPU record's pinned staging block goes back."""
-        self._inflight_bytes -= rec.nbytes
-        if rec.transfer is not None:
-            self._copy.written(rec.transfer)
-            rec.transfer = None
+        they no longer count in flight, and a GPU record's pinned staging block goes back
+        (after a copy back from it, when one was made)."""
+        if rec.inflight:
+            self._inflight_bytes -= rec.nbytes
+            rec.inflight = False
+        self._writes -= 1
+        self._write_bytes -= rec.nbytes
+        xfer = rec.transfer
+        if xfer is not None:
+            self._copy.landed(xfer)  # an IO thread that wrote it waited for the copy: a query tells
+            self._copy.written(xfer)
+            if xfer.ready_event is None:  # else the consumer waits on its copy back from staging
+                rec.transfer = None
 
     def _fallback(self, rec: TensorRecord, exc: BaseException) -> None:
         # A full disk is warned on its own, even after an IO error was: the user acts on it.
         self._warn("disk-full" if _is_disk_full(exc) else "fallback",
                    f"offload write failed, keeping tensors in memory instead "
                    f"(counted in StepStats.fallbacks): {exc}")
+        if rec.state == State.STAGED_DROPPED:  # no user left, and its device bytes are gone
+            self._drop(rec)
+            return
         dropped = rec.state == State.WRITE_DROPPED or not rec.handles
         rec.hold()  # it stays in memory: hold it as kept records do (record.py)
         move(rec, State.KEPT, self._step.counters)
         if dropped:
             self.release(rec)
 
-    # -- reads ------------------------------------------------------------------------------
-
-    def prefetch(self, mb: MicroBatch) -> None:
-        if self._engine is None:
-            return
-        cfg = self._config
-        candidates = mb.prefetch_candidates(cfg.prefetch_layers, cfg.max_inflight_bytes)
-        for i, rec in enumerate(candidates):
-            if rec.state == State.WRITING:
-                self._wanted_while_writing(rec)
-            elif self._budget is not None and not self._budget.room_to_read(rec.nbytes):
-                give_back_readahead(mb, candidates[i:])  # budget: read ahead less
-                return
-            else:
-                self._start_read(rec)
-
     def _wanted_while_writing(self, rec: TensorRecord) -> None:
         """Backward (or prefetch) wants a record whose write has not completed: it is served
         from memory. A write no IO thread has started is taken back, since its bytes would
         be written only to be forwarded (a tensor held until backward by someone we could not
         know of, or the last micro-batch's layers whose writes trail its forward); one under
-        way completes, and its bytes are counted in StepStats.bytes_wasted."""
+        way completes, and its bytes are counted in StepStats.bytes_wasted. A STAGED record
+        (its device memory let go) is copied back from its staging block."""
+        if rec.state == State.WRITING and rec.transfer is not None and self._copy.landed(rec.transfer):
+            self._landed(rec)  # its copy ran meanwhile: STAGED (or, memory engine, written)
+            if rec.state not in WRITES:
+                return
+        c = self._step.counters
+        if rec.state == State.STAGED:
+            self._copy.restore(rec, source=rec.transfer.block.tensor)
+            if self._engine.cancel(rec.id):
+                self._written(rec)  # nothing was written: the block goes back after the copy from it
+                move(rec, State.READY, c)
+            else:
+                move(rec, State.STAGED_WANTED, c)  # READY when the write ends
+            return
         if self._engine.cancel(rec.id):
             self._written(rec)  # nothing was written: the staging block goes back
-            move(rec, State.READY, self._step.counters)  # the record still holds the tensor (record.py)
+            move(rec, State.READY, c)  # the record still holds the tensor (record.py)
         else:
-            move(rec, State.WRITING_WANTED, self._step.counters)  # forwarded when the write completes
+            move(rec, State.WRITING_WANTED, c)  # forwarded when the write completes
 
-    def _start_read(self, rec: TensorRecord) -> None:
-        c = self._step.counters
-        alive = rec.ref()
-        if alive is not None:  # still referenced elsewhere: no IO needed
-            # Its bytes were written for nothing; the next save of this storage passes through.
-            self._table.learn_held(alive.untyped_storage())
-            rec.tensor = alive.detach()
-            move(rec, State.READY, c)
-            return
-        event = None
-        if self._copy is not None:  # GPU: the engine reads into pinned staging (gds: in place)
-            # Bytes in the memory engine's pool are copied from there (no staging, no engine copy).
-            src = None if self._copy.direct else self._engine.pool_view_of(rec.id)
-            restored, target, event = self._copy.stage_in(rec, src) if src is not None else self._copy.stage_in(rec)
-        else:  # CPU: memory from the restore pool, already faulted in (restore_pool.py)
-            restored, target = rec.allocate_restore(empty=self._restore_pool.empty)
-        rec.tensor = restored
-        move(rec, State.READING, c)
-        if self._tracer is not None:
-            self._tracer.tag(rec.id, self._step.number, rec.microbatch, rec.layer, self._step.phase)
-        fut = self._engine.read(rec.id, target, event)
-        if fut is not None:  # an engine without ``completions``
-            fut.add_done_callback(functools.partial(_relay, self._events, rec.id))
+    # -- reads ------------------------------------------------------------------------------
 
-    def _read_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
-        """A read finished (or failed). ``finish_read`` runs here, on the training thread: if
-        it raises (out of memory), the caller of pack/unpack/end_step gets that error."""
-        c = self._step.counters
-        dropped = rec.state == State.READ_DROPPED
-        if exc is not None and self._retry_read(rec, exc):
-            return
-        if exc is not None:
-            tries = f" ({rec.read_retries + 1} attempts)" if rec.read_retries else ""
-            rec.error = f"reading back a {rec.describe()} failed{tries}, the only copy is lost: {exc}"
-            rec.tensor = None
-            if self._copy is not None:
-                self._copy.read_failed(rec)  # its staging is free
-            move(rec, State.BROKEN, c)
-        else:
-            try:
-                if self._copy is not None:
-                    pooled = rec.transfer.pooled is not None
-                    self._copy.finish_in(rec)  # host->device on the reload stream
-                    if pooled:  # out of the engine's pool: not reused before the copy ran
-                        self._engine.fence(rec.id, rec.transfer.ready_event)
-                else:
-                    rec.finish_read()
-            except BaseException:
-                rec.error = f"finishing the read of a {rec.describe()} failed"
-                rec.tensor = None
-                move(rec, State.BROKEN, c)
-                raise
-            move(rec, State.READY, c)
-        if dropped:
-            self.release(rec)
-
-    def _retry_read(self, rec: TensorRecord, exc: BaseException) -> bool:
-        """A read failed in the engine (EngineError: IO error, short read, checksum) starts
-        again, READ_RETRIES times at most; True when it did. Other errors (bugs) do not."""
-        if rec.state != State.READING or rec.read_retries >= READ_RETRIES \
-                or not isinstance(exc, EngineError):
-            return False
-        rec.read_retries += 1
-        rec.tensor = None
-        if self._copy is not None:
-            self._copy.read_failed(rec)  # its staging is free
-        move(rec, State.ON_DISK, self._step.counters)
-        self._warn("read-retry", f"a read failed and is retried (at most {READ_RETRIES} "
-                   f"times, counted in StepStats.read_retries): {exc}")
-        self._start_read(rec)
-        return True
+    def prefetch(self, mb: MicroBatch) -> None:
+        self._reads.prefetch(mb)
 
     def materialize(self, rec: TensorRecord) -> torch.Tensor:
         """The record's tensor for backward, waiting for IO if needed."""
@@ -413,14 +437,14 @@ class Transfers:
         if s == State.RELEASED:
             raise RuntimeError(f"a {rec.describe()} saved for backward was already released "
                                "(end_step() or close() ran before this backward)")
-        if s == State.ON_DISK:
+        if s == State.WRITING or s == State.STAGED:
+            self._wanted_while_writing(rec)  # (a copy that landed meanwhile may make it ON_DISK)
+        if rec.state == State.ON_DISK:
             if self._budget is not None and not self._budget.make_room(rec.nbytes):  # budget: wait for writes
                 self._budget.overrun(rec.nbytes, self._step.number, f"reading back a {rec.describe()}")
-            self._start_read(rec)
-        elif s == State.WRITING:
-            self._wanted_while_writing(rec)
+            self._reads.start(rec)
         if rec.state == State.READING:
-            self._wait_record(rec)
+            self._reads.wait(rec)
         if rec.state == State.BROKEN:
             raise RuntimeError(rec.error)
         out = rec.hold()  # backward gets the detached alias (record.py)
@@ -431,47 +455,22 @@ class Transfers:
 
     # -- waits ------------------------------------------------------------------------------
 
-    def _wait_record(self, rec: TensorRecord, count: bool = True) -> None:
-        if rec.state not in IN_FLIGHT:
-            return
-        t0 = time.perf_counter()
-        t0_ns = self.timeline.now() if self.timeline is not None else 0
-        deadline = t0 + self._config.io_timeout_s
-        what = rec.state_name
-        while rec.state in IN_FLIGHT:
-            if not self._next_event(deadline):
-                raise IOTimeout(f"waited {self._config.io_timeout_s:g}s for the "
-                                f"{rec.state_name} of a {rec.describe()} (record {rec.id})")
-        if count:
-            self._count_wait(rec, time.perf_counter() - t0)
-            if self.timeline is not None:
-                self.timeline.wait("read", t0_ns, record=rec.id, bytes=rec.nbytes, layer=str(rec.layer),
-                                   was=what)
-
     def wait_writes(self) -> None:
         """Block until every write handed to the engine has completed (or failed)."""
-        deadline = time.perf_counter() + self._config.io_timeout_s
-        while self._inflight_bytes:
-            if not self._next_event(deadline):
-                raise IOTimeout(f"waited {self._config.io_timeout_s:g}s for {self._inflight_bytes} "
-                                "bytes of pending writes")
+        self._progress.wait(lambda: not self._writes, lambda: f"{self._write_bytes} bytes of pending writes")
 
     def wait_all(self) -> None:
         """Wait for every pending write and read (releases deferred to their completion run);
         the time it blocks is the step's ``step_end_wait_s``."""
         t0 = time.perf_counter()
-        t0_ns = self.timeline.now() if self.timeline is not None else 0
+        tl = self.timeline
+        t0_ns = tl.now() if tl is not None else 0
         self.wait_writes()
         for rec in self._table.records():
-            self._wait_record(rec, count=False)
+            self._reads.wait(rec, count=False)
         self._step.counters.step_end_wait_s += time.perf_counter() - t0
-        if self.timeline is not None:
-            self.timeline.wait("step-end", t0_ns)
-
-    def _count_wait(self, rec: TensorRecord, seconds: float) -> None:
-        c = self._step.counters
-        c.io_wait_s += seconds
-        c.layer(rec.layer, rec.decision).io_wait_s += seconds
+        if tl is not None:
+            tl.wait("step-end", t0_ns)
 
     # -- the budget's operations --------------------------------------------------------------
 
@@ -488,12 +487,13 @@ class Transfers:
         return self._step.counters.resident_bytes - self._inflight_bytes - deferred
 
     def _wait_for_room(self) -> bool:
-        t0_ns = self.timeline.now() if self.timeline is not None else 0
-        if not self._next_event(time.perf_counter() + self._config.io_timeout_s):
+        tl = self.timeline
+        t0_ns = tl.now() if tl is not None else 0
+        if not self._progress.next_event(time.perf_counter() + self._config.io_timeout_s):
             raise IOTimeout(f"waited {self._config.io_timeout_s:g}s for {self._inflight_bytes} bytes "
                             "of writes to finish to stay within activation_budget_bytes")
-        if self.timeline is not None:
-            self.timeline.wait("budget", t0_ns)
+        if tl is not None:
+            tl.wait("budget", t0_ns)
         return True
 
     # -- release ----------------------------------------------------------------------------
@@ -506,11 +506,13 @@ class Transfers:
         if s in IN_FLIGHT and not force:
             # IO in flight on its extent and memory: free both when it completes, unless it
             # is a write no IO thread has started, which is taken back now.
-            if s == State.WRITING_WANTED:  # forwarded: READY when its write ends, then released
+            if s == State.WRITING_WANTED or s == State.STAGED_WANTED:  # READY when its write ends, then released
                 return
             if s in WRITES:
-                if s != State.WRITE_DROPPED:
+                if s == State.WRITING:
                     move(rec, State.WRITE_DROPPED, c)
+                elif s == State.STAGED:
+                    move(rec, State.STAGED_DROPPED, c)
                 if not self._engine.cancel(rec.id):
                     return
                 self._written(rec)  # never started: its staging is free
@@ -518,12 +520,24 @@ class Transfers:
                 if s != State.READ_DROPPED:
                     move(rec, State.READ_DROPPED, c)
                 return
-        move(rec, State.RELEASED, c)
+        elif s in WRITES:  # forced (close) with a write still in flight: it no longer counts
+            if rec.inflight:
+                self._inflight_bytes -= rec.nbytes
+                rec.inflight = False
+            self._writes -= 1
+            self._write_bytes -= rec.nbytes
+        self._drop(rec)
+
+    def _drop(self, rec: TensorRecord) -> None:
+        """The record leaves: RELEASED, its extent freed, its memory and events let go."""
+        move(rec, State.RELEASED, self._step.counters)
         if self._engine is not None:
             self._engine.release(rec.id)  # frees its extent at once (no-op if never written)
         if self._tracer is not None:
             self._tracer.forget(rec.id)
         rec.tensor = None
+        if self._copy is not None:
+            self._copy.forget(rec.transfer)
         rec.transfer = None
         self._table.remove(rec)
 
@@ -533,6 +547,7 @@ class Transfers:
         leftovers = self._table.records()
         for r in leftovers:
             self.release(r, force=True)
+        self._progress.pool_reads.clear()  # every key is released: the engine counted their reads
         return len(leftovers)
 
     def close(self) -> None:
@@ -546,4 +561,3 @@ class Transfers:
         finally:
             self.release_all()
             self._restore_pool.close()
-

@@ -135,11 +135,23 @@ class IOEngine(abc.ABC):
     def pool_view(self, key: int, nbytes: int) -> Optional[torch.Tensor]:
         """Host memory of the engine's own (page-locked) where the bytes of ``key`` are to be
         stored, allocated now, or None (the default: the engine has none). With a view, the
-        offloader copies the device tensor straight into it and then calls
-        ``write(key, view, copy_event)``; a later ``read(key, view)`` finds the bytes in place
-        and the offloader copies them to the device itself. Raises what ``write`` raises for
-        a tensor it cannot take (PoolFull)."""
+        offloader copies the device tensor straight into it and then, once that copy has run,
+        calls ``commit(key)`` (or ``write(key, view, copy_event)``, whose IO thread waits for
+        the copy); later it copies the bytes back out of ``pool_view_of(key)`` itself
+        (``pool_read``), or ``read(key, view)`` finds them in place. Raises what ``write``
+        raises for a tensor it cannot take (PoolFull)."""
         return None
+
+    def commit(self, key: int) -> None:
+        """The device copy into ``key``'s ``pool_view`` memory has run (the offloader saw its
+        event complete): the bytes are stored, with no request and no IO thread (the write
+        completes here). Only for keys with a ``pool_view``; the default engine has none."""
+        raise EngineError(f"{self.name} engine: commit of key {key}, but it hands out no pool memory")
+
+    def pool_read(self, key: int, started: bool) -> None:
+        """The offloader copies ``key``'s bytes out of its ``pool_view_of`` memory itself
+        (``started``) or that copy has run (not ``started``): the engine counts the read in
+        its meters and trace. Default: nothing (no engine memory is handed out)."""
 
     def pool_view_of(self, key: int) -> Optional[torch.Tensor]:
         """The engine's own (page-locked) memory that holds the stored bytes of ``key``, for

@@ -16,7 +16,9 @@ Why these choices:
   flight; the 'tiered' engine catches it and sends the tensor to SSD instead.
 - On a GPU the pool is the staging: ``pool_view`` allocates a key's extent up front and the
   offloader copies device -> extent (and back) on its own streams, one copy each way instead
-  of device -> pinned staging -> pool. The engine then only waits for the copy's event.
+  of device -> pinned staging -> pool. No worker takes part: the offloader sees the copy's
+  event complete and says so (``commit``), and it copies the bytes back out itself
+  (``pool_view_of``, counted with ``pool_read``); the meters and the trace count both.
   ``fence`` names the event of the last copy into or out of an extent: a released extent is
   handed out again only once that event completed (``query``, never a wait), like a staging
   block (cache/device_copy.py).
@@ -29,7 +31,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -83,7 +85,8 @@ class MemoryEngine(IOEngine):
         self._alloc = ExtentAllocator(POOL_ALIGN)
         self._lock = threading.Lock()
         self._extents: Dict[int, Tuple[int, int]] = {}  # key -> (offset, nbytes)
-        self._in_place: Set[int] = set()  # keys whose extent pool_view handed out, not yet written
+        self._in_place: Dict[int, float] = {}  # keys whose extent pool_view handed out, not yet written: since when
+        self._reading: Dict[int, float] = {}  # keys the offloader copies out of the pool itself: since when
         self._fences: Dict[int, Any] = {}  # key -> event of the last device copy into/out of it
         self._fenced: List[Tuple[Tuple[int, int], Any]] = []  # released extents, until the event
         # Own threads, started now and fed through a SimpleQueue: a ThreadPoolExecutor would
@@ -130,15 +133,51 @@ class MemoryEngine(IOEngine):
                 raise EngineError(f"key {key} written twice")
             offset = self._allocate(nbytes)
             self._extents[key] = (offset, nbytes)
-            self._in_place.add(key)
+            self._in_place[key] = time.perf_counter()
+        self.write_meter.begin()  # the copy into it starts now; commit() or the write ends it
         return self._pool[offset:offset + nbytes]
+
+    def commit(self, key: int) -> None:
+        """The offloader's copy into ``key``'s ``pool_view`` ran: the bytes are stored."""
+        with self._lock:
+            t_view = self._in_place.pop(key, None)
+            where = self._extents.get(key)
+        if t_view is None or where is None:
+            raise EngineError(f"commit of key {key}, which has no pool_view waiting for its bytes")
+        self._counted("write", key, where, self.write_meter, t_view)
+
+    def pool_read(self, key: int, started: bool) -> None:
+        with self._lock:
+            where = self._extents.get(key)
+            t0 = self._reading.pop(key, None) if not started else None
+            if started:
+                self._reading[key] = time.perf_counter()
+        if started:
+            self.read_meter.begin()
+        elif t0 is not None and where is not None:
+            self._counted("read", key, where, self.read_meter, t0)
+
+    def _counted(self, op: str, key: int, where: Tuple[int, int], meter: BusyMeter, t0: float) -> None:
+        """A copy the offloader made into or out of the pool, done: the meter (begun when it
+        started) and the trace count it."""
+        offset, nbytes = where
+        meter.end(nbytes)
+        tracer = self.tracer
+        if tracer is not None:
+            tracer(op, key, TRACE_PATH, offset, nbytes, t0, time.perf_counter(), 1)
 
     def pool_view_of(self, key: int) -> Optional[torch.Tensor]:
         with self._lock:
             where = self._extents.get(key)
         if where is None or key in self._in_place:
-            return None
+            return None  # not stored yet
         return self._pool[where[0]:where[0] + where[1]]
+
+    def stored_bytes(self, key: int) -> int:
+        """The bytes stored under ``key`` (0: none)."""
+        with self._lock:
+            where = self._extents.get(key)
+        return where[1] if where is not None else 0
 
     def fence(self, key: int, event: Any) -> None:
         with self._lock:
@@ -151,7 +190,7 @@ class MemoryEngine(IOEngine):
         with self._lock:
             in_place = key in self._in_place  # already copied into its extent (pool_view)
             if in_place:
-                self._in_place.discard(key)
+                del self._in_place[key]
                 offset, nbytes = self._extents[key]
             elif key in self._extents:
                 raise EngineError(f"key {key} written twice")
@@ -161,7 +200,7 @@ class MemoryEngine(IOEngine):
         if in_place:
             if data.data_ptr() != self._pool.data_ptr() + offset or data.nbytes != nbytes:
                 raise EngineError(f"key {key}: written from other memory than its pool_view")
-            return self._start("write", key, offset, nbytes, self.write_meter, _wait, ready_event)
+            return self._start("write", key, offset, nbytes, self.write_meter, _wait, ready_event, begun=True)
         return self._start("write", key, offset, nbytes, self.write_meter,
                            self._copy_in, data, offset, nbytes, ready_event)
 
@@ -206,12 +245,15 @@ class MemoryEngine(IOEngine):
         return self._start("read", key, offset, nbytes, self.read_meter,
                            self._wait_then_copy_out, out, offset, nbytes, ready_event)
 
-    def _start(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, fn, *args
-               ) -> Optional[Future]:
+    def _start(self, op: str, key: int, offset: int, nbytes: int, meter: BusyMeter, fn, *args,
+               begun: bool = False) -> Optional[Future]:
+        """Queue a request for the workers; its meter starts now (``begun``: it started at
+        ``pool_view``)."""
         with self._lock:
             self._queued += 1
             depth = self._queued
-        meter.begin()
+        if not begun:
+            meter.begin()
         sink = self.completions
         fut: Optional[Future] = Future() if sink is None else None
         self._requests.put((fut, sink, op, key, offset, nbytes, meter, depth, time.perf_counter(), fn, args))
@@ -257,12 +299,17 @@ class MemoryEngine(IOEngine):
         with self._lock:
             where = self._extents.pop(key, None)
             fence = self._fences.pop(key, None)
-            self._in_place.discard(key)
+            never_stored = self._in_place.pop(key, None) is not None
+            reading = self._reading.pop(key, None) is not None
             if where is not None:
                 if fence is None or fence.query():
                     self._alloc.free(*where)
                 else:  # a device copy into or out of it may still run: free it after
                     self._fenced.append((where, fence))
+        if never_stored:  # its pool_view's copy never reported: the meter it began ends
+            self.write_meter.end(0)
+        if reading:  # a copy out the offloader did not see finish: counted as done now
+            self.read_meter.end(where[1] if where is not None else 0)
 
     def end_step(self) -> None:
         with self._lock:

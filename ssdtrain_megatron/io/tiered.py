@@ -141,7 +141,29 @@ class TieredEngine(IOEngine):
             return None
         with self._lock:
             self._reserved.add(key)
+        self._begin(key, self.write_meter, nbytes)  # the copy into it starts now (as the tier's)
         return view
+
+    def commit(self, key: int) -> None:
+        """The offloader's copy into the memory tier's ``pool_view`` ran: stored there."""
+        with self._lock:
+            if key not in self._reserved:
+                raise EngineError(f"commit of key {key}, which has no memory-tier pool_view")
+            self._reserved.discard(key)
+            self._placed.pop(key, None)
+            self._tier[key] = self.memory
+        self.memory.commit(key)
+        self._end(key)
+
+    def pool_read(self, key: int, started: bool) -> None:
+        with self._lock:
+            if self._tier.get(key) is not self.memory:
+                return
+        self.memory.pool_read(key, started)
+        if started:
+            self._begin(key, self.read_meter, self.memory.stored_bytes(key))
+        else:
+            self._end(key)
 
     def pool_view_of(self, key: int) -> Optional[torch.Tensor]:
         with self._lock:
@@ -160,8 +182,8 @@ class TieredEngine(IOEngine):
             placed = self._placed.pop(key, None)
         nbytes = data.nbytes
         queued = self._completions is not None
-        if queued:  # before the request exists: it may complete before write() returns
-            self._begin(key, self.write_meter, nbytes)
+        if queued and not reserved:  # before the request exists: it may complete before write() returns
+            self._begin(key, self.write_meter, nbytes)  # (a pool_view began it already)
         # Placed on 'ssd': straight there (a pool_view reservation means the host tier already
         # holds the bytes, whatever the hint said). Else host memory, and SSD when it is full.
         tier: IOEngine = self.ssd if placed == "ssd" and not reserved else self.memory
@@ -177,7 +199,7 @@ class TieredEngine(IOEngine):
                     self.tensors_spilled += 1
                     self.host_spilled += placed == "host"
         except BaseException:
-            if queued:
+            if queued and not reserved:
                 self._end(key)
             if reserved:  # its pool_view extent is still the memory tier's: release() frees it
                 with self._lock:
@@ -202,8 +224,9 @@ class TieredEngine(IOEngine):
 
     def _end(self, key: int) -> None:
         with self._lock:
-            meter, nbytes = self._pending.pop(key)
-        meter.end(nbytes)
+            pending = self._pending.pop(key, None)
+        if pending is not None:  # None: released meanwhile (close() after a hung request)
+            pending[0].end(pending[1])
 
     @staticmethod
     def _metered(fut: Future, meter: BusyMeter, nbytes: int) -> Future:
@@ -261,6 +284,9 @@ class TieredEngine(IOEngine):
             if key in self._reserved:  # a pool_view that was never written
                 self._reserved.discard(key)
                 tier = self.memory
+            pending = self._pending.pop(key, None)  # its meter's operation never reported
+        if pending is not None:
+            pending[0].end(0)
         if tier is not None:
             tier.release(key)
 

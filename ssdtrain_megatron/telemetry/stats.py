@@ -115,6 +115,12 @@ class StepStats:
     writes_taken_back: int = 0
     """Writes cancelled before any IO thread started them, because backward wanted the tensor
     first: forwarded from memory with nothing written (counted in tensors_forwarded too)."""
+    tensors_from_staging: int = 0
+    """GPU, drive engines: tensors backward wanted while their drive write was under way, copied
+    back to the device from the write's pinned host staging (no read from the drive; counted
+    in tensors_forwarded too)."""
+    bytes_from_staging: int = 0
+    """The bytes of tensors_from_staging (not in bytes_read, which counts the engine's reads)."""
     offload_submit_s: float = 0.0
     """Training-thread seconds spent handing writes to the engine (the planner's CPU cost of
     offloading); measured only under a budget or the adaptive policy, else 0."""
@@ -142,7 +148,7 @@ class StepStats:
     passed_through_by_reason: Dict[str, int] = field(default_factory=dict)
     """tensors_passed_through by reason (PASS_REASONS; reasons with no tensor are left out)."""
     read_retries: int = 0
-    """Failed reads started again (at most READ_RETRIES per tensor, cache/transfers.py); a
+    """Failed reads started again (at most READ_RETRIES per tensor, cache/reads.py); a
     read whose retries all failed stops the step with an error naming layer and file."""
     step_end_wait_s: float = 0.0
     """Time end_step() blocked on IO still in flight (writes of tensors forwarded from memory,
@@ -227,6 +233,7 @@ _EFFECTS: Dict[str, Tuple[Optional[str], Optional[str], Optional[str]]] = {
     "released_unread": (None, None, "released unread"),
     "written_modified": (None, None, "modified in place"),
     "read": (None, "bytes_read", None),
+    "from_staging": ("tensors_from_staging", "bytes_from_staging", None),
     "kept": ("tensors_kept", None, None),
     "fallback": ("fallbacks", None, None),
     "read_retried": ("read_retries", None, None),
@@ -246,6 +253,8 @@ class StepCounters:
     tensors_forwarded: int = 0
     writes_taken_back: int = 0
     bytes_wasted_held: int = 0
+    tensors_from_staging: int = 0
+    bytes_from_staging: int = 0
     io_wait_s: float = 0.0
     step_end_wait_s: float = 0.0
     resident_bytes: int = 0
@@ -333,6 +342,7 @@ class StepCounters:
             bytes_wasted=max(0, self.bytes_offloaded - self.bytes_read),
             tensors_held_by_schedule=by_reason.get("held_by_schedule", 0),
             writes_taken_back=self.writes_taken_back, bytes_wasted_held=self.bytes_wasted_held,
+            tensors_from_staging=self.tensors_from_staging, bytes_from_staging=self.bytes_from_staging,
             io_wait_s=self.io_wait_s, step_end_wait_s=self.step_end_wait_s,
             peak_resident_bytes=self.peak_resident_bytes, write_gbps=_gbps(*write), read_gbps=_gbps(*read),
             bytes_on_disk=bytes_on_disk, fallbacks=self.fallbacks, step_time_s=step_time_s, layers=rows,

@@ -79,6 +79,12 @@ class ForwardingEngine(IOEngine):
     def pool_view_of(self, key):
         return self.inner.pool_view_of(key)
 
+    def commit(self, key):
+        self.inner.commit(key)
+
+    def pool_read(self, key, started):
+        self.inner.pool_read(key, started)
+
     def fence(self, key, event):
         self.inner.fence(key, event)
 
