@@ -97,11 +97,9 @@ def timer_overhead_ns(n: int = 2001) -> float:
     return _median(out)
 
 
-def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int,
-                  streams=None) -> Tuple[float, Optional[float], int]:
+def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int) -> Tuple[float, Optional[float], int]:
     """(median pack µs, median unpack µs or None for pass-through, bytes read back) per saved
-    tensor under ``policy``, thread CPU time of the calling thread. ``streams``: the GPU data
-    path's StreamOps (``NullStreams`` for --gpu-path), else the CPU path.
+    tensor under ``policy``, thread CPU time of the calling thread.
 
     The hooks are called directly on ``n`` distinct activations made beforehand, so only the
     hooks are timed. For ``offload``, pack includes handing the tensor to the engine, not the
@@ -120,7 +118,7 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int,
     pack_ns: List[int] = []
     unpack_ns: List[int] = []
     clock = time.thread_time_ns
-    with ActivationOffloader(c, streams=streams) as off:
+    with ActivationOffloader(c) as off:
         pack, unpack = off.hooks.pack, off.hooks.unpack  # bound once, as saved_tensors_hooks holds them
         with off.microbatch(0):
             handles = [pack(tensors[0])]  # warm up the engine threads
@@ -131,8 +129,6 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int,
                 handles.append(h)
         off.wait_writes()
         del tensors, t, h
-        if hasattr(streams, "mark_way_back"):
-            streams.mark_way_back()
         if policy != "pass-through":
             for i in range(len(handles) - 1, 0, -1):
                 h = handles[i]
@@ -144,55 +140,6 @@ def hook_costs_us(cfg: OffloadConfig, policy: str, n: int, nbytes: int,
         del handles
         stats = off.end_step()
     return (_median(pack_ns) / 1e3, _median(unpack_ns) / 1e3 if unpack_ns else None, stats.bytes_read)
-
-
-def gpu_path_costs(cfg: OffloadConfig, n: int, nbytes: int, rounds: int) -> dict:
-    """The GPU data path's own cost per offloaded tensor, per engine: pack and unpack µs (the
-    median over ``rounds`` runs of :func:`hook_costs_us` with no-op streams) and the stream,
-    event and copy calls each record made on the way out and back (``NullStreams.calls``)."""
-    from ..cache.stream_ops import NullStreams
-
-    out: Dict[str, dict] = {"gpu_path_pack_us": {}, "gpu_path_unpack_us": {}, "stream_calls_per_record": {}}
-    for engine in ("memory", "posix"):
-        c = cfg.replace(engine=engine, host_memory_bytes=2 * n * nbytes + (64 << 20),
-                        max_inflight_bytes=2 * n * nbytes)
-        packs, unpacks, calls = [], [], []
-        for _ in range(rounds):
-            ops = CallSplit(NullStreams())
-            p_us, u_us, read = hook_costs_us(c, "offload", n, nbytes, streams=ops)
-            if read < (n - 1) * nbytes:
-                raise RuntimeError(f"core-bench --gpu-path ({engine}): {read} bytes came back, expected "
-                                   f"{(n - 1) * nbytes}: the unpack figure would not include reads")
-            packs.append(p_us)
-            unpacks.append(u_us)
-            calls.append(ops.per_record(n))
-        out["gpu_path_pack_us"][engine] = statistics.median(packs)
-        out["gpu_path_unpack_us"][engine] = statistics.median(unpacks)
-        out["stream_calls_per_record"][engine] = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
-        print(f"gpu path ({engine}): pack {out['gpu_path_pack_us'][engine]:.1f} µs/tensor, unpack "
-              f"{out['gpu_path_unpack_us'][engine]:.1f} µs/tensor; stream calls per record: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in out["stream_calls_per_record"][engine].items()),
-              file=sys.stderr)
-    return out
-
-
-class CallSplit:
-    """A NullStreams whose calls are split into those made before the first unpack (the way
-    out: pack, hand-over, completion) and after (the way back: prefetch, read, consume)."""
-
-    def __init__(self, ops) -> None:
-        self.ops = ops
-        self._out: Optional[int] = None
-
-    def __getattr__(self, name: str):
-        return getattr(self.ops, name)
-
-    def mark_way_back(self) -> None:
-        self._out = self.ops.calls
-
-    def per_record(self, n: int) -> Dict[str, float]:
-        out = self._out if self._out is not None else self.ops.calls
-        return {"out": out / n, "back": (self.ops.calls - out) / n}
 
 
 def _round_gaps(runs: Dict[str, List[Tuple[float, Optional[float]]]], which: int) -> List[float]:
@@ -305,6 +252,8 @@ def run_core_bench(args: argparse.Namespace) -> int:
     if args.sweep:
         result["sweep"] = sweep(cfg, args.sweep, nbytes)
     if args.gpu_path:
+        from .gpu_path import gpu_path_costs
+
         result.update(gpu_path_costs(cfg, args.tensors, nbytes, args.rounds))
     if args.json:
         print(json.dumps(result))
