@@ -59,9 +59,9 @@ class Drive:
 def _scene(tmp_path, **kw):
     rec = Recorder()
     drive = Drive()
-    config = OffloadConfig(dirs=[str(tmp_path)], engine="posix", min_tensor_bytes=0, keep_last_layers=0,
-                           prefetch_layers=1, chunk_bytes=NBYTES, io_threads=1,
-                           **dict(dict(max_inflight_bytes=1 << 20, pinned_staging_bytes=1 << 20), **kw))
+    settings = dict(min_tensor_bytes=0, keep_last_layers=0, prefetch_layers=1, chunk_bytes=NBYTES, io_threads=1,
+                    max_inflight_bytes=1 << 20, pinned_staging_bytes=1 << 20)
+    config = OffloadConfig(dirs=[str(tmp_path)], engine="posix", **dict(settings, **kw))
     engine = Logged(FaultyEngine(make_engine(config), drive), rec, pooled=False)
     off = ActivationOffloader(config, device=torch.device("cpu"), engine=engine, streams=rec)
     return rec, drive, off
@@ -244,3 +244,41 @@ def test_the_memory_engine_needs_no_io_thread_either_way(tmp_path, engine):
     assert stats.bytes_offloaded == stats.bytes_read == 3 * NBYTES
     assert stats.write_gbps > 0 and stats.read_gbps > 0
     assert [_is(v, s) for v, s in zip((2.0, 1.0, 0.0), seen)] == [True] * 3
+
+
+def test_writes_backward_wanted_before_their_copy_landed_are_not_started_in_the_next_step(tmp_path):
+    """A GPU far behind the host (the offload stream's events never answer done: nothing lands
+    before backward) and the drive held through backward: in the first step backward wants
+    the later layers' records before their copies landed (each counted in its layer's
+    ``late_writes``); from the next step the offloader defers those layers' writes like the
+    last layer's, so they are kept for the backward that follows at once instead of copied
+    out for nothing. Broken variant: ``Decisions.learn`` not growing ``late_tail`` leaves
+    the second step writing the same layers ("written again")."""
+    rec, drive, off = _scene(tmp_path, keep_last_layers=1)
+    rec.unobserved.add(off.copy.offload_stream.name)
+    try:
+        kept = []
+        for step in range(2):
+            drive.holding = True
+            drive.gate.clear()
+            x = torch.randn(64, 3 * 128, generator=torch.Generator().manual_seed(step)).requires_grad_()
+            with off.microbatch(0):
+                h = x
+                for i in range(4):
+                    with off.layer(i):
+                        h = Saves.apply(h, rec, [])
+                loss = h.sum()
+            loss.backward()
+            drive.holding = False
+            drive.gate.set()
+            stats = off.end_step()
+            late = {r.layer: r.late_writes for r in stats.layers}
+            kept.append(stats.tensors_kept)
+            if step == 0:
+                assert late["2"] > 0, late
+                first_tail = off._decisions.late_tail
+        assert first_tail >= 2 and kept[1] > kept[0], f"written again: kept {kept}, tail {first_tail}"
+        assert not any(r.late_writes for r in stats.layers)
+    finally:
+        drive.gate.set()
+        off.close()

@@ -74,6 +74,11 @@ class Decisions:
         self._layers: List[Hashable] = []  # the layers in forward order, from the last step
         self._after: Dict[tuple, Optional[int]] = {}  # (micro-batch, layer) -> room_after, this step
         self._outside = 0  # bytes one micro-batch saves outside layers, from the last step
+        self.late_tail = 0
+        """Layers at the forward's end whose writes are deferred like ``keep_last_layers``'
+        (kept when the micro-batch's backward follows at once) because backward wanted their
+        records before the device->host copies had landed in an earlier step: writes that cannot
+        complete in time are not started (:meth:`learn`). Only grows."""
         # Without a budget, a planner or a placement a record's decision is its layer's: one
         # dict lookup.
         self._plain = budget is None and planner is None and placement is None
@@ -175,6 +180,10 @@ class Decisions:
         self._layers = list(order)
         self._order = {k: i for i, k in enumerate(order)}
         self._after.clear()
+        wanted_early = {r.layer for r in stats.layers if r.late_writes}
+        late = [i for k, i in self._order.items() if str(k) in wanted_early]
+        if late:  # from the first layer wanted before its copy landed to the end
+            self.late_tail = max(self.late_tail, len(order) - min(late))
         if self._budget is not None:  # bytes saved outside layers (end_step learned them)
             named = {str(k) for k in order}
             self._outside = sum(v for k, v in self._budget.layer_bytes.items() if k not in named)

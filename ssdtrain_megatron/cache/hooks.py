@@ -156,7 +156,7 @@ class SavedTensorHooks:
         mb = self._current
         if mb is not None and forward:
             idx = mb.enter_layer(key)
-            keep = self._keep_last_layers
+            keep = max(self._keep_last_layers, self._decisions.late_tail)
             if not self._capturing():  # a capture: no copy or IO enters it (the offloader's microbatch())
                 self._transfers.submit_all(mb.take_deferred_before(idx - keep + 1) if keep else mb.take_all_deferred())
         tl = self.timeline
@@ -239,7 +239,8 @@ class SavedTensorHooks:
         c.saved(layer, decision, rec.nbytes)
         if decision == "keep":
             self._transfers.keep(rec)
-        elif mb is not None and mb.layer_keys and (self._keep_last_layers or layer is None):
+        elif mb is not None and mb.layer_keys and (self._keep_last_layers or self._decisions.late_tail
+                                                   or layer is None):
             # Written once later layers prove it is not among the last, or another micro-batch's
             # forward comes first; kept if its backward does. Also with keep_last_layers 0 for
             # what is saved outside a layer after one (the head and the loss after the last

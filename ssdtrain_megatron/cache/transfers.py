@@ -407,10 +407,13 @@ class Transfers:
         know of, or the last micro-batch's layers whose writes trail its forward); one under
         way completes, and its bytes are counted in StepStats.bytes_wasted. A STAGED record
         (its device memory let go) is copied back from its staging block."""
-        if rec.state == State.WRITING and rec.transfer is not None and self._copy.landed(rec.transfer):
-            self._landed(rec)  # its copy ran meanwhile: STAGED (or, memory engine, written)
-            if rec.state not in WRITES:
-                return
+        if rec.state == State.WRITING and rec.transfer is not None:
+            if self._copy.landed(rec.transfer):
+                self._landed(rec)  # its copy ran meanwhile: STAGED (or, memory engine, written)
+                if rec.state not in WRITES:
+                    return
+            elif not self._copy.direct:  # wanted before its copy landed: the layer learns (decisions.py)
+                self._step.counters.layer(rec.layer, rec.decision).late_writes += 1
         c = self._step.counters
         if rec.state == State.STAGED:
             self._copy.restore(rec, source=rec.transfer.block.tensor)

@@ -41,6 +41,11 @@ class LayerStats:
     checkpoint), all micro-batches together; 0 where the layer was not recomputed."""
     recomputes: int = 0
     """How many recompute passes ``recompute_s`` sums (one per micro-batch recomputed)."""
+    late_writes: int = 0
+    """GPU: the layer's records backward wanted before their device->host copy had landed:
+    their copies were spent on bytes backward took from device memory (the offloader then
+    defers this layer's writes when its backward follows the forward: cache/decisions.py
+    ``late_tail``)."""
 
     @property
     def recompute_pass_s(self) -> Optional[float]:
@@ -216,6 +221,7 @@ class _LayerAcc:
     forward_s: float = 0.0
     recompute_s: float = 0.0
     recomputes: int = 0
+    late_writes: int = 0
 
     def recomputed(self, seconds: float) -> None:
         self.recompute_s += seconds
@@ -331,7 +337,7 @@ class StepCounters:
         rows = tuple(LayerStats(layer=str(k), bytes=a.bytes, bytes_offloaded=a.bytes_offloaded,
                                 tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s,
                                 forward_s=a.forward_s, recompute_s=a.recompute_s,
-                                recomputes=a.recomputes)
+                                recomputes=a.recomputes, late_writes=a.late_writes)
                      for k, a in sorted(self.layers.items(), key=lambda kv: _sort_key(kv[0])))
         by_reason = self.passed_by_reason()
         return StepStats(
