@@ -98,8 +98,15 @@ class OffloadConfig:
     memory, written for nothing (StepStats.bytes_wasted_by_origin)."""
 
     prefetch_layers: int = knob(2, check=int_at_least(1), help=(
-        "During backward, how many layers ahead of the one being differentiated are read back"))
-    """During backward, how many layers ahead of the one being differentiated are read back."""
+        "During backward, how many layers ahead of the one being differentiated are read back "
+        "at first, and at least; after a step the window follows the measured read bandwidth and "
+        "compute (enough that reads arrive before backward needs them), within max_inflight_bytes "
+        "and the budget"))
+    """During backward, how many layers ahead of the one being differentiated are read back at
+    first, and at least: once a step has measured its reads, the window is as wide as the reads
+    need to arrive before backward reaches them (the link's time for a layer's bytes over a
+    layer's backward compute, plus one; plan/readahead.py), within the read-ahead byte cap
+    (``max_inflight_bytes``) and the activation budget."""
 
     max_inflight_bytes: int = knob(1 << 30, check=int_at_least(1), unit="bytes", help=(
         "Cap on bytes being written at once; pack waits (and counts the wait) beyond it, so "

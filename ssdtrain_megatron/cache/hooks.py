@@ -315,12 +315,14 @@ class SavedTensorHooks:
         mb = None if rec.shared else self._table.find_microbatch(rec.microbatch)
         if mb is not None and not mb.in_backward:
             self.enter_backward(mb)
+        entering = mb is not None and (mb.backward_layer is None or rec.last_pos < mb.backward_layer)
+        if entering:  # backward reaches this layer: the layer before it is done (its time)
+            self._step.counters.backward_entered(mb.key, rec.layer, time.perf_counter())
         out = self._transfers.materialize(rec)
         if mb is not None:
             mb.consumed(rec)
-            idx = rec.last_pos
-            if mb.backward_layer is None or idx < mb.backward_layer:
-                mb.backward_layer = idx
+            if entering:
+                mb.backward_layer = rec.last_pos
                 if self.timeline is not None:
                     self.timeline.compute_mark(f"backward layer {rec.layer}", "layer", mb=str(mb.key))
             self._transfers.prefetch(mb)

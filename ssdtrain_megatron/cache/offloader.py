@@ -357,6 +357,7 @@ class ActivationOffloader:
         stats = dataclasses.replace(stats, not_offloaded_why=why) if why else stats
         order = max((mb.layer_keys for mb in self._table.microbatches()), key=len, default=[])
         self._decisions.learn(stats, order, n)
+        self._transfers.learn(stats, n)
         if counters.timeline is not None:
             self.last_memory_timeline = [(t - self._step_first, b) for t, b in counters.timeline]
         self._step.next(timeline=[] if self.record_memory_timeline else None)

@@ -1,6 +1,10 @@
 """Bringing records back for backward: the read-ahead window, starting reads, their completion
 and retries, and the wait for one.
 
+Read-ahead goes by time: far enough that the reads in flight arrive before backward gets to
+them, from the last step's measured read bandwidth and compute (plan/readahead.py), bounded by
+the read-ahead byte cap (``max_inflight_bytes``) and the budget.
+
 A record on disk comes back one of three ways: forwarded (someone else still holds the tensor:
 no IO), copied straight out of the memory engine's pool to the device (GPU: the reload stream
 copies at once, no IO thread takes part; the read is READY when issued, the consumer's stream
@@ -23,6 +27,7 @@ from typing import Callable, Optional
 
 from ..config import OffloadConfig
 from ..io.base import EngineError
+from ..plan.readahead import measured_window
 from .budget import give_back_readahead
 from .lifecycle import IN_FLIGHT, WRITES, State, move
 from .microbatch import MicroBatch
@@ -55,12 +60,21 @@ class Reads:
         self._staging_block = staging_block
         self._release = release
         self._events = events
+        self.window = config.prefetch_layers
+        """Layers read ahead of backward: ``prefetch_layers`` until a step measured its reads,
+        then by time (plan/readahead.py, :meth:`learn`)."""
+
+    def learn(self, stats, num_micro_batches: int) -> None:
+        """A finished step's reads and compute set the read-ahead window (plan/readahead.py)."""
+        window = measured_window(self._config.prefetch_layers, stats, num_micro_batches)
+        if window is not None:
+            self.window = window
 
     def prefetch(self, mb: MicroBatch) -> None:
         if self._engine is None:
             return
         cfg = self._config
-        candidates = mb.prefetch_candidates(cfg.prefetch_layers, cfg.max_inflight_bytes)
+        candidates = mb.prefetch_candidates(self.window, cfg.max_inflight_bytes)
         for i, rec in enumerate(candidates):
             if rec.state in WRITES:
                 self._wanted_while_writing(rec)

@@ -434,6 +434,15 @@ class Transfers:
     def prefetch(self, mb: MicroBatch) -> None:
         self._reads.prefetch(mb)
 
+    @property
+    def readahead_layers(self) -> int:
+        """Layers read ahead of backward now (by time once a step measured its reads)."""
+        return self._reads.window
+
+    def learn(self, stats, num_micro_batches: int) -> None:
+        """A finished step's figures: the read-ahead window follows its reads and compute."""
+        self._reads.learn(stats, num_micro_batches)
+
     def materialize(self, rec: TensorRecord) -> torch.Tensor:
         """The record's tensor for backward, waiting for IO if needed."""
         s = rec.state

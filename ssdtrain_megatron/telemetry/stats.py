@@ -41,6 +41,11 @@ class LayerStats:
     checkpoint), all micro-batches together; 0 where the layer was not recomputed."""
     recomputes: int = 0
     """How many recompute passes ``recompute_s`` sums (one per micro-batch recomputed)."""
+    backward_s: float = 0.0
+    """Host seconds of the layer's backward, all micro-batches together, less the IO waits in
+    it: from backward's first unpack in this layer to its first in the layer before (the
+    layer backward reaches last in a micro-batch is not timed). On a GPU this is what the
+    training thread spent launching it; cache/reads.py sizes its read-ahead by it."""
     late_writes: int = 0
     """GPU: the layer's records backward wanted before their device->host copy had landed:
     their copies were spent on bytes backward took from device memory (the offloader then
@@ -222,6 +227,7 @@ class _LayerAcc:
     recompute_s: float = 0.0
     recomputes: int = 0
     late_writes: int = 0
+    backward_s: float = 0.0
 
     def recomputed(self, seconds: float) -> None:
         self.recompute_s += seconds
@@ -276,6 +282,8 @@ class StepCounters:
     """Written bytes wasted, by (how, origin): StepStats.bytes_wasted_by_origin."""
     timeline: Optional[list] = None
     """When a list: (perf_counter time, resident bytes) at every change (plots)."""
+    backward_at: Dict[Hashable, Tuple[Hashable, float, float]] = field(default_factory=dict)
+    """Per micro-batch, the layer its backward entered last: (layer, when, io_wait_s then)."""
 
     def layer(self, key: Hashable, decision: str) -> _LayerAcc:
         acc = self.layers.get(key)
@@ -308,6 +316,17 @@ class StepCounters:
             key = (wasted, record.origin() if record is not None else f"layer {layer}")
             self.wasted[key] = self.wasted.get(key, 0) + nbytes
 
+    def backward_entered(self, micro_batch: Hashable, layer: Hashable, t: float) -> None:
+        """Backward of ``micro_batch`` reached ``layer`` at ``t`` (perf_counter): the layer it
+        was in before is done, its time less the IO waits since counted (LayerStats.backward_s)."""
+        before = self.backward_at.get(micro_batch)
+        if before is not None:
+            prev, t0, waited = before
+            acc = self.layers.get(prev)
+            if acc is not None:
+                acc.backward_s += max(0.0, t - t0 - (self.io_wait_s - waited))
+        self.backward_at[micro_batch] = (layer, t, self.io_wait_s)
+
     def pass_through(self, reason: str, layer: Hashable, detail: str = "") -> None:
         """A saved tensor left to autograd, for ``reason`` (PASS_REASONS)."""
         self.tensors_passed_through += 1
@@ -337,7 +356,7 @@ class StepCounters:
         rows = tuple(LayerStats(layer=str(k), bytes=a.bytes, bytes_offloaded=a.bytes_offloaded,
                                 tensors=a.tensors, decision=a.decision, io_wait_s=a.io_wait_s,
                                 forward_s=a.forward_s, recompute_s=a.recompute_s,
-                                recomputes=a.recomputes, late_writes=a.late_writes)
+                                recomputes=a.recomputes, late_writes=a.late_writes, backward_s=a.backward_s)
                      for k, a in sorted(self.layers.items(), key=lambda kv: _sort_key(kv[0])))
         by_reason = self.passed_by_reason()
         return StepStats(

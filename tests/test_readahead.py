@@ -1,0 +1,39 @@
+"""Read-ahead by time (plan/readahead.py, cache/reads.py): the window is as wide as the reads
+need to arrive before backward reaches them, from the last step's measured read bandwidth and
+compute; ``prefetch_layers`` is the start and the floor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from ssdtrain_megatron.plan.readahead import readahead_layers
+from tests.models import mlp, run_steps
+
+
+@pytest.mark.parametrize("layer_mb, gbps, backward_ms, start, most, expected", [
+    (100, 10.0, 20.0, 2, 8, 2),   # 10 ms per layer's read, 20 ms of compute: 1 + 1, the floor 2
+    (100, 1.0, 20.0, 2, 8, 6),    # 100 ms per read: 5 layers of compute ahead, plus one
+    (100, 1.0, 5.0, 2, 8, 8),     # IO-bound (20 ms a read, 5 of compute): bounded by the layers
+    (100, 10.0, 20.0, 4, 8, 4),   # prefetch_layers is also the least
+    (0, 10.0, 20.0, 3, 8, 3),     # nothing measured: the start
+])
+def test_the_window_covers_the_reads_time_with_backward_compute(layer_mb, gbps, backward_ms, start, most, expected):
+    assert readahead_layers(start, layer_mb * 1e6, gbps * 1e9, backward_ms / 1e3, most) == expected
+
+
+def test_a_slow_drive_widens_the_window_and_a_fast_one_keeps_the_start(tmp_path):
+    """An 8-layer MLP on a drive capped at 0.01 GB/s: reads take far longer than the layers'
+    backward, so after the first step the window covers every layer; with no cap (the page
+    cache's speed on this machine) it stays near the start. Broken variant: Reads.learn never
+    called from the offloader's end_step leaves both at prefetch_layers (2)."""
+    batches = [torch.randn(32, 256, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    windows = {}
+    for name, cap in (("slow", 0.01), ("fast", None)):
+        cfg = OffloadConfig(dirs=[str(tmp_path / name)], create_dirs=True, min_tensor_bytes=1024,
+                            keep_last_layers=0, bandwidth_cap_gbps=cap)
+        with ActivationOffloader(cfg) as off:
+            run_steps(mlp(depth=8), batches, off, steps=1, wait_writes=True)
+            windows[name] = off.transfers.readahead_layers
+    assert windows["slow"] >= 6 and windows["fast"] < windows["slow"], windows
