@@ -305,7 +305,8 @@ def test_every_numeric_field_is_a_scalar_at_megatrons_iteration_and_interval():
         ("ssd_offload/fallbacks", 0, 2), ("ssd_offload/step_time_s", 2.0, 2),
         ("ssd_offload/iteration_time_s", 0.0, 2), ("ssd_offload/bytes_wasted", 0, 2),
         ("ssd_offload/bytes_wasted_held", 0, 2), ("ssd_offload/tensors_held_by_schedule", 0, 2),
-        ("ssd_offload/writes_taken_back", 0, 2), ("ssd_offload/offload_submit_s", 0.0, 2),
+        ("ssd_offload/writes_taken_back", 0, 2), ("ssd_offload/tensors_from_staging", 0, 2),
+        ("ssd_offload/bytes_from_staging", 0, 2), ("ssd_offload/offload_submit_s", 0.0, 2),
         ("ssd_offload/budget_waits", 0, 2), ("ssd_offload/budget_wait_s", 0.0, 2),
         ("ssd_offload/budget_deferred_written", 0, 2), ("ssd_offload/budget_readahead_cuts", 0, 2),
         ("ssd_offload/budget_forced_offloads", 0, 2), ("ssd_offload/budget_recomputes", 0, 2),
@@ -328,7 +329,7 @@ def test_args_not_yet_initialised_still_use_the_writer(monkeypatch):
     gv = types.SimpleNamespace(get_tensorboard_writer=lambda: w, get_args=get_args)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
     assert telemetry.publish_step(_stats(step=6)) == 7  # the offloader's count, plus one
-    assert len(w.scalars) == 30  # every numeric StepStats field, iteration_time_s and budget_* included
+    assert len(w.scalars) == 32  # every numeric StepStats field, iteration_time_s and budget_* included
 
 
 def test_megatron_training_steps_reach_the_writer_and_the_log(monkeypatch, tmp_path, caplog):
