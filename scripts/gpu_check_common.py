@@ -16,7 +16,7 @@ import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -40,9 +40,10 @@ def activation_bytes(spec: GPTSpec, micro_batch: Optional[int] = None) -> int:
 
 
 class CudaBox:
-    """Every GPU call of the steps: streams for the offloader, the compute-stream delay, a side
-    stream, the sync debug mode, memory statistics, the pinned link's bandwidth. The CPU test
-    subclasses it with stand-ins (module docstring)."""
+    """Every GPU call of the steps: streams for the offloader and for the measure step's own
+    copies and timing events, the compute-stream delay, a side stream, the sync debug mode,
+    memory statistics, device synchronisation. The CPU test subclasses it with stand-ins
+    (module docstring)."""
 
     oom: type = torch.cuda.OutOfMemoryError
 
@@ -95,20 +96,19 @@ class CudaBox:
         """(allocated, reserved) now."""
         return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
-    def pinned_bandwidth(self, device: torch.device, nbytes: int = GiB) -> Dict[str, float]:
-        """Bytes per second of one pinned host<->device copy (what the memory engine's link allows)."""
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        out = {}
-        for name, (dst, src) in (("write", (host, dev)), ("read", (dev, host))):
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(3):
-                dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            out[name] = 3 * nbytes / (time.perf_counter() - t0)
-        return out
+    def stream_ops(self) -> Any:
+        """StreamOps for the measure step's own copies (the link's rates: gpu_check_bounds.py)."""
+        from ssdtrain_megatron.cache.stream_ops import CudaStreams
+
+        return CudaStreams()
+
+    def timing_ops(self, streams: Optional[Any]) -> Any:
+        """The StreamOps whose timing events a point's timeline records: the offloader's own
+        (``streams``, what :meth:`streams` gave it) or CUDA's."""
+        return streams if streams is not None else self.stream_ops()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
 
     def registration_works(self) -> bool:
         """Whether cudaHostRegister pins here (else pools come from torch's pinned allocator,
