@@ -124,9 +124,11 @@ class CudaBox:
 
 class GpuGPT(MiniGPT):
     """MiniGPT in bf16 with its weights initialised on the device (CPU init of billions of
-    parameters takes minutes)."""
+    parameters takes minutes), with megatron-core's local spec or SDPA core attention."""
 
-    def __init__(self, spec: GPTSpec, device: torch.device) -> None:
+    def __init__(self, spec: GPTSpec, device: torch.device, attention: str = "local") -> None:
+        """``attention``: "local" (megatron-core's local spec, unfused attention) or "sdpa"
+        (its core attention on torch's scaled_dot_product_attention: gpu_check_sdpa.py)."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -142,8 +144,16 @@ class GpuGPT(MiniGPT):
             use_cpu_initialization=False, hidden_dropout=0.0, attention_dropout=0.0,
             bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False)
+        if attention == "sdpa":
+            from gpu_check_sdpa import sdpa_layer_spec
+
+            layer_spec = sdpa_layer_spec()
+        elif attention == "local":
+            layer_spec = get_gpt_layer_local_spec()
+        else:
+            raise ValueError(f"attention={attention!r}: expected 'local' or 'sdpa'")
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            self.model = GPTModel(config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(),
+            self.model = GPTModel(config=self.config, transformer_layer_spec=layer_spec,
                                   vocab_size=spec.vocab, max_sequence_length=spec.seq,
                                   share_embeddings_and_output_weights=False, position_embedding_type="rope")
         # All of it in bf16, as Megatron's Float16Module makes it (module.bfloat16()): the local
