@@ -99,6 +99,8 @@ def _drive_bound_step(step_ms: float = 1000.0):
     s.host("pack", "hook", 450, 480, record=4, bytes=1 << 20)
     s.host("gc", "gc", 480, 490)
     s.tl.events.append(dict(s.tl.events[-2], tid="ssdtrain-io-0", ts=490_000.0, dur=10_000.0))  # an IO thread
+    # a memory engine's pool copy has its own drive row ("write host memory"): not the drive
+    s.tl.on_io("write", 9, "<host memory>", 0, 1 << 20, 0.0, 0.05, 1)
     return s.done(step_ms)
 
 

@@ -89,8 +89,8 @@ def _host_layers(events: Sequence[dict]) -> List[Tuple[str, List[Interval]]]:
 
 
 def _resource_spans(events: Sequence[dict], resource: str) -> List[Interval]:
-    if resource == "drive":
-        return union(_spans(e for e in events if e["pid"] == "drive"))
+    if resource == "drive":  # the drive's own rows (the memory engine's pool copies have theirs)
+        return union(_spans(e for e in events if e["pid"] == "drive" and e["tid"] in ("write", "read")))
     names = {"d2h": ("d2h",), "h2d": ("h2d",), "link": ("d2h", "h2d")}[resource]
     return union(_spans(e for e in events if e["pid"] == "gpu" and e["cat"] == "copy" and e["name"] in names))
 
