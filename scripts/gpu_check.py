@@ -91,19 +91,7 @@ class Suite:
 # -- the parent: plan, run the steps, report ------------------------------------------------
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="gpu-check-results", help="results directory (default: %(default)s)")
-    p.add_argument("--wheels", default=".whl", help="folder of the bundle, `make gpu-bundle` (default: %(default)s)")
-    p.add_argument("--scratch", default=None,
-                   help="directory on the drive to offload to (default: <out>/scratch)")
-    p.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY", "") not in ("", "0"),
-                   help="only print the time plan and check that it fits (also GPU_CHECK_DRY=1)")
-    p.add_argument("--only", default=None,
-                   help="comma-separated steps to run, with the steps they need (default: all; the "
-                        "targets of the others are NOT RUN, so the exit status is 1)")
-    p.add_argument("--total-s", type=_positive_int, default=TOTAL_S,
-                   help="time limit of the whole check, seconds (default: %(default)s)")
+    p = suite_parser("gpu_check", __doc__, "gpu-check-results", TOTAL_S)
     p.add_argument("--layers", type=_positive_int, default=8, help="measure: layers (default: %(default)s)")
     p.add_argument("--hidden", type=_positive_int, default=2048, help="measure: hidden size (default: %(default)s)")
     p.add_argument("--heads", type=_positive_int, default=16, help="measure: attention heads (default: %(default)s)")
@@ -112,12 +100,30 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=_positive_int, default=2,
                    help="measure: micro-batch K compared side by side; K+1 then runs in a budget keep "
                         "cannot fit (default: %(default)s)")
-    p.add_argument("--steps", type=_positive_int, default=5,
-                   help="measure: timed steps per point; a target judges a point on 5 or more (default: %(default)s)")
     args = finish_args(p, CHECK, argv)
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
     return args
+
+
+def suite_parser(prog: str, doc: str, out: str, total_s: int) -> argparse.ArgumentParser:
+    """The options every suite has (its results folder, the bundle, the scratch directory, the
+    dry run, --only, its time limit, the timed steps per point)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=out, help="results directory (default: %(default)s)")
+    p.add_argument("--wheels", default=".whl", help="folder of the bundle, `make gpu-bundle` (default: %(default)s)")
+    p.add_argument("--scratch", default=None,
+                   help="directory on the drive to offload to (default: <out>/scratch)")
+    p.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY", "") not in ("", "0"),
+                   help="only print the time plan and check that it fits (also GPU_CHECK_DRY=1)")
+    p.add_argument("--only", default=None,
+                   help="comma-separated steps to run, with the steps they need (default: all; the "
+                        "targets of the others are NOT RUN, so the exit status is 1)")
+    p.add_argument("--total-s", type=_positive_int, default=total_s,
+                   help="time limit of the whole run, seconds (default: %(default)s)")
+    p.add_argument("--steps", type=_positive_int, default=5,
+                   help="timed steps per measured point; a target judges a point on 5 or more (default: %(default)s)")
+    return p
 
 
 def finish_args(p: argparse.ArgumentParser, suite: Suite, argv: Optional[List[str]]) -> argparse.Namespace:

@@ -171,7 +171,8 @@ def points_estimate(shape: dict, points: List[dict]) -> dict:
     and the drive with the posix point's bytes. Adaptive offloads about half of its
     activations in a step (what its budget cannot hold, and the all-offload plan it tries
     once); save_on_cpu copies every activation both ways over the host link."""
-    per_point, register = {}, 0.0
+    per_point: Dict[str, dict] = {}
+    register = 0.0
     for p in points:
         mb, act = p["micro_batch"], activation_bytes(shape, p["micro_batch"])
         base = p["name"].split("@")[0]
@@ -182,15 +183,18 @@ def points_estimate(shape: dict, points: List[dict]) -> dict:
         moved = 2 * act * (0.5 if base == "adaptive" else 1.0) if link else 0
         reg = p["pinned"] / ASSUME["register_bps"]
         register += reg
-        per_point[p["name"]] = round(reg + p["steps"] * (comp + (moved / link if link else 0)), 1)
+        io = moved / link if link else 0.0
+        per_point[p["name"]] = {"steps": p["steps"], "compute_s": comp, "io_s": io, "register_s": reg,
+                                "seconds": round(reg + p["steps"] * (comp + io), 1)}
     rates = 0.0
     if any(p["engine"] == "memory" for p in points):
         link_bytes = min(LINK_BYTES, activation_bytes(shape))
         rates += 4 * link_bytes / ASSUME["register_bps"] + 12 * link_bytes / ASSUME["link_bps"]
     if any(p["engine"] == "posix" and p["name"].startswith("offload") for p in points):
         rates += 2 * activation_bytes(shape) / ASSUME["drive_bps"]
-    per_point["bounds' rates"] = round(rates, 1)
-    return {"seconds": round(ASSUME["start_s"] + sum(per_point.values()), 1), "points": per_point,
+    per_point["bounds' rates"] = {"seconds": round(rates, 1)}
+    total = ASSUME["start_s"] + sum(p["seconds"] for p in per_point.values())
+    return {"seconds": round(total, 1), "points": per_point,
             "register_s": round(register, 1), "activation_bytes_per_step": activation_bytes(shape),
             "assumptions": ASSUME}
 
@@ -265,7 +269,7 @@ def print_steps(args, steps: List[dict], say, est: Dict[str, Dict[str, float]], 
     collect = sum(est[s["step"]].get("collect", 0) for s in steps)
     say(f"  {'sum':<19} limit {total:>4}s  of {budget:g}s ({args.total_s}s less {parent_s:g}s for the parent); "
         f"estimates {sum(est[s['step']]['total'] for s in steps):.0f}s, of which registering pinned "
-        f"memory {register:.0f}s and collecting tests {collect:.0f}s")
+        f"memory {register:.0f}s" + (f" and collecting tests {collect:.0f}s" if collect else ""))
     for line in notes:
         say(f"  {line}")
     say("the plan fits" if fits else "the plan does NOT fit: shorten the steps or shrink --layers/--hidden/--seq")

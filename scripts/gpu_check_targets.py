@@ -194,10 +194,12 @@ TARGETS: List[Tuple[str, str, Callable[[dict], Verdict]]] = [
 ]
 
 
-def targets(steps: Dict[str, dict], missing: Optional[Dict[str, str]] = None) -> List[dict]:
-    """One row per target of TARGETS. ``missing``: why a step that has no result did not run."""
+def targets(steps: Dict[str, dict], missing: Optional[Dict[str, str]] = None,
+            table: Optional[List[Tuple[str, str, Callable[[dict], Verdict]]]] = None) -> List[dict]:
+    """One row per target of ``table`` (default: TARGETS). ``missing``: why a step that has no
+    result did not run."""
     rows = []
-    for name, step_name, judge in TARGETS:
+    for name, step_name, judge in TARGETS if table is None else table:
         step = steps.get(step_name)
         if step is None:
             ok, detail = None, (missing or {}).get(step_name, f"step {step_name} did not run")

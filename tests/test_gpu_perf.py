@@ -79,3 +79,333 @@ def test_the_sdpa_gpt_saves_no_seq_squared_tensor(runtime):
     assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in sdpa.params)
     with pytest.raises(ValueError, match="attention='flash': expected 'local' or 'sdpa'"):
         GpuGPT(spec, runtime.device, attention="flash")
+
+
+# -- the plan, the flags, the parent ---------------------------------------------------------
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+
+import gpu_check_measure  # noqa: E402
+import gpu_perf  # noqa: E402
+import gpu_perf_plan  # noqa: E402
+import gpu_perf_step  # noqa: E402
+import gpu_perf_targets  # noqa: E402
+
+TARGETS = [t[0] for t in gpu_perf_targets.TARGETS]
+
+
+def _make(tmp_path, dry, args=""):
+    env = dict(os.environ, GPU_CHECK_DRY="1" if dry else "0")
+    return subprocess.run(["make", "-s", "-C", ROOT, "gpu-perf", f"PYTHON={sys.executable}",
+                           f"GPU_PERF_ARGS=--out {tmp_path / 'res'} {args}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
+    """`GPU_CHECK_DRY=1 make gpu-perf`: each step's limit and estimate, each point's steps x
+    (compute + bytes moved) + registration, the limits within 180 s less the parent's share.
+    Fails when a point is added or the shapes grown past their slots."""
+    proc = _make(tmp_path, dry=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = gpu_perf.parse_args([])
+    est = gpu_perf_plan.estimates(args)
+    for name, limit, *_ in gpu_perf_plan.STEPS:
+        assert f"{name:<19} limit {limit:>4}s  estimate {est[name]['total']:>5.0f}s  (" in proc.stdout
+        assert est[name]["total"] <= limit
+    assert sum(s[1] for s in gpu_perf_plan.STEPS) + gpu_perf_plan.PARENT_S <= 180
+    for shape in gpu_perf_plan.SHAPES.values():
+        k = shape["micro_batch"]
+        for point, _ in gpu_perf_plan.STRATEGIES:
+            assert f"  {point}@{k}".ljust(24) in proc.stdout and "steps x (" in proc.stdout
+    assert "the plan fits" in proc.stdout
+    plan = json.loads((tmp_path / "res" / "plan.json").read_text())
+    assert plan["dry_run"] and plan["steps_per_point"] == 5 and set(plan["shapes"]) == {"perf-io", "perf-compute"}
+    assert sorted(os.listdir(tmp_path / "res")) == ["plan.json"]  # nothing ran
+
+
+def test_the_two_shapes_sit_on_either_side_of_the_papers_regime():
+    """A layer's compute against its bytes over the link at 500 TFLOP/s and 50 GB/s: >= 10,000
+    FLOP per saved byte is the paper's (compute-bound) regime."""
+    io, compute = (gpu_perf_plan.flop_per_saved_byte(gpu_perf_plan.SHAPES[n]) for n in ("perf-io", "perf-compute"))
+    assert io < 10_000 <= compute
+    # with the local spec's attention the compute shape would be IO-bound again (about 7,000 at seq 1024)
+    unfused = dict(gpu_perf_plan.SHAPES["perf-compute"], attention="local")
+    assert gpu_perf_plan.flop_per_saved_byte(unfused) < 10_000
+    assert 8 * gpu_perf_plan.parameters(gpu_perf_plan.SHAPES["perf-compute"]) < 0.5 * 141e9  # fits an H200
+
+
+@pytest.mark.parametrize("argv", [["--total-s", "150"], ["--steps", "20"]], ids=["limits-over-the-total", "too-many-steps"])
+def test_dry_run_fails_when_the_plan_does_not_fit(tmp_path, argv):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_perf.py"), "--dry-run", "--out",
+                           str(tmp_path / "res")] + argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the plan does NOT fit" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [(["--only", "perf-gpu"], "--only: unknown step(s) perf-gpu"),
+                                           (["--steps", "0"], "argument --steps: 0 must be >= 1")])
+def test_bad_flags_fail_in_one_line_before_anything_runs(tmp_path, argv, message):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_perf.py"), "--out",
+                           str(tmp_path / "res")] + argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "res").exists()
+
+
+def test_make_gpu_perf_without_the_bundle_lists_every_target_not_run_and_fails(tmp_path):
+    """No wheels here: install is not run, nothing after it runs, every row says why."""
+    os.makedirs(tmp_path / "nowheels")
+    proc = _make(tmp_path, dry=False, args=f"--wheels {tmp_path / 'nowheels'}")
+    assert proc.returncode != 0 and "gpu-perf] Error 1" in proc.stderr, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "res" / "gpu-perf.json").read_text())
+    assert [t["target"] for t in data["targets"]] == TARGETS
+    for t in data["targets"]:
+        assert t["result"] == "NOT RUN" and "no wheels in" in t["detail"], t
+    assert f"0 of {len(TARGETS)} targets PASS, 0 FAIL, {len(TARGETS)} NOT RUN" in proc.stdout
+
+
+def test_the_parent_imports_nothing_of_the_package_and_shares_its_figures():
+    """The box's bare python runs the parent: no torch, no package; the figures its labels
+    quote are the package's."""
+    code = ("import sys; sys.path.insert(0, 'scripts'); import gpu_perf; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ssdtrain_megatron')); "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from ssdtrain_megatron.telemetry.breakdown import ADDS_UP
+
+    assert gpu_perf_targets.ADDS_UP == ADDS_UP
+
+
+# -- the steps through the CPU stand-in ------------------------------------------------------
+
+TINY_SHAPES = {
+    "perf-io": dict(layers=2, hidden=64, heads=4, seq=64, vocab=128, micro_batch=2, num_microbatches=1,
+                    attention="local"),
+    "perf-compute": dict(layers=2, hidden=128, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1,
+                         attention="sdpa"),
+}
+
+
+@pytest.fixture
+def perf_args(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_perf_step, "SHAPES", TINY_SHAPES)
+    monkeypatch.setattr(gpu_check_measure, "MIN_TENSOR_BYTES", 1024)  # the tiny shapes' tensors
+    args = gpu_perf.parse_args(["--out", str(tmp_path / "res")])
+    os.makedirs(args.scratch)
+    return args
+
+
+def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_in(perf_args, monkeypatch):
+    """Each shape's step as the GPU box runs it, with the stand-in box (tests/test_gpu_check_steps.py):
+    every strategy measured on 5 timed steps, the bounds' rates measured, each point's
+    last step a well-formed trace under 2 MB, each point at K judged against its bound with
+    its excess split by cause, the planner's prediction beside the offload and recompute
+    points with the box's measured figures, and every target row judged from it (PASS or
+    FAIL: the numbers of a CPU mean nothing)."""
+    import gc
+
+    import gpu_check_sdpa
+    from gpu_check_plan import OVERFLOW_STAGING
+    from tests.test_gpu_check_steps import StandInBox, _check_ordering
+
+    used = {"save_on_cpu": [], "sdpa": 0}
+    real_soc, real_sdpa = torch.autograd.graph.save_on_cpu, gpu_check_sdpa.SDPAttention.forward
+
+    def save_on_cpu(**kw):
+        used["save_on_cpu"].append(kw)
+        return real_soc(**kw)
+
+    def sdpa(self, *a, **kw):
+        used["sdpa"] += 1
+        return real_sdpa(self, *a, **kw)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", save_on_cpu)
+    monkeypatch.setattr(gpu_check_sdpa.SDPAttention, "forward", sdpa)
+    steps = {}
+    for name, shape in TINY_SHAPES.items():
+        perf_args.child = name
+        used["sdpa"] = 0
+        box = StandInBox()
+        r = gpu_perf_step.run_step(perf_args, lambda result: None, box)
+        json.dumps(r, default=str)
+        assert r["status"] == "pass", r
+        k = shape["micro_batch"]
+        points = {p["name"]: p for p in r["points"]}
+        assert list(points) == [f"{n}@{k}" for n, _ in gpu_perf_plan.STRATEGIES]
+        assert all(p["ok"] and p["steps_timed"] == 5 for p in points.values()), points
+        soc = points[f"save_on_cpu@{k}"]
+        assert soc["engine"] is None and soc["bound"]["formula"] == "keep" and "breakdown" in soc
+        assert points[f"adaptive@{k}"]["settled"] is True and points[f"adaptive@{k}"]["engine"] == "memory"
+        assert used["save_on_cpu"] and all(kw == {"pin_memory": True} for kw in used["save_on_cpu"])
+        assert (used["sdpa"] > 0) == (shape["attention"] == "sdpa")
+        for p in points.values():
+            trace = json.load(open(p["trace"]["path"]))
+            assert p["trace"]["bytes"] <= 2 << 20 and trace["otherData"]["point"] == p["name"]
+            assert any(e["ph"] == "X" and e["name"] == "step" for e in trace["traceEvents"])
+        link = r["rates"]["link"]
+        model = r["model"]
+        assert model["node"]["link_gbps"] == pytest.approx(min(link["d2h"], link["h2d"]) / 1e9)
+        assert model["node"]["host_bytes"] == points[f"offload-memory@{k}"]["pinned_bytes"] - OVERFLOW_STAGING
+        assert {f"offload-memory@{k}", f"offload-posix@{k}", f"recompute@{k}"} <= set(model["points"])
+        assert f"save_on_cpu@{k}" not in model["points"]  # none of the planner's places
+        steps[name] = r
+        gc.collect()
+        assert _check_ordering(box) >= 3
+    rows = gpu_perf_targets.targets(steps)
+    assert [r["target"] for r in rows] == TARGETS
+    for row in rows:
+        if "adds up" in row["target"]:  # a CPU step may have no excess over its bound
+            assert row["result"] != "NOT RUN" or row["detail"] == "no point had an excess to split", row
+        else:
+            assert row["result"] in ("PASS", "FAIL"), row
+    table = gpu_perf_targets.render({"targets": rows, "steps": steps})
+    assert "the planner's prediction with this box's figures" in table and "link on registered memory" in table
+
+
+class MemoryFollowsTheGradients:
+    """A stand-in box whose memory now is a base plus the model's gradients: a baseline taken
+    after the step (gradients present) reads higher than one taken after zero_grad. Records
+    the order of its calls and the steps'."""
+
+    BASE, ACTIVATIONS = 100 << 20, 40 << 20
+
+    def __init__(self, box, model, log):
+        self.box, self.model, self.log = box, model, log
+
+    def grads(self) -> int:
+        return sum(p.grad.nbytes for p in self.model.params if p.grad is not None)
+
+    def now(self, device):
+        self.log.append("now")
+        return self.BASE + self.grads(), 2 * self.BASE + self.grads()
+
+    def peak(self, device):
+        every = sum(p.nbytes for p in self.model.params)
+        return self.BASE + self.ACTIVATIONS + every, 2 * self.BASE + self.ACTIVATIONS + every
+
+    def empty_cache(self):
+        self.log.append("empty_cache")
+
+    def __getattr__(self, name):
+        return getattr(self.box, name)
+
+
+def test_the_peak_is_judged_from_the_steps_start_after_zero_grad_the_cache_emptied(runtime, tmp_path, monkeypatch):
+    """Memory at the step's start is taken after zero_grad (no gradients: the forward never
+    holds them), the cache emptied after the warm-up, before the first timed step. Before
+    issue 50 the baseline was taken after the step, gradients included."""
+    from gpu_check_common import GpuGPT
+    from gpu_check_runner import Runner
+    from tests.test_gpu_check_steps import StandInBox
+
+    spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1)
+    model = GpuGPT(spec, runtime.device)
+    log = []
+    box = MemoryFollowsTheGradients(StandInBox(), model, log)
+    real_step = Runner.step
+    monkeypatch.setattr(Runner, "step", lambda self: (log.append("step"), real_step(self))[1])
+    args = gpu_perf.parse_args(["--out", str(tmp_path), "--steps", "5"])
+    os.makedirs(args.scratch)
+    m = gpu_check_measure.Measure(args, lambda r: None, model, runtime.device, box)
+    p = m.point("keep", 1, "keep")
+    assert p["ok"], p
+    assert p["start_bytes"] == box.BASE and p["start_reserved"] == 2 * box.BASE
+    assert p["activation_bytes"] == box.ACTIVATIONS + sum(q.nbytes for q in model.params)
+    assert log[log.index("step"):][:4] == ["step", "empty_cache", "now", "step"], log  # warm-up, empty, baseline
+
+
+def test_the_planner_takes_each_layers_forward_from_the_compute_stream():
+    from gpu_perf_model import with_gpu_forward
+    from ssdtrain_megatron.telemetry.stats import LayerStats, StepStats
+
+    rows = tuple(LayerStats(layer=str(i), bytes=1 << 20, bytes_offloaded=0, tensors=3, decision="keep", io_wait_s=0,
+                            forward_s=0.001) for i in range(2))
+    stats = StepStats(step=1, bytes_offloaded=0, bytes_read=0, bytes_deduplicated=0, tensors_offloaded=0,
+                      tensors_passed_through=0, tensors_kept=6, tensors_forwarded=0, io_wait_s=0.0,
+                      peak_resident_bytes=0, write_gbps=0.0, read_gbps=0.0, bytes_on_disk=0, fallbacks=0,
+                      step_time_s=0.1, layers=rows)
+    gpu = [{"pid": "gpu", "tid": "compute", "cat": "layer", "ph": "X", "name": f"forward layer {i}", "ts": 0.0,
+            "dur": 3000.0} for i in (0, 1, 1)]  # layer 1 twice: two micro-batches
+    got = with_gpu_forward(stats, gpu)
+    assert [r.forward_s for r in got.layers] == [0.003, 0.006]
+    assert with_gpu_forward(stats, gpu[:1]) is stats  # layer 1 has no span: the host's times stay
+
+
+# -- the targets --------------------------------------------------------------------------------
+
+def _perf_steps():
+    """Both shapes' results as a GPU box whose every gpu-perf target passes would write them,
+    judged as the step judges them (gpu_check_bounds.judge_points; tests/test_gpu_check.py's
+    points: keep's activations 40 above a start of 60).
+    IO-bound: memory 1.04x its both-ways bound of 1.25 s, posix 1.04x its 10 s drive bound,
+    each 0.05 s or less blocked beyond the IO deficit, peaks 0.375x keep's.
+    Compute-bound: memory 1.02x keep at 0.3x its peak; posix 1.04x keep (its 2 GB each way
+    take 0.8 s of drive, inside keep's 1 s); save_on_cpu 2 s: ours at 0.51x of it."""
+    from gpu_check_bounds import judge_points
+    from tests.test_gpu_check import RATES, _point
+
+    io = {"status": "pass", "micro_batch": 1, "rates": RATES, "points": [
+        _point("keep@1", 1.0, 100),
+        _point("offload-memory@1", 1.3, 75, written=50e9, read=50e9, stall=0.26, policy="offload", engine="memory"),
+        _point("offload-posix@1", 10.4, 75, written=25e9, read=25e9, stall=9.05, policy="offload", engine="posix"),
+    ]}
+    compute = {"status": "pass", "micro_batch": 1, "rates": RATES, "points": [
+        _point("keep@1", 1.0, 100),
+        _point("offload-memory@1", 1.02, 72, written=1e9, read=1e9, policy="offload", engine="memory"),
+        _point("offload-posix@1", 1.04, 74, written=2e9, read=2e9, policy="offload", engine="posix"),
+        _point("save_on_cpu@1", 2.0, 80, policy="save_on_cpu"),
+    ]}
+    for step in (io, compute):
+        judge_points(step["points"], 1, RATES, {})
+        step["model"] = {"forward_from": "timeline", "points": {"offload-memory@1": {"error": 0.04},
+                                                                "offload-posix@1": {"error": -0.09}}}
+        for p in step["points"][1:]:
+            p["breakdown"] = {"adds_up": True, "sum_s": 0.1, "excess_s": 0.105}
+    return {"perf-io": io, "perf-compute": compute}
+
+
+def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
+    from gpu_check_bounds import judge_points
+    from tests.test_gpu_check import RATES
+
+    steps = _perf_steps()
+    rows = {r["target"]: r for r in gpu_perf_targets.targets(steps)}
+    assert list(rows) == TARGETS
+    assert all(r["result"] == "PASS" for r in rows.values()), [r for r in rows.values() if r["result"] != "PASS"]
+
+    def result(name, step, i=None, **change):
+        s = json.loads(json.dumps(steps))
+        (s[step]["points"][i] if i is not None else s[step]).update(change)
+        judge_points(s[step]["points"], 1, RATES, {})
+        return {r["target"]: r for r in gpu_perf_targets.targets(s)}[name]["result"]
+
+    assert result("io-bound: memory <= 1.10x its link bound", "perf-io", 1, step_s=1.4) == "FAIL"  # 1.12x
+    assert result("io-bound: posix <= 1.10x its drive bound", "perf-io", 2, step_s=11.5) == "FAIL"
+    assert result("io-bound: stall beyond the IO deficit <= 2%: posix", "perf-io", 2, stall_s=9.5) == "FAIL"
+    assert result("io-bound: activation peak <= 0.4x keep's: posix", "perf-io", 2, activation_reserved=18) == "FAIL"
+    memory = "compute-bound: memory <= 1.03x keep, peak <= 0.35x keep"
+    assert result(memory, "perf-compute", 1, step_s=1.04) == "FAIL"
+    assert result(memory, "perf-compute", 1, activation_reserved=15) == "FAIL"  # 0.375x
+    posix = "compute-bound: posix <= 1.05x keep (or 1.10x bound)"
+    assert rows[posix]["detail"].startswith("the drive carries the bytes (800.0 ms of IO in keep's 1000.0 ms)")
+    assert result(posix, "perf-compute", 2, step_s=1.06) == "FAIL"
+    # 5 GB each way: 2 s of drive, more than keep's step: judged against its bound instead
+    assert result(posix, "perf-compute", 2, bytes_written=5e9, bytes_read=5e9,
+                  step_s=2.1) == "PASS"
+    assert result(posix, "perf-compute", 2, bytes_written=5e9, bytes_read=5e9, step_s=2.3) == "FAIL"
+    ours = "compute-bound: ours <= 0.7x save_on_cpu, peak no higher"
+    assert rows[ours]["detail"].startswith("offload-memory@1 0.51x save_on_cpu's step")
+    assert result(ours, "perf-compute", 3, step_s=1.3) == "FAIL"  # 0.78x
+    assert result(ours, "perf-compute", 3, activation_reserved=10) == "FAIL"  # none of ours as low
+    model = "compute-bound: the model within 10% of every step"
+    assert result(model, "perf-compute", model={"points": {"offload-posix@1": {"error": 0.11}}}) == "FAIL"
+    assert result(model, "perf-compute", model={"why": "keep was not measured"}) == "NOT RUN"
+    adds = "io-bound: every breakdown adds up within 10%"
+    bad = dict(steps["perf-io"]["points"][1]["breakdown"], adds_up=False)
+    assert result(adds, "perf-io", 1, breakdown=bad) == "FAIL"
+    none = dict(bad, adds_up=None)
+    assert result(adds, "perf-io", 1, breakdown=none) == "PASS"  # posix's still adds up
+    assert result("io-bound: memory <= 1.10x its link bound", "perf-io", 1, steps_timed=4) == "NOT RUN"
+    rows = gpu_perf_targets.targets({}, {"perf-io": "not selected (--only)"})
+    assert {r["detail"] for r in rows if r["step"] == "perf-io"} == {"not selected (--only)"}
