@@ -235,7 +235,27 @@ def render_points(points: List[dict]) -> List[str]:
                       f"{b['excess_s'] * 1e3:.1f} ms; parts {b['sum_s'] * 1e3:.1f} ms ({verdict}; timeline step "
                       f"{b['timeline_step_s'] * 1e3:.1f} ms)" + (f"; trace {p['trace']['path']}" if p.get("trace") else "")]
         lines += [f"  {k:<58}{v * 1e3:>9.1f} ms" for k, v in sorted(b["parts"].items(), key=lambda kv: -abs(kv[1]))]
+        lines += _io_lines(b, p.get("thread_cpu_s") or {})
     return lines
+
+
+def _io_lines(b: dict, cpu: Dict[str, float]) -> List[str]:
+    """What each link direction and the drive achieved against the bound's assumption, their
+    overlap, the training side's waits by reason (summed) and each thread's CPU seconds."""
+    moved = []
+    for key, label in (("d2h", "D2H"), ("h2d", "H2D"), ("drive_write", "drive write"), ("drive_read", "drive read")):
+        f = b["io"].get(key) or {}
+        if f.get("bytes"):
+            assumed = f" (assumed {f['assumed_gbps']:.1f})" if f.get("assumed_gbps") else ""
+            moved.append(f"{label} {f['bytes'] / 1e9:.2f} GB at {f['gbps']:.1f} GB/s{assumed}")
+    out = []
+    if moved:
+        out.append("  moved: " + ", ".join(moved) + f"; D2H and H2D overlapped {b['io']['link_overlap_s'] * 1e3:.1f} ms")
+    if b.get("host_blocked_s"):
+        out.append("  blocked (summed): " + ", ".join(f"{r} {v * 1e3:.1f} ms" for r, v in b["host_blocked_s"].items()))
+    if cpu:
+        out.append("  CPU s: " + ", ".join(f"{t} {v:.2f}" for t, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
+    return out
 
 
 def render(data: dict) -> str:
