@@ -173,7 +173,7 @@ def test_a_compute_bound_step_is_split_against_keeps_own_timeline():
     bound = link_bound(0.1, 1e8, 1e8, 50e9, 50e9, 80e9)  # keep's 100 ms binds
     assert (bound.formula, bound.resource) == ("keep", "compute")
     row = bd.breakdown(_offload_step(), 0.13, bound, keep_events=_keep_step())
-    want = {bd.TAIL: 0.010, bd.RELOAD: 0.010, bd.blocked("read"): 0.020, bd.COMPUTE: -0.010}
+    want = {bd.TAIL: 0.010, bd.RELOAD: 0.010, bd.GPU_IDLE + bd.blocked("read"): 0.020, bd.COMPUTE: -0.010}
     assert row["parts"] == pytest.approx(want, abs=1e-9)
     assert row["excess_s"] == pytest.approx(0.03) and row["adds_up"] is True
 
@@ -182,7 +182,7 @@ def test_a_wait_while_the_stream_is_still_busy_costs_nothing():
     """Blocked 12-28 ms while the forward runs on the GPU until 30: the stream did not idle."""
     row = bd.breakdown(_offload_step(read_wait=(12, 28)), 0.13, link_bound(0.1, 1, 1, 1e9, 1e9, 1e9),
                        keep_events=_keep_step())
-    assert bd.blocked("read") not in row["parts"]
+    assert bd.GPU_IDLE + bd.blocked("read") not in row["parts"]
     assert row["parts"][bd.COMPUTE] == pytest.approx(0.010)  # what the wait no longer explains
 
 

@@ -208,6 +208,7 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
     import gpu_check_sdpa
     from gpu_check_plan import OVERFLOW_STAGING
     from tests.test_gpu_check_steps import StandInBox, _check_ordering
+    from tests.test_timeline import _well_formed
 
     used = {"save_on_cpu": [], "sdpa": 0}
     real_soc, real_sdpa = torch.autograd.graph.save_on_cpu, gpu_check_sdpa.SDPAttention.forward
@@ -241,6 +242,7 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
         assert (used["sdpa"] > 0) == (shape["attention"] == "sdpa")
         for p in points.values():
             trace = json.load(open(p["trace"]["path"]))
+            _well_formed(trace)
             assert p["trace"]["bytes"] <= 2 << 20 and trace["otherData"]["point"] == p["name"]
             assert any(e["ph"] == "X" and e["name"] == "step" for e in trace["traceEvents"])
         link = r["rates"]["link"]

@@ -19,10 +19,10 @@ Two views, after the resource the bound names (telemetry/bounds.py):
   reload, and else "idle while the host was busy" (the pipeline did not feed it).
 - **compute binds** (keep's step): both steps' windows (this one's and keep's) are split the
   same way on the compute stream: the tail (after its last event), waits on reloads (GPU
-  spans), the stream idle while the training thread did not issue work (a collector pause, a
-  wait on the offloader, the offloader's code: the stream's last event issued before such a
-  span says when it ran dry, estimated by that event's GPU time), and the rest (kernels and
-  launch gaps). Each part is this step's less keep's.
+  spans), the GPU idle waiting for the host while the training thread did not issue work (a
+  collector pause, a wait on the offloader, the offloader's code: the stream's last event
+  issued before such a span says when it ran dry, estimated by that event's GPU time), and the
+  rest (kernels and launch gaps). Each part is this step's less keep's.
 
 Events are :class:`~ssdtrain_megatron.telemetry.timeline.Timeline` events (``tl.events``
 after ``stop``): times in µs from the timeline's start; the training side is every host
@@ -50,6 +50,8 @@ GC = "gc pauses"
 HEAD = "head: before the first byte moved"
 TAIL = "tail"
 COMPUTE = "compute stream beyond keep's (slower kernels, launch gaps)"
+GPU_IDLE = "GPU idle waiting for the host: "
+"""The compute view's prefix of the stream's idle time by what the host was doing."""
 HOST_REASONS = tuple(r for r in WAIT_REASONS if r != "reload")
 
 
@@ -120,7 +122,7 @@ def partition_compute(events: Sequence[dict], window: Optional[Interval] = None)
     last_end = max((_span(e)[1] for e in gpu), default=w[0])
     layers: List[Tuple[str, List[Interval]]] = [(TAIL, [(last_end, w[1])]), (RELOAD, _reload_waits(events))]
     for cause, spans in _host_layers(events):
-        layers.append((cause, [iv for a, b in spans for iv in [(max(a, _ran_dry(gpu, a, w[0])), b)]]))
+        layers.append((GPU_IDLE + cause, [(max(a, _ran_dry(gpu, a, w[0])), b) for a, b in spans]))
     return {k: v / 1e6 for k, v in partition(w, layers, "compute").items()}
 
 
