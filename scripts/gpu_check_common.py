@@ -122,13 +122,27 @@ class CudaBox:
         return True
 
 
+class GradBufferAdam(torch.optim.Adam):
+    """Adam whose ``zero_grad`` zeroes the gradients in place instead of freeing them: they stay
+    allocated between steps, as Megatron's DDP keeps its gradients in buffers allocated once.
+    Memory at a step's start then holds them, and the peak above it is what the step adds."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=False)
+
+
 class GpuGPT(MiniGPT):
     """MiniGPT in bf16 with its weights initialised on the device (CPU init of billions of
     parameters takes minutes), with megatron-core's local spec or SDPA core attention."""
 
-    def __init__(self, spec: GPTSpec, device: torch.device, attention: str = "local") -> None:
+    def __init__(self, spec: GPTSpec, device: torch.device, attention: str = "local",
+                 grad_buffers: bool = False) -> None:
         """``attention``: "local" (megatron-core's local spec, unfused attention) or "sdpa"
-        (its core attention on torch's scaled_dot_product_attention: gpu_check_sdpa.py)."""
+        (its core attention on torch's scaled_dot_product_attention: gpu_check_sdpa.py).
+        ``grad_buffers``: Megatron's memory layout for the measure step: gradients allocated
+        once (:class:`GradBufferAdam`) and, on CUDA, a fused Adam (torch's default foreach
+        Adam allocates temporaries the size of all parameters, which Megatron's fused
+        optimizers do not): what a step adds above its start is then its activations'."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -163,7 +177,10 @@ class GpuGPT(MiniGPT):
         self.model.to(device).bfloat16()
         self.model.train()
         self.params = list(self.model.parameters())
-        self.optimizer = torch.optim.Adam(self.params, lr=spec.lr)
+        if grad_buffers:
+            self.optimizer = GradBufferAdam(self.params, lr=spec.lr, fused=True if device.type == "cuda" else None)
+        else:
+            self.optimizer = torch.optim.Adam(self.params, lr=spec.lr)
         self.iteration = 0
         self.set_micro_batch(spec.micro_batch)
 

@@ -6,9 +6,12 @@ A point is one strategy (keep, offload with an engine, adaptive, full recompute,
 ``save_on_cpu``: scripts/gpu_check_runner.py) at one micro-batch size: a warm-up step (adaptive:
 until its measured selection settled, plan/explore.py), then --steps timed steps (at least 5
 count for a target), the median and the spread kept, the last recorded as a timeline
-(ssdtrain_megatron/telemetry/timeline.py) and written as a Chrome trace. Peak memory is judged
-against memory at the step's start (after ``zero_grad``; the cache emptied after the warm-up):
-the activations' part, which offload moves, not the weights, gradients and optimizer state.
+(ssdtrain_megatron/telemetry/timeline.py) and written as a Chrome trace. Peak memory is each
+step's peak over its forward and backward (read as the optimizer starts) against memory at the
+step's start (after ``zero_grad``; the cache emptied after the warm-up), on a model with
+Megatron's memory layout (``GpuGPT(grad_buffers=True)``: gradients allocated once, a fused
+Adam): the activations' part, which offload moves, not the weights, gradients and optimizer
+state, nor the optimizer's working memory.
 
 The bounds are measured in the same run (scripts/gpu_check_bounds.py): after keep, the sizes
 of the records; after offload (memory), the link on registered memory at those sizes; after
@@ -205,43 +208,51 @@ class Measure:
 
     def _timed(self, runner: Runner, name: str, mb: int, streams) -> dict:
         """--steps steady-state steps (the last recorded as a timeline): time (median and spread),
-        peak memory against memory at the step's start (after zero_grad; the cache emptied once
-        after the warm-up, so what the warm-up cached does not count as the baseline's), bytes,
-        and the training thread's time blocked on the offloader (StallProbe; the stats' own
-        io_wait_s and budget_wait_s beside it)."""
+        bytes, the training thread's time blocked on the offloader (StallProbe; the stats' own
+        io_wait_s and budget_wait_s beside it), and memory: each step's peak over its forward
+        and backward (read as the optimizer starts), against memory at the step's start (after
+        zero_grad; the cache emptied once after the warm-up, so what the warm-up cached is not
+        the baseline's), and the whole step's peak, optimizer included, beside it."""
         box, model = self.box, self.model
         gc.collect()
         box.empty_cache()
-        box.reset_peak(self.dev)
-        times, written, read, stats_wait, submit, starts = [], 0, 0, 0.0, 0.0, []
+        times, written, read, stats_wait, submit = [], 0, 0, 0.0, 0.0
+        starts, fb_peaks, whole_peaks = [], [], []
         probed = self.probe.seconds
         tl: Optional[Timeline] = None
         st = None
-        for i in range(self.args.steps):
-            last = i == self.args.steps - 1 or deadline_left() < 15
-            model.optimizer.zero_grad(set_to_none=True)
-            starts.append(box.now(self.dev))
-            if last:
-                dt, tl = record_step(box, runner, streams, self.dev, {"point": name})
-            else:
-                dt = runner.step()
-            times.append(dt)
-            st = runner.stats
-            if st is not None:
-                written += st.bytes_offloaded
-                read += st.bytes_read
-                stats_wait += st.io_wait_s + st.budget_wait_s
-                submit += st.offload_submit_s
-            if last:
-                break
-        peak_alloc, peak_reserved = box.peak(self.dev)
+        hook = model.optimizer.register_step_pre_hook(lambda opt, a, kw: fb_peaks.append(box.peak(self.dev)))
+        try:
+            for i in range(self.args.steps):
+                last = i == self.args.steps - 1 or deadline_left() < 15
+                model.optimizer.zero_grad(set_to_none=True)
+                starts.append(box.now(self.dev))
+                box.reset_peak(self.dev)
+                if last:
+                    dt, tl = record_step(box, runner, streams, self.dev, {"point": name})
+                else:
+                    dt = runner.step()
+                whole_peaks.append(box.peak(self.dev))
+                times.append(dt)
+                st = runner.stats
+                if st is not None:
+                    written += st.bytes_offloaded
+                    read += st.bytes_read
+                    stats_wait += st.io_wait_s + st.budget_wait_s
+                    submit += st.offload_submit_s
+                if last:
+                    break
+        finally:
+            hook.remove()
         start_alloc, start_reserved = min(a for a, _ in starts), starts[0][1]
+        peak_alloc, peak_reserved = max(a for a, _ in fb_peaks), max(r for _, r in fb_peaks)
         n = len(times)
         stall = self.probe.seconds - probed if self.probe.works else stats_wait
         step_s = statistics.median(times)
         out = dict(ok=True, step_s=step_s, times=times, steps_timed=n, spread=(max(times) - min(times)) / step_s,
-                   peak_bytes=peak_alloc, peak_reserved=peak_reserved, start_bytes=start_alloc,
-                   start_reserved=start_reserved, activation_bytes=max(peak_alloc - start_alloc, 0),
+                   peak_bytes=max(a for a, _ in whole_peaks), peak_reserved=max(r for _, r in whole_peaks),
+                   start_bytes=start_alloc, start_reserved=start_reserved,
+                   activation_bytes=max(peak_alloc - start_alloc, 0),
                    activation_reserved=max(peak_reserved - start_reserved, 0),
                    stall_s=stall / n, stall_fraction=stall / sum(times), stall_source=self.probe.source,
                    stats_wait_s=stats_wait / n, submit_s=submit / n,
@@ -311,7 +322,7 @@ def step_measure(args, save, box: CudaBox) -> dict:
     spec = GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
                    micro_batch=k, num_microbatches=1)
     with MegatronRuntime() as rt, StallProbe() as probe:
-        m = Measure(args, save, GpuGPT(spec, rt.device), rt.device, box,
+        m = Measure(args, save, GpuGPT(spec, rt.device, grad_buffers=True), rt.device, box,
                     trace_dir=os.path.join(args.out, "traces", "measure"))
         m.probe = probe
         r = m.result

@@ -30,8 +30,8 @@ def step_perf(args: argparse.Namespace, save: Callable[[dict], None], box: CudaB
     fields = {f.name for f in dataclasses.fields(GPTSpec)}
     spec = GPTSpec(**{n: v for n, v in shape.items() if n in fields})
     with MegatronRuntime() as rt, StallProbe() as probe:
-        m = Measure(args, save, GpuGPT(spec, rt.device, attention=shape["attention"]), rt.device, box,
-                    trace_dir=os.path.join(args.out, "traces", args.child))
+        model = GpuGPT(spec, rt.device, attention=shape["attention"], grad_buffers=True)
+        m = Measure(args, save, model, rt.device, box, trace_dir=os.path.join(args.out, "traces", args.child))
         m.probe = probe
         r = m.result
         r.update(shape=shape, micro_batch=k, registration_works=m.registers,

@@ -265,15 +265,18 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
     assert "the planner's prediction with this box's figures" in table and "link on registered memory" in table
 
 
-class MemoryFollowsTheGradients:
-    """A stand-in box whose memory now is a base plus the model's gradients: a baseline taken
-    after the step (gradients present) reads higher than one taken after zero_grad. Records
+class MemoryOfTheModel:
+    """A stand-in box whose memory follows the model: now, a base plus every gradient tensor
+    that exists; the peak since the last reset, that plus the step's activations while the
+    forward and backward run, and the optimizer's working memory once it has stepped. Records
     the order of its calls and the steps'."""
 
-    BASE, ACTIVATIONS = 100 << 20, 40 << 20
+    BASE, ACTIVATIONS, OPTIMIZER = 100 << 20, 40 << 20, 30 << 20
 
     def __init__(self, box, model, log):
         self.box, self.model, self.log = box, model, log
+        self.optimizer_ran = False
+        model.optimizer.register_step_post_hook(lambda *a: setattr(self, "optimizer_ran", True))
 
     def grads(self) -> int:
         return sum(p.grad.nbytes for p in self.model.params if p.grad is not None)
@@ -282,9 +285,13 @@ class MemoryFollowsTheGradients:
         self.log.append("now")
         return self.BASE + self.grads(), 2 * self.BASE + self.grads()
 
+    def reset_peak(self, device):
+        self.optimizer_ran = False
+
     def peak(self, device):
-        every = sum(p.nbytes for p in self.model.params)
-        return self.BASE + self.ACTIVATIONS + every, 2 * self.BASE + self.ACTIVATIONS + every
+        every = sum(p.nbytes for p in self.model.params)  # the gradients, once backward ran
+        top = self.BASE + every + self.ACTIVATIONS + (self.OPTIMIZER if self.optimizer_ran else 0)
+        return top, self.BASE + top
 
     def empty_cache(self):
         self.log.append("empty_cache")
@@ -293,18 +300,20 @@ class MemoryFollowsTheGradients:
         return getattr(self.box, name)
 
 
-def test_the_peak_is_judged_from_the_steps_start_after_zero_grad_the_cache_emptied(runtime, tmp_path, monkeypatch):
-    """Memory at the step's start is taken after zero_grad (no gradients: the forward never
-    holds them), the cache emptied after the warm-up, before the first timed step. Before
-    issue 50 the baseline was taken after the step, gradients included."""
+def test_the_peak_is_what_forward_and_backward_add_above_the_steps_start(runtime, tmp_path, monkeypatch):
+    """Memory at the step's start is taken after zero_grad, with the gradients in it (allocated
+    once, as Megatron's grad buffers are: GpuGPT(grad_buffers=True)); the step's peak is read
+    as the optimizer starts (its working memory is not the activations'), each step's own; the
+    cache is emptied after the warm-up, before the first timed step. Before issue 50 the
+    baseline was taken after the step and the peak ran through the optimizer."""
     from gpu_check_common import GpuGPT
     from gpu_check_runner import Runner
     from tests.test_gpu_check_steps import StandInBox
 
     spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1)
-    model = GpuGPT(spec, runtime.device)
+    model = GpuGPT(spec, runtime.device, grad_buffers=True)
     log = []
-    box = MemoryFollowsTheGradients(StandInBox(), model, log)
+    box = MemoryOfTheModel(StandInBox(), model, log)
     real_step = Runner.step
     monkeypatch.setattr(Runner, "step", lambda self: (log.append("step"), real_step(self))[1])
     args = gpu_perf.parse_args(["--out", str(tmp_path), "--steps", "5"])
@@ -312,8 +321,10 @@ def test_the_peak_is_judged_from_the_steps_start_after_zero_grad_the_cache_empti
     m = gpu_check_measure.Measure(args, lambda r: None, model, runtime.device, box)
     p = m.point("keep", 1, "keep")
     assert p["ok"], p
-    assert p["start_bytes"] == box.BASE and p["start_reserved"] == 2 * box.BASE
-    assert p["activation_bytes"] == box.ACTIVATIONS + sum(q.nbytes for q in model.params)
+    grads = sum(q.nbytes for q in model.params)
+    assert p["start_bytes"] == box.BASE + grads and p["start_reserved"] == 2 * box.BASE + grads
+    assert p["activation_bytes"] == box.ACTIVATIONS and p["activation_reserved"] == box.ACTIVATIONS
+    assert p["peak_bytes"] == box.BASE + grads + box.ACTIVATIONS + box.OPTIMIZER  # the whole step's, shown beside
     assert log[log.index("step"):][:4] == ["step", "empty_cache", "now", "step"], log  # warm-up, empty, baseline
 
 
