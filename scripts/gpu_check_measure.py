@@ -106,9 +106,11 @@ class Measure:
     """One model, measured point by point under different strategies and budgets."""
 
     def __init__(self, args, save: Callable[[dict], None], model: GpuGPT, device: torch.device,
-                 box: CudaBox, trace_dir: Optional[str] = None) -> None:
+                 box: CudaBox, trace_dir: Optional[str] = None, until: Optional[float] = None) -> None:
+        """``until``: a deadline of its own (``time.time()``), earlier than the step's: the
+        measurements stop in time for what the step does after them."""
         self.args, self.save, self.model, self.dev, self.box = args, save, model, device, box
-        self.trace_dir = trace_dir
+        self.trace_dir, self.until = trace_dir, until
         self.result: Dict[str, object] = {"points": []}
         self.total = box.total_memory(device)
         self.host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -121,14 +123,19 @@ class Measure:
         self.rates: Dict[str, Optional[dict]] = {"link": None, "drive": None}
         self.sizes: List[int] = []
 
+    def left(self) -> float:
+        """Seconds until this measurement's deadline (the step's, or ``until`` if earlier)."""
+        left = deadline_left()
+        return left if self.until is None else min(left, self.until - time.time())
+
     def pinned(self, policy: str, cfg_kw: dict, mb: int = 1) -> int:
         """Host memory the point locks: its offloader's staging pool and its engine's pool, at
         what pinning really locks here (io/pinned.py); save_on_cpu: torch's pinned allocator
-        (powers of two) for a copy of every saved tensor, up to twice the activations."""
+        (powers of two) for a copy of every saved tensor, the weights included, up to twice it."""
         if policy == "keep":
             return 0
-        if policy == SAVE_ON_CPU:
-            return int(2 * (self.per_sample or 0) * mb)
+        if policy == SAVE_ON_CPU:  # every saved tensor: the activations and the weights
+            return int(2 * ((self.per_sample or 0) * mb + sum(p.nbytes for p in self.model.params)))
         cfg = self.base_cfg.replace(**cfg_kw)
         pool = cfg.host_memory_bytes if cfg.engine in ("memory", "tiered") else 0
         return pinned_cost(cfg.staging_bytes(), self.registers) + pinned_cost(pool, self.registers)
@@ -136,7 +143,7 @@ class Measure:
     def _skip(self, mb: int, policy: str, engine: str, cfg_kw: dict) -> Optional[str]:
         need = self.per_sample * mb * 1.1 if self.per_sample else 0
         free = shutil.disk_usage(self.args.scratch).free
-        if deadline_left() < 20:
+        if self.left() < 20:
             return "not run: out of time"
         if policy not in ("keep", SAVE_ON_CPU) and engine == "posix" and need > free:
             return f"not run (disk): needs about {need / 1e9:.0f} GB on the drive, {free / 1e9:.0f} GB free"
@@ -200,7 +207,7 @@ class Measure:
         while n < steps or (selection is not None and not selection.settled and n < ADAPTIVE_SETTLE_CAP):
             runner.step()
             n += 1
-            if deadline_left() < 20:
+            if self.left() < 20:
                 break
         if selection is None:
             return {"warmup_steps": n}
@@ -224,7 +231,7 @@ class Measure:
         hook = model.optimizer.register_step_pre_hook(lambda opt, a, kw: fb_peaks.append(box.peak(self.dev)))
         try:
             for i in range(self.args.steps):
-                last = i == self.args.steps - 1 or deadline_left() < 15
+                last = i == self.args.steps - 1 or self.left() < 15
                 model.optimizer.zero_grad(set_to_none=True)
                 starts.append(box.now(self.dev))
                 box.reset_peak(self.dev)
@@ -300,7 +307,7 @@ class Measure:
                     pinned_staging_bytes=OVERFLOW_STAGING)
 
     def _rate(self, kind: str, measure: Callable[[], dict]) -> None:
-        if deadline_left() < 15:
+        if self.left() < 15:
             self.result[f"{kind}_rate_error"] = "not measured: out of time"
             return
         try:

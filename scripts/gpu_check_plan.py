@@ -76,6 +76,18 @@ def activation_bytes(shape: dict, micro_batch: Optional[int] = None) -> int:
     return shape["layers"] * b * (34 * s * h + quadratic)
 
 
+def parameters(shape: dict) -> int:
+    """12 h^2 + 13 h per layer, and the untied embedding and output layer."""
+    h = shape["hidden"]
+    return shape["layers"] * (12 * h * h + 13 * h) + 2 * shape["vocab"] * h
+
+
+def save_on_cpu_bytes(shape: dict, micro_batch: int) -> int:
+    """What torch's save_on_cpu copies to host memory in a step: every saved tensor, the
+    activations and the bf16 weights the linear layers save for backward."""
+    return activation_bytes(shape, micro_batch) + 2 * parameters(shape)
+
+
 def round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
@@ -148,7 +160,7 @@ def point_plan(shape: dict, points, timed: int) -> List[dict]:
             settings = dict(max_inflight_bytes=MEASURE_INFLIGHT)
         steps = {"adaptive": ADAPTIVE_SETTLE_CAP, "keep": 2}.get(name, 1) + timed
         pinned = pinned_bytes(engine, settings) if engine else \
-            (2 * activation_bytes(shape, mb) if name == "save_on_cpu" else 0)  # torch's allocator, powers of two
+            (2 * save_on_cpu_bytes(shape, mb) if name == "save_on_cpu" else 0)  # torch's allocator, powers of two
         pts.append(dict(name=f"{name}@{mb}", micro_batch=mb, engine=engine, settings=settings, steps=steps,
                         pinned=pinned))
     return pts
@@ -170,7 +182,8 @@ def points_estimate(shape: dict, points: List[dict]) -> dict:
     rates: the link on registered memory (LINK_BYTES each way and both at once, a few times)
     and the drive with the posix point's bytes. Adaptive offloads about half of its
     activations in a step (what its budget cannot hold, and the all-offload plan it tries
-    once); save_on_cpu copies every activation both ways over the host link."""
+    once); save_on_cpu copies every saved tensor, the weights included, both ways over the host
+    link."""
     per_point: Dict[str, dict] = {}
     register = 0.0
     for p in points:
@@ -178,9 +191,9 @@ def points_estimate(shape: dict, points: List[dict]) -> dict:
         base = p["name"].split("@")[0]
         comp = _compute_s(shape, mb, recompute=base == "recompute")
         link = {"memory": ASSUME["link_bps"], "posix": ASSUME["drive_bps"]}.get(p["engine"])
-        if base == "save_on_cpu":
-            link = ASSUME["link_bps"]
         moved = 2 * act * (0.5 if base == "adaptive" else 1.0) if link else 0
+        if base == "save_on_cpu":
+            link, moved = ASSUME["link_bps"], 2 * save_on_cpu_bytes(shape, mb)
         reg = p["pinned"] / ASSUME["register_bps"]
         register += reg
         io = moved / link if link else 0.0

@@ -4,14 +4,14 @@ most 180 s on a bare single-GPU box (set-up included), so a change can be tried 
 one sitting. `make gpu-check` stays the acceptance check; this says where the time goes.
 
 The box and the bundle are gpu-check's (docs/gpu-check.md: ``make gpu-bundle`` where there is
-network, ``.whl/`` carried along). Each step runs in its own process under its own limit
+network, ``.whl/`` carried along). Two steps, each in its own process under its own limit
 (scripts/gpu_perf_plan.py has the plan and why the shapes are what they are):
 
-  install       pip install --no-index --find-links .whl --prefix <out>/prefix: what the box lacks
-  perf-io       the IO-bound shape (gpu-check's: 8 layers, hidden 2048, seq 1024, micro-batch 2,
-                megatron-core's local spec)
-  perf-compute  the compute-bound shape, the SSDTrain paper's regime (4 layers, hidden 8192, seq
-                1024, micro-batch 1, core attention on torch's SDPA: scripts/gpu_check_sdpa.py)
+  install  pip install --no-index --find-links .whl --prefix <out>/prefix: what the box lacks
+  perf     the measure step at two shapes, one after the other, each in its share of the time:
+           io-bound (gpu-check's: 8 layers, hidden 2048, seq 1024, micro-batch 2, megatron-core's
+           local spec), then compute-bound, the SSDTrain paper's regime (6 layers, hidden 6144,
+           seq 1024, micro-batch 1, core attention on torch's SDPA: scripts/gpu_check_sdpa.py)
 
 At each shape: keep; offload with the memory and the posix engine; torch's save_on_cpu; full
 recompute; adaptive on the memory engine in half of keep's activations: --steps timed steps
@@ -21,7 +21,7 @@ point its bound, the stall beyond the IO deficit, the activation peak against th
 start, the excess over the bound split by cause (ssdtrain_megatron/telemetry/breakdown.py), and
 the four-place planner's prediction with the box's own figures beside the measured step
 (scripts/gpu_perf_model.py). The last timed step of every point is a Chrome trace (open it in
-https://ui.perfetto.dev or chrome://tracing) in <out>/traces/<step>/, at most 2 MB each.
+https://ui.perfetto.dev or chrome://tracing) in <out>/traces/<shape>/, at most 2 MB each.
 
 It prints one row per target (scripts/gpu_perf_targets.py): PASS, FAIL or NOT RUN with the
 reason, and exits 0 only when every target passed. ``gpu-perf.json`` (everything) and

@@ -120,19 +120,21 @@ def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
             assert f"  {point}@{k}".ljust(24) in proc.stdout and "steps x (" in proc.stdout
     assert "the plan fits" in proc.stdout
     plan = json.loads((tmp_path / "res" / "plan.json").read_text())
-    assert plan["dry_run"] and plan["steps_per_point"] == 5 and set(plan["shapes"]) == {"perf-io", "perf-compute"}
+    assert plan["dry_run"] and plan["steps_per_point"] == 5 and set(plan["shapes"]) == {"io-bound", "compute-bound"}
     assert sorted(os.listdir(tmp_path / "res")) == ["plan.json"]  # nothing ran
 
 
 def test_the_two_shapes_sit_on_either_side_of_the_papers_regime():
     """A layer's compute against its bytes over the link at 500 TFLOP/s and 50 GB/s: >= 10,000
     FLOP per saved byte is the paper's (compute-bound) regime."""
-    io, compute = (gpu_perf_plan.flop_per_saved_byte(gpu_perf_plan.SHAPES[n]) for n in ("perf-io", "perf-compute"))
+    from gpu_check_plan import parameters
+
+    io, compute = (gpu_perf_plan.flop_per_saved_byte(gpu_perf_plan.SHAPES[n]) for n in ("io-bound", "compute-bound"))
     assert io < 10_000 <= compute
-    # with the local spec's attention the compute shape would be IO-bound again (about 7,000 at seq 1024)
-    unfused = dict(gpu_perf_plan.SHAPES["perf-compute"], attention="local")
+    # with the local spec's attention the compute shape would be IO-bound again (about 6,100 at seq 1024)
+    unfused = dict(gpu_perf_plan.SHAPES["compute-bound"], attention="local")
     assert gpu_perf_plan.flop_per_saved_byte(unfused) < 10_000
-    assert 8 * gpu_perf_plan.parameters(gpu_perf_plan.SHAPES["perf-compute"]) < 0.5 * 141e9  # fits an H200
+    assert 8 * parameters(gpu_perf_plan.SHAPES["compute-bound"]) < 0.5 * 141e9  # fits an H200
 
 
 @pytest.mark.parametrize("argv", [["--total-s", "150"], ["--steps", "20"]], ids=["limits-over-the-total", "too-many-steps"])
@@ -180,9 +182,9 @@ def test_the_parent_imports_nothing_of_the_package_and_shares_its_figures():
 # -- the steps through the CPU stand-in ------------------------------------------------------
 
 TINY_SHAPES = {
-    "perf-io": dict(layers=2, hidden=64, heads=4, seq=64, vocab=128, micro_batch=2, num_microbatches=1,
+    "io-bound": dict(layers=2, hidden=64, heads=4, seq=64, vocab=128, micro_batch=2, num_microbatches=1,
                     attention="local"),
-    "perf-compute": dict(layers=2, hidden=128, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1,
+    "compute-bound": dict(layers=2, hidden=128, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1,
                          attention="sdpa"),
 }
 
@@ -223,13 +225,15 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
 
     monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", save_on_cpu)
     monkeypatch.setattr(gpu_check_sdpa.SDPAttention, "forward", sdpa)
-    steps = {}
+    perf_args.child = "perf"
+    box = StandInBox()
+    saved = []  # as the child writes them: serialised at once
+    result = gpu_perf_step.run_step(perf_args, lambda r: saved.append(json.loads(json.dumps(r, default=str))), box)
+    json.dumps(result, default=str)
+    assert result["status"] == "pass", result
+    assert [list(r["shapes"]) for r in saved][:2] == [["io-bound"], ["io-bound"]]  # saved as it goes
     for name, shape in TINY_SHAPES.items():
-        perf_args.child = name
-        used["sdpa"] = 0
-        box = StandInBox()
-        r = gpu_perf_step.run_step(perf_args, lambda result: None, box)
-        json.dumps(r, default=str)
+        r = result["shapes"][name]
         assert r["status"] == "pass", r
         k = shape["micro_batch"]
         points = {p["name"]: p for p in r["points"]}
@@ -238,12 +242,11 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
         soc = points[f"save_on_cpu@{k}"]
         assert soc["engine"] is None and soc["bound"]["formula"] == "keep" and "breakdown" in soc
         assert points[f"adaptive@{k}"]["settled"] is True and points[f"adaptive@{k}"]["engine"] == "memory"
-        assert used["save_on_cpu"] and all(kw == {"pin_memory": True} for kw in used["save_on_cpu"])
-        assert (used["sdpa"] > 0) == (shape["attention"] == "sdpa")
         for p in points.values():
             trace = json.load(open(p["trace"]["path"]))
             _well_formed(trace)
             assert p["trace"]["bytes"] <= 2 << 20 and trace["otherData"]["point"] == p["name"]
+            assert f"/traces/{name}/" in p["trace"]["path"]
             assert any(e["ph"] == "X" and e["name"] == "step" for e in trace["traceEvents"])
         link = r["rates"]["link"]
         model = r["model"]
@@ -251,9 +254,11 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
         assert model["node"]["host_bytes"] == points[f"offload-memory@{k}"]["pinned_bytes"] - OVERFLOW_STAGING
         assert {f"offload-memory@{k}", f"offload-posix@{k}", f"recompute@{k}"} <= set(model["points"])
         assert f"save_on_cpu@{k}" not in model["points"]  # none of the planner's places
-        steps[name] = r
-        gc.collect()
-        assert _check_ordering(box) >= 3
+    assert used["save_on_cpu"] and all(kw == {"pin_memory": True} for kw in used["save_on_cpu"])
+    assert used["sdpa"] > 0  # the compute-bound shape's attention
+    gc.collect()
+    assert _check_ordering(box) >= 6
+    steps = {"perf": result}
     rows = gpu_perf_targets.targets(steps)
     assert [r["target"] for r in rows] == TARGETS
     for row in rows:
@@ -375,7 +380,7 @@ def _perf_steps():
                                                                 "offload-posix@1": {"error": -0.09}}}
         for p in step["points"][1:]:
             p["breakdown"] = {"adds_up": True, "sum_s": 0.1, "excess_s": 0.105}
-    return {"perf-io": io, "perf-compute": compute}
+    return {"perf": {"status": "pass", "shapes": {"io-bound": io, "compute-bound": compute}}}
 
 
 def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
@@ -387,38 +392,44 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
     assert list(rows) == TARGETS
     assert all(r["result"] == "PASS" for r in rows.values()), [r for r in rows.values() if r["result"] != "PASS"]
 
-    def result(name, step, i=None, **change):
+    def result(name, shape, i=None, **change):
         s = json.loads(json.dumps(steps))
-        (s[step]["points"][i] if i is not None else s[step]).update(change)
-        judge_points(s[step]["points"], 1, RATES, {})
+        sub = s["perf"]["shapes"][shape]
+        (sub["points"][i] if i is not None else sub).update(change)
+        judge_points(sub["points"], 1, RATES, {})
         return {r["target"]: r for r in gpu_perf_targets.targets(s)}[name]["result"]
 
-    assert result("io-bound: memory <= 1.10x its link bound", "perf-io", 1, step_s=1.4) == "FAIL"  # 1.12x
-    assert result("io-bound: posix <= 1.10x its drive bound", "perf-io", 2, step_s=11.5) == "FAIL"
-    assert result("io-bound: stall beyond the IO deficit <= 2%: posix", "perf-io", 2, stall_s=9.5) == "FAIL"
-    assert result("io-bound: activation peak <= 0.4x keep's: posix", "perf-io", 2, activation_reserved=18) == "FAIL"
+    assert result("io-bound: memory <= 1.10x its link bound", "io-bound", 1, step_s=1.4) == "FAIL"  # 1.12x
+    assert result("io-bound: posix <= 1.10x its drive bound", "io-bound", 2, step_s=11.5) == "FAIL"
+    assert result("io-bound: stall beyond the IO deficit <= 2%: posix", "io-bound", 2, stall_s=9.5) == "FAIL"
+    assert result("io-bound: activation peak <= 0.4x keep's: posix", "io-bound", 2, activation_reserved=18) == "FAIL"
     memory = "compute-bound: memory <= 1.03x keep, peak <= 0.35x keep"
-    assert result(memory, "perf-compute", 1, step_s=1.04) == "FAIL"
-    assert result(memory, "perf-compute", 1, activation_reserved=15) == "FAIL"  # 0.375x
+    assert result(memory, "compute-bound", 1, step_s=1.04) == "FAIL"
+    assert result(memory, "compute-bound", 1, activation_reserved=15) == "FAIL"  # 0.375x
     posix = "compute-bound: posix <= 1.05x keep (or 1.10x bound)"
     assert rows[posix]["detail"].startswith("the drive carries the bytes (800.0 ms of IO in keep's 1000.0 ms)")
-    assert result(posix, "perf-compute", 2, step_s=1.06) == "FAIL"
+    assert result(posix, "compute-bound", 2, step_s=1.06) == "FAIL"
     # 5 GB each way: 2 s of drive, more than keep's step: judged against its bound instead
-    assert result(posix, "perf-compute", 2, bytes_written=5e9, bytes_read=5e9,
+    assert result(posix, "compute-bound", 2, bytes_written=5e9, bytes_read=5e9,
                   step_s=2.1) == "PASS"
-    assert result(posix, "perf-compute", 2, bytes_written=5e9, bytes_read=5e9, step_s=2.3) == "FAIL"
+    assert result(posix, "compute-bound", 2, bytes_written=5e9, bytes_read=5e9, step_s=2.3) == "FAIL"
     ours = "compute-bound: ours <= 0.7x save_on_cpu, peak no higher"
     assert rows[ours]["detail"].startswith("offload-memory@1 0.51x save_on_cpu's step")
-    assert result(ours, "perf-compute", 3, step_s=1.3) == "FAIL"  # 0.78x
-    assert result(ours, "perf-compute", 3, activation_reserved=10) == "FAIL"  # none of ours as low
+    assert result(ours, "compute-bound", 3, step_s=1.3) == "FAIL"  # 0.78x
+    assert result(ours, "compute-bound", 3, activation_reserved=10) == "FAIL"  # none of ours as low
     model = "compute-bound: the model within 10% of every step"
-    assert result(model, "perf-compute", model={"points": {"offload-posix@1": {"error": 0.11}}}) == "FAIL"
-    assert result(model, "perf-compute", model={"why": "keep was not measured"}) == "NOT RUN"
+    assert result(model, "compute-bound", model={"points": {"offload-posix@1": {"error": 0.11}}}) == "FAIL"
+    assert result(model, "compute-bound", model={"why": "keep was not measured"}) == "NOT RUN"
     adds = "io-bound: every breakdown adds up within 10%"
-    bad = dict(steps["perf-io"]["points"][1]["breakdown"], adds_up=False)
-    assert result(adds, "perf-io", 1, breakdown=bad) == "FAIL"
+    bad = dict(steps["perf"]["shapes"]["io-bound"]["points"][1]["breakdown"], adds_up=False)
+    assert result(adds, "io-bound", 1, breakdown=bad) == "FAIL"
     none = dict(bad, adds_up=None)
-    assert result(adds, "perf-io", 1, breakdown=none) == "PASS"  # posix's still adds up
-    assert result("io-bound: memory <= 1.10x its link bound", "perf-io", 1, steps_timed=4) == "NOT RUN"
-    rows = gpu_perf_targets.targets({}, {"perf-io": "not selected (--only)"})
-    assert {r["detail"] for r in rows if r["step"] == "perf-io"} == {"not selected (--only)"}
+    assert result(adds, "io-bound", 1, breakdown=none) == "PASS"  # posix's still adds up
+    assert result("io-bound: memory <= 1.10x its link bound", "io-bound", 1, steps_timed=4) == "NOT RUN"
+    rows = gpu_perf_targets.targets({}, {"perf": "not selected (--only)"})
+    assert {r["detail"] for r in rows} == {"not selected (--only)"}
+    half = {"perf": {"status": "fail", "why": "compute-bound: out of memory", "shapes": steps["perf"]["shapes"]}}
+    del half["perf"]["shapes"]["compute-bound"]
+    rows = {r["target"]: r for r in gpu_perf_targets.targets(half)}
+    assert rows[memory]["detail"] == "the compute-bound shape was not measured"
+    assert rows["io-bound: memory <= 1.10x its link bound"]["result"] == "PASS"
