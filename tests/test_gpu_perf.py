@@ -433,3 +433,36 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
     rows = {r["target"]: r for r in gpu_perf_targets.targets(half)}
     assert rows[memory]["detail"] == "the compute-bound shape was not measured"
     assert rows["io-bound: memory <= 1.10x its link bound"]["result"] == "PASS"
+
+
+def test_each_shape_gets_its_share_of_the_steps_time_and_a_failing_one_leaves_the_next_its_own(
+        perf_args, monkeypatch):
+    """The perf step splits what is left of its time by the plan's estimates, shape by shape;
+    an error in one shape is its result (the step fails, naming it) and the next still runs."""
+    import time
+
+    from tests.test_gpu_check_steps import StandInBox
+
+    now = time.time()
+    monkeypatch.setenv("GPU_CHECK_DEADLINE", str(now + 105))
+    est = {"io-bound": 60.0, "compute-bound": 40.0}
+    monkeypatch.setattr(gpu_perf_step, "shares", lambda steps: est)
+    seen = {}
+
+    def measure_shape(args, save, box, name, until, device, probe):
+        t = time.time()
+        seen[name] = (until - t, now + 105 - gpu_perf_step.STEP_END_S - t)  # (its share, what was left)
+        save({"status": "running", "points": []})
+        if name == "io-bound":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return {"status": "pass", "points": []}
+
+    monkeypatch.setattr(gpu_perf_step, "measure_shape", measure_shape)
+    perf_args.child = "perf"
+    result = gpu_perf_step.run_step(perf_args, lambda r: None, StandInBox())
+    share, left = seen["io-bound"]
+    assert share == pytest.approx(0.6 * left, abs=0.5)
+    share, left = seen["compute-bound"]
+    assert share == pytest.approx(left, abs=0.5)  # the last shape: all that is left
+    assert result["status"] == "fail" and result["why"].startswith("io-bound: RuntimeError: CUDA error")
+    assert result["shapes"]["compute-bound"]["status"] == "pass"
