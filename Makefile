@@ -40,7 +40,7 @@ MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
 	tests/test_megatron_preemption.py tests/test_megatron_loop_errors.py
 
 # (venv-mcore-% and test-mcore-% are pattern rules: make skips implicit rules for .PHONY names.)
-.PHONY: install demo test test-all bench lint clean gpu-check gpu-bundle venv-megatron-deepspeed test-megatron-deepspeed
+.PHONY: install demo test test-all bench lint clean gpu-check gpu-perf gpu-bundle venv-megatron-deepspeed test-megatron-deepspeed
 
 install: $(VENV)/.installed
 
@@ -69,6 +69,14 @@ bench: install
 GPU_CHECK_ARGS ?=
 gpu-check:
 	PYTHON=$(PYTHON) scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# Where the GPU's time goes, on the same box in at most 180 s: the measure step alone at an
+# IO-bound and a compute-bound shape, every strategy, a Chrome trace of every point and its
+# excess over the bound split by cause (docs/gpu-check.md). GPU_CHECK_DRY=1 prints the time plan
+# only. Options: GPU_PERF_ARGS="--out DIR ...".
+GPU_PERF_ARGS ?=
+gpu-perf:
+	PYTHON=$(PYTHON) GPU_SCRIPT=gpu_perf.py scripts/gpu_check.sh $(GPU_PERF_ARGS)
 
 # The wheels gpu-check needs on that box (cp312, manylinux x86_64; not torch, which the box has),
 # into .whl/, proven complete by an offline resolve and kept under 60 MiB (scripts/gpu_bundle.py).

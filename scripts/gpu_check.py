@@ -20,14 +20,15 @@ and each step's estimate (start, pinning its pools, collecting tests, its work) 
   cuda-tests   the cuda-marked tests this box can run, each required to pass (gpu_check_cuda.py)
   syncs        host synchronisations on the training thread (torch.cuda.set_sync_debug_mode),
                steady state, offload with the memory engine vs keep
-  io-bench     the drive's bandwidth through the posix engine (ssdtrain io-bench)
   measure      8 layers, hidden 2048, seq 1024 (--layers/--hidden/--seq; sized to finish in its
-               slot, see --dry-run): peak memory (reserved and allocated, and the activations' part
-               of it: the peak less what the step holds with them freed), step time, the training
-               thread's time blocked on the offloader, tokens/s for keep, offload (memory, posix)
-               and full recompute at micro-batch K (--micro-batch, 2), then keep, full recompute,
-               adaptive (timed once it settled) and offload at K+1 in a memory budget that fits
-               keep at K but not at K+1
+               slot, see --dry-run), --steps timed steps per point (5): peak memory (reserved and
+               allocated, and the activations' part of it: the peak less memory at the step's
+               start), step time against its bound (the link and the drive measured in the same
+               run, in the step's pattern), the training thread's time blocked on the offloader
+               beyond the IO deficit, tokens/s for keep, offload (memory, posix) and full
+               recompute at micro-batch K (--micro-batch, 2), then keep, full recompute and
+               adaptive (timed once it settled) at K+1 in a memory budget that fits keep at K but
+               not at K+1; the last timed step of each point as a Chrome trace in <out>/traces
 
 A bitwise or stress step that its time limit stops before the steps it names is NOT RUN, with
 the count. It prints one row per target (scripts/gpu_check_targets.py): PASS, FAIL or NOT RUN
@@ -39,7 +40,9 @@ the time plan (each step's limit and estimate, their sums) and exits 1 if it doe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
+import importlib
 import json
 import os
 import shutil
@@ -47,7 +50,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from gpu_bundle import REQUIREMENTS
 from gpu_check_plan import STEPS, TOTAL_S, estimates, measure_estimate, plan, print_plan
@@ -56,24 +59,39 @@ from gpu_check_targets import NOT_RUN, PASS, render, targets
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1", "NCCL_P2P_DISABLE": "1"}
 STEP_ENV = {"bitwise-gds-compat": {"KVIKIO_COMPAT_MODE": "ON"}}  # kvikio's own switch, read at import
+SHAPE_FLAGS = ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """A prepared run of steps, each in its own process under its own limit: gpu-check here,
+    gpu-perf in scripts/gpu_perf.py. The parent below runs either."""
+
+    name: str
+    """How its lines start ("gpu-check: ...")."""
+    script: str
+    """The file its children run with --child."""
+    steps: Sequence[tuple]
+    """(name, limit in seconds, the steps it needs, what it does), in order."""
+    plan: Callable[[argparse.Namespace], List[dict]]
+    header: Callable[[argparse.Namespace], dict]
+    """What the results' header says of the plan (estimates)."""
+    print_plan: Callable[..., bool]
+    targets: Callable[..., List[dict]]
+    render: Callable[[dict], str]
+    child_flags: Tuple[str, ...]
+    """The options every child gets, as the parent got them."""
+    run_step: str
+    """"module:function" a child runs its step with: (args, save) -> result."""
+
+    def say(self, msg: str) -> None:
+        print(f"{self.name}: {msg}", flush=True)
 
 
 # -- the parent: plan, run the steps, report ------------------------------------------------
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="gpu-check-results", help="results directory (default: %(default)s)")
-    p.add_argument("--wheels", default=".whl", help="folder of the bundle, `make gpu-bundle` (default: %(default)s)")
-    p.add_argument("--scratch", default=None,
-                   help="directory on the drive to offload to (default: <out>/scratch)")
-    p.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY", "") not in ("", "0"),
-                   help="only print the time plan and check that it fits (also GPU_CHECK_DRY=1)")
-    p.add_argument("--only", default=None,
-                   help="comma-separated steps to run, with the steps they need (default: all; the "
-                        "targets of the others are NOT RUN, so the exit status is 1)")
-    p.add_argument("--total-s", type=_positive_int, default=TOTAL_S,
-                   help="time limit of the whole check, seconds (default: %(default)s)")
+    p = suite_parser("gpu_check", __doc__, "gpu-check-results", TOTAL_S)
     p.add_argument("--layers", type=_positive_int, default=8, help="measure: layers (default: %(default)s)")
     p.add_argument("--hidden", type=_positive_int, default=2048, help="measure: hidden size (default: %(default)s)")
     p.add_argument("--heads", type=_positive_int, default=16, help="measure: attention heads (default: %(default)s)")
@@ -82,19 +100,46 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=_positive_int, default=2,
                    help="measure: micro-batch K compared side by side; K+1 then runs in a budget keep "
                         "cannot fit (default: %(default)s)")
-    p.add_argument("--steps", type=_positive_int, default=2, help="measure: timed steps per point (default: %(default)s)")
+    args = finish_args(p, CHECK, argv)
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
+    return args
+
+
+def suite_parser(prog: str, doc: str, out: str, total_s: int) -> argparse.ArgumentParser:
+    """The options every suite has (its results folder, the bundle, the scratch directory, the
+    dry run, --only, its time limit, the timed steps per point)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=out, help="results directory (default: %(default)s)")
+    p.add_argument("--wheels", default=".whl", help="folder of the bundle, `make gpu-bundle` (default: %(default)s)")
+    p.add_argument("--scratch", default=None,
+                   help="directory on the drive to offload to (default: <out>/scratch)")
+    p.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY", "") not in ("", "0"),
+                   help="only print the time plan and check that it fits (also GPU_CHECK_DRY=1)")
+    p.add_argument("--only", default=None,
+                   help="comma-separated steps to run, with the steps they need (default: all; the "
+                        "targets of the others are NOT RUN, so the exit status is 1)")
+    p.add_argument("--total-s", type=_positive_int, default=total_s,
+                   help="time limit of the whole run, seconds (default: %(default)s)")
+    p.add_argument("--steps", type=_positive_int, default=5,
+                   help="timed steps per measured point; a target judges a point on 5 or more (default: %(default)s)")
+    return p
+
+
+def finish_args(p: argparse.ArgumentParser, suite: Suite, argv: Optional[List[str]]) -> argparse.Namespace:
+    """The options every suite has (--child, and --only checked against its steps), parsed;
+    paths made absolute; ``args.suite`` set."""
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    names = [s[0] for s in STEPS]
+    names = [s[0] for s in suite.steps]
     if args.only:
         bad = [n for n in args.only.split(",") if n not in names]
         if bad:
             p.error(f"--only: unknown step(s) {', '.join(bad)}; steps: {', '.join(names)}")
-    if args.hidden % args.heads:
-        p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
     args.out = os.path.abspath(args.out)
     args.wheels = os.path.abspath(args.wheels)
     args.scratch = os.path.abspath(args.scratch or os.path.join(args.out, "scratch"))
+    args.suite = suite
     return args
 
 
@@ -109,10 +154,10 @@ def _positive_int(text: str) -> int:
 
 
 class Results:
-    """gpu-check.json and table.txt in --out, rewritten after every step."""
+    """<suite>.json and table.txt in --out, rewritten after every step."""
 
-    def __init__(self, out: str, header: dict) -> None:
-        self.out = out
+    def __init__(self, out: str, header: dict, suite: Suite) -> None:
+        self.out, self.suite = out, suite
         self.data = {"header": header, "steps": {}, "targets": []}
         self.missing: Dict[str, str] = {}
         os.makedirs(out, exist_ok=True)
@@ -122,37 +167,33 @@ class Results:
         self.write()
 
     def write(self) -> None:
-        self.data["targets"] = targets(self.data["steps"], self.missing)
-        tmp = os.path.join(self.out, "gpu-check.json.tmp")
+        self.data["targets"] = self.suite.targets(self.data["steps"], self.missing)
+        tmp = os.path.join(self.out, f"{self.suite.name}.json.tmp")
         with open(tmp, "w") as f:
             json.dump(self.data, f, indent=1, default=str)
-        os.replace(tmp, os.path.join(self.out, "gpu-check.json"))
+        os.replace(tmp, os.path.join(self.out, f"{self.suite.name}.json"))
         with open(os.path.join(self.out, "table.txt"), "w") as f:
-            f.write(render(self.data) + "\n")
-
-
-def say(msg: str) -> None:
-    print(f"gpu-check: {msg}", flush=True)
+            f.write(self.suite.render(self.data) + "\n")
 
 
 def run_parent(args: argparse.Namespace) -> int:
+    suite = args.suite
+    say = suite.say
     start = time.monotonic()
-    steps = plan(args)
+    steps = suite.plan(args)
     header = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
               "dry_run": args.dry_run, "out": args.out, "scratch": args.scratch, "wheels": args.wheels,
-              "plan": steps, "total_s": args.total_s, "estimates": estimates(args),
-              "measure_estimate": measure_estimate(args),
-              "measure_shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")}}
+              "plan": steps, "total_s": args.total_s, **suite.header(args)}
     if args.dry_run:
         say(f"dry run: the time plan ({len(steps)} steps, each in its own process under its limit):")
-        fits = print_plan(args, steps, say)
+        fits = suite.print_plan(args, steps, say)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "plan.json"), "w") as f:
             json.dump(header, f, indent=1)
         return 0 if fits else 1
-    res = Results(args.out, header)
+    res = Results(args.out, header, suite)
     selected = {s["step"] for s in steps}
-    res.missing.update({n: "not selected (--only)" for n, *_ in STEPS if n not in selected})
+    res.missing.update({n: "not selected (--only)" for n, *_ in suite.steps if n not in selected})
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     os.makedirs(args.scratch, exist_ok=True)
     env = dict(os.environ, **CHILD_ENV)
@@ -180,13 +221,13 @@ def run_parent(args: argparse.Namespace) -> int:
         res.step(name, result)
         say(f"{name}: {result['status']}{' (%ss)' % result['seconds'] if 'seconds' in result else ''}"
             f"{' - ' + result['why'] if result.get('why') else ''}")
-    print(render(res.data), flush=True)
+    print(suite.render(res.data), flush=True)
     shutil.rmtree(args.scratch, ignore_errors=True)
     rows = res.data["targets"]
     passed = sum(t["result"] == PASS for t in rows)
     not_run = sum(t["result"] == NOT_RUN for t in rows)
     say(f"{passed} of {len(rows)} targets PASS, {len(rows) - passed - not_run} FAIL, {not_run} NOT RUN; "
-        f"results in {args.out}/gpu-check.json and table.txt")
+        f"results in {args.out}/{suite.name}.json and table.txt")
     return 0 if passed == len(rows) else 1
 
 
@@ -232,8 +273,8 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
     if os.path.exists(result_path):
         os.unlink(result_path)
     log_path = os.path.join(args.out, "logs", f"{name}.log")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", args.out,
-           "--scratch", args.scratch] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")]
+    cmd = [sys.executable, os.path.abspath(args.suite.script), "--child", name, "--out", args.out,
+           "--scratch", args.scratch] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in args.suite.child_flags]
     child_env = dict(env, GPU_CHECK_DEADLINE=str(time.time() + limit - 3), **STEP_ENV.get(name, {}))
     with open(log_path, "w") as log:
         try:
@@ -295,7 +336,8 @@ def child(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=1, default=str)
         os.replace(tmp, path)
 
-    from gpu_check_steps import run_step  # scripts/gpu_check_steps.py: imports torch
+    module, function = args.suite.run_step.split(":")
+    run_step = getattr(importlib.import_module(module), function)  # the steps import torch
 
     try:
         result = run_step(args, save)
@@ -309,12 +351,25 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
+def check_header(args: argparse.Namespace) -> dict:
+    return {"estimates": estimates(args), "measure_estimate": measure_estimate(args),
+            "measure_shape": {k: getattr(args, k) for k in SHAPE_FLAGS}}
+
+
+CHECK = Suite("gpu-check", os.path.abspath(__file__), STEPS, plan, check_header, print_plan, targets, render,
+              SHAPE_FLAGS, "gpu_check_steps:run_step")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The parent, or with --child one step in this process."""
     if args.child:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         return child(args)
     return run_parent(args)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

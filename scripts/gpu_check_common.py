@@ -16,7 +16,7 @@ import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -40,9 +40,10 @@ def activation_bytes(spec: GPTSpec, micro_batch: Optional[int] = None) -> int:
 
 
 class CudaBox:
-    """Every GPU call of the steps: streams for the offloader, the compute-stream delay, a side
-    stream, the sync debug mode, memory statistics, the pinned link's bandwidth. The CPU test
-    subclasses it with stand-ins (module docstring)."""
+    """Every GPU call of the steps: streams for the offloader and for the measure step's own
+    copies and timing events, the compute-stream delay, a side stream, the sync debug mode,
+    memory statistics, device synchronisation. The CPU test subclasses it with stand-ins
+    (module docstring)."""
 
     oom: type = torch.cuda.OutOfMemoryError
 
@@ -95,20 +96,19 @@ class CudaBox:
         """(allocated, reserved) now."""
         return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
-    def pinned_bandwidth(self, device: torch.device, nbytes: int = GiB) -> Dict[str, float]:
-        """Bytes per second of one pinned host<->device copy (what the memory engine's link allows)."""
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        out = {}
-        for name, (dst, src) in (("write", (host, dev)), ("read", (dev, host))):
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(3):
-                dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            out[name] = 3 * nbytes / (time.perf_counter() - t0)
-        return out
+    def stream_ops(self) -> Any:
+        """StreamOps for the measure step's own copies (the link's rates: gpu_check_bounds.py)."""
+        from ssdtrain_megatron.cache.stream_ops import CudaStreams
+
+        return CudaStreams()
+
+    def timing_ops(self, streams: Optional[Any]) -> Any:
+        """The StreamOps whose timing events a point's timeline records: the offloader's own
+        (``streams``, what :meth:`streams` gave it) or CUDA's."""
+        return streams if streams is not None else self.stream_ops()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
 
     def registration_works(self) -> bool:
         """Whether cudaHostRegister pins here (else pools come from torch's pinned allocator,
@@ -122,11 +122,27 @@ class CudaBox:
         return True
 
 
+class GradBufferAdam(torch.optim.Adam):
+    """Adam whose ``zero_grad`` zeroes the gradients in place instead of freeing them: they stay
+    allocated between steps, as Megatron's DDP keeps its gradients in buffers allocated once.
+    Memory at a step's start then holds them, and the peak above it is what the step adds."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=False)
+
+
 class GpuGPT(MiniGPT):
     """MiniGPT in bf16 with its weights initialised on the device (CPU init of billions of
-    parameters takes minutes)."""
+    parameters takes minutes), with megatron-core's local spec or SDPA core attention."""
 
-    def __init__(self, spec: GPTSpec, device: torch.device) -> None:
+    def __init__(self, spec: GPTSpec, device: torch.device, attention: str = "local",
+                 grad_buffers: bool = False) -> None:
+        """``attention``: "local" (megatron-core's local spec, unfused attention) or "sdpa"
+        (its core attention on torch's scaled_dot_product_attention: gpu_check_sdpa.py).
+        ``grad_buffers``: Megatron's memory layout for the measure step: gradients allocated
+        once (:class:`GradBufferAdam`) and, on CUDA, a fused Adam (torch's default foreach
+        Adam allocates temporaries the size of all parameters, which Megatron's fused
+        optimizers do not): what a step adds above its start is then its activations'."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -142,8 +158,16 @@ class GpuGPT(MiniGPT):
             use_cpu_initialization=False, hidden_dropout=0.0, attention_dropout=0.0,
             bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False)
+        if attention == "sdpa":
+            from gpu_check_sdpa import sdpa_layer_spec
+
+            layer_spec = sdpa_layer_spec()
+        elif attention == "local":
+            layer_spec = get_gpt_layer_local_spec()
+        else:
+            raise ValueError(f"attention={attention!r}: expected 'local' or 'sdpa'")
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            self.model = GPTModel(config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(),
+            self.model = GPTModel(config=self.config, transformer_layer_spec=layer_spec,
                                   vocab_size=spec.vocab, max_sequence_length=spec.seq,
                                   share_embeddings_and_output_weights=False, position_embedding_type="rope")
         # All of it in bf16, as Megatron's Float16Module makes it (module.bfloat16()): the local
@@ -153,7 +177,10 @@ class GpuGPT(MiniGPT):
         self.model.to(device).bfloat16()
         self.model.train()
         self.params = list(self.model.parameters())
-        self.optimizer = torch.optim.Adam(self.params, lr=spec.lr)
+        if grad_buffers:
+            self.optimizer = GradBufferAdam(self.params, lr=spec.lr, fused=True if device.type == "cuda" else None)
+        else:
+            self.optimizer = torch.optim.Adam(self.params, lr=spec.lr)
         self.iteration = 0
         self.set_micro_batch(spec.micro_batch)
 

@@ -1,41 +1,58 @@
-"""The measure step of `make gpu-check` (scripts/gpu_check.py): peak memory, step time, the
-training thread's stall and tokens/s per policy, on the GPU, in its own process.
+"""The measure step of `make gpu-check` (scripts/gpu_check.py) and what `make gpu-perf`
+(scripts/gpu_perf.py) measures with it: peak memory, step time, the training thread's stall,
+tokens/s, each point's bound and its excess split by cause, on the GPU, in its own process.
 
-Side by side at micro-batch K (--micro-batch): keep, offload (memory, posix), full recompute.
-Then a budget that fits keep at K and not at K+1 (resident + (K + 0.5) x one sample's
-activations, measured from keep), and at K+1 inside it: keep (expected out of memory), full
-recompute, adaptive, offload. Adaptive is timed only once its measured selection settled (it
-explores a few plans first, plan/explore.py); a point says whether it did. Every point records
-its peak memory and what the same step holds with its activations freed (weights, gradients,
-optimizer state: measured right after the step, the cache emptied), so the peak target judges
-the activations' part, which offload moves, not the whole. A point that needs more drive space
-or host memory than the box has (its pinned pools counted as pinning really locks them, the
-staging pool included), or comes when the step's time is nearly up, is not run and says why;
-results are saved after every point, so a step stopped by its time limit keeps what it measured.
+A point is one strategy (keep, offload with an engine, adaptive, full recompute, or torch's
+``save_on_cpu``: scripts/gpu_check_runner.py) at one micro-batch size: a warm-up step (adaptive:
+until its measured selection settled, plan/explore.py), then --steps timed steps (at least 5
+count for a target), the median and the spread kept, the last recorded as a timeline
+(ssdtrain_megatron/telemetry/timeline.py) and written as a Chrome trace. Peak memory is each
+step's peak over its forward and backward (read as the optimizer starts) against memory at the
+step's start (after ``zero_grad``; the cache emptied after the warm-up), on a model with
+Megatron's memory layout (``GpuGPT(grad_buffers=True)``: gradients allocated once, a fused
+Adam): the activations' part, which offload moves, not the weights, gradients and optimizer
+state, nor the optimizer's working memory.
+
+The bounds are measured in the same run (scripts/gpu_check_bounds.py): after keep, the sizes
+of the records; after offload (memory), the link on registered memory at those sizes; after
+offload (posix), the drive in the step's pattern. :meth:`Measure.judge` then gives every point
+its bound, the stall beyond the IO deficit, and the excess split by cause
+(ssdtrain_megatron/telemetry/breakdown.py).
+
+The measure step of `make gpu-check`: keep, offload (memory, posix) and full recompute at
+micro-batch K (--micro-batch); then a budget that fits keep at K and not at K+1 (memory at
+keep's step start + (K + 0.5) x one sample's activations), and at K+1 inside it: keep (expected
+out of memory), full recompute and adaptive. A point that needs more drive space or host memory
+than the box has (its pinned pools counted as pinning really locks them, the staging pool
+included), or comes when the step's time is nearly up, is not run and says why; results are
+saved after every point, so a step stopped by its time limit keeps what it measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
 import shutil
 import statistics
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from gpu_check_bounds import judge_points, measure_drive, measure_link, record_sizes
 from gpu_check_common import CudaBox, GpuGPT, deadline_left
 from gpu_check_plan import (ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_SETTLE_CAP, ADAPTIVE_TRIAL_STEPS, MEASURE_INFLIGHT,
                             OVERFLOW_STAGING, memory_pool_bytes)
+from gpu_check_runner import SAVE_ON_CPU, TRACE_MAX_BYTES, Runner, record_step
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io.pinned import pinned_cost
-from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, installed_step
+from ssdtrain_megatron.telemetry.timeline import Timeline
+from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime
 
 
 MIN_TENSOR_BYTES = 256 * 1024  # the default: what a user's run offloads
+LINK_HOLD_CYCLES = 4_000_000  # ~2 ms on the compute stream while the link measurement's copies are issued
 
 
 class StallProbe:
@@ -85,22 +102,15 @@ class StallProbe:
         return self._real is not None
 
 
-def _drive_bandwidth(out_dir: str) -> Optional[dict]:
-    """The posix engine's bandwidth from the io-bench step's result, if it ran."""
-    try:
-        with open(os.path.join(out_dir, "steps", "io-bench.json")) as f:
-            posix = json.load(f).get("posix")
-    except (OSError, ValueError):
-        return None
-    return {"write": posix["write_gbps"] * 1e9, "read": posix["read_gbps"] * 1e9} if posix else None
-
-
 class Measure:
-    """One model, measured point by point under different policies and budgets."""
+    """One model, measured point by point under different strategies and budgets."""
 
     def __init__(self, args, save: Callable[[dict], None], model: GpuGPT, device: torch.device,
-                 box: CudaBox) -> None:
+                 box: CudaBox, trace_dir: Optional[str] = None, until: Optional[float] = None) -> None:
+        """``until``: a deadline of its own (``time.time()``), earlier than the step's: the
+        measurements stop in time for what the step does after them."""
         self.args, self.save, self.model, self.dev, self.box = args, save, model, device, box
+        self.trace_dir, self.until = trace_dir, until
         self.result: Dict[str, object] = {"points": []}
         self.total = box.total_memory(device)
         self.host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -108,12 +118,24 @@ class Measure:
         self.base_cfg = OffloadConfig(dirs=[args.scratch], engine="posix", min_tensor_bytes=MIN_TENSOR_BYTES)
         self.per_sample: Optional[float] = None  # one sample's activations, once keep has run
         self.probe = StallProbe()
+        self.timelines: Dict[str, Timeline] = {}  # point -> its last timed step
+        self.stats: Dict[str, object] = {}  # point -> its last StepStats (the model's prediction reads them)
+        self.rates: Dict[str, Optional[dict]] = {"link": None, "drive": None}
+        self.sizes: List[int] = []
 
-    def pinned(self, policy: str, cfg_kw: dict) -> int:
-        """Host memory the point's offloader locks: its staging pool and its engine's pool, at
-        what pinning really locks here (io/pinned.py)."""
+    def left(self) -> float:
+        """Seconds until this measurement's deadline (the step's, or ``until`` if earlier)."""
+        left = deadline_left()
+        return left if self.until is None else min(left, self.until - time.time())
+
+    def pinned(self, policy: str, cfg_kw: dict, mb: int = 1) -> int:
+        """Host memory the point locks: its offloader's staging pool and its engine's pool, at
+        what pinning really locks here (io/pinned.py); save_on_cpu: torch's pinned allocator
+        (powers of two) for a copy of every saved tensor, the weights included, up to twice it."""
         if policy == "keep":
             return 0
+        if policy == SAVE_ON_CPU:  # every saved tensor: the activations and the weights
+            return int(2 * ((self.per_sample or 0) * mb + sum(p.nbytes for p in self.model.params)))
         cfg = self.base_cfg.replace(**cfg_kw)
         pool = cfg.host_memory_bytes if cfg.engine in ("memory", "tiered") else 0
         return pinned_cost(cfg.staging_bytes(), self.registers) + pinned_cost(pool, self.registers)
@@ -121,11 +143,11 @@ class Measure:
     def _skip(self, mb: int, policy: str, engine: str, cfg_kw: dict) -> Optional[str]:
         need = self.per_sample * mb * 1.1 if self.per_sample else 0
         free = shutil.disk_usage(self.args.scratch).free
-        if deadline_left() < 20:
+        if self.left() < 20:
             return "not run: out of time"
-        if policy != "keep" and engine == "posix" and need > free:
+        if policy not in ("keep", SAVE_ON_CPU) and engine == "posix" and need > free:
             return f"not run (disk): needs about {need / 1e9:.0f} GB on the drive, {free / 1e9:.0f} GB free"
-        pinned = self.pinned(policy, dict(cfg_kw, engine=engine))
+        pinned = self.pinned(policy, dict(cfg_kw, engine=engine), mb)
         if pinned > 0.75 * self.host_ram:
             return (f"not run (host memory): {pinned / 1e9:.0f} GB of pinned pools (staging included"
                     f"{'' if self.registers else '; torch pinned allocator: powers of two'}), "
@@ -134,7 +156,10 @@ class Measure:
 
     def point(self, name: str, mb: int, policy: str, engine: str = "posix", recompute: bool = False,
               budget: Optional[int] = None, warmup: int = 1, **cfg_kw) -> dict:
-        p: Dict[str, object] = {"name": f"{name}@{mb}", "micro_batch": mb, "policy": policy, "engine": engine,
+        """One strategy measured (module docstring); policy "save_on_cpu" runs torch's hooks
+        instead of an offloader."""
+        p: Dict[str, object] = {"name": f"{name}@{mb}", "micro_batch": mb, "policy": policy,
+                                "engine": engine if policy not in ("keep", SAVE_ON_CPU) else None,
                                 "budget_bytes": budget}
         why = self._skip(mb, policy, engine, cfg_kw)
         if why:
@@ -147,14 +172,16 @@ class Measure:
             self.model.set_micro_batch(mb)
             self.model.set_recompute(recompute)
             off = None
+            streams = box.streams() if policy not in ("keep", SAVE_ON_CPU) else None
             try:
                 t0 = time.perf_counter()
-                off = ActivationOffloader(self.base_cfg.replace(policy=policy, engine=engine, job=f"gc-{name}-{mb}",
-                                                                **cfg_kw), device=self.dev,
-                                          streams=box.streams() if policy != "keep" else None)
-                p.update(start_s=time.perf_counter() - t0, pinned_bytes=self.pinned(policy, dict(cfg_kw, engine=engine)))
-                p.update(self._warm_up(off, warmup))
-                p.update(self._timed(off, mb))
+                if policy != SAVE_ON_CPU:
+                    cfg = self.base_cfg.replace(policy=policy, engine=engine, job=f"gc-{name}-{mb}", **cfg_kw)
+                    off = ActivationOffloader(cfg, device=self.dev, streams=streams)
+                p.update(start_s=time.perf_counter() - t0, pinned_bytes=self.pinned(policy, dict(cfg_kw, engine=engine), mb))
+                runner = Runner(self.model, off)
+                p.update(self._warm_up(runner, warmup))
+                p.update(self._timed(runner, str(p["name"]), mb, streams))
             except box.oom as exc:
                 p.update(ok=False, oom=True, error=str(exc).splitlines()[0][:300])
             except Exception as exc:  # noqa: BLE001 - one point failing does not end the step
@@ -170,57 +197,131 @@ class Measure:
         print(f"measure: {p}", flush=True)
         return p
 
-    def _warm_up(self, off: ActivationOffloader, steps: int) -> dict:
+    def _warm_up(self, runner: Runner, steps: int) -> dict:
         """``steps`` steps; adaptive (a planner with measured selection) until it settled, at
         most ADAPTIVE_SETTLE_CAP steps: its timed steps then measure the plan it chose, not
         the ones it tried."""
-        selection = off.planner.selection if off.planner is not None else None
+        off = runner.off
+        selection = off.planner.selection if off is not None and off.planner is not None else None
         n = 0
         while n < steps or (selection is not None and not selection.settled and n < ADAPTIVE_SETTLE_CAP):
-            installed_step(self.model, off)
+            runner.step()
             n += 1
-            if deadline_left() < 20:
+            if self.left() < 20:
                 break
         if selection is None:
             return {"warmup_steps": n}
         return {"warmup_steps": n, "settled": selection.settled, "settled_after": selection.settled_step}
 
-    def _timed(self, off: ActivationOffloader, mb: int) -> dict:
-        """--steps steady-state steps: peak memory (reserved and allocated), what the step holds
-        with its activations freed, time, bytes, and the training thread's time blocked on the
-        offloader (StallProbe; the stats' own io_wait_s and budget_wait_s beside it)."""
-        box = self.box
-        box.reset_peak(self.dev)
-        times, written, read, stats_wait, submit = [], 0, 0, 0.0, 0.0
-        probed = self.probe.seconds
-        for _ in range(self.args.steps):
-            _, dt = installed_step(self.model, off)
-            st = off.last_step_stats
-            times.append(dt)
-            written += st.bytes_offloaded
-            read += st.bytes_read
-            stats_wait += st.io_wait_s + st.budget_wait_s
-            submit += st.offload_submit_s
-            if deadline_left() < 10:
-                break
-        peak_alloc, peak_reserved = box.peak(self.dev)
+    def _timed(self, runner: Runner, name: str, mb: int, streams) -> dict:
+        """--steps steady-state steps (the last recorded as a timeline): time (median and spread),
+        bytes, the training thread's time blocked on the offloader (StallProbe; the stats' own
+        io_wait_s and budget_wait_s beside it), and memory: each step's peak over its forward
+        and backward (read as the optimizer starts), against memory at the step's start (after
+        zero_grad; the cache emptied once after the warm-up, so what the warm-up cached is not
+        the baseline's), and the whole step's peak, optimizer included, beside it."""
+        box, model = self.box, self.model
         gc.collect()
-        box.empty_cache()  # what stays: weights, gradients, optimizer state, in their segments
-        held_alloc, held_reserved = box.now(self.dev)
+        box.empty_cache()
+        times, written, read, stats_wait, submit = [], 0, 0, 0.0, 0.0
+        starts, fb_peaks, whole_peaks = [], [], []
+        probed = self.probe.seconds
+        tl: Optional[Timeline] = None
+        st = None
+        hook = model.optimizer.register_step_pre_hook(lambda opt, a, kw: fb_peaks.append(box.peak(self.dev)))
+        try:
+            for i in range(self.args.steps):
+                last = i == self.args.steps - 1 or self.left() < 15
+                model.optimizer.zero_grad(set_to_none=True)
+                starts.append(box.now(self.dev))
+                box.reset_peak(self.dev)
+                if last:
+                    dt, tl = record_step(box, runner, streams, self.dev, {"point": name})
+                else:
+                    dt = runner.step()
+                whole_peaks.append(box.peak(self.dev))
+                times.append(dt)
+                st = runner.stats
+                if st is not None:
+                    written += st.bytes_offloaded
+                    read += st.bytes_read
+                    stats_wait += st.io_wait_s + st.budget_wait_s
+                    submit += st.offload_submit_s
+                if last:
+                    break
+        finally:
+            hook.remove()
+        start_alloc, start_reserved = min(a for a, _ in starts), starts[0][1]
+        peak_alloc, peak_reserved = max(a for a, _ in fb_peaks), max(r for _, r in fb_peaks)
         n = len(times)
         stall = self.probe.seconds - probed if self.probe.works else stats_wait
         step_s = statistics.median(times)
-        out = dict(ok=True, step_s=step_s, times=times, peak_bytes=peak_alloc, peak_reserved=peak_reserved,
-                   held_bytes=held_alloc, held_reserved=held_reserved,
-                   activation_bytes=max(peak_alloc - held_alloc, 0),
-                   activation_reserved=max(peak_reserved - held_reserved, 0),
+        out = dict(ok=True, step_s=step_s, times=times, steps_timed=n, spread=(max(times) - min(times)) / step_s,
+                   peak_bytes=max(a for a, _ in whole_peaks), peak_reserved=max(r for _, r in whole_peaks),
+                   start_bytes=start_alloc, start_reserved=start_reserved,
+                   activation_bytes=max(peak_alloc - start_alloc, 0),
+                   activation_reserved=max(peak_reserved - start_reserved, 0),
                    stall_s=stall / n, stall_fraction=stall / sum(times), stall_source=self.probe.source,
-                   stats_wait_s=stats_wait / n, submit_s=submit / n, resident_after_step=held_alloc,
-                   tokens_per_s=mb * self.model.spec.seq / step_s, bytes_written=written / n, bytes_read=read / n,
-                   fallbacks=st.fallbacks)
-        if off.planner is not None and off.planner.selection is not None:
+                   stats_wait_s=stats_wait / n, submit_s=submit / n,
+                   tokens_per_s=mb * model.spec.seq / step_s, bytes_written=written / n, bytes_read=read / n,
+                   fallbacks=st.fallbacks if st is not None else 0)
+        if st is not None:
+            self.stats[name] = st
+        if tl is not None:
+            self.timelines[name] = tl
+            out.update(timeline_step_s=times[-1], thread_cpu_s=tl.thread_cpu_s,
+                       timeline_offloader_events=tl.meta.get("offloader_events", False))
+            if self.trace_dir:
+                out["trace"] = tl.write(os.path.join(self.trace_dir, f"{name.replace('@', '-mb')}.json"),
+                                        TRACE_MAX_BYTES)
+        off = runner.off
+        if off is not None and off.planner is not None and off.planner.selection is not None:
             out["still_settled"] = off.planner.selection.settled  # no drift re-exploration while timed
         return out
+
+    def offload_points(self, k: int) -> dict:
+        """keep, then the records' sizes, offload (memory) and the link's rates, offload (posix)
+        and the drive's rates, at micro-batch ``k``: the points every bound needs. Returns
+        keep's point."""
+        keep = self.point("keep", k, "keep")
+        if not keep.get("ok"):
+            return keep
+        self.per_sample = max(keep["activation_bytes"], 1) / k
+        self.sizes = record_sizes(self.model, MIN_TENSOR_BYTES)
+        self.result["record_sizes"] = {"records": len(self.sizes), "bytes": sum(self.sizes),
+                                       "largest": max(self.sizes, default=0)}
+        self.point("offload-memory", k, "offload", "memory", **self.memory_settings(k))
+        self._rate("link", lambda: measure_link(self.box.stream_ops(), self.dev, self.sizes,
+                                                self.box.sleeper(LINK_HOLD_CYCLES)))
+        posix = self.point("offload-posix", k, "offload", "posix", max_inflight_bytes=MEASURE_INFLIGHT)
+        if posix.get("ok") and posix["bytes_written"]:
+            cfg = self.base_cfg.replace(max_inflight_bytes=MEASURE_INFLIGHT, job=f"gc-drive-{k}")
+            self._rate("drive", lambda: measure_drive(cfg, self.box.stream_ops(), self.sizes,
+                                                      posix["bytes_written"], posix["bytes_read"]))
+        return keep
+
+    def memory_settings(self, mb: int) -> dict:
+        """The memory engine's pool for one micro-batch of ``mb`` samples, and a small staging
+        pool for what does not fit."""
+        return dict(host_memory_bytes=memory_pool_bytes(mb * (self.per_sample or 0)),
+                    pinned_staging_bytes=OVERFLOW_STAGING)
+
+    def _rate(self, kind: str, measure: Callable[[], dict]) -> None:
+        if self.left() < 15:
+            self.result[f"{kind}_rate_error"] = "not measured: out of time"
+            return
+        try:
+            self.rates[kind] = measure()
+        except Exception as exc:  # noqa: BLE001 - the rows that need it say why
+            self.result[f"{kind}_rate_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        self.result["rates"] = self.rates
+        self.save(dict(self.result, status="running"))
+
+    def judge(self, k: int) -> None:
+        """Every point at micro-batch ``k`` against its bound (gpu_check_bounds.judge_points)."""
+        judge_points(self.result["points"], k, self.rates,
+                     {name: tl.events for name, tl in self.timelines.items()})
+        self.save(dict(self.result, status="running"))
 
 
 def step_measure(args, save, box: CudaBox) -> dict:
@@ -228,33 +329,25 @@ def step_measure(args, save, box: CudaBox) -> dict:
     spec = GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab,
                    micro_batch=k, num_microbatches=1)
     with MegatronRuntime() as rt, StallProbe() as probe:
-        m = Measure(args, save, GpuGPT(spec, rt.device), rt.device, box)
+        m = Measure(args, save, GpuGPT(spec, rt.device, grad_buffers=True), rt.device, box,
+                    trace_dir=os.path.join(args.out, "traces", "measure"))
         m.probe = probe
         r = m.result
-        drive = _drive_bandwidth(args.out)
-        r.update(spec=dataclasses.asdict(spec), micro_batch=k, registration_works=m.registers,
-                 bandwidth={"memory": box.pinned_bandwidth(rt.device), **({"posix": drive} if drive else {})})
+        r.update(spec=dataclasses.asdict(spec), micro_batch=k, registration_works=m.registers)
         save(dict(r, status="running"))
-        # Keep first: its peak minus what the step holds with its activations freed (weights,
-        # gradients, optimizer state) is K samples' activations.
-        keep = m.point("keep", k, "keep")
+        # Keep first: its peak less memory at the step's start is K samples' activations.
+        keep = m.offload_points(k)
         if not keep.get("ok"):
             return dict(r, status="fail", why=f"keep at micro-batch {k} failed: {keep.get('error')}")
-        resident = keep["held_bytes"]
-        activation = max(keep["activation_bytes"], 1) / k
-        m.per_sample = activation
+        resident = keep["start_bytes"]
+        activation = m.per_sample
         budget = int(resident + (k + 0.5) * activation)
         r.update(resident_bytes=resident, activation_bytes_per_sample=activation, budget_bytes=budget)
-        memory = lambda mb: dict(host_memory_bytes=memory_pool_bytes(mb * activation),  # noqa: E731
-                                 pinned_staging_bytes=OVERFLOW_STAGING)
-        m.point("offload-memory", k, "offload", "memory", **memory(k))
-        m.point("offload-posix", k, "offload", "posix", max_inflight_bytes=MEASURE_INFLIGHT)
         m.point("recompute", k, "keep", recompute=True)
         m.point("keep", k + 1, "keep", budget=budget)
         m.point("recompute", k + 1, "keep", recompute=True, budget=budget)
         m.point("adaptive", k + 1, "adaptive", "posix", budget=budget, max_inflight_bytes=MEASURE_INFLIGHT,
                 memory_budget_bytes=int(0.5 * activation), recompute_fallback=True,
                 adaptive_trial_steps=ADAPTIVE_TRIAL_STEPS, adaptive_explore_steps=ADAPTIVE_EXPLORE_STEPS)
-        m.point("offload-memory", k + 1, "offload", "memory", budget=budget, **memory(k + 1))
-        m.point("offload-posix", k + 1, "offload", "posix", budget=budget, max_inflight_bytes=MEASURE_INFLIGHT)
+        m.judge(k)
     return dict(r, status="pass")

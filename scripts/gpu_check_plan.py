@@ -29,8 +29,7 @@ STEPS = [
     ("stress", 40, ("imports",), "50 steps, delayed side compute stream, compact views: bitwise"),
     ("cuda-tests", 40, ("install",), "the cuda tests this box can run (scripts/gpu_check_cuda.py): all pass"),
     ("syncs", 25, ("imports",), "host syncs on the training thread, offload (memory) vs keep"),
-    ("io-bench", 20, ("install",), "the drive's write/read bandwidth through the posix engine"),
-    ("measure", 120, ("imports",), "peak activation memory, step time, stall, tokens/s per policy"),
+    ("measure", 140, ("imports",), "per policy: peak activation memory, step time against its bound, stall"),
 ]
 TOTAL_S = 480  # the whole check, the parent's own work included
 PARENT_S = 10  # the parent's share: starting the steps, writing the results
@@ -56,6 +55,7 @@ BITWISE_DELAY_CYCLES, STRESS_DELAY_CYCLES = 10_000_000, 4_000_000
 BITWISE_INFLIGHT = 256 * MiB
 STRESS_INFLIGHT = 64 * MiB
 MEASURE_INFLIGHT = GiB
+LINK_BYTES = 512 * MiB  # one link measurement, each way (scripts/gpu_check_bounds.py)
 OVERFLOW_STAGING = 64 * MiB  # the staging of an engine that copies into its own pool (memory)
 ADAPTIVE_TRIAL_STEPS, ADAPTIVE_EXPLORE_STEPS = 1, 3  # the measure step's adaptive: settles fast
 # Warm-up steps at most before its timed steps: one before anything went through the drive
@@ -67,10 +67,25 @@ ADAPTIVE_SETTLE_CAP = 3 + ADAPTIVE_TRIAL_STEPS + 2 * ADAPTIVE_EXPLORE_STEPS
 
 
 def activation_bytes(shape: dict, micro_batch: Optional[int] = None) -> int:
-    """bf16 activations of one micro-batch: L b (34 s h + 5 a s^2) bytes (Korthikanti et al.)."""
+    """bf16 activations of one micro-batch: L b (34 s h + 5 a s^2) bytes (Korthikanti et al.);
+    without the 5 a s^2 of the softmax and probabilities with fused (SDPA) attention
+    (``shape["attention"] == "sdpa"``)."""
     b = shape["micro_batch"] if micro_batch is None else micro_batch
     s, h, a = shape["seq"], shape["hidden"], shape["heads"]
-    return shape["layers"] * b * (34 * s * h + 5 * a * s * s)
+    quadratic = 0 if shape.get("attention") == "sdpa" else 5 * a * s * s
+    return shape["layers"] * b * (34 * s * h + quadratic)
+
+
+def parameters(shape: dict) -> int:
+    """12 h^2 + 13 h per layer, and the untied embedding and output layer."""
+    h = shape["hidden"]
+    return shape["layers"] * (12 * h * h + 13 * h) + 2 * shape["vocab"] * h
+
+
+def save_on_cpu_bytes(shape: dict, micro_batch: int) -> int:
+    """What torch's save_on_cpu copies to host memory in a step: every saved tensor, the
+    activations and the bf16 weights the linear layers save for backward."""
+    return activation_bytes(shape, micro_batch) + 2 * parameters(shape)
 
 
 def round_up(n: int, to: int) -> int:
@@ -125,22 +140,29 @@ def _comparison(shape: dict, steps: int, cycles: int, pinned: int) -> Dict[str, 
 def measure_points(args) -> List[dict]:
     """The measure step's points in order, with the steps each runs (warm-up and timed), for the
     estimate (the step itself sizes its memory pools from what keep measured)."""
-    k, n = args.micro_batch, args.steps
-    shape = measure_shape(args)
+    k = args.micro_batch
+    return point_plan(measure_shape(args), (("keep", k, None), ("offload-memory", k, "memory"),
+                                            ("offload-posix", k, "posix"), ("recompute", k, None),
+                                            ("keep", k + 1, None), ("recompute", k + 1, None),
+                                            ("adaptive", k + 1, "posix")), args.steps)
+
+
+def point_plan(shape: dict, points, timed: int) -> List[dict]:
+    """(name, micro-batch, engine) -> the plan's points: their pools, and the steps each runs
+    (keep: one more, the records' sizes; adaptive: until it settles)."""
     pts = []
-    for name, mb, engine in (("keep", k, None), ("offload-memory", k, "memory"), ("offload-posix", k, "posix"),
-                             ("recompute", k, None), ("keep", k + 1, None), ("recompute", k + 1, None),
-                             ("adaptive", k + 1, "posix"), ("offload-memory", k + 1, "memory"),
-                             ("offload-posix", k + 1, "posix")):
+    for name, mb, engine in points:
         settings = {}
         if engine == "memory":
             settings = dict(host_memory_bytes=memory_pool_bytes(activation_bytes(shape, mb)),
                             pinned_staging_bytes=OVERFLOW_STAGING)
         elif engine == "posix":
             settings = dict(max_inflight_bytes=MEASURE_INFLIGHT)
-        steps = 1 + n if name != "adaptive" else ADAPTIVE_SETTLE_CAP + n
+        steps = {"adaptive": ADAPTIVE_SETTLE_CAP, "keep": 2}.get(name, 1) + timed
+        pinned = pinned_bytes(engine, settings) if engine else \
+            (2 * save_on_cpu_bytes(shape, mb) if name == "save_on_cpu" else 0)  # torch's allocator, powers of two
         pts.append(dict(name=f"{name}@{mb}", micro_batch=mb, engine=engine, settings=settings, steps=steps,
-                        pinned=pinned_bytes(engine, settings) if engine else 0))
+                        pinned=pinned))
     return pts
 
 
@@ -150,22 +172,42 @@ def measure_shape(args) -> dict:
 
 
 def measure_estimate(args) -> dict:
-    """Seconds the measure step needs at the ASSUME rates: its start, then per point the
+    return points_estimate(measure_shape(args), measure_points(args))
+
+
+def points_estimate(shape: dict, points: List[dict]) -> dict:
+    """Seconds a measure step needs at the ASSUME rates: its start, then per point the
     registration of its pinned pools and its steps' compute and, for offload, the bytes both
-    ways over the engine's link. Adaptive offloads about half of its activations in a step
-    (what its budget cannot hold, and the all-offload plan it tries once)."""
-    shape = measure_shape(args)
-    per_point, register = {}, 0.0
-    for p in measure_points(args):
+    ways over the engine's link (memory: the host link; posix: the drive), and the bounds'
+    rates: the link on registered memory (LINK_BYTES each way and both at once, a few times)
+    and the drive with the posix point's bytes. Adaptive offloads about half of its
+    activations in a step (what its budget cannot hold, and the all-offload plan it tries
+    once); save_on_cpu copies every saved tensor, the weights included, both ways over the host
+    link."""
+    per_point: Dict[str, dict] = {}
+    register = 0.0
+    for p in points:
         mb, act = p["micro_batch"], activation_bytes(shape, p["micro_batch"])
         base = p["name"].split("@")[0]
         comp = _compute_s(shape, mb, recompute=base == "recompute")
         link = {"memory": ASSUME["link_bps"], "posix": ASSUME["drive_bps"]}.get(p["engine"])
         moved = 2 * act * (0.5 if base == "adaptive" else 1.0) if link else 0
+        if base == "save_on_cpu":
+            link, moved = ASSUME["link_bps"], 2 * save_on_cpu_bytes(shape, mb)
         reg = p["pinned"] / ASSUME["register_bps"]
         register += reg
-        per_point[p["name"]] = round(reg + p["steps"] * (comp + (moved / link if link else 0)), 1)
-    return {"seconds": round(ASSUME["start_s"] + sum(per_point.values()), 1), "points": per_point,
+        io = moved / link if link else 0.0
+        per_point[p["name"]] = {"steps": p["steps"], "compute_s": comp, "io_s": io, "register_s": reg,
+                                "seconds": round(reg + p["steps"] * (comp + io), 1)}
+    rates = 0.0
+    if any(p["engine"] == "memory" for p in points):
+        link_bytes = min(LINK_BYTES, activation_bytes(shape))
+        rates += 4 * link_bytes / ASSUME["register_bps"] + 12 * link_bytes / ASSUME["link_bps"]
+    if any(p["engine"] == "posix" and p["name"].startswith("offload") for p in points):
+        rates += 2 * activation_bytes(shape) / ASSUME["drive_bps"]
+    per_point["bounds' rates"] = {"seconds": round(rates, 1)}
+    total = ASSUME["start_s"] + sum(p["seconds"] for p in per_point.values())
+    return {"seconds": round(total, 1), "points": per_point,
             "register_s": round(register, 1), "activation_bytes_per_step": activation_bytes(shape),
             "assumptions": ASSUME}
 
@@ -187,7 +229,6 @@ def estimates(args) -> Dict[str, Dict[str, float]]:
     syncs = dict(bitwise_settings("memory"))
     out["syncs"] = {"start": ASSUME["start_s"], "register": pinned_bytes("memory", syncs) / ASSUME["register_bps"],
                     "work": 2 * 5 * _compute_s(BITWISE_SHAPE, BITWISE_SHAPE["micro_batch"])}
-    out["io-bench"] = {"start": ASSUME["torch_start_s"], "work": 2 * 2 * IO_BENCH_GIB * GiB / ASSUME["drive_bps"]}
     m = measure_estimate(args)
     out["measure"] = {"start": ASSUME["start_s"], "register": m["register_s"],
                       "work": m["seconds"] - ASSUME["start_s"] - m["register_s"]}
@@ -196,12 +237,9 @@ def estimates(args) -> Dict[str, Dict[str, float]]:
     return out
 
 
-IO_BENCH_GIB, IO_BENCH_TENSOR_MIB = 2, 64  # io-bench's volume each way (engine and raw baseline)
-
-
-def plan(args) -> List[dict]:
+def plan(args, steps=STEPS) -> List[dict]:
     """The steps to run, in order: all, or those of --only and the steps they need."""
-    needs = {n: deps for n, _, deps, _ in STEPS}
+    needs = {n: deps for n, _, deps, _ in steps}
     chosen = set(args.only.split(",")) if args.only else set(needs)
     todo = list(chosen)
     while todo:
@@ -209,13 +247,26 @@ def plan(args) -> List[dict]:
             if dep not in chosen:
                 chosen.add(dep)
                 todo.append(dep)
-    return [{"step": n, "timeout_s": t, "needs": list(d), "what": w} for n, t, d, w in STEPS if n in chosen]
+    return [{"step": n, "timeout_s": t, "needs": list(d), "what": w} for n, t, d, w in steps if n in chosen]
 
 
 def print_plan(args, steps: List[dict], say) -> bool:
-    """The time plan; True when it fits: each step's estimate within its limit, and the limits
-    adding up to --total-s less the parent's share at most."""
-    est = estimates(args)
+    """The time plan of gpu-check; True when it fits (see :func:`print_steps`)."""
+    notes = []
+    if any(s["step"] == "measure" for s in steps):
+        m = measure_estimate(args)
+        notes.append(f"measure: {m['activation_bytes_per_step'] / 1e9:.1f} GB of activations per step at micro-batch "
+                     f"{args.micro_batch}; {args.steps} timed steps per point; at drive {ASSUME['drive_bps'] / 1e9:g} GB/s, "
+                     f"link {ASSUME['link_bps'] / 1e9:g} GB/s, {ASSUME['flops'] / 1e12:g} TFLOP/s, registration "
+                     f"{ASSUME['register_bps'] / 1e9:g} GB/s")
+    return print_steps(args, steps, say, estimates(args), PARENT_S, notes)
+
+
+def print_steps(args, steps: List[dict], say, est: Dict[str, Dict[str, float]], parent_s: float,
+                notes: List[str]) -> bool:
+    """Each step's limit and estimate (its parts), their sums, ``notes``; True when it fits:
+    each step's estimate within its limit, and the limits adding up to --total-s less the
+    parent's share at most."""
     total = sum(s["timeout_s"] for s in steps)
     fits = True
     for s in steps:
@@ -225,17 +276,14 @@ def print_plan(args, steps: List[dict], say) -> bool:
         fits &= not over
         say(f"  {s['step']:<19} limit {s['timeout_s']:>4}s  estimate {e['total']:>5.0f}s"
             f"{' OVER' if over else ''}  ({parts})  {s['what']}")
-    budget = args.total_s - PARENT_S
+    budget = args.total_s - parent_s
     fits &= total <= budget
     register = sum(est[s["step"]].get("register", 0) for s in steps)
     collect = sum(est[s["step"]].get("collect", 0) for s in steps)
-    say(f"  {'sum':<19} limit {total:>4}s  of {budget}s ({args.total_s}s less {PARENT_S}s for the parent); "
+    say(f"  {'sum':<19} limit {total:>4}s  of {budget:g}s ({args.total_s}s less {parent_s:g}s for the parent); "
         f"estimates {sum(est[s['step']]['total'] for s in steps):.0f}s, of which registering pinned "
-        f"memory {register:.0f}s and collecting tests {collect:.0f}s")
-    if any(s["step"] == "measure" for s in steps):
-        m = measure_estimate(args)
-        say(f"  measure: {m['activation_bytes_per_step'] / 1e9:.1f} GB of activations per step at micro-batch "
-            f"{args.micro_batch}; at drive {ASSUME['drive_bps'] / 1e9:g} GB/s, link {ASSUME['link_bps'] / 1e9:g} GB/s, "
-            f"{ASSUME['flops'] / 1e12:g} TFLOP/s, registration {ASSUME['register_bps'] / 1e9:g} GB/s")
+        f"memory {register:.0f}s" + (f" and collecting tests {collect:.0f}s" if collect else ""))
+    for line in notes:
+        say(f"  {line}")
     say("the plan fits" if fits else "the plan does NOT fit: shorten the steps or shrink --layers/--hidden/--seq")
     return fits

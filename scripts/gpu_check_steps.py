@@ -13,8 +13,6 @@ import contextlib
 import dataclasses
 import gc
 import importlib
-import io
-import json
 import os
 import sys
 from typing import Callable, Dict, Optional
@@ -22,7 +20,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from gpu_check_common import CudaBox, GpuGPT, bits, deadline_left, deterministic, grads, offload_config, same
-from gpu_check_plan import (BITWISE_DELAY_CYCLES, BITWISE_SHAPE, BITWISE_STEPS, IO_BENCH_GIB, IO_BENCH_TENSOR_MIB,
+from gpu_check_plan import (BITWISE_DELAY_CYCLES, BITWISE_SHAPE, BITWISE_STEPS,
                             STRESS_DELAY_CYCLES, STRESS_INFLIGHT, STRESS_SHAPE, STRESS_STEPS, bitwise_settings)
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, MiniGPT, installed_step
@@ -295,20 +293,6 @@ def step_syncs(args, save, box: CudaBox) -> dict:
             **({} if ok else {"why": f"offload adds {counts['offload'] - counts['keep']:.1f} syncs per step"})}
 
 
-def step_io_bench(args, save) -> dict:
-    from ssdtrain_megatron.tools.cli import main as cli
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = cli(["io-bench", "--dir", args.scratch, "--engine", "posix", "--total-gib", str(IO_BENCH_GIB),
-                  "--tensor-mib", str(IO_BENCH_TENSOR_MIB), "--rounds", "1", "--json", "--quiet"])
-    if rc != 0:
-        return {"status": "fail", "why": f"io-bench exit status {rc}"}
-    report = json.loads(buf.getvalue().strip().splitlines()[-1])
-    eng = report.get("engines", {}).get("posix", {})
-    return {"status": "pass", "baseline": report.get("baseline"), "posix": eng, "report": report}
-
-
 def run_step(args: argparse.Namespace, save: Callable[[dict], None], box: Optional[CudaBox] = None) -> dict:
     """The step ``args.child``. ``box``: the GPU calls (default: the real ones, on a box with
     CUDA; the CPU test passes stand-ins)."""
@@ -330,7 +314,7 @@ def run_step(args: argparse.Namespace, save: Callable[[dict], None], box: Option
 
         return step_cuda_tests(args, save)
     fn = {"imports": lambda: step_imports(args, save), "stress": lambda: step_stress(args, save, box),
-          "syncs": lambda: step_syncs(args, save, box), "io-bench": lambda: step_io_bench(args, save)}.get(name)
+          "syncs": lambda: step_syncs(args, save, box)}.get(name)
     if fn is None:
         raise ValueError(f"unknown step {name!r}")
     return fn()

@@ -11,9 +11,10 @@ import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
-STALL_MAX = 0.02  # the training thread's wait for the offloader, as a fraction of step time
+STALL_MAX = 0.02  # the training thread's wait for the offloader beyond the IO deficit, of step time
 PEAK_MAX = 0.5  # the activations' part of peak reserved memory, offload over keep
-OVERLAP_MAX = 1.05  # offload's step time over max(keep's, bytes over bandwidth)
+OVERLAP_MAX = 1.05  # offload's step time over its bound (scripts/gpu_check_bounds.py)
+MIN_TIMED_STEPS = 5  # a point judged on fewer timed steps is not judged
 Verdict = Tuple[Optional[bool], str]  # (True/False, detail) or (None, why not run)
 
 
@@ -75,6 +76,8 @@ def _points(step: dict) -> Dict[str, dict]:
 def _point(step: dict, name: str) -> Tuple[Optional[dict], str]:
     """A measured point of the measure step, or None and why there is none."""
     p = _points(step).get(name)
+    if p is not None and p.get("ok") and p.get("steps_timed", 0) < MIN_TIMED_STEPS:
+        return None, f"{name}: {p.get('steps_timed', 0)} of at least {MIN_TIMED_STEPS} timed steps ran"
     if p is not None and p.get("ok"):
         return p, ""
     if p is not None:
@@ -82,16 +85,6 @@ def _point(step: dict, name: str) -> Tuple[Optional[dict], str]:
     if step.get("status") in (None, "not run", "skip", "error"):
         return None, _not_run_why(step)
     return None, f"{name} was not measured (measure step {step.get('status')}: {step.get('why', 'ended before it')})"
-
-
-def _stall(engine: str, step: dict) -> Verdict:
-    k = step.get("micro_batch", 1)
-    off, why = _point(step, f"offload-{engine}@{k}")
-    if off is None:
-        return None, why
-    frac = off["stall_fraction"]
-    return frac <= STALL_MAX, (f"{frac * 100:.2f}% ({off['stall_s'] * 1e3:.1f} ms per step blocked on the offloader; "
-                               f"step {off['step_s'] * 1e3:.0f} ms; submitting writes {off.get('submit_s', 0) * 1e3:.1f} ms)")
 
 
 def _keep_and_offload(engine: str, step: dict):
@@ -102,39 +95,63 @@ def _keep_and_offload(engine: str, step: dict):
     return keep, off, why or why2
 
 
-def _peak(engine: str, step: dict) -> Verdict:
-    """The activations' part of the peak: peak reserved less what the same step holds with its
-    activations freed (weights, gradients and Adam state are no offloader's to move, and at
-    the default shape they alone are more than half of keep's peak). Allocated beside it, and
-    the whole peaks: memory that ``record_stream`` holds back is memory the user cannot use."""
+def _stall(engine: str, step: dict, limit: float = STALL_MAX) -> Verdict:
+    """The training thread's time blocked on the offloader beyond the IO deficit
+    ``max(0, IO time - keep's step)``, of the step: a drive slower than compute forces the
+    deficit, the offloader only what is beyond it (telemetry/bounds.py)."""
     keep, off, why = _keep_and_offload(engine, step)
     if keep is None or off is None:
         return None, why
-    if "activation_reserved" not in keep or "activation_reserved" not in off:
-        return None, "no activation figures (peak less what the step holds without them) were measured"
+    if "stall_beyond_fraction" not in off:
+        return None, off.get("bound_why", "no bound was measured: the IO deficit is unknown")
+    deficit = max(0.0, off["bound"]["io_s"] - keep["step_s"])
+    frac = off["stall_beyond_fraction"]
+    return frac <= limit, (f"{frac * 100:.2f}% beyond the IO deficit ({off['stall_s'] * 1e3:.1f} ms per step blocked on "
+                           f"the offloader, deficit {deficit * 1e3:.1f} ms = max(0, IO {off['bound']['io_s'] * 1e3:.1f} - "
+                           f"keep {keep['step_s'] * 1e3:.1f}); step {off['step_s'] * 1e3:.0f} ms)")
+
+
+def _peak(engine: str, step: dict, limit: float = PEAK_MAX) -> Verdict:
+    """The activations' part of the peak: peak reserved less memory at the step's start (after
+    zero_grad: weights and optimizer state, which no offloader moves; the cache emptied after
+    the warm-up). Allocated beside it, and the whole peaks: memory that ``record_stream``
+    holds back is memory the user cannot use."""
+    keep, off, why = _keep_and_offload(engine, step)
+    if keep is None or off is None:
+        return None, why
+    return peak_verdict(off, keep, limit)
+
+
+def peak_verdict(off: dict, keep: dict, limit: float) -> Verdict:
     if keep["activation_reserved"] <= 0:
-        return None, "keep's peak reserved is no higher than what its step holds without activations"
+        return None, "keep's peak reserved is no higher than memory at its step's start"
     r = off["activation_reserved"] / keep["activation_reserved"]
     g = 2 ** 30
-    return r <= PEAK_MAX, (f"{r:.2f}x activation reserved ({off['activation_reserved'] / g:.2f} vs "
-                           f"{keep['activation_reserved'] / g:.2f} GiB; allocated {off['activation_bytes'] / g:.2f} vs "
-                           f"{keep['activation_bytes'] / g:.2f} GiB); whole peak reserved {off['peak_reserved'] / g:.1f} vs "
-                           f"{keep['peak_reserved'] / g:.1f} GiB, allocated {off['peak_bytes'] / g:.1f} vs "
-                           f"{keep['peak_bytes'] / g:.1f} GiB")
+    return r <= limit, (f"{r:.2f}x activation reserved ({off['activation_reserved'] / g:.2f} vs "
+                        f"{keep['activation_reserved'] / g:.2f} GiB above the step's start; allocated "
+                        f"{off['activation_bytes'] / g:.2f} vs {keep['activation_bytes'] / g:.2f} GiB); whole peak "
+                        f"reserved {off['peak_reserved'] / g:.1f} vs {keep['peak_reserved'] / g:.1f} GiB, allocated "
+                        f"{off['peak_bytes'] / g:.1f} vs {keep['peak_bytes'] / g:.1f} GiB")
 
 
-def _overlap(engine: str, step: dict) -> Verdict:
+def _overlap(engine: str, step: dict, limit: float = OVERLAP_MAX) -> Verdict:
     keep, off, why = _keep_and_offload(engine, step)
     if keep is None or off is None:
         return None, why
-    bw = step.get("bandwidth", {}).get(engine)
-    if not bw:
-        return None, f"no {engine} bandwidth measured (io-bench did not pass)" if engine == "posix" else "no bandwidth"
-    link = off["bytes_written"] / bw["write"] + off["bytes_read"] / bw["read"]
-    bound = max(keep["step_s"], link)
-    r = off["step_s"] / bound
-    return r <= OVERLAP_MAX, (f"{off['step_s']:.3f}s vs bound {bound:.3f}s (keep {keep['step_s']:.3f}s, "
-                              f"link {link:.3f}s) = {r:.2f}x")
+    return bound_verdict(off, keep, limit)
+
+
+def bound_verdict(off: dict, keep: dict, limit: float) -> Verdict:
+    """The point's median step over its bound, the formula and every term named, keep + IO
+    beside it (the bound assumes the IO hides entirely behind compute)."""
+    b = off.get("bound")
+    if not b:
+        return None, off.get("bound_why", "no bound was measured")
+    r = off["step_s"] / b["seconds"]
+    terms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b["terms"].items())
+    return r <= limit, (f"{r:.2f}x: {off['step_s'] * 1e3:.1f} ms (median of {off['steps_timed']}, spread "
+                        f"{off.get('spread', 0):.0%}) vs {b['formula']} = {b['seconds'] * 1e3:.1f} ms (ms: {terms}; "
+                        f"keep + IO {(keep['step_s'] + b['io_s']) * 1e3:.1f})")
 
 
 def _rok(step: dict) -> Verdict:
@@ -167,20 +184,22 @@ TARGETS: List[Tuple[str, str, Callable[[dict], Verdict]]] = [
     ("stress: 50 steps bitwise, side stream, compact views", "stress", _status),
     ("cuda tests: every required one passed", "cuda-tests", _status),
     ("no host sync added by offload (memory engine)", "syncs", _syncs),
-] + [(f"host stall offload-{e} <= {STALL_MAX:.0%} of step time", "measure", functools.partial(_stall, e))
-     for e in ("memory", "posix")] + [
+] + [(f"stall beyond the IO deficit offload-{e} <= {STALL_MAX:.0%} of step", "measure",
+      functools.partial(_stall, e)) for e in ("memory", "posix")] + [
     (f"peak activation memory offload-{e} <= {PEAK_MAX}x keep", "measure", functools.partial(_peak, e))
     for e in ("memory", "posix")] + [
-    (f"overlap offload-{e} <= {OVERLAP_MAX}x max(keep, bytes/bw)", "measure", functools.partial(_overlap, e))
+    (f"overlap offload-{e} <= {OVERLAP_MAX}x its bound", "measure", functools.partial(_overlap, e))
     for e in ("memory", "posix")] + [
     ("ROK: adaptive at K+1 >= keep's best and > recompute", "measure", _rok),
 ]
 
 
-def targets(steps: Dict[str, dict], missing: Optional[Dict[str, str]] = None) -> List[dict]:
-    """One row per target of TARGETS. ``missing``: why a step that has no result did not run."""
+def targets(steps: Dict[str, dict], missing: Optional[Dict[str, str]] = None,
+            table: Optional[List[Tuple[str, str, Callable[[dict], Verdict]]]] = None) -> List[dict]:
+    """One row per target of ``table`` (default: TARGETS). ``missing``: why a step that has no
+    result did not run."""
     rows = []
-    for name, step_name, judge in TARGETS:
+    for name, step_name, judge in TARGETS if table is None else table:
         step = steps.get(step_name)
         if step is None:
             ok, detail = None, (missing or {}).get(step_name, f"step {step_name} did not run")
@@ -191,22 +210,61 @@ def targets(steps: Dict[str, dict], missing: Optional[Dict[str, str]] = None) ->
     return rows
 
 
+def render_points(points: List[dict]) -> List[str]:
+    """The points' table: memory, time (median, spread, over the bound), stall, bytes; then each
+    point's excess split by cause (telemetry/breakdown.py) and where its trace is."""
+    g = 2 ** 30
+    lines = [f"{'point':<22}{'reserved GiB':>13}{'act res GiB':>12}{'step ms':>9}{'spread':>7}{'x bound':>8}"
+             f"{'stall %':>8}{'beyond %':>9}{'tokens/s':>10}{'written GB':>11}{'read GB':>9}"]
+    for p in points:
+        if not p.get("ok"):
+            lines.append(f"{p['name']:<22}  {'out of memory' if p.get('oom') else p.get('error', 'failed')}")
+            continue
+        beyond = p.get("stall_beyond_fraction")
+        lines.append(f"{p['name']:<22}{p['peak_reserved'] / g:>13.2f}{p.get('activation_reserved', 0) / g:>12.2f}"
+                     f"{p['step_s'] * 1e3:>9.1f}{p.get('spread', 0):>7.0%}"
+                     f"{p['vs_bound'] if 'vs_bound' in p else float('nan'):>8.2f}{100 * p['stall_fraction']:>8.2f}"
+                     f"{100 * beyond if beyond is not None else float('nan'):>9.2f}{p['tokens_per_s']:>10.0f}"
+                     f"{p['bytes_written'] / 1e9:>11.2f}{p['bytes_read'] / 1e9:>9.2f}")
+    for p in points:
+        b = p.get("breakdown")
+        if not b:
+            continue
+        verdict = {True: "adds up", False: "does NOT add up", None: "no excess to split"}[b["adds_up"]]
+        lines += ["", f"{p['name']}: {b['step_s'] * 1e3:.1f} ms vs {b['formula']} {b['bound_s'] * 1e3:.1f} ms: excess "
+                      f"{b['excess_s'] * 1e3:.1f} ms; parts {b['sum_s'] * 1e3:.1f} ms ({verdict}; timeline step "
+                      f"{b['timeline_step_s'] * 1e3:.1f} ms)" + (f"; trace {p['trace']['path']}" if p.get("trace") else "")]
+        lines += [f"  {k:<58}{v * 1e3:>9.1f} ms" for k, v in sorted(b["parts"].items(), key=lambda kv: -abs(kv[1]))]
+        lines += _io_lines(b, p.get("thread_cpu_s") or {})
+    return lines
+
+
+def _io_lines(b: dict, cpu: Dict[str, float]) -> List[str]:
+    """What each link direction and the drive achieved against the bound's assumption, their
+    overlap, the training side's waits by reason (summed) and each thread's CPU seconds."""
+    moved = []
+    for key, label in (("d2h", "D2H"), ("h2d", "H2D"), ("drive_write", "drive write"), ("drive_read", "drive read")):
+        f = b["io"].get(key) or {}
+        if f.get("bytes"):
+            assumed = f" (assumed {f['assumed_gbps']:.1f})" if f.get("assumed_gbps") else ""
+            moved.append(f"{label} {f['bytes'] / 1e9:.2f} GB at {f['gbps']:.1f} GB/s{assumed}")
+    out = []
+    if moved:
+        out.append("  moved: " + ", ".join(moved) + f"; D2H and H2D overlapped {b['io']['link_overlap_s'] * 1e3:.1f} ms")
+    if b.get("host_blocked_s"):
+        out.append("  blocked (summed): " + ", ".join(f"{r} {v * 1e3:.1f} ms" for r, v in b["host_blocked_s"].items()))
+    if cpu:
+        out.append("  CPU s: " + ", ".join(f"{t} {v:.2f}" for t, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
+    return out
+
+
 def render(data: dict) -> str:
     lines = [f"{'target':<56} {'result':<7}  detail"]
     for t in data.get("targets", []):
         lines.append(f"{t['target'][:56]:<56} {t['result']:<7}  {t['detail']}")
     me = data.get("steps", {}).get("measure", {})
     if me.get("points"):
-        lines += ["", f"{'point':<20}{'reserved GiB':>13}{'alloc GiB':>10}{'act res GiB':>12}{'step s':>9}{'stall %':>8}"
-                      f"{'tokens/s':>10}{'written GB':>11}{'read GB':>9}"]
-        for p in me["points"]:
-            if p.get("ok"):
-                lines.append(f"{p['name']:<20}{p['peak_reserved'] / 2**30:>13.2f}{p['peak_bytes'] / 2**30:>10.2f}"
-                             f"{p.get('activation_reserved', 0) / 2**30:>12.2f}"
-                             f"{p['step_s']:>9.3f}{100 * p['stall_fraction']:>8.2f}{p['tokens_per_s']:>10.0f}"
-                             f"{p['bytes_written'] / 1e9:>11.2f}{p['bytes_read'] / 1e9:>9.2f}")
-            else:
-                lines.append(f"{p['name']:<20}  {'out of memory' if p.get('oom') else p.get('error', 'failed')}")
+        lines += [""] + render_points(me["points"])
     lines.append("")
     for name, st in data.get("steps", {}).items():
         lines.append(f"step {name:<15} {st.get('status', '?'):<8} {st.get('seconds', '')}")

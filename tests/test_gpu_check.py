@@ -24,6 +24,7 @@ import gpu_check_cuda  # noqa: E402
 import gpu_check_measure  # noqa: E402,F401 - imports cleanly (its step runs on a GPU only)
 import gpu_check_plan  # noqa: E402
 import gpu_check_targets  # noqa: E402
+from gpu_check_bounds import judge_points  # noqa: E402
 
 TARGET_NAMES = [t[0] for t in gpu_check_targets.TARGETS]
 
@@ -236,29 +237,39 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
     assert torch.is_grad_enabled()
 
 
-def _point(name, step_s, reserved, written=0.0, read=0.0, mb=1, seq=2048, stall=0.0, held=60, **kw):
-    """A measured point; ``held``: what the step holds with its activations freed (weights,
-    gradients, Adam state), the same for every point of one model."""
-    return dict(name=name, ok=True, step_s=step_s, peak_bytes=reserved * 0.9, peak_reserved=reserved,
-                held_bytes=held * 0.9, held_reserved=held, activation_bytes=(reserved - held) * 0.9,
-                activation_reserved=reserved - held, bytes_written=written, bytes_read=read,
-                tokens_per_s=mb * seq / step_s, stall_s=stall, stall_fraction=stall / step_s, **kw)
+def _point(name, step_s, reserved, written=0.0, read=0.0, mb=1, seq=2048, stall=0.0, start=60, policy="keep",
+           engine=None, **kw):
+    """A measured point; ``start``: memory at its step's start (weights, Adam state), the same
+    for every point of one model."""
+    return dict(name=name, ok=True, micro_batch=mb, policy=policy, engine=engine, step_s=step_s, steps_timed=5,
+                spread=0.02, peak_bytes=reserved * 0.9, peak_reserved=reserved, start_bytes=start * 0.9,
+                start_reserved=start, activation_bytes=(reserved - start) * 0.9, activation_reserved=reserved - start,
+                bytes_written=written, bytes_read=read, tokens_per_s=mb * seq / step_s, stall_s=stall,
+                stall_fraction=stall / step_s, **kw)
+
+
+RATES = {"link": {"d2h": 50e9, "h2d": 50e9, "both": 80e9}, "drive": {"write": 5e9, "read": 5e9}}
 
 
 def _passing_steps():
-    """Results of every step as a GPU box whose every target passes would write them. As at the
-    default measure shape, weights, gradients and Adam state are most of keep's peak: offload
-    halves the activations' part (40 -> 15, 18) while the whole peak only drops to 0.75x."""
-    measure = {"status": "pass", "micro_batch": 1, "bandwidth": {"memory": {"write": 50e9, "read": 50e9},
-                                                                  "posix": {"write": 5e9, "read": 5e9}},
-               "points": [
-                   _point("keep@1", 1.0, 100),
-                   _point("offload-memory@1", 1.04, 75, written=25e9, read=25e9, stall=0.01),  # 1.04x, 1%
-                   _point("offload-posix@1", 10.4, 78, written=25e9, read=25e9, stall=0.1),  # bound 10 s
-                   {"name": "keep@2", "ok": False, "oom": True},
-                   _point("recompute@2", 3.0, 90, mb=2),
-                   _point("adaptive@2", 1.9, 80, mb=2, settled=True, warmup_steps=6, still_settled=True),
-               ]}
+    """Results of every step as a GPU box whose every target passes would write them, the
+    measure step's points judged as it judges them (gpu_check_bounds.judge_points). As at the
+    default measure shape, weights and Adam state are most of keep's peak: offload halves the
+    activations' part (40 -> 15, 18) while the whole peak only drops to 0.75x. The memory
+    engine is bound by both directions at once (100 GB over 80 GB/s: 1.25 s), the posix
+    engine by its drive (10 s), which forces 9 s of waiting on a keep step of 1 s: posix is
+    blocked 9.05 s, 0.05 s beyond that deficit."""
+    measure = {"status": "pass", "micro_batch": 1, "rates": RATES, "points": [
+        _point("keep@1", 1.0, 100),
+        _point("offload-memory@1", 1.3, 75, written=50e9, read=50e9, stall=0.26, policy="offload",
+               engine="memory"),  # 1.04x its bound, 0.01 s beyond the 0.25 s deficit
+        _point("offload-posix@1", 10.4, 78, written=25e9, read=25e9, stall=9.05, policy="offload", engine="posix"),
+        {"name": "keep@2", "ok": False, "oom": True, "micro_batch": 2},
+        _point("recompute@2", 3.0, 90, mb=2),
+        _point("adaptive@2", 1.9, 80, mb=2, settled=True, warmup_steps=6, still_settled=True, policy="adaptive",
+               engine="posix"),
+    ]}
+    judge_points(measure["points"], 1, RATES, {})
     steps = {n: {"status": "pass"} for n, *_ in gpu_check.STEPS}
     steps.update(measure=measure, syncs={"status": "pass", "keep_syncs": 2.0, "offload_syncs": 2.0},
                  imports={"status": "pass", "megatron_core": {"version": "0.16.1"},
@@ -285,9 +296,15 @@ def test_targets_compute_pass_fail_and_not_run_from_the_results():
                 s[step]["points"][int(i)][field] = value
             else:
                 s[step][key] = value
+        judge_points(s["measure"]["points"], 1, RATES, {})  # as the step judges what it measured
         return {r["target"]: r for r in gpu_check_targets.targets(s)}[name]["result"]
 
-    assert result("host stall offload-memory <= 2% of step time", measure__point1_stall_fraction=0.03) == "FAIL"
+    stall_mem, stall_posix = (f"stall beyond the IO deficit offload-{e} <= 2% of step" for e in ("memory", "posix"))
+    assert result(stall_mem, measure__point1_stall_s=0.3) == "FAIL"  # 0.05 s beyond the deficit: 3.8%
+    assert result(stall_posix, measure__point2_stall_s=9.5) == "FAIL"
+    # 87% of the step blocked, but all but 0.05 s of it forced by the drive
+    assert rows[stall_posix]["detail"].startswith("0.48% beyond the IO deficit (9050.0 ms per step blocked")
+    assert "deficit 9000.0 ms = max(0, IO 10000.0 - keep 1000.0)" in rows[stall_posix]["detail"]
     assert result("peak activation memory offload-posix <= 0.5x keep", measure__point2_activation_reserved=21) == "FAIL"
     # allocated alone would pass: the row judges reserved memory
     assert result("peak activation memory offload-memory <= 0.5x keep", measure__point1_activation_reserved=30,
@@ -296,6 +313,8 @@ def test_targets_compute_pass_fail_and_not_run_from_the_results():
     assert rows["peak activation memory offload-memory <= 0.5x keep"]["detail"].startswith("0.38x activation reserved")
     assert "; whole peak reserved " in rows["peak activation memory offload-memory <= 0.5x keep"]["detail"]
     assert result("peak activation memory offload-memory <= 0.5x keep", measure__point0_activation_reserved=0) == "NOT RUN"
+    # fewer than 5 timed steps: not judged
+    assert result("peak activation memory offload-memory <= 0.5x keep", measure__point1_steps_timed=4) == "NOT RUN"
     assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point5_settled=False) == "NOT RUN"
     assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point5_still_settled=False) == "NOT RUN"
     assert result("bitwise gds (GPUDirect Storage): keep == offload", **{"bitwise-gds__kvikio_mode": "compat"}) == "NOT RUN"
@@ -304,7 +323,10 @@ def test_targets_compute_pass_fail_and_not_run_from_the_results():
     assert result("bitwise gds (GPUDirect Storage): keep == offload", **{"bitwise-gds__status": "not run"}) == "NOT RUN"
     assert result("bitwise posix: keep == offload, compute stream delayed", **{"bitwise-posix__status": "not run"}) == "NOT RUN"
     assert "prefers direct mode (GPUDirect Storage)" in rows["import kvikio; the gds engine is available"]["detail"]
-    assert result("overlap offload-posix <= 1.05x max(keep, bytes/bw)", measure__point2_step_s=11.0) == "FAIL"
+    assert result("overlap offload-posix <= 1.05x its bound", measure__point2_step_s=11.0) == "FAIL"
+    # the memory engine's bound is both ways at once (1.25 s), not the serial 2.0 s of W/bw + R/bw
+    assert result("overlap offload-memory <= 1.05x its bound", measure__point1_step_s=1.4) == "FAIL"
+    assert "vs (W + R) / both-ways = 1250.0 ms" in rows["overlap offload-memory <= 1.05x its bound"]["detail"]
     assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point5_tokens_per_s=1.0) == "FAIL"
     assert result("ROK: adaptive at K+1 >= keep's best and > recompute", measure__point3_oom=False) == "NOT RUN"
     assert result("no host sync added by offload (memory engine)", syncs__offload_syncs=3.0) == "FAIL"
@@ -312,7 +334,7 @@ def test_targets_compute_pass_fail_and_not_run_from_the_results():
     assert result("bitwise gds (GPUDirect Storage): keep == offload", **{"bitwise-gds__status": "error"}) == "NOT RUN"
     assert result("import kvikio; the gds engine is available", imports__kvikio={"error": "no libcufile"}) == "FAIL"
     assert result("import megatron.core 0.16.1", imports__megatron_core={"version": "0.17.1"}) == "FAIL"
-    assert result("host stall offload-posix <= 2% of step time", measure__point2_ok=False) == "NOT RUN"
+    assert result(stall_posix, measure__point2_ok=False) == "NOT RUN"
     assert "recompute@2" in gpu_check_targets.render({"targets": [], "steps": steps})
 
 
@@ -380,7 +402,7 @@ def test_the_ram_guard_counts_the_staging_pool_and_what_pinning_really_locks(tmp
     from ssdtrain_megatron import OffloadConfig
 
     m = gpu_check_measure.Measure.__new__(gpu_check_measure.Measure)
-    m.registers, m.host_ram, m.per_sample = registers, 64 << 30, None
+    m.registers, m.host_ram, m.per_sample, m.until = registers, 64 << 30, None, None
     m.base_cfg = OffloadConfig(dirs=[str(tmp_path)], engine="posix")
     m.args = gpu_check.parse_args(["--out", str(tmp_path)])
     os.makedirs(m.args.scratch, exist_ok=True)

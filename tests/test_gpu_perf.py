@@ -1,0 +1,468 @@
+"""`make gpu-perf` (scripts/gpu_perf*.py) on a machine without a GPU: the compute-bound shape's
+SDPA core attention against megatron-core's own, the time plan, the measure step with both
+shapes and torch's save_on_cpu through the CPU stand-in, the model's prediction, the targets.
+What only a GPU shows (real asynchrony, the rates, the memory figures) is the GPU run's."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime  # noqa: E402
+
+
+@pytest.fixture
+def runtime():
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    with MegatronRuntime() as rt:
+        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)  # the dropout's RNG (megatron's fork)
+        yield rt
+
+
+def _config(groups=None, **kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=groups,
+                             attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False, **kw)
+
+
+@pytest.mark.parametrize("mask_type, groups", [("causal", None), ("padding", None), ("causal", 2)],
+                         ids=["causal", "padding-mask", "grouped-query"])
+def test_sdpa_core_attention_matches_megatrons_local_attention(runtime, mask_type, groups):
+    """The same query, key, value and mask through megatron-core's DotProductAttention (the
+    local spec's) and SDPAttention: the same output, [s, b, hidden]. Padding: a boolean mask
+    that is True where attention is not allowed, as megatron passes it."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from gpu_check_sdpa import SDPAttention
+
+    cfg = _config(groups)
+    kind = AttnMaskType.causal if mask_type == "causal" else AttnMaskType.padding
+    s, b, d = 16, 2, cfg.kv_channels
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s, b, 4, d, generator=g)
+    k, v = (torch.randn(s, b, groups or 4, d, generator=g) for _ in range(2))
+    if mask_type == "causal":
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+    else:
+        mask = torch.zeros(b, 1, s, s, dtype=torch.bool)
+        mask[0, :, :, 11:] = True  # the first sample's last five tokens are padding
+    args = dict(config=cfg, layer_number=1, attn_mask_type=kind, attention_type="self")
+    want = DotProductAttention(**args)(q, k, v, mask)
+    got = SDPAttention(**args)(q, k, v, mask)
+    assert got.shape == want.shape == (s, b, 4 * d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_sdpa_gpt_saves_no_seq_squared_tensor(runtime):
+    """What the compute-bound shape is for: the local spec saves the softmax and the
+    probabilities (b x heads x seq^2 each); with SDPA the largest saved tensor is linear in
+    seq, and the step saves less. Gradients flow (the step trains)."""
+    from gpu_check_bounds import record_sizes
+    from gpu_check_common import GpuGPT
+
+    spec = GPTSpec(layers=2, hidden=64, heads=4, seq=128, vocab=128, micro_batch=2, num_microbatches=1)
+    square = spec.micro_batch * spec.heads * spec.seq ** 2 * 2  # bf16 probabilities of one layer
+    local = GpuGPT(spec, runtime.device, attention="local")
+    sdpa = GpuGPT(spec, runtime.device, attention="sdpa")
+    local_sizes, sdpa_sizes = record_sizes(local, 1024), record_sizes(sdpa, 1024)
+    assert max(local_sizes) >= square > max(sdpa_sizes)
+    assert sum(sdpa_sizes) < sum(local_sizes) - 2 * spec.layers * square
+    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in sdpa.params)
+    with pytest.raises(ValueError, match="attention='flash': expected 'local' or 'sdpa'"):
+        GpuGPT(spec, runtime.device, attention="flash")
+
+
+# -- the plan, the flags, the parent ---------------------------------------------------------
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+
+import gpu_check_measure  # noqa: E402
+import gpu_perf  # noqa: E402
+import gpu_perf_plan  # noqa: E402
+import gpu_perf_step  # noqa: E402
+import gpu_perf_targets  # noqa: E402
+
+TARGETS = [t[0] for t in gpu_perf_targets.TARGETS]
+
+
+def _make(tmp_path, dry, args=""):
+    env = dict(os.environ, GPU_CHECK_DRY="1" if dry else "0")
+    return subprocess.run(["make", "-s", "-C", ROOT, "gpu-perf", f"PYTHON={sys.executable}",
+                           f"GPU_PERF_ARGS=--out {tmp_path / 'res'} {args}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
+    """`GPU_CHECK_DRY=1 make gpu-perf`: each step's limit and estimate, each point's steps x
+    (compute + bytes moved) + registration, the limits within 180 s less the parent's share.
+    Fails when a point is added or the shapes grown past their slots."""
+    proc = _make(tmp_path, dry=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = gpu_perf.parse_args([])
+    est = gpu_perf_plan.estimates(args)
+    for name, limit, *_ in gpu_perf_plan.STEPS:
+        assert f"{name:<19} limit {limit:>4}s  estimate {est[name]['total']:>5.0f}s  (" in proc.stdout
+        assert est[name]["total"] <= limit
+    assert sum(s[1] for s in gpu_perf_plan.STEPS) + gpu_perf_plan.PARENT_S <= 180
+    for shape in gpu_perf_plan.SHAPES.values():
+        k = shape["micro_batch"]
+        for point, _ in gpu_perf_plan.STRATEGIES:
+            assert f"  {point}@{k}".ljust(24) in proc.stdout and "steps x (" in proc.stdout
+    assert "the plan fits" in proc.stdout
+    plan = json.loads((tmp_path / "res" / "plan.json").read_text())
+    assert plan["dry_run"] and plan["steps_per_point"] == 5 and set(plan["shapes"]) == {"io-bound", "compute-bound"}
+    assert sorted(os.listdir(tmp_path / "res")) == ["plan.json"]  # nothing ran
+
+
+def test_the_two_shapes_sit_on_either_side_of_the_papers_regime():
+    """A layer's compute against its bytes over the link at 500 TFLOP/s and 50 GB/s: >= 10,000
+    FLOP per saved byte is the paper's (compute-bound) regime."""
+    from gpu_check_plan import parameters
+
+    io, compute = (gpu_perf_plan.flop_per_saved_byte(gpu_perf_plan.SHAPES[n]) for n in ("io-bound", "compute-bound"))
+    assert io < 10_000 <= compute
+    # with the local spec's attention the compute shape would be IO-bound again (about 6,100 at seq 1024)
+    unfused = dict(gpu_perf_plan.SHAPES["compute-bound"], attention="local")
+    assert gpu_perf_plan.flop_per_saved_byte(unfused) < 10_000
+    assert 8 * parameters(gpu_perf_plan.SHAPES["compute-bound"]) < 0.5 * 141e9  # fits an H200
+
+
+@pytest.mark.parametrize("argv", [["--total-s", "150"], ["--steps", "20"]], ids=["limits-over-the-total", "too-many-steps"])
+def test_dry_run_fails_when_the_plan_does_not_fit(tmp_path, argv):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_perf.py"), "--dry-run", "--out",
+                           str(tmp_path / "res")] + argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the plan does NOT fit" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [(["--only", "perf-gpu"], "--only: unknown step(s) perf-gpu"),
+                                           (["--steps", "0"], "argument --steps: 0 must be >= 1")])
+def test_bad_flags_fail_in_one_line_before_anything_runs(tmp_path, argv, message):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_perf.py"), "--out",
+                           str(tmp_path / "res")] + argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "res").exists()
+
+
+def test_make_gpu_perf_without_the_bundle_lists_every_target_not_run_and_fails(tmp_path):
+    """No wheels here: install is not run, nothing after it runs, every row says why."""
+    os.makedirs(tmp_path / "nowheels")
+    proc = _make(tmp_path, dry=False, args=f"--wheels {tmp_path / 'nowheels'}")
+    assert proc.returncode != 0 and "gpu-perf] Error 1" in proc.stderr, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "res" / "gpu-perf.json").read_text())
+    assert [t["target"] for t in data["targets"]] == TARGETS
+    for t in data["targets"]:
+        assert t["result"] == "NOT RUN" and "no wheels in" in t["detail"], t
+    assert f"0 of {len(TARGETS)} targets PASS, 0 FAIL, {len(TARGETS)} NOT RUN" in proc.stdout
+
+
+def test_the_parent_imports_nothing_of_the_package_and_shares_its_figures():
+    """The box's bare python runs the parent: no torch, no package; the figures its labels
+    quote are the package's."""
+    code = ("import sys; sys.path.insert(0, 'scripts'); import gpu_perf; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ssdtrain_megatron')); "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from ssdtrain_megatron.telemetry.breakdown import ADDS_UP
+
+    assert gpu_perf_targets.ADDS_UP == ADDS_UP
+
+
+# -- the steps through the CPU stand-in ------------------------------------------------------
+
+TINY_SHAPES = {
+    "io-bound": dict(layers=2, hidden=64, heads=4, seq=64, vocab=128, micro_batch=2, num_microbatches=1,
+                    attention="local"),
+    "compute-bound": dict(layers=2, hidden=128, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1,
+                         attention="sdpa"),
+}
+
+
+@pytest.fixture
+def perf_args(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_perf_step, "SHAPES", TINY_SHAPES)
+    monkeypatch.setattr(gpu_check_measure, "MIN_TENSOR_BYTES", 1024)  # the tiny shapes' tensors
+    args = gpu_perf.parse_args(["--out", str(tmp_path / "res")])
+    os.makedirs(args.scratch)
+    return args
+
+
+def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_in(perf_args, monkeypatch):
+    """Each shape's step as the GPU box runs it, with the stand-in box (tests/test_gpu_check_steps.py):
+    every strategy measured on 5 timed steps, the bounds' rates measured, each point's
+    last step a well-formed trace under 2 MB, each point at K judged against its bound with
+    its excess split by cause, the planner's prediction beside the offload and recompute
+    points with the box's measured figures, and every target row judged from it (PASS or
+    FAIL: the numbers of a CPU mean nothing)."""
+    import gc
+
+    import gpu_check_sdpa
+    from gpu_check_plan import OVERFLOW_STAGING
+    from tests.test_gpu_check_steps import StandInBox, _check_ordering
+    from tests.test_timeline import _well_formed
+
+    used = {"save_on_cpu": [], "sdpa": 0}
+    real_soc, real_sdpa = torch.autograd.graph.save_on_cpu, gpu_check_sdpa.SDPAttention.forward
+
+    def save_on_cpu(**kw):
+        used["save_on_cpu"].append(kw)
+        return real_soc(**kw)
+
+    def sdpa(self, *a, **kw):
+        used["sdpa"] += 1
+        return real_sdpa(self, *a, **kw)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", save_on_cpu)
+    monkeypatch.setattr(gpu_check_sdpa.SDPAttention, "forward", sdpa)
+    perf_args.child = "perf"
+    box = StandInBox()
+    saved = []  # as the child writes them: serialised at once
+    result = gpu_perf_step.run_step(perf_args, lambda r: saved.append(json.loads(json.dumps(r, default=str))), box)
+    json.dumps(result, default=str)
+    assert result["status"] == "pass", result
+    assert [list(r["shapes"]) for r in saved][:2] == [["io-bound"], ["io-bound"]]  # saved as it goes
+    for name, shape in TINY_SHAPES.items():
+        r = result["shapes"][name]
+        assert r["status"] == "pass", r
+        k = shape["micro_batch"]
+        points = {p["name"]: p for p in r["points"]}
+        assert list(points) == [f"{n}@{k}" for n, _ in gpu_perf_plan.STRATEGIES]
+        assert all(p["ok"] and p["steps_timed"] == 5 for p in points.values()), points
+        soc = points[f"save_on_cpu@{k}"]
+        assert soc["engine"] is None and soc["bound"]["formula"] == "keep" and "breakdown" in soc
+        assert points[f"adaptive@{k}"]["settled"] is True and points[f"adaptive@{k}"]["engine"] == "memory"
+        for p in points.values():
+            trace = json.load(open(p["trace"]["path"]))
+            _well_formed(trace)
+            assert p["trace"]["bytes"] <= 2 << 20 and trace["otherData"]["point"] == p["name"]
+            assert f"/traces/{name}/" in p["trace"]["path"]
+            assert any(e["ph"] == "X" and e["name"] == "step" for e in trace["traceEvents"])
+        link = r["rates"]["link"]
+        model = r["model"]
+        assert model["node"]["link_gbps"] == pytest.approx(min(link["d2h"], link["h2d"]) / 1e9)
+        assert model["node"]["host_bytes"] == points[f"offload-memory@{k}"]["pinned_bytes"] - OVERFLOW_STAGING
+        assert {f"offload-memory@{k}", f"offload-posix@{k}", f"recompute@{k}"} <= set(model["points"])
+        assert f"save_on_cpu@{k}" not in model["points"]  # none of the planner's places
+    assert used["save_on_cpu"] and all(kw == {"pin_memory": True} for kw in used["save_on_cpu"])
+    assert used["sdpa"] > 0  # the compute-bound shape's attention
+    gc.collect()
+    assert _check_ordering(box) >= 6
+    steps = {"perf": result}
+    rows = gpu_perf_targets.targets(steps)
+    assert [r["target"] for r in rows] == TARGETS
+    for row in rows:
+        if "adds up" in row["target"]:  # a CPU step may have no excess over its bound
+            assert row["result"] != "NOT RUN" or row["detail"] == "no point had an excess to split", row
+        else:
+            assert row["result"] in ("PASS", "FAIL"), row
+    table = gpu_perf_targets.render({"targets": rows, "steps": steps})
+    assert "the planner's prediction with this box's figures" in table and "link on registered memory" in table
+
+
+class MemoryOfTheModel:
+    """A stand-in box whose memory follows the model: now, a base plus every gradient tensor
+    that exists; the peak since the last reset, that plus the step's activations while the
+    forward and backward run, and the optimizer's working memory once it has stepped. Records
+    the order of its calls and the steps'."""
+
+    BASE, ACTIVATIONS, OPTIMIZER = 100 << 20, 40 << 20, 30 << 20
+
+    def __init__(self, box, model, log):
+        self.box, self.model, self.log = box, model, log
+        self.optimizer_ran = False
+        model.optimizer.register_step_post_hook(lambda *a: setattr(self, "optimizer_ran", True))
+
+    def grads(self) -> int:
+        return sum(p.grad.nbytes for p in self.model.params if p.grad is not None)
+
+    def now(self, device):
+        self.log.append("now")
+        return self.BASE + self.grads(), 2 * self.BASE + self.grads()
+
+    def reset_peak(self, device):
+        self.optimizer_ran = False
+
+    def peak(self, device):
+        every = sum(p.nbytes for p in self.model.params)  # the gradients, once backward ran
+        top = self.BASE + every + self.ACTIVATIONS + (self.OPTIMIZER if self.optimizer_ran else 0)
+        return top, self.BASE + top
+
+    def empty_cache(self):
+        self.log.append("empty_cache")
+
+    def __getattr__(self, name):
+        return getattr(self.box, name)
+
+
+def test_the_peak_is_what_forward_and_backward_add_above_the_steps_start(runtime, tmp_path, monkeypatch):
+    """Memory at the step's start is taken after zero_grad, with the gradients in it (allocated
+    once, as Megatron's grad buffers are: GpuGPT(grad_buffers=True)); the step's peak is read
+    as the optimizer starts (its working memory is not the activations'), each step's own; the
+    cache is emptied after the warm-up, before the first timed step. Before issue 50 the
+    baseline was taken after the step and the peak ran through the optimizer."""
+    from gpu_check_common import GpuGPT
+    from gpu_check_runner import Runner
+    from tests.test_gpu_check_steps import StandInBox
+
+    spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1)
+    model = GpuGPT(spec, runtime.device, grad_buffers=True)
+    log = []
+    box = MemoryOfTheModel(StandInBox(), model, log)
+    real_step = Runner.step
+    monkeypatch.setattr(Runner, "step", lambda self: (log.append("step"), real_step(self))[1])
+    args = gpu_perf.parse_args(["--out", str(tmp_path), "--steps", "5"])
+    os.makedirs(args.scratch)
+    m = gpu_check_measure.Measure(args, lambda r: None, model, runtime.device, box)
+    p = m.point("keep", 1, "keep")
+    assert p["ok"], p
+    grads = sum(q.nbytes for q in model.params)
+    assert p["start_bytes"] == box.BASE + grads and p["start_reserved"] == 2 * box.BASE + grads
+    assert p["activation_bytes"] == box.ACTIVATIONS and p["activation_reserved"] == box.ACTIVATIONS
+    assert p["peak_bytes"] == box.BASE + grads + box.ACTIVATIONS + box.OPTIMIZER  # the whole step's, shown beside
+    assert log[log.index("step"):][:4] == ["step", "empty_cache", "now", "step"], log  # warm-up, empty, baseline
+
+
+def test_the_planner_takes_each_layers_forward_from_the_compute_stream():
+    from gpu_perf_model import with_gpu_forward
+    from ssdtrain_megatron.telemetry.stats import LayerStats, StepStats
+
+    rows = tuple(LayerStats(layer=str(i), bytes=1 << 20, bytes_offloaded=0, tensors=3, decision="keep", io_wait_s=0,
+                            forward_s=0.001) for i in range(2))
+    stats = StepStats(step=1, bytes_offloaded=0, bytes_read=0, bytes_deduplicated=0, tensors_offloaded=0,
+                      tensors_passed_through=0, tensors_kept=6, tensors_forwarded=0, io_wait_s=0.0,
+                      peak_resident_bytes=0, write_gbps=0.0, read_gbps=0.0, bytes_on_disk=0, fallbacks=0,
+                      step_time_s=0.1, layers=rows)
+    gpu = [{"pid": "gpu", "tid": "compute", "cat": "layer", "ph": "X", "name": f"forward layer {i}", "ts": 0.0,
+            "dur": 3000.0} for i in (0, 1, 1)]  # layer 1 twice: two micro-batches
+    got = with_gpu_forward(stats, gpu)
+    assert [r.forward_s for r in got.layers] == [0.003, 0.006]
+    assert with_gpu_forward(stats, gpu[:1]) is stats  # layer 1 has no span: the host's times stay
+
+
+# -- the targets --------------------------------------------------------------------------------
+
+def _perf_steps():
+    """Both shapes' results as a GPU box whose every gpu-perf target passes would write them,
+    judged as the step judges them (gpu_check_bounds.judge_points; tests/test_gpu_check.py's
+    points: keep's activations 40 above a start of 60).
+    IO-bound: memory 1.04x its both-ways bound of 1.25 s, posix 1.04x its 10 s drive bound,
+    each 0.05 s or less blocked beyond the IO deficit, peaks 0.375x keep's.
+    Compute-bound: memory 1.02x keep at 0.3x its peak; posix 1.04x keep (its 2 GB each way
+    take 0.8 s of drive, inside keep's 1 s); save_on_cpu 2 s: ours at 0.51x of it."""
+    from gpu_check_bounds import judge_points
+    from tests.test_gpu_check import RATES, _point
+
+    io = {"status": "pass", "micro_batch": 1, "rates": RATES, "points": [
+        _point("keep@1", 1.0, 100),
+        _point("offload-memory@1", 1.3, 75, written=50e9, read=50e9, stall=0.26, policy="offload", engine="memory"),
+        _point("offload-posix@1", 10.4, 75, written=25e9, read=25e9, stall=9.05, policy="offload", engine="posix"),
+    ]}
+    compute = {"status": "pass", "micro_batch": 1, "rates": RATES, "points": [
+        _point("keep@1", 1.0, 100),
+        _point("offload-memory@1", 1.02, 72, written=1e9, read=1e9, policy="offload", engine="memory"),
+        _point("offload-posix@1", 1.04, 74, written=2e9, read=2e9, policy="offload", engine="posix"),
+        _point("save_on_cpu@1", 2.0, 80, policy="save_on_cpu"),
+    ]}
+    for step in (io, compute):
+        judge_points(step["points"], 1, RATES, {})
+        step["model"] = {"forward_from": "timeline", "points": {"offload-memory@1": {"error": 0.04},
+                                                                "offload-posix@1": {"error": -0.09}}}
+        for p in step["points"][1:]:
+            p["breakdown"] = {"adds_up": True, "sum_s": 0.1, "excess_s": 0.105}
+    return {"perf": {"status": "pass", "shapes": {"io-bound": io, "compute-bound": compute}}}
+
+
+def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
+    from gpu_check_bounds import judge_points
+    from tests.test_gpu_check import RATES
+
+    steps = _perf_steps()
+    rows = {r["target"]: r for r in gpu_perf_targets.targets(steps)}
+    assert list(rows) == TARGETS
+    assert all(r["result"] == "PASS" for r in rows.values()), [r for r in rows.values() if r["result"] != "PASS"]
+
+    def result(name, shape, i=None, **change):
+        s = json.loads(json.dumps(steps))
+        sub = s["perf"]["shapes"][shape]
+        (sub["points"][i] if i is not None else sub).update(change)
+        judge_points(sub["points"], 1, RATES, {})
+        return {r["target"]: r for r in gpu_perf_targets.targets(s)}[name]["result"]
+
+    assert result("io-bound: memory <= 1.10x its link bound", "io-bound", 1, step_s=1.4) == "FAIL"  # 1.12x
+    assert result("io-bound: posix <= 1.10x its drive bound", "io-bound", 2, step_s=11.5) == "FAIL"
+    assert result("io-bound: stall beyond the IO deficit <= 2%: posix", "io-bound", 2, stall_s=9.5) == "FAIL"
+    assert result("io-bound: activation peak <= 0.4x keep's: posix", "io-bound", 2, activation_reserved=18) == "FAIL"
+    memory = "compute-bound: memory <= 1.03x keep, peak <= 0.35x keep"
+    assert result(memory, "compute-bound", 1, step_s=1.04) == "FAIL"
+    assert result(memory, "compute-bound", 1, activation_reserved=15) == "FAIL"  # 0.375x
+    posix = "compute-bound: posix <= 1.05x keep (or 1.10x bound)"
+    assert rows[posix]["detail"].startswith("the drive carries the bytes (800.0 ms of IO in keep's 1000.0 ms)")
+    assert result(posix, "compute-bound", 2, step_s=1.06) == "FAIL"
+    # 5 GB each way: 2 s of drive, more than keep's step: judged against its bound instead
+    assert result(posix, "compute-bound", 2, bytes_written=5e9, bytes_read=5e9,
+                  step_s=2.1) == "PASS"
+    assert result(posix, "compute-bound", 2, bytes_written=5e9, bytes_read=5e9, step_s=2.3) == "FAIL"
+    ours = "compute-bound: ours <= 0.7x save_on_cpu, peak no higher"
+    assert rows[ours]["detail"].startswith("offload-memory@1 0.51x save_on_cpu's step")
+    assert result(ours, "compute-bound", 3, step_s=1.3) == "FAIL"  # 0.78x
+    assert result(ours, "compute-bound", 3, activation_reserved=10) == "FAIL"  # none of ours as low
+    model = "compute-bound: the model within 10% of every step"
+    assert result(model, "compute-bound", model={"points": {"offload-posix@1": {"error": 0.11}}}) == "FAIL"
+    assert result(model, "compute-bound", model={"why": "keep was not measured"}) == "NOT RUN"
+    adds = "io-bound: every breakdown adds up within 10%"
+    bad = dict(steps["perf"]["shapes"]["io-bound"]["points"][1]["breakdown"], adds_up=False)
+    assert result(adds, "io-bound", 1, breakdown=bad) == "FAIL"
+    none = dict(bad, adds_up=None)
+    assert result(adds, "io-bound", 1, breakdown=none) == "PASS"  # posix's still adds up
+    assert result("io-bound: memory <= 1.10x its link bound", "io-bound", 1, steps_timed=4) == "NOT RUN"
+    rows = gpu_perf_targets.targets({}, {"perf": "not selected (--only)"})
+    assert {r["detail"] for r in rows} == {"not selected (--only)"}
+    half = {"perf": {"status": "fail", "why": "compute-bound: out of memory", "shapes": steps["perf"]["shapes"]}}
+    del half["perf"]["shapes"]["compute-bound"]
+    rows = {r["target"]: r for r in gpu_perf_targets.targets(half)}
+    assert rows[memory]["detail"] == "the compute-bound shape was not measured"
+    assert rows["io-bound: memory <= 1.10x its link bound"]["result"] == "PASS"
+
+
+def test_each_shape_gets_its_share_of_the_steps_time_and_a_failing_one_leaves_the_next_its_own(
+        perf_args, monkeypatch):
+    """The perf step splits what is left of its time by the plan's estimates, shape by shape;
+    an error in one shape is its result (the step fails, naming it) and the next still runs."""
+    import time
+
+    from tests.test_gpu_check_steps import StandInBox
+
+    now = time.time()
+    monkeypatch.setenv("GPU_CHECK_DEADLINE", str(now + 105))
+    est = {"io-bound": 60.0, "compute-bound": 40.0}
+    monkeypatch.setattr(gpu_perf_step, "shares", lambda steps: est)
+    seen = {}
+
+    def measure_shape(args, save, box, name, until, device, probe):
+        t = time.time()
+        seen[name] = (until - t, now + 105 - gpu_perf_step.STEP_END_S - t)  # (its share, what was left)
+        save({"status": "running", "points": []})
+        if name == "io-bound":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return {"status": "pass", "points": []}
+
+    monkeypatch.setattr(gpu_perf_step, "measure_shape", measure_shape)
+    perf_args.child = "perf"
+    result = gpu_perf_step.run_step(perf_args, lambda r: None, StandInBox())
+    share, left = seen["io-bound"]
+    assert share == pytest.approx(0.6 * left, abs=0.5)
+    share, left = seen["compute-bound"]
+    assert share == pytest.approx(left, abs=0.5)  # the last shape: all that is left
+    assert result["status"] == "fail" and result["why"].startswith("io-bound: RuntimeError: CUDA error")
+    assert result["shapes"]["compute-bound"]["status"] == "pass"
