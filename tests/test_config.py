@@ -124,3 +124,17 @@ def test_verify_off_unquoted_in_yaml_is_off_not_an_error(tmp_path):
     assert OffloadConfig.from_yaml(str(path)).verify == "crc32c"
     path.write_text("offload:\n  verify: crc32c\n")
     assert OffloadConfig.from_yaml(str(path)).verify == "crc32c"
+
+
+def test_min_tensor_bytes_defaults_by_device_and_a_set_value_wins():
+    """On a CUDA device each offloaded record costs a copy launch each way and host work
+    whatever its size: the default threshold there is 1 MiB (RoPE's 256 KiB tables stay);
+    elsewhere 256 KiB, as before."""
+    import torch
+
+    cfg = OffloadConfig()
+    assert cfg.min_tensor_bytes is None
+    assert cfg.min_bytes_for(torch.device("cuda", 0)) == 1 << 20 and cfg.min_bytes_for("cuda") == 1 << 20
+    assert cfg.min_bytes_for(torch.device("cpu")) == 256 * 1024
+    assert OffloadConfig(min_tensor_bytes=4096).min_bytes_for("cuda") == 4096
+    assert OffloadConfig.from_dict({"min_tensor_bytes": None}).min_tensor_bytes is None

@@ -102,7 +102,7 @@ class SavedTensorHooks:
                  transfers: Transfers, decisions: Decisions, step: Step,
                  events: "queue.SimpleQueue", capturing: Callable[[], bool]) -> None:
         self._device = device
-        self._min_bytes = max(config.min_tensor_bytes, 1)  # read by every pack
+        self._min_bytes = max(config.min_bytes_for(device), 1)  # read by every pack
         self._keep_last_layers = config.keep_last_layers
         self._note_sites = config.debug_save_sites
         self._table = table

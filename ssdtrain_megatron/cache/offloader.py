@@ -147,7 +147,7 @@ class ActivationOffloader:
         self._timeline = None  # record_timeline()
         self._tracer_before: Optional[tuple] = None  # the engine's own trace sink, while recording
         self._step_started = self._step_first = time.perf_counter()
-        self.watch = OffloadWatch(self.device, config.min_tensor_bytes,
+        self.watch = OffloadWatch(self.device, config.min_bytes_for(self.device),
                                   self._engine is not None and config.policy != "keep")  # silence.py
         self.last_step_stats: Optional[StepStats] = None
         self.record_memory_timeline = False

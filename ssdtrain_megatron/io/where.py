@@ -72,8 +72,14 @@ def settings(config, policy: bool = True) -> str:
     from .checksum import ALGORITHM
 
     return (f"engine {config.engine}, " + (f"policy {config.policy}, " if policy else "") +
-            f"min_tensor_bytes "
-            f"{binary(config.min_tensor_bytes)}, keep_last_layers {config.keep_last_layers}, "
+            f"min_tensor_bytes {_min_bytes(config)}, keep_last_layers {config.keep_last_layers}, "
             f"prefetch_layers {config.prefetch_layers}, io_threads {config.io_threads}, chunk_bytes "
             f"{binary(config.chunk_bytes)}, max_inflight_bytes {binary(config.max_inflight_bytes)}, "
             f"verify {ALGORITHM if config.verify != 'off' else 'off'}")
+
+
+def _min_bytes(config) -> str:
+    """``min_tensor_bytes`` as set, or what it is by device."""
+    if config.min_tensor_bytes is not None:
+        return binary(config.min_tensor_bytes)
+    return f"{binary(config.min_bytes_for('cuda'))} on CUDA, {binary(config.min_bytes_for('cpu'))} elsewhere"

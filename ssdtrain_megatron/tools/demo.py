@@ -216,8 +216,11 @@ def _summary(args: argparse.Namespace, rows: Dict[str, List[tuple]], timelines: 
           f"write had not finished or they were still alive); last step write "
           f"{off_rows[-1][1].write_gbps:.2f} GB/s, read {off_rows[-1][1].read_gbps:.2f} GB/s")
     if total_w == 0 and fallbacks == 0:
+        import torch
+
+        here = "cuda" if torch.cuda.is_available() else "cpu"  # where the offloaders ran (their default)
         print(f"nothing was offloaded: every saved tensor is smaller than min_tensor_bytes "
-              f"({gib(cfg.min_tensor_bytes)}); use a larger model or --min-tensor-bytes")
+              f"({gib(cfg.min_bytes_for(here))}); use a larger model or --min-tensor-bytes")
     if fallbacks:
         print(f"fallbacks: {fallbacks} writes failed (see the warning above: a full disk?) and "
               f"those tensors stayed in memory; the memory saving is smaller than it should be")
