@@ -248,7 +248,15 @@ class SavedTensorHooks:
             rec.hold()
             mb.deferred.append(rec)
         else:
-            self._transfers.submit(rec, True)  # it holds the tensor itself until written (record.py)
+            try:
+                self._transfers.submit(rec, True)  # it holds the tensor itself until written (record.py)
+            except BaseException:
+                # The error reaches the caller instead of a handle: autograd will never drop
+                # one for this record, so it leaves now (not at the step's end, as a record
+                # whose backward never ran would).
+                rec.handles -= 1
+                self._transfers.release(rec)
+                raise
         return _Handle(rec, self._events)
 
     def pack_noting_site(self, t: torch.Tensor):

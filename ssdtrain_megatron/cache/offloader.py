@@ -332,10 +332,13 @@ class ActivationOffloader:
             self._timeline.phase("step end")
         self._transfers.drain()
         self._transfers.wait_all()
+        left = self._table.records()
         leftovers = self._transfers.release_all()  # no IO is in flight after wait_all
         if leftovers:
-            self._warn("leftover", f"end_step(): {leftovers} saved tensors were never released (a "
-                       "graph whose backward did not run?); releasing them, and a later backward "
+            where = sorted({f"micro-batch {r.microbatch} {r.origin()}" for r in left})
+            self._warn("leftover", f"end_step(): {leftovers} saved tensors were still held by autograd "
+                       f"(the backward of their graph did not run in this step: {'; '.join(where[:3])}"
+                       f"{'; ...' if len(where) > 3 else ''}); releasing them, and a later backward "
                        "through them will fail")
         engine = self._engine
         if engine is not None:
