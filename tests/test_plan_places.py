@@ -107,6 +107,7 @@ def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, pre
     """The runtime reads prefetch_layers ahead of backward, and the plan's timeline must assume
     the same read-ahead (plan/tier_costs.py). Broken by plan_stage not passing it on (the
     Tiers default of 2 for every preset): 'planned with 2'."""
+    from ssdtrain_megatron.plan import placing
     from ssdtrain_megatron.tools.plan import build as plan_build
 
     seen = []
@@ -117,7 +118,8 @@ def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, pre
         seen.append(plan.tiers.prefetch_layers)
         return plan
 
-    monkeypatch.setattr(plan_build, "plan_stage", spy)
+    monkeypatch.setattr(plan_build, "plan_stage", spy)  # every place, beside the policy's plan
+    monkeypatch.setattr(placing, "plan_stage", spy)  # the policy's plan (plan/placing.py)
     with open(preset) as fh:
         text = fh.read()
     with open(preset, "w") as fh:

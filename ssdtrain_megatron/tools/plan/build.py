@@ -13,20 +13,14 @@ import argparse
 from typing import Any, Dict, Optional, Tuple
 
 from ...plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
+from ...plan.memory import activation_budget
 from ...plan.model import (head_activation_terms, largest_micro_batch, layer_activation_bytes,
                            layer_activation_terms, peak_activation_bytes)
-from ...plan.node import NodeProfile, load_profile
+from ...plan.node import DEFAULT_NODE, NodeProfile, load_profile
+from ...plan.placing import places_for, plan_policy
 from ...plan.shape import ModelShape, SaveProfile
-from ...plan.stage import Stage, full_recompute_fits, plan_stage, price_stage, stage
-from ...plan.tiers import HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan
-from .budget import activation_budget
-
-DEFAULT_NODE = "dgx-h100"
-"""The node planned for when neither --node nor the preset's node: section names one."""
-
-ENGINE_TIERS = {"posix": (SSD,), "aio": (SSD,), "gds": (SSD,), "memory": (HOST,),
-                "tiered": (HOST, SSD)}
-"""Where each IO engine puts what leaves GPU memory."""
+from ...plan.stage import Stage, full_recompute_fits, plan_stage, stage
+from ...plan.tiers import PLACES, TierPlan
 
 ITERATION_LABEL = ("per iteration: every micro-batch's forward and backward on one GPU of the "
                    "first pipeline stage, with the pipeline bubble")
@@ -61,36 +55,6 @@ def node_for(args: argparse.Namespace, preset_node: Optional[NodeProfile]) -> Tu
     if changes or gbps is not None:
         source += ", with flags"
     return node, source
-
-
-def places_for(engine: str, recompute: bool) -> Tuple[str, ...]:
-    return (KEEP,) + ENGINE_TIERS[engine] + ((RECOMPUTE,) if recompute else ())
-
-
-def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ...],
-                budget: int, offload: Any) -> TierPlan:
-    """The plan ``policy`` makes: keep (nothing moves), offload (every layer but the last
-    ``keep_last_layers`` leaves GPU memory, for the engine's tiers: chosen as under a budget
-    that holds only those, and priced with one layer's room beside them for writes in flight
-    and reads ahead: one layer in transit), adaptive (within ``budget``); reads start
-    ``prefetch_layers`` ahead of backward, as the preset's runtime (``offload``) starts them."""
-    keep_last, ahead = offload.keep_last_layers, offload.prefetch_layers
-    if policy == "keep":
-        return plan_stage(st, node, budget_bytes=None, places=places)
-    if policy == "offload":
-        tail = keep_last if st.positions[0].gap_s == 0 else 0
-        kept = st.positions[0].live * min(tail, len(st.layers)) * st.layer_bytes
-        # what holding only the tail needs: the tail kept by every live micro-batch, and, where
-        # nothing is kept, one layer's room to be saved and read back (tier_costs.need_bytes)
-        only_tail = max(kept, st.layer_bytes) + st.head_bytes
-        chosen = plan_stage(st, node, budget_bytes=only_tail,
-                            places=tuple(p for p in places if p != RECOMPUTE),
-                            keep_last_layers=keep_last, prefetch_layers=ahead)
-        return price_stage(st, node, chosen.decisions,
-                           budget_bytes=only_tail + st.layer_bytes,
-                           keep_last_layers=keep_last, prefetch_layers=ahead)
-    return plan_stage(st, node, budget_bytes=budget, places=places,
-                      keep_last_layers=keep_last, prefetch_layers=ahead)
 
 
 def lifespan(plan: TierPlan, node: NodeProfile) -> Optional[Dict[str, float]]:
