@@ -89,7 +89,8 @@ def test_plan_prints_a_table(capsys, preset):
     assert main(["plan", "--config", preset, "--gpu-tflops", "0.001",
                  "--memory-budget-gb", "0.01", "--ssd-tbw", "600"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[3:8] == [
+    assert lines[3] == "engine posix: named by the preset (posix)"
+    assert lines[4:9] == [
         "layer               bytes  place   (layers numbered from 1, as Megatron does)",
         "    1             180,224  ssd",
         "    2             180,224  ssd",
