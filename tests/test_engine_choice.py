@@ -184,7 +184,7 @@ def test_the_free_space_check_counts_the_host_pool_the_node_chose(tmp_path):
     root = tmp_path / "ssd"
     root.mkdir()
     preset = tmp_path / "p.yaml"
-    preset.write_text(PRESET.replace("  dirs: [/tmp/ssdtrain]\n", ""))
+    preset.write_text(PRESET.replace("  dirs: [/tmp/ssdtrain]\n", "").replace("  engine: posix\n", ""))
     flags = ["--ssd-offload-config", str(preset), "--ssd-offload-dir", f"{root}/{{job}}",
              "--ssd-offload-allow-system-disk"]
     tiered = _launch(*flags)
@@ -203,3 +203,31 @@ def test_the_free_space_check_counts_the_host_pool_the_node_chose(tmp_path):
         assert "of activations there at the peak of a step" in problem.what
     finally:
         preflight.free_bytes = real
+
+
+def test_without_a_preset_the_model_megatron_trains_is_planned():
+    """No preset: the shape comes from Megatron's parsed arguments, and the pool is what its plan
+    (policy offload: every layer but the last) puts in host memory and one layer more; without
+    Megatron's shape (the flag group alone) the pool is host_memory_bytes. Broken variant
+    (megatron_model returning None): a pool of 4 GiB."""
+    import argparse
+
+    from ssdtrain_megatron.megatron.args import add_ssd_offload_args
+    from ssdtrain_megatron.megatron.follow_node import job_settings
+    from ssdtrain_megatron.plan.model import ModelShape, SaveProfile, layer_activation_bytes
+
+    parser = add_ssd_offload_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--ssd-offload"])
+    host = host_memory.HostMemory(100 * GB, 2)
+    alone, choice = job_settings(args, host)
+    assert alone.host_memory_bytes == 4 << 30 and "no preset model to plan with" in choice.reason
+    megatron = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                    seq_length=32, micro_batch_size=2, tensor_model_parallel_size=1,
+                    pipeline_model_parallel_size=1, transformer_impl="local", bf16=True,
+                    attention_dropout=0.0, hidden_dropout=0.0)
+    config, choice = job_settings(argparse.Namespace(**vars(args), **megatron), host)
+    layer = layer_activation_bytes(ModelShape(num_layers=4, hidden=64, heads=4, ffn_hidden=256,
+                                              seq_len=32, micro_batch=2, attention_dropout=0.0,
+                                              hidden_dropout=0.0), SaveProfile.paper())
+    assert (config.engine, config.policy, config.host_memory_bytes) == ("tiered", "offload", 4 * layer)
+    assert f"{3 * layer / 1e3:.1f} kB per rank planned" in choice.reason

@@ -5,7 +5,8 @@ spare, posix where it is not), with the one line that says which and why.
 Used where a job starts: the launcher's hooks right before ``install()`` (launch.py, on the
 parsed Megatron arguments) and its pre-flight (preflight.py, on the command line, so that the
 free-space check counts what host memory will take). The model planned is the preset's, with
-Megatron's own shape flags over it; the node is the preset's ``node:`` section (else
+Megatron's own shape flags over it, or without a preset model the one Megatron's parsed
+arguments describe (:func:`megatron_model`); the node is the preset's ``node:`` section (else
 :data:`~ssdtrain_megatron.plan.node.DEFAULT_NODE`) with its host memory replaced by what is
 free here (host_memory.py). Nothing here imports megatron.
 """
@@ -91,6 +92,45 @@ def megatron_shape_from_args(args: argparse.Namespace) -> Dict[str, int]:
     return found
 
 
+def megatron_model(args: argparse.Namespace) -> Optional[ModelShape]:
+    """The model Megatron's parsed arguments describe, for a job without a preset; None where
+    they lack its shape (the flag group alone) or the planner does not take it."""
+    need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
+    if not all(isinstance(getattr(args, n, None), int) for n in need):
+        return None
+    heads, hidden = args.num_attention_heads, args.hidden_size
+    kv_channels = getattr(args, "kv_channels", None)
+    experts = getattr(args, "num_experts", None)
+    try:
+        return ModelShape(
+            num_layers=args.num_layers, hidden=hidden, heads=heads,
+            ffn_hidden=getattr(args, "ffn_hidden_size", None) or 4 * hidden,
+            seq_len=args.seq_length, micro_batch=args.micro_batch_size,
+            kv_groups=getattr(args, "num_query_groups", None)
+            if getattr(args, "group_query_attention", False) else None,
+            kv_channels=kv_channels if kv_channels and kv_channels * heads != hidden else None,
+            dtype_bytes=2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4,
+            tp=getattr(args, "tensor_model_parallel_size", 1) or 1,
+            pp=getattr(args, "pipeline_model_parallel_size", 1) or 1,
+            cp=getattr(args, "context_parallel_size", 1) or 1,
+            ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+            dp=getattr(args, "data_parallel_size", 1) or 1,
+            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+            # Transformer Engine's attention (Megatron-LM's default) is fused: no s x s saved
+            flash_attention=getattr(args, "transformer_impl", None) == "transformer_engine"
+            or bool(getattr(args, "use_flash_attn", False)),
+            swiglu=bool(getattr(args, "swiglu", False)),
+            recompute=getattr(args, "recompute_granularity", None) or "none",
+            vocab=getattr(args, "padded_vocab_size", None),
+            attention_dropout=getattr(args, "attention_dropout", 0.1),
+            hidden_dropout=getattr(args, "hidden_dropout", 0.1),
+            num_experts=experts, moe_topk=getattr(args, "moe_router_topk", 2) or 2,
+            moe_ffn_hidden=getattr(args, "moe_ffn_hidden_size", None) if experts else None,
+            distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    except (TypeError, ValueError):
+        return None
+
+
 def micro_batches_from_args(args: argparse.Namespace) -> Optional[int]:
     """Micro-batches per iteration as Megatron computes them (global batch over micro-batch
     times data-parallel size), or None where its arguments do not say."""
@@ -139,9 +179,11 @@ def job_settings(args: argparse.Namespace, host: Optional[HostMemory],
     config = config_from_args(args)
     preset = getattr(args, "ssd_offload_config", None)
     shape = preset_shape(preset, megatron_shape_from_args(args) if megatron is None else megatron)
+    if shape is None and _preset_data(preset) is None:
+        shape = megatron_model(args)  # no preset model: the one Megatron's flags describe
     return follow_node(config, given_fields(args), shape, preset_node(preset), host,
                        micro_batches_from_args(args), recompute)
 
 
-__all__ = ["MEGATRON_SHAPE_FLAGS", "follow_node", "job_settings", "megatron_shape_from_args",
+__all__ = ["MEGATRON_SHAPE_FLAGS", "follow_node", "job_settings", "megatron_model", "megatron_shape_from_args",
            "megatron_shape_from_argv", "micro_batches_from_args", "preset_node", "preset_shape"]

@@ -15,12 +15,12 @@ cache/adaptive.py). Whatever the preset or a flag names wins, field by field: on
 The rule, given the host memory free per rank (measured at the job's start,
 :func:`free_per_rank`; or, planning, a node profile's host memory per GPU):
 
-* with the job's model (a preset's ``model:`` section), the plan of its first pipeline stage
-  (:func:`host_need`: the policy that would run, tiered's places, host memory of that size)
-  says how many bytes per rank it puts in host memory. Host memory is to spare when it holds
+* with the job's model (a preset's ``model:`` section, or what Megatron's arguments say), the
+  plan of its first pipeline stage (:func:`host_need`: the policy that would run, tiered's
+  places, host memory of that size) says how many bytes per rank it puts in host memory. Host memory is to spare when it holds
   at least one layer's activations; the pool (``host_memory_bytes``, allocated and pinned at
   start) is then what the plan puts there and one layer more, within what is free;
-* without a model (the plain ``--ssd-offload`` flags), it is to spare when the pool
+* without a model (nothing says its shape), it is to spare when the pool
   (``host_memory_bytes``, 4 GiB unless set) fits in what is free per rank.
 
 Pure: numbers in, an :class:`EngineChoice` out; reading /proc/meminfo is the job's side
