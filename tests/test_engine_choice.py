@@ -130,6 +130,19 @@ def test_mem_available_and_the_cgroup_limit_are_read_from_their_files(tmp_path):
     assert host_memory.cgroup_room(str(proc), str(v2)) == 100
 
 
+def test_a_cgroup_limit_below_mem_available_is_what_is_free(monkeypatch):
+    """Slurm's --mem: the kernel's MemAvailable is the node's, the job may take less. Broken
+    variant (measure ignoring the cgroup): 'MemAvailable' 64 GB."""
+    monkeypatch.setattr(host_memory, "mem_available", lambda: 64 * GB)
+    monkeypatch.setattr(host_memory, "cgroup_room", lambda: 16 * GB)
+    assert host_memory.measure({"LOCAL_WORLD_SIZE": "2"}) == \
+        host_memory.HostMemory(16 * GB, 2, "the memory cgroup's limit")
+    monkeypatch.setattr(host_memory, "cgroup_room", lambda: None)
+    assert host_memory.measure({}) == host_memory.HostMemory(64 * GB, 1, "MemAvailable")
+    monkeypatch.setattr(host_memory, "mem_available", lambda: None)
+    assert host_memory.measure({}) is None
+
+
 def test_the_environment_names_the_local_ranks_and_may_replace_the_measurement():
     assert host_memory.local_ranks({"LOCAL_WORLD_SIZE": "8"}) == 8
     assert host_memory.local_ranks({"SLURM_NTASKS_PER_NODE": "4(x2)"}) == 4
@@ -231,3 +244,40 @@ def test_without_a_preset_the_model_megatron_trains_is_planned():
                                               hidden_dropout=0.0), SaveProfile.paper())
     assert (config.engine, config.policy, config.host_memory_bytes) == ("tiered", "offload", 4 * layer)
     assert f"{3 * layer / 1e3:.1f} kB per rank planned" in choice.reason
+
+
+def test_where_host_memory_cannot_be_measured_posix_runs_and_says_so():
+    from ssdtrain_megatron.megatron.follow_node import follow_node
+
+    config, choice = follow_node(OffloadConfig(), {}, None, load_profile("dgx-h100"), None)
+    assert config == OffloadConfig() and choice.engine == "posix"
+    assert choice.reason == ("engine posix: host memory cannot be measured here (no "
+                             "/proc/meminfo); --ssd-offload-engine tiered uses it")
+
+
+def test_the_launchers_hooks_measure_before_megatron_and_refuse_a_bad_override(monkeypatch, tmp_path):
+    """The hooks measure when applied (before Megatron starts); a bad SSDTRAIN_HOST_MEMORY_FREE
+    stops the job at install in one line, and only with --ssd-offload. Broken variant (the
+    override ignored at apply): no LaunchError."""
+    import dataclasses
+
+    from ssdtrain_megatron.megatron import launch
+    from tests.test_args_launcher import _fake_megatron
+
+    calls = []
+    state, training, _ = _fake_megatron(monkeypatch, calls)
+    target = dataclasses.replace(launch.MEGATRON_LM, installer="fake_installer")
+    monkeypatch.setenv("SSDTRAIN_HOST_MEMORY_FREE", "plenty")
+    state["argv"] = ["--num-layers", "2", "--ssd-offload", "--ssd-offload-dir", str(tmp_path)]
+    with pytest.raises(launch.LaunchError, match="SSDTRAIN_HOST_MEMORY_FREE='plenty' is invalid"):
+        with launch.TrainingHooks(target):
+            training.initialize_megatron()
+    state["argv"] = ["--num-layers", "2"]
+    with launch.TrainingHooks(target):
+        training.initialize_megatron()  # no offload: the override is not read
+    monkeypatch.setenv("SSDTRAIN_HOST_MEMORY_FREE", "1MB")
+    state["argv"] = ["--num-layers", "2", "--ssd-offload", "--ssd-offload-dir", str(tmp_path)]
+    with launch.TrainingHooks(target):
+        training.initialize_megatron()
+    config = [c for c in calls if isinstance(c, tuple)][-1][1]
+    assert config.engine == "posix"  # 1 MB free: nothing to spare
