@@ -69,15 +69,20 @@ class OffloadConfig:
     without the launcher (the Python API, the demo), only warns."""
 
     engine: str = knob("posix", check=one_of(ENGINES), choices=ENGINES, help=(
-        "IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed "
-        "DeepNVMe aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; "
-        "CUDA only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM of "
-        "host_memory_bytes and SSD, each layer where the plan places it)"))
+        "IO engine: 'posix' (thread pool, O_DIRECT; no build step), 'aio' (DeepSpeed DeepNVMe "
+        "aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; CUDA "
+        "only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM of "
+        "host_memory_bytes and SSD, each layer where the plan places it). Default: where neither "
+        "this flag nor the preset names one, it follows the node: 'tiered' where host memory is "
+        "to spare, else 'posix', said at start (docs/flags.md)"))
     """IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed
     DeepNVMe aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; CUDA
     only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM of
     host_memory_bytes and SSD: each layer where the plan places it, 'host' or 'ssd'; a layer
-    whose decision is 'offload' to host RAM while it has room, SSD beyond; io/tiered.py)."""
+    whose decision is 'offload' to host RAM while it has room, SSD beneath; io/tiered.py).
+    Where a job's flags and preset name none, the launcher and ``ssdtrain plan`` choose it for
+    the node, tiered where host memory is to spare, else posix (megatron/follow_node.py,
+    plan/engine_choice.py); this object, built in Python, runs what it says."""
 
     policy: str = knob("offload", check=one_of(POLICIES), choices=POLICIES, help=(
         "'offload' writes every eligible activation to SSD; 'adaptive' lets the planner decide per "
@@ -284,10 +289,13 @@ class OffloadConfig:
 
     host_memory_bytes: int = knob(4 << 30, check=int_at_least(0), unit="bytes", help=(
         "Size of the host-memory pool of the 'memory' engine and of the memory tier of 'tiered' "
-        "(pinned when CUDA exists, plain host memory otherwise)"))
+        "(pinned when CUDA exists, plain host memory otherwise). Default: 4 GiB; where the node "
+        "chose 'tiered', what the plan puts in host memory and one layer more"))
     """Size of the host-memory pool of the 'memory' engine and of the memory tier of 'tiered'
     (pinned when CUDA exists, plain host memory otherwise). 'memory' fails a write that does
-    not fit; 'tiered' sends it to SSD instead."""
+    not fit; 'tiered' sends it to SSD instead. Unset where the node chose 'tiered' (the
+    launcher), what the plan puts in host memory per rank and one layer more, within what is
+    free (plan/engine_choice.py)."""
 
     aio_block_bytes: int = knob(1 << 20, check=int_at_least(4096, multiple_of=4096, below=1 << 31),
                                 unit="bytes", help=(

@@ -236,6 +236,24 @@ def test_the_plan_table_is_what_plan_table_py_prints():
         assert f"| `{preset}` |" in block
 
 
+def test_the_plan_table_is_made_with_the_flags_the_readme_shows():
+    """The command above the table is the one plan_table.py runs for its llama3-70b row, and
+    each row's GPUs and batch are those flags'. Broken variant (plan_table.py planning the
+    preset's own GPUs and batch, without --gpus and --global-batch-size): the command is not
+    in the README."""
+    spec = importlib.util.spec_from_file_location("plan_table",
+                                                  os.path.join(REPO, "scripts", "plan_table.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = _read("README.md")
+    assert f"`{shlex.join(['ssdtrain', *module.command('llama3-70b')])}`" in " ".join(readme.split())
+    block = readme[readme.index(module.BEGIN):readme.index(module.END)]
+    for preset in module.PRESETS:
+        argv = module.command(preset)
+        gpus, batch = argv[argv.index("--gpus") + 1], argv[argv.index("--global-batch-size") + 1]
+        assert f"| `{preset}` | {gpus} GPUs, {batch} x " in block, preset
+
+
 def test_the_gpu_check_docs_give_gpu_check_py_defaults():
     """docs/gpu-check.md's measure shape and micro-batch sizes are gpu_check.py's defaults."""
     import sys

@@ -105,11 +105,13 @@ def _run(folder, site: str, point: str, offload: bool, handler: bool = True) -> 
     program = [SCRIPT, *flags]
     if offload:
         # min-tensor-bytes 0: the tiny model's activations are all below the 256 KiB default;
-        # the temporary folder may be on the system disk, which the pre-flight refuses unasked.
+        # the temporary folder may be on the system disk, which the pre-flight refuses unasked;
+        # engine posix, named: the points preempt the drive's writes and reads, which the
+        # node's choice (tiered, where host memory is to spare) would keep in host memory.
         program = ["-m", "ssdtrain_megatron.launch", *program, "--ssd-offload",
                    "--ssd-offload-dir", str(folder / "ssd"), "--ssd-offload-allow-system-disk",
-                   "--ssd-offload-min-tensor-bytes",
-                   "0", "--ssd-offload-stats-path", str(folder / "stats.jsonl")]
+                   "--ssd-offload-min-tensor-bytes", "0", "--ssd-offload-engine", "posix",
+                   "--ssd-offload-stats-path", str(folder / "stats.jsonl")]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
                SSDTRAIN_TEST_PREEMPT=f"{point}@{PREEMPTED_AT}")
     env["PYTHONPATH"] = os.pathsep.join([site, os.path.dirname(HERE)]

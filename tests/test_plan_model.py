@@ -244,9 +244,11 @@ parallel:
   sequence_parallel: false
 offload:
   keep_last_layers: 1
+  engine: posix
   dirs: [/tmp/ssdtrain]
 """
-# One layer at b=2: 34 sbh + 5 as^2 b = 139264 + 40960 bytes; forward 6815744 FLOPs.
+# The engine named, posix: the plan of the drives alone (without it, the node's host memory
+# would choose tiered: tests/test_plan_job.py). One layer at b=2: 34 sbh + 5 as^2 b = 139264 + 40960 bytes; forward 6815744 FLOPs.
 LAYER_BYTES = 180224
 STEP_FLOPS = 3 * 4 * 6815744
 

@@ -89,7 +89,8 @@ def test_plan_prints_a_table(capsys, preset):
     assert main(["plan", "--config", preset, "--gpu-tflops", "0.001",
                  "--memory-budget-gb", "0.01", "--ssd-tbw", "600"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[3:8] == [
+    assert lines[3] == "engine posix: named by the preset (posix)"
+    assert lines[4:9] == [
         "layer               bytes  place   (layers numbered from 1, as Megatron does)",
         "    1             180,224  ssd",
         "    2             180,224  ssd",
@@ -107,6 +108,7 @@ def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, pre
     """The runtime reads prefetch_layers ahead of backward, and the plan's timeline must assume
     the same read-ahead (plan/tier_costs.py). Broken by plan_stage not passing it on (the
     Tiers default of 2 for every preset): 'planned with 2'."""
+    from ssdtrain_megatron.plan import placing
     from ssdtrain_megatron.tools.plan import build as plan_build
 
     seen = []
@@ -117,7 +119,8 @@ def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, pre
         seen.append(plan.tiers.prefetch_layers)
         return plan
 
-    monkeypatch.setattr(plan_build, "plan_stage", spy)
+    monkeypatch.setattr(plan_build, "plan_stage", spy)  # every place, beside the policy's plan
+    monkeypatch.setattr(placing, "plan_stage", spy)  # the policy's plan (plan/placing.py)
     with open(preset) as fh:
         text = fh.read()
     with open(preset, "w") as fh:

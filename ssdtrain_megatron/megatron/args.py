@@ -275,6 +275,28 @@ def given_flags(args: argparse.Namespace) -> List[str]:
     return flags
 
 
+def preset_fields(path: str) -> List[str]:
+    """The OffloadConfig fields a preset file sets (its ``offload:`` section's keys, or the
+    top-level ones of a file without that section, as ``OffloadConfig.from_yaml`` reads it)."""
+    import yaml
+
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    if isinstance(data, dict) and "offload" in data:
+        data = data["offload"] or {}
+    return [str(k) for k in data] if isinstance(data, dict) else []
+
+
+def given_fields(args: argparse.Namespace) -> Dict[str, str]:
+    """{OffloadConfig field: who set it} for every field a flag or the preset sets: the flag
+    (``--ssd-offload-engine``) wins over ``the preset``. The fields missing here keep their
+    defaults, and those of plan/engine_choice.FOLLOWS_THE_NODE follow the node."""
+    preset = getattr(args, "ssd_offload_config", None)
+    given = {name: "the preset" for name in (preset_fields(preset) if preset else ())}
+    given.update({name: flag_for(name) for name in explicit_fields(args)})
+    return given
+
+
 def config_from_args(args: argparse.Namespace) -> OffloadConfig:
     """The OffloadConfig the parsed flags describe: defaults < preset < explicit flags.
 

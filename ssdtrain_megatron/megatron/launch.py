@@ -14,7 +14,9 @@ runs this module, which
    also adds the "ssd offload" group (:func:`~ssdtrain_megatron.megatron.args.add_ssd_offload_args`);
 3. wraps ``initialize_megatron`` so that right after it returns (arguments parsed, process
    groups built, this rank's device selected) ``install()`` runs when ``--ssd-offload`` was
-   given;
+   given, with the engine the node calls for where neither the flags nor the preset name one
+   (:mod:`.follow_node`: host memory is measured when the hooks are applied, before Megatron
+   starts), saying in one line per rank which engine and why;
 4. runs the script as ``__main__`` (runpy), then ``uninstall()``: every offload file is removed.
 
 Before any of that, with ``--ssd-offload``, each worker runs the pre-flight (:mod:`.preflight`)
@@ -48,10 +50,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
-from .args import add_ssd_offload_args, config_from_args, given_flags, with_ssd_offload_args
+from ..config import ConfigError
+from .args import add_ssd_offload_args, given_flags, with_ssd_offload_args
 from .compat import cuda_graph_conflict, cuda_graphs_in_use, megatron_offloading_in_use
-from . import preflight
+from . import host_memory, preflight
 from .errors import report_error
+from .follow_node import job_settings
 from .patching import Patcher
 
 log = logging.getLogger(__name__)
@@ -123,8 +127,17 @@ def _installer(target: Target) -> Any:
                           f"cannot be imported: {exc}") from exc
 
 
-def install_from_args(args: argparse.Namespace, target: Target = MEGATRON_LM) -> Optional[Any]:
-    """``install(config_from_args(args))`` when ``args.ssd_offload`` is set; the offloader.
+_MEASURE = object()
+"""install_from_args' default for ``host``: measure host memory at the call."""
+
+
+def install_from_args(args: argparse.Namespace, target: Target = MEGATRON_LM,
+                      host: Any = _MEASURE) -> Optional[Any]:
+    """``install()`` of the settings the flags describe when ``args.ssd_offload`` is set; the
+    offloader. Where neither the flags nor the preset name the engine, the node chooses it
+    (follow_node.py) from ``host``: the host memory free at the job's start
+    (host_memory.HostMemory, None where it cannot be measured; default: measured now), and
+    one line per rank says which engine and why.
 
     Raises:
         LaunchError: megatron-core's own activation offloading (``--cpu-offloading-num-layers``,
@@ -155,9 +168,16 @@ def install_from_args(args: argparse.Namespace, target: Target = MEGATRON_LM) ->
     current = getattr(backend, "installed", lambda: None)()
     if current is not None:
         return getattr(current, "offloader", current)
-    config = config_from_args(args)
-    offloader = backend.install(config)
+    try:
+        config, choice = job_settings(args, host_memory.measure() if host is _MEASURE else host,
+                                      recompute=target.name != MEGATRON_DEEPSPEED.name)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # the preset's model or node, or SSDTRAIN_HOST_MEMORY_FREE
+        raise LaunchError(str(exc)) from None
     rank = getattr(args, "rank", 0)
+    log.info("ssdtrain: rank %s: %s", rank, choice.reason)
+    offloader = backend.install(config)
     log.info("ssdtrain: rank %s offloads activations to %s (engine %s, policy %s)", rank,
              ", ".join(getattr(offloader, "rank_dirs", None) or config.dirs), config.engine,
              config.policy)
@@ -187,8 +207,16 @@ class TrainingHooks:
         self.target = target
         self._patcher = Patcher()
         self.offloader: Optional[Any] = None
+        self._host: Any = None
 
     def apply(self) -> "TrainingHooks":
+        # Host memory is measured now, before Megatron starts: no rank of the job has pinned
+        # any yet, so every rank of a node sees the same figure. A bad SSDTRAIN_HOST_MEMORY_FREE
+        # is said at install, and only with --ssd-offload.
+        try:
+            self._host = host_memory.measure()
+        except ValueError as exc:
+            self._host = exc
         arguments = importlib.import_module(self.target.arguments)
         initialize = importlib.import_module(self.target.initialize)
         try:
@@ -241,7 +269,11 @@ class TrainingHooks:
 
     def _install(self) -> None:
         get_args = importlib.import_module(self.target.global_vars).get_args
-        offloader = install_from_args(get_args(), self.target)
+        args = get_args()
+        if isinstance(self._host, ValueError) and getattr(args, "ssd_offload", False):
+            raise LaunchError(str(self._host))
+        host = None if isinstance(self._host, ValueError) else self._host
+        offloader = install_from_args(args, self.target, host)
         if offloader is not None and self.offloader is None:
             self.offloader = offloader
 

@@ -18,8 +18,9 @@ itself would (io/roots.py, io/layout.py):
 - the free space of each drive against what the node's ranks keep on it at the peak of a step:
   the preset's model (``peak_disk_bytes`` in plan/model.py; Megatron's ``--num-layers``,
   ``--seq-length``, ``--micro-batch-size``, TP and PP flags, when given, win over the preset's
-  shape) split over each rank's roots. Skipped without a preset that has a ``model:`` section,
-  with ``policy: keep`` and with ``engine: memory``;
+  shape) split over each rank's roots, less the host pool where the engine is ``tiered`` (named,
+  or chosen by the node as the job will choose it: follow_node.py). Skipped without a preset
+  that has a ``model:`` section, with ``policy: keep`` and with ``engine: memory``;
 - that the engine can run here (``is_available()``: DeepSpeed's aio op built or buildable,
   kvikio and CUDA for gds), without building anything;
 - the ``stats_path`` and ``trace_path`` templates (layout.expand_file).
@@ -31,6 +32,7 @@ launcher's pre-flight and the scripts' off (for a check that is wrong about a no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import socket
@@ -45,16 +47,12 @@ from ..io.roots import MISSING, check_root, on_system_disk, root_of, root_proble
 from ..io.where import binary, filesystem_of
 from ..plan.model import peak_disk_bytes
 from ..plan.shape import ModelShape
-from .args import add_ssd_offload_args, config_from_args, flag_for
+from ..plan.engine_choice import EngineChoice
+from .args import add_ssd_offload_args, flag_for
+from .follow_node import job_settings, megatron_shape_from_argv, preset_shape
+from .host_memory import measure
 
 SKIP_ENV = "SSDTRAIN_SKIP_PREFLIGHT"
-
-MEGATRON_SHAPE_FLAGS = {"--num-layers": "num_layers", "--seq-length": "seq_len",
-                        "--micro-batch-size": "micro_batch",
-                        "--tensor-model-parallel-size": "tp",
-                        "--pipeline-model-parallel-size": "pp"}
-"""Megatron flags that change what one GPU keeps on disk, and the ModelShape field each sets."""
-
 
 def skipped(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``SSDTRAIN_SKIP_PREFLIGHT`` asks to skip the pre-flight."""
@@ -79,6 +77,8 @@ class Launch:
     """The preset file (``--ssd-offload-config``), or None."""
     shape: Optional[ModelShape]
     """The preset's model with Megatron's shape flags applied; None without a model."""
+    choice: Optional[EngineChoice] = None
+    """How the engine was chosen (follow_node.py)."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,12 @@ class Problem:
     local_ranks: Tuple[int, ...] = ()
 
 
-def read_launch(argv: Sequence[str]) -> Optional[Launch]:
-    """The offload settings in a launcher argument list (Megatron's own flags are ignored);
-    None when ``--ssd-offload`` is not among them.
+def read_launch(argv: Sequence[str], local_ranks: Optional[int] = None,
+                environ: Mapping[str, str] = os.environ) -> Optional[Launch]:
+    """The offload settings in a launcher argument list (Megatron's own flags are ignored but
+    for the shape ones), with the engine the node calls for where neither the flags nor the
+    preset name one (follow_node.py; ``local_ranks``: the ranks sharing this node's host
+    memory, default from ``environ``); None when ``--ssd-offload`` is not among them.
 
     Raises:
         FlagError: a flag's value, the preset or their combination is invalid (one line, as
@@ -104,41 +107,16 @@ def read_launch(argv: Sequence[str]) -> Optional[Launch]:
     if not args.ssd_offload:
         return None
     preset = args.ssd_offload_config
-    return Launch(config_from_args(args), preset, _shape(preset, argv))
-
-
-def _shape(preset: Optional[str], argv: Sequence[str]) -> Optional[ModelShape]:
-    if preset is None:
-        return None
-    import yaml
-
-    with open(preset, encoding="utf-8") as fh:  # read (and validated) by the flag's parser
-        data = yaml.safe_load(fh)
-    if not isinstance(data, dict) or "model" not in data:
-        return None
     try:
-        shape = ModelShape.from_preset(data["model"], data.get("parallel"))
+        host = measure(environ)
+        if host is not None and local_ranks is not None:
+            host = dataclasses.replace(host, local_ranks=local_ranks)
+        shape = preset_shape(preset, megatron_shape_from_argv(argv))
+        config, choice = job_settings(args, host, megatron_shape_from_argv(argv))
     except (TypeError, ValueError) as exc:
-        raise FlagError(f"argument --ssd-offload-config: {preset}: {exc}") from None
-    try:
-        return shape.replace(**_megatron_shape(argv))
-    except (TypeError, ValueError):
-        return None  # Megatron's flags do not fit the preset: Megatron says so, in its terms
-
-
-def _megatron_shape(argv: Sequence[str]) -> Dict[str, int]:
-    """The ModelShape fields Megatron's flags in ``argv`` set (the last of each wins)."""
-    found: Dict[str, int] = {}
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if flag not in MEGATRON_SHAPE_FLAGS:
-            continue
-        value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-        try:
-            found[MEGATRON_SHAPE_FLAGS[flag]] = int(value)
-        except ValueError:
-            continue
-    return found
+        where = f"argument --ssd-offload-config: {preset}: " if preset else ""
+        raise FlagError(f"{where}{exc}") from None
+    return Launch(config, preset, shape, choice)
 
 
 # -- the checks -----------------------------------------------------------------------------
@@ -303,7 +281,7 @@ def launcher_problems(argv: Sequence[str],
     rank, local = int(environ.get("RANK", "0")), int(environ.get("LOCAL_RANK", "0"))
     where = f"node {host}, rank {rank} (local rank {local})"
     try:
-        launch = read_launch(argv)
+        launch = read_launch(argv, environ=environ)
     except FlagError as exc:
         return ([f"{where}: {exc}"] if local == 0 else []), True
     if launch is None:

@@ -281,6 +281,10 @@ def _builtin() -> Dict[str, NodeProfile]:
 BUILTIN: Dict[str, NodeProfile] = _builtin()
 """The named profiles, by name."""
 
+DEFAULT_NODE = "dgx-h100"
+"""The node planned for when nothing names one (``ssdtrain plan`` without --node or a preset's
+node: section, and a job's choice of engine without a node: section)."""
+
 
 def load_profile(name_or_path: Union[str, NodeProfile]) -> NodeProfile:
     """A built-in profile by name (``dgx-h100``), or one read from a YAML file.

@@ -203,6 +203,11 @@ class ModelShape:
     def layers_per_stage(self) -> int:
         return self.num_layers // self.pp
 
+    @property
+    def model_parallel(self) -> int:
+        """GPUs of one model replica: tp x pp x cp (Megatron's model-parallel size)."""
+        return self.tp * self.pp * self.cp
+
     def replace(self, **changes: Any) -> "ModelShape":
         return dataclasses.replace(self, **changes)
 

@@ -69,7 +69,7 @@ def run_preflight(args: argparse.Namespace) -> int:
     host = socket.gethostname()
     prefix = f"ssdtrain doctor: error: node {host}"
     try:
-        launch = read_launch(launcher_argv(args))
+        launch = read_launch(launcher_argv(args), local_ranks=args.nproc_per_node)
     except FlagError as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return 2

@@ -4,29 +4,25 @@
 What the preset's offload: section says is what is planned: ``policy`` (keep: nothing leaves
 GPU memory; offload: every layer but the last keep_last_layers leaves it; adaptive: as much
 leaves as the activation budget needs), ``engine`` (posix, aio, gds: the drives; memory: host
-memory; tiered: both) and ``recompute_fallback`` (recompute is a place). Flags override each.
+memory; tiered: both) and ``recompute_fallback`` (recompute is a place). Flags override each;
+an engine neither names follows the node, as the job's would (engine.py).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ...plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
+from ...plan.memory import activation_budget
 from ...plan.model import (head_activation_terms, largest_micro_batch, layer_activation_bytes,
                            layer_activation_terms, peak_activation_bytes)
-from ...plan.node import NodeProfile, load_profile
+from ...plan.node import DEFAULT_NODE, NodeProfile, load_profile
+from ...plan.placing import places_for, plan_policy
 from ...plan.shape import ModelShape, SaveProfile
-from ...plan.stage import Stage, full_recompute_fits, plan_stage, price_stage, stage
-from ...plan.tiers import HOST, KEEP, PLACES, RECOMPUTE, SSD, TierPlan
-from .budget import activation_budget
-
-DEFAULT_NODE = "dgx-h100"
-"""The node planned for when neither --node nor the preset's node: section names one."""
-
-ENGINE_TIERS = {"posix": (SSD,), "aio": (SSD,), "gds": (SSD,), "memory": (HOST,),
-                "tiered": (HOST, SSD)}
-"""Where each IO engine puts what leaves GPU memory."""
+from ...plan.stage import Stage, full_recompute_fits, plan_stage, stage
+from ...plan.tiers import PLACES, TierPlan
+from . import engine as engine_settings
 
 ITERATION_LABEL = ("per iteration: every micro-batch's forward and backward on one GPU of the "
                    "first pipeline stage, with the pipeline bubble")
@@ -61,36 +57,6 @@ def node_for(args: argparse.Namespace, preset_node: Optional[NodeProfile]) -> Tu
     if changes or gbps is not None:
         source += ", with flags"
     return node, source
-
-
-def places_for(engine: str, recompute: bool) -> Tuple[str, ...]:
-    return (KEEP,) + ENGINE_TIERS[engine] + ((RECOMPUTE,) if recompute else ())
-
-
-def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ...],
-                budget: int, offload: Any) -> TierPlan:
-    """The plan ``policy`` makes: keep (nothing moves), offload (every layer but the last
-    ``keep_last_layers`` leaves GPU memory, for the engine's tiers: chosen as under a budget
-    that holds only those, and priced with one layer's room beside them for writes in flight
-    and reads ahead: one layer in transit), adaptive (within ``budget``); reads start
-    ``prefetch_layers`` ahead of backward, as the preset's runtime (``offload``) starts them."""
-    keep_last, ahead = offload.keep_last_layers, offload.prefetch_layers
-    if policy == "keep":
-        return plan_stage(st, node, budget_bytes=None, places=places)
-    if policy == "offload":
-        tail = keep_last if st.positions[0].gap_s == 0 else 0
-        kept = st.positions[0].live * min(tail, len(st.layers)) * st.layer_bytes
-        # what holding only the tail needs: the tail kept by every live micro-batch, and, where
-        # nothing is kept, one layer's room to be saved and read back (tier_costs.need_bytes)
-        only_tail = max(kept, st.layer_bytes) + st.head_bytes
-        chosen = plan_stage(st, node, budget_bytes=only_tail,
-                            places=tuple(p for p in places if p != RECOMPUTE),
-                            keep_last_layers=keep_last, prefetch_layers=ahead)
-        return price_stage(st, node, chosen.decisions,
-                           budget_bytes=only_tail + st.layer_bytes,
-                           keep_last_layers=keep_last, prefetch_layers=ahead)
-    return plan_stage(st, node, budget_bytes=budget, places=places,
-                      keep_last_layers=keep_last, prefetch_layers=ahead)
 
 
 def lifespan(plan: TierPlan, node: NodeProfile) -> Optional[Dict[str, float]]:
@@ -134,13 +100,17 @@ def tier_summary(plan: TierPlan, st: Stage, budget: int) -> Dict[str, Any]:
 
 def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
                node: NodeProfile, node_source: str = "",
-               profile: SaveProfile = SaveProfile.paper()) -> Dict[str, Any]:
-    """The whole plan as a JSON-ready dict (what ``ssdtrain plan --json`` prints)."""
+               profile: SaveProfile = SaveProfile.paper(),
+               given: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The whole plan as a JSON-ready dict (what ``ssdtrain plan --json`` prints). ``given``:
+    the OffloadConfig fields the preset or the flags set (engine.given_fields; default: every
+    field of ``offload``, as named); the engine follows the node where it is not among them."""
     m = args.num_micro_batches
-    policy = getattr(args, "policy", None) or offload.policy
-    engine = getattr(args, "engine", None) or offload.engine
-    recompute = offload.recompute_fallback if getattr(args, "recompute_fallback", None) is None \
-        else args.recompute_fallback
+    original = offload
+    if given is None:
+        given = engine_settings.given_fields(args, offload.field_names())
+    offload, choice = engine_settings.plan_settings(offload, given, args, shape, node, m)
+    policy, engine, recompute = offload.policy, offload.engine, offload.recompute_fallback
     places = places_for(engine, recompute)
     keep_last = offload.keep_last_layers
     memory = activation_budget(shape, node.gpu_memory_bytes, getattr(args, "activation_budget", None),
@@ -167,12 +137,15 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
     layer_bytes = layer_activation_bytes(shape, profile)
     summary = tier_summary(plan, st, budget)
     life = lifespan(plan, node)
-    return {
+    result = {
         "config": args.config,
         "node": {**node.to_dict(), "ssd_write_gbps": node.ssd_write_gbps,
                  "ssd_read_gbps": node.ssd_read_gbps},
         "node_source": node_source,
         "policy": policy, "engine": engine, "places": list(places),
+        "recompute_fallback": recompute,
+        "engine_choice": {"engine": choice.engine, "followed_the_node": choice.followed,
+                          "reason": choice.reason, "host_memory_bytes": offload.host_memory_bytes},
         "model": {name: getattr(shape, name) for name in shape.__dataclass_fields__},
         "layers_per_stage": shape.layers_per_stage,
         "keep_last_layers": keep_last,
@@ -199,3 +172,9 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
         "largest_micro_batch": {mode: largest_micro_batch(fits(mode))
                                 for mode in ("keep", "planned", "recompute")},
     }
+    default = None
+    if not choice.followed:  # what the node would choose, to say when it plans faster
+        unnamed, plain = engine_settings.without_the_engine(given, args)
+        default = build_plan(shape, original, plain, node, node_source, profile, unnamed)
+    result["slower_than_the_node"] = engine_settings.slower_than_the_node(result, default, choice)
+    return result

@@ -157,8 +157,21 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-size", dest="micro_batch", type=_int_at_least(1), default=None,
                         metavar="N", help="micro-batch size (default: the preset's model.micro_batch)")
     parser.add_argument("--num-microbatches", dest="num_micro_batches", type=_int_at_least(1),
-                        default=1, metavar="M",
-                        help="micro-batches per iteration (default 1); times are per iteration")
+                        default=None, metavar="M",
+                        help="micro-batches per iteration (default: --global-batch-size over "
+                             "micro-batch x data-parallel size, else 1); times are per iteration")
+    parser.add_argument("--global-batch-size", type=_int_at_least(1), default=None, metavar="B",
+                        help="sequences per iteration, as Megatron's flag (a multiple of "
+                             "micro-batch x data-parallel size); --search ranks layouts at it "
+                             "(default: dp x micro-batch x --num-microbatches, said in the "
+                             "first line)")
+    parser.add_argument("--gpus", type=_int_at_least(1), default=None, metavar="N",
+                        help="GPUs of the job (a multiple of the preset's tp x pp x cp: its "
+                             "data-parallel size follows); --search ranks layouts on them "
+                             "(default: the preset's dp x tp x pp x cp, said in the first line)")
+    parser.add_argument("--nodes", type=_int_at_least(1), default=None, metavar="K",
+                        help="nodes of the job: K x --gpus-per-node GPUs (the node profile's "
+                             "unless given)")
     deprecated_alias(parser, "--micro-batch", "--micro-batch-size", "micro_batch", _int_at_least(1))
     deprecated_alias(parser, "--num-micro-batches", "--num-microbatches", "num_micro_batches",
                      _int_at_least(1))
@@ -173,7 +186,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                                            "preset's recompute_fallback)")
     parser.add_argument("--search", action="store_true",
                         help="rank layouts (tp, pp, cp, micro-batch, recompute, tier plan) of the "
-                             "preset's model on its GPU count and global batch by modeled "
+                             "preset's model on --gpus at --global-batch-size by modeled "
                              "tokens/s per GPU, without and with offload")
     parser.add_argument("--top", type=_int_at_least(1), default=5, metavar="K",
                         help="--search: layouts shown per kind (default 5)")
@@ -289,6 +302,8 @@ def preset_node(path: str) -> Optional[NodeProfile]:
 
 def run_plan(args: argparse.Namespace) -> int:
     from .build import build_plan, node_for
+    from .engine import given_fields
+    from .job_size import job_size
 
     try:
         shape, offload = read_preset(args.config)
@@ -298,15 +313,20 @@ def run_plan(args: argparse.Namespace) -> int:
                    if getattr(args, flag, None) is not None}
         shape = shape.replace(**changes)
         node, source = node_for(args, preset_node(args.config))
+        size = job_size(shape, args, node, search=args.search)
     except ValueError as exc:
         return _error("plan", str(exc))
     if args.search:
         from .search import run_search
 
-        return run_search(shape, offload, args, node, source)
-    result = build_plan(shape, offload, args, node, source)
+        return run_search(shape, offload, args, node, source, size)
+    shape = shape.replace(dp=size.dp)
+    args = argparse.Namespace(**{**vars(args), "num_micro_batches": size.num_micro_batches})
+    given = given_fields(args, (_preset_data(args.config).get("offload") or {}).keys())
+    result = build_plan(shape, offload, args, node, source, given=given)
+    result.update(gpus=size.gpus, global_batch=size.global_batch, assumed=size.assumed)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print_plan(shape, result)
+    print_plan(shape, result, size.describe(shape.seq_len))
     return 0

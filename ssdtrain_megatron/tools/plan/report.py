@@ -39,13 +39,16 @@ def header(shape: ModelShape, config: str) -> str:
                if shape.num_experts is not None else ""))
 
 
-def print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
+def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "") -> None:
+    """The plan as aligned lines; ``job``: the GPUs and global batch planned (and what was
+    assumed), at the end of the first line."""
     from ...plan.node import NodeProfile
 
     node = NodeProfile(**{k: r["node"][k] for k in NodeProfile.FIELDS})
-    print(header(shape, r["config"]))
+    print(header(shape, r["config"]) + (f"; {job}" if job else ""))
     print(f"node {node.describe()} ({r['node_source']})")
     print(f"policy {r['policy']}, engine {r['engine']}: places " + ", ".join(r["places"]))
+    print(r["engine_choice"]["reason"])
     print(f"{'layer':>5}  {'bytes':>18}  place   (layers numbered from 1, as Megatron does)")
     for row in r["layers"]:
         print(f"{row['layer']:>5}  {row['bytes']:>18,}  {row['decision']}")
@@ -59,9 +62,17 @@ def print_plan(shape: ModelShape, r: Dict[str, Any]) -> None:
     rows += memory_rows(r)
     every = r["every_place"]
     if list(r["places"]) != list(every["places"]):
+        flags = (["--engine tiered"] if r["engine"] != "tiered" else []) \
+            + (["--recompute-fallback"] if not r["recompute_fallback"] else [])
         rows.append(("all four places", f"{every['iteration_s']:.4f} s per iteration "
                      f"(x{every['vs_keep']:.3f} keep), binding {every['binding']}: "
-                     "--engine tiered --recompute-fallback"))
+                     + " ".join(flags)))
+    slower = r.get("slower_than_the_node")
+    if slower:
+        named = r["engine_choice"]["reason"].split(": named by ", 1)[-1]
+        rows.append(("slower than the node's", f"engine {r['engine']}, named by {named}, plans "
+                     f"x{r['vs_keep']:.3f} keep; without it the engine follows the node: "
+                     f"{slower['reason']}; x{slower['vs_keep']:.3f} keep"))
     for name, value in rows:
         print(f"{name:<28} {value}")
 

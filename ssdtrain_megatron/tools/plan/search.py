@@ -11,6 +11,7 @@ from ...plan.node import NodeProfile
 from ...plan.search import Layout, search
 from ...plan.shape import ModelShape
 from .build import lifespan, tier_summary
+from .job_size import JobSize
 
 MODEL_LABEL = ("the model's figures (docs/models.md, \"The model's terms\"), not measurements: "
                "no GPU has measured them yet")
@@ -29,19 +30,18 @@ def layout_dict(x: Layout, node: NodeProfile) -> Dict[str, Any]:
             "lifespan_rated_years": life["rated_years"] if life else None}
 
 
-def search_result(shape: ModelShape, num_micro_batches: int, node: NodeProfile,
+def search_result(shape: ModelShape, size: JobSize, node: NodeProfile,
                   keep_last_layers: int = 1, top: Optional[int] = None) -> Dict[str, Any]:
-    """Both rankings for ``shape`` (its dp x tp x pp x cp GPUs, dp x micro-batch x
-    ``num_micro_batches`` sequences per iteration) on ``node``; the best of each and the gain."""
-    gpus = shape.dp * shape.tp * shape.pp * shape.cp
-    global_batch = shape.dp * shape.micro_batch * num_micro_batches
+    """Both rankings for ``shape`` on ``size``'s GPUs at its global batch (sequences per
+    iteration) on ``node``; the best of each and the gain."""
+    gpus, global_batch = size.gpus, size.global_batch
     without, with_ = search(shape, gpus, global_batch, node, keep_last_layers=keep_last_layers)
     best_without = without[0] if without else None
     best_with = with_[0] if with_ else None
     gain = (best_with.tokens_per_s_per_gpu / best_without.tokens_per_s_per_gpu
             if best_with and best_without else None)
     return {"node": node.name, "gpus": gpus, "global_batch": global_batch,
-            "seq_len": shape.seq_len, "label": MODEL_LABEL,
+            "seq_len": shape.seq_len, "assumed": size.assumed, "label": MODEL_LABEL,
             "without_offload": [layout_dict(x, node) for x in without[:top]],
             "with_offload": [layout_dict(x, node) for x in with_[:top]],
             "gain": gain}
@@ -60,15 +60,14 @@ def _line(d: Dict[str, Any]) -> str:
 
 
 def run_search(shape: ModelShape, offload: Any, args: argparse.Namespace, node: NodeProfile,
-               source: str) -> int:
-    result = search_result(shape, args.num_micro_batches, node, offload.keep_last_layers,
-                           top=args.top)
+               source: str, size: JobSize) -> int:
+    result = search_result(shape, size, node, offload.keep_last_layers, top=args.top)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"layouts for {args.config} on {result['gpus']} GPUs of {node.name} ({source}), "
-          f"{result['global_batch']} sequences of {shape.seq_len} tokens per iteration; "
-          f"{MODEL_LABEL}")
+          f"{result['global_batch']} sequences of {shape.seq_len} tokens per iteration"
+          + (f" (assumed: {size.assumed})" if size.assumed else "") + f"; {MODEL_LABEL}")
     for title, key in (("without offload (keep, recompute)", "without_offload"),
                        ("with offload (keep, host, SSD, recompute)", "with_offload")):
         rows: List[Dict[str, Any]] = result[key]
