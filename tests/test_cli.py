@@ -254,7 +254,8 @@ def test_doctor_reports_what_runs_here(tmp_path, capsys):
     root = r["roots"][0]
     assert root["root"] == str(tmp_path) and root["writable"] is True
     assert root["free_bytes"] > 0 and root["filesystem"] != "unknown"
-    assert set(r["memory"]) == {"host_memory_bytes", "cpus", "memlock_soft", "memlock_hard"}
+    assert set(r["memory"]) == {"host_memory_bytes", "cpus", "memlock_soft", "memlock_hard", "staging_default_bytes"}
+    assert r["memory"]["staging_default_bytes"] == 2 << 30  # 2 x max_inflight_bytes, what the line names
     assert os.listdir(tmp_path) == []  # the probe file is gone
 
 

@@ -206,3 +206,19 @@ def test_the_room_beside_kept_layers_follows_their_order():
     # what is saved outside the layers (the reserve) comes off the budget
     assert plan_tiers(LAYERS, ONE, tiers(budget_bytes=300, reserve_bytes=100)).decisions == \
         ((HOST, HOST, KEEP, KEEP),)
+
+
+@pytest.mark.parametrize("write_bps, live, expected", [
+    (10.0, 1, 460),   # 3 layers x 100 B, 4 s of forward at 10 B/s: 300 - 40 = 260, + 2 x 100 read ahead
+    (FAST, 1, 300),   # drives faster than the forward: one layer's bytes (100), + 200 read ahead
+    (10.0, 2, 720),   # two live micro-batches: 600 written, 80 taken (520), + 200 read ahead
+])
+def test_staging_is_what_the_drives_have_not_taken_when_the_forward_ends_plus_the_reads_ahead(
+        write_bps, live, expected):
+    """Three layers on the drives, the last kept: the SSD tier writes 300 B per micro-batch while
+    its forward takes 4 s (four layers of 1 s); the drives write ``write_bps``. Staging holds
+    what they have not taken when the forward ends (at least one layer's bytes), plus
+    prefetch_layers (2) layers read back through it."""
+    plan = price(LAYERS, [Position(live=live)], tiers(ssd_write_bps=write_bps, budget_bytes=None),
+                 [[SSD, SSD, SSD, KEEP]])
+    assert plan.staging_bytes == expected

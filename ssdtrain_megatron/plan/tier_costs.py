@@ -191,6 +191,12 @@ class TierPlan:
     writes instead: their time is stall)."""
     host_peak_bytes: int
     """Host memory at the worst moment, likewise."""
+    staging_bytes: int
+    """Pinned host staging the SSD tier needs on a GPU (OffloadConfig.pinned_staging_bytes):
+    the SSD-tier bytes the live micro-batches write that the drives have not taken yet when
+    the last of them ends its forward (the device memory goes when the copy into staging
+    lands; staging holds the rest), at least one layer's, plus a read-ahead window of layers
+    read back through it; 0 when nothing goes to the drives."""
     binding: str
     """What limits the plan: one of :data:`BINDING`, or "nothing"."""
     fits_budget: bool

@@ -251,6 +251,22 @@ def _binding(step: _Step, costs: Sequence[PositionCost], iteration: float, stall
     return "GPU memory"
 
 
+def _staging(step: _Step, rows: List[List[str]], costs: Sequence[PositionCost]) -> int:
+    """TierPlan.staging_bytes: per position, what its live micro-batches write to the SSD tier
+    less what the drives take during their forwards (they are written as the forward goes),
+    at least one SSD layer's bytes; the most of any position, plus ``prefetch_layers`` SSD
+    layers read back through staging."""
+    t = step.tiers
+    on_ssd = [layer.activation_bytes for row in rows for layer, place in zip(step.layers, row) if place == SSD]
+    if not on_ssd:
+        return 0
+    one = max(on_ssd)
+    forward_s = sum(layer.forward_s for layer in step.layers)
+    backlog = max(p.live * c.ssd_bytes - t.ssd_write_bps * p.live * forward_s
+                  for (p, _), c in zip(step.groups, costs))
+    return int(max(backlog, one) + t.prefetch_layers * one)
+
+
 def _result(step: _Step, rows: List[List[str]], costs: List[PositionCost], of: List[int],
             fits: bool) -> TierPlan:
     t, layers = step.tiers, step.layers
@@ -270,6 +286,7 @@ def _result(step: _Step, rows: List[List[str]], costs: List[PositionCost], of: L
     peak = max(_holds(p, c) for (p, _), c in zip(step.groups, costs)) + t.reserve_bytes
     peak = max(peak, max(c.resident_bytes(p.live) for (p, _), c in zip(step.groups, costs)))
     host_peak = max(p.live * c.host_bytes for (p, _), c in zip(step.groups, costs))
+    staging = _staging(step, rows, costs)
     stall = iteration - work
     if stall <= REL_EPS * iteration:
         stall, iteration = 0.0, work
@@ -279,7 +296,7 @@ def _result(step: _Step, rows: List[List[str]], costs: List[PositionCost], of: L
                     recompute_s=recompute, cpu_s=cpu, stall_s=stall, iteration_s=iteration,
                     tier_bytes=tier_bytes, link_bytes=link, ssd_bytes=ssd, ssd_read_bytes=ssd_read,
                     peak_bytes=peak,
-                    host_peak_bytes=host_peak,
+                    host_peak_bytes=host_peak, staging_bytes=staging,
                     binding=_binding(step, costs, iteration, stall, fits),
                     fits_budget=fits, tiers=t)
 

@@ -189,9 +189,12 @@ def memory_report() -> Dict[str, Any]:
                     total = int(line.split()[1]) * 1024
     except OSError:
         pass
+    from ..config import OffloadConfig
+
     return {"host_memory_bytes": total, "cpus": os.cpu_count(),
             "memlock_soft": None if soft == resource.RLIM_INFINITY else soft,
-            "memlock_hard": None if hard == resource.RLIM_INFINITY else hard}
+            "memlock_hard": None if hard == resource.RLIM_INFINITY else hard,
+            "staging_default_bytes": OffloadConfig().staging_bytes()}
 
 
 def _roots(args: argparse.Namespace) -> List[str]:
@@ -285,6 +288,10 @@ def render(r: Dict[str, Any]) -> str:
     lines.append(f"{'pinned memory':<18} ulimit -l {_limit(m['memlock_soft'])} (hard {_limit(m['memlock_hard'])})"
                  + ("" if m["memlock_soft"] is None else
                     "; the aio engine and pinned host pools need more: ulimit -l unlimited"))
+    lines.append(f"{'pinned staging':<18} {gib(m['staging_default_bytes'])} per rank by default (2 x max_inflight_bytes; "
+                 "on a GPU a drive engine's writes wait there for the drive, not in GPU memory): "
+                 "`ssdtrain plan --config PRESET` says what a job needs (pinned staging per GPU; "
+                 "--ssd-offload-pinned-staging-bytes)")
     return "\n".join(lines)
 
 

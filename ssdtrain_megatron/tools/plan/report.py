@@ -96,8 +96,21 @@ def tier_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
         ("peak activations per GPU", f"{_gb(r['peak_bytes'])} of a {_gb(r['budget_bytes'])} budget"
                                      + ("" if r["fits_budget"] else ": DOES NOT FIT")),
         ("host memory per GPU", f"{_gb(r['host_peak_bytes'])} of {_gb(r['host_capacity_bytes'])}"),
+    ] + staging_rows(r) + [
         ("binding", r["binding"]),
     ]
+
+
+def staging_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """The pinned host staging the SSD tier needs on a GPU, against the default (none when
+    nothing goes to the drives)."""
+    need, default = r["staging_bytes"], r["staging_default_bytes"]
+    if not need:
+        return []
+    verdict = "the default holds it" if need <= default else \
+        f"more than the default {_gb(default)}: set --ssd-offload-pinned-staging-bytes"
+    return [("pinned staging per GPU", f"{_gb(need)}: what the drives have not taken yet when the forward "
+                                       f"ends, and the reads ahead (pinned_staging_bytes; {verdict})")]
 
 
 def lifespan_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
