@@ -174,6 +174,7 @@ class NullStreams(StreamOps):
     def __init__(self) -> None:
         self.calls = 0
         self._stream = _NullStream(self)
+        self._arena = torch.empty(0, dtype=torch.uint8)
 
     def current_stream(self, device: torch.device) -> Any:
         self.calls += 1
@@ -202,6 +203,15 @@ class NullStreams(StreamOps):
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         self.calls += 1
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Device memory as a caching allocator hands it out, without the CPU allocator's cost
+        (a 256 KiB ``torch.empty`` on a CPU is a fresh mapping, page faults and all): every
+        tensor is a view of one arena, whose bytes nobody reads here."""
+        nbytes = numel * dtype.itemsize
+        if self._arena.numel() < nbytes:
+            self._arena = torch.empty(max(nbytes, 2 * self._arena.numel()), dtype=torch.uint8)
+        return self._arena[:nbytes].view(dtype)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         from ..io.slab_engine import aligned_buffer  # page-aligned, as cudaHostAlloc's memory is

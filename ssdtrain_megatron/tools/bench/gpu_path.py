@@ -14,6 +14,7 @@ threads do real IO of bytes nobody checks).
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import sys
 import time
@@ -27,21 +28,35 @@ PER_LAYER = 18
 
 def gpu_path_costs(cfg: OffloadConfig, n: int, nbytes: int, rounds: int, per_layer: int = PER_LAYER) -> dict:
     """Per engine: ``gpu_path_pack_us`` and ``gpu_path_unpack_us`` (µs of thread CPU time per
-    tensor, the median over ``rounds`` steps) and ``stream_calls_per_record`` (``out``,
-    ``back``)."""
-    out: Dict[str, dict] = {"gpu_path_pack_us": {}, "gpu_path_unpack_us": {}, "stream_calls_per_record": {}}
+    tensor, the median over ``rounds`` steps), the same with Python's collector frozen
+    (``..._gc_frozen``: what Megatron's --manual-gc gives; with it on, a full collection now and
+    then walks the whole heap, torch's and the model's, inside whichever call allocated last),
+    and ``stream_calls_per_record`` (``out``, ``back``)."""
+    keys = ("gpu_path_pack_us", "gpu_path_unpack_us", "gpu_path_pack_us_gc_frozen",
+            "gpu_path_unpack_us_gc_frozen", "stream_calls_per_record")
+    out: Dict[str, dict] = {k: {} for k in keys}
     for engine in ("memory", "posix"):
         c = cfg.replace(engine=engine, policy="offload", min_tensor_bytes=0, keep_last_layers=1,
                         host_memory_bytes=2 * n * nbytes + (64 << 20), max_inflight_bytes=2 * n * nbytes,
                         pinned_staging_bytes=2 * n * nbytes + (64 << 20))
-        runs = [gpu_path_step(c, n, nbytes, per_layer) for _ in range(rounds)]
-        out["gpu_path_pack_us"][engine] = statistics.median(r[0] for r in runs)
-        out["gpu_path_unpack_us"][engine] = statistics.median(r[1] for r in runs)
+        runs, frozen = [], []
+        for _ in range(rounds):  # the two kinds alternate, so the machine's swings hit both
+            runs.append(gpu_path_step(c, n, nbytes, per_layer))
+            gc.collect()
+            gc.freeze()
+            try:
+                frozen.append(gpu_path_step(c, n, nbytes, per_layer))
+            finally:
+                gc.unfreeze()
+        for i, key in ((0, "pack"), (1, "unpack")):
+            out[f"gpu_path_{key}_us"][engine] = statistics.median(r[i] for r in runs)
+            out[f"gpu_path_{key}_us_gc_frozen"][engine] = statistics.median(r[i] for r in frozen)
         out["stream_calls_per_record"][engine] = {k: statistics.median(r[2][k] for r in runs) for k in ("out", "back")}
         calls = out["stream_calls_per_record"][engine]
-        print(f"gpu path ({engine}): pack {out['gpu_path_pack_us'][engine]:.1f} µs/tensor, unpack "
-              f"{out['gpu_path_unpack_us'][engine]:.1f} µs/tensor; stream calls per record: "
-              f"out {calls['out']:.1f}, back {calls['back']:.1f}", file=sys.stderr)
+        print(f"gpu path ({engine}): pack {out['gpu_path_pack_us'][engine]:.1f} µs/tensor "
+              f"({out['gpu_path_pack_us_gc_frozen'][engine]:.1f} after gc.freeze()), unpack "
+              f"{out['gpu_path_unpack_us'][engine]:.1f} ({out['gpu_path_unpack_us_gc_frozen'][engine]:.1f}); "
+              f"stream calls per record: out {calls['out']:.1f}, back {calls['back']:.1f}", file=sys.stderr)
     return out
 
 
