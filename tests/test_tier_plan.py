@@ -154,27 +154,27 @@ def test_empty_layers_or_positions_are_refused():
 def test_a_write_still_under_way_when_backward_comes_is_forwarded_not_read():
     """No budget, drives at 25 B/s (4 s per layer each way), three layers to the SSD: the forward
     ends at 4 s with all 300 bytes still being written (resident: the peak counts them; writes
-    end at 5, 9 and 13 s). The runtime asks for a layer two layers ahead of backward
-    (prefetch_layers): layers 2 and 1 at the backward's start (4 s), both still being written,
-    so both are forwarded from memory, and backward uses them at once while their writes go on
-    (cache/transfers.py materialize waits only for reads); layer 0 is asked for at 6 s, written
-    by then, and read back behind the writes (13-17 s); backward reaches it at 10 s: stall 7 s.
-    Broken variant (every layer read back after its write): ssd_read_bytes 300, stall 15 s."""
+    end at 5, 9 and 13 s). A layer's read takes 4 s against 2 s of a layer's backward, so the
+    runtime reads three layers ahead (by time, plan/readahead.py): at the backward's start (4 s)
+    it asks for layers 2 and 1, and for layer 0 as backward enters layer 3 (still 4 s): all
+    three still being written, so all are forwarded from memory and backward uses them at once
+    while their writes go on (cache/transfers.py materialize waits only for reads): nothing is
+    read back, nothing stalls. Broken variant (every layer read back after its write):
+    ssd_read_bytes 300, stall 15 s."""
     slow = tiers(budget_bytes=None, ssd_write_bps=25.0, ssd_read_bps=25.0)
     cost = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, slow)
-    assert (cost.ssd_bytes, cost.ssd_read_bytes, cost.lagging_bytes) == (300, 100, 300)
-    assert cost.stall_s == pytest.approx(7.0, abs=1e-3)
-    # Asked for only at its own turn (no read-ahead): layers 2 (at 6 s) and 1 (at 8 s) are still
-    # being written, both forwarded; layer 0 (at 10 s) is read back, 13-17 s. Broken variant
-    # (backward waits for a forwarded layer's write, as this model had it until a trace of the
-    # runtime showed otherwise): layer 1 asked at 15 s and read back: 200 bytes, stall 11 s.
-    late = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, tiers(budget_bytes=None, ssd_write_bps=25.0,
-                                                              ssd_read_bps=25.0, prefetch_layers=0))
-    assert late.ssd_read_bytes == 100 and late.stall_s == pytest.approx(7.0, abs=1e-3)
+    assert (cost.ssd_bytes, cost.ssd_read_bytes, cost.lagging_bytes) == (300, 0, 300)
+    assert cost.stall_s == pytest.approx(0.0, abs=1e-3)
+    # With reads as fast as a layer's backward (2 s each at 50 B/s), two layers ahead: layer 0
+    # is asked for as backward enters layer 2 (6 s), written by then (its write ended at 3 s),
+    # and read back (6-8 s) before backward reaches it at 10 s.
+    quick = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, tiers(budget_bytes=None, ssd_write_bps=50.0,
+                                                               ssd_read_bps=50.0))
+    assert quick.ssd_read_bytes == 100 and quick.stall_s == pytest.approx(0.0, abs=1e-3)
     plan = plan_tiers(LAYERS, ONE, slow)
     assert plan.decisions == ((KEEP,) * 4,)  # no budget: nothing moves
     priced = price(LAYERS, ONE, slow, [(SSD, SSD, SSD, KEEP)])
-    assert priced.peak_bytes == 400 and priced.ssd_read_bytes == 100
+    assert priced.peak_bytes == 400 and priced.ssd_read_bytes == 0
 
 
 def test_under_a_budget_the_forward_waits_for_writes_instead_of_exceeding_it():

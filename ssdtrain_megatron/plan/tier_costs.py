@@ -14,8 +14,9 @@ What each place costs, per micro-batch (the timeline of ``plan.policy``, with tw
 * host and ssd also cost the training thread ``cpu_s_per_byte`` per byte handed over.
 
 Reads go in reverse layer order, each no earlier than its write completed and than the runtime
-asks for it (as backward reaches the layer ``prefetch_layers`` above it, or at the backward's
-start for the last ones); under a budget a read ahead also waits until its bytes fit beside
+asks for it (as backward reaches the layer the read-ahead window above it, or at the
+backward's start for the last ones: the window by time, as the runtime sizes it,
+``_readahead``); under a budget a read ahead also waits until its bytes fit beside
 what the micro-batch still holds (the runtime reads ahead less, cache/budget.py), except the
 one backward needs now. A read that completes after its layer's backward is due stalls for the
 difference. A layer whose write has not completed when the runtime asks for it (as backward reaches the
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .policy import KEEP, OFFLOAD, RECOMPUTE, LayerMeasurement
+from .readahead import readahead_layers
 
 HOST = "host"
 SSD = "ssd"
@@ -251,6 +253,20 @@ def kept_bytes(layers: Sequence[LayerMeasurement], row: Sequence[str]) -> int:
                for m, d in zip(layers, row))
 
 
+def _readahead(layers: Sequence[LayerMeasurement], row: Sequence[str], tiers: Tiers) -> int:
+    """How many layers ahead the runtime reads under ``row``: by time (plan/readahead.py, as
+    cache/reads.py sizes it from what a step measured), from the moved layers' mean bytes and
+    read time at these rates and a layer's backward compute."""
+    link, r = tiers.host_link_bps, tiers.ssd_read_bps
+    moved = [(layer.activation_bytes, place) for layer, place in zip(layers, row) if place in (HOST, SSD)]
+    if not moved or link <= 0:
+        return tiers.prefetch_layers
+    size = sum(b for b, _ in moved) / len(moved)
+    read_s = sum(b / link + (b / r if place == SSD and r > 0 else 0.0) for b, place in moved) / len(moved)
+    backward_s = tiers.backward_factor * sum(layer.forward_s for layer in layers) / len(layers)
+    return readahead_layers(tiers.prefetch_layers, size, size / read_s, backward_s, len(layers))
+
+
 def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: float,
              tiers: Tiers, cap: Optional[int] = None) -> PositionCost:
     """One micro-batch under ``row``: its forward (writes queued on the host link, SSD writes
@@ -332,7 +348,7 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
                 held += size
             nxt -= 1
 
-    ahead = tiers.prefetch_layers
+    ahead = _readahead(layers, row, tiers)
     ask(n - ahead, clock, -1)  # the backward's start: the last layers
     for i in reversed(range(n)):
         layer, place, size = layers[i], row[i], layers[i].activation_bytes
