@@ -73,6 +73,13 @@ def _save(off, rec, seen, name: str, value: float):
         return Saves.apply(x, rec, seen)
 
 
+def _copies_back(rec, off):
+    """The copies out of the staging pool onto the device (reads, and copies back from staging)."""
+    staging = off.copy.pool._mem
+    lo, hi = staging.data_ptr(), staging.data_ptr() + staging.numel()
+    return [n for n in rec.nodes("copy") if contains((lo, hi), n.tags["src"])], (lo, hi)
+
+
 def _bits(t: torch.Tensor):
     return t.view(torch.int32)
 
@@ -136,17 +143,15 @@ def test_a_record_wanted_during_its_drive_write_comes_back_from_its_staging_bloc
         assert stats.writes_taken_back == 1 and stats.bytes_read == 0
         assert stats.bytes_offloaded == NBYTES  # a's write completed; b's was taken back
         assert _is(2.0, seen[0]) and _is(1.0, seen[1])
-        staging = off.copy.pool._mem
-        lo, hi = staging.data_ptr(), staging.data_ptr() + staging.numel()
+        backs, (lo, hi) = _copies_back(rec, off)
         outs = [n for n in rec.nodes("copy") if contains((lo, hi), n.tags["dst"])]
-        backs = [n for n in rec.nodes("copy") if contains((lo, hi), n.tags["src"])]
         assert len(backs) == 2, "no copy back from staging"
         for back in backs:
             into = [o for o in outs if o.idx < back.idx and o.tags["dst"] == back.tags["src"]][-1]
             assert rec.happens_before(into, back), f"{back} reads the block before {into} landed"
             consumer = [n for n in rec.nodes("consume") if n.idx > back.idx][0]
             assert rec.happens_before(back, consumer)
-        assert check_staging_reuse(rec, staging) >= 0
+        assert check_staging_reuse(rec, off.copy.pool._mem) >= 0
     finally:
         drive.gate.set()
         off.close()
@@ -215,9 +220,7 @@ def test_a_drive_write_that_fails_after_its_copy_landed_comes_back_from_staging(
         y.sum().backward()
         stats = off.end_step()
         assert stats.fallbacks == 1 and stats.bytes_offloaded == 0
-        staging = off.copy.pool._mem
-        lo, hi = staging.data_ptr(), staging.data_ptr() + staging.numel()
-        assert [n for n in rec.nodes("copy") if contains((lo, hi), n.tags["src"])], "no copy back from staging"
+        assert _copies_back(rec, off)[0], "no copy back from staging"
         assert _is(1.0, seen[0])
     finally:
         drive.gate.set()
