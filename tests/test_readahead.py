@@ -24,16 +24,17 @@ def test_the_window_covers_the_reads_time_with_backward_compute(layer_mb, gbps, 
 
 
 def test_a_slow_drive_widens_the_window_and_a_fast_one_keeps_the_start(tmp_path):
-    """An 8-layer MLP on a drive capped at 0.01 GB/s: reads take far longer than the layers'
-    backward, so after the first step the window covers every layer; with no cap (the page
+    """An 8-layer MLP on a drive capped at 0.002 GB/s: a layer's read (32 ms) takes far longer
+    than its backward (a few ms as the host measures it, on a busy 2-core machine up to 20),
+    so after the first step the window spans most of the layers; with no cap (the page
     cache's speed on this machine) it stays near the start. Broken variant: Reads.learn never
     called from the offloader's end_step leaves both at prefetch_layers (2)."""
     batches = [torch.randn(32, 256, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     windows = {}
-    for name, cap in (("slow", 0.01), ("fast", None)):
+    for name, cap in (("slow", 0.002), ("fast", None)):
         cfg = OffloadConfig(dirs=[str(tmp_path / name)], create_dirs=True, min_tensor_bytes=1024,
                             keep_last_layers=0, bandwidth_cap_gbps=cap)
         with ActivationOffloader(cfg) as off:
             run_steps(mlp(depth=8), batches, off, steps=1, wait_writes=True)
             windows[name] = off.transfers.readahead_layers
-    assert windows["slow"] >= 6 and windows["fast"] < windows["slow"], windows
+    assert windows["slow"] >= 5 and windows["fast"] <= 3, windows

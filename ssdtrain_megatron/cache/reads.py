@@ -3,7 +3,10 @@ and retries, and the wait for one.
 
 Read-ahead goes by time: far enough that the reads in flight arrive before backward gets to
 them, from the last step's measured read bandwidth and compute (plan/readahead.py), bounded by
-the read-ahead byte cap (``max_inflight_bytes``) and the budget.
+the read-ahead byte cap (``max_inflight_bytes``) and the budget. It stops at a record whose
+write is still under way (on a GPU: whose copy to host memory has not landed): asking for it
+would only take it from memory and waste its write; a staged one (its copy landed, the drive
+write running) is copied back from its staging block.
 
 A record on disk comes back one of three ways: forwarded (someone else still holds the tensor:
 no IO), copied straight out of the memory engine's pool to the device (GPU: the reload stream
@@ -43,7 +46,7 @@ class Reads:
     """The read side of the transfer machine (module docstring); training thread only."""
 
     def __init__(self, config: OffloadConfig, engine, copy, restore_pool, table, step, warn, tracer,
-                 progress: Progress, budget, wanted_while_writing: Callable[[TensorRecord], None],
+                 progress: Progress, budget, wanted_while_writing: Callable[..., bool],
                  staging_block: Callable[..., object], release: Callable[[TensorRecord], None],
                  events) -> None:
         self._config = config
@@ -76,8 +79,12 @@ class Reads:
         cfg = self._config
         candidates = mb.prefetch_candidates(self.window, cfg.max_inflight_bytes)
         for i, rec in enumerate(candidates):
-            if rec.state in WRITES:
-                self._wanted_while_writing(rec)
+            if rec.state in WRITES and not self._wanted_while_writing(rec, True):
+                # Its write (on a GPU: its copy to host memory) is under way: asking for it now
+                # would take it from memory and spend the write for nothing. Read-ahead stops
+                # here; the next unpack asks again (and backward itself, if it comes first).
+                give_back_readahead(mb, candidates[i:])
+                return
             if rec.state != State.ON_DISK:
                 continue  # served from memory or staging (or written meanwhile: read below)
             if self._budget is not None and not self._budget.room_to_read(rec.nbytes):

@@ -400,19 +400,24 @@ class Transfers:
         if dropped:
             self.release(rec)
 
-    def _wanted_while_writing(self, rec: TensorRecord) -> None:
-        """Backward (or prefetch) wants a record whose write has not completed: it is served
-        from memory. A write no IO thread has started is taken back, since its bytes would
-        be written only to be forwarded (a tensor held until backward by someone we could not
-        know of, or the last micro-batch's layers whose writes trail its forward); one under
-        way completes, and its bytes are counted in StepStats.bytes_wasted. A STAGED record
-        (its device memory let go) is copied back from its staging block."""
+    def _wanted_while_writing(self, rec: TensorRecord, ahead: bool = False) -> bool:
+        """Backward (or, ``ahead``, read-ahead) wants a record whose write has not completed:
+        it is served from memory. A write no IO thread has started is taken back, since its
+        bytes would be written only to be forwarded (a tensor held until backward by someone we
+        could not know of, or the last micro-batch's layers whose writes trail its forward);
+        one under way completes, and its bytes are counted in StepStats.bytes_wasted. A STAGED
+        record (its device memory let go) is copied back from its staging block. Read-ahead
+        takes back a write no IO thread has started, but does not take from memory a record
+        whose write, or on a GPU whose copy to host memory, is under way: False then, and
+        nothing changed."""
         if rec.state == State.WRITING and rec.transfer is not None:
             if self._copy.landed(rec.transfer):
                 self._landed(rec)  # its copy ran meanwhile: STAGED (or, memory engine, written)
                 if rec.state not in WRITES:
-                    return
-            elif not self._copy.direct:  # wanted before its copy landed: the layer learns (decisions.py)
+                    return True
+            elif ahead:
+                return False  # its copy to host memory is under way: read-ahead leaves it be
+            elif not self._copy.direct:  # backward wants it before its copy landed: the layer learns
                 self._step.counters.layer(rec.layer, rec.decision).late_writes += 1
         c = self._step.counters
         if rec.state == State.STAGED:
@@ -422,12 +427,17 @@ class Transfers:
                 move(rec, State.READY, c)
             else:
                 move(rec, State.STAGED_WANTED, c)  # READY when the write ends
-            return
+            return True
+        if rec.state != State.WRITING:  # wanted already, or dropped
+            return True
         if self._engine.cancel(rec.id):
             self._written(rec)  # nothing was written: the staging block goes back
             move(rec, State.READY, c)  # the record still holds the tensor (record.py)
-        else:
-            move(rec, State.WRITING_WANTED, c)  # forwarded when the write completes
+            return True
+        if ahead:
+            return False
+        move(rec, State.WRITING_WANTED, c)  # forwarded when the write completes
+        return True
 
     # -- reads ------------------------------------------------------------------------------
 
