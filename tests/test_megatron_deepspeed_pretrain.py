@@ -32,9 +32,12 @@ import re
 import subprocess
 import sys
 import textwrap
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 from tests.bitwise import bitwise_equal, tensor_leaves
 from tests.tiny_gpt_flags import tiny_gpt
@@ -306,7 +309,7 @@ def test_sigterm_lets_megatron_deepspeed_save_the_same_checkpoint_with_offload(p
     for name, (run, save) in runs.items():
         assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == \
             str(PREEMPTED_AT), (name, run.output[-4000:])
-    (plain, plain_save), (offload, offload_save) = runs["plain"], runs["offload"]
+    (_, plain_save), (offload, offload_save) = runs["plain"], runs["offload"]
     assert "closed" not in offload.output, offload.output[-4000:]
     expected, got = _checkpoint_tensors(plain_save), _checkpoint_tensors(offload_save)
     assert sorted(got) == sorted(expected) and len(expected) > 0

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
