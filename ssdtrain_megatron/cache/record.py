@@ -168,6 +168,17 @@ class TensorRecord:
         return (f"tensor of shape {list(self.shape)} and dtype {self.dtype} ({where}, "
                 f"micro-batch {self.microbatch})")
 
+    def note_modified(self) -> bool:
+        """Whether the tensor was modified in place while it was being offloaded; if so, the
+        record's ``error`` says so (the write completes; what backward gets is decided by
+        whoever asks)."""
+        t = self.tensor
+        if t is None or t._version == self.version:
+            return False
+        self.error = (f"a {self.describe()} was modified in place while it was being "
+                      f"offloaded (version {self.version} -> {t._version})")
+        return True
+
     def check_version(self, t: Any) -> None:
         if t is not None and t._version != self.version:
             raise RuntimeError(

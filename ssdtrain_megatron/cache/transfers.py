@@ -32,6 +32,7 @@ queue, the warn-once log, the IO tracer. The activation budget (``budget.py``) m
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -191,12 +192,8 @@ class Transfers:
             self.drain()
         if not records:
             return
-        if self._copy is None:
-            for rec in records:
-                if rec.state == State.SAVED:
-                    self.submit(rec)
-            return
-        with self._copy.writes():  # one producer event and stream context for the batch
+        # one producer event and stream context for the batch (GPU path)
+        with self._copy.writes() if self._copy is not None else contextlib.nullcontext():
             for rec in records:
                 if rec.state == State.SAVED:
                     self.submit(rec)
@@ -319,10 +316,7 @@ class Transfers:
             self._engine.commit(rec.id)
             self._write_done(rec, None)
             return
-        t = rec.tensor
-        if t is not None and t._version != rec.version:  # the write completes as usual: noted
-            rec.error = (f"a {rec.describe()} was modified in place while it was being "
-                         f"offloaded (version {rec.version} -> {t._version})")
+        rec.note_modified()  # the write completes as usual: noted
         if rec.state == State.WRITING:
             move(rec, State.STAGED, self._step.counters)
             self._copy.let_go(rec)
@@ -352,10 +346,7 @@ class Transfers:
             else:
                 move(rec, State.ON_DISK, c)
         else:
-            t = rec.tensor
-            if t is not None and t._version != rec.version:
-                rec.error = (f"a {rec.describe()} was modified in place while it was being "
-                             f"offloaded (version {rec.version} -> {t._version})")
+            if rec.note_modified():
                 move(rec, State.ON_DISK if dropped else State.BROKEN, c)
                 rec.tensor = None
             elif s == State.WRITING_WANTED:
@@ -374,17 +365,22 @@ class Transfers:
         """The engine is done with a write's bytes (written, failed, refused or cancelled):
         they no longer count in flight, and a GPU record's pinned staging block goes back
         (after a copy back from it, when one was made)."""
-        if rec.inflight:
-            self._inflight_bytes -= rec.nbytes
-            rec.inflight = False
-        self._writes -= 1
-        self._write_bytes -= rec.nbytes
+        self._uncount(rec)
         xfer = rec.transfer
         if xfer is not None:
             self._copy.landed(xfer)  # an IO thread that wrote it waited for the copy: a query tells
             self._copy.written(xfer)
             if xfer.ready_event is None:  # else the consumer waits on its copy back from staging
                 rec.transfer = None
+
+    def _uncount(self, rec: TensorRecord) -> None:
+        """A write leaves the counts of writes (and, if its device bytes still were, of bytes)
+        in flight."""
+        if rec.inflight:
+            self._inflight_bytes -= rec.nbytes
+            rec.inflight = False
+        self._writes -= 1
+        self._write_bytes -= rec.nbytes
 
     def _fallback(self, rec: TensorRecord, exc: BaseException) -> None:
         # A full disk is warned on its own, even after an IO error was: the user acts on it.
@@ -543,11 +539,7 @@ class Transfers:
                     move(rec, State.READ_DROPPED, c)
                 return
         elif s in WRITES:  # forced (close) with a write still in flight: it no longer counts
-            if rec.inflight:
-                self._inflight_bytes -= rec.nbytes
-                rec.inflight = False
-            self._writes -= 1
-            self._write_bytes -= rec.nbytes
+            self._uncount(rec)
         self._drop(rec)
 
     def _drop(self, rec: TensorRecord) -> None:
