@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
-    __slots__ = ("block", "pooled", "copy_event", "landed", "source", "produced", "dest", "packed",
+    __slots__ = ("block", "pooled", "copy_event", "landed", "source", "produced", "packed",
                  "alloc_event", "ready_event")
 
     def __init__(self) -> None:
@@ -82,7 +82,6 @@ class Transfer:
         self.landed = False  # write: the copy event answered query() True (the copy ran)
         self.source: Optional[torch.Tensor] = None  # write: device bytes the copy (or cuFile) reads
         self.produced: Any = None  # direct write: the producer event cuFile's thread waits for
-        self.dest: Optional[torch.Tensor] = None  # direct read: device bytes cuFile fills
         self.packed: Optional[torch.Tensor] = None  # direct read of a compact record: packed elements
         self.alloc_event: Any = None  # direct read: recorded after the allocation
         self.ready_event: Any = None  # read: recorded on the reload stream after the copy
@@ -266,7 +265,6 @@ class DeviceCopy:
         ops = self.ops
         # on the current stream; cuFile reads into 4 KiB-aligned memory without bouncing
         restored, dest = rec.allocate_restore(GDS_ALIGN)
-        xfer.dest = as_bytes(dest)
         xfer.packed = rec.staging  # a compact record's packed elements (device), else None
         rec.staging = None
         xfer.alloc_event = self._event()
@@ -314,7 +312,6 @@ class DeviceCopy:
     def _finish_direct(self, rec, xfer: Transfer) -> None:
         """gds: cuFile wrote the bytes in place (and the host saw it finish); a compact record's
         packed elements are scattered into their places on the reload stream."""
-        xfer.dest = None
         if xfer.packed is None:
             return
         ops = self.ops

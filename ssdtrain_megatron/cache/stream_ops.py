@@ -26,6 +26,7 @@ Why these choices:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from typing import Any, ContextManager, Optional
@@ -249,14 +250,4 @@ class _NullEvent:
         return 0.0
 
 
-class _NullContext:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_NULL_CONTEXT = _NullContext()
+_NULL_CONTEXT = contextlib.nullcontext()  # reusable: enters and exits as often as asked
