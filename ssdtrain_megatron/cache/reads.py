@@ -189,6 +189,8 @@ class Reads:
 
     def wait(self, rec: TensorRecord, count: bool = True) -> None:
         """Until ``rec``'s IO completed (counted as its layer's IO wait with ``count``)."""
+        if rec.state not in IN_FLIGHT:
+            return  # most records at the step's end (wait_all): nothing to build or wait for
         what = rec.state_name
         waited = self._progress.wait(
             lambda: rec.state not in IN_FLIGHT,
