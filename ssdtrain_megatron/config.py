@@ -390,13 +390,19 @@ class OffloadConfig:
     def from_yaml(cls, path: str) -> "OffloadConfig":
         """Load a config from YAML: either the fields at the top level, or under an
         ``offload:`` key (presets also describe the model and the parallel layout)."""
+        return cls.from_dict(cls.yaml_section(path), source=str(path))
+
+    @staticmethod
+    def yaml_section(path: str) -> Any:
+        """What :meth:`from_yaml` reads from the file: its ``offload:`` section, or the whole
+        document without one (an empty file: {}; not checked to be a mapping)."""
         import yaml
 
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
         if isinstance(data, dict) and "offload" in data:
             data = data["offload"] or {}
-        return cls.from_dict(data, source=str(path))
+        return data
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -278,12 +278,7 @@ def given_flags(args: argparse.Namespace) -> List[str]:
 def preset_fields(path: str) -> List[str]:
     """The OffloadConfig fields a preset file sets (its ``offload:`` section's keys, or the
     top-level ones of a file without that section, as ``OffloadConfig.from_yaml`` reads it)."""
-    import yaml
-
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
-    if isinstance(data, dict) and "offload" in data:
-        data = data["offload"] or {}
+    data = OffloadConfig.yaml_section(path)
     return [str(k) for k in data] if isinstance(data, dict) else []
 
 
