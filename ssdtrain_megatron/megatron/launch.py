@@ -78,6 +78,9 @@ class Target:
     """Module whose ``install(config)`` / ``uninstall()`` connect the offloader."""
     marker: str
     """A file, relative to a ``megatron`` package folder, that only this layout has."""
+    recomputes: bool = True
+    """Whether the recompute fallback can run there (Megatron-DeepSpeed refuses it): the
+    engine the node chooses plans with it only then (follow_node.py)."""
 
 
 MEGATRON_LM = Target("megatron-lm", "megatron.training.arguments", "megatron.training.initialize",
@@ -85,7 +88,7 @@ MEGATRON_LM = Target("megatron-lm", "megatron.training.arguments", "megatron.tra
                      os.path.join("training", "initialize.py"))
 MEGATRON_DEEPSPEED = Target("megatron-deepspeed", "megatron.arguments", "megatron.initialize",
                             "megatron.global_vars", "ssdtrain_megatron.megatron.deepspeed",
-                            "initialize.py")
+                            "initialize.py", recomputes=False)
 TARGETS = {t.name: t for t in (MEGATRON_LM, MEGATRON_DEEPSPEED)}
 
 
@@ -170,7 +173,7 @@ def install_from_args(args: argparse.Namespace, target: Target = MEGATRON_LM,
         return getattr(current, "offloader", current)
     try:
         config, choice = job_settings(args, host_memory.measure() if host is _MEASURE else host,
-                                      recompute=target.name != MEGATRON_DEEPSPEED.name)
+                                      recompute=target.recomputes)
     except ConfigError:
         raise
     except ValueError as exc:  # the preset's model or node, or SSDTRAIN_HOST_MEMORY_FREE

@@ -111,8 +111,9 @@ def read_launch(argv: Sequence[str], local_ranks: Optional[int] = None,
         host = measure(environ)
         if host is not None and local_ranks is not None:
             host = dataclasses.replace(host, local_ranks=local_ranks)
-        shape = preset_shape(preset, megatron_shape_from_argv(argv))
-        config, choice = job_settings(args, host, megatron_shape_from_argv(argv))
+        megatron = megatron_shape_from_argv(argv)
+        shape = preset_shape(preset, megatron)
+        config, choice = job_settings(args, host, megatron)
     except (TypeError, ValueError) as exc:
         where = f"argument --ssd-offload-config: {preset}: " if preset else ""
         raise FlagError(f"{where}{exc}") from None
