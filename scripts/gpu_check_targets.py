@@ -258,14 +258,19 @@ def _io_lines(b: dict, cpu: Dict[str, float]) -> List[str]:
     return out
 
 
-def render(data: dict) -> str:
+def render(data: dict, middle: Optional[Callable[[dict], List[str]]] = None) -> str:
+    """The targets' table, then ``middle(data)``'s lines (by default the measure step's
+    points), then one line per step; gpu_perf_targets.render gives its shapes as ``middle``."""
     lines = [f"{'target':<56} {'result':<7}  detail"]
     for t in data.get("targets", []):
         lines.append(f"{t['target'][:56]:<56} {t['result']:<7}  {t['detail']}")
-    me = data.get("steps", {}).get("measure", {})
-    if me.get("points"):
-        lines += [""] + render_points(me["points"])
+    lines += (middle or _measure_lines)(data)
     lines.append("")
     for name, st in data.get("steps", {}).items():
         lines.append(f"step {name:<15} {st.get('status', '?'):<8} {st.get('seconds', '')}")
     return "\n".join(lines)
+
+
+def _measure_lines(data: dict) -> List[str]:
+    me = data.get("steps", {}).get("measure", {})
+    return [""] + render_points(me["points"]) if me.get("points") else []

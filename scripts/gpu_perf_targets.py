@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from gpu_check_targets import (Verdict, _keep_and_offload, _not_run_why, _overlap, _peak, _point, _stall,
                                bound_verdict, peak_verdict, render_points)
+from gpu_check_targets import render as check_render
 from gpu_check_targets import targets as check_targets
 IO_BOUND_MAX, COMPUTE_MEMORY_MAX, COMPUTE_POSIX_MAX = 1.10, 1.03, 1.05
 IO_PEAK_MAX, COMPUTE_PEAK_MAX = 0.4, 0.35
@@ -133,9 +134,12 @@ def targets(steps: Dict[str, dict], missing: Optional[Dict[str, str]] = None) ->
 
 
 def render(data: dict) -> str:
-    lines = [f"{'target':<56} {'result':<7}  detail"]
-    for t in data.get("targets", []):
-        lines.append(f"{t['target'][:56]:<56} {t['result']:<7}  {t['detail']}")
+    """gpu_check_targets.render's table and step lines, the shapes between them."""
+    return check_render(data, _shape_lines)
+
+
+def _shape_lines(data: dict) -> List[str]:
+    lines: List[str] = []
     shapes = data.get("steps", {}).get("perf", {}).get("shapes") or {}
     for name in (IO, COMPUTE):
         st = shapes.get(name, {})
@@ -158,7 +162,4 @@ def render(data: dict) -> str:
             lines += ["", "the planner's prediction with this box's figures against the measured step:"]
             lines += [f"  {n:<22} predicted {v['predicted_s'] * 1e3:8.1f} ms  measured {v['measured_s'] * 1e3:8.1f} ms  "
                       f"({v['error']:+.0%})" for n, v in model.items()]
-    lines.append("")
-    for name, st in data.get("steps", {}).items():
-        lines.append(f"step {name:<15} {st.get('status', '?'):<8} {st.get('seconds', '')}")
-    return "\n".join(lines)
+    return lines

@@ -31,6 +31,7 @@ thread that is not one of the IO engines' ("ssdtrain-*"). Pure: no torch.
 
 from __future__ import annotations
 
+import bisect
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .bounds import Bound
@@ -130,13 +131,7 @@ def _ran_dry(gpu: Sequence[dict], t: float, start: float) -> float:
     """When the compute stream ran out of the work issued before host time ``t``: the GPU time
     of the last compute event issued by then (its end, where that was issued by then too); an
     estimate from below (kernels issued after that event and before ``t`` ran after it)."""
-    lo, hi = 0, len(gpu)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if gpu[mid]["args"].get("issued_us", gpu[mid]["ts"]) <= t:
-            lo = mid + 1
-        else:
-            hi = mid
+    lo = bisect.bisect_right(gpu, t, key=lambda e: e["args"].get("issued_us", e["ts"]))
     if lo == 0:
         return start
     e = gpu[lo - 1]

@@ -302,21 +302,18 @@ class Timeline:
                           "args": {"sort_index": n}})
         out = []
         for e in sorted(events, key=lambda e: e["ts"]):
+            process = e["pid"]  # its name, before it becomes a number
             e = dict(e, pid=pids[e["pid"]], ts=round(e["ts"], 3))
             if e["ph"] == "C":
                 e.pop("tid", None)
             else:
-                e["tid"] = tids[(self._pid_name(e["pid"], pids), str(e["tid"]))]
+                e["tid"] = tids[(process, str(e["tid"]))]
             if "dur" in e:
                 e["dur"] = round(e["dur"], 3)
             out.append(e)
         meta = dict(self.meta, duration_us=round(self._us(self.t1_ns), 3) if self.t1_ns else None,
                     thread_cpu_s=self.thread_cpu_s, dropped_categories=list(drop))
         return {"traceEvents": names + out, "displayTimeUnit": "ms", "otherData": meta}
-
-    @staticmethod
-    def _pid_name(pid: int, pids: Dict[str, int]) -> str:
-        return next(name for name, n in pids.items() if n == pid)
 
     def write(self, path: str, max_bytes: int = 2 << 20) -> dict:
         """Write the Chrome trace to ``path``, at most ``max_bytes``: the categories of

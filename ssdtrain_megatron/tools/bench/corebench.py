@@ -19,6 +19,7 @@ Prints, from one run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -26,7 +27,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from ...config import OffloadConfig
 from ..cli_types import deprecated_alias, positive_int
@@ -82,6 +83,18 @@ def sweep(cfg: OffloadConfig, counts: List[int], nbytes: int) -> dict:
     return {"pack_us": pack, "unpack_us": unpack,
             "flatness": {"pack": pack[last] / max(pack[first], 1e-9),
                          "unpack": unpack[last] / max(unpack[first], 1e-9)}}
+
+
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """The body run with Python's collector frozen, as Megatron's --manual-gc leaves it: the
+    heap collected, then frozen (its full collections no longer walk it); unfrozen after."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _median(values: List[int]) -> float:
@@ -216,14 +229,10 @@ def run_core_bench(args: argparse.Namespace) -> int:
         # Python's cyclic GC traverses the whole heap (torch, megatron) in its full collections,
         # and the hook's allocations trigger them; Megatron's --manual-gc (or gc.freeze()) takes
         # that away. Measure both.
-        gc.collect()
-        gc.freeze()
-        try:
+        with gc_frozen():
             pack_frozen[key], up, _ = hook_costs_us(cfg, policy, args.tensors, nbytes)
             if up is not None:
                 unpack_frozen[key] = up
-        finally:
-            gc.unfreeze()
         print(f"{policy}: pack {pack[key]:.1f} µs/tensor ({pack_frozen[key]:.1f} after gc.freeze())"
               + (f", unpack {unpack[key]:.1f} µs/tensor ({unpack_frozen[key]:.1f})" if key in unpack else ""),
               file=sys.stderr)

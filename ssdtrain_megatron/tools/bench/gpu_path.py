@@ -14,13 +14,13 @@ threads do real IO of bytes nobody checks).
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
 import sys
 import time
 from typing import Dict, List, Tuple
 
 from ...config import OffloadConfig
+from .corebench import gc_frozen
 
 PER_LAYER = 18
 """Tensors per layer: what a transformer layer of the local spec saves (GPU-REVIEW: ~18)."""
@@ -42,12 +42,8 @@ def gpu_path_costs(cfg: OffloadConfig, n: int, nbytes: int, rounds: int, per_lay
         runs, frozen = [], []
         for _ in range(rounds):  # the two kinds alternate, so the machine's swings hit both
             runs.append(gpu_path_step(c, n, nbytes, per_layer))
-            gc.collect()
-            gc.freeze()
-            try:
+            with gc_frozen():
                 frozen.append(gpu_path_step(c, n, nbytes, per_layer))
-            finally:
-                gc.unfreeze()
         for i, key in ((0, "pack"), (1, "unpack")):
             out[f"gpu_path_{key}_us"][engine] = statistics.median(r[i] for r in runs)
             out[f"gpu_path_{key}_us_gc_frozen"][engine] = statistics.median(r[i] for r in frozen)

@@ -101,15 +101,13 @@ def tier_summary(plan: TierPlan, st: Stage, budget: int) -> Dict[str, Any]:
 
 def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
                node: NodeProfile, node_source: str = "",
-               profile: SaveProfile = SaveProfile.paper(),
-               given: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+               profile: SaveProfile = SaveProfile.paper(), *,
+               given: Mapping[str, str]) -> Dict[str, Any]:
     """The whole plan as a JSON-ready dict (what ``ssdtrain plan --json`` prints). ``given``:
-    the OffloadConfig fields the preset or the flags set (engine.given_fields; default: every
-    field of ``offload``, as named); the engine follows the node where it is not among them."""
+    the OffloadConfig fields the preset or the flags set (engine.given_fields); the engine
+    follows the node where it is not among them."""
     m = args.num_micro_batches
     original = offload
-    if given is None:
-        given = engine_settings.given_fields(args, offload.field_names())
     offload, choice = engine_settings.plan_settings(offload, given, args, shape, node, m)
     policy, engine, recompute = offload.policy, offload.engine, offload.recompute_fallback
     places = places_for(engine, recompute)
@@ -177,6 +175,6 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
     default = None
     if not choice.followed:  # what the node would choose, to say when it plans faster
         unnamed, plain = engine_settings.without_the_engine(given, args)
-        default = build_plan(shape, original, plain, node, node_source, profile, unnamed)
+        default = build_plan(shape, original, plain, node, node_source, profile, given=unnamed)
     result["slower_than_the_node"] = engine_settings.slower_than_the_node(result, default, choice)
     return result
