@@ -51,7 +51,10 @@ from ssdtrain_megatron.telemetry.timeline import Timeline
 from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime
 
 
-MIN_TENSOR_BYTES = 256 * 1024  # the default: what a user's run offloads
+# min_tensor_bytes of every point, set rather than left to the device default (1 MiB on CUDA):
+# 256 KiB, the default when this step was written and still the default off CUDA
+# (config.MIN_TENSOR_BYTES); the bounds count the records of at least this size (record_sizes).
+MIN_TENSOR_BYTES = 256 * 1024
 LINK_HOLD_CYCLES = 4_000_000  # ~2 ms on the compute stream while the link measurement's copies are issued
 
 

@@ -74,7 +74,7 @@ class OffloadConfig:
         "only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM of "
         "host_memory_bytes and SSD, each layer where the plan places it). Default: where neither "
         "this flag nor the preset names one, it follows the node: 'tiered' where host memory is "
-        "to spare, else 'posix', said at start (docs/flags.md)"))
+        "to spare, else 'posix', logged at start (INFO; docs/flags.md)"))
     """IO engine: 'posix' (thread pool, O_DIRECT; the default, no build step), 'aio' (DeepSpeed
     DeepNVMe aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; CUDA
     only), 'memory' (host RAM pool of host_memory_bytes) or 'tiered' (host RAM of
@@ -85,10 +85,15 @@ class OffloadConfig:
     plan/engine_choice.py); this object, built in Python, runs what it says."""
 
     policy: str = knob("offload", check=one_of(POLICIES), choices=POLICIES, help=(
-        "'offload' writes every eligible activation to SSD; 'adaptive' lets the planner decide per "
-        "layer; 'keep' installs the offloader but keeps everything in memory (the baseline)"))
-    """'offload' writes every eligible activation to SSD; 'adaptive' lets the planner decide
-    per layer; 'keep' installs the offloader but keeps everything in memory (the baseline)."""
+        "'offload' writes every eligible activation to the engine; 'adaptive' lets the planner "
+        "decide per layer; 'keep' installs the offloader but keeps everything in memory (the "
+        "baseline). Default: 'offload'; where neither this flag nor the preset sets it and the "
+        "node chooses 'tiered', 'adaptive' if an activation or memory budget is set"))
+    """'offload' writes every eligible activation to the engine; 'adaptive' lets the planner
+    decide per layer; 'keep' installs the offloader but keeps everything in memory (the
+    baseline). Where neither a flag nor the preset sets it and the launcher (or ``ssdtrain
+    plan``) chooses 'tiered' for the node, it is 'adaptive' if ``activation_budget_bytes`` or
+    ``memory_budget_bytes`` is set, else 'offload' (plan/engine_choice.py ``tiered_settings``)."""
 
     min_tensor_bytes: Optional[int] = knob(None, check=int_at_least(0, optional=True), unit="bytes", help=(
         "Saved tensors smaller than this stay in memory (IO per byte is too costly for them); "
@@ -227,9 +232,14 @@ class OffloadConfig:
 
     recompute_fallback: bool = knob(False, check=boolean, help=(
         "Layers that cannot be offloaded without stalling are recomputed instead (Megatron "
-        "integration: they run under megatron's own tensor_parallel.checkpoint)"))
+        "integration: they run under megatron's own tensor_parallel.checkpoint). Default: off; "
+        "where neither this flag nor the preset sets it and the node chooses 'tiered', on when "
+        "the policy is 'adaptive' (not with Megatron-DeepSpeed)"))
     """Layers that cannot be offloaded without stalling are recomputed instead (Megatron
-    integration: they run under megatron's own tensor_parallel.checkpoint)."""
+    integration: they run under megatron's own tensor_parallel.checkpoint). Where neither a flag
+    nor the preset sets it and the launcher (or ``ssdtrain plan``) chooses 'tiered' for the
+    node, it is on when the policy that runs is 'adaptive', except with Megatron-DeepSpeed,
+    which cannot recompute a layer (plan/engine_choice.py ``tiered_settings``)."""
 
     recompute_layers: List[int] = knob(default_factory=list, check=layer_numbers, help=(
         "Static recompute plan: layer numbers (1-based, as Megatron numbers them) run under "
@@ -290,12 +300,13 @@ class OffloadConfig:
     host_memory_bytes: int = knob(4 << 30, check=int_at_least(0), unit="bytes", help=(
         "Size of the host-memory pool of the 'memory' engine and of the memory tier of 'tiered' "
         "(pinned when CUDA exists, plain host memory otherwise). Default: 4 GiB; where the node "
-        "chose 'tiered', what the plan puts in host memory and one layer more"))
+        "chose 'tiered' for a model it planned, what the plan puts in host memory and one layer "
+        "more, within what is free"))
     """Size of the host-memory pool of the 'memory' engine and of the memory tier of 'tiered'
     (pinned when CUDA exists, plain host memory otherwise). 'memory' fails a write that does
-    not fit; 'tiered' sends it to SSD instead. Unset where the node chose 'tiered' (the
-    launcher), what the plan puts in host memory per rank and one layer more, within what is
-    free (plan/engine_choice.py)."""
+    not fit; 'tiered' sends it to SSD instead. Unset where the node chose 'tiered' for a model
+    it planned (the launcher), what the plan puts in host memory per rank and one layer more,
+    within what is free (plan/engine_choice.py)."""
 
     aio_block_bytes: int = knob(1 << 20, check=int_at_least(4096, multiple_of=4096, below=1 << 31),
                                 unit="bytes", help=(

@@ -135,8 +135,8 @@ def plan_stage(st: Stage, node: NodeProfile, *, budget_bytes: Optional[int],
     The room a layer needs beside what is kept (being saved, read back or re-created) comes
     from the plan's order (tier_costs.need_bytes); the head's bytes come off the budget. A
     layout that recomputes already (selective or full) gets no per-layer recompute on top:
-    Megatron runs one granularity. ``prefetch_layers``: how far ahead of backward the runtime
-    reads (OffloadConfig.prefetch_layers)."""
+    Megatron runs one granularity. ``prefetch_layers``: the least the runtime reads ahead of
+    backward (OffloadConfig.prefetch_layers; the window is sized by time above it)."""
     if st.layout_recompute_s > 0:
         places = tuple(p for p in places if p != RECOMPUTE)
     budget = None if budget_bytes is None else max(0, budget_bytes - st.head_bytes)

@@ -15,12 +15,11 @@ What each place costs, per micro-batch (the timeline of ``plan.policy``, with tw
 
 Reads go in reverse layer order, each no earlier than its write completed and than the runtime
 asks for it (as backward reaches the layer the read-ahead window above it, or at the
-backward's start for the last ones: the window by time, as the runtime sizes it,
-``_readahead``); under a budget a read ahead also waits until its bytes fit beside
-what the micro-batch still holds (the runtime reads ahead less, cache/budget.py), except the
-one backward needs now. A read that completes after its layer's backward is due stalls for the
-difference. A layer whose write has not completed when the runtime asks for it (as backward reaches the
-layer ``prefetch_layers`` above it, or at the backward's start for the last ones) is still in
+backward's start for the last ones: the window by time, at least ``prefetch_layers``, as the
+runtime sizes it, ``_readahead``); under a budget a read ahead also waits until its bytes fit
+beside what the micro-batch still holds (the runtime reads ahead less, cache/budget.py), except
+the one backward needs now. A read that completes after its layer's backward is due stalls for
+the difference. A layer whose write has not completed when the runtime asks for it is still in
 GPU memory, and the runtime forwards it from there (cache/transfers.py): backward uses it at
 once while the write goes on (the drive still carries it, and the reads queue behind it), and
 nothing is read back. The bytes still being written when the forward ends are
@@ -95,8 +94,10 @@ class Tiers:
     keep_last_layers: int = 1
     """Where backward follows the forward at once (gap 0), the last N layers stay kept."""
     prefetch_layers: int = 2
-    """How far ahead of backward the runtime asks for a layer (OffloadConfig.prefetch_layers):
-    a layer whose write has not completed when it is asked for is forwarded from memory."""
+    """The read-ahead window's start and floor (OffloadConfig.prefetch_layers): how far ahead
+    of backward the runtime asks for a layer is as wide as the reads need to arrive in time,
+    at least this (``_readahead``, plan/readahead.py). A layer whose write has not completed
+    when it is asked for is forwarded from memory."""
 
     def __post_init__(self) -> None:
         for name in ("budget_bytes", "host_capacity_bytes", "reserve_bytes", "keep_last_layers",

@@ -43,7 +43,7 @@ def add_demo_parser(subparsers) -> None:
     p.add_argument("--engine", help="IO engine (default: the preset's, else posix)")
     p.add_argument("--min-tensor-bytes", type=byte_count, default=None, metavar="BYTES",
                    help="saved tensors smaller than this stay in memory, e.g. 64KiB (default: the "
-                        "preset's, else 256KiB)")
+                        "preset's, else 1MiB on CUDA, 256KiB elsewhere)")
     p.add_argument("--activation-budget", type=size_or_fraction, default=None,
                    metavar="SIZE|FRACTION",
                    help="cap on resident activation bytes of the offload run, e.g. 64MiB (a "

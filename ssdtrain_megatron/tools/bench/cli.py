@@ -116,7 +116,8 @@ def add_bench_parser(subparsers) -> None:
                    help=f"{PRESET_HELP}: its offload: section (--dir replaces its dirs)")
     p.add_argument("--engine", help="IO engine (default: the preset's, else posix)")
     p.add_argument("--min-tensor-bytes", type=byte_count, metavar="BYTES",
-                   help="smaller saved tensors stay in memory (default: the preset's, else 256KiB)")
+                   help="smaller saved tensors stay in memory (default: the preset's, else 1MiB "
+                        "on CUDA, 256KiB elsewhere)")
     p.add_argument("--strategies", type=_strategies, default=None,
                    metavar="NAME[,NAME...]", help="which strategies to run; keep (the baseline) "
                    "always runs (default: keep,offload,adaptive,recompute; with --node-emulation also "

@@ -142,12 +142,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                      "iteration time, lifespan; --search ranks layouts",
         description="Analytic plan for a preset on a node, before a run: activation bytes per "
                     "layer (Korthikanti et al.), and per layer keep, host memory, SSD or "
-                    "recompute as the preset's policy, engine and recompute_fallback allow, "
-                    "chosen to minimise the modeled iteration time within the activation "
-                    "budget and the host memory, with each tier's bandwidth (the host link "
-                    "carries the SSD tier's bytes too). For one GPU of the first pipeline "
-                    "stage (under 1F1B it has the most micro-batches in flight). Figures are "
-                    "the model's, not measurements. Decimal units: 1 GB = 1e9 B.")
+                    "recompute as the policy, engine and recompute fallback allow (the flags, "
+                    "else the preset's; an engine neither names follows the node's host memory "
+                    "per GPU, as at a job's start, and with tiered so do the policy and fallback "
+                    "neither names), chosen to minimise the modeled iteration time within the "
+                    "activation budget and the host memory, with each tier's bandwidth (the "
+                    "host link carries the SSD tier's bytes too). For one GPU of the first "
+                    "pipeline stage (under 1F1B it has the most micro-batches in flight). "
+                    "Figures are the model's, not measurements. Decimal units: 1 GB = 1e9 B.")
     parser.add_argument("--config", required=True, metavar="PRESET", type=preset_arg,
                         help=f"{PRESET_HELP}, with model:, parallel:, offload: (and node:) sections")
     parser.add_argument("--node", default=None, metavar="NAME|PATH", type=_node_arg,
@@ -177,13 +179,18 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                      _int_at_least(1))
     parser.add_argument("--policy", choices=POLICIES, default=None,
                         help="keep, offload (every layer but the last keep_last_layers leaves "
-                             "GPU memory) or adaptive (what the budget needs); default: the preset's")
+                             "GPU memory) or adaptive (what the budget needs); default: the preset's, "
+                             "else offload, or adaptive where the node chooses tiered and the "
+                             "preset sets activation_budget_bytes or memory_budget_bytes")
     parser.add_argument("--engine", choices=ENGINES, default=None,
                         help="where offloaded bytes go: posix/aio/gds the drives, memory host "
-                             "memory, tiered both; default: the preset's")
+                             "memory, tiered both; default: the preset's, else the node's: tiered "
+                             "where its host memory per GPU holds one layer's activations, else "
+                             "posix")
     parser.add_argument("--recompute-fallback", action=argparse.BooleanOptionalAction,
                         default=None, help="recompute is a place a layer may go (default: the "
-                                           "preset's recompute_fallback)")
+                                           "preset's recompute_fallback, else off; on where the "
+                                           "node chooses tiered and the policy is adaptive)")
     parser.add_argument("--search", action="store_true",
                         help="rank layouts (tp, pp, cp, micro-batch, recompute, tier plan) of the "
                              "preset's model on --gpus at --global-batch-size by modeled "
