@@ -19,18 +19,17 @@ Prints, from one run:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import gc
 import json
 import os
 import statistics
 import sys
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ...config import OffloadConfig
 from ..cli_types import deprecated_alias, positive_int
+from ..gc_freeze import gc_frozen
 
 # torch, the offloader and the model are imported inside the functions: `ssdtrain --help`
 # builds this command's parser and must not pay for torch.
@@ -83,18 +82,6 @@ def sweep(cfg: OffloadConfig, counts: List[int], nbytes: int) -> dict:
     return {"pack_us": pack, "unpack_us": unpack,
             "flatness": {"pack": pack[last] / max(pack[first], 1e-9),
                          "unpack": unpack[last] / max(unpack[first], 1e-9)}}
-
-
-@contextlib.contextmanager
-def gc_frozen() -> Iterator[None]:
-    """The body run with Python's collector frozen, as Megatron's --manual-gc leaves it: the
-    heap collected, then frozen (its full collections no longer walk it); unfrozen after."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _median(values: List[int]) -> float:

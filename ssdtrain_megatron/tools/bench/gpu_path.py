@@ -20,7 +20,7 @@ import time
 from typing import Dict, List, Tuple
 
 from ...config import OffloadConfig
-from .corebench import gc_frozen
+from ..gc_freeze import gc_frozen
 
 PER_LAYER = 18
 """Tensors per layer: what a transformer layer of the local spec saves (GPU-REVIEW: ~18)."""

@@ -5,13 +5,13 @@ step on (``EngineSide``), over the memory it shares with the baseline (measure.p
 from __future__ import annotations
 
 import collections
-import gc
 import os
 import time
 from typing import Deque, Dict, Optional, Tuple
 
 from ...config import OffloadConfig
 from ...io.layout import align_up
+from ..gc_freeze import gc_frozen
 from .measure import (BASELINE_BLOCK, BASELINE_THREADS, MiB, SOURCES, BenchError, BenchMemory, Progress,
                       Segment)
 
@@ -63,9 +63,7 @@ class EngineSide:
         # The heap that exists before measuring is frozen, as a latency-minded training loop
         # does, so a full collection of torch's objects is not billed to the call that happened
         # to trigger it; what the engine allocates is still collected (and counted) as usual.
-        gc.collect()
-        gc.freeze()
-        try:
+        with gc_frozen():
             got = Segment(n * self.tensor_bytes, calls=n)
             for op in ("write", "read"):
                 self._timed(op, n, got)
@@ -77,8 +75,6 @@ class EngineSide:
                                  f"was released")
             engine.end_step()
             return got
-        finally:
-            gc.unfreeze()
 
     def _timed(self, op: str, n: int, got: Segment) -> None:
         """``n`` writes or reads with at most ``window`` bytes in flight; the times into ``got``."""
