@@ -1,11 +1,11 @@
 """The megatron-core releases ``install()`` supports, and what differs between them.
 
 This is the one module that knows megatron-core versions apart; the hooks in ``scopes.py`` and
-``pipeline.py`` are written against the behaviour all four releases share, and ``install()``
+``pipeline.py`` are written against the behaviour all these releases share, and ``install()``
 asks :func:`release_for` where each patch point lives. What differs:
 
 =====================  ==============================  ===========================================
-                       0.16                            0.17 / 0.18 / 0.19
+                       0.16                            0.17 / 0.18 / 0.19 / 0.20
 =====================  ==============================  ===========================================
 full recompute         ``TransformerBlock.             0.17: the same method (gained
                        _checkpointed_forward``         ``extract_layer_indices``, ``layer_offset``);
@@ -20,9 +20,9 @@ multi-module 1F1B      (none)                          ``backward_step_multimodu
                                                        a ``functools.partial`` built per step (it
                                                        looks the name up at call time, so patching
                                                        the module attribute reaches it)
-``get_forward_         ``(pp_size, vp_size)``          0.19: ``schedule_pg_collection`` added
+``get_forward_         ``(pp_size, vp_size)``          0.19+: ``schedule_pg_collection`` added
 backward_func``
-RoPE at a full-        one tensor                      0.19: two tensors (local, global), so a
+RoPE at a full-        one tensor                      0.19+: two tensors (local, global), so a
 recompute checkpoint                                   checkpoint's inputs are one longer
 ``megatron.training``  not in the wheel                0.17+: shipped in the wheel
 imports                                                0.18+: triton at module level (schedules);
@@ -30,11 +30,37 @@ imports                                                0.18+: triton at module l
                                                        ``typing.override`` (Python 3.12)
 =====================  ==============================  ===========================================
 
+0.20 (Megatron-LM ``main``; no wheel on PyPI yet) has 0.19's patch points with the same
+parameters; read against 0.19.2 at main d98e8a64dd (2026-08-22), what moved around them:
+
+- ``schedules.forward_step`` / ``backward_step`` are decorated with a tracing decorator
+  (``megatron.core.telemetry``): without nemo-lens it returns the function itself; with it, a
+  wrapper, which is what the module attribute holds and what ``install()`` wraps in turn.
+  ``TransformerLayer.forward`` runs its body inside a tracing span (a no-op without nemo-lens).
+- ``megatron.core.recompute`` is unchanged; ``tensor_parallel.checkpoint`` takes the same
+  arguments (its backward now also runs during a CUDA graph capture).
+- ``CheckpointWithoutOutput`` gained a manager that discards the outputs of many checkpoints
+  at once (mHC recompute); every checkpoint still goes through
+  ``CheckpointWithoutOutput.checkpoint``, the method ``install()`` wraps (discarded.py).
+- A new layer class, ``HyperConnectionTransformerLayer`` (``enable_mhc_connections``),
+  overrides ``forward`` without calling ``TransformerLayer.forward``: its layers save outside
+  a layer scope (offloaded as layer None, no per-layer plan), and the offloader's watch names
+  them in ``StepStats.not_offloaded_why`` (cache/silence.py).
+- The arguments ``compat`` reads (``cpu_offloading*``, ``fine_grained_activation_offloading``,
+  ``enable_cuda_graph``, ``external_cuda_graph``, ``cuda_graph_impl``) are unchanged, as are
+  ``parse_args`` and ``initialize_megatron``, which the launcher wraps.
+
 The 0.17-0.19 wheels declare ``Requires-Python >=3.12`` yet install and run on 3.11 with
 ``pip install --ignore-requires-python``; nothing in the patched paths needs 3.12.
 
 Before patching, :func:`verify` checks that the functions have the parameters this table says
 (a later patch release that changes one fails there, with the names, instead of misbehaving).
+
+A minor release newer than the newest here is refused, unless the user allows it
+(``--ssd-offload-allow-untested-megatron``, ``OffloadConfig.allow_untested_megatron``): it then
+runs with the newest release's patch points, once :func:`verify` has found every one of them
+with its expected parameters, and ``install()`` logs one warning saying so
+(:func:`untested_warning`). An older release is refused either way.
 """
 
 from __future__ import annotations
@@ -49,7 +75,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = ["Release", "RELEASES", "SUPPORTED_MEGATRON_CORE", "UnsupportedMegatronVersion",
-           "megatron_core_version", "release_for", "recompute_patch_point", "verify",
+           "megatron_core_version", "release_for", "newest_release", "is_untested",
+           "untested_warning", "recompute_patch_point", "verify",
            "megatron_offloading_in_use", "refuse_megatron_offloading", "cuda_graphs_in_use",
            "refuse_cuda_graphs", "pipeline_position"]
 
@@ -80,6 +107,9 @@ class Release:
     """How many of a full-recompute checkpoint's inputs RoPE takes."""
     ships_training: bool
     """The wheel contains ``megatron.training`` (Megatron-LM's training loop)."""
+    checkout: str = ""
+    """For a release with no wheel yet: the Megatron-LM commit (and its date) whose
+    ``megatron/core`` the tests ran against; empty for a release tested from its wheel."""
 
     @property
     def recompute_is_method(self) -> bool:
@@ -102,17 +132,34 @@ RELEASES: Dict[str, Release] = {r.minor: r for r in (
     Release("0.19", "0.19.2", "megatron.core.recompute", "checkpointed_forward",
             ("backward_step", "backward_step_multimodule"), _BACKWARD_017,
             ("pp_size", "vp_size", "schedule_pg_collection"), 2, True),
+    # Megatron-LM main, which reports 0.20.0: tested from a checkout (no 0.20 wheel yet).
+    Release("0.20", "0.20.0", "megatron.core.recompute", "checkpointed_forward",
+            ("backward_step", "backward_step_multimodule"), _BACKWARD_017,
+            ("pp_size", "vp_size", "schedule_pg_collection"), 2, True,
+            checkout="Megatron-LM main d98e8a64dd of 2026-08-22"),
 )}
 
 SUPPORTED_MEGATRON_CORE: Tuple[str, ...] = tuple(RELEASES)
 """megatron-core minor versions the patches were written and tested against."""
 
-_REQUIREMENT = "'megatron-core>=0.16,<0.20'"
+_REQUIREMENT = "'megatron-core>=0.16,<0.21'"
+_ALLOW_FLAG = "--ssd-offload-allow-untested-megatron"
+
+
+def _tested_text(release: Release) -> str:
+    return f"{release.tested} at {release.checkout}" if release.checkout else release.tested
 
 
 def _supported_text() -> str:
     return (", ".join(r.minor + ".x" for r in RELEASES.values())
-            + " (tested: " + ", ".join(r.tested for r in RELEASES.values()) + ")")
+            + " (tested: " + ", ".join(_tested_text(r) for r in RELEASES.values()) + ")")
+
+
+def _install_hint(release: Release) -> str:
+    """How to get the megatron-core ``release`` was tested with, as a sentence's start."""
+    if release.checkout:
+        return f"Use {release.checkout} (megatron-core {release.tested})"
+    return f"Install megatron-core=={release.tested}"
 
 
 # -- the version of the megatron that is imported ----------------------------------------------
@@ -180,20 +227,64 @@ def megatron_core_version() -> str:
         f"no megatron.core can be imported here")
 
 
-def release_for(version: str) -> Release:
-    """The :class:`Release` of megatron-core ``version``.
+_MINOR = re.compile(r"^(\d+)\.(\d+)")
+
+
+def _minor_key(version: str) -> Optional[Tuple[int, int]]:
+    """``(major, minor)`` of a version string ("0.21.0rc1" -> (0, 21)); None if it has none."""
+    match = _MINOR.match(version.strip())
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def newest_release() -> Release:
+    """The newest megatron-core minor release in the table."""
+    return max(RELEASES.values(), key=lambda r: _minor_key(r.minor) or (0, 0))
+
+
+def is_untested(version: str) -> bool:
+    """Whether ``version`` is a minor release newer than any in the table."""
+    key = _minor_key(version)
+    return key is not None and key > (_minor_key(newest_release().minor) or (0, 0))
+
+
+def release_for(version: str, allow_untested: bool = False) -> Release:
+    """The :class:`Release` of megatron-core ``version``; with ``allow_untested``, for a minor
+    release newer than any in the table, the newest one's (whose patch points
+    :func:`verify` must then find in ``version``).
 
     Raises:
-        UnsupportedMegatronVersion: an older or newer minor version.
+        UnsupportedMegatronVersion: an older minor version, or a newer one without
+            ``allow_untested`` (the one-line message names the flag that allows it).
     """
     minor = ".".join(version.split(".")[:2])
     release = RELEASES.get(minor)
-    if release is None:
+    if release is not None:
+        return release
+    if is_untested(version):
+        newest = newest_release()
+        if allow_untested:
+            return newest
         raise UnsupportedMegatronVersion(
-            f"megatron-core {version} is not supported by ssdtrain_megatron.megatron: its "
-            f"patches were written and tested against megatron-core {_supported_text()}. "
-            f"Install {_REQUIREMENT}, or run without --ssd-offload.")
-    return release
+            f"megatron-core {version} is newer than any release ssdtrain_megatron.megatron was "
+            f"tested against ({_supported_text()}). To try it with the patch points of "
+            f"{newest.minor}.x, each checked first, add {_ALLOW_FLAG} (YAML: "
+            f"allow_untested_megatron: true); or install {_REQUIREMENT}, or run without "
+            f"--ssd-offload.")
+    raise UnsupportedMegatronVersion(
+        f"megatron-core {version} is not supported by ssdtrain_megatron.megatron: its "
+        f"patches were written and tested against megatron-core {_supported_text()}. "
+        f"Install {_REQUIREMENT}, or run without --ssd-offload.")
+
+
+def untested_warning(release: Release, version: str) -> str:
+    """The one warning line of a run that :func:`release_for` allowed with ``allow_untested``:
+    the version, and what was assumed of it."""
+    return (f"ssdtrain: megatron-core {version} is newer than any release tested "
+            f"({_supported_text()}); running it because {_ALLOW_FLAG} is set, assuming it "
+            f"keeps the patch points of megatron-core {release.minor}.x (tested: "
+            f"{_tested_text(release)}), which were found with their expected parameters. "
+            f"Losses and the bytes moved are not checked for this release: compare a short "
+            f"run with and without --ssd-offload (docs/megatron.md)")
 
 
 # -- patch points ------------------------------------------------------------------------------
@@ -213,8 +304,61 @@ def _params(fn: Callable) -> Tuple[str, ...]:
     return tuple(inspect.signature(fn).parameters)
 
 
+# What the hooks need of the patch points every release shares: the schedule functions the
+# hooks wrap or tell apart, the parameters PipelineHooks.forward_step reads by name, and the
+# calling conventions of the checkpoint functions the scopes wrap.
+_SCHEDULES = ("forward_step", "get_forward_backward_func", "forward_backward_no_pipelining",
+              "forward_backward_pipelining_without_interleaving",
+              "forward_backward_pipelining_with_interleaving")
+_FORWARD_STEP_READS = ("model", "input_tensor", "current_microbatch", "vp_stage")
+_CHECKPOINT_PARAMS = ("function", "distribute_saved_activations", "args")
+_WITHOUT_OUTPUT_PARAMS = ("self", "run_function", "args")
+
+
+def _recompute_problem(release: Release) -> Optional[str]:
+    where = f"{release.recompute_module}.{release.recompute_name}"
+    try:
+        owner, name, _ = recompute_patch_point(release)
+    except (ImportError, AttributeError):
+        return f"{where} is missing"
+    return None if callable(vars(owner).get(name)) else f"{where} is missing"
+
+
+def _shared_problems() -> List[str]:
+    """The patch points of every release, checked against the imported megatron-core."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    problems = [f"schedules.{n} is missing" for n in _SCHEDULES
+                if not callable(vars(schedules).get(n))]
+    if not callable(vars(TransformerLayer).get("forward")):
+        problems.append("TransformerLayer.forward is missing")
+    forward_step = vars(schedules).get("forward_step")
+    if callable(forward_step):
+        missing = [p for p in _FORWARD_STEP_READS if p not in _params(forward_step)]
+        if missing:
+            problems.append(f"schedules.forward_step{_params(forward_step)} (expected "
+                            f"parameters {', '.join(missing)})")
+    checkpoint = vars(tp_random).get("checkpoint")
+    if not callable(checkpoint):
+        problems.append("tensor_parallel.random.checkpoint is missing")
+    elif _params(checkpoint) != _CHECKPOINT_PARAMS:
+        problems.append(f"tensor_parallel.random.checkpoint{_params(checkpoint)} (expected "
+                        f"{_CHECKPOINT_PARAMS})")
+    without_output = getattr(tp_random, "CheckpointWithoutOutput", None)
+    method = vars(without_output).get("checkpoint") if without_output is not None else None
+    if without_output is not None and (not callable(method)
+                                       or _params(method) != _WITHOUT_OUTPUT_PARAMS):
+        has = _params(method) if callable(method) else "missing"
+        problems.append(f"CheckpointWithoutOutput.checkpoint {has} (expected "
+                        f"{_WITHOUT_OUTPUT_PARAMS})")
+    return problems
+
+
 def verify(release: Release, version: str) -> None:
-    """Check that the imported megatron-core has the patch points ``release`` describes.
+    """Check that the imported megatron-core has every patch point ``install()`` replaces,
+    where ``release`` says it lives and with the parameters the hooks rely on.
 
     Raises:
         UnsupportedMegatronVersion: one is missing or has other parameters; the message names
@@ -222,10 +366,10 @@ def verify(release: Release, version: str) -> None:
     """
     from megatron.core.pipeline_parallel import schedules
 
-    problems: List[str] = []
-    owner, name, _ = recompute_patch_point(release)
-    if name not in vars(owner):
-        problems.append(f"{release.recompute_module}.{release.recompute_name} is missing")
+    problems: List[str] = _shared_problems()
+    recompute = _recompute_problem(release)
+    if recompute:
+        problems.append(recompute)
     for fn_name in release.backward_steps:
         if not callable(vars(schedules).get(fn_name)):
             problems.append(f"schedules.{fn_name} is missing")
@@ -239,7 +383,7 @@ def verify(release: Release, version: str) -> None:
         raise UnsupportedMegatronVersion(
             f"megatron-core {version} does not have the patch points of megatron-core "
             f"{release.minor}.x that ssdtrain_megatron.megatron was tested against: "
-            f"{'; '.join(problems)}. Install megatron-core=={release.tested}, or run without "
+            f"{'; '.join(problems)}. {_install_hint(release)}, or run without "
             f"--ssd-offload.")
 
 
