@@ -74,7 +74,7 @@ class OffloadConfig:
         "at start names the version and what was assumed. Off: such a release is refused"))
     """Let a megatron-core minor release newer than any this version of ssdtrain was tested
     against (megatron/compat.py ``RELEASES``) run, with the patch points of the newest tested
-    one, once ``compat.verify`` has found each of them with the parameters the hooks rely on
+    one, once ``patch_points.verify`` has found each of them with the parameters the hooks rely on
     (a missing or changed one is refused all the same). ``install()`` then logs one warning
     naming the version and what it assumed. Off: such a release is refused, in one line that
     names this setting's flag. An older release is refused either way."""

@@ -53,12 +53,13 @@ parameters; read against 0.19.2 at main d98e8a64dd (2026-08-22), what moved arou
 The 0.17-0.19 wheels declare ``Requires-Python >=3.12`` yet install and run on 3.11 with
 ``pip install --ignore-requires-python``; nothing in the patched paths needs 3.12.
 
-Before patching, :func:`verify` checks that the functions have the parameters this table says
-(a later patch release that changes one fails there, with the names, instead of misbehaving).
+Before patching, ``patch_points.verify`` checks that the functions have the parameters this
+table says (a later patch release that changes one fails there, with the names, instead of
+misbehaving).
 
 A minor release newer than the newest here is refused, unless the user allows it
 (``--ssd-offload-allow-untested-megatron``, ``OffloadConfig.allow_untested_megatron``): it then
-runs with the newest release's patch points, once :func:`verify` has found every one of them
+runs with the newest release's patch points, once ``patch_points.verify`` has found every one of them
 with its expected parameters, and ``install()`` logs one warning saying so
 (:func:`untested_warning`). An older release is refused either way.
 """
@@ -67,16 +68,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["Release", "RELEASES", "SUPPORTED_MEGATRON_CORE", "UnsupportedMegatronVersion",
            "megatron_core_version", "release_for", "newest_release", "is_untested",
-           "untested_warning", "recompute_patch_point", "verify",
+           "untested_warning", "install_hint", "recompute_patch_point",
            "megatron_offloading_in_use", "refuse_megatron_offloading", "cuda_graphs_in_use",
            "refuse_cuda_graphs", "pipeline_position"]
 
@@ -155,7 +155,7 @@ def _supported_text() -> str:
             + " (tested: " + ", ".join(_tested_text(r) for r in RELEASES.values()) + ")")
 
 
-def _install_hint(release: Release) -> str:
+def install_hint(release: Release) -> str:
     """How to get the megatron-core ``release`` was tested with, as a sentence's start."""
     if release.checkout:
         return f"Use {release.checkout} (megatron-core {release.tested})"
@@ -250,7 +250,7 @@ def is_untested(version: str) -> bool:
 def release_for(version: str, allow_untested: bool = False) -> Release:
     """The :class:`Release` of megatron-core ``version``; with ``allow_untested``, for a minor
     release newer than any in the table, the newest one's (whose patch points
-    :func:`verify` must then find in ``version``).
+    ``patch_points.verify`` must then find in ``version``).
 
     Raises:
         UnsupportedMegatronVersion: an older minor version, or a newer one without
@@ -298,93 +298,6 @@ def recompute_patch_point(release: Release) -> Tuple[Any, str, bool]:
         cls_name, name = release.recompute_name.split(".")
         return getattr(module, cls_name), name, True
     return module, release.recompute_name, False
-
-
-def _params(fn: Callable) -> Tuple[str, ...]:
-    return tuple(inspect.signature(fn).parameters)
-
-
-# What the hooks need of the patch points every release shares: the schedule functions the
-# hooks wrap or tell apart, the parameters PipelineHooks.forward_step reads by name, and the
-# calling conventions of the checkpoint functions the scopes wrap.
-_SCHEDULES = ("forward_step", "get_forward_backward_func", "forward_backward_no_pipelining",
-              "forward_backward_pipelining_without_interleaving",
-              "forward_backward_pipelining_with_interleaving")
-_FORWARD_STEP_READS = ("model", "input_tensor", "current_microbatch", "vp_stage")
-_CHECKPOINT_PARAMS = ("function", "distribute_saved_activations", "args")
-_WITHOUT_OUTPUT_PARAMS = ("self", "run_function", "args")
-
-
-def _recompute_problem(release: Release) -> Optional[str]:
-    where = f"{release.recompute_module}.{release.recompute_name}"
-    try:
-        owner, name, _ = recompute_patch_point(release)
-    except (ImportError, AttributeError):
-        return f"{where} is missing"
-    return None if callable(vars(owner).get(name)) else f"{where} is missing"
-
-
-def _shared_problems() -> List[str]:
-    """The patch points of every release, checked against the imported megatron-core."""
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    problems = [f"schedules.{n} is missing" for n in _SCHEDULES
-                if not callable(vars(schedules).get(n))]
-    if not callable(vars(TransformerLayer).get("forward")):
-        problems.append("TransformerLayer.forward is missing")
-    forward_step = vars(schedules).get("forward_step")
-    if callable(forward_step):
-        missing = [p for p in _FORWARD_STEP_READS if p not in _params(forward_step)]
-        if missing:
-            problems.append(f"schedules.forward_step{_params(forward_step)} (expected "
-                            f"parameters {', '.join(missing)})")
-    checkpoint = vars(tp_random).get("checkpoint")
-    if not callable(checkpoint):
-        problems.append("tensor_parallel.random.checkpoint is missing")
-    elif _params(checkpoint) != _CHECKPOINT_PARAMS:
-        problems.append(f"tensor_parallel.random.checkpoint{_params(checkpoint)} (expected "
-                        f"{_CHECKPOINT_PARAMS})")
-    without_output = getattr(tp_random, "CheckpointWithoutOutput", None)
-    method = vars(without_output).get("checkpoint") if without_output is not None else None
-    if without_output is not None and (not callable(method)
-                                       or _params(method) != _WITHOUT_OUTPUT_PARAMS):
-        has = _params(method) if callable(method) else "missing"
-        problems.append(f"CheckpointWithoutOutput.checkpoint {has} (expected "
-                        f"{_WITHOUT_OUTPUT_PARAMS})")
-    return problems
-
-
-def verify(release: Release, version: str) -> None:
-    """Check that the imported megatron-core has every patch point ``install()`` replaces,
-    where ``release`` says it lives and with the parameters the hooks rely on.
-
-    Raises:
-        UnsupportedMegatronVersion: one is missing or has other parameters; the message names
-            it, what it has and what was expected.
-    """
-    from megatron.core.pipeline_parallel import schedules
-
-    problems: List[str] = _shared_problems()
-    recompute = _recompute_problem(release)
-    if recompute:
-        problems.append(recompute)
-    for fn_name in release.backward_steps:
-        if not callable(vars(schedules).get(fn_name)):
-            problems.append(f"schedules.{fn_name} is missing")
-    checks = (("backward_step", release.backward_step_params),
-              ("get_forward_backward_func", release.forward_backward_func_params))
-    for fn_name, expected in checks:
-        fn = vars(schedules).get(fn_name)
-        if callable(fn) and _params(fn) != expected:
-            problems.append(f"schedules.{fn_name}{_params(fn)} (expected {expected})")
-    if problems:
-        raise UnsupportedMegatronVersion(
-            f"megatron-core {version} does not have the patch points of megatron-core "
-            f"{release.minor}.x that ssdtrain_megatron.megatron was tested against: "
-            f"{'; '.join(problems)}. {_install_hint(release)}, or run without "
-            f"--ssd-offload.")
 
 
 # -- megatron-core's own activation offloading -------------------------------------------------

@@ -30,7 +30,7 @@ import logging
 from typing import Callable, Optional
 
 from ..config import OffloadConfig
-from . import compat, handle
+from . import compat, handle, patch_points
 from .compat import SUPPORTED_MEGATRON_CORE, UnsupportedMegatronVersion, megatron_core_version
 from .discarded import DiscardedOutputs
 from .patching import Installation, Patcher
@@ -93,7 +93,7 @@ def install(config: OffloadConfig, offloader=None):
 
     from ..cache import ActivationOffloader
 
-    compat.verify(release, version)
+    patch_points.verify(release, version)
     if compat.is_untested(version):
         log.warning(compat.untested_warning(release, version))
     if offloader is None:
