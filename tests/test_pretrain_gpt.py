@@ -18,9 +18,11 @@ Megatron-LM's training code also imports ``six`` and ``regex`` (``pip install si
   logs the same losses and grad norms as ``pretrain_gpt.py`` without the flag, every rank
   wrote bytes to its offload directory in every step, and nothing is left on disk: TP=1,
   TP=2, PP=2 (1F1B, 4 micro-batches), PP=2 interleaved (2 virtual stages), TP=2 with full
-  recompute, TP=2 in bf16, and mixture of experts (4 experts, top-2, EP=2, alltoall);
-* resumed: 2 iterations saved, then the third from the checkout, with offload, logs the
-  third iteration of the uninterrupted run without offload (TP=2);
+  recompute, and mixture of experts (4 experts, top-2, EP=2, alltoall). Not bf16: Megatron-LM's
+  mixed-precision optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``)
+  accept only ``torch.cuda.*Tensor`` parameters, so ``--bf16`` cannot train on the CPU;
+* resumed: 2 iterations saved, then the third from the checkpoint, with offload, logs what
+  saving and resuming without offload logs (TP=2);
 * a copy of pretrain_gpt.py patched by ``scripts/apply_patches.sh`` (the patch for that
   release) does the same (TP=1, TP=2, PP=2).
 """
@@ -70,7 +72,6 @@ LAYOUTS = {
     "tp2_recompute_full": (2, _TP2 + ["--recompute-granularity", "full",
                                       "--recompute-method", "uniform",
                                       "--recompute-num-layers", "1"]),
-    "tp2_bf16": (2, _TP2 + ["--bf16"]),
     # megatron-core refuses MoE with TP > 1 without sequence parallel, which the local spec's
     # LayerNorm refuses: experts are parallel over the two data-parallel ranks.
     "moe_ep2": (2, ["--num-experts", "4", "--moe-router-topk", "2",
@@ -213,24 +214,39 @@ def test_launcher_offloads_without_changing_megatron_losses(layout, site, tmp_pa
     _check_offloaded(str(stats), str(root), nproc)
 
 
-def test_launcher_resumes_from_a_checkpoint_as_the_uninterrupted_run_trains(site, tmp_path):
-    """Two iterations with offload, saved; the third loaded from that checkpoint, with
-    offload: the third is logged as the uninterrupted run without offload logs it."""
+def _saved_then_resumed(folder, site: str, offload: bool) -> Tuple[list, list]:
+    """TP=2: two iterations, saved (``--exit-interval``: Megatron saves and exits; the same
+    ``--train-iters`` as the resumed run, which the checkpoint's lr schedule must match), then
+    the third loaded from that checkpoint. The logged rows of both runs."""
     nproc, extra = LAYOUTS["tp2"]
-    root, stats, ckpt = tmp_path / "ssd", tmp_path / "stats.jsonl", tmp_path / "ckpt"
+    folder.mkdir()
+    root, ckpt = folder / "ssd", folder / "ckpt"
     root.mkdir()
     script = os.path.join(CHECKOUT, "pretrain_gpt.py")
-    launch = ["-m", "ssdtrain_megatron.launch", script]
-    offload = _offload_flags(str(root), str(stats))
-    first = TINY_GPT + ["--train-iters", str(ITERATIONS - 1)]  # argparse: the last one wins
-    _torchrun(nproc, [*launch, *first, *extra, *CHECKPOINTING, "--save", str(ckpt), *offload],
-              site, str(tmp_path))
+    program = ["-m", "ssdtrain_megatron.launch", script] if offload else [script]
+    flags = _offload_flags(str(root), str(folder / "stats.jsonl")) if offload else []
+    saved = _torchrun(nproc, [*program, *TINY_GPT, *extra, *CHECKPOINTING, "--exit-interval",
+                              str(ITERATIONS - 1), "--save", str(ckpt), *flags], site,
+                      str(folder))
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == \
         str(ITERATIONS - 1)
-    output = _torchrun(nproc, [*launch, *TINY_GPT, *extra, *CHECKPOINTING, "--load", str(ckpt),
-                               *offload], site, str(tmp_path))
-    assert _logged(output, first=ITERATIONS) == _plain("tp2", site, tmp_path)[ITERATIONS - 1:]
-    _check_offloaded(str(stats), str(root), nproc, ITERATIONS)
+    resumed = _torchrun(nproc, [*program, *TINY_GPT, *extra, *CHECKPOINTING, "--load",
+                                str(ckpt), *flags], site, str(folder))
+    rows = [(int(i), loss, norm) for i, loss, norm in _ITERATION.findall(saved)]
+    return rows, _logged(resumed, first=ITERATIONS)
+
+
+def test_launcher_resumes_from_a_checkpoint_as_megatron_does_without_offload(site, tmp_path):
+    """Saved after two iterations and resumed for the third, with offload in both runs: the
+    same logged rows as saving and resuming without offload (Megatron's resumed third
+    iteration is not the uninterrupted run's: it restores its RNG and data state its own way,
+    offload or not), every step offloaded, nothing left."""
+    plain = _saved_then_resumed(tmp_path / "plain", site, offload=False)
+    offloaded = _saved_then_resumed(tmp_path / "offload", site, offload=True)
+    assert [r[0] for r in plain[0]] == list(range(1, ITERATIONS))
+    assert offloaded == plain
+    _check_offloaded(str(tmp_path / "offload" / "stats.jsonl"), str(tmp_path / "offload" / "ssd"),
+                     LAYOUTS["tp2"][0], ITERATIONS)
 
 
 @pytest.mark.parametrize("layout", PATCHED_LAYOUTS)

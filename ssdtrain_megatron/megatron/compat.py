@@ -45,7 +45,8 @@ parameters; read against 0.19.2 at main d98e8a64dd (2026-08-22), what moved arou
 - A new layer class, ``HyperConnectionTransformerLayer`` (``enable_mhc_connections``),
   overrides ``forward`` without calling ``TransformerLayer.forward``: its layers save outside
   a layer scope (offloaded as layer None, no per-layer plan), and the offloader's watch names
-  them in ``StepStats.not_offloaded_why`` (cache/silence.py).
+  them in ``StepStats.not_offloaded_why`` (cache/silence.py). Read, not run: no test trains
+  mHC.
 - The arguments ``compat`` reads (``cpu_offloading*``, ``fine_grained_activation_offloading``,
   ``enable_cuda_graph``, ``external_cuda_graph``, ``cuda_graph_impl``) are unchanged, as are
   ``parse_args`` and ``initialize_megatron``, which the launcher wraps.
