@@ -1,8 +1,9 @@
 """What differs between megatron-core 0.16-0.20, checked against the megatron-core installed here,
 and a newer minor release run at the user's word (--ssd-offload-allow-untested-megatron).
 
-Run by the default suite (megatron-core 0.16.1) and by ``make test-mcore-0.17`` / ``-0.18`` /
-``-0.19`` in a virtualenv of that release: every test reads the release table of
+Run by the default suite (megatron-core 0.16.1), by ``make test-mcore-0.17`` / ``-0.18`` /
+``-0.19`` in a virtualenv of that release, and by ``make test-megatron-main`` with a Megatron-LM
+main checkout's ``megatron/core`` imported first (0.20): every test reads the release table of
 ``ssdtrain_megatron.megatron.compat`` and checks it against the real package.
 """
 
