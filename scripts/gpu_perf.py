@@ -10,8 +10,8 @@ network, ``.whl/`` carried along). Two steps, each in its own process under its 
   install  pip install --no-index --find-links .whl --prefix <out>/prefix: what the box lacks
   perf     the measure step at two shapes, one after the other, each in its share of the time:
            io-bound (gpu-check's: 8 layers, hidden 2048, seq 1024, micro-batch 2, megatron-core's
-           local spec), then compute-bound, the SSDTrain paper's regime (6 layers, hidden 6144,
-           seq 1024, micro-batch 1, core attention on torch's SDPA: scripts/gpu_check_sdpa.py)
+           local spec), then compute-bound, the SSDTrain paper's regime (16 layers, hidden 6144,
+           seq 256, micro-batch 1, core attention on torch's SDPA: scripts/gpu_check_sdpa.py)
 
 At each shape: keep; offload with the memory and the posix engine; torch's save_on_cpu; full
 recompute; adaptive on the memory engine in half of keep's activations: --steps timed steps
