@@ -231,20 +231,28 @@ def test_d_our_job_folders_are_0700_whatever_the_umask(other, scratch, umask, se
 
 
 def test_a_swapped_rank_directory_steers_nothing(tmp_path):
-    """Our own user (or root) swaps the rank directory for a link to a third directory while
-    the job runs: the job's next slab and its close still act on the directory it made, and
-    the third directory keeps its files. Broken variant (Slab creating and removing slab.bin by
-    path, or RankDir.remove listing by path): its files are deleted."""
+    """Our own user (or root) swaps the rank directory for a link to a third directory (which
+    holds a file named like our slab) while the job runs: the job's next slab and its close
+    still act on the directory it made, and the third directory keeps its files. Broken
+    variants: Slab creating slab.bin by path (the step fails on the other slab.bin), Slab
+    removing it by path (the other slab.bin is deleted), RankDir.remove listing by path (the
+    other slab.bin is deleted at close)."""
     (tmp_path / "root").mkdir()
     third = third_dir(str(tmp_path))
+    os.mkdir(os.path.join(third, "sub"))
+    with open(os.path.join(third, "sub", SLAB_NAME), "wb") as fh:  # a file by our slab's name
+        fh.write(b"not yours")
     moved = {}
 
     def attack(rank_dir):
         moved["to"] = rank_dir + ".moved"
         os.rename(rank_dir, moved["to"])
-        os.symlink(third, rank_dir)
+        os.symlink(os.path.join(third, "sub"), rank_dir)
 
     msg = attacked_job(str(tmp_path / "root"), "s1", attack)
+    assert open(os.path.join(third, "sub", SLAB_NAME), "rb").read() == b"not yours"
+    assert sorted(os.listdir(os.path.join(third, "sub"))) == [SLAB_NAME]
+    shutil.rmtree(os.path.join(third, "sub"))
     assert intact(third)
     assert msg == ""
     assert os.listdir(moved["to"]) == []  # our files went from where they were
