@@ -114,6 +114,8 @@ class DirChain:
         it; False when it does not exist and ``create`` is off. ``fresh``: it must be new.
 
         Raises LayoutError: a symlink, not a directory, untrusted, or (``fresh``) already there."""
+        if name in ("", ".", "..") or "/" in name:
+            raise LayoutError(f"{name!r} below {self.path!r} is not one plain folder name")
         made = False
         if create:
             try:
@@ -180,6 +182,8 @@ def open_chain(path: str, create: bool, base: Optional[str] = None, what: str = 
     where). Raises LayoutError (one line naming the directory and the fix); a created
     directory is removed again when a later step fails."""
     path = os.path.abspath(path)
+    if base is not None and os.path.relpath(path, os.path.abspath(base)).split("/")[0] == "..":
+        base = None  # not above path: walk from path's own deepest existing directory
     if base is None:
         base = path
         while not os.path.isdir(base) and base != "/":
