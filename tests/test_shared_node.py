@@ -258,6 +258,31 @@ def test_a_swapped_rank_directory_steers_nothing(tmp_path):
     assert os.listdir(moved["to"]) == []  # our files went from where they were
 
 
+def test_the_o_direct_probe_at_start_goes_through_the_held_directory(tmp_path, monkeypatch):
+    """The posix engine's O_DIRECT probe file is made in the rank directory we hold even when
+    its name was taken over just before (a file by the probe's name waits behind the link).
+    Broken variant (posix.py probing ``self.rank_dirs``, the paths): the start fails with
+    FileExistsError on the other directory's dio-probe.bin."""
+    from ssdtrain_megatron.io import posix
+
+    (tmp_path / "root").mkdir()
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    (other_dir / "dio-probe.bin").write_bytes(b"not yours")
+    real = posix.probe_dio_align
+
+    def swapped_first(directory):
+        (rank_dir,) = [os.path.join(tmp_path / "root", n) for n in os.listdir(tmp_path / "root")]
+        os.rename(rank_dir, rank_dir + ".moved")
+        os.symlink(other_dir, rank_dir)
+        return real(directory)
+
+    monkeypatch.setattr(posix, "probe_dio_align", swapped_first)
+    eng = PosixEngine(OffloadConfig(dirs=[str(tmp_path / "root")], job="p1"), Identity(0, 0, "node", "p1"))
+    eng.close()
+    assert (other_dir / "dio-probe.bin").read_bytes() == b"not yours"
+
+
 def test_aio_reads_and_gds_open_the_slab_we_hold_not_its_name(tmp_path):
     """DeepNVMe's reads and kvikio open a file by name: they get /proc/self/fd/N, which is the
     slab we hold even after its name was taken over. (DeepNVMe is not built here and kvikio

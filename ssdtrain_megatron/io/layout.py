@@ -222,6 +222,12 @@ class RankDir(os.PathLike):
     def fd(self) -> int:
         return self._chain.fd
 
+    @property
+    def proc_path(self) -> str:
+        """A path to the held directory itself (/proc/self/fd/N), for code that takes a
+        directory name: whatever now has our directory's name is not where it lands."""
+        return f"/proc/self/fd/{self.fd}"
+
     def __fspath__(self) -> str:
         return self.path
 
