@@ -419,3 +419,37 @@ def test_a_root_turned_read_only_is_one_warning_and_close_does_not_raise(tmpfs, 
     finally:
         subprocess.run(["mount", "-o", "remount,rw", tmpfs], check=True)
     assert os.path.isdir(rank_dir)  # left, said so; `ssdtrain clean` takes it once writable
+
+
+def _dead_rank_dir(root: str, job: str) -> str:
+    from ssdtrain_megatron.io.layout import rank_dir_name
+
+    p = subprocess.Popen(["true"])
+    p.wait()  # a pid nobody has now
+    host = Identity.detect("x").hostname
+    d = os.path.join(root, rank_dir_name(job, host, 0, p.pid))
+    os.makedirs(d, mode=0o700)
+    with open(os.path.join(d, "owner.json"), "w") as fh:
+        fh.write(f'{{"pid": {p.pid}, "hostname": "{host}", "job": "{job}", "rank": 0}}')
+    return d
+
+
+def test_a_fifo_or_a_hard_link_in_a_dead_jobs_directory_is_handled(tmp_path):
+    """What held on main, kept: the sweep never opens a FIFO (it would hang) and keeps that
+    directory, reported; a hard link to a file outside is removed as a name only, the file
+    outside keeps its bytes."""
+    from ssdtrain_megatron.io.clean import STALE, clean_root
+
+    root = str(tmp_path / "root")
+    fifo_dir = _dead_rank_dir(root, "fifo")
+    os.mkfifo(os.path.join(fifo_dir, "slab.bin"))
+    link_dir = _dead_rank_dir(root, "link")
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    os.link(outside, os.path.join(link_dir, "slab.bin"))
+    found = {os.path.basename(i.path): i for i in clean_root(root)}
+    fifo = found[os.path.basename(fifo_dir)]
+    assert fifo.verdict == STALE and not fifo.removed and "not a plain file" in fifo.error
+    assert os.path.exists(os.path.join(fifo_dir, "slab.bin"))
+    assert found[os.path.basename(link_dir)].removed and not os.path.exists(link_dir)
+    assert outside.read_bytes() == b"keep me" and os.stat(outside).st_nlink == 1
