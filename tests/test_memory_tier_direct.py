@@ -141,6 +141,9 @@ def _check_copies_out_follow_copies_in(rec, pool) -> None:
             last_in[n.tags["dst"]] = n
 
 
+@pytest.mark.xfail(strict=False, reason="fault B of issue 54 (a ready event recycled while it fences "
+                   "the extent), seen once query() waits for the stream (most seeds); fixed on branch gpu-faults: "
+                   "remove this mark when merging it")
 def test_an_extent_read_back_but_never_used_is_reused_only_after_its_copy_out(tmp_path):
     """The first micro-batch's reads are abandoned (nothing on the compute stream waits for
     them): the second micro-batch's copies into the same extents are still ordered after the

@@ -63,6 +63,14 @@ class Logged(ForwardingEngine):
         super().__init__(inner)
         self.rec, self.refuse = rec, {}
         self.pooled = pooled  # False: hide the engine's pool_view
+        inner.tracer = rec.tracer  # each chunk at the file, after its submission
+        if hasattr(inner, "memory"):  # tiered: both tiers trace
+            inner.memory.tracer = inner.ssd.tracer = rec.tracer
+
+    def __setattr__(self, name, value):
+        # The completion queue through the recorder: each report is ordered before what the
+        # offloader does once it took it (recording_streams.py).
+        super().__setattr__(name, self.rec.completions(value) if name == "completions" else value)
 
     def write(self, key, data, ready_event=None):
         self.rec.host("engine_write", key=key, ptr=_range(data))
@@ -125,31 +133,52 @@ class Saves(torch.autograd.Function):
         return g * 1, None, None
 
 
-def check_staging_reuse(rec: Recorder, pool) -> int:
-    """Every write into pool memory (a tensor, or its (first, past-last) byte range) -- a copy
-    into it, an engine read into it -- is ordered after every earlier copy into or out of the
-    same bytes. Returns how many such pairs it checked across different agents (a reuse of a
-    block by another stream or by the host)."""
-    lo_hi = pool if isinstance(pool, tuple) else _range(pool)
-    earlier = []  # (node, byte range of the pool it touched)
-    pairs = 0
-    for n in rec.log:
-        target = None
-        if n.kind == "copy" and overlaps(n.tags["dst"], lo_hi):
-            target = n.tags["dst"]
-        elif n.kind == "engine_read" and overlaps(n.tags["ptr"], lo_hi):
-            target = n.tags["ptr"]
-        if target is not None:
-            for c, r in earlier:
-                if overlaps(r, target) and c.agent != n.agent:
-                    pairs += 1
-                    assert rec.happens_before(c, n), f"staging reuse: {c} is not ordered before {n}"
-        if n.kind == "copy":
-            for r in (n.tags["dst"], n.tags["src"]):
-                if overlaps(r, lo_hi):
-                    earlier.append((n, r))
-    return pairs
+READS_INTO = ("engine_read", "submit_read")  # a read from the engine into these bytes
+WRITES_FROM = ("engine_write", "submit_write")  # a write to the engine out of these bytes
 
+
+def staging_accesses(rec: Recorder, lo_hi: tuple) -> List[tuple]:
+    """Every access to pool bytes in log order: (node, byte range, writes?). Copies into
+    (writes) and out of (reads) them on any stream; a read from the engine into them, at its
+    submission and at each chunk the IO thread brings from the file (``disk_read`` of its
+    key: writes); a write to the engine out of them, at each chunk the IO thread takes to the
+    file (``disk_write``: reads; the submission itself reads nothing: the IO thread waits for
+    the copy's event first)."""
+    out, where = [], {}  # key -> the bytes of its latest submission
+    for n in rec.log:
+        if n.kind == "copy":
+            for r, writes in ((n.tags["dst"], True), (n.tags["src"], False)):
+                if overlaps(r, lo_hi):
+                    out.append((n, r, writes))
+        elif n.kind in READS_INTO + WRITES_FROM and overlaps(n.tags["ptr"], lo_hi):
+            where[n.tags["key"]] = n.tags["ptr"]
+            if n.kind in READS_INTO:
+                out.append((n, n.tags["ptr"], True))
+        elif n.kind in ("disk_read", "disk_write") and n.tags.get("key") in where:
+            out.append((n, where[n.tags["key"]], n.kind == "disk_read"))
+    return out
+
+
+def check_staging_reuse(rec: Recorder, pool) -> int:
+    """Every access to pool memory (a tensor, or its (first, past-last) byte range) that writes
+    it is ordered after every earlier access to the same bytes, and every access that reads it
+    after every earlier write (``staging_accesses``), by the CUDA programming model's rules
+    alone. Returns how many such pairs it checked across different agents (a reuse of a
+    block by another stream or another thread). Chunks of one engine transfer (one key) are
+    not ordered among themselves, nor need to be."""
+    lo_hi = pool if isinstance(pool, tuple) else _range(pool)
+    earlier: List[tuple] = []
+    pairs = 0
+    for n, r, writes in staging_accesses(rec, lo_hi):
+        for c, cr, cwrites in earlier:
+            if not (writes or cwrites) or c.agent == n.agent or not overlaps(cr, r):
+                continue
+            if c.kind.startswith("disk_") and n.kind.startswith("disk_") and c.tags["key"] == n.tags["key"]:
+                continue
+            pairs += 1
+            assert rec.happens_before(c, n), f"staging reuse (seed {rec.seed}): {c} is not ordered before {n}"
+        earlier.append((n, r, writes))
+    return pairs
 
 def _config(tmp_path, engine: str, **kw) -> OffloadConfig:
     return OffloadConfig(dirs=[str(tmp_path)], engine=engine, min_tensor_bytes=0, keep_last_layers=0,
@@ -377,7 +406,12 @@ def test_the_pool_hands_out_a_block_only_once_its_event_completed_without_waitin
     pool = StagingPool(3 * 4096, rec)
     a, b, c = pool.take(4096), pool.take(4096), pool.take(4096)
     slow, fast = rec.new_event(), rec.new_event()
-    pool.give(a, after=slow)  # never recorded: its copy has not run
+    # A copy that has not run: its event recorded on a stream the host never sees finish (an
+    # event never recorded would be done, as CUDA answers for one).
+    behind = rec.new_stream(torch.device("cpu"))
+    rec.unobserved.add(behind.name)
+    slow.record(behind)
+    pool.give(a, after=slow)
     pool.give(b, after=fast)
     fast.record(rec.default)
     d = pool.take(4096)
