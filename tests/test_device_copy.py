@@ -35,6 +35,7 @@ from tests import fake_kvikio
 from tests.faulty import FaultyEngine, HeldWrites
 from tests.forwarding import ForwardingEngine
 from tests.recording_streams import Node, Recorder, _range, contains, overlaps
+from tests.staging_checks import check_staging_reuse
 
 CUDA = torch.cuda.is_available()
 ENGINES = ["posix", "memory", "tiered", "gds"]
@@ -326,6 +327,10 @@ def _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, dev
     with ActivationOffloader(config, device=device, engine=logged, streams=rec) as off:
         if patch is not None:
             patch(off.copy)
+        # The pinned memory whose reuse _check_all checks: the staging pool, the memory tier's.
+        memory = getattr(logged.inner, "memory", logged.inner)
+        rec.pools = [_range(p) for p in (off.copy.pool._mem if off.copy.pool is not None else None,
+                                         getattr(memory, "_pool", None)) if p is not None]
         grads, stats = _run(off, rec, device, compact, stream)
         direct = off.copy.direct
         check_completion_queue_path(off, logged)
@@ -341,6 +346,8 @@ def _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, dev
 def _check_all(rec, stats, direct, alloc_stream):
     n_w = check_write_chains(rec, direct, alloc_stream)
     n_r = check_read_chains(rec, direct, alloc_stream)
+    for pool in rec.pools:
+        check_staging_reuse(rec, pool)
     assert n_w == stats.tensors_offloaded > 0
     assert n_r == n_w, "every offloaded tensor came back by a read"
     assert stats.bytes_read > 0
@@ -364,7 +371,7 @@ def _reference(device, compact):
 @pytest.mark.parametrize("stream_name", ["default", "compute"])
 def test_every_offloaded_tensor_is_ordered_producer_to_disk_to_consumer(tmp_path, monkeypatch, engine,
                                                                         compact, stream_name):
-    rec = Recorder()
+    rec = Recorder(poison=True)
     cpu = torch.device("cpu")
     grads, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, cpu)
     assert direct == (engine == "gds")
