@@ -73,7 +73,7 @@ class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
     __slots__ = ("block", "pooled", "copy_event", "landed", "source", "produced", "packed",
-                 "alloc_event", "ready_event")
+                 "alloc_event", "ready_event", "owner", "consumed")
 
     def __init__(self) -> None:
         self.block: Optional[Block] = None  # staging, until the engine (write) or the copy (read) is done
@@ -85,6 +85,8 @@ class Transfer:
         self.packed: Optional[torch.Tensor] = None  # direct read of a compact record: packed elements
         self.alloc_event: Any = None  # direct read: recorded after the allocation
         self.ready_event: Any = None  # read: recorded on the reload stream after the copy
+        self.owner: Any = None  # staged read: the stream the restored tensor was allocated on
+        self.consumed = False  # staged read: a consumer's stream waited for the copy
 
 
 class _Batch:
@@ -287,14 +289,24 @@ class DeviceCopy:
         stream = self.reload_stream
         tl = self.timeline
         host = source if source is not None else xfer.block.tensor
+        # Allocated on the current (compute) stream, from the pool backward's frees go back
+        # to; the reload stream writes it only once the compute stream has run to this point,
+        # where whatever used the block before is done (module docstring).
+        owner = xfer.owner = ops.current_stream(self.device)
+        restored, dest = rec.allocate_restore(empty=ops.empty, pad=False)
+        allocated = self._event()
+        allocated.record(owner)
+        stream.wait_event(allocated)
+        self._recycle(allocated)  # the wait took its record point
         with ops.use(stream):
-            # Allocated here, on the reload stream, just before its copy (module docstring).
-            restored, dest = rec.allocate_restore(empty=ops.empty, pad=False)
             span = tl.gpu_begin(stream, "reload", "h2d", "copy", record=rec.id, bytes=rec.nbytes,
                                 layer=str(rec.layer)) if tl is not None else None
             ops.copy(as_bytes(dest), host)
             if rec.staging is not None:  # a compact record: scatter into the strided places
                 ops.copy(restored, rec.staging)
+                # The packed elements' memory goes back to the compute stream's pool now: not
+                # to be reused before the reload stream has read it.
+                ops.record_stream(rec.staging, stream)
                 rec.staging = None
             if span is not None:
                 tl.gpu_end(stream, span)
@@ -348,10 +360,20 @@ class DeviceCopy:
             span = tl.gpu_begin(current, "compute", "reload", "wait", record=rec.id, bytes=rec.nbytes,
                                 layer=str(rec.layer)) if tl is not None else None
             current.wait_event(ready)
+            xfer.consumed = True
             if span is not None:
                 tl.gpu_end(current, span)
-        if ready is not None or xfer.alloc_event is not None:
-            ops.record_stream(out, current)
+        if xfer.alloc_event is not None or ready is not None and current != xfer.owner:
+            ops.record_stream(out, current)  # used by a stream other than the one it came from
+
+    def unused(self, xfer: Optional[Transfer]) -> None:
+        """A restored tensor goes unconsumed (its record is released before any unpack): the
+        stream it was allocated on waits for its copy first, so that the allocator, which
+        hands its block to that stream's next allocation at once, cannot let a kernel write
+        there before the copy has landed (training thread, before the tensor is dropped)."""
+        if xfer is not None and xfer.owner is not None and not xfer.consumed and xfer.ready_event is not None:
+            xfer.owner.wait_event(xfer.ready_event)
+            xfer.consumed = True
 
     def forget(self, xfer: Optional[Transfer]) -> None:
         """A record is released: its read's events go back to the pool (no consumer will wait
