@@ -23,19 +23,31 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   last copy into or out of it unless that copy is known to have landed: the next ``take``
   must not hand out a block a copy will still land on (staging.py).
 - Reload (``finish_in``, after the engine's read into a staging block completed, or at once
-  from the memory engine's pool): the restored tensor is allocated *on the reload stream*
-  just before its copy (no read-ahead holds device memory while the drive reads; memory freed
-  on that stream is reused in its order, so no allocation event is needed), the bytes are
-  copied host -> device there (and a compact record's packed elements scattered into their
-  strided places, still there), and a *ready* event follows. The staging block is reused only
-  once that event has completed (``query``).
+  from the memory engine's pool; the training thread): the restored tensor is allocated *on
+  the current (compute) stream* just before its copy (no read-ahead holds device memory while
+  the drive reads). CUDA's caching allocator hands a freed block only to allocations on the
+  stream that freed it, and the activations forward let go and backward frees go back to the
+  compute stream's pool: allocated there, restores reuse that memory instead of growing a
+  pool of their own beside it (tests/test_restore_memory.py measures reserved against
+  allocated bytes). An *allocation* event recorded on the compute stream orders the reload
+  stream after whatever used the block before (its cost: a reload copy never starts before
+  the compute stream has reached the point where the host allocated, so read-ahead is
+  ahead of the compute stream by what the host issued since). The bytes are copied host ->
+  device on the reload stream (and a compact record's packed elements scattered into their
+  strided places, still there; the packed memory is marked used by the reload stream, since
+  it goes back to the compute stream's pool as soon as the scatter is queued), and a *ready*
+  event follows. The staging block is reused only once that event has completed (``query``).
 - Unpack (``consume``, the consumer's thread and stream): the current stream waits on the
-  ready event (the host does not block), and the tensor is marked used by that stream
-  (``record_stream``): it was allocated on the reload stream, which must not reuse its memory
-  while the consumer still reads it.
+  ready event (the host does not block). A consumer on a stream other than the one the
+  tensor was allocated on marks it used by its stream (``record_stream``); on that stream
+  itself no mark is needed (its later work, and the block's reuse, follow the consumer). A
+  restored tensor released before anyone consumed it (``unused``) makes its stream wait for
+  the ready event first, so that its block, back in the pool at once, is not written before
+  the copy into it has landed.
 - Restored tensors have the size of the original: a tensor that started on a 512-byte boundary
   (the caching allocator's alignment: every dense activation) is allocated at exactly its
-  bytes, so it falls in the size class of the block it came from and can reuse it.
+  bytes, on the stream it was freed on, so it falls in the size class of the block it came
+  from and can reuse it.
 - ``direct`` engines (gds: cuFile DMAs device memory outside any stream) get device memory,
   no staging: on writes the engine's IO thread waits for the producer event before cuFile
   reads the bytes; on reads the restored tensor is allocated on the current stream at
