@@ -195,7 +195,10 @@ class Recorder(StreamOps):
             env = os.environ.get("SSDTRAIN_STANDIN_SEED")
             seed = int(env) if env else random.randrange(1 << 31)
         self.seed = seed
-        self.pace = pace  # chance that the deferred streams run a little after each operation
+        self.pace = pace
+        """Chance that each deferred stream runs a little after each operation (and that a
+        ``query`` lets its stream run); 0: streams run only when something waits for them
+        (``synchronize``, a wait on an eager stream, ``run``/``run_all``)."""
         self._rng = random.Random(seed)
         if inner is None:
             print(f"recording stand-in: seed {seed} (SSDTRAIN_STANDIN_SEED={seed} replays it)")
@@ -388,6 +391,11 @@ class Recorder(StreamOps):
         with self._lock:
             return self.alloc.report()
 
+    def run(self, stream: RecStream) -> None:
+        """``stream`` runs everything it was given (and what that waits for): the GPU happened
+        to run it first."""
+        self._run_to((stream, stream.issued))
+
     def run_all(self) -> None:
         """Every stream runs everything it was given (the end of a scene: a device sync)."""
         with self._lock:
@@ -499,7 +507,7 @@ class Recorder(StreamOps):
             return True
         with self._lock:
             stream, pos = point
-            if stream.done < pos and poll and self._rng.random() < 0.5:
+            if stream.done < pos and poll and self.pace > 0 and self._rng.random() < 0.5:
                 self._run_to((stream, min(pos, stream.done + self._rng.randint(1, 3))))
             return stream.done >= pos
 
