@@ -23,19 +23,31 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   last copy into or out of it unless that copy is known to have landed: the next ``take``
   must not hand out a block a copy will still land on (staging.py).
 - Reload (``finish_in``, after the engine's read into a staging block completed, or at once
-  from the memory engine's pool): the restored tensor is allocated *on the reload stream*
-  just before its copy (no read-ahead holds device memory while the drive reads; memory freed
-  on that stream is reused in its order, so no allocation event is needed), the bytes are
-  copied host -> device there (and a compact record's packed elements scattered into their
-  strided places, still there), and a *ready* event follows. The staging block is reused only
-  once that event has completed (``query``).
+  from the memory engine's pool; the training thread): the restored tensor is allocated *on
+  the current (compute) stream* just before its copy (no read-ahead holds device memory while
+  the drive reads). CUDA's caching allocator hands a freed block only to allocations on the
+  stream that freed it, and the activations forward let go and backward frees go back to the
+  compute stream's pool: allocated there, restores reuse that memory instead of growing a
+  pool of their own beside it (tests/test_restore_memory.py measures reserved against
+  allocated bytes). An *allocation* event recorded on the compute stream orders the reload
+  stream after whatever used the block before (its cost: a reload copy never starts before
+  the compute stream has reached the point where the host allocated, so read-ahead is
+  ahead of the compute stream by what the host issued since). The bytes are copied host ->
+  device on the reload stream (and a compact record's packed elements scattered into their
+  strided places, still there; the packed memory is marked used by the reload stream, since
+  it goes back to the compute stream's pool as soon as the scatter is queued), and a *ready*
+  event follows. The staging block is reused only once that event has completed (``query``).
 - Unpack (``consume``, the consumer's thread and stream): the current stream waits on the
-  ready event (the host does not block), and the tensor is marked used by that stream
-  (``record_stream``): it was allocated on the reload stream, which must not reuse its memory
-  while the consumer still reads it.
+  ready event (the host does not block). A consumer on a stream other than the one the
+  tensor was allocated on marks it used by its stream (``record_stream``); on that stream
+  itself no mark is needed (its later work, and the block's reuse, follow the consumer). A
+  restored tensor released before anyone consumed it (``unused``) makes its stream wait for
+  the ready event first, so that its block, back in the pool at once, is not written before
+  the copy into it has landed.
 - Restored tensors have the size of the original: a tensor that started on a 512-byte boundary
   (the caching allocator's alignment: every dense activation) is allocated at exactly its
-  bytes, so it falls in the size class of the block it came from and can reuse it.
+  bytes, on the stream it was freed on, so it falls in the size class of the block it came
+  from and can reuse it.
 - ``direct`` engines (gds: cuFile DMAs device memory outside any stream) get device memory,
   no staging: on writes the engine's IO thread waits for the producer event before cuFile
   reads the bytes; on reads the restored tensor is allocated on the current stream at
@@ -73,7 +85,7 @@ class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
     __slots__ = ("block", "pooled", "copy_event", "landed", "source", "produced", "packed",
-                 "alloc_event", "ready_event")
+                 "alloc_event", "ready_event", "owner", "consumed")
 
     def __init__(self) -> None:
         self.block: Optional[Block] = None  # staging, until the engine (write) or the copy (read) is done
@@ -85,6 +97,8 @@ class Transfer:
         self.packed: Optional[torch.Tensor] = None  # direct read of a compact record: packed elements
         self.alloc_event: Any = None  # direct read: recorded after the allocation
         self.ready_event: Any = None  # read: recorded on the reload stream after the copy
+        self.owner: Any = None  # staged read: the stream the restored tensor was allocated on
+        self.consumed = False  # staged read: a consumer's stream waited for the copy
 
 
 class _Batch:
@@ -287,14 +301,24 @@ class DeviceCopy:
         stream = self.reload_stream
         tl = self.timeline
         host = source if source is not None else xfer.block.tensor
+        # Allocated on the current (compute) stream, from the pool backward's frees go back
+        # to; the reload stream writes it only once the compute stream has run to this point,
+        # where whatever used the block before is done (module docstring).
+        owner = xfer.owner = ops.current_stream(self.device)
+        restored, dest = rec.allocate_restore(empty=ops.empty, pad=False)
+        allocated = self._event()
+        allocated.record(owner)
+        stream.wait_event(allocated)
+        self._recycle(allocated)  # the wait took its record point
         with ops.use(stream):
-            # Allocated here, on the reload stream, just before its copy (module docstring).
-            restored, dest = rec.allocate_restore(empty=ops.empty, pad=False)
             span = tl.gpu_begin(stream, "reload", "h2d", "copy", record=rec.id, bytes=rec.nbytes,
                                 layer=str(rec.layer)) if tl is not None else None
             ops.copy(as_bytes(dest), host)
             if rec.staging is not None:  # a compact record: scatter into the strided places
                 ops.copy(restored, rec.staging)
+                # The packed elements' memory goes back to the compute stream's pool now: not
+                # to be reused before the reload stream has read it.
+                ops.record_stream(rec.staging, stream)
                 rec.staging = None
             if span is not None:
                 tl.gpu_end(stream, span)
@@ -348,10 +372,20 @@ class DeviceCopy:
             span = tl.gpu_begin(current, "compute", "reload", "wait", record=rec.id, bytes=rec.nbytes,
                                 layer=str(rec.layer)) if tl is not None else None
             current.wait_event(ready)
+            xfer.consumed = True
             if span is not None:
                 tl.gpu_end(current, span)
-        if ready is not None or xfer.alloc_event is not None:
-            ops.record_stream(out, current)
+        if xfer.alloc_event is not None or ready is not None and current != xfer.owner:
+            ops.record_stream(out, current)  # used by a stream other than the one it came from
+
+    def unused(self, xfer: Optional[Transfer]) -> None:
+        """A restored tensor goes unconsumed (its record is released before any unpack): the
+        stream it was allocated on waits for its copy first, so that the allocator, which
+        hands its block to that stream's next allocation at once, cannot let a kernel write
+        there before the copy has landed (training thread, before the tensor is dropped)."""
+        if xfer is not None and xfer.owner is not None and not xfer.consumed and xfer.ready_event is not None:
+            xfer.owner.wait_event(xfer.ready_event)
+            xfer.consumed = True
 
     def forget(self, xfer: Optional[Transfer]) -> None:
         """A record is released: its read's events go back to the pool (no consumer will wait

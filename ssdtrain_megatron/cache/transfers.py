@@ -549,6 +549,8 @@ class Transfers:
             self._engine.release(rec.id)  # frees its extent at once (no-op if never written)
         if self._tracer is not None:
             self._tracer.forget(rec.id)
+        if self._copy is not None:
+            self._copy.unused(rec.transfer)  # a restored tensor nobody consumed: after its copy
         rec.tensor = None
         if self._copy is not None:
             self._copy.forget(rec.transfer)
