@@ -68,7 +68,9 @@ def record_step(box: Any, runner: Runner, streams: Any, device: torch.device,
         tl.span("step", "step", t0)
         tl.stop(sync)
     finally:
-        tl.stop()  # after an error: the collector's callback removed; a no-op after stop(sync)
+        # After an error: no synchronisation, and no times asked of events that have not run
+        # (Timeline.abandon), so the step's own exception is what propagates; a no-op after stop(sync).
+        tl.abandon()
         if wire is not None:
             wire(None)
         for h in hooks:
