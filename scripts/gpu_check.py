@@ -53,7 +53,8 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from gpu_bundle import REQUIREMENTS
-from gpu_check_plan import STEPS, TOTAL_S, estimates, measure_estimate, plan, print_plan
+from gpu_check_plan import (DEADLINE_MARGIN_S, KILL_GRACE_S, KILL_WAIT_S, STEPS, TERM_WAIT_S, TOTAL_S, estimates,
+                            measure_estimate, plan, print_plan)
 from gpu_check_targets import NOT_RUN, PASS, render, targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -275,11 +276,15 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
     log_path = os.path.join(args.out, "logs", f"{name}.log")
     cmd = [sys.executable, os.path.abspath(args.suite.script), "--child", name, "--out", args.out,
            "--scratch", args.scratch] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in args.suite.child_flags]
-    child_env = dict(env, GPU_CHECK_DEADLINE=str(time.time() + limit - 3), **STEP_ENV.get(name, {}))
+    # The kill path inside the limit: SIGTERM at limit - KILL_GRACE_S (the child saves what it
+    # has, as Terminated), SIGKILL after TERM_WAIT_S, then at most KILL_WAIT_S more; the child's
+    # own deadline DEADLINE_MARGIN_S before the SIGTERM, so it rarely needs one.
+    term_at = max(limit - KILL_GRACE_S, 1)
+    child_env = dict(env, GPU_CHECK_DEADLINE=str(time.time() + term_at - DEADLINE_MARGIN_S), **STEP_ENV.get(name, {}))
     with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-            rc = proc.wait(timeout=limit)
+            rc = proc.wait(timeout=term_at)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             rc = None
@@ -297,12 +302,14 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the step's process group, SIGKILL if it is still there TERM_WAIT_S later;
+    returns at most KILL_GRACE_S after it was called."""
     import signal
 
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig, wait in ((signal.SIGTERM, TERM_WAIT_S), (signal.SIGKILL, KILL_WAIT_S)):
         try:
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=5)
+            proc.wait(timeout=wait)
             return
         except (ProcessLookupError, subprocess.TimeoutExpired):
             continue
@@ -326,27 +333,48 @@ def _tail(path: str, n: int = 3) -> str:
 
 # -- the children: one step each, in their own process --------------------------------------
 
+class Terminated(BaseException):
+    """SIGTERM in a step's process (the parent's time limit, or anyone's kill): raised in the
+    main thread, so the step unwinds and its last result is saved with where it stopped. A
+    BaseException: a step's ``except Exception`` does not swallow it."""
+
+
+def _terminated(signum: int, frame) -> None:
+    raise Terminated(f"signal {signum} (SIGTERM): stopped from outside, most likely the step's time limit")
+
+
 def child(args: argparse.Namespace) -> int:
+    """One step in this process: its result saved at ``<out>/steps/<step>.json`` each time the
+    step saves one, and once more at the end. Whatever ends it (an exception, a CUDA error,
+    SIGTERM) the last result the step saved is kept, with the status "error", the exception
+    and its traceback beside what it measured."""
+    import signal
+    import traceback
+
     path = os.path.join(args.out, "steps", f"{args.child}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    last: Dict[str, object] = {}
 
     def save(result: dict) -> None:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(result, f, indent=1, default=str)
         os.replace(tmp, path)
+        last.clear()
+        last.update(result)
 
-    module, function = args.suite.run_step.split(":")
-    run_step = getattr(importlib.import_module(module), function)  # the steps import torch
-
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        module, function = args.suite.run_step.split(":")
+        run_step = getattr(importlib.import_module(module), function)  # the steps import torch
         result = run_step(args, save)
     except BaseException as exc:  # noqa: BLE001 - reported in the result, and the exit status
-        import traceback
-
         traceback.print_exc()
-        save({"status": "error", "why": f"{type(exc).__name__}: {exc}"[:2000]})
+        save(dict(last, status="error", why=f"{type(exc).__name__}: {exc}"[:2000],
+                  traceback=traceback.format_exc()[-4000:]))
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     save(result)
     return 0
 

@@ -38,7 +38,7 @@ from typing import List, Optional
 
 from gpu_check import Suite, finish_args, run, suite_parser
 from gpu_check_plan import plan
-from gpu_perf_plan import SHAPES, STEPS, TOTAL_S, estimates, print_plan
+from gpu_perf_plan import SHAPES, STEPS, TOTAL_S, cards_header, estimates, print_plan
 from gpu_perf_targets import render, targets
 
 
@@ -47,7 +47,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def header(args: argparse.Namespace) -> dict:
-    return {"estimates": estimates(args), "shapes": SHAPES, "steps_per_point": args.steps}
+    return {"estimates": estimates(args), "shapes": SHAPES, "steps_per_point": args.steps, **cards_header()}
 
 
 PERF = Suite("gpu-perf", os.path.abspath(__file__), STEPS, lambda args: plan(args, STEPS), header, print_plan,

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from gpu_check_plan import ASSUME, activation_bytes, parameters, point_plan, points_estimate, print_steps
+from gpu_check_plan import (ASSUME, ASSUMED_CARD, CARDS, activation_bytes, card_check, parameters, point_plan,
+                            points_estimate, print_steps)
 
 STEPS = [
     ("install", 35, (), "pip install --no-index the bundle (.whl) into <out>/prefix"),
@@ -118,4 +119,13 @@ def print_plan(args, steps: List[dict], say) -> bool:
     notes.append(f"at drive {ASSUME['drive_bps'] / 1e9:g} GB/s, link {ASSUME['link_bps'] / 1e9:g} GB/s, "
                  f"{ASSUME['flops'] / 1e12:g} TFLOP/s, registration {ASSUME['register_bps'] / 1e9:g} GB/s, "
                  f"{ASSUME['start_s']:g}s to start a step; {args.steps} timed steps a point")
-    return print_steps(args, steps, say, estimates(args), PARENT_S, notes)
+    cards = None
+    if any(s["step"] == "perf" for s in steps):
+        cards = card_check({name: (shape, shape["micro_batch"], max(p["pinned"] for p in points(name, args.steps)))
+                            for name, shape in SHAPES.items()})
+    return print_steps(args, steps, say, estimates(args), PARENT_S, notes, cards)
+
+
+def cards_header() -> dict:
+    """What the results' header says of the cards: which the plan assumed, and each card's memory."""
+    return {"card_assumed": ASSUMED_CARD, "cards": CARDS}

@@ -402,7 +402,7 @@ def test_the_ram_guard_counts_the_staging_pool_and_what_pinning_really_locks(tmp
     from ssdtrain_megatron import OffloadConfig
 
     m = gpu_check_measure.Measure.__new__(gpu_check_measure.Measure)
-    m.registers, m.host_ram, m.per_sample, m.until = registers, 64 << 30, None, None
+    m.registers, m.host_ram, m.per_sample, m.until, m.estimates = registers, 64 << 30, None, None, {}
     m.base_cfg = OffloadConfig(dirs=[str(tmp_path)], engine="posix")
     m.args = gpu_check.parse_args(["--out", str(tmp_path)])
     os.makedirs(m.args.scratch, exist_ok=True)

@@ -81,6 +81,28 @@ def test_the_sdpa_gpt_saves_no_seq_squared_tensor(runtime):
         GpuGPT(spec, runtime.device, attention="flash")
 
 
+def test_the_sdpa_backend_is_chosen_in_order_named_and_every_forward_runs_under_it(runtime):
+    """choose_backend keeps the first of its order that runs here (flash on this CPU, as on an
+    H100 or H200; the memory-efficient kernel has no CPU version, so the next is taken), the
+    model names it, and its forwards run under that backend alone: one this device lacks
+    fails the step instead of torch quietly choosing another."""
+    from gpu_check_common import GpuGPT
+    from gpu_check_sdpa import choose_backend
+
+    assert choose_backend(runtime.device, torch.bfloat16, 4, 16) == "FLASH_ATTENTION"
+    assert choose_backend(runtime.device, torch.bfloat16, 4, 16, ("EFFICIENT_ATTENTION", "MATH")) == "MATH"
+    with pytest.raises(RuntimeError, match="no SDPA backend runs here: EFFICIENT_ATTENTION: "):
+        choose_backend(runtime.device, torch.bfloat16, 4, 16, ("EFFICIENT_ATTENTION",))
+    spec = GPTSpec(layers=1, hidden=64, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1)
+    assert GpuGPT(spec, runtime.device, attention="sdpa").sdpa_backend == "FLASH_ATTENTION"
+    assert GpuGPT(spec, runtime.device).sdpa_backend is None
+    pinned = GpuGPT(spec, runtime.device, attention="sdpa", sdpa_backend="EFFICIENT_ATTENTION")
+    with pytest.raises(RuntimeError, match="No viable backend"):
+        pinned.step()
+    with pytest.raises(ValueError, match="backend='flash': expected one of FLASH_ATTENTION"):
+        GpuGPT(spec, runtime.device, attention="sdpa", sdpa_backend="flash")
+
+
 # -- the plan, the flags, the parent ---------------------------------------------------------
 
 import json  # noqa: E402
@@ -256,6 +278,9 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
         assert f"save_on_cpu@{k}" not in model["points"]  # none of the planner's places
     assert used["save_on_cpu"] and all(kw == {"pin_memory": True} for kw in used["save_on_cpu"])
     assert used["sdpa"] > 0  # the compute-bound shape's attention
+    cb, io = result["shapes"]["compute-bound"], result["shapes"]["io-bound"]
+    assert cb["attention_backend"] == "FLASH_ATTENTION" and cb["attention_first_step_s"] > 0
+    assert io["attention_backend"] is None and "attention_first_step_s" not in io
     gc.collect()
     assert _check_ordering(box) >= 6
     steps = {"perf": result}
