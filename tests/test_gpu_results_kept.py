@@ -400,3 +400,27 @@ def test_a_step_whose_estimate_runs_into_its_kill_path_does_not_fit():
     inside = int(est["perf"]["total"]) + 1 + gpu_check_plan.KILL_GRACE_S
     assert plan(inside) and not any("OVER" in line for line in lines)
     assert not plan(inside - 2) and any("perf" in line and "OVER" in line for line in lines)
+
+
+def test_megatron_runtime_exit_tries_every_part_and_keeps_the_exception_in_flight(monkeypatch):
+    """After a sticky CUDA error NCCL's teardown raises too: leaving the runtime then must not
+    replace the step's exception, and must still undo the rest (the process group, the CPU
+    runtime); with nothing in flight, the teardown's own error is raised once all ran."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    real = parallel_state.destroy_model_parallel
+
+    def broken():
+        real()  # what it undoes is undone; then it raises, as NCCL's teardown does after the error
+        raise RuntimeError("NCCL error: unhandled cuda error")
+
+    monkeypatch.setattr(parallel_state, "destroy_model_parallel", broken)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="the step's own"):
+        with MegatronRuntime():
+            raise torch.cuda.OutOfMemoryError("the step's own")
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="NCCL error"):
+        with MegatronRuntime():
+            pass
+    assert not dist.is_initialized()
