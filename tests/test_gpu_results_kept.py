@@ -20,15 +20,14 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import gpu_check  # noqa: E402
-import gpu_check_measure  # noqa: E402
-import gpu_check_plan  # noqa: E402
-import gpu_check_runner  # noqa: E402
-import gpu_perf  # noqa: E402
-import gpu_perf_step  # noqa: E402
-import gpu_perf_targets  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_measure  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_plan  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_runner  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_perf  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_perf_step  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_perf_targets  # noqa: E402
 from ssdtrain_megatron.telemetry.timeline import Timeline  # noqa: E402
 from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime  # noqa: E402
 from tests.recording_streams import Recorder  # noqa: E402
@@ -148,7 +147,7 @@ def test_an_error_in_the_recorded_step_reaches_the_point_as_it_was(runtime, tmp_
     """The step that is recorded as a timeline raises while its GPU events have not run: the
     point says what the step raised (an out-of-memory flagged as one), with its traceback, not
     "device not ready" from resolving the timeline on the way out."""
-    from gpu_check_common import GpuGPT
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_common import GpuGPT
 
     spec = GPTSpec(layers=1, hidden=64, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1)
     model = GpuGPT(spec, runtime.device, grad_buffers=True)
@@ -283,7 +282,7 @@ def test_sigterm_to_a_steps_process_leaves_what_it_saved_and_where_it_stopped(tm
     saved: its JSON keeps the points, says "error" and how it was stopped, with the
     traceback. Without the child's handler SIGTERM ends it where it stands, "running"."""
     out = tmp_path / "res"
-    code = ("import sys, dataclasses; sys.path.insert(0, 'scripts'); import gpu_check, gpu_perf; "
+    code = ("import sys, dataclasses; from ssdtrain_megatron.tools.gpucheck import gpu_check, gpu_perf; "
             f"args = gpu_perf.parse_args(['--out', {str(out)!r}, '--child', 'perf']); "
             "args.suite = dataclasses.replace(args.suite, run_step='tests.test_gpu_results_kept:_saves_then_waits'); "
             "sys.exit(gpu_check.child(args))")
@@ -385,7 +384,7 @@ def test_the_plan_is_checked_on_both_cards_and_names_the_one_it_assumed(tmp_path
 def test_a_step_whose_estimate_runs_into_its_kill_path_does_not_fit():
     """A step in its own process must fit its estimate before its SIGTERM (KILL_GRACE_S before
     the limit); the parent's own pip step has no kill path."""
-    import gpu_perf_plan
+    from ssdtrain_megatron.tools.gpucheck import gpu_perf_plan
 
     args = gpu_perf.parse_args(["--out", "unused"])
     est = gpu_perf_plan.estimates(args)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
-from gpu_check_targets import (Verdict, _keep_and_offload, _not_run_why, _overlap, _peak, _point, _stall,
+from .gpu_check_targets import (Verdict, _keep_and_offload, _not_run_why, _overlap, _peak, _point, _stall,
                                bound_verdict, peak_verdict, render_points)
-from gpu_check_targets import render as check_render
-from gpu_check_targets import targets as check_targets
+from .gpu_check_targets import render as check_render
+from .gpu_check_targets import targets as check_targets
 IO_BOUND_MAX, COMPUTE_MEMORY_MAX, COMPUTE_POSIX_MAX = 1.10, 1.03, 1.05
 IO_PEAK_MAX, COMPUTE_PEAK_MAX = 0.4, 0.35
 VS_SAVE_ON_CPU_MAX = 0.7

@@ -36,10 +36,10 @@ import os
 import sys
 from typing import List, Optional
 
-from gpu_check import Suite, finish_args, run, suite_parser
-from gpu_check_plan import plan
-from gpu_perf_plan import SHAPES, STEPS, TOTAL_S, cards_header, estimates, print_plan
-from gpu_perf_targets import render, targets
+from .gpu_check import Suite, finish_args, run, suite_parser
+from .gpu_check_plan import plan
+from .gpu_perf_plan import SHAPES, STEPS, TOTAL_S, cards_header, estimates, print_plan
+from .gpu_perf_targets import render, targets
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -50,8 +50,8 @@ def header(args: argparse.Namespace) -> dict:
     return {"estimates": estimates(args), "shapes": SHAPES, "steps_per_point": args.steps, **cards_header()}
 
 
-PERF = Suite("gpu-perf", os.path.abspath(__file__), STEPS, lambda args: plan(args, STEPS), header, print_plan,
-             targets, render, ("steps",), "gpu_perf_step:run_step")
+PERF = Suite("gpu-perf", f"{__package__}.gpu_perf", STEPS, lambda args: plan(args, STEPS), header, print_plan,
+             targets, render, ("steps",), f"{__package__}.gpu_perf_step:run_step")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

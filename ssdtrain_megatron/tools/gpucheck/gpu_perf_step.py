@@ -17,13 +17,13 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from gpu_check_common import CudaBox, GpuGPT, deadline_left
-from gpu_check_measure import Measure, StallProbe
-from gpu_check_plan import ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_TRIAL_STEPS, parameters, points_estimate, reserves
-from gpu_check_runner import SAVE_ON_CPU
-from gpu_perf_model import predictions
-from gpu_check_sdpa import choose_backend
-from gpu_perf_plan import SHAPES, flop_per_saved_byte, points, shares
+from .gpu_check_common import CudaBox, GpuGPT, deadline_left
+from .gpu_check_measure import Measure, StallProbe
+from .gpu_check_plan import ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_TRIAL_STEPS, parameters, points_estimate, reserves
+from .gpu_check_runner import SAVE_ON_CPU
+from .gpu_perf_model import predictions
+from .gpu_check_sdpa import choose_backend
+from .gpu_perf_plan import SHAPES, flop_per_saved_byte, points, shares
 from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime
 
 ADAPTIVE_KEEPS = 0.5  # adaptive's budget: this fraction of keep's activations

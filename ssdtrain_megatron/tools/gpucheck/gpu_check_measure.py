@@ -41,11 +41,11 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from gpu_check_bounds import judge_points, measure_drive, measure_link, record_sizes
-from gpu_check_common import CudaBox, GpuGPT, deadline_left
-from gpu_check_plan import (ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_SETTLE_CAP, ADAPTIVE_TRIAL_STEPS, MEASURE_INFLIGHT,
+from .gpu_check_bounds import judge_points, measure_drive, measure_link, record_sizes
+from .gpu_check_common import CudaBox, GpuGPT, deadline_left
+from .gpu_check_plan import (ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_SETTLE_CAP, ADAPTIVE_TRIAL_STEPS, MEASURE_INFLIGHT,
                             OVERFLOW_STAGING, measure_estimate, memory_pool_bytes, reserves)
-from gpu_check_runner import SAVE_ON_CPU, TRACE_MAX_BYTES, Runner, record_step
+from .gpu_check_runner import SAVE_ON_CPU, TRACE_MAX_BYTES, Runner, record_step
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io.pinned import pinned_cost
 from ssdtrain_megatron.telemetry.timeline import Timeline

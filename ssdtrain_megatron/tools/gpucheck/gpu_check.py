@@ -52,12 +52,12 @@ import sysconfig
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from gpu_bundle import REQUIREMENTS
-from gpu_check_plan import (DEADLINE_MARGIN_S, KILL_GRACE_S, KILL_WAIT_S, STEPS, TERM_WAIT_S, TOTAL_S, estimates,
+from .gpu_bundle import REQUIREMENTS
+from .gpu_check_plan import (DEADLINE_MARGIN_S, KILL_GRACE_S, KILL_WAIT_S, STEPS, TERM_WAIT_S, TOTAL_S, estimates,
                             measure_estimate, plan, print_plan)
-from gpu_check_targets import NOT_RUN, PASS, render, targets
+from .gpu_check_targets import NOT_RUN, PASS, render, targets
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CHILD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1", "NCCL_P2P_DISABLE": "1"}
 STEP_ENV = {"bitwise-gds-compat": {"KVIKIO_COMPAT_MODE": "ON"}}  # kvikio's own switch, read at import
 SHAPE_FLAGS = ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")
@@ -70,8 +70,8 @@ class Suite:
 
     name: str
     """How its lines start ("gpu-check: ...")."""
-    script: str
-    """The file its children run with --child."""
+    module: str
+    """The module its children run (``python -m``) with --child."""
     steps: Sequence[tuple]
     """(name, limit in seconds, the steps it needs, what it does), in order."""
     plan: Callable[[argparse.Namespace], List[dict]]
@@ -274,7 +274,7 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
     if os.path.exists(result_path):
         os.unlink(result_path)
     log_path = os.path.join(args.out, "logs", f"{name}.log")
-    cmd = [sys.executable, os.path.abspath(args.suite.script), "--child", name, "--out", args.out,
+    cmd = [sys.executable, "-m", args.suite.module, "--child", name, "--out", args.out,
            "--scratch", args.scratch] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in args.suite.child_flags]
     # The kill path inside the limit: SIGTERM at limit - KILL_GRACE_S (the child saves what it
     # has, as Terminated), SIGKILL after TERM_WAIT_S, then at most KILL_WAIT_S more; the child's
@@ -384,14 +384,13 @@ def check_header(args: argparse.Namespace) -> dict:
             "measure_shape": {k: getattr(args, k) for k in SHAPE_FLAGS}}
 
 
-CHECK = Suite("gpu-check", os.path.abspath(__file__), STEPS, plan, check_header, print_plan, targets, render,
-              SHAPE_FLAGS, "gpu_check_steps:run_step")
+CHECK = Suite("gpu-check", f"{__package__}.gpu_check", STEPS, plan, check_header, print_plan, targets, render,
+              SHAPE_FLAGS, f"{__package__}.gpu_check_steps:run_step")
 
 
 def run(args: argparse.Namespace) -> int:
     """The parent, or with --child one step in this process."""
     if args.child:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         return child(args)
     return run_parent(args)
 

@@ -162,7 +162,7 @@ class GpuGPT(MiniGPT):
             gradient_accumulation_fusion=False, persist_layer_norm=False)
         self.sdpa_backend: Optional[str] = None
         if attention == "sdpa":
-            from gpu_check_sdpa import choose_backend, sdpa_layer_spec
+            from .gpu_check_sdpa import choose_backend, sdpa_layer_spec
 
             self.sdpa_backend = sdpa_backend or choose_backend(device, torch.bfloat16, spec.heads,
                                                                spec.hidden // spec.heads)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from gpu_check_plan import (ASSUME, ASSUMED_CARD, CARDS, activation_bytes, card_check, parameters, point_plan,
+from .gpu_check_plan import (ASSUME, ASSUMED_CARD, CARDS, activation_bytes, card_check, parameters, point_plan,
                             points_estimate, print_steps)
 
 STEPS = [
