@@ -3,10 +3,10 @@
 
 The box: its own python3 (3.12) and a CUDA 13 build of torch (2.11), cupy and nvidia-cufile; no
 network. Everything else comes as wheels in ``.whl/`` (gitignored), made by ``make gpu-bundle``
-(scripts/gpu_bundle.py) where there is network. Each step runs in its own process under its own
+(gpu_bundle.py) where there is network. Each step runs in its own process under its own
 time limit (a hung step is reported, the others still run); the limits add up to at most 480 s,
 and each step's estimate (start, pinning its pools, collecting tests, its work) fits its limit
-(scripts/gpu_check_plan.py):
+(gpu_check_plan.py):
 
   env          python, torch, CUDA, the GPU, free disk (no GPU: nothing else runs)
   install      pip install --no-index --find-links .whl --prefix <out>/prefix: what the box lacks
@@ -31,7 +31,7 @@ and each step's estimate (start, pinning its pools, collecting tests, its work) 
                not at K+1; the last timed step of each point as a Chrome trace in <out>/traces
 
 A bitwise or stress step that its time limit stops before the steps it names is NOT RUN, with
-the count. It prints one row per target (scripts/gpu_check_targets.py): PASS, FAIL or NOT RUN
+the count. It prints one row per target (gpu_check_targets.py): PASS, FAIL or NOT RUN
 with the reason, and exits 0 only when every target passed. ``gpu-check.json`` (everything) and
 ``table.txt`` are rewritten in --out after every step. ``GPU_CHECK_DRY=1`` (or --dry-run) prints
 the time plan (each step's limit and estimate, their sums) and exits 1 if it does not fit.
@@ -66,7 +66,7 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "step
 @dataclasses.dataclass(frozen=True)
 class Suite:
     """A prepared run of steps, each in its own process under its own limit: gpu-check here,
-    gpu-perf in scripts/gpu_perf.py. The parent below runs either."""
+    gpu-perf in gpu_perf.py. The parent below runs either."""
 
     name: str
     """How its lines start ("gpu-check: ...")."""

@@ -1,4 +1,4 @@
-"""What the steps of `make gpu-check` share (scripts/gpu_check_steps.py, gpu_check_measure.py,
+"""What the steps of `make gpu-check` share (gpu_check_steps.py, gpu_check_measure.py,
 gpu_check_cuda.py): the model, the bit comparisons, the step deadline, and :class:`CudaBox`,
 every call a step makes to the GPU itself, in one place.
 

@@ -1,9 +1,9 @@
-"""The measure step of `make gpu-check` (scripts/gpu_check.py) and what `make gpu-perf`
-(scripts/gpu_perf.py) measures with it: peak memory, step time, the training thread's stall,
+"""The measure step of `make gpu-check` (gpu_check.py) and what `make gpu-perf`
+(gpu_perf.py) measures with it: peak memory, step time, the training thread's stall,
 tokens/s, each point's bound and its excess split by cause, on the GPU, in its own process.
 
 A point is one strategy (keep, offload with an engine, adaptive, full recompute, or torch's
-``save_on_cpu``: scripts/gpu_check_runner.py) at one micro-batch size: a warm-up step (adaptive:
+``save_on_cpu``: gpu_check_runner.py) at one micro-batch size: a warm-up step (adaptive:
 until its measured selection settled, plan/explore.py), then --steps timed steps (at least 5
 count for a target), the median and the spread kept, the last recorded as a timeline
 (ssdtrain_megatron/telemetry/timeline.py) and written as a Chrome trace. Peak memory is each
@@ -13,7 +13,7 @@ Megatron's memory layout (``GpuGPT(grad_buffers=True)``: gradients allocated onc
 Adam): the activations' part, which offload moves, not the weights, gradients and optimizer
 state, nor the optimizer's working memory.
 
-The bounds are measured in the same run (scripts/gpu_check_bounds.py): after keep, the sizes
+The bounds are measured in the same run (gpu_check_bounds.py): after keep, the sizes
 of the records; after offload (memory), the link on registered memory at those sizes; after
 offload (posix), the drive in the step's pattern. :meth:`Measure.judge` then gives every point
 its bound, the stall beyond the IO deficit, and the excess split by cause

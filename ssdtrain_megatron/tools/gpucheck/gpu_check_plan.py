@@ -1,4 +1,4 @@
-"""The time plan of `make gpu-check` (scripts/gpu_check.py): the steps, their limits, and what
+"""The time plan of `make gpu-check` (gpu_check.py): the steps, their limits, and what
 each is expected to take on the box, the pinning of its pools and the collection of its tests
 included; and the shapes and pool sizes the steps use, so that the plan and the steps cannot
 disagree. No torch here: the plan prints anywhere (`GPU_CHECK_DRY=1 make gpu-check`).
@@ -27,12 +27,12 @@ STEPS = [
     ("bitwise-gds", 30, ("imports",), "the same with gds through GPUDirect Storage (not run in compat mode)"),
     ("bitwise-gds-compat", 30, ("imports",), "the same with gds in kvikio's compat mode (KVIKIO_COMPAT_MODE=ON)"),
     ("stress", 40, ("imports",), "50 steps, delayed side compute stream, compact views: bitwise"),
-    ("cuda-tests", 40, ("install",), "the cuda tests this box can run (scripts/gpu_check_cuda.py): all pass"),
+    ("cuda-tests", 40, ("install",), "the cuda tests this box can run (gpu_check_cuda.py): all pass"),
     ("syncs", 26, ("imports",), "host syncs on the training thread, offload (memory) vs keep"),
     ("measure", 139, ("imports",), "per policy: peak activation memory, step time against its bound, stall"),
 ]
 TOTAL_S = 480  # the whole check, the parent's own work included
-# A step over its limit (scripts/gpu_check.py run_child): SIGTERM, then SIGKILL TERM_WAIT_S
+# A step over its limit (gpu_check.py run_child): SIGTERM, then SIGKILL TERM_WAIT_S
 # later, then KILL_WAIT_S at most for the process to go. The SIGTERM comes KILL_GRACE_S before
 # the limit, so the kill path ends within it; a step's estimate must fit before the SIGTERM.
 # The child's own deadline (GPU_CHECK_DEADLINE) is DEADLINE_MARGIN_S before the SIGTERM.
@@ -49,7 +49,7 @@ PARENT_S = 10  # the parent's share: starting the steps, writing the results
 # installing the bundle offline; the required cuda tests themselves (28, about half a second
 # each: their delays are 0.1-0.25 s sleeps); and what torch.cuda._sleep cycles cost (about 2 GHz).
 # ``sdpa_first_s``: a shape on SDPA attention chooses its backend (a small forward and backward
-# per backend tried: scripts/gpu_check_sdpa.py) and its first step builds the kernel's plan
+# per backend tried: gpu_check_sdpa.py) and its first step builds the kernel's plan
 # (cuDNN attention builds a graph per shape, seconds; flash compiles nothing at run time).
 ASSUME = {"drive_bps": 1.0e9, "link_bps": 10e9, "flops": 100e12, "start_s": 20.0, "torch_start_s": 10.0,
           "register_bps": 2.0e9, "collect_s": 15.0, "pip_s": 25.0, "cuda_tests_s": 15.0, "cycle_s": 0.5e-9,
@@ -75,7 +75,7 @@ BITWISE_DELAY_CYCLES, STRESS_DELAY_CYCLES = 10_000_000, 4_000_000
 BITWISE_INFLIGHT = 256 * MiB
 STRESS_INFLIGHT = 64 * MiB
 MEASURE_INFLIGHT = GiB
-LINK_BYTES = 512 * MiB  # one link measurement, each way (scripts/gpu_check_bounds.py)
+LINK_BYTES = 512 * MiB  # one link measurement, each way (gpu_check_bounds.py)
 OVERFLOW_STAGING = 64 * MiB  # the staging of an engine that copies into its own pool (memory)
 ADAPTIVE_TRIAL_STEPS, ADAPTIVE_EXPLORE_STEPS = 1, 3  # the measure step's adaptive: settles fast
 # Warm-up steps at most before its timed steps: one before anything went through the drive

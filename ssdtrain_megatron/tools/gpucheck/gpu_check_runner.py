@@ -1,4 +1,4 @@
-"""How a point of the measure step runs its steps (scripts/gpu_check_measure.py), and how the
+"""How a point of the measure step runs its steps (gpu_check_measure.py), and how the
 last timed one is recorded as a timeline (ssdtrain_megatron/telemetry/timeline.py).
 
 A strategy is either an offloader installed into megatron-core for the step (keep, offload,

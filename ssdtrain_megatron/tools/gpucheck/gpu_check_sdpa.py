@@ -1,5 +1,5 @@
 """Core attention on torch's ``scaled_dot_product_attention``, as a megatron-core layer spec: the
-compute-bound shape of `make gpu-perf` (scripts/gpu_perf_plan.py).
+compute-bound shape of `make gpu-perf` (gpu_perf_plan.py).
 
 Why: megatron-core's local spec (``DotProductAttention``) is unfused: it saves the fp32 softmax
 output and the bf16 probabilities, b x heads x seq^2 bytes that grow with the sequence squared

@@ -1,4 +1,4 @@
-"""The time plan of `make gpu-perf` (scripts/gpu_perf.py): its steps and limits, its two shapes
+"""The time plan of `make gpu-perf` (gpu_perf.py): its steps and limits, its two shapes
 and their strategies, and each point's estimate at gpu_check_plan.py's conservative rates. No
 torch here: the dry run prints anywhere (`GPU_CHECK_DRY=1 make gpu-perf`).
 
@@ -15,7 +15,7 @@ The two shapes, and why:
   TFLOP/s and a ~50 GB/s link, a layer's bytes take about 4.6x its compute to cross.
 - **compute-bound**: the SSDTrain paper's regime, where a layer's forward and backward take
   longer than its saved bytes over the link (>= 10,000 FLOP per byte at 500 TFLOP/s and 50
-  GB/s). Core attention on SDPA (scripts/gpu_check_sdpa.py: it saves what fused attention
+  GB/s). Core attention on SDPA (gpu_check_sdpa.py: it saves what fused attention
   saves), so a layer does 72 b s h^2 (1 + s/6h) FLOP over 34 b s h bytes, about 2.1 h FLOP
   per byte whatever the sequence. Hidden 6144 (48 heads of 128): about 13,400 FLOP per byte,
   compute 1.3x the link at 500 TFLOP/s and still above it at 600. Hidden 8192 (about 17,700)

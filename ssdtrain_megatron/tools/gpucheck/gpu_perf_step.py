@@ -1,6 +1,6 @@
-"""The measure step of `make gpu-perf` (scripts/gpu_perf.py): both shapes, one after the other,
-in one process (scripts/gpu_perf_plan.py says why), every strategy, through the measure step's
-code (scripts/gpu_check_measure.py). Each shape gets a share of the step's time in proportion
+"""The measure step of `make gpu-perf` (gpu_perf.py): both shapes, one after the other,
+in one process (gpu_perf_plan.py says why), every strategy, through the measure step's
+code (gpu_check_measure.py). Each shape gets a share of the step's time in proportion
 to its estimate, and its own result under ``shapes``, saved after every point; a shape that
 fails leaves the other its time. Every GPU call goes through a ``CudaBox``, which the CPU test
 replaces with stand-ins (tests/test_gpu_perf.py)."""
