@@ -32,7 +32,6 @@ prints the time plan (each step's and each point's estimate) and exits 1 if it d
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
