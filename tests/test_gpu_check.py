@@ -1,5 +1,5 @@
 """`make gpu-check` (scripts/gpu_check.sh, gpu_check.py, gpu_check_targets.py) and `make gpu-bundle`
-(scripts/gpu_bundle.py) on a machine without a GPU: the time plan, the table that has a row for
+(ssdtrain_megatron/tools/gpucheck/gpu_bundle.py) on a machine without a GPU: the time plan, the table that has a row for
 every target every time, the exit status that is 0 only when every target passed, the offline
 install and the bundle's completeness proof. The GPU steps themselves run only on a GPU box."""
 
@@ -16,15 +16,14 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import gpu_bundle  # noqa: E402
-import gpu_check  # noqa: E402
-import gpu_check_cuda  # noqa: E402
-import gpu_check_measure  # noqa: E402,F401 - imports cleanly (its step runs on a GPU only)
-import gpu_check_plan  # noqa: E402
-import gpu_check_targets  # noqa: E402
-from gpu_check_bounds import judge_points  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_bundle  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_cuda  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_measure  # noqa: E402,F401 - imports cleanly (its step runs on a GPU only)
+from ssdtrain_megatron.tools.gpucheck import gpu_check_plan  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_targets  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck.gpu_check_bounds import judge_points  # noqa: E402
 
 TARGET_NAMES = [t[0] for t in gpu_check_targets.TARGETS]
 
@@ -110,16 +109,17 @@ def test_dry_run_fails_when_the_plan_does_not_fit(tmp_path, argv):
 
 
 def test_the_check_scripts_import_one_way():
-    """No circle among scripts/gpu_check*.py, imports inside functions included (before issue
+    """No circle among gpucheck/gpu_*.py, imports inside functions included (before issue
     38: gpu_check_measure imported gpu_check_steps' helpers, and gpu_check_steps the measure
     step: "gpu_check_measure -> gpu_check_steps -> gpu_check_measure")."""
-    folder = os.path.join(ROOT, "scripts")
+    folder = os.path.join(ROOT, "ssdtrain_megatron", "tools", "gpucheck")
     mods = {f[:-3] for f in os.listdir(folder) if f.startswith("gpu_") and f.endswith(".py")}
     edges = {}
     for m in mods:
         tree = ast.parse(open(os.path.join(folder, m + ".py")).read())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.module for a in n.names}
         edges[m] = sorted(names & mods)
 
     def visit(m, path):
@@ -176,8 +176,8 @@ def test_bitwise_comparison_of_the_script_on_megatron_bf16(tmp_path, monkeypatch
 
     import torch
 
-    import gpu_check_common
-    import gpu_check_steps as steps
+    from ssdtrain_megatron.tools.gpucheck import gpu_check_common
+    from ssdtrain_megatron.tools.gpucheck import gpu_check_steps as steps
     from ssdtrain_megatron import ActivationOffloader
     from ssdtrain_megatron.cache.record import State
     from ssdtrain_megatron.cache.transfers import Transfers
@@ -409,7 +409,7 @@ def test_the_ram_guard_counts_the_staging_pool_and_what_pinning_really_locks(tmp
     from ssdtrain_megatron import OffloadConfig
 
     m = gpu_check_measure.Measure.__new__(gpu_check_measure.Measure)
-    m.registers, m.host_ram, m.per_sample, m.until = registers, 64 << 30, None, None
+    m.registers, m.host_ram, m.per_sample, m.until, m.estimates = registers, 64 << 30, None, None, {}
     m.base_cfg = OffloadConfig(dirs=[str(tmp_path)], engine="posix")
     m.args = gpu_check.parse_args(["--out", str(tmp_path)])
     os.makedirs(m.args.scratch, exist_ok=True)
@@ -576,7 +576,7 @@ def test_stall_probe_times_the_training_threads_waits_on_the_offloader(tmp_path,
 def test_imports_step_reports_megatron_and_kvikio_as_the_targets_read_them():
     """The imports step run here: megatron-core 0.16.1 imports (the shared venv has it), kvikio
     does not (no CUDA): the megatron row passes, the kvikio row fails naming the import."""
-    import gpu_check_steps as steps
+    from ssdtrain_megatron.tools.gpucheck import gpu_check_steps as steps
 
     result = steps.step_imports(None, lambda r: None)
     rows = {r["target"]: r for r in gpu_check_targets.targets({"imports": result})}

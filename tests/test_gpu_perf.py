@@ -1,4 +1,4 @@
-"""`make gpu-perf` (scripts/gpu_perf*.py) on a machine without a GPU: the compute-bound shape's
+"""`make gpu-perf` (ssdtrain_megatron/tools/gpucheck/gpu_perf*.py) on a machine without a GPU: the compute-bound shape's
 SDPA core attention against megatron-core's own, the time plan, the measure step with both
 shapes and torch's save_on_cpu through the CPU stand-in, the model's prediction, the targets.
 What only a GPU shows (real asynchrony, the rates, the memory figures) is the GPU run's."""
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime  # noqa: E402
 
@@ -42,7 +41,7 @@ def test_sdpa_core_attention_matches_megatrons_local_attention(runtime, mask_typ
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from gpu_check_sdpa import SDPAttention
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_sdpa import SDPAttention
 
     cfg = _config(groups)
     kind = AttnMaskType.causal if mask_type == "causal" else AttnMaskType.padding
@@ -66,8 +65,8 @@ def test_the_sdpa_gpt_saves_no_seq_squared_tensor(runtime):
     """What the compute-bound shape is for: the local spec saves the softmax and the
     probabilities (b x heads x seq^2 each); with SDPA the largest saved tensor is linear in
     seq, and the step saves less. Gradients flow (the step trains)."""
-    from gpu_check_bounds import record_sizes
-    from gpu_check_common import GpuGPT
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_bounds import record_sizes
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_common import GpuGPT
 
     spec = GPTSpec(layers=2, hidden=64, heads=4, seq=128, vocab=128, micro_batch=2, num_microbatches=1)
     square = spec.micro_batch * spec.heads * spec.seq ** 2 * 2  # bf16 probabilities of one layer
@@ -81,16 +80,38 @@ def test_the_sdpa_gpt_saves_no_seq_squared_tensor(runtime):
         GpuGPT(spec, runtime.device, attention="flash")
 
 
+def test_the_sdpa_backend_is_chosen_in_order_named_and_every_forward_runs_under_it(runtime):
+    """choose_backend keeps the first of its order that runs here (flash on this CPU, as on an
+    H100 or H200; the memory-efficient kernel has no CPU version, so the next is taken), the
+    model names it, and its forwards run under that backend alone: one this device lacks
+    fails the step instead of torch quietly choosing another."""
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_common import GpuGPT
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_sdpa import choose_backend
+
+    assert choose_backend(runtime.device, torch.bfloat16, 4, 16) == "FLASH_ATTENTION"
+    assert choose_backend(runtime.device, torch.bfloat16, 4, 16, ("EFFICIENT_ATTENTION", "MATH")) == "MATH"
+    with pytest.raises(RuntimeError, match="no SDPA backend runs here: EFFICIENT_ATTENTION: "):
+        choose_backend(runtime.device, torch.bfloat16, 4, 16, ("EFFICIENT_ATTENTION",))
+    spec = GPTSpec(layers=1, hidden=64, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1)
+    assert GpuGPT(spec, runtime.device, attention="sdpa").sdpa_backend == "FLASH_ATTENTION"
+    assert GpuGPT(spec, runtime.device).sdpa_backend is None
+    pinned = GpuGPT(spec, runtime.device, attention="sdpa", sdpa_backend="EFFICIENT_ATTENTION")
+    with pytest.raises(RuntimeError, match="No viable backend"):
+        pinned.step()
+    with pytest.raises(ValueError, match="backend='flash': expected one of FLASH_ATTENTION"):
+        GpuGPT(spec, runtime.device, attention="sdpa", sdpa_backend="flash")
+
+
 # -- the plan, the flags, the parent ---------------------------------------------------------
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
 
-import gpu_check_measure  # noqa: E402
-import gpu_perf  # noqa: E402
-import gpu_perf_plan  # noqa: E402
-import gpu_perf_step  # noqa: E402
-import gpu_perf_targets  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_measure  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_perf  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_perf_plan  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_perf_step  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_perf_targets  # noqa: E402
 
 TARGETS = [t[0] for t in gpu_perf_targets.TARGETS]
 
@@ -132,7 +153,7 @@ def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
 def test_the_two_shapes_sit_on_either_side_of_the_papers_regime():
     """A layer's compute against its bytes over the link at 500 TFLOP/s and 50 GB/s: >= 10,000
     FLOP per saved byte is the paper's (compute-bound) regime."""
-    from gpu_check_plan import parameters
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_plan import parameters
 
     io, compute = (gpu_perf_plan.flop_per_saved_byte(gpu_perf_plan.SHAPES[n]) for n in ("io-bound", "compute-bound"))
     assert io < 10_000 <= compute
@@ -206,7 +227,7 @@ def test_the_floor_at_the_boxs_rates_takes_keeps_layers_and_the_engines_read_rat
 
 @pytest.mark.parametrize("argv", [["--total-s", "150"], ["--steps", "20"]], ids=["limits-over-the-total", "too-many-steps"])
 def test_dry_run_fails_when_the_plan_does_not_fit(tmp_path, argv):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_perf.py"), "--dry-run", "--out",
+    proc = subprocess.run([sys.executable, "-m", "ssdtrain_megatron.tools.gpucheck.gpu_perf", "--dry-run", "--out",
                            str(tmp_path / "res")] + argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "the plan does NOT fit" in proc.stdout
@@ -215,7 +236,7 @@ def test_dry_run_fails_when_the_plan_does_not_fit(tmp_path, argv):
 @pytest.mark.parametrize("argv, message", [(["--only", "perf-gpu"], "--only: unknown step(s) perf-gpu"),
                                            (["--steps", "0"], "argument --steps: 0 must be >= 1")])
 def test_bad_flags_fail_in_one_line_before_anything_runs(tmp_path, argv, message):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_perf.py"), "--out",
+    proc = subprocess.run([sys.executable, "-m", "ssdtrain_megatron.tools.gpucheck.gpu_perf", "--out",
                            str(tmp_path / "res")] + argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "res").exists()
@@ -234,10 +255,14 @@ def test_make_gpu_perf_without_the_bundle_lists_every_target_not_run_and_fails(t
 
 
 def test_the_parent_imports_nothing_of_the_package_and_shares_its_figures():
-    """The box's bare python runs the parent: no torch, no package; the figures its labels
-    quote are the package's."""
-    code = ("import sys; sys.path.insert(0, 'scripts'); import gpu_perf; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ssdtrain_megatron')); "
+    """The box's bare python runs the parent: no torch, and of the package only what needs
+    nothing beyond the standard library (its ``__init__``, config, the gpucheck folder); the
+    figures its labels quote are the package's."""
+    code = ("import sys; from ssdtrain_megatron.tools.gpucheck import gpu_perf; "
+            "ok = ('ssdtrain_megatron', 'ssdtrain_megatron.config', 'ssdtrain_megatron.config_checks', "
+            "'ssdtrain_megatron.sizes', 'ssdtrain_megatron.tools', 'ssdtrain_megatron.tools.gpucheck'); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.split('.')[0] == "
+            "'ssdtrain_megatron' and m not in ok and not m.startswith('ssdtrain_megatron.tools.gpucheck.')); "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -274,8 +299,8 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
     FAIL: the numbers of a CPU mean nothing)."""
     import gc
 
-    import gpu_check_sdpa
-    from gpu_check_plan import OVERFLOW_STAGING
+    from ssdtrain_megatron.tools.gpucheck import gpu_check_sdpa
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_plan import OVERFLOW_STAGING
     from tests.test_gpu_check_steps import StandInBox, _check_ordering
     from tests.test_timeline import _well_formed
 
@@ -326,6 +351,9 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
         assert model["floors"]["memory"]["read_gbps"] == pytest.approx(link["h2d"] / 1e9)
     assert used["save_on_cpu"] and all(kw == {"pin_memory": True} for kw in used["save_on_cpu"])
     assert used["sdpa"] > 0  # the compute-bound shape's attention
+    cb, io = result["shapes"]["compute-bound"], result["shapes"]["io-bound"]
+    assert cb["attention_backend"] == "FLASH_ATTENTION" and cb["attention_first_step_s"] > 0
+    assert io["attention_backend"] is None and "attention_first_step_s" not in io
     gc.collect()
     assert _check_ordering(box) >= 6
     steps = {"perf": result}
@@ -382,8 +410,8 @@ def test_the_peak_is_what_forward_and_backward_add_above_the_steps_start(runtime
     as the optimizer starts (its working memory is not the activations'), each step's own; the
     cache is emptied after the warm-up, before the first timed step. Before issue 50 the
     baseline was taken after the step and the peak ran through the optimizer."""
-    from gpu_check_common import GpuGPT
-    from gpu_check_runner import Runner
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_common import GpuGPT
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_runner import Runner
     from tests.test_gpu_check_steps import StandInBox
 
     spec = GPTSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1)
@@ -405,7 +433,7 @@ def test_the_peak_is_what_forward_and_backward_add_above_the_steps_start(runtime
 
 
 def test_the_planner_takes_each_layers_forward_from_the_compute_stream():
-    from gpu_perf_model import with_gpu_forward
+    from ssdtrain_megatron.tools.gpucheck.gpu_perf_model import with_gpu_forward
     from ssdtrain_megatron.telemetry.stats import LayerStats, StepStats
 
     rows = tuple(LayerStats(layer=str(i), bytes=1 << 20, bytes_offloaded=0, tensors=3, decision="keep", io_wait_s=0,
@@ -435,7 +463,7 @@ def _perf_steps():
     weights (1 B parameters: 2 GB of bf16 each way) and the 1 GB keep records cross the
     50 GB/s link both ways in 80 and 40 ms; recompute 1.33x keep's step at 0.1x its peak.
     The shapes are the plan's; the model measured no floors (the rows use the nominal ones)."""
-    from gpu_check_bounds import judge_points
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_bounds import judge_points
     from tests.test_gpu_check import RATES, _point
 
     io = {"status": "pass", "micro_batch": 1, "rates": RATES, "points": [
@@ -462,7 +490,7 @@ def _perf_steps():
 
 
 def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
-    from gpu_check_bounds import judge_points
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_bounds import judge_points
     from tests.test_gpu_check import RATES
 
     steps = _perf_steps()

@@ -16,7 +16,7 @@ Why these formulas (docs/gpu-check.md, "Judge fairly"):
 
 The rates are the box's own, measured in the same run in the step's own pattern (the pool's
 registered memory at the records' sizes; the engine writing and reading its slab):
-scripts/gpu_check_bounds.py. Pure: no torch.
+ssdtrain_megatron/tools/gpucheck/gpu_check_bounds.py. Pure: no torch.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Sequence
 
-from gpu_perf_plan import READAHEAD_CAP, peak_floor
+from .gpu_perf_plan import READAHEAD_CAP, peak_floor
 from ssdtrain_megatron.plan.readahead import BACKWARD_PER_FORWARD
 from ssdtrain_megatron.tools.bench.predict import adaptive_rows, as_run, measurements, predict
 

@@ -1,7 +1,7 @@
-"""The targets of `make gpu-perf` (scripts/gpu_perf.py) and the table it prints.
+"""The targets of `make gpu-perf` (ssdtrain_megatron/tools/gpucheck/gpu_perf.py) and the table it prints.
 
 Every target has a row every time: PASS, FAIL, or NOT RUN with the reason, judged as gpu-check
-judges (scripts/gpu_check_targets.py: a point needs 5 timed steps; bounds, stall beyond the IO
+judges (ssdtrain_megatron/tools/gpucheck/gpu_check_targets.py: a point needs 5 timed steps; bounds, stall beyond the IO
 deficit and the activation peak from the step's start), at the limits of issue 50:
 
 - IO-bound shape: each engine within 1.10x of its bound, the stall beyond the IO deficit within
@@ -28,11 +28,11 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
-from gpu_check_targets import (Verdict, _keep_and_offload, _not_run_why, _overlap, _peak, _point, _stall,
+from .gpu_check_targets import (Verdict, _keep_and_offload, _not_run_why, _overlap, _peak, _point, _stall,
                                bound_verdict, peak_verdict, render_points)
-from gpu_check_targets import render as check_render
-from gpu_check_targets import targets as check_targets
-from gpu_perf_plan import PEAK_MAX, floor_text, nominal_floors
+from .gpu_check_targets import render as check_render
+from .gpu_check_targets import targets as check_targets
+from .gpu_perf_plan import PEAK_MAX, floor_text, nominal_floors
 
 IO_BOUND_MAX, COMPUTE_MEMORY_MAX, COMPUTE_POSIX_MAX = 1.10, 1.03, 1.05
 IO_PEAK_MAX, COMPUTE_PEAK_MAX = PEAK_MAX["io-bound"], PEAK_MAX["compute-bound"]
@@ -40,7 +40,7 @@ VS_SAVE_ON_CPU_MAX = 0.7
 OURS = ("offload-memory", "offload-posix", "adaptive")
 # The parent process imports nothing of the package (the box's bare python runs it): these are
 # the package's own figures, and tests/test_gpu_perf.py checks that they agree.
-MODEL_MAX = 0.10  # scripts/gpu_perf_model.py
+MODEL_MAX = 0.10  # ssdtrain_megatron/tools/gpucheck/gpu_perf_model.py
 TYPICAL = 0.10  # ssdtrain_megatron/telemetry/breakdown.py: what its ``typical`` judged
 UNEXPLAINED_MAX = 0.20  # ssdtrain_megatron/telemetry/breakdown.py: what its ``explained`` judged
 

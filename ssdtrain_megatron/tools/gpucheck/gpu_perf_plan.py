@@ -1,4 +1,4 @@
-"""The time plan of `make gpu-perf` (scripts/gpu_perf.py): its steps and limits, its two shapes
+"""The time plan of `make gpu-perf` (gpu_perf.py): its steps and limits, its two shapes
 and their strategies, and each point's estimate at gpu_check_plan.py's conservative rates. No
 torch here: the dry run prints anywhere (`GPU_CHECK_DRY=1 make gpu-perf`).
 
@@ -15,7 +15,7 @@ The two shapes, and why:
   TFLOP/s and a ~50 GB/s link, a layer's bytes take about 4.6x its compute to cross.
 - **compute-bound**: the SSDTrain paper's regime, where a layer's forward and backward take
   longer than its saved bytes over the link (>= 10,000 FLOP per byte at 500 TFLOP/s and 50
-  GB/s). Core attention on SDPA (scripts/gpu_check_sdpa.py: it saves what fused attention
+  GB/s). Core attention on SDPA (gpu_check_sdpa.py: it saves what fused attention
   saves), so a layer does 72 b s h^2 (1 + s/6h) FLOP over 34 b s h bytes, about 2.1 h FLOP
   per byte whatever the sequence. Hidden 6144 (48 heads of 128): about 13,100 FLOP per byte,
   compute 1.3x the link at 500 TFLOP/s and still above it at 600. 16 layers, so that the
@@ -39,12 +39,12 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
-from gpu_check_plan import (ASSUME, MEASURE_INFLIGHT, activation_bytes, parameters, point_plan, points_estimate,
-                            print_steps)
+from .gpu_check_plan import (ASSUME, ASSUMED_CARD, CARDS, MEASURE_INFLIGHT, activation_bytes, card_check, parameters,
+                             point_plan, points_estimate, print_steps)
 
 STEPS = [
-    ("install", 35, (), "pip install --no-index the bundle (.whl) into <out>/prefix"),
-    ("perf", 140, ("install",), "both shapes, every strategy: bounds, timelines, breakdowns, the model"),
+    ("install", 29, (), "pip install --no-index the bundle (.whl) into <out>/prefix"),
+    ("perf", 146, ("install",), "both shapes, every strategy: bounds, timelines, breakdowns, the model"),
 ]
 TOTAL_S = 180  # the whole run, set-up included
 PARENT_S = 5
@@ -64,7 +64,7 @@ NOMINAL = {"flops": 500e12, "link_bps": 50e9, "drive_bps": 2e9}
 time estimates use ASSUME's, lower)."""
 
 PEAK_MAX = {"io-bound": 0.7, "compute-bound": 0.35}
-"""The activation-peak targets, offload over keep (scripts/gpu_perf_targets.py judges them):
+"""The activation-peak targets, offload over keep (ssdtrain_megatron/tools/gpucheck/gpu_perf_targets.py judges them):
 each above its shape's floor (:func:`peak_floor`) with margin. IO-bound: reads are far slower
 than backward, so the read-ahead window is the byte cap's (1 GiB, about 3.5 of its 8 layers of
 310 MB): a floor of about 0.56 (the first GPU run measured 0.59-0.63), and 0.7 leaves the
@@ -194,4 +194,13 @@ def print_plan(args, steps: List[dict], say) -> bool:
     notes.append(f"at drive {ASSUME['drive_bps'] / 1e9:g} GB/s, link {ASSUME['link_bps'] / 1e9:g} GB/s, "
                  f"{ASSUME['flops'] / 1e12:g} TFLOP/s, registration {ASSUME['register_bps'] / 1e9:g} GB/s, "
                  f"{ASSUME['start_s']:g}s to start a step; {args.steps} timed steps a point")
-    return print_steps(args, steps, say, estimates(args), PARENT_S, notes)
+    cards = None
+    if any(s["step"] == "perf" for s in steps):
+        cards = card_check({name: (shape, shape["micro_batch"], max(p["pinned"] for p in points(name, args.steps)))
+                            for name, shape in SHAPES.items()})
+    return print_steps(args, steps, say, estimates(args), PARENT_S, notes, cards)
+
+
+def cards_header() -> dict:
+    """What the results' header says of the cards: which the plan assumed, and each card's memory."""
+    return {"card_assumed": ASSUMED_CARD, "cards": CARDS}

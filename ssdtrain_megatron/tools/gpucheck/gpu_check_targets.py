@@ -1,4 +1,4 @@
-"""The targets of `make gpu-check` (scripts/gpu_check.py) and the table it prints.
+"""The targets of `make gpu-check` (gpu_check.py) and the table it prints.
 
 Every target has a row every time: PASS, FAIL, or NOT RUN with the reason (the step it needs was
 not run, timed out, failed with an error, or skipped a point for lack of disk or time). The check
@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
 STALL_MAX = 0.02  # the training thread's wait for the offloader beyond the IO deficit, of step time
 PEAK_MAX = 0.5  # the activations' part of peak reserved memory, offload over keep
-OVERLAP_MAX = 1.05  # offload's step time over its bound (scripts/gpu_check_bounds.py)
+OVERLAP_MAX = 1.05  # offload's step time over its bound (gpu_check_bounds.py)
 MIN_TIMED_STEPS = 5  # a point judged on fewer timed steps is not judged
 Verdict = Tuple[Optional[bool], str]  # (True/False, detail) or (None, why not run)
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from gpu_check_plan import LINK_BYTES
+from .gpu_check_plan import LINK_BYTES
 from ssdtrain_megatron import OffloadConfig
 from ssdtrain_megatron.io.layout import align_up
 from ssdtrain_megatron.io.memory import POOL_ALIGN
