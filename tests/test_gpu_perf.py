@@ -1,7 +1,8 @@
-"""`make gpu-perf` (ssdtrain_megatron/tools/gpucheck/gpu_perf*.py) on a machine without a GPU: the compute-bound shape's
-SDPA core attention against megatron-core's own, the time plan, the measure step with both
-shapes and torch's save_on_cpu through the CPU stand-in, the model's prediction, the targets.
-What only a GPU shows (real asynchrony, the rates, the memory figures) is the GPU run's."""
+"""`make gpu-perf` (ssdtrain_megatron/tools/gpucheck/gpu_perf*.py) on a machine without a GPU:
+the time plan, the measure step with both shapes and torch's save_on_cpu through the CPU
+stand-in, the model's prediction, the targets (the compute-bound shape's SDPA attention:
+tests/test_gpu_sdpa.py). What only a GPU shows (real asynchrony, the rates, the memory figures)
+is the GPU run's."""
 
 from __future__ import annotations
 
@@ -25,84 +26,6 @@ def runtime():
         yield rt
 
 
-def _config(groups=None, **kw):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=groups,
-                             attention_dropout=0.0, hidden_dropout=0.0, masked_softmax_fusion=False, **kw)
-
-
-@pytest.mark.parametrize("mask_type, groups", [("causal", None), ("padding", None), ("causal", 2)],
-                         ids=["causal", "padding-mask", "grouped-query"])
-def test_sdpa_core_attention_matches_megatrons_local_attention(runtime, mask_type, groups):
-    """The same query, key, value and mask through megatron-core's DotProductAttention (the
-    local spec's) and SDPAttention: the same output, [s, b, hidden]. Padding: a boolean mask
-    that is True where attention is not allowed, as megatron passes it."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from ssdtrain_megatron.tools.gpucheck.gpu_check_sdpa import SDPAttention
-
-    cfg = _config(groups)
-    kind = AttnMaskType.causal if mask_type == "causal" else AttnMaskType.padding
-    s, b, d = 16, 2, cfg.kv_channels
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(s, b, 4, d, generator=g)
-    k, v = (torch.randn(s, b, groups or 4, d, generator=g) for _ in range(2))
-    if mask_type == "causal":
-        mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
-    else:
-        mask = torch.zeros(b, 1, s, s, dtype=torch.bool)
-        mask[0, :, :, 11:] = True  # the first sample's last five tokens are padding
-    args = dict(config=cfg, layer_number=1, attn_mask_type=kind, attention_type="self")
-    want = DotProductAttention(**args)(q, k, v, mask)
-    got = SDPAttention(**args)(q, k, v, mask)
-    assert got.shape == want.shape == (s, b, 4 * d)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_the_sdpa_gpt_saves_no_seq_squared_tensor(runtime):
-    """What the compute-bound shape is for: the local spec saves the softmax and the
-    probabilities (b x heads x seq^2 each); with SDPA the largest saved tensor is linear in
-    seq, and the step saves less. Gradients flow (the step trains)."""
-    from ssdtrain_megatron.tools.gpucheck.gpu_check_bounds import record_sizes
-    from ssdtrain_megatron.tools.gpucheck.gpu_check_common import GpuGPT
-
-    spec = GPTSpec(layers=2, hidden=64, heads=4, seq=128, vocab=128, micro_batch=2, num_microbatches=1)
-    square = spec.micro_batch * spec.heads * spec.seq ** 2 * 2  # bf16 probabilities of one layer
-    local = GpuGPT(spec, runtime.device, attention="local")
-    sdpa = GpuGPT(spec, runtime.device, attention="sdpa")
-    local_sizes, sdpa_sizes = record_sizes(local, 1024), record_sizes(sdpa, 1024)
-    assert max(local_sizes) >= square > max(sdpa_sizes)
-    assert sum(sdpa_sizes) < sum(local_sizes) - 2 * spec.layers * square
-    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in sdpa.params)
-    with pytest.raises(ValueError, match="attention='flash': expected 'local' or 'sdpa'"):
-        GpuGPT(spec, runtime.device, attention="flash")
-
-
-def test_the_sdpa_backend_is_chosen_in_order_named_and_every_forward_runs_under_it(runtime):
-    """choose_backend keeps the first of its order that runs here (flash on this CPU, as on an
-    H100 or H200; the memory-efficient kernel has no CPU version, so the next is taken), the
-    model names it, and its forwards run under that backend alone: one this device lacks
-    fails the step instead of torch quietly choosing another."""
-    from ssdtrain_megatron.tools.gpucheck.gpu_check_common import GpuGPT
-    from ssdtrain_megatron.tools.gpucheck.gpu_check_sdpa import choose_backend
-
-    assert choose_backend(runtime.device, torch.bfloat16, 4, 16) == "FLASH_ATTENTION"
-    assert choose_backend(runtime.device, torch.bfloat16, 4, 16, ("EFFICIENT_ATTENTION", "MATH")) == "MATH"
-    with pytest.raises(RuntimeError, match="no SDPA backend runs here: EFFICIENT_ATTENTION: "):
-        choose_backend(runtime.device, torch.bfloat16, 4, 16, ("EFFICIENT_ATTENTION",))
-    spec = GPTSpec(layers=1, hidden=64, heads=4, seq=32, vocab=128, micro_batch=1, num_microbatches=1)
-    assert GpuGPT(spec, runtime.device, attention="sdpa").sdpa_backend == "FLASH_ATTENTION"
-    assert GpuGPT(spec, runtime.device).sdpa_backend is None
-    pinned = GpuGPT(spec, runtime.device, attention="sdpa", sdpa_backend="EFFICIENT_ATTENTION")
-    with pytest.raises(RuntimeError, match="No viable backend"):
-        pinned.step()
-    with pytest.raises(ValueError, match="backend='flash': expected one of FLASH_ATTENTION"):
-        GpuGPT(spec, runtime.device, attention="sdpa", sdpa_backend="flash")
-
-
-# -- the plan, the flags, the parent ---------------------------------------------------------
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -192,7 +115,7 @@ def test_each_shape_can_reach_its_peak_target_with_margin_on_an_h100():
     0.35 target), the IO-bound one's byte-capped floor sits 0.1 under its 0.7; the
     compute-bound shape's weights, gradients and Adam state and its activations fit an H100's
     80 GB with room to spare."""
-    from gpu_check_plan import activation_bytes, parameters
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_plan import activation_bytes, parameters
 
     for name, shape in gpu_perf_plan.SHAPES.items():
         floor = gpu_perf_plan.nominal_floors(shape)["memory"]["floor"]
@@ -208,7 +131,7 @@ def test_the_floor_at_the_boxs_rates_takes_keeps_layers_and_the_engines_read_rat
     """8 layers of 200 MB, a forward of 1 ms on the compute stream (backward 2 ms): at 25 GB/s
     a read takes 8 ms, 5 layers ahead by time: (1 + 5) / 8. The drive at 1 GB/s would want all
     7, the 1 GiB cap holds 5.4."""
-    from gpu_perf_model import floors
+    from ssdtrain_megatron.tools.gpucheck.gpu_perf_model import floors
     from ssdtrain_megatron.telemetry.stats import LayerStats, StepStats
 
     rows = tuple(LayerStats(layer=str(i), bytes=200_000_000, bytes_offloaded=0, tensors=3, decision="keep",
