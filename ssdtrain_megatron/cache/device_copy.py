@@ -42,9 +42,17 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   prefetch with an *allocation event* the engine waits for before cuFile writes into it, and
   the read's completion is observed by the host before the consumer is launched (a compact
   record's scatter runs on the reload stream, ordered before the consumer by the ready event).
-- Events come from a pool (``_event``): an event goes back when nothing will wait on its last
-  record point again (CUDA orders a wait by the record point at the time of the wait; a
-  re-recorded event only makes a later ``query`` more conservative).
+- Events come from a pool (``_event``; the newest freed is handed out first). An event that
+  only orders streams or threads (a producer event, a write's copy event once it landed) goes
+  back when nothing will wait on its last record point again: CUDA orders a wait by the record
+  point at the time of the wait. An event that *fences a buffer* (a read's ready event: a
+  staging block, a memory-engine extent, the engine's read meter hold it and ``query`` it
+  later) goes back only once the host saw it complete (``_retire``): until then it may be the
+  only thing that orders the buffer's reuse after the copy out of it, and re-recorded on
+  another stream (the next producer event, on the compute stream) it would answer done for
+  that stream's point instead, which orders nothing on the reload stream unless every
+  consumer happened to run on the compute stream. Once its point has passed, a re-record
+  only makes the holders' later ``query`` more conservative.
 
 ``ops`` (a :class:`StreamOps`) is how this module reaches streams, events and copies:
 :class:`CudaStreams` on a GPU; tests pass a recording stand-in that logs every record, wait,
@@ -55,7 +63,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -120,6 +129,7 @@ class DeviceCopy:
         self.pool = None if direct else StagingPool(staging_bytes, self.ops)
         self.timeline = None  # telemetry/timeline.py, while a step is recorded (the offloader sets it)
         self._events: List[Any] = []  # free events (module docstring)
+        self._fencing: Deque[Any] = deque()  # retired events that may still fence a buffer
         self._batch: Optional[_Batch] = None
         self._warned = False
         self._closed = False
@@ -127,11 +137,26 @@ class DeviceCopy:
     # -- events -----------------------------------------------------------------------------
 
     def _event(self) -> Any:
-        return self._events.pop() if self._events else self.ops.new_event()
+        if self._events:
+            return self._events.pop()
+        # The oldest retired fence, once the host sees it complete: its record point passed,
+        # so every buffer fenced with it may be reused, and a new record point cannot make a
+        # holder's later ``query`` answer done too early (module docstring).
+        fencing = self._fencing
+        if fencing and fencing[0].query():
+            return fencing.popleft()
+        return self.ops.new_event()
 
     def _recycle(self, event: Any) -> None:
+        """An event that fences no buffer (module docstring) goes back to the pool now."""
         if event is not None:
             self._events.append(event)
+
+    def _retire(self, event: Any) -> None:
+        """An event that may fence a buffer goes back only once ``query`` answers done
+        (``_event``): a staging block or pool extent given back with it may still be pending."""
+        if event is not None:
+            self._fencing.append(event)
 
     # -- offload ----------------------------------------------------------------------------
 
@@ -354,13 +379,23 @@ class DeviceCopy:
             ops.record_stream(out, current)
 
     def forget(self, xfer: Optional[Transfer]) -> None:
-        """A record is released: its read's events go back to the pool (no consumer will wait
-        on them again; a staging block or pool extent fenced by one only waits longer)."""
+        """A record is released: no consumer will wait on its read's events again, but a
+        staging block or pool extent given back with its ready event may still be fenced by
+        it, so the events are retired, reused only once they answered done (``_retire``)."""
         if xfer is None:
             return
-        self._recycle(xfer.ready_event)
-        self._recycle(xfer.alloc_event)
+        self._retire(xfer.ready_event)
+        self._retire(xfer.alloc_event)
         xfer.ready_event = xfer.alloc_event = None
+
+    def synchronize(self) -> None:
+        """Wait until every copy queued so far on the offload and reload streams has run (close,
+        not the hot path, may wait): before an engine whose pinned pool those copies use is
+        closed, and before the staging pool goes (:meth:`close`)."""
+        for stream in (self.offload_stream, self.reload_stream):
+            done = self.ops.new_event()
+            done.record(stream)
+            done.synchronize()
 
     def close(self) -> None:
         """Wait until every copy ever queued on the offload and reload streams has run, then
@@ -370,10 +405,7 @@ class DeviceCopy:
         if self._closed:
             return
         self._closed = True
-        for stream in (self.offload_stream, self.reload_stream):
-            done = self.ops.new_event()
-            done.record(stream)
-            done.synchronize()
+        self.synchronize()
         if self.pool is not None:
             self.pool.close()
 
