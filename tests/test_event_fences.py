@@ -82,7 +82,8 @@ def _reference(n: int = 3):
 def _side_stream_scene(tmp_path, engine: str, **kw):
     """Three micro-batches; the first one's backward consumes on a side stream, so nothing on
     the compute stream waits for its reads; the second one's writes then want the blocks or
-    extents those reads came out of, before the host saw any reload finish; the third's after.
+    extents those reads came out of, before the host saw any reload finish; its reads and the
+    third's writes after.
     Returns (recorder, offloader, engine, grads)."""
     config = OffloadConfig(dirs=[str(tmp_path)], engine=engine, min_tensor_bytes=0, keep_last_layers=0,
                            prefetch_layers=LAYERS, chunk_bytes=64 * 1024, max_inflight_bytes=1 << 20,
@@ -102,11 +103,12 @@ def _side_stream_scene(tmp_path, engine: str, **kw):
     off.poll()  # the first micro-batch's records are released
     x, loss = _forward(off, rec, 1)
     off.wait_writes()
+    # The GPU catches up (the host sees the reloads finish): the second micro-batch's reads
+    # and the third's writes reuse the first one's blocks or extents, ordered by the fences'
+    # first record points.
+    rec.unobserved.discard(off.copy.reload_stream.name)
     loss.backward()
     grads.append(x.grad)
-    # The GPU catches up (the host sees the reloads finish): the third micro-batch reuses the
-    # first one's blocks or extents, ordered by the fences' first record points.
-    rec.unobserved.discard(off.copy.reload_stream.name)
     x, loss = _forward(off, rec, 2)
     off.wait_writes()
     loss.backward()
@@ -150,7 +152,7 @@ def test_close_synchronises_the_streams_before_the_engine_lets_its_pool_go(tmp_p
     """Even with a fence re-recorded before its copy ran (the events recycled as before the
     fix), every copy into or out of the memory engine's pool is ordered before the engine's
     close returned: ``close()`` waits for the streams first, not only for the fences."""
-    monkeypatch.setattr(DeviceCopy, "_retire", DeviceCopy._recycle)
+    monkeypatch.setattr(DeviceCopy, "_retire", lambda self, xfer: self._recycle(xfer.ready_event))
     config = OffloadConfig(dirs=[str(tmp_path)], engine="memory", min_tensor_bytes=0, keep_last_layers=0,
                            prefetch_layers=LAYERS, chunk_bytes=64 * 1024, max_inflight_bytes=1 << 20,
                            host_memory_bytes=4 * LAYERS * NBYTES)

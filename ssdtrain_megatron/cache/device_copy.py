@@ -63,8 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
-from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -82,7 +81,7 @@ class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
     __slots__ = ("block", "pooled", "copy_event", "landed", "source", "produced", "packed",
-                 "alloc_event", "ready_event")
+                 "alloc_event", "ready_event", "ready_seq")
 
     def __init__(self) -> None:
         self.block: Optional[Block] = None  # staging, until the engine (write) or the copy (read) is done
@@ -94,6 +93,7 @@ class Transfer:
         self.packed: Optional[torch.Tensor] = None  # direct read of a compact record: packed elements
         self.alloc_event: Any = None  # direct read: recorded after the allocation
         self.ready_event: Any = None  # read: recorded on the reload stream after the copy
+        self.ready_seq = 0  # ... its place among the reload stream's ready events
 
 
 class _Batch:
@@ -129,7 +129,12 @@ class DeviceCopy:
         self.pool = None if direct else StagingPool(staging_bytes, self.ops)
         self.timeline = None  # telemetry/timeline.py, while a step is recorded (the offloader sets it)
         self._events: List[Any] = []  # free events (module docstring)
-        self._fencing: Deque[Any] = deque()  # retired events that may still fence a buffer
+        # Retired ready events that may still fence a buffer, and the one recorded last on the
+        # reload stream among them (_event; module docstring).
+        self._fencing: List[Any] = []
+        self._fencing_last: Any = None
+        self._fencing_seq = -1
+        self._ready_seq = 0  # ready events recorded on the reload stream so far
         self._batch: Optional[_Batch] = None
         self._warned = False
         self._closed = False
@@ -139,12 +144,16 @@ class DeviceCopy:
     def _event(self) -> Any:
         if self._events:
             return self._events.pop()
-        # The oldest retired fence, once the host sees it complete: its record point passed,
-        # so every buffer fenced with it may be reused, and a new record point cannot make a
-        # holder's later ``query`` answer done too early (module docstring).
-        fencing = self._fencing
-        if fencing and fencing[0].query():
-            return fencing.popleft()
+        # The retired fences, once the host sees them complete: their record points passed, so
+        # every buffer fenced with them may be reused, and a new record point cannot make a
+        # holder's later ``query`` answer done too early (module docstring). All were recorded
+        # on the reload stream, which completes its events in order: one ``query`` of the one
+        # recorded last answers for all of them.
+        if self._fencing and self._fencing_last.query():
+            self._events.extend(self._fencing)
+            self._fencing.clear()
+            self._fencing_last, self._fencing_seq = None, -1
+            return self._events.pop()
         return self.ops.new_event()
 
     def _recycle(self, event: Any) -> None:
@@ -152,11 +161,25 @@ class DeviceCopy:
         if event is not None:
             self._events.append(event)
 
-    def _retire(self, event: Any) -> None:
-        """An event that may fence a buffer goes back only once ``query`` answers done
-        (``_event``): a staging block or pool extent given back with it may still be pending."""
-        if event is not None:
-            self._fencing.append(event)
+    def _retire(self, xfer: Transfer) -> None:
+        """A read's ready event (recorded on the reload stream), which may fence a buffer, goes
+        back only once ``query`` answers done (``_event``): a staging block or pool extent
+        given back with it may still be pending."""
+        event = xfer.ready_event
+        if event is None:
+            return
+        self._fencing.append(event)
+        if xfer.ready_seq > self._fencing_seq:
+            self._fencing_last, self._fencing_seq = event, xfer.ready_seq
+
+    def _ready(self, xfer: Transfer, stream: Any) -> Any:
+        """A read's ready event, recorded on the reload stream ``stream`` now (numbered: the
+        order ``_event`` relies on)."""
+        ready = xfer.ready_event = self._event()
+        ready.record(stream)
+        xfer.ready_seq = self._ready_seq
+        self._ready_seq += 1
+        return ready
 
     # -- offload ----------------------------------------------------------------------------
 
@@ -229,6 +252,8 @@ class DeviceCopy:
             except BaseException:  # noqa: BLE001 - the first error is the one the caller sees
                 log.error("ssdtrain: %d bytes of staging are withheld from the pool after a failed "
                           "device->host copy", target.numel())
+                if xfer.block is not None:
+                    self.pool.withhold(xfer.block)
                 xfer.block = None
             if fence is not None:
                 fence(copied)
@@ -323,8 +348,7 @@ class DeviceCopy:
                 rec.staging = None
             if span is not None:
                 tl.gpu_end(stream, span)
-            ready = xfer.ready_event = self._event()
-            ready.record(stream)
+            ready = self._ready(xfer, stream)
         rec.tensor = restored
         if xfer.block is not None and source is None:
             self.pool.give(xfer.block, after=ready)
@@ -344,8 +368,7 @@ class DeviceCopy:
         stream.wait_event(xfer.alloc_event)
         with ops.use(stream):
             ops.copy(rec.tensor, xfer.packed)
-            xfer.ready_event = self._event()
-            xfer.ready_event.record(stream)
+            self._ready(xfer, stream)
         for t in (rec.tensor, xfer.packed):  # allocated on the compute stream, written here
             ops.record_stream(t, stream)
         xfer.packed = None
@@ -384,8 +407,10 @@ class DeviceCopy:
         it, so the events are retired, reused only once they answered done (``_retire``)."""
         if xfer is None:
             return
-        self._retire(xfer.ready_event)
-        self._retire(xfer.alloc_event)
+        self._retire(xfer)
+        # The allocation event fences nothing: the engine waited for it before its read, which
+        # has completed.
+        self._recycle(xfer.alloc_event)
         xfer.ready_event = xfer.alloc_event = None
 
     def synchronize(self) -> None:
