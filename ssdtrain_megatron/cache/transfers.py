@@ -266,23 +266,29 @@ class Transfers:
 
     def _staging_block(self, rec: TensorRecord, wait: bool = True):
         """A staging block for ``rec``'s bytes. Without room: wait (``wait``; counted as the
-        record's IO wait) for a write to reach the drive and free one, or None; with nothing
-        in flight that could free one (or a record larger than the pool), an overflow block
-        from torch's pinned allocator (warned once)."""
+        record's IO wait) for a write to reach the drive or a reload's copy out of a block to
+        run, either of which frees one, or None; when nothing in flight could free one (no
+        block is out with a holder that gives it back, none waits on an event: staging.py
+        ``may_free``), or for a record larger than the pool, an overflow block from torch's
+        pinned allocator (warned once). The wait polls the blocks' events: no IO thread
+        reports a copy out of a block (progress.py)."""
         copy = self._copy
         found = [copy.take_staging(rec.nbytes)]
         if found[0] is not None or not wait:
             return found[0]
 
         def room() -> bool:
-            if not self._writes or rec.nbytes > copy.pool.capacity:
-                return True  # nothing in flight could make room: overflow
             found[0] = copy.take_staging(rec.nbytes)
-            return found[0] is not None
+            if found[0] is not None:
+                return True
+            # Nothing in flight could make room: overflow. (Not ``self._writes``, which counts
+            # this record's own write, and writes into the memory engine's pool, which hold none.)
+            return rec.nbytes > copy.pool.capacity or not copy.pool.may_free
 
         waited = self._progress.wait(
             room, lambda: (f"room in the pinned staging pool (pinned_staging_bytes={copy.pool.capacity}) "
-                           f"for a {rec.describe()}"), "back-pressure", record=rec.id, bytes=rec.nbytes, on="staging")
+                           f"for a {rec.describe()}"), "back-pressure", poll=True, record=rec.id, bytes=rec.nbytes,
+            on="staging")
         if waited:
             self._step.count_wait(rec, waited)
         return found[0] if found[0] is not None else copy.take_block(rec.nbytes)
