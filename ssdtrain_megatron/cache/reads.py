@@ -112,9 +112,9 @@ class Reads:
         if copy is not None and not copy.direct:
             src = self._engine.pool_view_of(rec.id)
             if src is not None:  # the memory engine's pool: copied to the device at once
+                self._engine.pool_read(rec.id, True)
                 if not self._restore_from_pool(rec, src, demand):
                     return False
-                self._engine.pool_read(rec.id, True)
                 move(rec, State.READING, c)
                 self._tag(rec)
                 ready = rec.transfer.ready_event
@@ -151,6 +151,7 @@ class Reads:
         except BaseException as exc:
             rec.tensor = None
             rec.transfer = None
+            self._engine.pool_read(rec.id, False)  # its meter ends (the read counts, though it did not run)
             if demand or not isinstance(exc, torch.OutOfMemoryError):
                 raise
             self._warn("readahead-oom", f"read-ahead stopped: no device memory to bring a record back "
