@@ -24,8 +24,11 @@ from tests.test_staged_writes import _scene
 from tests.test_staging_race import Saves
 
 
-def _step(off, rec, drive, step: int):
-    drive.holding = False
+def _step(off, rec, drive, step: int, hold: bool = False):
+    """One step of four layers; ``hold``: the drive holds its first write until backward ended
+    (so backward finds the records' writes under way)."""
+    drive.holding = hold
+    drive.gate.clear()
     x = torch.randn(64, 3 * 128, generator=torch.Generator().manual_seed(step)).requires_grad_()
     seen = []
     with off.microbatch(0):
@@ -35,6 +38,8 @@ def _step(off, rec, drive, step: int):
                 h = Saves.apply(h, rec, seen)
         loss = h.sum()
     loss.backward()
+    drive.holding = False
+    drive.gate.set()
     return off.end_step()
 
 
@@ -45,7 +50,7 @@ def test_layers_a_slow_first_step_kept_are_offloaded_again_once_their_writes_lan
     rec, drive, off = _scene(tmp_path, keep_last_layers=1)
     try:
         rec.unobserved.add(off.copy.offload_stream.name)
-        first = _step(off, rec, drive, 0)
+        first = _step(off, rec, drive, 0, hold=True)
         assert {r.layer: r.late_writes for r in first.layers}["2"] > 0
         assert off._decisions.late_tail >= 2
         rec.unobserved.discard(off.copy.offload_stream.name)
