@@ -81,7 +81,7 @@ class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
     __slots__ = ("block", "pooled", "copy_event", "landed", "source", "produced", "packed",
-                 "alloc_event", "ready_event", "ready_seq")
+                 "alloc_event", "ready_event", "ready_seq", "storage", "freed")
 
     def __init__(self) -> None:
         self.block: Optional[Block] = None  # staging, until the engine (write) or the copy (read) is done
@@ -94,6 +94,8 @@ class Transfer:
         self.alloc_event: Any = None  # direct read: recorded after the allocation
         self.ready_event: Any = None  # read: recorded on the reload stream after the copy
         self.ready_seq = 0  # ... its place among the reload stream's ready events
+        self.storage: Optional[Tuple[int, int]] = None  # write: (address, bytes) of the saved storage
+        self.freed: Optional[BaseException] = None  # write: its owner freed that storage under the copy
 
 
 class _Batch:

@@ -63,6 +63,11 @@ DROP = object()
 """Event outcome: the last reference to a handle went away (the event's first item is the record)."""
 
 
+def _storage_of(t: Optional[torch.Tensor]):
+    """(address, bytes) of ``t``'s storage: what a free in place (``resize_(0)``) changes."""
+    return None if t is None else (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+
 def _is_disk_full(exc: Optional[BaseException]) -> bool:
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
@@ -266,12 +271,10 @@ class Transfers:
 
     def _staging_block(self, rec: TensorRecord, wait: bool = True):
         """A staging block for ``rec``'s bytes. Without room: wait (``wait``; counted as the
-        record's IO wait) for a write to reach the drive or a reload's copy out of a block to
-        run, either of which frees one, or None; when nothing in flight could free one (no
-        block is out with a holder that gives it back, none waits on an event: staging.py
-        ``may_free``), or for a record larger than the pool, an overflow block from torch's
-        pinned allocator (warned once). The wait polls the blocks' events: no IO thread
-        reports a copy out of a block (progress.py)."""
+        record's IO wait, polling the blocks' events, which no IO thread reports) for a write
+        to reach the drive or a reload's copy out of a block to run, or None; when no block
+        can come back (staging.py ``may_free``), or for a record larger than the pool, an
+        overflow block from torch's pinned allocator (warned once)."""
         copy = self._copy
         found = [copy.take_staging(rec.nbytes)]
         if found[0] is not None or not wait:
@@ -281,8 +284,7 @@ class Transfers:
             found[0] = copy.take_staging(rec.nbytes)
             if found[0] is not None:
                 return True
-            # Nothing in flight could make room: overflow. (Not ``self._writes``, which counts
-            # this record's own write, and writes into the memory engine's pool, which hold none.)
+            # Not ``self._writes``: it counts this record's own write, and pool writes hold no block.
             return rec.nbytes > copy.pool.capacity or not copy.pool.may_free
 
         waited = self._progress.wait(
@@ -305,10 +307,12 @@ class Transfers:
         if into is not None:
             fence = functools.partial(self._engine.fence, rec.id)
             _, _, rec.transfer = copy.stage_out(rec, into, fence)
+            rec.transfer.storage = _storage_of(rec.tensor)
             self.landing.append(rec)
             return None
         block = self._staging_block(rec)
         data, event, rec.transfer = copy.stage_out(rec, block=block)
+        rec.transfer.storage = _storage_of(rec.tensor)
         self.landing.append(rec)
         return self._engine.write(rec.id, data, event)
 
@@ -318,6 +322,16 @@ class Transfers:
         lets its device memory go, unless backward already took it (WRITING_WANTED)."""
         self._inflight_bytes -= rec.nbytes
         rec.inflight = False
+        if _storage_of(rec.tensor) != rec.transfer.storage:
+            # Its owner freed the storage in place (resize_(0)) while the copy ran: the bytes
+            # may have been reused under it. Kept in memory, as one freed before its write
+            # (StorageFreed); docs/design.md, "Storages freed in place".
+            rec.transfer.freed = StorageFreed(
+                f"the storage of a {rec.describe()} was freed in place by its owner while its copy to "
+                "host memory ran (resize_(0) after it was saved); kept in memory")
+            if rec.transfer.pooled is not None:
+                self._write_done(rec, None)  # nothing committed: its extent goes at release
+            return  # the drive write completes, then falls back (_write_done)
         if rec.transfer.pooled is not None:
             self._engine.commit(rec.id)
             self._write_done(rec, None)
@@ -331,7 +345,10 @@ class Transfers:
             self._copy.let_go(rec)
 
     def _write_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
-        """A write finished (or failed)."""
+        """A write finished (or failed): one whose storage was freed under its copy
+        (``_landed``) as a refused write."""
+        if exc is None and rec.transfer is not None and rec.transfer.freed is not None:
+            exc = rec.transfer.freed
         if exc is not None and rec.state in (State.STAGED, State.STAGED_WANTED) and rec.tensor is None:
             self._copy.restore(rec, source=rec.transfer.block.tensor)  # before its block goes back
         self._written(rec)
