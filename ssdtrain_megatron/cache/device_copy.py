@@ -16,7 +16,10 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   have run (``landed``: the copy event's ``query()`` answered True on the training thread,
   never a wait); only then does the offloader let them go, so the allocator cannot hand the
   memory out again under the copy. Nothing marks them used by the offload stream
-  (``record_stream``, which would hold every freed block until the stream's tail). Bytes of a
+  (``record_stream``, which would hold every freed block until the stream's tail), so an
+  owner that frees the storage in place (``resize_(0)``) before the copy landed is found
+  when it lands, and the record kept (cache/transfers.py ``_landed``; docs/design.md,
+  "Storages freed in place"). Bytes of a
   write that is abandoned before it landed (taken back, refused, released: nobody reads them)
   are marked used by the offload stream instead, then dropped.
 - A staging block goes back to the pool when the engine is done with it, with the event of the
@@ -52,7 +55,9 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   another stream (the next producer event, on the compute stream) it would answer done for
   that stream's point instead, which orders nothing on the reload stream unless every
   consumer happened to run on the compute stream. Once its point has passed, a re-record
-  only makes the holders' later ``query`` more conservative.
+  only makes the holders' later ``query`` more conservative. The retired events come back
+  together when the one recorded last answers done: the reload stream completes its events
+  in order, so one ``query`` answers for all of them.
 
 ``ops`` (a :class:`StreamOps`) is how this module reaches streams, events and copies:
 :class:`CudaStreams` on a GPU; tests pass a recording stand-in that logs every record, wait,

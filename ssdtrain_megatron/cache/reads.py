@@ -14,7 +14,9 @@ copies at once, no IO thread takes part; the read is READY when issued, the cons
 waits for the copy's event), or read by the engine (into a staging block on the GPU path, then
 host->device on the reload stream into memory allocated just before the copy; into the
 restore pool on a CPU device). Read-ahead stops, without waiting, where the activation budget
-or the staging pool has no room; a demand read waits for room.
+or the staging pool has no room, or where the device has no memory for a copy out of the
+memory engine's pool; a demand read waits for room, and raises the device's out-of-memory
+error as it is (the record stays ON_DISK: nothing is left READING with no completion coming).
 
 Collaborators received at construction (``Transfers`` builds this): the engine, the GPU copy
 layer, the restore pool, the record table, the step, the warn-once log, the IO trace's

@@ -319,7 +319,8 @@ class Transfers:
     def _landed(self, rec: TensorRecord) -> None:
         """GPU: ``rec``'s device->host copy ran. Its device bytes no longer count in flight; the
         memory engine's write is done; a drive engine's record is STAGED (lifecycle.py) and
-        lets its device memory go, unless backward already took it (WRITING_WANTED)."""
+        lets its device memory go, unless backward already took it (WRITING_WANTED); one whose
+        storage its owner freed in place meanwhile falls back to memory instead."""
         self._inflight_bytes -= rec.nbytes
         rec.inflight = False
         if _storage_of(rec.tensor) != rec.transfer.storage:
@@ -345,8 +346,7 @@ class Transfers:
             self._copy.let_go(rec)
 
     def _write_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
-        """A write finished (or failed): one whose storage was freed under its copy
-        (``_landed``) as a refused write."""
+        """A write finished (or failed); one whose storage was freed under its copy fails."""
         if exc is None and rec.transfer is not None and rec.transfer.freed is not None:
             exc = rec.transfer.freed
         if exc is not None and rec.state in (State.STAGED, State.STAGED_WANTED) and rec.tensor is None:
