@@ -16,7 +16,10 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   have run (``landed``: the copy event's ``query()`` answered True on the training thread,
   never a wait); only then does the offloader let them go, so the allocator cannot hand the
   memory out again under the copy. Nothing marks them used by the offload stream
-  (``record_stream``, which would hold every freed block until the stream's tail). Bytes of a
+  (``record_stream``, which would hold every freed block until the stream's tail), so an
+  owner that frees the storage in place (``resize_(0)``) before the copy landed is found
+  when it lands, and the record kept (cache/transfers.py ``_landed``; docs/design.md,
+  "Storages freed in place"). Bytes of a
   write that is abandoned before it landed (taken back, refused, released: nobody reads them)
   are marked used by the offload stream instead, then dropped.
 - A staging block goes back to the pool when the engine is done with it, with the event of the
@@ -54,9 +57,19 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   prefetch with an *allocation event* the engine waits for before cuFile writes into it, and
   the read's completion is observed by the host before the consumer is launched (a compact
   record's scatter runs on the reload stream, ordered before the consumer by the ready event).
-- Events come from a pool (``_event``): an event goes back when nothing will wait on its last
-  record point again (CUDA orders a wait by the record point at the time of the wait; a
-  re-recorded event only makes a later ``query`` more conservative).
+- Events come from a pool (``_event``; the newest freed is handed out first). An event that
+  only orders streams or threads (a producer event, a write's copy event once it landed) goes
+  back when nothing will wait on its last record point again: CUDA orders a wait by the record
+  point at the time of the wait. An event that *fences a buffer* (a read's ready event: a
+  staging block, a memory-engine extent, the engine's read meter hold it and ``query`` it
+  later) goes back only once the host saw it complete (``_retire``): until then it may be the
+  only thing that orders the buffer's reuse after the copy out of it, and re-recorded on
+  another stream (the next producer event, on the compute stream) it would answer done for
+  that stream's point instead, which orders nothing on the reload stream unless every
+  consumer happened to run on the compute stream. Once its point has passed, a re-record
+  only makes the holders' later ``query`` more conservative. The retired events come back
+  together when the one recorded last answers done: the reload stream completes its events
+  in order, so one ``query`` answers for all of them.
 
 ``ops`` (a :class:`StreamOps`) is how this module reaches streams, events and copies:
 :class:`CudaStreams` on a GPU; tests pass a recording stand-in that logs every record, wait,
@@ -85,7 +98,7 @@ class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
     __slots__ = ("block", "pooled", "copy_event", "landed", "source", "produced", "packed",
-                 "alloc_event", "ready_event", "owner", "consumed")
+                 "alloc_event", "ready_event", "owner", "consumed", "ready_seq", "storage", "freed")
 
     def __init__(self) -> None:
         self.block: Optional[Block] = None  # staging, until the engine (write) or the copy (read) is done
@@ -99,6 +112,9 @@ class Transfer:
         self.ready_event: Any = None  # read: recorded on the reload stream after the copy
         self.owner: Any = None  # staged read: the stream the restored tensor was allocated on
         self.consumed = False  # staged read: a consumer's stream waited for the copy
+        self.ready_seq = 0  # read: the ready event's place among the reload stream's ready events
+        self.storage: Optional[Tuple[int, int]] = None  # write: (address, bytes) of the saved storage
+        self.freed: Optional[BaseException] = None  # write: its owner freed that storage under the copy
 
 
 class _Batch:
@@ -134,6 +150,12 @@ class DeviceCopy:
         self.pool = None if direct else StagingPool(staging_bytes, self.ops)
         self.timeline = None  # telemetry/timeline.py, while a step is recorded (the offloader sets it)
         self._events: List[Any] = []  # free events (module docstring)
+        # Retired ready events that may still fence a buffer, and the one recorded last on the
+        # reload stream among them (_event; module docstring).
+        self._fencing: List[Any] = []
+        self._fencing_last: Any = None
+        self._fencing_seq = -1
+        self._ready_seq = 0  # ready events recorded on the reload stream so far
         self._batch: Optional[_Batch] = None
         self._warned = False
         self._closed = False
@@ -141,11 +163,44 @@ class DeviceCopy:
     # -- events -----------------------------------------------------------------------------
 
     def _event(self) -> Any:
-        return self._events.pop() if self._events else self.ops.new_event()
+        if self._events:
+            return self._events.pop()
+        # The retired fences, once the host sees them complete: their record points passed, so
+        # every buffer fenced with them may be reused, and a new record point cannot make a
+        # holder's later ``query`` answer done too early (module docstring). All were recorded
+        # on the reload stream, which completes its events in order: one ``query`` of the one
+        # recorded last answers for all of them.
+        if self._fencing and self._fencing_last.query():
+            self._events.extend(self._fencing)
+            self._fencing.clear()
+            self._fencing_last, self._fencing_seq = None, -1
+            return self._events.pop()
+        return self.ops.new_event()
 
     def _recycle(self, event: Any) -> None:
+        """An event that fences no buffer (module docstring) goes back to the pool now."""
         if event is not None:
             self._events.append(event)
+
+    def _retire(self, xfer: Transfer) -> None:
+        """A read's ready event (recorded on the reload stream), which may fence a buffer, goes
+        back only once ``query`` answers done (``_event``): a staging block or pool extent
+        given back with it may still be pending."""
+        event = xfer.ready_event
+        if event is None:
+            return
+        self._fencing.append(event)
+        if xfer.ready_seq > self._fencing_seq:
+            self._fencing_last, self._fencing_seq = event, xfer.ready_seq
+
+    def _ready(self, xfer: Transfer, stream: Any) -> Any:
+        """A read's ready event, recorded on the reload stream ``stream`` now (numbered: the
+        order ``_event`` relies on)."""
+        ready = xfer.ready_event = self._event()
+        ready.record(stream)
+        xfer.ready_seq = self._ready_seq
+        self._ready_seq += 1
+        return ready
 
     # -- offload ----------------------------------------------------------------------------
 
@@ -218,6 +273,8 @@ class DeviceCopy:
             except BaseException:  # noqa: BLE001 - the first error is the one the caller sees
                 log.error("ssdtrain: %d bytes of staging are withheld from the pool after a failed "
                           "device->host copy", target.numel())
+                if xfer.block is not None:
+                    self.pool.withhold(xfer.block)
                 xfer.block = None
             if fence is not None:
                 fence(copied)
@@ -322,8 +379,7 @@ class DeviceCopy:
                 rec.staging = None
             if span is not None:
                 tl.gpu_end(stream, span)
-            ready = xfer.ready_event = self._event()
-            ready.record(stream)
+            ready = self._ready(xfer, stream)
         rec.tensor = restored
         if xfer.block is not None and source is None:
             self.pool.give(xfer.block, after=ready)
@@ -343,8 +399,7 @@ class DeviceCopy:
         stream.wait_event(xfer.alloc_event)
         with ops.use(stream):
             ops.copy(rec.tensor, xfer.packed)
-            xfer.ready_event = self._event()
-            xfer.ready_event.record(stream)
+            self._ready(xfer, stream)
         for t in (rec.tensor, xfer.packed):  # allocated on the compute stream, written here
             ops.record_stream(t, stream)
         xfer.packed = None
@@ -388,13 +443,25 @@ class DeviceCopy:
             xfer.consumed = True
 
     def forget(self, xfer: Optional[Transfer]) -> None:
-        """A record is released: its read's events go back to the pool (no consumer will wait
-        on them again; a staging block or pool extent fenced by one only waits longer)."""
+        """A record is released: no consumer will wait on its read's events again, but a
+        staging block or pool extent given back with its ready event may still be fenced by
+        it, so the events are retired, reused only once they answered done (``_retire``)."""
         if xfer is None:
             return
-        self._recycle(xfer.ready_event)
+        self._retire(xfer)
+        # The allocation event fences nothing: the engine waited for it before its read, which
+        # has completed.
         self._recycle(xfer.alloc_event)
         xfer.ready_event = xfer.alloc_event = None
+
+    def synchronize(self) -> None:
+        """Wait until every copy queued so far on the offload and reload streams has run (close,
+        not the hot path, may wait): before an engine whose pinned pool those copies use is
+        closed, and before the staging pool goes (:meth:`close`)."""
+        for stream in (self.offload_stream, self.reload_stream):
+            done = self.ops.new_event()
+            done.record(stream)
+            done.synchronize()
 
     def close(self) -> None:
         """Wait until every copy ever queued on the offload and reload streams has run, then
@@ -404,10 +471,7 @@ class DeviceCopy:
         if self._closed:
             return
         self._closed = True
-        for stream in (self.offload_stream, self.reload_stream):
-            done = self.ops.new_event()
-            done.record(stream)
-            done.synchronize()
+        self.synchronize()
         if self.pool is not None:
             self.pool.close()
 

@@ -108,6 +108,12 @@ class TensorRecord:
             raise StorageFreed(f"the storage of a {self.describe()} was freed in place by its owner "
                                "before its write (resize_(0) after it was saved); kept in memory")
 
+    def storage_span(self) -> Optional[Tuple[int, int]]:
+        """(address, bytes) of the saved tensor's storage, None once it is let go: what a free in
+        place (``resize_(0)``) changes, compared when a copy lands (Transfers._landed)."""
+        t = self.tensor
+        return None if t is None else (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
     def hold(self) -> torch.Tensor:
         """Hold a detached alias of the saved tensor (same storage and version counter, no
         grad_fn) instead of the tensor itself, if not yet; returns it."""

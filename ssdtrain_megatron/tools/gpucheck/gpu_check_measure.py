@@ -94,10 +94,10 @@ class StallProbe:
         # Only the training side calls it (the IO threads put events, never take them): the
         # main thread in forward and at the end of the step, autograd's device thread in
         # backward on CUDA, while the main thread waits in backward() -- never both at once.
-        def timed_next_event(obj, deadline):
+        def timed_next_event(obj, deadline, *args, **kw):
             t0 = time.perf_counter()
             try:
-                return real(obj, deadline)
+                return real(obj, deadline, *args, **kw)
             finally:
                 probe.seconds += time.perf_counter() - t0
 
