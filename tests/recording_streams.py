@@ -64,7 +64,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 
 from ssdtrain_megatron.cache.device_copy import StreamOps
-from tests.stand_in_allocator import CachingAllocator
+from tests.stand_in_allocator import POISON, CachingAllocator
 
 HOST = "host"
 
@@ -286,7 +286,7 @@ class Recorder(StreamOps):
             self._stream_op(stream, "copy", dst=_range(dst), src=_range(src))
             return
         d, s = self.alloc.raw(dst), self.alloc.raw(src)  # moved when the stream runs it
-        self._stream_op(stream, "copy", dst=_range(dst), src=_range(src), _work=lambda: d.copy_(s))
+        self._stream_op(stream, "copy", dst=_range(dst), src=_range(src), _work=lambda: _copy_or_stale(d, s))
 
     def compact(self, t: torch.Tensor) -> torch.Tensor:
         stream = self.current_stream(t.device)
@@ -547,6 +547,21 @@ class _Report(tuple):
     def __iter__(self):
         self._rec._acquire(self._vc)
         return super().__iter__()
+
+
+def _copy_or_stale(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A queued copy as CUDA runs it. A source whose storage its owner freed in place
+    (``resize_(0)``) after the copy was issued still has its bytes in the caching allocator's
+    block on a GPU: the copy reads stale (or reused) bytes, it does not fault. Here the CPU
+    storage is gone, so the copy writes poison instead of reading freed memory."""
+    last = src.storage_offset() + sum((n - 1) * st for n, st in zip(src.shape, src.stride()))
+    if src.numel() and src.untyped_storage().nbytes() < (last + 1) * src.element_size():
+        try:
+            dst.view(torch.uint8).fill_(POISON)
+        except RuntimeError:  # a view whose bytes cannot be seen as uint8: any wrong value will do
+            dst.fill_(-1)
+        return
+    dst.copy_(src)
 
 
 def _range(t: torch.Tensor) -> tuple:
