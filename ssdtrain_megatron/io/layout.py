@@ -16,7 +16,7 @@ import stat
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .owner import owner_record
+from .owner import hold_owner_lock, owner_record
 
 DIR_PREFIX = "ssdtrain."
 OWNER_FILE = "owner.json"
@@ -253,6 +253,7 @@ def make_rank_dir(root: str, ident: Identity) -> str:
         raise LayoutError(f"{path!r} is not a directory owned by us")
     owner = owner_record(ident.job, ident.hostname, ident.rank)
     fd = open_private(os.path.join(path, OWNER_FILE), os.O_WRONLY)
+    hold_owner_lock(fd, owner)  # held for this process's life: how a sweep tells it runs (owner.py)
     try:
         os.write(fd, json.dumps(owner).encode())
     finally:
