@@ -10,8 +10,9 @@ too; bounded, ``bounded_template_roots``: only the user's own directories, a lim
 entries per listed directory), and ``ssdtrain clean`` (tools/clean.py, the command) does the
 same on demand: below a ROOT at any depth (``clean_tree``), or from the templates of a preset
 (``--config``) or of ``--dirs``. A sweep then removes the job folders it left empty
-(``layout.prune_empty``), never a folder that was empty before, a mount point, or one above the
-first ``{job}`` component of a template (or above ROOT).
+(``layout.prune_empty``; below a bare ROOT ``_prune_job_folders``), never a folder that was
+empty before, a mount point, one above the first ``{job}`` component of a template, or, below
+a ROOT, one above the folder named after the job id or owned by another user than the job's.
 
 What counts as ours, and dead, is decided conservatively, because a mistake deletes a live
 job's activations (it then fails at its next read) or someone else's files:
@@ -76,6 +77,7 @@ class Leftover:
     error: Optional[str] = None  # why removing a stale directory failed
     pruned: List[str] = dataclasses.field(default_factory=list)  # empty folders removed after it
     undecided: bool = False  # a valid record of ours whose owner's life cannot be told
+    uid: Optional[int] = None  # who owns the directory (the job's user)
     changed: float = 0.0  # when anything in it last changed (for older_than)
 
     def describe(self) -> str:
@@ -148,7 +150,7 @@ def _judge(root_fd: int, root: str, name: str) -> Optional[Leftover]:
     finally:
         os.close(fd)
     verdict = LIVE if alive else STALE if alive is False else UNKNOWN
-    return Leftover(path, verdict, why, owner, nbytes, undecided=alive is None, changed=changed)
+    return Leftover(path, verdict, why, owner, nbytes, undecided=alive is None, changed=changed, uid=st.st_uid)
 
 
 def scan_root(root: str) -> List[Leftover]:
@@ -242,6 +244,37 @@ def _prune_after(found: List[Leftover], directory: str, levels: int) -> None:
         removed[-1].pruned.extend(prune_empty(directory, levels))
 
 
+def _prune_job_folders(found: List[Leftover], directory: str, top: str) -> None:
+    """After ``found``'s removals from ``directory`` (below ``top``): remove the folders their
+    job made that they left empty, and no other. Below a bare ROOT no template says which
+    folders a job made; these are: ``directory`` and its parents up to the nearest one named
+    after the job id (the ``{job}`` folder of the documented layouts), each owned by the user
+    who owns the rank directory, never a mount point, never ``top`` or above it. A folder
+    someone else made (``/raid/alice``, an admin's ``/raid/<job>``), or any folder where the
+    template had no ``{job}``, stays: `ssdtrain clean` run as root once removed other users'
+    folders up to ROOT."""
+    removed = [item for item in found if item.removed and item.owner is not None]
+    if not removed:
+        return
+    item = removed[-1]
+    parts = [] if directory == top else os.path.relpath(directory, top).split(os.sep)
+    levels = min((len(parts) - i for i, part in enumerate(parts)
+                  if any(part == r.owner["job"] for r in removed)), default=0)
+    if not all(r.uid == item.uid for r in removed):
+        return
+    path = directory
+    for _ in range(levels):
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != item.uid or os.path.ismount(path):
+                return
+            os.rmdir(path)
+        except OSError:  # not empty (another job's directory), gone, or not ours to remove
+            return
+        item.pruned.append(path)
+        path = os.path.dirname(path)
+
+
 def clean_tree(top: str, dry_run: bool = False, older_than: Optional[float] = None) -> List[Leftover]:
     """:func:`clean_root` on ``top`` and on every directory below it (symlinks are not
     followed; rank directories are not entered), then remove the folders between ``top``
@@ -264,8 +297,7 @@ def clean_tree(top: str, dry_run: bool = False, older_than: Optional[float] = No
             dirnames[:] = [n for n in dirnames if _NAME.match(n) is None]
             here = clean_root(dirpath, dry_run, older_than)
             found.extend(here)
-            depth = 0 if dirpath == top else len(os.path.relpath(dirpath, top).split(os.sep))
-            _prune_after(here, dirpath, depth)
+            _prune_job_folders(here, dirpath, top)
         dirnames.sort()
     if top_error:
         raise top_error[0]
