@@ -102,3 +102,46 @@ def test_a_child_still_runs_its_own_cleaners(tmp_path):
         print(json.dumps({"child_left": left}))
     """)
     assert result == {"child_left": []}
+
+
+ORPHAN = """
+import json, os, signal, sys
+import torch
+from ssdtrain_megatron import OffloadConfig
+from ssdtrain_megatron.io import make_engine
+engine = make_engine(OffloadConfig(dirs=[sys.argv[1]], job="orphan", engine="posix"))
+engine.write(0, torch.arange(4096, dtype=torch.uint8)).result(30)
+child = os.fork()
+if child == 0:
+    signal.pause()  # a worker that outlives its parent
+    os._exit(0)
+print(json.dumps({"dirs": engine.rank_dirs, "child": child}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_forked_child_does_not_keep_a_dead_parents_directory_alive(tmp_path):
+    """The lock on owner.json is the parent's: a child's inherited copy is closed at the fork,
+    so once the parent is SIGKILLed its directory is dead even while the child runs (broken by
+    keeping the copies: the orphan holds the lock, and the directory looks live forever)."""
+    from ssdtrain_megatron.io.clean import STALE, scan_root
+
+    root = tmp_path / "nvme0"
+    root.mkdir()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", ORPHAN, str(root)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    ready = json.loads(proc.stdout.readline())
+    try:
+        os.kill(proc.pid, 9)
+        proc.wait(60)
+        os.kill(ready["child"], 0)  # the orphan still runs
+        (item,) = scan_root(str(root))
+        assert item.verdict == STALE, item
+    finally:
+        try:
+            os.kill(ready["child"], 9)
+        except ProcessLookupError:
+            pass
+        proc.stdin.close()
+        proc.stdout.close()
