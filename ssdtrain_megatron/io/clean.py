@@ -145,6 +145,8 @@ def _judge(root_fd: int, root: str, name: str) -> Optional[Leftover]:
                 return Leftover(path, UNKNOWN, f"{OWNER_FILE} does not match the directory name", owner, nbytes)
             alive, why = judge_owner(owner, owner_fd, fd)
             changed = last_change(fd)
+        except OSError as exc:  # one directory we cannot read does not stop the sweep of the rest
+            return Leftover(path, UNKNOWN, f"cannot read it: {exc.strerror or exc}", owner)
         finally:
             os.close(owner_fd)
     finally:
