@@ -16,7 +16,6 @@ cannot be mounted here, so one test makes ``owner.filesystem_type`` say "nfs4".
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import shutil
@@ -350,3 +349,21 @@ def test_clean_in_another_pid_namespace_leaves_our_live_job_and_removes_our_dead
         engine.write(1, torch.ones(4096, dtype=torch.uint8)).result(30)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("text,seconds", [("90s", 90), ("30m", 1800), ("1.5h", 5400), ("7d", 604800)])
+def test_older_than_takes_a_duration_with_its_unit(text, seconds):
+    parser = argparse.ArgumentParser(prog="ssdtrain")
+    add_clean_parser(parser.add_subparsers(dest="command", required=True))
+    assert parser.parse_args(["clean", "--older-than", text, "/x"]).older_than == seconds
+
+
+@pytest.mark.parametrize("text", ["5", "5x", "1 week", "h"])
+def test_older_than_without_a_unit_is_one_line_naming_the_flag(text, capsys):
+    parser = argparse.ArgumentParser(prog="ssdtrain")
+    add_clean_parser(parser.add_subparsers(dest="command", required=True))
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["clean", "--older-than", text, "/x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--older-than" in err and "expected a duration such as 90s, 30m, 12h or 7d" in err

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import glob
-import json
 import logging
 import os
 import re

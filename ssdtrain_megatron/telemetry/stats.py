@@ -6,7 +6,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, Optional, Tuple, Union
