@@ -142,10 +142,10 @@ def _fail_worker_buffers(monkeypatch):
 def _fail_second_root(monkeypatch):
     real = layout.make_rank_dir
 
-    def fails_on_b(root, ident):
+    def fails_on_b(root, ident, *template):
         if root.endswith("/b/j1"):
             raise LayoutError("injected: root b refused")
-        return real(root, ident)
+        return real(root, ident, *template)
 
     monkeypatch.setattr(layout, "make_rank_dir", fails_on_b)
     return LayoutError

@@ -401,6 +401,11 @@ class ActivationOffloader:
             self._transfers.close()
         finally:
             self._table.close()
+            if self._copy is not None:
+                # Every copy into or out of the engine's pinned pool (memory engine, host tier)
+                # has run before the engine lets that pool go: waited for on the streams
+                # themselves, not only through the fences the engine holds.
+                self._copy.synchronize()
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None
