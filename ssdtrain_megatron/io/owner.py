@@ -121,7 +121,13 @@ def hold_owner_lock(fd: int, owner: dict) -> None:
     the caller closes ``fd`` as usual. A filesystem that refuses locks costs only the lock:
     the record then says ``"lock": null`` and is judged by its pid."""
     _release_unlinked()
-    dup = os.dup(fd)  # non-inheritable: an exec'd child does not keep the job "alive"
+    # A read-only descriptor of its own (non-inheritable: an exec'd child does not keep the
+    # job "alive"): one open for writing for the job's life would make a remount read-only
+    # fail with EBUSY, and a root the kernel turns read-only must stay one warning (layout.py).
+    try:
+        dup = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no /proc: the writable descriptor's duplicate still locks
+        dup = os.dup(fd)
     try:
         fcntl.flock(dup, fcntl.LOCK_EX | fcntl.LOCK_NB)
         st = os.fstat(dup)
