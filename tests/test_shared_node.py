@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import grp
+import json
 import logging
 import os
 import pwd
@@ -29,7 +30,7 @@ import torch
 
 from ssdtrain_megatron.cache.offloader import ActivationOffloader
 from ssdtrain_megatron.config import OffloadConfig
-from ssdtrain_megatron.io import layout, slab_engine
+from ssdtrain_megatron.io import layout, owner, slab_engine
 from ssdtrain_megatron.io.layout import Identity, LayoutError, make_rank_dir, remove_rank_dir
 from ssdtrain_megatron.io.posix import PosixEngine
 from ssdtrain_megatron.io.slab import SLAB_NAME, Slab
@@ -431,7 +432,9 @@ def _dead_rank_dir(root: str, job: str) -> str:
     d = os.path.join(root, rank_dir_name(job, host, 0, p.pid))
     os.makedirs(d, mode=0o700)
     with open(os.path.join(d, "owner.json"), "w") as fh:
-        fh.write(f'{{"pid": {p.pid}, "hostname": "{host}", "job": "{job}", "rank": 0}}')
+        # as a job of this boot writes it, its lock let go with its process
+        fh.write(json.dumps({"pid": p.pid, "hostname": host, "job": job, "rank": 0,
+                             "boot_id": owner.boot_id(), "lock": "flock"}))
     return d
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .dirfd import DirChain, LayoutError, open_chain, remove_entry_dir, vanished_text
-from .owner import owner_record
+from .owner import hold_owner_lock, owner_record
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +342,9 @@ def make_rank_dir(root: str, ident: Identity, template: Optional[str] = None) ->
 def _write_owner(dir_fd: int, ident: Identity) -> None:
     fd = os.open(OWNER_FILE, os.O_WRONLY | _NEW_FILE, 0o600, dir_fd=dir_fd)
     try:
-        os.write(fd, json.dumps(owner_record(ident.job, ident.hostname, ident.rank)).encode())
+        owner = owner_record(ident.job, ident.hostname, ident.rank)
+        hold_owner_lock(fd, owner)  # held for this process's life: how a sweep tells it runs (owner.py)
+        os.write(fd, json.dumps(owner).encode())
     finally:
         os.close(fd)
 
