@@ -76,14 +76,14 @@ gpu-check:
 # only. Options: GPU_PERF_ARGS="--out DIR ...".
 GPU_PERF_ARGS ?=
 gpu-perf:
-	PYTHON=$(PYTHON) GPU_SCRIPT=gpu_perf.py scripts/gpu_check.sh $(GPU_PERF_ARGS)
+	PYTHON=$(PYTHON) GPU_SCRIPT=gpu_perf scripts/gpu_check.sh $(GPU_PERF_ARGS)
 
 # The wheels gpu-check needs on that box (cp312, manylinux x86_64; not torch, which the box has),
-# into .whl/, proven complete by an offline resolve and kept under 60 MiB (scripts/gpu_bundle.py).
+# into .whl/, proven complete by an offline resolve and kept under 60 MiB (ssdtrain_megatron/tools/gpucheck/gpu_bundle.py).
 # Needs network and pip >= 22.2; no GPU.
 GPU_BUNDLE_DEST ?= .whl
 gpu-bundle:
-	$(PYTHON) scripts/gpu_bundle.py --dest $(GPU_BUNDLE_DEST)
+	$(PYTHON) -m ssdtrain_megatron.tools.gpucheck.gpu_bundle --dest $(GPU_BUNDLE_DEST)
 
 lint: install
 	$(PY) -m compileall -q ssdtrain_megatron tests

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ssdtrain_megatron.telemetry import breakdown as bd
-from ssdtrain_megatron.telemetry.bounds import drive_bound, link_bound, stall_beyond_deficit
+from ssdtrain_megatron.telemetry.bounds import BOTH_WAYS, SCHEDULE, drive_bound, link_bound, stall_beyond_deficit
 from ssdtrain_megatron.telemetry.intervals import intersect, length, partition, subtract, union
 from ssdtrain_megatron.telemetry.timeline import Timeline
 
@@ -113,7 +113,10 @@ def test_a_drive_bound_step_splits_its_excess_into_the_parts_made_by_hand():
             bd.HOST_CPU: 0.03, bd.GC: 0.01, "drive idle while the host was busy": 0.01}
     assert row["parts"] == pytest.approx(want, abs=1e-9)
     assert row["excess_s"] == pytest.approx(0.5) and row["sum_s"] == pytest.approx(0.5)
-    assert row["adds_up"] is True and row["unexplained_s"] == pytest.approx(0.0, abs=1e-9)
+    assert row["typical"] is True and row["gap_s"] == pytest.approx(0.0, abs=1e-9)
+    # only the 10 ms idle with no cause on the host names no cause: 2% of the 0.5 s excess
+    assert row["unexplained_s"] == pytest.approx(0.01) and row["explained"] is True
+    assert row["unexplained_parts"] == ["drive idle while the host was busy"]
     assert row["host_blocked_s"] == {"read": pytest.approx(0.05)}
     io = row["io"]
     assert io["drive_write"]["bytes"] == 3 << 29 and io["drive_write"]["busy_s"] == pytest.approx(0.3)
@@ -124,25 +127,77 @@ def test_a_timeline_step_far_from_the_median_does_not_add_up():
     """The parts cover the timeline's step (1 s); the median step was 1.5 s: the 0.5 s they
     leave unexplained is more than 10% of the 1.0 s excess."""
     row = bd.breakdown(_drive_bound_step(), 1.5, drive_bound(0.2, 1e9, 1e9, 4e9, 4e9))
-    assert row["adds_up"] is False and row["unexplained_s"] == pytest.approx(0.5)
-    assert bd.breakdown(_drive_bound_step(), 0.505, drive_bound(0.2, 1e9, 1e9, 4e9, 4e9))["adds_up"] is None
+    assert row["typical"] is False and row["gap_s"] == pytest.approx(0.5)
+    assert row["explained"] is True  # what the trace shows is explained: the two rows judge apart
+    none = bd.breakdown(_drive_bound_step(), 0.505, drive_bound(0.2, 1e9, 1e9, 4e9, 4e9))
+    assert none["typical"] is None and none["explained"] is None
 
 
-def test_a_link_bound_step_uses_both_directions_and_reports_their_overlap():
-    """Memory engine: D2H [0, 40] ms, H2D [30, 70] ms, 1 GB each way over 100 ms of step;
-    (W + R) / both-ways binds at 50 ms. Busy is the union, 70 ms: 20 ms slower than assumed;
-    10 ms of overlap; the tail, 30 ms."""
+def test_an_excess_the_causes_do_not_name_is_not_explained_though_the_parts_add_up():
+    """The drive idle 300 ms while the training thread did nothing the timeline names: the
+    parts still tile the window (typical), but 0.31 s of the 0.5 s excess names no cause."""
+    s = Synthetic()
+    s.drive("write", 100, 300, 1 << 30)
+    s.drive("write", 250, 400, 1 << 29)
+    s.drive("read", 700, 1000, 1 << 30)
+    row = bd.breakdown(s.done(1000), 1.0, drive_bound(0.2, 1e9, 1e9, 4e9, 4e9))
+    assert row["parts"]["drive idle while the host was busy"] == pytest.approx(0.3)
+    assert row["typical"] is True and row["unexplained_s"] == pytest.approx(0.3)
+    assert row["explained"] is False  # 60% of the excess > 20%
+
+
+def _link_step():
+    """Memory engine: D2H [0, 40] ms, H2D [30, 70] ms, 1 GB each way over 100 ms of step."""
     s = Synthetic()
     s.gpu_span("offload", "d2h", "copy", (0, 1), (0, 40), record=1, bytes=10**9)
     s.gpu_span("reload", "h2d", "copy", (20, 21), (30, 70), record=1, bytes=10**9)
-    events = s.done(100)
-    bound = link_bound(0.02, 1e9, 1e9, 50e9, 50e9, 40e9)
-    assert (bound.formula, bound.resource) == ("(W + R) / both-ways", "link") and bound.seconds == pytest.approx(0.05)
-    row = bd.breakdown(events, 0.1, bound, assumed={"d2h": 50e9, "h2d": 50e9})
+    return s.done(100)
+
+
+LINK = {"d2h": 25e9, "h2d": 25e9, "both": 40e9}
+
+
+def test_a_link_bound_step_splits_the_link_by_direction_and_the_directions_not_overlapped():
+    """25 GB/s each way, 40 GB/s both at once: (W + R) / both-ways binds at 50 ms. Busy is the
+    union, 70 ms: each direction alone moved its 0.75 GB in 30 ms (its measured rate: nothing
+    slower), both at once 0.5 GB in 10 ms (2.5 ms faster than 40 GB/s); what is left is the
+    directions not overlapped: 30 + 30 + 12.5 - 50 = 22.5 ms. The tail, 30 ms."""
+    bound = link_bound(0.02, 1e9, 1e9, LINK["d2h"], LINK["h2d"], LINK["both"])
+    assert (bound.formula, bound.resource, bound.note) == (BOTH_WAYS, "link", "")
+    assert bound.seconds == pytest.approx(0.05)
+    row = bd.breakdown(_link_step(), 0.1, bound, assumed=LINK)
+    assert row["parts"] == pytest.approx({bd.NOT_OVERLAPPED: 0.0225, bd.BOTH_SLOWER: -0.0025, bd.TAIL: 0.03})
+    io = row["io"]
+    assert io["link_overlap_s"] == pytest.approx(0.01)
+    assert io["d2h"]["gbps"] == pytest.approx(25.0) and io["d2h"]["assumed_gbps"] == 25.0
+    assert io["link_d2h_alone"]["bytes"] == pytest.approx(0.75e9) and io["link_d2h_alone"]["gbps"] == pytest.approx(25)
+    assert io["link_both"]["gbps"] == pytest.approx(50.0) and io["link_both"]["assumed_gbps"] == 40.0
+    assert row["typical"] is True and row["explained"] is True
+    # a slower D2H alone is its own part: the same copy over 60 ms
+    s = Synthetic()
+    s.gpu_span("offload", "d2h", "copy", (0, 1), (0, 60), record=1, bytes=10**9)
+    s.gpu_span("reload", "h2d", "copy", (20, 21), (50, 90), record=1, bytes=10**9)
+    parts = bd.breakdown(s.done(100), 0.1, bound, assumed=LINK)["parts"]
+    assert parts["D2H alone slower than measured"] == pytest.approx(0.05 - 1e9 * 5 / 6 / 25e9)  # 50 ms alone
+    # without the both-ways rate the link's slowness is one part, as before
+    row = bd.breakdown(_link_step(), 0.1, bound, assumed={"d2h": 25e9, "h2d": 25e9})
     assert row["parts"] == pytest.approx({"link slower than assumed": 0.02, bd.TAIL: 0.03})
-    assert row["io"]["link_overlap_s"] == pytest.approx(0.01)
-    assert row["io"]["d2h"]["gbps"] == pytest.approx(25.0) and row["io"]["d2h"]["assumed_gbps"] == 50.0
-    assert row["adds_up"] is True
+
+
+def test_one_micro_batch_reads_after_its_writes_and_the_bound_says_the_schedule_binds():
+    """With one micro-batch every byte read is written first: R / D2H + R / H2D = 80 ms is a
+    floor, above both-ways' 50 ms; the bound names it and says both-ways is unreachable. The
+    same step is then 10 ms inside the link's bound, its excess the tail."""
+    bound = link_bound(0.02, 1e9, 1e9, LINK["d2h"], LINK["h2d"], LINK["both"], reads_after_writes=True)
+    assert (bound.formula, bound.resource) == (SCHEDULE, "link") and bound.seconds == pytest.approx(0.08)
+    assert bound.note.startswith("both-ways unreachable") and "the schedule, not the link" in bound.note
+    row = bd.breakdown(_link_step(), 0.1, bound, assumed=LINK)
+    assert row["note"] == bound.note
+    assert row["parts"] == pytest.approx({bd.NOT_OVERLAPPED + " beyond what the schedule allows": -0.0075,
+                                          bd.BOTH_SLOWER: -0.0025, bd.TAIL: 0.03})
+    # reads a third of the writes: the schedule's 2 x 13.3 ms is under both-ways' 53.3: no note
+    b = link_bound(0.02, 1e9, 1e9 / 3, LINK["d2h"], LINK["h2d"], LINK["both"], reads_after_writes=True)
+    assert b.formula == "W / D2H" and b.note == "" and b.terms[SCHEDULE] == pytest.approx(2 / 75)
 
 
 def _keep_step():
@@ -175,15 +230,17 @@ def test_a_compute_bound_step_is_split_against_keeps_own_timeline():
     row = bd.breakdown(_offload_step(), 0.13, bound, keep_events=_keep_step())
     want = {bd.TAIL: 0.010, bd.RELOAD: 0.010, bd.GPU_IDLE + bd.blocked("read"): 0.020, bd.COMPUTE: -0.010}
     assert row["parts"] == pytest.approx(want, abs=1e-9)
-    assert row["excess_s"] == pytest.approx(0.03) and row["adds_up"] is True
+    assert row["excess_s"] == pytest.approx(0.03) and row["typical"] is True
+    assert row["explained"] is True  # compute beyond keep's is negative: nothing unexplained
 
 
-def test_a_wait_while_the_stream_is_still_busy_costs_nothing():
-    """Blocked 12-28 ms while the forward runs on the GPU until 30: the stream did not idle."""
+def test_a_compute_bound_excess_in_slower_kernels_is_not_explained():
+    """The wait of the test above costs nothing, so 10 ms of the 30 ms excess is the compute
+    stream beyond keep's: a third of it names no cause."""
     row = bd.breakdown(_offload_step(read_wait=(12, 28)), 0.13, link_bound(0.1, 1, 1, 1e9, 1e9, 1e9),
                        keep_events=_keep_step())
-    assert bd.GPU_IDLE + bd.blocked("read") not in row["parts"]
-    assert row["parts"][bd.COMPUTE] == pytest.approx(0.010)  # what the wait no longer explains
+    assert row["typical"] is True and row["unexplained_s"] == pytest.approx(0.01)
+    assert row["explained"] is False and row["unexplained_parts"] == [bd.COMPUTE]
 
 
 def test_fair_bounds_against_hand_computed_cases():

@@ -320,8 +320,10 @@ def test_ctrl_c_says_how_many_offload_files_it_removed(tmp_path):
 
 
 def _dead_rank_dir(root, job):
-    """A rank directory whose owner (a process that has exited) left it behind."""
+    """A rank directory whose owner (a process that has exited) left it behind: its record names
+    this boot and a lock that no one holds any more."""
     from ssdtrain_megatron.io.layout import Identity, rank_dir_name
+    from ssdtrain_megatron.io.owner import boot_id
 
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                            text=True, check=True)
@@ -330,7 +332,7 @@ def _dead_rank_dir(root, job):
     d = os.path.join(root, rank_dir_name(job, host, 0, pid))
     os.makedirs(d, mode=0o700)
     with open(os.path.join(d, "owner.json"), "w") as fh:
-        json.dump({"pid": pid, "hostname": host, "job": job, "rank": 0}, fh)
+        json.dump({"pid": pid, "hostname": host, "job": job, "rank": 0, "boot_id": boot_id(), "lock": "flock"}, fh)
     with open(os.path.join(d, "slab.bin"), "wb") as fh:
         fh.write(b"x" * 8192)
     return d

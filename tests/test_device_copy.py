@@ -35,6 +35,7 @@ from tests import fake_kvikio
 from tests.faulty import FaultyEngine, HeldWrites
 from tests.forwarding import ForwardingEngine
 from tests.recording_streams import Node, Recorder, _range, contains, overlaps
+from tests.staging_checks import check_staging_reuse
 
 CUDA = torch.cuda.is_available()
 ENGINES = ["posix", "memory", "tiered", "gds"]
@@ -60,6 +61,11 @@ class LoggedEngine(ForwardingEngine):
         inner.tracer = rec.tracer
         if hasattr(inner, "memory"):  # tiered: both tiers trace
             inner.memory.tracer = inner.ssd.tracer = rec.tracer
+
+    def __setattr__(self, name, value):
+        # The offloader's completion queue reaches the engine through the recorder, which
+        # orders each report before what the offloader does once it took it (recording_streams.py).
+        super().__setattr__(name, self.rec.completions(value) if name == "completions" else value)
 
     def write(self, key: int, data: torch.Tensor, ready_event=None) -> Future:
         self.rec.host("submit_write", key=key, ptr=_range(data), event=getattr(ready_event, "name", None))
@@ -180,9 +186,11 @@ def check_write_chains(rec: Recorder, direct: bool, compute: str = "compute") ->
 
 def check_read_chains(rec: Recorder, direct: bool, alloc_stream: str) -> int:
     """Every read (from the engine, or a copy straight out of the memory engine's pool):
-    (disk read ->) allocation on the reload stream -> H2D -> scatter (compact) -> the consumer,
-    which marks the tensor used by its stream (gds: the allocating stream's past -> cuFile
-    read -> scatter -> consumer). Returns how many."""
+    (disk read ->) allocation on the compute stream (``alloc_stream``, whose pool backward's
+    frees went back to) -> H2D on the reload stream, ordered after the allocation -> scatter
+    (compact) -> the consumer, which marks the tensor used by its stream if that is another
+    one (gds: the allocating stream's past -> cuFile read -> scatter -> consumer). Returns how
+    many."""
     log = rec.log
     reads = rec.nodes("submit_read") + rec.nodes("submit_pool_read")
     for r in reads:
@@ -199,8 +207,9 @@ def check_read_chains(rec: Recorder, direct: bool, alloc_stream: str) -> int:
             assert h2d is not None, f"key {key}: no host->device copy out of its staging or pool extent"
             assert h2d.agent != alloc_stream, f"key {key}: the reload ran on the compute stream"
             alloc = _last_before(log, h2d.idx, lambda n: n.kind == "alloc" and contains(n.tags["ptr"], h2d.tags["dst"]))
-            assert alloc is not None and alloc.agent == h2d.agent and alloc.idx > r.idx, \
-                f"key {key}: the restored tensor was not allocated on the reload stream just before its copy: {alloc}"
+            assert alloc is not None and alloc.agent == alloc_stream and alloc.idx > r.idx, \
+                f"key {key}: the restored tensor was not allocated on the compute stream just before its copy: {alloc}"
+            _hb(rec, alloc, h2d, f"key {key}: the reload copy before the compute stream reached the allocation")
             for d in disk:
                 _hb(rec, d, alloc, f"key {key}: device memory taken before the disk read completed")
                 _hb(rec, d, h2d, f"key {key}: disk read before the host->device copy")
@@ -226,7 +235,7 @@ def check_read_chains(rec: Recorder, direct: bool, alloc_stream: str) -> int:
         assert consumer is not None, f"key {key}: no consumer read the restored tensor"
         for n in ([final] if final is not None else disk):
             _hb(rec, n, consumer, f"key {key}: restored bytes before their consumer")
-        if not direct:
+        if not direct and consumer.agent != alloc_stream:  # used by a stream other than its owner
             marked = _last_before(log, consumer.idx, lambda n: n.kind == "record_stream"
                                   and n.tags["stream"] == consumer.agent and overlaps(n.tags["ptr"], dst))
             assert marked is not None and marked.idx > final.idx, \
@@ -321,6 +330,10 @@ def _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, dev
     with ActivationOffloader(config, device=device, engine=logged, streams=rec) as off:
         if patch is not None:
             patch(off.copy)
+        # The pinned memory whose reuse _check_all checks: the staging pool, the memory tier's.
+        memory = getattr(logged.inner, "memory", logged.inner)
+        rec.pools = [_range(p) for p in (off.copy.pool._mem if off.copy.pool is not None else None,
+                                         getattr(memory, "_pool", None)) if p is not None]
         grads, stats = _run(off, rec, device, compact, stream)
         direct = off.copy.direct
         check_completion_queue_path(off, logged)
@@ -336,6 +349,8 @@ def _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, dev
 def _check_all(rec, stats, direct, alloc_stream):
     n_w = check_write_chains(rec, direct, alloc_stream)
     n_r = check_read_chains(rec, direct, alloc_stream)
+    for pool in rec.pools:
+        check_staging_reuse(rec, pool)
     assert n_w == stats.tensors_offloaded > 0
     assert n_r == n_w, "every offloaded tensor came back by a read"
     assert stats.bytes_read > 0
@@ -359,7 +374,7 @@ def _reference(device, compact):
 @pytest.mark.parametrize("stream_name", ["default", "compute"])
 def test_every_offloaded_tensor_is_ordered_producer_to_disk_to_consumer(tmp_path, monkeypatch, engine,
                                                                         compact, stream_name):
-    rec = Recorder()
+    rec = Recorder(poison=True)
     cpu = torch.device("cpu")
     grads, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, cpu)
     assert direct == (engine == "gds")
@@ -387,7 +402,7 @@ def test_the_wrapper_forwards_every_name_the_engine_interface_declares():
         wrapper = LoggedEngine(inner, Recorder())
         sink: List[tuple] = []
         wrapper.completions = sink
-        assert inner.completions is sink and "completions" not in vars(wrapper)
+        assert inner.completions.queue is sink and "completions" not in vars(wrapper)
         assert wrapper.write_meter is inner.write_meter and wrapper.ident is inner.ident
     finally:
         inner.close()
@@ -460,32 +475,32 @@ def test_the_checks_fail_when_device_bytes_are_let_go_before_their_copy_ran(tmp_
         check_write_chains(rec, direct)
 
 
-@pytest.mark.parametrize("missing", ["alloc", "consumer", "mark"])
+@pytest.mark.parametrize("missing", ["alloc", "order", "consumer"])
 def test_the_checks_fail_without_the_reload_waits(tmp_path, monkeypatch, missing):
-    """Each broken variant: the restored tensor allocated on the compute stream (as at prefetch
-    before), the consumer not waiting for the reload, or not marking the tensor used by its
-    stream (the reload stream's allocator could reuse it under the consumer)."""
+    """Each broken variant: the restored tensor allocated on the reload stream (issue 54's fault
+    A: its memory from a pool backward's frees never reach), the reload copy not ordered after
+    the allocation on the compute stream (it could write into a block a compute kernel still
+    uses), or the consumer not waiting for the reload."""
     rec = Recorder()
 
     def patch(copy: DeviceCopy) -> None:
         if missing == "alloc":
-            real_use = copy.ops.use
+            real_empty, real_use = copy.ops.empty, copy.ops.use
 
-            def use(stream):  # the allocation happens before the stream switch takes effect
-                if stream is copy.reload_stream:
-                    return _null()
-                return real_use(stream)
-            copy.ops.use = use
-        elif missing == "consumer":
-            copy.consume = types.MethodType(lambda self, r, out: None, copy)
+            def empty(numel, dtype, device):
+                with real_use(copy.reload_stream):
+                    return real_empty(numel, dtype, device)
+            copy.ops.empty = empty
+        elif missing == "order":
+            copy.reload_stream.wait_event = lambda ev: None
         else:
-            copy.ops.record_stream = lambda t, stream: None
+            copy.consume = types.MethodType(lambda self, r, out: None, copy)
 
     _, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, "posix", False, "compute", rec,
                                              torch.device("cpu"), patch)
     check_write_chains(rec, direct)
-    match = {"alloc": "reload ran on the compute stream", "consumer": "consumer",
-             "mark": "not marked used by its consumer"}[missing]
+    match = {"alloc": "not allocated on the compute stream", "order": "before the compute stream reached",
+             "consumer": "consumer"}[missing]
     with pytest.raises(AssertionError, match=match):
         check_read_chains(rec, direct, alloc)
 

@@ -256,13 +256,8 @@ def test_the_plan_table_is_made_with_the_flags_the_readme_shows():
 
 def test_the_gpu_check_docs_give_gpu_check_py_defaults():
     """docs/gpu-check.md's measure shape and micro-batch sizes are gpu_check.py's defaults."""
-    import sys
+    from ssdtrain_megatron.tools.gpucheck.gpu_check import parse_args
 
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    try:
-        from gpu_check import parse_args
-    finally:
-        sys.path.pop(0)
     d = parse_args([])
     text = " ".join(_read(os.path.join("docs", "gpu-check.md")).split())
     assert (f"at {d.layers} layers, hidden {d.hidden}, seq {d.seq}") in text

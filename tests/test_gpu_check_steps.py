@@ -1,5 +1,5 @@
 """Every step of `make gpu-check` runs its own code here, on the CPU, before a GPU box ever runs
-it (issue 38, 1.1): the steps' GPU calls go through a box (scripts/gpu_check_common.py), which
+it (issue 38, 1.1): the steps' GPU calls go through a box (ssdtrain_megatron/tools/gpucheck/gpu_check_common.py), which
 this test replaces with stand-ins: the recording streams of tests/recording_streams.py for the
 offloaders (so the copy layer, staging pools and events are the real code, on a CPU device),
 host callables for the compute-stream sleeps, the stand-in's own streams for the side stream,
@@ -28,14 +28,13 @@ from typing import List
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-import gpu_check  # noqa: E402
-import gpu_check_common  # noqa: E402
-import gpu_check_cuda  # noqa: E402
-import gpu_check_steps  # noqa: E402
-import gpu_check_plan  # noqa: E402
-import gpu_check_targets  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_common  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_cuda  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_steps  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_plan  # noqa: E402
+from ssdtrain_megatron.tools.gpucheck import gpu_check_targets  # noqa: E402
 from ssdtrain_megatron.tools.minigpt import GPTSpec  # noqa: E402
 from tests import fake_kvikio  # noqa: E402
 from tests.recording_streams import Recorder, overlaps  # noqa: E402
@@ -136,7 +135,7 @@ def shrunk(monkeypatch, tmp_path):
 
 def _tiny_settings(engine):
     """The bitwise steps' settings at the tiny shape: the same rules, small tensors offloaded."""
-    from gpu_check_plan import bitwise_settings
+    from ssdtrain_megatron.tools.gpucheck.gpu_check_plan import bitwise_settings
 
     kw = bitwise_settings(engine)
     kw["min_tensor_bytes"] = 1024
@@ -236,7 +235,7 @@ def test_the_measure_step_measures_every_point_and_the_targets_read_them(shrunk,
     through the stand-in's streams (the link) and the posix engine (the drive), each point's
     last timed step is a trace on disk, and every point at K gets its bound, its stall beyond
     the IO deficit and its breakdown."""
-    import gpu_check_measure
+    from ssdtrain_megatron.tools.gpucheck import gpu_check_measure
 
     monkeypatch.setattr(gpu_check_measure, "MIN_TENSOR_BYTES", 1024)  # the tiny shape's tensors
     shrunk.steps = 2

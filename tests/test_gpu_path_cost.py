@@ -7,7 +7,8 @@ Figures before these changes (core-bench --gpu-path on the first H200 run's code
 handed over per pack): 10 calls per record out, 12 back. Broken variants, each tried once:
 ``DeviceCopy.writes`` opening no batch (each record its own producer event and context) fails
 the batch test; ``_recycle`` dropping events fails the pool test; ``pad=False`` removed from
-``DeviceCopy.restore`` fails the size test.
+``DeviceCopy.restore`` fails the size test, and so does the allocation moved back inside
+``ops.use(reload_stream)`` (issue 54, fault A).
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ def test_a_record_costs_a_few_stream_calls_each_way(tmp_path, engine):
     cfg = OffloadConfig(dirs=[str(tmp_path)], engine=engine, min_tensor_bytes=0, keep_last_layers=1,
                         host_memory_bytes=64 << 20, max_inflight_bytes=64 << 20, pinned_staging_bytes=64 << 20)
     _, _, calls = gpu_path_step(cfg, 20 * PER_LAYER, 4096, PER_LAYER)
-    assert calls["out"] <= 6 and calls["back"] <= 8.5, calls
+    # Back: 2 more than before issue 54's fault A was fixed (the allocation event on the compute
+    # stream and the reload stream's wait on it), one fewer where the consumer is the stream
+    # the tensor came from (no record_stream).
+    assert calls["out"] <= 6 and calls["back"] <= 10.5, calls
 
 
 def _layers_of_saves(off, rec, n_layers: int, per_layer: int, device):
@@ -78,9 +82,12 @@ def test_events_come_from_a_pool(tmp_path):
 @pytest.mark.parametrize("residue", [0, 64])
 def test_a_restored_tensor_is_allocated_at_its_own_size(residue):
     """A tensor that began on a 512-byte boundary (CUDA's allocator gives every block one) comes
-    back in memory of exactly its bytes: padding would put it in the allocator's next size
-    class, where it cannot reuse the block it came from. One at another residue is padded to
-    reach it (bitwise gradients must not depend on where the bytes came back to)."""
+    back in memory of exactly its bytes, allocated on the current (compute) stream: the stream
+    whose pool the block it came from went back to, and padding would put it in the
+    allocator's next size class, where it could not reuse that block (tests/test_restore_memory.py
+    measures the reuse). One at another residue is padded to reach it (bitwise gradients must
+    not depend on where the bytes came back to). The reload stream's copy waits for the
+    allocation's point on the compute stream."""
     rec = Recorder()
     copy = DeviceCopy(torch.device("cpu"), 1 << 20, rec)
     mem = aligned_buffer(4096 * 4 + 512)[residue:residue + 4096 * 4].view(torch.float32)
@@ -90,6 +97,10 @@ def test_a_restored_tensor_is_allocated_at_its_own_size(residue):
     copy.restore(r, source=host)
     (alloc,) = rec.nodes("alloc")
     assert alloc.tags["nbytes"] == r.nbytes + (0 if residue == 0 else 512)
+    assert alloc.agent == rec.default.name, f"allocated on {alloc.agent}, not the current stream"
+    (h2d,) = [n for n in rec.nodes("copy") if n.agent == copy.reload_stream.name]
+    assert rec.happens_before(alloc, h2d), "the reload copy is not ordered after the allocation"
     assert r.tensor.data_ptr() % 512 == residue
+    r.transfer.ready_event.synchronize()  # the copy ran (the stand-in's streams run when they like)
     assert torch.equal(r.tensor.view(torch.int32), mem.view(torch.int32))
     copy.close()

@@ -142,10 +142,10 @@ def _fail_worker_buffers(monkeypatch):
 def _fail_second_root(monkeypatch):
     real = layout.make_rank_dir
 
-    def fails_on_b(root, ident):
+    def fails_on_b(root, ident, *template):
         if root.endswith("/b/j1"):
             raise LayoutError("injected: root b refused")
-        return real(root, ident)
+        return real(root, ident, *template)
 
     monkeypatch.setattr(layout, "make_rank_dir", fails_on_b)
     return LayoutError
@@ -327,9 +327,10 @@ def test_clean_from_the_drive_root_finds_a_hard_killed_jobs_slabs_and_keeps_a_li
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("removed ") >= 2 and "2 stale directories, freed" in done.stdout, done.stdout
     assert not any(os.path.exists(d) for d in dead)
-    # The job folders the removal left empty are gone (lr1 held only the dead job); the live
-    # job's files, and the folder that was empty before, are untouched.
-    assert sorted(os.listdir(ssd)) == ["lr0"]
+    # The job folders the removal left empty are gone (the {job} folders 4711); the drives'
+    # folders (lr1 held only the dead job, but the job did not make it), the live job's files,
+    # and the folder that was empty before, are untouched.
+    assert sorted(os.listdir(ssd)) == ["lr0", "lr1"] and os.listdir(ssd / "lr1") == []
     assert sorted(os.listdir(ssd / "lr0")) == ["live9", "not-a-job"]
     assert {f: os.path.getsize(os.path.join(live_dir, f)) for f in os.listdir(live_dir)} == live_files
     assert live.proc.poll() is None

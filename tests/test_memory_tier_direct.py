@@ -153,10 +153,16 @@ def test_an_extent_read_back_but_never_used_is_reused_only_after_its_copy_out(tm
 def test_without_the_fence_the_abandoned_extents_reuse_is_unordered(tmp_path, monkeypatch):
     """The control: with ``fence`` a no-op, on a GPU whose copies out the host does not see
     finish before it reuses the extents (queries answer not yet), the test above fails
-    ('staging reuse: ... is not ordered before ...')."""
+    ('staging reuse: ... is not ordered before ...'). ``DeviceCopy.unused`` is a no-op too:
+    it makes the compute stream wait for each abandoned read's copy (issue 54, fault A: the
+    restored tensor's block goes back to that stream's pool), and the next writes into the
+    extents, ordered after the compute stream by their producer event, would then follow the
+    copies out through it."""
+    from ssdtrain_megatron.cache.device_copy import DeviceCopy
     from ssdtrain_megatron.io.memory import MemoryEngine
 
     monkeypatch.setattr(MemoryEngine, "fence", lambda self, key, event: None)
+    monkeypatch.setattr(DeviceCopy, "unused", lambda self, xfer: None)
     with pytest.raises(AssertionError, match="staging reuse"):
         _offload(tmp_path, "memory", LAYERS * NBYTES, abandon_first=True, unobserved_reloads=True)
 

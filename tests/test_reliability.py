@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.cache import IOTimeout
 from ssdtrain_megatron.io import EngineError, Identity, engine_class, make_engine
 from ssdtrain_megatron.io.clean import LIVE, STALE, UNKNOWN, clean_root, scan_root
+from ssdtrain_megatron.io.owner import boot_id
 from ssdtrain_megatron.tools.clean import add_clean_parser
 from ssdtrain_megatron.io.layout import LayoutError, free_bytes, rank_dir_name
 from ssdtrain_megatron.io.posix import PosixEngine
@@ -628,17 +630,27 @@ def _dead_pid() -> int:
 
 
 def _fake_rank_dir(root, pid, host=None, job="old", owner=True, extra=None):
+    """The directory a job of this version left: its record names this kernel's boot id (another
+    machine's for another ``host``) and a lock its writer no longer holds."""
+    boot = boot_id() if host is None else "another machine's boot id"
     host = host or Identity.detect("x").hostname
     d = os.path.join(root, rank_dir_name(job, host, 0, pid))
     os.makedirs(d, mode=0o700)
     if owner:
         with open(os.path.join(d, "owner.json"), "w") as fh:
-            json.dump({"pid": pid, "hostname": host, "job": job, "rank": 0}, fh)
+            json.dump({"pid": pid, "hostname": host, "job": job, "rank": 0, "boot_id": boot, "lock": "flock"}, fh)
     with open(os.path.join(d, "slab.bin"), "wb") as fh:
         fh.write(b"x" * 8192)
     if extra:
         extra(d)
     return d
+
+
+def _lock(rank_dir) -> int:
+    """Hold ``rank_dir``'s owner.json locked, as its running job does (close the fd to let go)."""
+    fd = os.open(os.path.join(rank_dir, "owner.json"), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
 
 
 def test_the_sweep_removes_only_dead_jobs_own_directories(tmp_path):
@@ -649,8 +661,9 @@ def test_the_sweep_removes_only_dead_jobs_own_directories(tmp_path):
     (outside / "precious").write_text("keep me")
     dead = _dead_pid()
     stale = _fake_rank_dir(root, dead)
+    held = []  # the live job's lock on its owner.json
     keep = {
-        "live": _fake_rank_dir(root, os.getpid(), job="live"),
+        "live": _fake_rank_dir(root, os.getpid(), job="live", extra=lambda d: held.append(_lock(d))),
         "other host": _fake_rank_dir(root, dead, host="some-other-node", job="remote"),
         "no owner": _fake_rank_dir(root, dead, job="noowner", owner=False),
         "subdirectory": _fake_rank_dir(root, dead, job="subdir", extra=lambda d: os.mkdir(os.path.join(d, "sub"))),
@@ -673,15 +686,17 @@ def test_the_sweep_removes_only_dead_jobs_own_directories(tmp_path):
     assert all(os.path.isdir(d) for d in keep.values())
     assert os.path.islink(link) and (root / "not-ours.txt").exists()
     assert (outside / "precious").read_text() == "keep me" and sorted(os.listdir(outside)) == ["precious"]
+    os.close(held[0])
 
 
 def test_a_reused_pid_does_not_keep_a_dead_jobs_directory(tmp_path):
     """owner.json records when its process started; another process that now has the pid
-    (here: this one) does not make the directory live."""
+    (here: this one) does not make the directory live. (A record without a lock, as an older
+    version wrote it: judged by its pid on this kernel.)"""
     d = _fake_rank_dir(tmp_path, os.getpid())
     with open(os.path.join(d, "owner.json"), "w") as fh:
         json.dump({"pid": os.getpid(), "hostname": Identity.detect("x").hostname, "job": "old", "rank": 0,
-                   "start_ticks": 1}, fh)
+                   "start_ticks": 1, "boot_id": boot_id()}, fh)  # no lock: judged by its pid
     (item,) = clean_root(str(tmp_path), dry_run=True)
     assert item.verdict == STALE and "reused" in item.reason
 

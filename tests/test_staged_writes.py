@@ -2,8 +2,9 @@
 staging, then the drive write from there. The device memory goes when the copy has landed,
 not when the drive has the bytes (issue 47: a slow drive fills host staging, not the GPU).
 
-The streams are the recording stand-in (tests/recording_streams.py: copies happen when issued,
-and an event's ``query`` answers done once recorded, unless its stream is ``unobserved``); the
+The streams are the recording stand-in (tests/recording_streams.py: copies run when their stream
+runs them, at seeded random moments; a scene that needs them landed says so with ``run_all``,
+one that needs them never seen to land marks the offload stream ``unobserved``); the
 posix engine, its files and IO threads are real, with an IO thread held inside a write where a
 test needs a drive write to be under way (tests/faulty.py). What only a GPU shows: how fast
 the copies land, and the memory the allocator really gets back.
@@ -80,6 +81,19 @@ def _copies_back(rec, off):
     return [n for n in rec.nodes("copy") if contains((lo, hi), n.tags["src"])], (lo, hi)
 
 
+def _check_copies_back(rec, off) -> int:
+    """Every copy out of a staging block runs after the copy into it (and the block's reuse is
+    ordered: check_staging_reuse); returns how many copies back there were."""
+    backs, (lo, hi) = _copies_back(rec, off)
+    outs = [n for n in rec.nodes("copy") if contains((lo, hi), n.tags["dst"])]
+    for back in backs:
+        into = [o for o in outs if o.idx < back.idx and o.tags["dst"] == back.tags["src"]]
+        if into:  # (a read's block is filled by the engine, not by a copy)
+            assert rec.happens_before(into[-1], back), f"{back} reads the block before {into[-1]} landed"
+    check_staging_reuse(rec, off.copy.pool._mem)
+    return len(backs)
+
+
 def _bits(t: torch.Tensor):
     return t.view(torch.int32)
 
@@ -99,6 +113,7 @@ def test_device_memory_goes_when_the_copy_lands_not_when_the_drive_has_it(tmp_pa
         drive.holding = True
         ys = [_save(off, rec, seen, n, v) for n, v in (("a", 1.0), ("b", 2.0), ("c", 3.0))]
         assert drive.entered.wait(60)
+        rec.run_all()  # the GPU ran the three copies (the stand-in's streams run when they like)
         off.poll()
         states = [off.table.get(i).state_name for i in range(3)]
         assert [off.table.get(i).state for i in range(3)] == [State.STAGED] * 3, states
@@ -131,6 +146,7 @@ def test_a_record_wanted_during_its_drive_write_comes_back_from_its_staging_bloc
         ya = _save(off, rec, seen, "a", 1.0)
         assert drive.entered.wait(60)
         yb = _save(off, rec, seen, "b", 2.0)
+        rec.run_all()  # the GPU ran both copies: b is STAGED once the poll sees it
         off.poll()
         yb.sum().backward()
         assert off.table.get(1) is None or off.table.get(1).state in (State.READY, State.RELEASED)
@@ -280,8 +296,45 @@ def test_writes_backward_wanted_before_their_copy_landed_are_not_started_in_the_
             if step == 0:
                 assert late["2"] > 0, late
                 first_tail = off._decisions.late_tail
+                # Nothing landed: no record may come back from a block its copy has not filled.
+                _check_copies_back(rec, off)
         assert first_tail >= 2 and kept[1] > kept[0], f"written again: kept {kept}, tail {first_tail}"
         assert not any(r.late_writes for r in stats.layers)
+    finally:
+        drive.gate.set()
+        off.close()
+
+
+def test_read_ahead_leaves_a_write_whose_copy_has_not_landed(tmp_path):
+    """Read-ahead does not take from memory a record whose device->host copy is still running
+    (issue 54, break 3): with the offload stream never seen to finish and the drive held
+    inside layer 0's write, layers 1 and 2's writes are taken back (``cancel``) only when
+    backward itself reaches them, after the consumers of the layers above. Broken variant:
+    the refusal in ``Transfers._wanted_while_writing`` (``elif ahead: return False``)
+    removed: read-ahead takes layer 2's write back before layer 3's consumer ran."""
+    rec, drive, off = _scene(tmp_path, keep_last_layers=1, prefetch_layers=1)
+    rec.unobserved.add(off.copy.offload_stream.name)
+    try:
+        drive.holding = True
+        x = torch.randn(64, 3 * 128, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        with off.microbatch(0):
+            h = x
+            for i in range(4):
+                with off.layer(i):
+                    h = Saves.apply(h, rec, [])  # records 0, 1, 2 (layer 3 is kept)
+            loss = h.sum()
+        assert drive.entered.wait(60), "layer 0's write never reached the drive"
+        loss.backward()
+        drive.holding = False
+        drive.gate.set()
+        off.end_step()
+        taken = [n for n in rec.nodes("engine_cancel") if n.tags["taken"]]
+        assert sorted(n.tags["key"] for n in taken) == [1, 2], taken
+        for n in taken:
+            above = sum(1 for m in rec.log[:n.idx] if m.kind == "consume")
+            assert above == 3 - n.tags["key"], (
+                f"layer {n.tags['key']}'s write was taken back after {above} consumers, before backward "
+                f"reached it: read-ahead took a record whose copy had not landed")
     finally:
         drive.gate.set()
         off.close()

@@ -23,10 +23,16 @@ def test_staging_pool_is_allocated_once_and_overflows_without_blocking(caplog):
     b = pool.take(3000)  # does not fit: an overflow block, not a wait
     assert b.offset is None and pool.overflows == 1 and b.tensor.numel() == 3000
     ev = rec.new_event()
-    pool.give(a, after=ev)  # the copy out of it has not been recorded yet: not reusable
+    # The copy out of it has not run: its event recorded on a stream the host does not see
+    # finish (CUDA answers done for an event never recorded).
+    behind = rec.new_stream(torch.device("cpu"))
+    rec.unobserved.add(behind.name)
+    ev.record(behind)
+    pool.give(a, after=ev)
     c = pool.take(1500)
     assert c.offset is None and pool.overflows == 2
-    ev.record(rec.default)
+    rec.unobserved.discard(behind.name)
+    rec.run_all()  # the stream ran to the event
     d = pool.take(5000)  # the event completed: the block is reclaimed (by query, never a wait)
     assert d.offset == 0
     assert not rec.nodes("synchronize") and rec.nodes("query_done")

@@ -43,6 +43,7 @@ from ssdtrain_megatron.io import IOEngine, make_engine
 from tests.faulty import FaultyEngine
 from tests.forwarding import ForwardingEngine
 from tests.recording_streams import Recorder, _range, overlaps
+from tests.staging_checks import check_staging_reuse  # noqa: F401 - other tests import it from here
 
 CUDA = torch.cuda.is_available()
 NBYTES = 64 * 1024  # one staging block; every tensor of these tests has this size
@@ -63,6 +64,14 @@ class Logged(ForwardingEngine):
         super().__init__(inner)
         self.rec, self.refuse = rec, {}
         self.pooled = pooled  # False: hide the engine's pool_view
+        inner.tracer = rec.tracer  # each chunk at the file, after its submission
+        if hasattr(inner, "memory"):  # tiered: both tiers trace
+            inner.memory.tracer = inner.ssd.tracer = rec.tracer
+
+    def __setattr__(self, name, value):
+        # The completion queue through the recorder: each report is ordered before what the
+        # offloader does once it took it (recording_streams.py).
+        super().__setattr__(name, self.rec.completions(value) if name == "completions" else value)
 
     def write(self, key, data, ready_event=None):
         self.rec.host("engine_write", key=key, ptr=_range(data))
@@ -123,32 +132,6 @@ class Saves(torch.autograd.Function):
         ctx.rec.kernel("consume", s)
         ctx.seen.append(s.clone())
         return g * 1, None, None
-
-
-def check_staging_reuse(rec: Recorder, pool) -> int:
-    """Every write into pool memory (a tensor, or its (first, past-last) byte range) -- a copy
-    into it, an engine read into it -- is ordered after every earlier copy into or out of the
-    same bytes. Returns how many such pairs it checked across different agents (a reuse of a
-    block by another stream or by the host)."""
-    lo_hi = pool if isinstance(pool, tuple) else _range(pool)
-    earlier = []  # (node, byte range of the pool it touched)
-    pairs = 0
-    for n in rec.log:
-        target = None
-        if n.kind == "copy" and overlaps(n.tags["dst"], lo_hi):
-            target = n.tags["dst"]
-        elif n.kind == "engine_read" and overlaps(n.tags["ptr"], lo_hi):
-            target = n.tags["ptr"]
-        if target is not None:
-            for c, r in earlier:
-                if overlaps(r, target) and c.agent != n.agent:
-                    pairs += 1
-                    assert rec.happens_before(c, n), f"staging reuse: {c} is not ordered before {n}"
-        if n.kind == "copy":
-            for r in (n.tags["dst"], n.tags["src"]):
-                if overlaps(r, lo_hi):
-                    earlier.append((n, r))
-    return pairs
 
 
 def _config(tmp_path, engine: str, **kw) -> OffloadConfig:
@@ -377,7 +360,12 @@ def test_the_pool_hands_out_a_block_only_once_its_event_completed_without_waitin
     pool = StagingPool(3 * 4096, rec)
     a, b, c = pool.take(4096), pool.take(4096), pool.take(4096)
     slow, fast = rec.new_event(), rec.new_event()
-    pool.give(a, after=slow)  # never recorded: its copy has not run
+    # A copy that has not run: its event recorded on a stream the host never sees finish (an
+    # event never recorded would be done, as CUDA answers for one).
+    behind = rec.new_stream(torch.device("cpu"))
+    rec.unobserved.add(behind.name)
+    slow.record(behind)
+    pool.give(a, after=slow)
     pool.give(b, after=fast)
     fast.record(rec.default)
     d = pool.take(4096)

@@ -51,6 +51,10 @@ DECISIONS = (OFFLOAD, KEEP, RECOMPUTE) + TIERS
 OFFLOADS = (OFFLOAD,) + TIERS
 """The decisions that hand a tensor to the IO engine."""
 
+LATE_PROBE_MAX_STEPS = 64
+"""The longest run of steps with no late write before ``late_tail`` gives layers back to
+offload again, after probes that found them late (``Decisions.learn``)."""
+
 
 class Decisions:
     """Per-layer decisions for one offloader (training thread only).
@@ -78,7 +82,14 @@ class Decisions:
         """Layers at the forward's end whose writes are deferred like ``keep_last_layers``'
         (kept when the micro-batch's backward follows at once) because backward wanted their
         records before the device->host copies had landed in an earlier step: writes that cannot
-        complete in time are not started (:meth:`learn`). Only grows."""
+        complete in time are not started. It grows to cover the first layer found late, and
+        halves after a run of steps with no late write, so that layers go back to offload once
+        their writes land in time again (one slow first step does not keep them in GPU memory
+        for the whole run); a halving that finds them late again doubles the run it waits for
+        next time, up to ``LATE_PROBE_MAX_STEPS`` (:meth:`learn`)."""
+        self._late_calm = 0  # steps in a row with no late write, since late_tail last changed
+        self._late_probe = 1  # ... needed before late_tail halves
+        self._late_probing = False  # the last step ran with a halved late_tail
         # Without a budget, a planner or a placement a record's decision is its layer's: one
         # dict lookup.
         self._plain = budget is None and planner is None and placement is None
@@ -174,16 +185,33 @@ class Decisions:
             extra.update(self._budget.end_step(largest, step_number).as_fields(self._budget.limit))
         return dataclasses.replace(stats, **extra)
 
+    def _learn_late(self, stats: StepStats, order: Sequence[Hashable]) -> None:
+        """``late_tail`` from a finished step (its docstring): the layers' late writes."""
+        wanted_early = {r.layer for r in stats.layers if r.late_writes}
+        late = [i for k, i in self._order.items() if str(k) in wanted_early]
+        if late:  # from the first layer wanted before its copy landed to the end
+            if self._late_probing:  # the layers given back were late again: try later next time
+                self._late_probe = min(2 * self._late_probe, LATE_PROBE_MAX_STEPS)
+            self.late_tail = max(self.late_tail, len(order) - min(late))
+            self._late_calm = 0
+            self._late_probing = False
+            return
+        self._late_probing = False
+        if not self.late_tail:
+            return
+        self._late_calm += 1
+        if self._late_calm >= self._late_probe:  # in time again: give half the tail back
+            self.late_tail //= 2
+            self._late_calm = 0
+            self._late_probing = True
+
     def learn(self, stats: StepStats, order: Sequence[Hashable], num_micro_batches: int) -> None:
         """The tier placement and the planner learn from a finished step's stats (``order``:
         the layers in forward order)."""
         self._layers = list(order)
         self._order = {k: i for i, k in enumerate(order)}
         self._after.clear()
-        wanted_early = {r.layer for r in stats.layers if r.late_writes}
-        late = [i for k, i in self._order.items() if str(k) in wanted_early]
-        if late:  # from the first layer wanted before its copy landed to the end
-            self.late_tail = max(self.late_tail, len(order) - min(late))
+        self._learn_late(stats, order)
         if self._budget is not None:  # bytes saved outside layers (end_step learned them)
             named = {str(k) for k in order}
             self._outside = sum(v for k, v in self._budget.layer_bytes.items() if k not in named)

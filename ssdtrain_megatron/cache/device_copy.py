@@ -16,35 +16,60 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   have run (``landed``: the copy event's ``query()`` answered True on the training thread,
   never a wait); only then does the offloader let them go, so the allocator cannot hand the
   memory out again under the copy. Nothing marks them used by the offload stream
-  (``record_stream``, which would hold every freed block until the stream's tail). Bytes of a
+  (``record_stream``, which would hold every freed block until the stream's tail), so an
+  owner that frees the storage in place (``resize_(0)``) before the copy landed is found
+  when it lands, and the record kept (cache/transfers.py ``_landed``; docs/design.md,
+  "Storages freed in place"). Bytes of a
   write that is abandoned before it landed (taken back, refused, released: nobody reads them)
   are marked used by the offload stream instead, then dropped.
 - A staging block goes back to the pool when the engine is done with it, with the event of the
   last copy into or out of it unless that copy is known to have landed: the next ``take``
   must not hand out a block a copy will still land on (staging.py).
 - Reload (``finish_in``, after the engine's read into a staging block completed, or at once
-  from the memory engine's pool): the restored tensor is allocated *on the reload stream*
-  just before its copy (no read-ahead holds device memory while the drive reads; memory freed
-  on that stream is reused in its order, so no allocation event is needed), the bytes are
-  copied host -> device there (and a compact record's packed elements scattered into their
-  strided places, still there), and a *ready* event follows. The staging block is reused only
-  once that event has completed (``query``).
+  from the memory engine's pool; the training thread): the restored tensor is allocated *on
+  the current (compute) stream* just before its copy (no read-ahead holds device memory while
+  the drive reads). CUDA's caching allocator hands a freed block only to allocations on the
+  stream that freed it, and the activations forward let go and backward frees go back to the
+  compute stream's pool: allocated there, restores reuse that memory instead of growing a
+  pool of their own beside it (tests/test_restore_memory.py measures reserved against
+  allocated bytes). An *allocation* event recorded on the compute stream orders the reload
+  stream after whatever used the block before (its cost: a reload copy never starts before
+  the compute stream has reached the point where the host allocated, so read-ahead is
+  ahead of the compute stream by what the host issued since). The bytes are copied host ->
+  device on the reload stream (and a compact record's packed elements scattered into their
+  strided places, still there; the packed memory is marked used by the reload stream, since
+  it goes back to the compute stream's pool as soon as the scatter is queued), and a *ready*
+  event follows. The staging block is reused only once that event has completed (``query``).
 - Unpack (``consume``, the consumer's thread and stream): the current stream waits on the
-  ready event (the host does not block), and the tensor is marked used by that stream
-  (``record_stream``): it was allocated on the reload stream, which must not reuse its memory
-  while the consumer still reads it.
+  ready event (the host does not block). A consumer on a stream other than the one the
+  tensor was allocated on marks it used by its stream (``record_stream``); on that stream
+  itself no mark is needed (its later work, and the block's reuse, follow the consumer). A
+  restored tensor released before anyone consumed it (``unused``) makes its stream wait for
+  the ready event first, so that its block, back in the pool at once, is not written before
+  the copy into it has landed.
 - Restored tensors have the size of the original: a tensor that started on a 512-byte boundary
   (the caching allocator's alignment: every dense activation) is allocated at exactly its
-  bytes, so it falls in the size class of the block it came from and can reuse it.
+  bytes, on the stream it was freed on, so it falls in the size class of the block it came
+  from and can reuse it.
 - ``direct`` engines (gds: cuFile DMAs device memory outside any stream) get device memory,
   no staging: on writes the engine's IO thread waits for the producer event before cuFile
   reads the bytes; on reads the restored tensor is allocated on the current stream at
   prefetch with an *allocation event* the engine waits for before cuFile writes into it, and
   the read's completion is observed by the host before the consumer is launched (a compact
   record's scatter runs on the reload stream, ordered before the consumer by the ready event).
-- Events come from a pool (``_event``): an event goes back when nothing will wait on its last
-  record point again (CUDA orders a wait by the record point at the time of the wait; a
-  re-recorded event only makes a later ``query`` more conservative).
+- Events come from a pool (``_event``; the newest freed is handed out first). An event that
+  only orders streams or threads (a producer event, a write's copy event once it landed) goes
+  back when nothing will wait on its last record point again: CUDA orders a wait by the record
+  point at the time of the wait. An event that *fences a buffer* (a read's ready event: a
+  staging block, a memory-engine extent, the engine's read meter hold it and ``query`` it
+  later) goes back only once the host saw it complete (``_retire``): until then it may be the
+  only thing that orders the buffer's reuse after the copy out of it, and re-recorded on
+  another stream (the next producer event, on the compute stream) it would answer done for
+  that stream's point instead, which orders nothing on the reload stream unless every
+  consumer happened to run on the compute stream. Once its point has passed, a re-record
+  only makes the holders' later ``query`` more conservative. The retired events come back
+  together when the one recorded last answers done: the reload stream completes its events
+  in order, so one ``query`` answers for all of them.
 
 ``ops`` (a :class:`StreamOps`) is how this module reaches streams, events and copies:
 :class:`CudaStreams` on a GPU; tests pass a recording stand-in that logs every record, wait,
@@ -73,7 +98,7 @@ class Transfer:
     """One record's copy in flight: what must stay alive, and the events that order it."""
 
     __slots__ = ("block", "pooled", "copy_event", "landed", "source", "produced", "packed",
-                 "alloc_event", "ready_event")
+                 "alloc_event", "ready_event", "owner", "consumed", "ready_seq", "storage", "freed")
 
     def __init__(self) -> None:
         self.block: Optional[Block] = None  # staging, until the engine (write) or the copy (read) is done
@@ -85,6 +110,11 @@ class Transfer:
         self.packed: Optional[torch.Tensor] = None  # direct read of a compact record: packed elements
         self.alloc_event: Any = None  # direct read: recorded after the allocation
         self.ready_event: Any = None  # read: recorded on the reload stream after the copy
+        self.owner: Any = None  # staged read: the stream the restored tensor was allocated on
+        self.consumed = False  # staged read: a consumer's stream waited for the copy
+        self.ready_seq = 0  # read: the ready event's place among the reload stream's ready events
+        self.storage: Optional[Tuple[int, int]] = None  # write: (address, bytes) of the saved storage
+        self.freed: Optional[BaseException] = None  # write: its owner freed that storage under the copy
 
 
 class _Batch:
@@ -120,6 +150,12 @@ class DeviceCopy:
         self.pool = None if direct else StagingPool(staging_bytes, self.ops)
         self.timeline = None  # telemetry/timeline.py, while a step is recorded (the offloader sets it)
         self._events: List[Any] = []  # free events (module docstring)
+        # Retired ready events that may still fence a buffer, and the one recorded last on the
+        # reload stream among them (_event; module docstring).
+        self._fencing: List[Any] = []
+        self._fencing_last: Any = None
+        self._fencing_seq = -1
+        self._ready_seq = 0  # ready events recorded on the reload stream so far
         self._batch: Optional[_Batch] = None
         self._warned = False
         self._closed = False
@@ -127,11 +163,44 @@ class DeviceCopy:
     # -- events -----------------------------------------------------------------------------
 
     def _event(self) -> Any:
-        return self._events.pop() if self._events else self.ops.new_event()
+        if self._events:
+            return self._events.pop()
+        # The retired fences, once the host sees them complete: their record points passed, so
+        # every buffer fenced with them may be reused, and a new record point cannot make a
+        # holder's later ``query`` answer done too early (module docstring). All were recorded
+        # on the reload stream, which completes its events in order: one ``query`` of the one
+        # recorded last answers for all of them.
+        if self._fencing and self._fencing_last.query():
+            self._events.extend(self._fencing)
+            self._fencing.clear()
+            self._fencing_last, self._fencing_seq = None, -1
+            return self._events.pop()
+        return self.ops.new_event()
 
     def _recycle(self, event: Any) -> None:
+        """An event that fences no buffer (module docstring) goes back to the pool now."""
         if event is not None:
             self._events.append(event)
+
+    def _retire(self, xfer: Transfer) -> None:
+        """A read's ready event (recorded on the reload stream), which may fence a buffer, goes
+        back only once ``query`` answers done (``_event``): a staging block or pool extent
+        given back with it may still be pending."""
+        event = xfer.ready_event
+        if event is None:
+            return
+        self._fencing.append(event)
+        if xfer.ready_seq > self._fencing_seq:
+            self._fencing_last, self._fencing_seq = event, xfer.ready_seq
+
+    def _ready(self, xfer: Transfer, stream: Any) -> Any:
+        """A read's ready event, recorded on the reload stream ``stream`` now (numbered: the
+        order ``_event`` relies on)."""
+        ready = xfer.ready_event = self._event()
+        ready.record(stream)
+        xfer.ready_seq = self._ready_seq
+        self._ready_seq += 1
+        return ready
 
     # -- offload ----------------------------------------------------------------------------
 
@@ -204,6 +273,8 @@ class DeviceCopy:
             except BaseException:  # noqa: BLE001 - the first error is the one the caller sees
                 log.error("ssdtrain: %d bytes of staging are withheld from the pool after a failed "
                           "device->host copy", target.numel())
+                if xfer.block is not None:
+                    self.pool.withhold(xfer.block)
                 xfer.block = None
             if fence is not None:
                 fence(copied)
@@ -287,19 +358,28 @@ class DeviceCopy:
         stream = self.reload_stream
         tl = self.timeline
         host = source if source is not None else xfer.block.tensor
+        # Allocated on the current (compute) stream, from the pool backward's frees go back
+        # to; the reload stream writes it only once the compute stream has run to this point,
+        # where whatever used the block before is done (module docstring).
+        owner = xfer.owner = ops.current_stream(self.device)
+        restored, dest = rec.allocate_restore(empty=ops.empty, pad=False)
+        allocated = self._event()
+        allocated.record(owner)
+        stream.wait_event(allocated)
+        self._recycle(allocated)  # the wait took its record point
         with ops.use(stream):
-            # Allocated here, on the reload stream, just before its copy (module docstring).
-            restored, dest = rec.allocate_restore(empty=ops.empty, pad=False)
             span = tl.gpu_begin(stream, "reload", "h2d", "copy", record=rec.id, bytes=rec.nbytes,
                                 layer=str(rec.layer)) if tl is not None else None
             ops.copy(as_bytes(dest), host)
             if rec.staging is not None:  # a compact record: scatter into the strided places
                 ops.copy(restored, rec.staging)
+                # The packed elements' memory goes back to the compute stream's pool now: not
+                # to be reused before the reload stream has read it.
+                ops.record_stream(rec.staging, stream)
                 rec.staging = None
             if span is not None:
                 tl.gpu_end(stream, span)
-            ready = xfer.ready_event = self._event()
-            ready.record(stream)
+            ready = self._ready(xfer, stream)
         rec.tensor = restored
         if xfer.block is not None and source is None:
             self.pool.give(xfer.block, after=ready)
@@ -319,8 +399,7 @@ class DeviceCopy:
         stream.wait_event(xfer.alloc_event)
         with ops.use(stream):
             ops.copy(rec.tensor, xfer.packed)
-            xfer.ready_event = self._event()
-            xfer.ready_event.record(stream)
+            self._ready(xfer, stream)
         for t in (rec.tensor, xfer.packed):  # allocated on the compute stream, written here
             ops.record_stream(t, stream)
         xfer.packed = None
@@ -348,19 +427,41 @@ class DeviceCopy:
             span = tl.gpu_begin(current, "compute", "reload", "wait", record=rec.id, bytes=rec.nbytes,
                                 layer=str(rec.layer)) if tl is not None else None
             current.wait_event(ready)
+            xfer.consumed = True
             if span is not None:
                 tl.gpu_end(current, span)
-        if ready is not None or xfer.alloc_event is not None:
-            ops.record_stream(out, current)
+        if xfer.alloc_event is not None or ready is not None and current != xfer.owner:
+            ops.record_stream(out, current)  # used by a stream other than the one it came from
+
+    def unused(self, xfer: Optional[Transfer]) -> None:
+        """A restored tensor goes unconsumed (its record is released before any unpack): the
+        stream it was allocated on waits for its copy first, so that the allocator, which
+        hands its block to that stream's next allocation at once, cannot let a kernel write
+        there before the copy has landed (training thread, before the tensor is dropped)."""
+        if xfer is not None and xfer.owner is not None and not xfer.consumed and xfer.ready_event is not None:
+            xfer.owner.wait_event(xfer.ready_event)
+            xfer.consumed = True
 
     def forget(self, xfer: Optional[Transfer]) -> None:
-        """A record is released: its read's events go back to the pool (no consumer will wait
-        on them again; a staging block or pool extent fenced by one only waits longer)."""
+        """A record is released: no consumer will wait on its read's events again, but a
+        staging block or pool extent given back with its ready event may still be fenced by
+        it, so the events are retired, reused only once they answered done (``_retire``)."""
         if xfer is None:
             return
-        self._recycle(xfer.ready_event)
+        self._retire(xfer)
+        # The allocation event fences nothing: the engine waited for it before its read, which
+        # has completed.
         self._recycle(xfer.alloc_event)
         xfer.ready_event = xfer.alloc_event = None
+
+    def synchronize(self) -> None:
+        """Wait until every copy queued so far on the offload and reload streams has run (close,
+        not the hot path, may wait): before an engine whose pinned pool those copies use is
+        closed, and before the staging pool goes (:meth:`close`)."""
+        for stream in (self.offload_stream, self.reload_stream):
+            done = self.ops.new_event()
+            done.record(stream)
+            done.synchronize()
 
     def close(self) -> None:
         """Wait until every copy ever queued on the offload and reload streams has run, then
@@ -370,10 +471,7 @@ class DeviceCopy:
         if self._closed:
             return
         self._closed = True
-        for stream in (self.offload_stream, self.reload_stream):
-            done = self.ops.new_event()
-            done.record(stream)
-            done.synchronize()
+        self.synchronize()
         if self.pool is not None:
             self.pool.close()
 

@@ -31,6 +31,7 @@ from ..config import OffloadConfig
 from ..io import IOEngine, cleanup, make_engine
 from ..io.layout import Identity, expand_file, space_shortfalls
 from ..io.roots import log_roots
+from ..telemetry.append import AppendFile
 from ..telemetry.stats import StepStats, append_jsonl, append_line, run_header
 from ..telemetry.tiers import tier_traffic
 from ..telemetry.trace import IOTracer
@@ -153,10 +154,10 @@ class ActivationOffloader:
         self.record_memory_timeline = False
         self.last_memory_timeline: List[tuple] = []
         # Files, not directories: a restarted job (same command line) appends to them.
-        self._stats_path = expand_file(config.stats_path, ident) if config.stats_path else None
+        self._stats_file = AppendFile(expand_file(config.stats_path, ident)) if config.stats_path else None
         # The run's header line goes before its first step's (readers split appended runs there).
         self._stats_header: Optional[dict] = run_header(ident.job, ident.rank, time.time(), config.to_dict()) \
-            if self._stats_path else None
+            if self._stats_file else None
         # A token object, not id(self): an id is reused once this offloader is gone.
         self._cleanup_token = object()
         cleanup.register(self._cleanup_token, self._emergency_close)
@@ -372,11 +373,11 @@ class ActivationOffloader:
         return stats
 
     def _write_stats(self, stats: StepStats) -> None:
-        if self._stats_path:
+        if self._stats_file:
             if self._stats_header is not None:
-                append_line(self._stats_path, self._stats_header)
+                append_line(self._stats_file, self._stats_header)
                 self._stats_header = None
-            append_jsonl(self._stats_path, stats, {"policy": self.config.policy})
+            append_jsonl(self._stats_file, stats, {"policy": self.config.policy})
         if self._tracer is not None:
             self._tracer.flush()
 
@@ -400,6 +401,11 @@ class ActivationOffloader:
             self._transfers.close()
         finally:
             self._table.close()
+            if self._copy is not None:
+                # Every copy into or out of the engine's pinned pool (memory engine, host tier)
+                # has run before the engine lets that pool go: waited for on the streams
+                # themselves, not only through the fences the engine holds.
+                self._copy.synchronize()
             if self._engine is not None:
                 self._engine.close()
                 self._engine.completions = None

@@ -11,9 +11,11 @@ Three sources, each looked at only on the training thread, which owns every reco
   that the engine's read meter sees when each finished.
 
 ``wait(done, ...)`` blocks until ``done()`` holds, processing whatever happens meanwhile; while
-copies are in flight it looks at the oldest one every ``LANDING_POLL_S``. Every wait of the
-training thread on the offloader goes through :meth:`Progress.next_event` (the GPU check's
-stall probe times it there).
+copies are in flight it looks at the oldest one every ``LANDING_POLL_S``. A wait whose
+``done()`` itself depends on GPU events nothing reports (``poll``: room in the staging pool,
+freed when a reload's copy out of a block ran) asks ``done()`` again at that pace too, whether
+or not copies to host are in flight. Every wait of the training thread on the offloader goes
+through :meth:`Progress.next_event` (the GPU check's stall probe times it there).
 """
 
 from __future__ import annotations
@@ -109,31 +111,38 @@ class Progress:
             self._pool_read_done(reads.popleft()[0])
         return landed
 
-    def next_event(self, deadline: float) -> bool:
+    def next_event(self, deadline: float, poll: bool = False) -> bool:
         """Wait until ``deadline`` for one thing to happen and process it: an IO completion or
         a dropped handle from the queue or, with copies in flight, a device->host copy that
-        landed; False on timeout. An error raised while processing it (a failed finish_read)
-        reaches the caller as it is."""
+        landed; False on timeout. ``poll``: the caller's condition depends on GPU events
+        nothing reports (module docstring): True also after ``LANDING_POLL_S`` with nothing
+        processed, so that the caller looks again. An error raised while processing it (a
+        failed finish_read) reaches the caller as it is."""
         while True:
             if (self.landing or self.pool_reads) and self.poll_copies():
                 return True
             left = deadline - time.perf_counter()
-            if self.landing:
+            if self.landing or poll:
                 left = min(left, LANDING_POLL_S)
             try:
                 item = self._events.get(timeout=left) if left > 0 else self._events.get_nowait()
             except queue.Empty:
-                if self.landing and time.perf_counter() < deadline:
+                if time.perf_counter() >= deadline:
+                    return False
+                if poll:
+                    return True
+                if self.landing:
                     continue
                 return False
             self._on_event(*item)
             return True
 
     def wait(self, done: Callable[[], bool], what: Callable[[], str], reason: Optional[str] = None,
-             **args) -> float:
+             poll: bool = False, **args) -> float:
         """Block until ``done()`` holds, processing what happens meanwhile; the seconds it
         waited (0.0 when ``done()`` held at once). ``reason``: a WAIT_REASONS reason the
-        timeline records the wait under, with ``args``.
+        timeline records the wait under, with ``args``. ``poll``: ``done()`` depends on GPU
+        events nothing reports; it is asked again every ``LANDING_POLL_S`` (module docstring).
 
         Raises:
             IOTimeout: after ``timeout_s``, saying "waited <timeout_s>s for <what()>".
@@ -145,7 +154,7 @@ class Progress:
         t0_ns = tl.now() if tl is not None else 0
         deadline = t0 + self.timeout_s
         while not done():
-            if not self.next_event(deadline):
+            if not self.next_event(deadline, poll):
                 raise IOTimeout(f"waited {self.timeout_s:g}s for {what()}")
         if tl is not None and reason is not None:
             tl.wait(reason, t0_ns, **args)

@@ -14,7 +14,9 @@ copies at once, no IO thread takes part; the read is READY when issued, the cons
 waits for the copy's event), or read by the engine (into a staging block on the GPU path, then
 host->device on the reload stream into memory allocated just before the copy; into the
 restore pool on a CPU device). Read-ahead stops, without waiting, where the activation budget
-or the staging pool has no room; a demand read waits for room.
+or the staging pool has no room, or where the device has no memory for a copy out of the
+memory engine's pool; a demand read waits for room, and raises the device's out-of-memory
+error as it is (the record stays ON_DISK: nothing is left READING with no completion coming).
 
 Collaborators received at construction (``Transfers`` builds this): the engine, the GPU copy
 layer, the restore pool, the record table, the step, the warn-once log, the IO trace's
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import functools
 from typing import Callable, Optional
+
+import torch
 
 from ..config import OffloadConfig
 from ..io.base import EngineError
@@ -111,9 +115,10 @@ class Reads:
             src = self._engine.pool_view_of(rec.id)
             if src is not None:  # the memory engine's pool: copied to the device at once
                 self._engine.pool_read(rec.id, True)
+                if not self._restore_from_pool(rec, src, demand):
+                    return False
                 move(rec, State.READING, c)
                 self._tag(rec)
-                copy.restore(rec, source=src)
                 ready = rec.transfer.ready_event
                 self._engine.fence(rec.id, ready)
                 self._progress.pool_reads.append((rec.id, ready))
@@ -133,6 +138,27 @@ class Reads:
         fut = self._engine.read(rec.id, target, event)
         if fut is not None:  # an engine without ``completions``
             fut.add_done_callback(functools.partial(relay, self._events, rec.id))
+        return True
+
+    def _restore_from_pool(self, rec: TensorRecord, src, demand: bool) -> bool:
+        """The copy out of the memory engine's pool onto the device; False when a read ahead
+        found no device memory for it. Its memory is allocated first, before any copy is
+        queued: when that fails (a CUDA out-of-memory), nothing reads the extent, and the
+        record stays ON_DISK (not READING, where no completion would ever come and the step's
+        end would time out instead). A demand read raises the error as it is
+        (``torch.OutOfMemoryError``); a read ahead stops there, warned once, and backward's
+        own read of the record tries again when memory may have been freed."""
+        try:
+            self._copy.restore(rec, source=src)
+        except BaseException as exc:
+            rec.tensor = None
+            rec.transfer = None
+            self._engine.pool_read(rec.id, False)  # its meter ends (the read counts, though it did not run)
+            if demand or not isinstance(exc, torch.OutOfMemoryError):
+                raise
+            self._warn("readahead-oom", f"read-ahead stopped: no device memory to bring a record back "
+                       f"early ({exc}); backward reads it when it needs it")
+            return False
         return True
 
     def _tag(self, rec: TensorRecord) -> None:

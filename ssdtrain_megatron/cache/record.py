@@ -108,6 +108,12 @@ class TensorRecord:
             raise StorageFreed(f"the storage of a {self.describe()} was freed in place by its owner "
                                "before its write (resize_(0) after it was saved); kept in memory")
 
+    def storage_span(self) -> Optional[Tuple[int, int]]:
+        """(address, bytes) of the saved tensor's storage, None once it is let go: what a free in
+        place (``resize_(0)``) changes, compared when a copy lands (Transfers._landed)."""
+        t = self.tensor
+        return None if t is None else (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
     def hold(self) -> torch.Tensor:
         """Hold a detached alias of the saved tensor (same storage and version counter, no
         grad_fn) instead of the tensor itself, if not yet; returns it."""
@@ -128,7 +134,8 @@ class TensorRecord:
         ``align``: a tensor that started on a 512-byte boundary (most do) comes back on an
         ``align`` boundary; a compact record's packed bytes start on one. ``empty``: where the
         memory comes from (``torch.empty``'s signature; on a CPU device, the offloader's
-        restore_pool.py; on the GPU path, the reload stream's allocator). ``pad=False``:
+        restore_pool.py; on the GPU path, the caching allocator on the current (compute)
+        stream, whose pool the original's block went back to: device_copy.py). ``pad=False``:
         ``empty`` gives ``align``-aligned memory (CUDA's caching allocator: 512 bytes), so a
         tensor that started on a boundary is allocated at exactly its bytes, in the size
         class of the block it came from (padding it would put it in the next one, where it

@@ -18,6 +18,10 @@ Contract:
   complete (back-pressure, counted) instead of blocking here. With ``overflow`` (the default),
   a request that does not fit takes page-locked memory from torch's caching host allocator
   instead, counted in ``overflows``.
+- ``may_free``: whether waiting can make room at all: a block is out with a holder that will
+  give it back (a write or a read in flight), or given back behind an event not yet seen
+  complete. A block a failed copy left unusable (``withhold``) never comes back; when only such
+  blocks fill the pool, the waiting caller overflows instead of waiting out ``io_timeout_s``.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class StagingPool:
         self._alloc = ExtentAllocator(STAGING_ALIGN)
         self._lock = threading.Lock()
         self._pending: Deque[Tuple[Block, Any]] = deque()  # (block, event it waits for)
+        self._out = 0  # blocks handed out whose holder will give them back
         self.overflows = 0
         self.overflow_bytes = 0
 
@@ -82,6 +87,7 @@ class StagingPool:
             offset = self._alloc.allocate(nbytes)
             size = aligned(nbytes)
             if offset + size <= self.capacity:
+                self._out += 1
                 return Block(self._mem[offset:offset + nbytes], offset, size)
             self._alloc.free(offset, size)
             if not overflow:
@@ -96,10 +102,26 @@ class StagingPool:
         if block.offset is None:
             return  # torch's caching host allocator tracks its own copies' events
         with self._lock:
+            self._out -= 1
             if after is None:
                 self._alloc.free(block.offset, block.size)
             else:
                 self._pending.append((block, after))
+
+    def withhold(self, block: Block) -> None:
+        """``block`` never comes back (a copy into it may still land and no event can say when):
+        its bytes stay allocated, and it no longer counts as a block waiting can get back."""
+        if block.offset is None:
+            return
+        with self._lock:
+            self._out -= 1
+
+    @property
+    def may_free(self) -> bool:
+        """Whether a block may still come back: one is out with a holder that gives it back, or
+        given back behind an event (module docstring)."""
+        with self._lock:
+            return self._out > 0 or bool(self._pending)
 
     @property
     def bytes_in_use(self) -> int:

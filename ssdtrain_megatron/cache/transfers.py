@@ -266,23 +266,26 @@ class Transfers:
 
     def _staging_block(self, rec: TensorRecord, wait: bool = True):
         """A staging block for ``rec``'s bytes. Without room: wait (``wait``; counted as the
-        record's IO wait) for a write to reach the drive and free one, or None; with nothing
-        in flight that could free one (or a record larger than the pool), an overflow block
-        from torch's pinned allocator (warned once)."""
+        record's IO wait, polling the blocks' events, which no IO thread reports) for a write
+        to reach the drive or a reload's copy out of a block to run, or None; when no block
+        can come back (staging.py ``may_free``), or for a record larger than the pool, an
+        overflow block from torch's pinned allocator (warned once)."""
         copy = self._copy
         found = [copy.take_staging(rec.nbytes)]
         if found[0] is not None or not wait:
             return found[0]
 
         def room() -> bool:
-            if not self._writes or rec.nbytes > copy.pool.capacity:
-                return True  # nothing in flight could make room: overflow
             found[0] = copy.take_staging(rec.nbytes)
-            return found[0] is not None
+            if found[0] is not None:
+                return True
+            # Not ``self._writes``: it counts this record's own write, and pool writes hold no block.
+            return rec.nbytes > copy.pool.capacity or not copy.pool.may_free
 
         waited = self._progress.wait(
             room, lambda: (f"room in the pinned staging pool (pinned_staging_bytes={copy.pool.capacity}) "
-                           f"for a {rec.describe()}"), "back-pressure", record=rec.id, bytes=rec.nbytes, on="staging")
+                           f"for a {rec.describe()}"), "back-pressure", poll=True, record=rec.id, bytes=rec.nbytes,
+            on="staging")
         if waited:
             self._step.count_wait(rec, waited)
         return found[0] if found[0] is not None else copy.take_block(rec.nbytes)
@@ -299,19 +302,32 @@ class Transfers:
         if into is not None:
             fence = functools.partial(self._engine.fence, rec.id)
             _, _, rec.transfer = copy.stage_out(rec, into, fence)
+            rec.transfer.storage = rec.storage_span()
             self.landing.append(rec)
             return None
         block = self._staging_block(rec)
         data, event, rec.transfer = copy.stage_out(rec, block=block)
+        rec.transfer.storage = rec.storage_span()
         self.landing.append(rec)
         return self._engine.write(rec.id, data, event)
 
     def _landed(self, rec: TensorRecord) -> None:
         """GPU: ``rec``'s device->host copy ran. Its device bytes no longer count in flight; the
         memory engine's write is done; a drive engine's record is STAGED (lifecycle.py) and
-        lets its device memory go, unless backward already took it (WRITING_WANTED)."""
+        lets its device memory go, unless backward already took it (WRITING_WANTED); one whose
+        storage its owner freed in place meanwhile falls back to memory instead."""
         self._inflight_bytes -= rec.nbytes
         rec.inflight = False
+        if rec.storage_span() != rec.transfer.storage:
+            # Its owner freed the storage in place (resize_(0)) while the copy ran: the bytes
+            # may have been reused under it. Kept in memory, as one freed before its write
+            # (StorageFreed); docs/design.md, "Storages freed in place".
+            rec.transfer.freed = StorageFreed(
+                f"the storage of a {rec.describe()} was freed in place by its owner while its copy to "
+                "host memory ran (resize_(0) after it was saved); kept in memory")
+            if rec.transfer.pooled is not None:
+                self._write_done(rec, None)  # nothing committed: its extent goes at release
+            return  # the drive write completes, then falls back (_write_done)
         if rec.transfer.pooled is not None:
             self._engine.commit(rec.id)
             self._write_done(rec, None)
@@ -325,7 +341,9 @@ class Transfers:
             self._copy.let_go(rec)
 
     def _write_done(self, rec: TensorRecord, exc: Optional[BaseException]) -> None:
-        """A write finished (or failed)."""
+        """A write finished (or failed); one whose storage was freed under its copy fails."""
+        if exc is None and rec.transfer is not None and rec.transfer.freed is not None:
+            exc = rec.transfer.freed
         if exc is not None and rec.state in (State.STAGED, State.STAGED_WANTED) and rec.tensor is None:
             self._copy.restore(rec, source=rec.transfer.block.tensor)  # before its block goes back
         self._written(rec)
@@ -549,6 +567,8 @@ class Transfers:
             self._engine.release(rec.id)  # frees its extent at once (no-op if never written)
         if self._tracer is not None:
             self._tracer.forget(rec.id)
+        if self._copy is not None:
+            self._copy.unused(rec.transfer)  # a restored tensor nobody consumed: after its copy
         rec.tensor = None
         if self._copy is not None:
             self._copy.forget(rec.transfer)

@@ -1,51 +1,55 @@
 """Leftovers of dead jobs: find them under offload roots and remove them (``ssdtrain clean``).
 
 A rank directory, ``ssdtrain.<job>.<host>.rank<r>.pid<pid>``, belongs to the process named in
-its ``owner.json`` (``owner.py``). Normal exit and SIGINT/SIGTERM remove it (see cleanup.py);
-SIGKILL, a crash of the interpreter or a node reset leave it behind. Every new disk engine,
-before it creates its own directories, sweeps every directory its ``dirs`` templates name on
-this host, for any job and rank (``sweep_before_start``: a job whose roots hold ``{job}`` finds
-the leftovers of other job ids too; bounded, ``bounded_template_roots``: only the user's own
-directories, a limited number of entries per listed directory), and ``ssdtrain clean`` (tools/clean.py, the command) does
-the same on demand: below a ROOT at any depth (``clean_tree``), or from the templates of a
-preset (``--config``) or of ``--dirs``. A sweep then removes the job folders it left empty
-(``layout.prune_empty``), never a folder that was empty before, a mount point, or one above the
-first ``{job}`` component of a template (or above ROOT).
+its ``owner.json`` (``owner.py``), which holds a lock on that file for its life. Normal exit and
+SIGINT/SIGTERM remove it (see cleanup.py); SIGKILL, a crash of the interpreter or a node reset
+leave it behind. Every new disk engine, before it creates its own directories, sweeps every
+directory its ``dirs`` templates name on this host, for any job and rank
+(``sweep_before_start``: a job whose roots hold ``{job}`` finds the leftovers of other job ids
+too; bounded, ``bounded_template_roots``: only the user's own directories, a limited number of
+entries per listed directory), and ``ssdtrain clean`` (tools/clean.py, the command) does the
+same on demand: below a ROOT at any depth (``clean_tree``), or from the templates of a preset
+(``--config``) or of ``--dirs``. A sweep then removes the job folders it left empty
+(``layout.prune_empty``; below a bare ROOT ``_prune_job_folders``), never a folder that was
+empty before, a mount point, one above the first ``{job}`` component of a template, or, below
+a ROOT, one above the folder named after the job id or owned by another user than the job's.
 
 What counts as ours, and dead, is decided conservatively, because a mistake deletes a live
 job's activations (it then fails at its next read) or someone else's files:
-- only directories (never symlinks) whose name has our prefix, with a readable ``owner.json``
-  whose host, rank and pid agree with the name, and owned by the user running the sweep
-  (root may sweep anyone's);
-- dead means: written on this host, and the boot id changed (the node rebooted), or no
-  process has that pid, or the process that has it started at another time (pid reused);
-- written on another host, or in another pid namespace (another container sharing the
-  drive), or without the fields to tell: left alone and reported;
+- only directories (never symlinks) whose name has our prefix, with a valid ``owner.json``
+  (``owner.parse_owner``: size, nesting, every field's type and range; anything else is
+  "unknown", never an error) whose host, rank and pid agree with the name, and owned by the
+  user running the sweep (root may sweep anyone's);
+- live means its ``owner.json`` is locked; dead means the lock is free and every holder would
+  share our lock table: written by this kernel (same boot id: any pid namespace, any
+  container), or before this node booted on a filesystem only this node mounts
+  (``owner.judge_owner``). A record written without a lock is judged by its pid on this kernel;
+- anything else (another machine or boot on a shared filesystem, another pid namespace
+  without a lock): "cannot tell", left alone and reported; ``older_than`` (``ssdtrain clean
+  --older-than``) removes those in which nothing changed for that long;
 - inside, only plain files are removed, through directory file descriptors opened without
   following links; anything else (a subdirectory, a symlink, a socket) keeps the whole
   directory in place and is reported.
 """
-
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
 import glob
-import json
 import logging
 import os
 import re
 import socket
 import stat
 import string
-from typing import List, Optional, Sequence
+import time
+from typing import List, Optional, Sequence, Tuple
 
 from .layout import DIR_PREFIX, OWNER_FILE, job_levels, prune_empty, rank_dir_name
-from .owner import owner_alive
+from .owner import MAX_OWNER_BYTES, human_age, judge_owner, last_change, parse_owner
 
 log = logging.getLogger(__name__)
 
-MAX_OWNER_BYTES = 64 * 1024
 MAX_SWEEP_ENTRIES = 4096
 """Entries the start-up sweep lists at most per directory where a template has a placeholder."""
 _NAME = re.compile(re.escape(DIR_PREFIX) + r".+\.rank\d+\.pid\d+$")
@@ -71,6 +75,9 @@ class Leftover:
     removed: bool = False
     error: Optional[str] = None  # why removing a stale directory failed
     pruned: List[str] = dataclasses.field(default_factory=list)  # empty folders removed after it
+    undecided: bool = False  # a valid record of ours whose owner's life cannot be told
+    uid: Optional[int] = None  # who owns the directory (the job's user)
+    changed: float = 0.0  # when anything in it last changed (for older_than)
 
     def describe(self) -> str:
         who = ""
@@ -79,25 +86,17 @@ class Leftover:
         return f"{self.path} ({who}{self.reason}; {human_bytes(self.nbytes)})"
 
 
-def _read_owner(dir_fd: int) -> dict:
+def _open_owner(dir_fd: int) -> Tuple[int, dict]:
+    """``owner.json`` in ``dir_fd``: its open descriptor (the caller closes it; the lock is
+    asked for on it) and its record, checked (ValueError says what is wrong)."""
     fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"{OWNER_FILE} is not a plain file")
-        data = os.read(fd, MAX_OWNER_BYTES + 1)
-    finally:
+        return fd, parse_owner(os.read(fd, MAX_OWNER_BYTES + 1))
+    except BaseException:
         os.close(fd)
-    if len(data) > MAX_OWNER_BYTES:
-        raise ValueError(f"{OWNER_FILE} is larger than {MAX_OWNER_BYTES} bytes")
-    owner = json.loads(data.decode("utf-8"))
-    if not isinstance(owner, dict):
-        raise ValueError(f"{OWNER_FILE} is not a JSON object")
-    for key, kind in (("pid", int), ("hostname", str), ("rank", int), ("job", str)):
-        if not isinstance(owner.get(key), kind) or isinstance(owner.get(key), bool):
-            raise ValueError(f"{OWNER_FILE} has no valid {key!r}")
-    if owner["pid"] <= 0:
-        raise ValueError(f"{OWNER_FILE} has pid {owner['pid']}")
-    return owner
+        raise
 
 
 def _disk_bytes(dir_fd: int) -> int:
@@ -112,7 +111,7 @@ def _disk_bytes(dir_fd: int) -> int:
     return total
 
 
-def _judge(root_fd: int, root: str, name: str, hostname: str) -> Optional[Leftover]:
+def _judge(root_fd: int, root: str, name: str) -> Optional[Leftover]:
     """What the directory ``name`` under ``root`` is; None if it is not a rank directory name."""
     if _NAME.match(name) is None:
         return None
@@ -134,32 +133,36 @@ def _judge(root_fd: int, root: str, name: str, hostname: str) -> Optional[Leftov
         return Leftover(path, UNKNOWN, f"cannot open it: {exc.strerror}")
     try:
         try:
-            owner = _read_owner(fd)
+            owner_fd, owner = _open_owner(fd)
         except FileNotFoundError:
             return Leftover(path, UNKNOWN, f"no {OWNER_FILE} (being created, or not ours)")
         except (OSError, ValueError) as exc:
             return Leftover(path, UNKNOWN, f"unreadable {OWNER_FILE}: {exc}")
-        nbytes = _disk_bytes(fd)
+        try:
+            nbytes = _disk_bytes(fd)
+            if name != rank_dir_name(owner["job"], owner["hostname"], owner["rank"], owner["pid"]):
+                return Leftover(path, UNKNOWN, f"{OWNER_FILE} does not match the directory name", owner, nbytes)
+            alive, why = judge_owner(owner, owner_fd, fd)
+            changed = last_change(fd)
+        except OSError as exc:  # one directory we cannot read does not stop the sweep of the rest
+            return Leftover(path, UNKNOWN, f"cannot read it: {exc.strerror or exc}", owner)
+        finally:
+            os.close(owner_fd)
     finally:
         os.close(fd)
-    if name != rank_dir_name(owner["job"], owner["hostname"], owner["rank"], owner["pid"]):
-        return Leftover(path, UNKNOWN, f"{OWNER_FILE} does not match the directory name", owner, nbytes)
-    if owner["hostname"] != hostname:
-        return Leftover(path, UNKNOWN, f"written on host {owner['hostname']}, not this one", owner, nbytes)
-    alive, why = owner_alive(owner)
     verdict = LIVE if alive else STALE if alive is False else UNKNOWN
-    return Leftover(path, verdict, why, owner, nbytes)
+    return Leftover(path, verdict, why, owner, nbytes, undecided=alive is None, changed=changed, uid=st.st_uid)
 
 
-def scan_root(root: str, hostname: Optional[str] = None) -> List[Leftover]:
-    """Every rank directory under ``root`` with its verdict (nothing is changed)."""
-    hostname = hostname or socket.gethostname()
+def scan_root(root: str) -> List[Leftover]:
+    """Every rank directory under ``root`` with its verdict (nothing is changed). The host
+    that wrote one does not enter the verdict: its lock and boot id do (``owner.judge_owner``)."""
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         found = []
         for name in sorted(os.listdir(root_fd)):
             if name.startswith(DIR_PREFIX):
-                item = _judge(root_fd, root, name, hostname)
+                item = _judge(root_fd, root, name)
                 if item is not None:
                     found.append(item)
         return found
@@ -203,12 +206,27 @@ def _remove(root: str, item: Leftover) -> None:
         os.close(root_fd)
 
 
-def clean_root(root: str, dry_run: bool = False, hostname: Optional[str] = None) -> List[Leftover]:
-    """Scan ``root`` and remove the directories of dead owners (none with ``dry_run``).
+def _apply_age(found: List[Leftover], older_than: Optional[float]) -> None:
+    """What no lock can tell (``undecided``) and nothing changed in for ``older_than`` seconds
+    counts as dead: the explicit choice of ``ssdtrain clean --older-than``."""
+    if older_than is None:
+        return
+    now = time.time()
+    for item in found:
+        if item.verdict == UNKNOWN and item.undecided and now - item.changed > older_than:
+            item.verdict = STALE
+            item.reason += f"; nothing changed in it for {human_age(now - item.changed)} (--older-than)"
+
+
+def clean_root(root: str, dry_run: bool = False, older_than: Optional[float] = None) -> List[Leftover]:
+    """Scan ``root`` and remove the directories of dead owners (none with ``dry_run``), and,
+    with ``older_than`` (seconds), those whose owner's life cannot be told and in which nothing
+    changed for that long.
 
     Raises OSError only when ``root`` itself cannot be read; a directory that cannot be
     removed is reported in its Leftover's ``error``."""
-    found = scan_root(root, hostname)
+    found = scan_root(root)
+    _apply_age(found, older_than)
     if not dry_run:
         for item in found:
             if item.verdict == STALE:
@@ -227,7 +245,38 @@ def _prune_after(found: List[Leftover], directory: str, levels: int) -> None:
         removed[-1].pruned.extend(prune_empty(directory, levels))
 
 
-def clean_tree(top: str, dry_run: bool = False, hostname: Optional[str] = None) -> List[Leftover]:
+def _prune_job_folders(found: List[Leftover], directory: str, top: str) -> None:
+    """After ``found``'s removals from ``directory`` (below ``top``): remove the folders their
+    job made that they left empty, and no other. Below a bare ROOT no template says which
+    folders a job made; these are: ``directory`` and its parents up to the nearest one named
+    after the job id (the ``{job}`` folder of the documented layouts), each owned by the user
+    who owns the rank directory, never a mount point, never ``top`` or above it. A folder
+    someone else made (``/raid/alice``, an admin's ``/raid/<job>``), or any folder where the
+    template had no ``{job}``, stays: `ssdtrain clean` run as root once removed other users'
+    folders up to ROOT."""
+    removed = [item for item in found if item.removed and item.owner is not None]
+    if not removed:
+        return
+    item = removed[-1]
+    parts = [] if directory == top else os.path.relpath(directory, top).split(os.sep)
+    levels = min((len(parts) - i for i, part in enumerate(parts)
+                  if any(part == r.owner["job"] for r in removed)), default=0)
+    if not all(r.uid == item.uid for r in removed):
+        return
+    path = directory
+    for _ in range(levels):
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != item.uid or os.path.ismount(path):
+                return
+            os.rmdir(path)
+        except OSError:  # not empty (another job's directory), gone, or not ours to remove
+            return
+        item.pruned.append(path)
+        path = os.path.dirname(path)
+
+
+def clean_tree(top: str, dry_run: bool = False, older_than: Optional[float] = None) -> List[Leftover]:
     """:func:`clean_root` on ``top`` and on every directory below it (symlinks are not
     followed; rank directories are not entered), then remove the folders between ``top``
     (kept) and each removed directory that the removal left empty.
@@ -247,10 +296,9 @@ def clean_tree(top: str, dry_run: bool = False, hostname: Optional[str] = None) 
     for dirpath, dirnames, _files in os.walk(top, onerror=unreadable):
         if any(_NAME.match(n) for n in dirnames):
             dirnames[:] = [n for n in dirnames if _NAME.match(n) is None]
-            here = clean_root(dirpath, dry_run, hostname)
+            here = clean_root(dirpath, dry_run, older_than)
             found.extend(here)
-            depth = 0 if dirpath == top else len(os.path.relpath(dirpath, top).split(os.sep))
-            _prune_after(here, dirpath, depth)
+            _prune_job_folders(here, dirpath, top)
         dirnames.sort()
     if top_error:
         raise top_error[0]
@@ -316,8 +364,8 @@ def _matching_dirs(parent: str, pattern: str, uid: int, max_entries: int) -> Lis
     return out
 
 
-def clean_templates(templates: Sequence[str], dry_run: bool = False,
-                    hostname: Optional[str] = None, bounded: bool = False) -> List[Leftover]:
+def clean_templates(templates: Sequence[str], dry_run: bool = False, hostname: Optional[str] = None,
+                    bounded: bool = False, older_than: Optional[float] = None) -> List[Leftover]:
     """:func:`clean_root` on every directory ``templates`` name on this host
     (:func:`template_roots`, or :func:`bounded_template_roots` when ``bounded``), then remove
     the job folders (the template's components from its first ``{job}`` on) that the removals
@@ -331,7 +379,7 @@ def clean_templates(templates: Sequence[str], dry_run: bool = False,
                 continue
             seen.add(root)
             try:
-                here = clean_root(root, dry_run, hostname)
+                here = clean_root(root, dry_run, older_than)
             except OSError as exc:
                 found.append(Leftover(root, UNKNOWN, f"cannot read it: {exc.strerror or exc}"))
                 continue
@@ -361,11 +409,11 @@ def _log_sweep(found: List[Leftover]) -> None:
             log.warning("ssdtrain: could not remove the leftovers of a dead job %s: %s", item.describe(), item.error)
 
 
-def remove_stale(root: str, hostname: Optional[str] = None) -> List[Leftover]:
+def remove_stale(root: str) -> List[Leftover]:
     """Start-up sweep of one root: remove dead jobs' leftovers, log what happened, never raise
     (a root we cannot sweep is still usable for our own directory)."""
     try:
-        found = clean_root(root, hostname=hostname)
+        found = clean_root(root)
     except OSError as exc:
         log.warning("ssdtrain: could not look for leftovers of dead jobs in %s: %s", root, exc.strerror or exc)
         return []
@@ -382,7 +430,7 @@ def sweep_before_start(roots: Sequence[str], templates: Optional[Sequence[str]] 
     found = sweep_templates(templates, hostname) if templates else []
     for root in roots:
         if os.path.isdir(root):
-            found.extend(remove_stale(root, hostname))
+            found.extend(remove_stale(root))
     return found
 
 

@@ -23,6 +23,13 @@ handler has nothing else to reach them through. Its rules:
   handler (the default action), they are removed and the process dies of the signal; an
   ignored signal stays ignored. A process killed outright (SIGKILL after the grace period,
   ``os._exit`` in a handler) leaves its files to the next start's sweep or ``ssdtrain clean``.
+- Fork: a cleaner runs only in the process that registered it. A forked child (a DataLoader
+  worker, a ``multiprocessing`` fork-context process, a bare ``os.fork()``) inherits the
+  registry, the atexit hook and our handlers, and would otherwise remove its parent's running
+  job's files when it exits or when ``terminate()`` sends it SIGTERM. The registry is emptied in
+  the child (``os.register_at_fork``) and every cleaner also carries the pid that registered it
+  (a fork that bypasses the hooks, from C, is covered too); in a child our handlers only pass
+  the signal on, as if they were not there.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 the signals that ``#SBATCH --signal`` or Megatron's ``--exit-signal`` may name instead."""
 
 _lock = threading.RLock()  # re-entrant: a signal may arrive while this thread holds it
-_cleaners: Dict[Hashable, Callable[[], Optional[Callable[[], None]]]] = {}  # token -> getter
+_cleaners: Dict[Hashable, Tuple[int, Callable[[], Optional[Callable[[], None]]]]] = {}
+"""token -> (the pid that registered it, the getter of its cleaner)"""
 _atexit_registered = False
 _previous: Dict[int, object] = {}  # signal -> the handler ours replaced (ours installed iff set)
 
@@ -63,7 +71,7 @@ def register(token: Hashable, cleaner: Callable[[], None], keep_alive: bool = Fa
             return cleaner
     with _lock:
         _prune()
-        _cleaners[token] = getter
+        _cleaners[token] = (os.getpid(), getter)
         _install()
 
 
@@ -84,8 +92,21 @@ def registered() -> int:
 
 
 def _prune() -> None:
-    for token in [t for t, get in _cleaners.items() if get() is None]:
+    pid = os.getpid()
+    for token in [t for t, (owner, get) in _cleaners.items() if owner != pid or get() is None]:
         del _cleaners[token]
+
+
+def _forget_in_child() -> None:
+    """After ``fork``, in the child: the parent's cleaners are not ours to run. A fresh lock:
+    another thread of the parent may have held it at the fork, and is not in the child."""
+    global _lock
+    _lock = threading.RLock()
+    _cleaners.clear()
+    _deferred.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _install() -> None:
@@ -118,8 +139,9 @@ def _uninstall() -> None:
 
 
 def _run_all() -> None:
+    pid = os.getpid()
     with _lock:
-        cleaners = [get() for get in _cleaners.values()]
+        cleaners = [get() for owner, get in _cleaners.values() if owner == pid]
         _cleaners.clear()
     for clean in cleaners:
         if clean is None:

@@ -113,7 +113,8 @@ class GdsEngine(SlabEngine):
             raise
 
     def _open_cufile(self, slab: Slab) -> None:
-        slab.handle = self._kvikio.CuFile(slab.path, "r+")
+        # By the descriptor we hold, not by name: a name can be taken over (layout.py).
+        slab.handle = self._kvikio.CuFile(slab.proc_path, "r+")
 
     @property
     def page_cache_bypassed(self) -> bool:

@@ -5,27 +5,35 @@ Each configured root (one per drive) gets one directory per rank and process,
 (so ``ssdtrain clean`` can tell live jobs from dead ones) and one slab file per root, opened
 0600 without following links. Tensors live in extents of the slab (``extents.py``); no file
 is created in the hot path.
+
+The rank directory and the job folders above it are made and opened through descriptors,
+one component at a time, each checked on the descriptor that is then used (``dirfd.py``);
+the rank directory stays open (:class:`RankDir`) and every file of ours in it is created,
+listed and removed relative to it, so no other user can steer where our files go or which
+files we delete.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
+import logging
 import os
 import socket
 import stat
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .owner import owner_record
+from .dirfd import DirChain, LayoutError, open_chain, remove_entry_dir, vanished_text
+from .owner import hold_owner_lock, owner_record
+
+log = logging.getLogger(__name__)
 
 DIR_PREFIX = "ssdtrain."
 OWNER_FILE = "owner.json"
 ALIGN = 4096
 _MKDIR_TRIES = 5
-
-
-class LayoutError(RuntimeError):
-    """A root or directory cannot be used safely; the message says which and why."""
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -63,22 +71,38 @@ def expand_root(template: str, ident: Identity) -> str:
 
     Raises LayoutError when a placeholder's value is not one plain path component (it would
     move the root elsewhere: ``..``, ``/``, empty), or when a directory named by a placeholder
-    (a job or rank directory) already exists as a symlink, world-writable without the sticky
-    bit, or owned by another user: someone else could then redirect our files. The fixed part
-    of the template is the user's choice and may hold symlinks."""
-    values = {"rank": ident.rank, "local_rank": ident.local_rank, "hostname": ident.hostname, "job": ident.job}
+    (a job or rank directory) already exists as a symlink, as something else than a directory,
+    or as one that someone else could change (:func:`dirfd.trust_problem`: another user's, or
+    writable by group or others without the sticky bit), looked at through descriptors, as
+    :func:`make_rank_dir` does again when it creates them. The fixed part of the template is
+    the user's choice and may hold symlinks."""
+    values = _values(ident)
     for key, value in values.items():
         text = str(value)
         if text in ("", ".", "..") or "/" in text or "\x00" in text:
             raise LayoutError(f"{{{key}}}={text!r} cannot be used in the offload path {template!r}: "
                               "a placeholder must expand to one plain path component")
-    path, templated = "/", False
+    path = "/"
     for part in os.path.abspath(os.path.expanduser(template)).split("/")[1:]:
-        templated = templated or "{" in part
         path = os.path.join(path, part.format(**values))
-        if templated:
-            _check_templated_dir(path, template)
+    base = fixed_part(template)
+    if base != path and os.path.isdir(base):
+        # Checked now, before anything is swept there; missing ones are made (and checked
+        # again, on the descriptors then used) by make_rank_dir.
+        open_chain(path, create=False, base=base, what=f" (from the template {template!r})",
+                   check_base=False).close()
     return path
+
+
+def _values(ident: Identity) -> Dict[str, object]:
+    return {"rank": ident.rank, "local_rank": ident.local_rank, "hostname": ident.hostname, "job": ident.job}
+
+
+def fixed_part(template: str) -> str:
+    """The directories of ``template`` above its first placeholder (the user's own path)."""
+    parts = os.path.abspath(os.path.expanduser(template)).split("/")[1:]
+    fixed = [p for p in itertools.takewhile(lambda p: "{" not in p, parts)]
+    return "/" + "/".join(fixed)
 
 
 def expand_file(template: str, ident: Identity) -> str:
@@ -90,8 +114,7 @@ def expand_file(template: str, ident: Identity) -> str:
     path = os.path.abspath(os.path.expanduser(template))
     parent, name = os.path.split(path)
     directory = expand_root(parent, ident) if "{" in template else parent
-    values = {"rank": ident.rank, "local_rank": ident.local_rank, "hostname": ident.hostname, "job": ident.job}
-    full = os.path.join(directory, name.format(**values))
+    full = os.path.join(directory, name.format(**_values(ident)))
     try:
         st = os.lstat(full)
     except FileNotFoundError:
@@ -140,25 +163,6 @@ def prune_empty(path: str, levels: int) -> List[str]:
     return removed
 
 
-def _check_templated_dir(path: str, template: str) -> None:
-    try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        # Created later by make_rank_dir, as a plain 0700 directory; a file above it is the
-        # root's problem (roots.py says so).
-        return
-    what = f"{path!r} (from the template {template!r})"
-    if stat.S_ISLNK(st.st_mode):
-        raise LayoutError(f"{what} is a symlink where a job directory should be; refusing to follow it. "
-                          "Remove it, or put the link's target in dirs")
-    if not stat.S_ISDIR(st.st_mode):
-        raise LayoutError(f"{what} is not a directory")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise LayoutError(f"{what} is world-writable without the sticky bit; chmod 700 it")
-    if st.st_uid not in (os.getuid(), 0):
-        raise LayoutError(f"{what} belongs to uid {st.st_uid}, not to us; refusing to write under it")
-
-
 def rank_dir_name(job: str, hostname: str, rank: int, pid: int) -> str:
     """``ssdtrain.<job>.<host>.rank<r>.pid<pid>``: one directory per rank and process."""
     return f"{DIR_PREFIX}{job}.{hostname}.rank{rank}.pid{pid}"
@@ -172,12 +176,18 @@ def free_bytes(path: str) -> int:
 
 def space_shortfalls(dirs: List[str], need: Optional[List[int]]) -> Dict[str, str]:
     """Per directory whose free space is below what ``need`` (bytes, one per directory) asks,
-    one line saying how much is missing; empty when ``need`` does not match ``dirs``."""
+    one line saying how much is missing; empty when ``need`` does not match ``dirs``.
+
+    Raises LayoutError (one line naming the directory and the likely cause) for a directory
+    that is gone (removed, or its drive unmounted) instead of statvfs's bare OSError."""
     if not need or len(need) != len(dirs):
         return {}
     short = {}
     for d, n in zip(dirs, need):
-        free = free_bytes(d)
+        try:
+            free = free_bytes(d)
+        except OSError as exc:
+            raise LayoutError(vanished_text(d, exc) + "; the job cannot keep its activations there") from None
         if n > free:
             short[d] = (f"the next step needs about {n / 2**20:.1f} MiB in {d} but only "
                         f"{free / 2**20:.1f} MiB are free: {(n - free) / 2**20:.1f} MiB missing; "
@@ -196,93 +206,163 @@ def expand_roots(templates: List[str], ident: Identity) -> List[str]:
     return roots
 
 
-def make_rank_dirs(roots: List[str], ident: Identity, templates: Optional[List[str]] = None) -> List[str]:
+class RankDir(os.PathLike):
+    """This process's directory under one root, held open for the job's life (dirfd.py):
+    ``path`` names it in messages and for other processes; every create, unlink, list and
+    remove of ours goes through ``fd``, so a path changed under us steers none of them.
+    ``levels``: the job folders above it (:func:`job_levels`), removed with it when empty."""
+
+    def __init__(self, chain: DirChain, levels: int = 0) -> None:
+        self._chain = chain
+        self.path = chain.path
+        self.levels = levels
+        self.removed = False
+
+    @property
+    def fd(self) -> int:
+        return self._chain.fd
+
+    @property
+    def proc_path(self) -> str:
+        """A path to the held directory itself (/proc/self/fd/N), for code that takes a
+        directory name: whatever now has our directory's name is not where it lands."""
+        return f"/proc/self/fd/{self.fd}"
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"RankDir({self.path!r})"
+
+    def open_file(self, name: str, flags: int) -> int:
+        """Create the new 0600 file ``name`` in it (never following a link, never reusing one)."""
+        return os.open(name, flags | _NEW_FILE, 0o600, dir_fd=self.fd)
+
+    def unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass  # removed with its directory already (the exit path, then close)
+
+    def remove(self, levels: Optional[int] = None) -> None:
+        """Remove our plain files, the directory, then the job folders above it that it leaves
+        empty (``levels``, by default its own). Never raises: a directory that is gone has
+        nothing left to remove, and one on a read-only filesystem is left, said in one line."""
+        if self.removed or not self._chain.fds:
+            return
+        self.removed = True
+        chain, fd = self._chain, self.fd
+        try:
+            for name in os.listdir(fd):
+                if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    log.warning("ssdtrain: unexpected non-file %r in offload directory %s; not removing it",
+                                name, self.path)
+                    return
+                self.unlink(name)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.warning("ssdtrain: %s; left %s in place (`ssdtrain clean` removes it once it can)",
+                            vanished_text(self.path, exc), self.path)
+            return
+        if not remove_entry_dir(chain.fds[-2], chain.names[-1], fd):
+            return  # gone already, or not where we made it (then not ours to look above)
+        uid = os.getuid()
+        for i in range(len(chain.fds) - 2, len(chain.fds) - 2 - (self.levels if levels is None else levels), -1):
+            owner = os.fstat(chain.fds[i]).st_uid
+            if i <= 0 or (uid != 0 and owner != uid) or not remove_entry_dir(chain.fds[i - 1], chain.names[i],
+                                                                            chain.fds[i]):
+                break
+
+    def close(self) -> None:
+        """Let go of the descriptors (only once no IO thread may create a file in it)."""
+        self._chain.close()
+
+
+_NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def make_rank_dirs(roots: List[str], ident: Identity, templates: Optional[List[str]] = None) -> List[RankDir]:
     """This process's directory under every root; on a failure, the ones made are removed
-    (with the job directories they leave empty, counted from ``templates``, the ``dirs`` the
-    roots were expanded from). Nothing else is touched: sweeping dead jobs' leftovers is the
-    caller's explicit step (:func:`clean.sweep_before_start`)."""
-    levels = [job_levels(t) for t in templates] if templates else [0] * len(roots)
-    made: List[str] = []
+    (with the job folders they made, counted from ``templates``, the ``dirs`` the roots were
+    expanded from). Nothing else is touched: sweeping dead jobs' leftovers is the caller's
+    explicit step (:func:`clean.sweep_before_start`)."""
+    made: List[RankDir] = []
     try:
-        for r in roots:
-            made.append(make_rank_dir(r, ident))
+        for i, r in enumerate(roots):
+            made.append(make_rank_dir(r, ident, templates[i] if templates else None))
     except BaseException:
-        for d, n in zip(made, levels):
-            remove_rank_dir(d, n)
-        for r, n in zip(roots[len(made):], levels[len(made):]):
-            prune_empty(r, n)  # the job directories os.makedirs made before the failure
+        for d in made:
+            remove_rank_dir(d)
         raise
     return made
 
 
-def _check_root(root: str) -> None:
-    """Refuse roots that another user could swap under us."""
-    st = os.lstat(root)
-    if stat.S_ISLNK(st.st_mode):
-        # A symlinked root is the user's choice (e.g. /scratch -> /mnt/nvme0); resolve it and
-        # check the target instead.
-        st = os.stat(root)
-    if not stat.S_ISDIR(st.st_mode):
-        raise LayoutError(f"offload root {root!r} is not a directory")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise LayoutError(f"offload root {root!r} is world-writable without the sticky bit; "
-                          f"use a private directory (chmod 700) or set the sticky bit (chmod +t)")
+def make_rank_dir(root: str, ident: Identity, template: Optional[str] = None) -> RankDir:
+    """Create this process's 0700 directory under ``root`` (``template`` expanded), creating
+    the folders missing between them, each 0700, one at a time through descriptors from the
+    template's fixed part (without ``template``: from the deepest existing directory above
+    ``root``); every one of them is checked (:func:`dirfd.trust_problem`). A failure removes
+    what this call created.
 
-
-def make_rank_dir(root: str, ident: Identity) -> str:
-    """Create this process's 0700 directory under ``root`` (creating ``root`` if missing)."""
+    Raises LayoutError: one line naming the directory that cannot be used and the fix."""
     name = rank_dir_name(ident.job, ident.hostname, ident.rank, os.getpid())
-    path = os.path.join(root, name)
+    base = fixed_part(template) if template else None
+    what = f" (from the template {template!r})" if template else ""
     for attempt in range(_MKDIR_TRIES):
-        os.makedirs(root, mode=0o700, exist_ok=True)
-        _check_root(root)
+        chain: Optional[DirChain] = None
         try:
-            os.mkdir(path, 0o700)
-            break
-        except FileExistsError:
-            kind = "a symlink" if os.path.islink(path) else "in use"
-            raise LayoutError(f"{path!r} already exists ({kind}): another offloader of this process uses "
-                              f"the same root, or something was put there; run `ssdtrain clean {root}`") from None
-        except FileNotFoundError:
-            # Another rank's sweep (or `ssdtrain clean`) removed the job directory, empty for
-            # a moment, between our makedirs and mkdir: make it again.
+            chain = open_chain(root, create=True, base=base if base and os.path.isdir(base) else None,
+                               what=what)
+            chain.step(name, create=True, fresh=True)
+            _write_owner(chain.fd, ident)
+        except FileNotFoundError as exc:
+            # Another rank's sweep (or `ssdtrain clean`) removed the job folder, empty for a
+            # moment, between our mkdir of it and of ours in it: walk again.
+            if chain is not None:
+                chain.undo()
             if attempt == _MKDIR_TRIES - 1:
+                raise LayoutError(vanished_text(root, exc)) from exc
+            continue
+        except BaseException:
+            if chain is None:
                 raise
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise LayoutError(f"{path!r} is not a directory owned by us")
-    owner = owner_record(ident.job, ident.hostname, ident.rank)
-    fd = open_private(os.path.join(path, OWNER_FILE), os.O_WRONLY)
+            try:
+                os.unlink(OWNER_FILE, dir_fd=chain.fd)
+            except OSError:
+                pass
+            chain.undo()  # a failed start leaves nothing it made
+            raise
+        return RankDir(chain, job_levels(template) if template else 0)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _write_owner(dir_fd: int, ident: Identity) -> None:
+    fd = os.open(OWNER_FILE, os.O_WRONLY | _NEW_FILE, 0o600, dir_fd=dir_fd)
     try:
+        owner = owner_record(ident.job, ident.hostname, ident.rank)
+        hold_owner_lock(fd, owner)  # held for this process's life: how a sweep tells it runs (owner.py)
         os.write(fd, json.dumps(owner).encode())
     finally:
         os.close(fd)
-    return path
+
+
+def make_dirs(path: str) -> None:
+    """``os.makedirs(path)`` made safe: every missing folder 0700 whatever the umask, made
+    and checked through descriptors (:func:`dirfd.open_chain`). Raises LayoutError."""
+    open_chain(path, create=True).close()
 
 
 def open_private(path: str, flags: int) -> int:
     """Create a new 0600 file, never following a link and never reusing an existing file."""
-    return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.open(path, flags | _NEW_FILE, 0o600)
 
 
-def remove_rank_dir(path: str, levels: int = 0) -> None:
-    """Remove a directory this process created: only plain files we know of, then the dir;
-    then the ``levels`` directories above it (see :func:`job_levels`) that are left empty."""
-    try:
-        entries = os.listdir(path)
-    except FileNotFoundError:
-        entries = None
-    for name in entries or ():
-        full = os.path.join(path, name)
-        try:
-            if not stat.S_ISREG(os.lstat(full).st_mode):
-                raise LayoutError(f"unexpected non-file {full!r} in offload directory; not removing it")
-            os.unlink(full)
-        except FileNotFoundError:
-            pass
-    if entries is not None:
-        try:
-            os.rmdir(path)
-        except FileNotFoundError:
-            pass
-    prune_empty(os.path.dirname(path), levels)
+def remove_rank_dir(d: RankDir, levels: Optional[int] = None, keep_open: bool = False) -> None:
+    """Remove a directory this process created (:meth:`RankDir.remove`; never raises), then
+    close its descriptors unless ``keep_open`` (an IO thread may still use them)."""
+    d.remove(levels)
+    if not keep_open:
+        d.close()

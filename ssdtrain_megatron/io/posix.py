@@ -58,7 +58,8 @@ class PosixEngine(SlabEngine):
         self._open_slabs("prefer")
         try:
             # What O_DIRECT accepts here decides how much of a host tensor moves in place (bounce.py).
-            self.staging.move_in_place(max(probe_dio_align(d) for d in self.rank_dirs))
+            # The probe file goes through the held descriptor (layout.RankDir), not the path.
+            self.staging.move_in_place(max(probe_dio_align(d.proc_path) for d in self._held_dirs))
             # Allocated here, not in the threads: a thread still inside torch when the
             # interpreter exits aborts the process.
             self._workers = [

@@ -22,7 +22,8 @@ import os
 import stat
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .layout import Identity, LayoutError, expand_root, job_levels
+from .dirfd import trust_problem
+from .layout import Identity, LayoutError, expand_root, job_levels, make_dirs
 from .where import describe, filesystem_notes, filesystem_of, settings
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,9 @@ def root_of(template: str, ident: Identity) -> str:
 
 def root_problem(path: str) -> Optional[str]:
     """Why ``path`` cannot be an offload root as it is (None when it can): ``missing``, ``not a
-    directory``, or world-writable without the sticky bit. A symlink to a directory is fine
-    (the user's choice, e.g. /scratch -> /mnt/nvme0)."""
+    directory``, or one someone else could change under us (``dirfd.trust_problem``: another
+    user's, or writable by group or others without the sticky bit). A symlink to a directory
+    is fine (the user's choice, e.g. /scratch -> /mnt/nvme0)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -53,9 +55,7 @@ def root_problem(path: str) -> Optional[str]:
         return NOT_A_DIRECTORY + " (a part of the path is a file)"
     if not stat.S_ISDIR(st.st_mode):
         return NOT_A_DIRECTORY
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        return "world-writable without the sticky bit; chmod 700 it or set the sticky bit (chmod +t)"
-    return None
+    return trust_problem(st)
 
 
 def check_roots(templates: Sequence[str], ident: Identity, create: bool = False) -> List[str]:
@@ -77,7 +77,7 @@ def check_root(template: str, ident: Identity, create: bool = False, index: int 
     root = root_of(template, ident)
     problem = root_problem(root)
     if problem == MISSING and create:
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        make_dirs(root)  # each missing folder 0700 whatever the umask
         log.warning("ssdtrain: created the offload root %s (create_dirs); it stays after the job",
                     root)
         problem = root_problem(root)

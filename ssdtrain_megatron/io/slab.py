@@ -29,7 +29,8 @@ from typing import Callable, Optional
 
 from .base import EngineError
 from .extents import ExtentAllocator
-from .layout import free_bytes, open_private
+from .dirfd import vanished_text
+from .layout import RankDir, free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,15 @@ class Slab:
     error: DeepNVMe opens the file with it) or 'off' (kvikio opens its own descriptor).
     ``lock`` guards the file and its reservation, not the allocator (which has its own lock):
     an IO thread may hold it for a fallocate without holding up the training thread.
+    The file is created and removed (every step) relative to the rank directory's held
+    descriptor (``layout.RankDir``), never by path: ``path`` only names it.
     """
 
-    def __init__(self, directory: str, direct: str = "prefer",
+    def __init__(self, directory: RankDir, direct: str = "prefer",
                  on_open: Optional[Callable[["Slab"], None]] = None) -> None:
-        self.dir = directory
-        self.path = os.path.join(directory, SLAB_NAME)
+        self._rank_dir = directory
+        self.dir = directory.path
+        self.path = os.path.join(self.dir, SLAB_NAME)
         self.alloc = ExtentAllocator()
         self.lock = threading.Lock()
         self.fd: Optional[int] = None
@@ -66,23 +70,29 @@ class Slab:
         if self.fd is None:
             flags = os.O_RDWR | (os.O_DIRECT if self._mode != "off" else 0)
             try:
-                self.fd = open_private(self.path, flags)
+                self.fd = self._rank_dir.open_file(SLAB_NAME, flags)
             except OSError as exc:
                 if exc.errno != errno.EINVAL or self._mode == "off":
-                    raise EngineError(f"cannot create {self.path}: {exc.strerror}") from exc
-                if os.path.lexists(self.path):
-                    os.unlink(self.path)
+                    raise EngineError(f"cannot create {self.path}: {exc.strerror}"
+                                      f"{_why(self.dir, exc)}") from exc
+                self._rank_dir.unlink(SLAB_NAME)
                 if self._mode == "require":
                     raise EngineError(f"the filesystem of {self.dir} refuses O_DIRECT, which the aio "
                                       f"engine needs; use engine='posix' there (it falls back to "
                                       f"buffered IO) or a directory on a local SSD") from exc
-                self.fd = open_private(self.path, os.O_RDWR)
+                self.fd = self._rank_dir.open_file(SLAB_NAME, os.O_RDWR)
                 self.direct = False
                 log.warning("O_DIRECT refused on %s; using buffered IO with FADV_DONTNEED "
                             "(reads may be served by the page cache)", self.dir)
             if self._on_open is not None:
                 self._on_open(self)
         return self.fd
+
+    @property
+    def proc_path(self) -> str:
+        """A path to the open file itself, for libraries that open by name (DeepNVMe's reads,
+        kvikio): /proc/self/fd/N reaches this file even if its name was taken over."""
+        return f"/proc/self/fd/{self.ensure_open()}"
 
     def ensure_reserved(self, end: int) -> None:
         """IO thread: make sure the file has space up to ``end`` before writing there.
@@ -139,12 +149,19 @@ class Slab:
                 os.close(self.fd)
                 self.fd = None
                 try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass  # removed with its directory already (the exit path, then close)
+                    self._rank_dir.unlink(SLAB_NAME)
+                except OSError as exc:  # read-only now: the next create says so; close goes on
+                    log.warning("ssdtrain: cannot remove %s: %s", self.path, vanished_text(self.dir, exc))
             self.alloc.reset()
             self.reserved = 0
             self.tight = False
+
+
+def _why(directory: str, exc: OSError) -> str:
+    """The likely cause of a failed create, for a directory gone or read-only."""
+    if exc.errno in (errno.ENOENT, errno.EROFS, errno.ESTALE):
+        return f" ({vanished_text(directory, exc)})"
+    return ""
 
 
 def _free_text(directory: str) -> str:

@@ -33,7 +33,7 @@ from .base import BusyMeter, EngineError, IOEngine
 from .bounce import ChunkStaging, as_engine_error
 from .clean import sweep_before_start
 from .extents import Extent
-from .layout import ALIGN, Identity, expand_roots, job_levels, make_rank_dirs, remove_rank_dir
+from .layout import ALIGN, Identity, RankDir, expand_roots, make_rank_dirs, remove_rank_dir
 from .roots import check_roots
 from .requests import ChunkQueue, Placement, Request, Run
 from .slab import Slab
@@ -55,6 +55,7 @@ class SlabEngine(IOEngine):
         self.ident = ident or Identity.detect(config.job_id())
         self.roots = expand_roots(config.dirs, self.ident)
         self.rank_dirs: List[str] = []
+        self._held_dirs: List[RankDir] = []  # the rank directories, open (layout.RankDir)
         self._slabs: List[Slab] = []
         self._chunk = config.chunk_bytes
         self.staging = ChunkStaging(config.chunk_bytes, align, config.verify != "off", self.name)
@@ -81,10 +82,14 @@ class SlabEngine(IOEngine):
     def _open_slabs(self, direct: str, on_open: Optional[Callable[[Slab], None]] = None) -> None:
         # A missing root is refused before anything is swept or created (io/roots.py): it is
         # most often an unmounted drive, and creating it would put the bytes on the system disk.
+        # The job folders a template names were checked (expand_roots) before the sweep looks
+        # in them; make_rank_dirs checks them again on the descriptors it then uses, so one put
+        # there meanwhile by someone else is refused, not used.
         check_roots(self.config.dirs, self.ident, create=self.config.create_dirs)
         sweep_before_start(self.roots, self.config.dirs, self.ident.hostname)  # dead jobs' leftovers
-        self.rank_dirs = make_rank_dirs(self.roots, self.ident, self.config.dirs)
-        self._slabs = [Slab(d, direct, on_open) for d in self.rank_dirs]
+        self._held_dirs = make_rank_dirs(self.roots, self.ident, self.config.dirs)
+        self.rank_dirs = [d.path for d in self._held_dirs]
+        self._slabs = [Slab(d, direct, on_open) for d in self._held_dirs]
         # Exit and SIGINT/SIGTERM remove the files and stop the IO threads even when nothing
         # else references this engine (an offloader dropped without close()); _remove_files
         # takes the registration back.
@@ -239,9 +244,11 @@ class SlabEngine(IOEngine):
         if drop_slabs:
             for s in self._slabs:
                 s.drop()
-        for d, template in zip(self.rank_dirs, self.config.dirs):
+        for d in self._held_dirs:
             # A no-op for a directory already gone; the job folders it leaves empty go too.
-            remove_rank_dir(d, job_levels(template))
+            # Its descriptor stays open while an IO thread may still create the slab in it
+            # (closed, its number could name another directory by then).
+            remove_rank_dir(d, keep_open=not drop_slabs)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -36,10 +36,12 @@ class SysCalls:
         return os.preadv(fd, buffers, offset)
 
     # aio: DeepNVMe's asynchronous submission (0: accepted) and its count of completed operations.
+    # Its reads open a file by name: /proc/self/fd/N reopens the slab we hold, not whatever
+    # now has the slab's name (layout.py: nothing of ours is reached by path after it is made).
     def aio_submit(self, handle: Any, writing: bool, stage: Any, fd: int, path: str, offset: int) -> int:
         if writing:
             return handle.async_pwrite(stage, fd, offset)
-        return handle.async_pread(stage, path, offset)
+        return handle.async_pread(stage, f"/proc/self/fd/{fd}", offset)
 
     def aio_wait(self, handle: Any) -> int:
         return handle.wait()

@@ -6,10 +6,11 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, Optional, Tuple
+from typing import Any, Dict, Hashable, Optional, Tuple, Union
+
+from .append import AppendFile
 
 PASS_REASONS = ("recompute", "small", "device", "parameter", "subclass", "layout",
                 "held_by_schedule", "cuda_graph_capture", "discarded_graph")
@@ -409,15 +410,18 @@ def run_header(job: str, rank: int, started: float, config: dict) -> dict:
                     "policy": config.get("policy")}}
 
 
-def append_line(path: str, record: dict) -> None:
-    """Append one JSON object as a line (the file and its folder created if missing)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record) + "\n")
+def append_line(path: Union[str, AppendFile], record: dict) -> None:
+    """Append one JSON object as a line (the file and its folder created if missing): to an
+    :class:`AppendFile` a job holds open, or, given a path, through one opened for this line."""
+    out = path if isinstance(path, AppendFile) else AppendFile(path)
+    try:
+        out.write(json.dumps(record) + "\n")
+    finally:
+        if out is not path:
+            out.close()
 
 
-def append_jsonl(path: str, stats: StepStats, extra: Optional[dict] = None) -> None:
+def append_jsonl(path: Union[str, AppendFile], stats: StepStats, extra: Optional[dict] = None) -> None:
     """Append one step to a JSONL file (created if missing): the StepStats fields, ``iteration``
     (step + 1) and ``extra`` (the offloader adds its ``policy``, so that several offloaders,
     e.g. the demo's keep and offload, can share one file)."""

@@ -134,6 +134,45 @@ class Timeline:
                              if v - self._cpu0.get(k, 0.0) > 0}
         self._resolve()
 
+    def abandon(self) -> None:
+        """Stop after an error in the recorded step, without raising: the caller is unwinding
+        an exception that must reach its handler as it was (an out-of-memory stays one). No
+        synchronisation (the device may be in a sticky error state); the GPU events that have
+        run (``query()`` says so, which neither waits nor raises "not ready") are resolved, the
+        others dropped and counted in ``meta["unresolved_gpu_events"]``: ``elapsed_time`` on an
+        event that has not run raises, and would replace the step's own exception. A no-op
+        after :meth:`stop`."""
+        if not self.recording:
+            return
+        self.recording = False
+        self.t1_ns = self.clock()
+        try:
+            gc.callbacks.remove(self._on_gc)
+        except ValueError:
+            pass
+        finished, dropped = [], 0
+        for g in self._gpu:
+            if self._ran(g.start) and (g.end is None or self._ran(g.end)):
+                finished.append(g)
+            else:
+                dropped += 1
+        self._gpu = finished
+        try:
+            self._resolve()
+        except Exception:  # noqa: BLE001 - a sticky device error fails even finished events' times
+            dropped += len(self._gpu)
+            self._gpu = []
+        self.meta["unresolved_gpu_events"] = dropped
+
+    @staticmethod
+    def _ran(event: Any) -> bool:
+        """Whether a recorded timing event has run; False where asking fails (a device in a
+        sticky error state raises from every call)."""
+        try:
+            return bool(event.query())
+        except Exception:  # noqa: BLE001 - unknown is not finished
+            return False
+
     # -- host events ------------------------------------------------------------------------
 
     def now(self) -> int:
@@ -261,6 +300,7 @@ class Timeline:
     def _resolve(self) -> None:
         """GPU events -> trace events (ts: the stream's time from the base event; ``issued``:
         the host's time when it was issued, both in µs from the start)."""
+        resolved = []
         for g in self._gpu:
             ts = self._gpu_us(g.start)
             ev = {"name": g.name, "cat": g.cat, "pid": "gpu", "tid": g.stream, "ts": ts,
@@ -270,7 +310,8 @@ class Timeline:
             else:
                 ev.update(ph="X", dur=max(self._gpu_us(g.end) - ts, 0.0))
                 ev["args"]["end_issued_us"] = round(self._us(g.end_issued_ns), 3)
-            self.events.append(ev)
+            resolved.append(ev)
+        self.events.extend(resolved)  # all or none: abandon() may give up half-way
         self._gpu = []
 
     def _gpu_us(self, event: Any) -> float:

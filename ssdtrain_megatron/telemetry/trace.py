@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Dict, Hashable, List, Optional, Tuple
 
+from .append import AppendFile
+
 
 class IOTracer:
     def __init__(self, path: str, rank: int) -> None:
@@ -28,6 +30,7 @@ class IOTracer:
         self._lock = threading.Lock()
         self._context: Dict[int, Tuple[int, Optional[str], Optional[str], str]] = {}
         self._rows: List[str] = []
+        self._file = AppendFile(path)  # opened once, at the first flush, never through a link
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def tag(self, key: int, step: int, microbatch: Hashable, layer: Hashable, phase: str) -> None:
@@ -53,5 +56,4 @@ class IOTracer:
         with self._lock:
             rows, self._rows = self._rows, []
         if rows:
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write("\n".join(rows) + "\n")
+            self._file.write("\n".join(rows) + "\n")

@@ -12,23 +12,37 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..io.clean import LIVE, STALE, Leftover, human_bytes, clean_templates, clean_tree, template_roots
-from .cli_types import PRESET_HELP, preset_arg
+from .cli_types import PRESET_HELP, duration, preset_arg
 
 
 def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``ssdtrain clean [--dry-run] [--config PRESET] [--dirs TEMPLATES] [ROOT...]``."""
+    """Register ``ssdtrain clean [--dry-run] [--older-than DURATION] [--config PRESET]
+    [--dirs TEMPLATES] [ROOT...]``."""
     p = subparsers.add_parser(
         "clean", help="remove offload files left by jobs whose process is gone",
         description="Remove the rank directories (ssdtrain.<job>.<host>.rank<r>.pid<pid>) that dead "
                     "processes left: below each ROOT at any depth (e.g. the drive or the folder "
                     "above the job ids), or in every directory the offload path templates of a "
                     "preset (--config) or of --dirs name on this host, for any job id and rank. "
-                    "The folders a removal leaves empty are removed too, up to ROOT (kept), or "
-                    "from a template's first {job} component on. Directories of running "
-                    "processes, of other hosts or containers, and anything we did not create are "
-                    "left alone. The exit code is 1 when a root could not be read or a stale "
-                    "directory could not be removed.")
+                    "The folders a removal leaves empty are removed too when the dead job made "
+                    "them: below a ROOT, those up to the folder named after its job id and owned "
+                    "by its user (never ROOT or above); with templates, those from the first {job} "
+                    "component on. A directory goes only when no "
+                    "process holds the lock on its owner.json and every holder would share this "
+                    "kernel's locks (written on this boot of this node, in any container, or "
+                    "before this node booted on a local filesystem). Directories of running "
+                    "processes, of other machines or boots on a shared filesystem, and anything "
+                    "we did not create are left alone (--older-than for the former). The exit "
+                    "code is 1 when a root could not be read or a stale directory could not be "
+                    "removed.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    p.add_argument("--older-than", metavar="DURATION", type=duration,
+                   help="also remove the directories whose owner's life cannot be told (written by "
+                        "another machine or an earlier boot on a shared filesystem, or in another "
+                        "container by a version that took no lock) when nothing in them changed "
+                        "for DURATION (90s, 30m, 12h, 7d): what a dead container or node left. A "
+                        "job idle that long there loses its files; a locked directory is never "
+                        "removed")
     p.add_argument("--config", metavar="PRESET", type=preset_arg,
                    help=f"{PRESET_HELP}: clean where its offload dirs templates point on this "
                         "host")
@@ -114,9 +128,9 @@ def run_clean(args: argparse.Namespace) -> int:
     for name, batch_templates in _batches(args.roots, templates):
         try:
             if batch_templates is None:
-                found = clean_tree(name, dry_run=args.dry_run)
+                found = clean_tree(name, dry_run=args.dry_run, older_than=args.older_than)
             else:
-                found = clean_templates(batch_templates, dry_run=args.dry_run)
+                found = clean_templates(batch_templates, dry_run=args.dry_run, older_than=args.older_than)
         except OSError as exc:
             print(f"ssdtrain clean: {name}: {exc.strerror or exc}", file=sys.stderr)
             status = 1

@@ -51,6 +51,18 @@ def positive_int(text: str) -> int:
     return v
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h|d)")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """A duration with its unit (90s, 30m, 12h, 7d), in seconds."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 90s, 30m, 12h or 7d, got {text!r}")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -185,7 +197,7 @@ def writable_dir(flag: str, path: str, create: bool = True) -> str:
                          "(it is created if missing)")
     try:
         if create:
-            os.makedirs(path, exist_ok=True)
+            _make_private_dirs(path)
     except OSError as exc:
         raise EnvironmentProblem(f"{flag} {path}: cannot create it: {_refusal(exc, path)}") from exc
     try:
@@ -196,6 +208,22 @@ def writable_dir(flag: str, path: str, create: bool = True) -> str:
         # The probe file's random name means nothing to the user: name the directory.
         raise EnvironmentProblem(f"{flag} {path}: cannot write files there: {_refusal(exc, path)}") from exc
     return path
+
+
+def _make_private_dirs(path: str) -> None:
+    """Create ``path`` and its missing parents, each 0700 whatever the umask: under umask 000
+    ``os.makedirs`` makes them 0777, and an offload root anyone can write to is refused (another
+    user could swap our files there)."""
+    missing = []
+    probe = path
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)  # the umask can only take bits away
+        except FileExistsError:
+            pass  # made meanwhile by someone else: checked as any existing directory is
 
 
 def _refusal(exc: OSError, path: str) -> str:

@@ -8,6 +8,7 @@ CUDA it runs on the CPU through ``ssdtrain_megatron.tools.megatron_cpu``.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -16,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class GPTSpec:
@@ -72,19 +74,36 @@ class MegatronRuntime:
         parallel_state.initialize_model_parallel(1, 1)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Every part undone, each tried even when one before it raised (after a sticky CUDA
+        error, NCCL's teardown raises too). With an exception already on its way out, a part's
+        error is logged and that exception goes on unchanged; else the first part's error is
+        raised once all were tried."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        parallel_state.destroy_model_parallel()
-        if self._owns_group:
-            dist.destroy_process_group()
+        def unlink() -> None:
             if self._tmp and os.path.exists(self._tmp):
                 os.unlink(self._tmp)
-        if self._cpu:
+
+        def cpu_off() -> None:
             from . import megatron_cpu as cpu
 
             cpu.disable()
+
+        parts = [parallel_state.destroy_model_parallel] + ([dist.destroy_process_group, unlink] if self._owns_group
+                                                           else []) + ([cpu_off] if self._cpu else [])
+        first: Optional[BaseException] = None
+        for part in parts:
+            try:
+                part()
+            except Exception as err:  # noqa: BLE001 - raised below, or logged under the exception in flight
+                if exc is not None:
+                    log.warning("MegatronRuntime: %s failed while %s was raised: %s", getattr(part, "__name__", part),
+                                exc_type.__name__, err)
+                first = first or err
+        if first is not None and exc is None:
+            raise first
 
     @property
     def device(self) -> torch.device:

@@ -13,6 +13,10 @@ drive), recompute its "recompute", adaptive the plan it ran in its last step. to
 save_on_cpu is none of the planner's places (its copies run on the compute stream), so it has
 no prediction. The error is predicted over measured, less one, on step time relative to keep's
 (as the bench reports it).
+
+Beside it, each engine's activation-peak floor at the box's own figures (:func:`floors`:
+gpu_perf_plan.peak_floor with a layer's saved bytes and forward from keep, its backward
+BACKWARD_PER_FORWARD of that, and the engine's measured read rate).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional, Sequence
 
+from .gpu_perf_plan import READAHEAD_CAP, peak_floor
+from ssdtrain_megatron.plan.readahead import BACKWARD_PER_FORWARD
 from ssdtrain_megatron.tools.bench.predict import adaptive_rows, as_run, measurements, predict
 
 STRATEGY = {"offload-memory": "host", "offload-posix": "offload", "recompute": "recompute",
@@ -57,16 +63,37 @@ def with_gpu_forward(stats, events: Optional[Sequence[dict]]):
     return dataclasses.replace(stats, layers=layers)
 
 
+def floors(stats, events: Optional[Sequence[dict]], rates: Dict[str, Optional[dict]]) -> Dict[str, dict]:
+    """Each engine's activation-peak floor (gpu_perf_plan.peak_floor) from keep's ``stats`` and
+    timeline ``events``: a layer's saved bytes (LayerStats.bytes, the layers' mean), its
+    backward BACKWARD_PER_FORWARD times its forward on the compute stream (the host's where the
+    timeline has no layer spans), and the engine's measured read rate (memory: the link's H2D;
+    posix: the drive's reads). Empty without keep's layers; an engine without its rate is left
+    out."""
+    if stats is None:
+        return {}
+    rows = [r for r in with_gpu_forward(stats, events).layers if r.layer != "None"]
+    if not rows:
+        return {}
+    layer_bytes = sum(r.bytes for r in rows) / len(rows)
+    backward_s = BACKWARD_PER_FORWARD * sum(r.forward_s for r in rows) / len(rows)
+    read = {"memory": (rates.get("link") or {}).get("h2d"), "posix": (rates.get("drive") or {}).get("read")}
+    return {engine: peak_floor(len(rows), layer_bytes, bps, backward_s, READAHEAD_CAP[engine])
+            for engine, bps in read.items() if bps}
+
+
 def predictions(measure, k: int, host_bytes: int, adaptive_budget: Optional[int]) -> dict:
     """Per point at micro-batch ``k``: predicted and measured seconds and the error (module
-    docstring); ``node`` the figures used; ``why`` where nothing could be predicted."""
+    docstring); ``node`` the figures used; ``why`` where nothing could be predicted;
+    ``floors`` each engine's activation-peak floor (:func:`floors`)."""
     points = {p["name"]: p for p in measure.result["points"] if p.get("ok")}
     keep, keep_stats = points.get(f"keep@{k}"), measure.stats.get(f"keep@{k}")
     link, drive = measure.rates.get("link"), measure.rates.get("drive")
-    if keep is None or keep_stats is None or not link or not drive:
-        return {"why": "keep, its stats, or the link's or the drive's rates were not measured"}
-    node = BoxNode(min(link["d2h"], link["h2d"]) / 1e9, drive["write"] / 1e9, drive["read"] / 1e9, host_bytes)
     tl = measure.timelines.get(f"keep@{k}")
+    floor = floors(keep_stats, tl.events if tl is not None else None, measure.rates)
+    if keep is None or keep_stats is None or not link or not drive:
+        return {"why": "keep, its stats, or the link's or the drive's rates were not measured", "floors": floor}
+    node = BoxNode(min(link["d2h"], link["h2d"]) / 1e9, drive["write"] / 1e9, drive["read"] / 1e9, host_bytes)
     stats = with_gpu_forward(keep_stats, tl.events if tl is not None else None)
     plans = {}
     adaptive = measure.stats.get(f"adaptive@{k}")
@@ -77,7 +104,7 @@ def predictions(measure, k: int, host_bytes: int, adaptive_budget: Optional[int]
             plans["adaptive"] = as_run(rows, adaptive, names)
     ratios = predict(node, stats, keep["step_s"], 1, plans, adaptive_budget, measure.stats.get(f"recompute@{k}"))
     out: Dict[str, object] = {"node": dataclasses.asdict(node), "forward_from": "timeline" if stats is not keep_stats
-                              else "stats", "points": {}}
+                              else "stats", "points": {}, "floors": floor}
     for name, p in points.items():
         strategy = STRATEGY.get(name.split("@")[0])
         if p["micro_batch"] != k or strategy not in ratios:  # keep: its ratio is 1 by construction

@@ -5,13 +5,13 @@ one sitting. `make gpu-check` stays the acceptance check; this says where the ti
 
 The box and the bundle are gpu-check's (docs/gpu-check.md: ``make gpu-bundle`` where there is
 network, ``.whl/`` carried along). Two steps, each in its own process under its own limit
-(scripts/gpu_perf_plan.py has the plan and why the shapes are what they are):
+(gpu_perf_plan.py has the plan and why the shapes are what they are):
 
   install  pip install --no-index --find-links .whl --prefix <out>/prefix: what the box lacks
   perf     the measure step at two shapes, one after the other, each in its share of the time:
            io-bound (gpu-check's: 8 layers, hidden 2048, seq 1024, micro-batch 2, megatron-core's
-           local spec), then compute-bound, the SSDTrain paper's regime (6 layers, hidden 6144,
-           seq 1024, micro-batch 1, core attention on torch's SDPA: scripts/gpu_check_sdpa.py)
+           local spec), then compute-bound, the SSDTrain paper's regime (16 layers, hidden 6144,
+           seq 256, micro-batch 1, core attention on torch's SDPA: gpu_check_sdpa.py)
 
 At each shape: keep; offload with the memory and the posix engine; torch's save_on_cpu; full
 recompute; adaptive on the memory engine in half of keep's activations: --steps timed steps
@@ -20,10 +20,10 @@ memory at the records' sizes, one way and both at once; the drive in the step's 
 point its bound, the stall beyond the IO deficit, the activation peak against the step's
 start, the excess over the bound split by cause (ssdtrain_megatron/telemetry/breakdown.py), and
 the four-place planner's prediction with the box's own figures beside the measured step
-(scripts/gpu_perf_model.py). The last timed step of every point is a Chrome trace (open it in
+(gpu_perf_model.py). The last timed step of every point is a Chrome trace (open it in
 https://ui.perfetto.dev or chrome://tracing) in <out>/traces/<shape>/, at most 2 MB each.
 
-It prints one row per target (scripts/gpu_perf_targets.py): PASS, FAIL or NOT RUN with the
+It prints one row per target (gpu_perf_targets.py): PASS, FAIL or NOT RUN with the
 reason, and exits 0 only when every target passed. ``gpu-perf.json`` (everything) and
 ``table.txt`` are rewritten in --out after every step. ``GPU_CHECK_DRY=1`` (or --dry-run)
 prints the time plan (each step's and each point's estimate) and exits 1 if it does not fit.
@@ -32,14 +32,13 @@ prints the time plan (each step's and each point's estimate) and exits 1 if it d
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
-from gpu_check import Suite, finish_args, run, suite_parser
-from gpu_check_plan import plan
-from gpu_perf_plan import SHAPES, STEPS, TOTAL_S, estimates, print_plan
-from gpu_perf_targets import render, targets
+from .gpu_check import Suite, finish_args, run, suite_parser
+from .gpu_check_plan import plan
+from .gpu_perf_plan import SHAPES, STEPS, TOTAL_S, cards_header, estimates, print_plan
+from .gpu_perf_targets import render, targets
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -47,11 +46,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def header(args: argparse.Namespace) -> dict:
-    return {"estimates": estimates(args), "shapes": SHAPES, "steps_per_point": args.steps}
+    return {"estimates": estimates(args), "shapes": SHAPES, "steps_per_point": args.steps, **cards_header()}
 
 
-PERF = Suite("gpu-perf", os.path.abspath(__file__), STEPS, lambda args: plan(args, STEPS), header, print_plan,
-             targets, render, ("steps",), "gpu_perf_step:run_step")
+PERF = Suite("gpu-perf", f"{__package__}.gpu_perf", STEPS, lambda args: plan(args, STEPS), header, print_plan,
+             targets, render, ("steps",), f"{__package__}.gpu_perf_step:run_step")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -1,4 +1,4 @@
-"""What the steps of `make gpu-check` share (scripts/gpu_check_steps.py, gpu_check_measure.py,
+"""What the steps of `make gpu-check` share (gpu_check_steps.py, gpu_check_measure.py,
 gpu_check_cuda.py): the model, the bit comparisons, the step deadline, and :class:`CudaBox`,
 every call a step makes to the GPU itself, in one place.
 
@@ -136,9 +136,11 @@ class GpuGPT(MiniGPT):
     parameters takes minutes), with megatron-core's local spec or SDPA core attention."""
 
     def __init__(self, spec: GPTSpec, device: torch.device, attention: str = "local",
-                 grad_buffers: bool = False) -> None:
+                 grad_buffers: bool = False, sdpa_backend: Optional[str] = None) -> None:
         """``attention``: "local" (megatron-core's local spec, unfused attention) or "sdpa"
-        (its core attention on torch's scaled_dot_product_attention: gpu_check_sdpa.py).
+        (its core attention on torch's scaled_dot_product_attention: gpu_check_sdpa.py), on
+        ``sdpa_backend`` (default: gpu_check_sdpa.choose_backend's, here; ``self.sdpa_backend``
+        names it, None with the local spec).
         ``grad_buffers``: Megatron's memory layout for the measure step: gradients allocated
         once (:class:`GradBufferAdam`) and, on CUDA, a fused Adam (torch's default foreach
         Adam allocates temporaries the size of all parameters, which Megatron's fused
@@ -158,10 +160,13 @@ class GpuGPT(MiniGPT):
             use_cpu_initialization=False, hidden_dropout=0.0, attention_dropout=0.0,
             bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False)
+        self.sdpa_backend: Optional[str] = None
         if attention == "sdpa":
-            from gpu_check_sdpa import sdpa_layer_spec
+            from .gpu_check_sdpa import choose_backend, sdpa_layer_spec
 
-            layer_spec = sdpa_layer_spec()
+            self.sdpa_backend = sdpa_backend or choose_backend(device, torch.bfloat16, spec.heads,
+                                                               spec.hidden // spec.heads)
+            layer_spec = sdpa_layer_spec(self.sdpa_backend)
         elif attention == "local":
             layer_spec = get_gpt_layer_local_spec()
         else:

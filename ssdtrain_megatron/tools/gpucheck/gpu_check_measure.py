@@ -1,9 +1,9 @@
-"""The measure step of `make gpu-check` (scripts/gpu_check.py) and what `make gpu-perf`
-(scripts/gpu_perf.py) measures with it: peak memory, step time, the training thread's stall,
+"""The measure step of `make gpu-check` (gpu_check.py) and what `make gpu-perf`
+(gpu_perf.py) measures with it: peak memory, step time, the training thread's stall,
 tokens/s, each point's bound and its excess split by cause, on the GPU, in its own process.
 
 A point is one strategy (keep, offload with an engine, adaptive, full recompute, or torch's
-``save_on_cpu``: scripts/gpu_check_runner.py) at one micro-batch size: a warm-up step (adaptive:
+``save_on_cpu``: gpu_check_runner.py) at one micro-batch size: a warm-up step (adaptive:
 until its measured selection settled, plan/explore.py), then --steps timed steps (at least 5
 count for a target), the median and the spread kept, the last recorded as a timeline
 (ssdtrain_megatron/telemetry/timeline.py) and written as a Chrome trace. Peak memory is each
@@ -13,7 +13,7 @@ Megatron's memory layout (``GpuGPT(grad_buffers=True)``: gradients allocated onc
 Adam): the activations' part, which offload moves, not the weights, gradients and optimizer
 state, nor the optimizer's working memory.
 
-The bounds are measured in the same run (scripts/gpu_check_bounds.py): after keep, the sizes
+The bounds are measured in the same run (gpu_check_bounds.py): after keep, the sizes
 of the records; after offload (memory), the link on registered memory at those sizes; after
 offload (posix), the drive in the step's pattern. :meth:`Measure.judge` then gives every point
 its bound, the stall beyond the IO deficit, and the excess split by cause
@@ -36,15 +36,16 @@ import os
 import shutil
 import statistics
 import time
+import traceback
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from gpu_check_bounds import judge_points, measure_drive, measure_link, record_sizes
-from gpu_check_common import CudaBox, GpuGPT, deadline_left
-from gpu_check_plan import (ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_SETTLE_CAP, ADAPTIVE_TRIAL_STEPS, MEASURE_INFLIGHT,
-                            OVERFLOW_STAGING, memory_pool_bytes)
-from gpu_check_runner import SAVE_ON_CPU, TRACE_MAX_BYTES, Runner, record_step
+from .gpu_check_bounds import judge_points, measure_drive, measure_link, record_sizes
+from .gpu_check_common import CudaBox, GpuGPT, deadline_left
+from .gpu_check_plan import (ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_SETTLE_CAP, ADAPTIVE_TRIAL_STEPS, MEASURE_INFLIGHT,
+                            OVERFLOW_STAGING, measure_estimate, memory_pool_bytes, reserves)
+from .gpu_check_runner import SAVE_ON_CPU, TRACE_MAX_BYTES, Runner, record_step
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io.pinned import pinned_cost
 from ssdtrain_megatron.telemetry.timeline import Timeline
@@ -56,6 +57,17 @@ from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime
 # (config.MIN_TENSOR_BYTES); the bounds count the records of at least this size (record_sizes).
 MIN_TENSOR_BYTES = 256 * 1024
 LINK_HOLD_CYCLES = 4_000_000  # ~2 ms on the compute stream while the link measurement's copies are issued
+# What a point (or a rate) must have left to start: its own estimate at the plan's rates
+# (Measure.reserve) and this, for saving what it measured and writing its trace; inside a
+# point, two of its slowest steps and this. A point the plan has no estimate for keeps the
+# reserve every point had before it scaled with its estimate.
+RESERVE_SLACK_S = 2.0
+UNPLANNED_RESERVE_S = 20.0
+
+
+def _trace() -> str:
+    """The exception being handled, as the traceback Python prints (its last 4,000 characters)."""
+    return traceback.format_exc()[-4000:]
 
 
 class StallProbe:
@@ -82,10 +94,10 @@ class StallProbe:
         # Only the training side calls it (the IO threads put events, never take them): the
         # main thread in forward and at the end of the step, autograd's device thread in
         # backward on CUDA, while the main thread waits in backward() -- never both at once.
-        def timed_next_event(obj, deadline):
+        def timed_next_event(obj, deadline, *args, **kw):
             t0 = time.perf_counter()
             try:
-                return real(obj, deadline)
+                return real(obj, deadline, *args, **kw)
             finally:
                 probe.seconds += time.perf_counter() - t0
 
@@ -109,9 +121,12 @@ class Measure:
     """One model, measured point by point under different strategies and budgets."""
 
     def __init__(self, args, save: Callable[[dict], None], model: GpuGPT, device: torch.device,
-                 box: CudaBox, trace_dir: Optional[str] = None, until: Optional[float] = None) -> None:
+                 box: CudaBox, trace_dir: Optional[str] = None, until: Optional[float] = None,
+                 estimates: Optional[Dict[str, float]] = None) -> None:
         """``until``: a deadline of its own (``time.time()``), earlier than the step's: the
-        measurements stop in time for what the step does after them."""
+        measurements stop in time for what the step does after them. ``estimates``: the
+        plan's seconds for each point by name and for the "link" and "drive" rates
+        (gpu_check_plan.points_estimate): what each must have left to start."""
         self.args, self.save, self.model, self.dev, self.box = args, save, model, device, box
         self.trace_dir, self.until = trace_dir, until
         self.result: Dict[str, object] = {"points": []}
@@ -125,11 +140,20 @@ class Measure:
         self.stats: Dict[str, object] = {}  # point -> its last StepStats (the model's prediction reads them)
         self.rates: Dict[str, Optional[dict]] = {"link": None, "drive": None}
         self.sizes: List[int] = []
+        self.estimates: Dict[str, float] = dict(estimates or {})
 
     def left(self) -> float:
         """Seconds until this measurement's deadline (the step's, or ``until`` if earlier)."""
         left = deadline_left()
         return left if self.until is None else min(left, self.until - time.time())
+
+    def reserve(self, name: str) -> float:
+        """Seconds ``name`` (a point or a rate) must have left to start: its own estimate at the
+        plan's rates, and a little for saving what it measured; UNPLANNED_RESERVE_S for a point
+        the plan does not know. Scaled to each point, not fixed: a fixed 20 s left the short
+        points at the end of a share (save_on_cpu, recompute, adaptive) unrun."""
+        est = self.estimates.get(name)
+        return UNPLANNED_RESERVE_S if est is None else RESERVE_SLACK_S + est
 
     def pinned(self, policy: str, cfg_kw: dict, mb: int = 1) -> int:
         """Host memory the point locks: its offloader's staging pool and its engine's pool, at
@@ -143,11 +167,12 @@ class Measure:
         pool = cfg.host_memory_bytes if cfg.engine in ("memory", "tiered") else 0
         return pinned_cost(cfg.staging_bytes(), self.registers) + pinned_cost(pool, self.registers)
 
-    def _skip(self, mb: int, policy: str, engine: str, cfg_kw: dict) -> Optional[str]:
+    def _skip(self, mb: int, policy: str, engine: str, cfg_kw: dict, name: str = "") -> Optional[str]:
         need = self.per_sample * mb * 1.1 if self.per_sample else 0
         free = shutil.disk_usage(self.args.scratch).free
-        if self.left() < 20:
-            return "not run: out of time"
+        left, reserve = self.left(), self.reserve(name)
+        if left < reserve:
+            return f"not run: out of time ({left:.0f}s left, its estimate needs {reserve:.0f}s)"
         if policy not in ("keep", SAVE_ON_CPU) and engine == "posix" and need > free:
             return f"not run (disk): needs about {need / 1e9:.0f} GB on the drive, {free / 1e9:.0f} GB free"
         pinned = self.pinned(policy, dict(cfg_kw, engine=engine), mb)
@@ -164,57 +189,91 @@ class Measure:
         p: Dict[str, object] = {"name": f"{name}@{mb}", "micro_batch": mb, "policy": policy,
                                 "engine": engine if policy not in ("keep", SAVE_ON_CPU) else None,
                                 "budget_bytes": budget}
-        why = self._skip(mb, policy, engine, cfg_kw)
+        why = self._skip(mb, policy, engine, cfg_kw, str(p["name"]))
         if why:
             p.update(ok=False, error=why)
-        else:
-            box = self.box
+            return self._done(p)
+        box = self.box
+        off = streams = None
+        stopped: Optional[BaseException] = None  # a signal, or the like: the point is saved, then it goes on
+        try:
+            streams = box.streams() if policy not in ("keep", SAVE_ON_CPU) else None
             gc.collect()
             box.empty_cache()
             box.set_fraction(min(1.0, budget / self.total) if budget else 1.0, self.dev)
             self.model.set_micro_batch(mb)
             self.model.set_recompute(recompute)
-            off = None
-            streams = box.streams() if policy not in ("keep", SAVE_ON_CPU) else None
-            try:
-                t0 = time.perf_counter()
-                if policy != SAVE_ON_CPU:
-                    cfg = self.base_cfg.replace(policy=policy, engine=engine, job=f"gc-{name}-{mb}", **cfg_kw)
-                    off = ActivationOffloader(cfg, device=self.dev, streams=streams)
-                p.update(start_s=time.perf_counter() - t0, pinned_bytes=self.pinned(policy, dict(cfg_kw, engine=engine), mb))
-                runner = Runner(self.model, off)
-                p.update(self._warm_up(runner, warmup))
-                p.update(self._timed(runner, str(p["name"]), mb, streams))
-            except box.oom as exc:
-                p.update(ok=False, oom=True, error=str(exc).splitlines()[0][:300])
-            except Exception as exc:  # noqa: BLE001 - one point failing does not end the step
-                p.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
-            finally:
-                if off is not None:
-                    off.close()
-                self.model.optimizer.zero_grad(set_to_none=True)
-                self.model.set_recompute(False)
-                box.set_fraction(1.0, self.dev)
-        self.result["points"].append(p)
-        self.save(dict(self.result, status="running"))
-        print(f"measure: {p}", flush=True)
+            t0 = time.perf_counter()
+            if policy != SAVE_ON_CPU:
+                cfg = self.base_cfg.replace(policy=policy, engine=engine, job=f"gc-{name}-{mb}", **cfg_kw)
+                off = ActivationOffloader(cfg, device=self.dev, streams=streams)
+            p.update(start_s=time.perf_counter() - t0, pinned_bytes=self.pinned(policy, dict(cfg_kw, engine=engine), mb))
+            runner = Runner(self.model, off)
+            p.update(self._warm_up(runner, warmup, str(p["name"])))
+            p.update(self._timed(runner, str(p["name"]), mb, streams))
+        except box.oom as exc:
+            p.update(ok=False, oom=True, error=str(exc).splitlines()[0][:300], traceback=_trace())
+        except BaseException as exc:  # noqa: BLE001 - one point failing does not end the step
+            p.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500], traceback=_trace())
+            if not isinstance(exc, Exception):
+                stopped = exc
+        cleanup = self._clean_up(off)
+        if cleanup is not None:
+            # Cleaning up raised too: the device is gone (a sticky error makes every call
+            # raise). The point is saved with both, and the cleanup's error ends the shape.
+            p.update(ok=False, cleanup_error=f"{type(cleanup).__name__}: {cleanup}"[:500],
+                     cleanup_traceback="".join(traceback.format_exception(type(cleanup), cleanup,
+                                                                          cleanup.__traceback__))[-4000:])
+        self._done(p)
+        if stopped is not None:
+            raise stopped
+        if cleanup is not None:
+            raise cleanup
         return p
 
-    def _warm_up(self, runner: Runner, steps: int) -> dict:
+    def _clean_up(self, off) -> Optional[BaseException]:
+        """What a point leaves behind, undone: its offloader closed, the gradients freed,
+        recompute off, the memory fraction back. Every part is tried; the first error is
+        returned, not raised, so the point that caused it is saved first."""
+        first: Optional[BaseException] = None
+        parts = ([off.close] if off is not None else []) + [
+            lambda: self.model.optimizer.zero_grad(set_to_none=True),
+            lambda: self.model.set_recompute(False),
+            lambda: self.box.set_fraction(1.0, self.dev)]
+        for part in parts:
+            try:
+                part()
+            except Exception as exc:  # noqa: BLE001 - returned to the caller
+                first = first or exc
+        return first
+
+    def _done(self, p: dict) -> dict:
+        """A point, finished or failed, into the result, saved at once."""
+        self.result["points"].append(p)
+        self.save(dict(self.result, status="running"))
+        print(f"measure: {dict((k, v) for k, v in p.items() if not k.endswith('traceback'))}", flush=True)
+        return p
+
+    def _warm_up(self, runner: Runner, steps: int, name: str = "") -> dict:
         """``steps`` steps; adaptive (a planner with measured selection) until it settled, at
         most ADAPTIVE_SETTLE_CAP steps: its timed steps then measure the plan it chose, not
-        the ones it tried."""
+        the ones it tried. Ends early when what is left would not hold the timed steps at the
+        slowest warm-up step's pace."""
         off = runner.off
         selection = off.planner.selection if off is not None and off.planner is not None else None
-        n = 0
+        n, slowest, first = 0, 0.0, None
         while n < steps or (selection is not None and not selection.settled and n < ADAPTIVE_SETTLE_CAP):
+            t0 = time.perf_counter()
             runner.step()
+            dt = time.perf_counter() - t0
+            first = dt if first is None else first
+            slowest = max(slowest, dt)
             n += 1
-            if self.left() < 20:
+            if self.left() < RESERVE_SLACK_S + (self.args.steps + 1) * slowest:
                 break
         if selection is None:
-            return {"warmup_steps": n}
-        return {"warmup_steps": n, "settled": selection.settled, "settled_after": selection.settled_step}
+            return {"warmup_steps": n, "first_step_s": first}
+        return {"warmup_steps": n, "first_step_s": first, "settled": selection.settled, "settled_after": selection.settled_step}
 
     def _timed(self, runner: Runner, name: str, mb: int, streams) -> dict:
         """--steps steady-state steps (the last recorded as a timeline): time (median and spread),
@@ -234,7 +293,9 @@ class Measure:
         hook = model.optimizer.register_step_pre_hook(lambda opt, a, kw: fb_peaks.append(box.peak(self.dev)))
         try:
             for i in range(self.args.steps):
-                last = i == self.args.steps - 1 or self.left() < 15
+                # The recorded step next when the one after it might not fit: two of the
+                # slowest so far (this one and the recorded one) and the trace's writing.
+                last = i == self.args.steps - 1 or self.left() < RESERVE_SLACK_S + 2 * max(times, default=0.0)
                 model.optimizer.zero_grad(set_to_none=True)
                 starts.append(box.now(self.dev))
                 box.reset_peak(self.dev)
@@ -310,8 +371,9 @@ class Measure:
                     pinned_staging_bytes=OVERFLOW_STAGING)
 
     def _rate(self, kind: str, measure: Callable[[], dict]) -> None:
-        if self.left() < 15:
-            self.result[f"{kind}_rate_error"] = "not measured: out of time"
+        left, reserve = self.left(), self.reserve(kind)
+        if left < reserve:
+            self.result[f"{kind}_rate_error"] = f"not measured: out of time ({left:.0f}s left, its estimate needs {reserve:.0f}s)"
             return
         try:
             self.rates[kind] = measure()
@@ -333,24 +395,27 @@ def step_measure(args, save, box: CudaBox) -> dict:
                    micro_batch=k, num_microbatches=1)
     with MegatronRuntime() as rt, StallProbe() as probe:
         m = Measure(args, save, GpuGPT(spec, rt.device, grad_buffers=True), rt.device, box,
-                    trace_dir=os.path.join(args.out, "traces", "measure"))
+                    trace_dir=os.path.join(args.out, "traces", "measure"), estimates=reserves(measure_estimate(args)))
         m.probe = probe
         r = m.result
         r.update(spec=dataclasses.asdict(spec), micro_batch=k, registration_works=m.registers)
         save(dict(r, status="running"))
         # Keep first: its peak less memory at the step's start is K samples' activations.
-        keep = m.offload_points(k)
-        if not keep.get("ok"):
-            return dict(r, status="fail", why=f"keep at micro-batch {k} failed: {keep.get('error')}")
-        resident = keep["start_bytes"]
-        activation = m.per_sample
-        budget = int(resident + (k + 0.5) * activation)
-        r.update(resident_bytes=resident, activation_bytes_per_sample=activation, budget_bytes=budget)
-        m.point("recompute", k, "keep", recompute=True)
-        m.point("keep", k + 1, "keep", budget=budget)
-        m.point("recompute", k + 1, "keep", recompute=True, budget=budget)
-        m.point("adaptive", k + 1, "adaptive", "posix", budget=budget, max_inflight_bytes=MEASURE_INFLIGHT,
-                memory_budget_bytes=int(0.5 * activation), recompute_fallback=True,
-                adaptive_trial_steps=ADAPTIVE_TRIAL_STEPS, adaptive_explore_steps=ADAPTIVE_EXPLORE_STEPS)
-        m.judge(k)
+        try:
+            keep = m.offload_points(k)
+            if not keep.get("ok"):
+                return dict(r, status="fail", why=f"keep at micro-batch {k} failed: {keep.get('error')}")
+            resident = keep["start_bytes"]
+            activation = m.per_sample
+            budget = int(resident + (k + 0.5) * activation)
+            r.update(resident_bytes=resident, activation_bytes_per_sample=activation, budget_bytes=budget)
+            m.point("recompute", k, "keep", recompute=True)
+            m.point("keep", k + 1, "keep", budget=budget)
+            m.point("recompute", k + 1, "keep", recompute=True, budget=budget)
+            m.point("adaptive", k + 1, "adaptive", "posix", budget=budget, max_inflight_bytes=MEASURE_INFLIGHT,
+                    memory_budget_bytes=int(0.5 * activation), recompute_fallback=True,
+                    adaptive_trial_steps=ADAPTIVE_TRIAL_STEPS, adaptive_explore_steps=ADAPTIVE_EXPLORE_STEPS)
+        finally:
+            if m.per_sample is not None:  # keep ran: what was measured is judged, whatever ended the
+                m.judge(k)  # points (host work: it runs after a CUDA error too)
     return dict(r, status="pass")

@@ -1,4 +1,4 @@
-"""How a point of the measure step runs its steps (scripts/gpu_check_measure.py), and how the
+"""How a point of the measure step runs its steps (gpu_check_measure.py), and how the
 last timed one is recorded as a timeline (ssdtrain_megatron/telemetry/timeline.py).
 
 A strategy is either an offloader installed into megatron-core for the step (keep, offload,
@@ -68,7 +68,9 @@ def record_step(box: Any, runner: Runner, streams: Any, device: torch.device,
         tl.span("step", "step", t0)
         tl.stop(sync)
     finally:
-        tl.stop()  # after an error: the collector's callback removed; a no-op after stop(sync)
+        # After an error: no synchronisation, and no times asked of events that have not run
+        # (Timeline.abandon), so the step's own exception is what propagates; a no-op after stop(sync).
+        tl.abandon()
         if wire is not None:
             wire(None)
         for h in hooks:

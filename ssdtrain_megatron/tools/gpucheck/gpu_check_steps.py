@@ -1,4 +1,4 @@
-"""The steps of `make gpu-check` that need torch and the GPU (see scripts/gpu_check.py).
+"""The steps of `make gpu-check` that need torch and the GPU (see gpu_check.py).
 
 Each step runs in its own process and returns one dict (``status``: pass, fail, skip, or not
 run with the reason); long steps also ``save`` partial results as they go, so a step killed by
@@ -19,8 +19,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from gpu_check_common import CudaBox, GpuGPT, bits, deadline_left, deterministic, grads, offload_config, same
-from gpu_check_plan import (BITWISE_DELAY_CYCLES, BITWISE_SHAPE, BITWISE_STEPS,
+from .gpu_check_common import CudaBox, GpuGPT, bits, deadline_left, deterministic, grads, offload_config, same
+from .gpu_check_plan import (BITWISE_DELAY_CYCLES, BITWISE_SHAPE, BITWISE_STEPS,
                             STRESS_DELAY_CYCLES, STRESS_INFLIGHT, STRESS_SHAPE, STRESS_STEPS, bitwise_settings)
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.tools.minigpt import GPTSpec, MegatronRuntime, MiniGPT, installed_step
@@ -306,11 +306,11 @@ def run_step(args: argparse.Namespace, save: Callable[[dict], None], box: Option
     if name.startswith("bitwise-"):
         return step_bitwise(args, save, name.split("-", 1)[1], box)
     if name == "measure":
-        from gpu_check_measure import step_measure  # scripts/gpu_check_measure.py
+        from .gpu_check_measure import step_measure  # gpu_check_measure.py
 
         return step_measure(args, save, box)
     if name == "cuda-tests":
-        from gpu_check_cuda import step_cuda_tests  # scripts/gpu_check_cuda.py
+        from .gpu_check_cuda import step_cuda_tests  # gpu_check_cuda.py
 
         return step_cuda_tests(args, save)
     fn = {"imports": lambda: step_imports(args, save), "stress": lambda: step_stress(args, save, box),

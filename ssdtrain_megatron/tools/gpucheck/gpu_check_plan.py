@@ -1,4 +1,4 @@
-"""The time plan of `make gpu-check` (scripts/gpu_check.py): the steps, their limits, and what
+"""The time plan of `make gpu-check` (gpu_check.py): the steps, their limits, and what
 each is expected to take on the box, the pinning of its pools and the collection of its tests
 included; and the shapes and pool sizes the steps use, so that the plan and the steps cannot
 disagree. No torch here: the plan prints anywhere (`GPU_CHECK_DRY=1 make gpu-check`).
@@ -10,7 +10,7 @@ fits and the limits add up to the total less the parent's share.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -27,11 +27,19 @@ STEPS = [
     ("bitwise-gds", 30, ("imports",), "the same with gds through GPUDirect Storage (not run in compat mode)"),
     ("bitwise-gds-compat", 30, ("imports",), "the same with gds in kvikio's compat mode (KVIKIO_COMPAT_MODE=ON)"),
     ("stress", 40, ("imports",), "50 steps, delayed side compute stream, compact views: bitwise"),
-    ("cuda-tests", 40, ("install",), "the cuda tests this box can run (scripts/gpu_check_cuda.py): all pass"),
-    ("syncs", 25, ("imports",), "host syncs on the training thread, offload (memory) vs keep"),
-    ("measure", 140, ("imports",), "per policy: peak activation memory, step time against its bound, stall"),
+    ("cuda-tests", 40, ("install",), "the cuda tests this box can run (gpu_check_cuda.py): all pass"),
+    ("syncs", 26, ("imports",), "host syncs on the training thread, offload (memory) vs keep"),
+    ("measure", 139, ("imports",), "per policy: peak activation memory, step time against its bound, stall"),
 ]
 TOTAL_S = 480  # the whole check, the parent's own work included
+# A step over its limit (gpu_check.py run_child): SIGTERM, then SIGKILL TERM_WAIT_S
+# later, then KILL_WAIT_S at most for the process to go. The SIGTERM comes KILL_GRACE_S before
+# the limit, so the kill path ends within it; a step's estimate must fit before the SIGTERM.
+# The child's own deadline (GPU_CHECK_DEADLINE) is DEADLINE_MARGIN_S before the SIGTERM.
+TERM_WAIT_S, KILL_WAIT_S = 3, 2
+KILL_GRACE_S = TERM_WAIT_S + KILL_WAIT_S
+DEADLINE_MARGIN_S = 1
+PARENT_RUNS = ("install",)  # steps the parent runs itself (pip, under its own timeout): no kill path
 PARENT_S = 10  # the parent's share: starting the steps, writing the results
 # What the estimates assume (conservative for an H200 box): the drive's bandwidth each way,
 # the pinned host link, sustained bf16 matmul rate; a step process's start with torch and CUDA
@@ -40,8 +48,20 @@ PARENT_S = 10  # the parent's share: starting the steps, writing the results
 # the cuda-tests files (4 s of CPU on this project's 2-core CI machine: 15 s allowed); pip
 # installing the bundle offline; the required cuda tests themselves (28, about half a second
 # each: their delays are 0.1-0.25 s sleeps); and what torch.cuda._sleep cycles cost (about 2 GHz).
+# ``sdpa_first_s``: a shape on SDPA attention chooses its backend (a small forward and backward
+# per backend tried: gpu_check_sdpa.py) and its first step builds the kernel's plan
+# (cuDNN attention builds a graph per shape, seconds; flash compiles nothing at run time).
 ASSUME = {"drive_bps": 1.0e9, "link_bps": 10e9, "flops": 100e12, "start_s": 20.0, "torch_start_s": 10.0,
-          "register_bps": 2.0e9, "collect_s": 15.0, "pip_s": 25.0, "cuda_tests_s": 15.0, "cycle_s": 0.5e-9}
+          "register_bps": 2.0e9, "collect_s": 15.0, "pip_s": 25.0, "cuda_tests_s": 15.0, "cycle_s": 0.5e-9,
+          "sdpa_first_s": 5.0}
+# The cards the device machines lend, with the GPU memory a process sees on each (about 78 GiB
+# of an H100's 80 GB, 139 GiB of an H200's 141 GB) and the host RAM beside them. ASSUME's rates
+# are below both (sm90, the same bf16 matmul rate and a PCIe Gen5 link on each), so the time
+# plan is the same on either; what differs is whether each shape's memory fits
+# (:func:`card_check`). The plan assumes the smaller, and the dry run checks both.
+CARDS = {"H100 80 GB": {"gpu_bytes": 78 * (1 << 30), "host_bytes": 128 * (1 << 30)},
+         "H200 141 GB": {"gpu_bytes": 139 * (1 << 30), "host_bytes": 128 * (1 << 30)}}
+ASSUMED_CARD = "H100 80 GB"
 
 # The bitwise and stress steps' model and schedule (GPTSpec fields), and their compute delays:
 # torch.cuda._sleep cycles on the compute stream before every layer's forward and backward
@@ -55,7 +75,7 @@ BITWISE_DELAY_CYCLES, STRESS_DELAY_CYCLES = 10_000_000, 4_000_000
 BITWISE_INFLIGHT = 256 * MiB
 STRESS_INFLIGHT = 64 * MiB
 MEASURE_INFLIGHT = GiB
-LINK_BYTES = 512 * MiB  # one link measurement, each way (scripts/gpu_check_bounds.py)
+LINK_BYTES = 512 * MiB  # one link measurement, each way (gpu_check_bounds.py)
 OVERFLOW_STAGING = 64 * MiB  # the staging of an engine that copies into its own pool (memory)
 ADAPTIVE_TRIAL_STEPS, ADAPTIVE_EXPLORE_STEPS = 1, 3  # the measure step's adaptive: settles fast
 # Warm-up steps at most before its timed steps: one before anything went through the drive
@@ -199,17 +219,55 @@ def points_estimate(shape: dict, points: List[dict]) -> dict:
         io = moved / link if link else 0.0
         per_point[p["name"]] = {"steps": p["steps"], "compute_s": comp, "io_s": io, "register_s": reg,
                                 "seconds": round(reg + p["steps"] * (comp + io), 1)}
-    rates = 0.0
+    rates = {"link": 0.0, "drive": 0.0}
     if any(p["engine"] == "memory" for p in points):
         link_bytes = min(LINK_BYTES, activation_bytes(shape))
-        rates += 4 * link_bytes / ASSUME["register_bps"] + 12 * link_bytes / ASSUME["link_bps"]
+        rates["link"] = 4 * link_bytes / ASSUME["register_bps"] + 12 * link_bytes / ASSUME["link_bps"]
     if any(p["engine"] == "posix" and p["name"].startswith("offload") for p in points):
-        rates += 2 * activation_bytes(shape) / ASSUME["drive_bps"]
-    per_point["bounds' rates"] = {"seconds": round(rates, 1)}
+        rates["drive"] = 2 * activation_bytes(shape) / ASSUME["drive_bps"]
+    per_point["bounds' rates"] = {"seconds": round(sum(rates.values()), 1)}
+    if shape.get("attention") == "sdpa":
+        per_point["attention kernel"] = {"seconds": ASSUME["sdpa_first_s"]}
     total = ASSUME["start_s"] + sum(p["seconds"] for p in per_point.values())
-    return {"seconds": round(total, 1), "points": per_point,
+    return {"seconds": round(total, 1), "points": per_point, "rates_s": {k: round(v, 1) for k, v in rates.items()},
             "register_s": round(register, 1), "activation_bytes_per_step": activation_bytes(shape),
             "assumptions": ASSUME}
+
+
+def reserves(estimate: dict) -> Dict[str, float]:
+    """Seconds each point (by name) and each rate ("link", "drive") of a points_estimate is
+    expected to take: what the measure step keeps in hand before starting it
+    (gpu_check_measure.Measure.reserve)."""
+    out = {name: e["seconds"] for name, e in estimate["points"].items() if "@" in name}
+    out.update(estimate["rates_s"])
+    return out
+
+
+def gpu_bytes(shape: dict, micro_batch: int) -> int:
+    """GPU memory a measure step of ``shape`` needs at ``micro_batch``, keep's the largest: bf16
+    weights, gradients and Adam's two moments (8 bytes a parameter), the activations, the
+    logits and their fp32 loss (6 bytes a token of the vocabulary), and 2 GiB for the CUDA
+    context, cuBLAS's workspace and the allocator's fragments."""
+    logits = 6 * micro_batch * shape["seq"] * shape["vocab"]
+    return 8 * parameters(shape) + activation_bytes(shape, micro_batch) + logits + 2 * GiB
+
+
+def card_check(shapes: Dict[str, tuple]) -> Tuple[bool, List[str]]:
+    """``shapes``: name -> (shape, the largest micro-batch it runs at, host bytes it pins at
+    most). Whether each fits the GPU memory and host RAM of every card of CARDS, and a line
+    per card saying so."""
+    fits, lines = True, []
+    for card, c in CARDS.items():
+        parts = []
+        for name, (shape, mb, host) in shapes.items():
+            need = gpu_bytes(shape, mb)
+            ok = need <= 0.9 * c["gpu_bytes"] and host <= 0.75 * c["host_bytes"]
+            fits &= ok
+            parts.append(f"{name} {need / GiB:.0f} of {c['gpu_bytes'] / GiB:.0f} GiB, {host / GiB:.0f} GiB pinned of "
+                         f"{c['host_bytes'] / GiB:.0f}{'' if ok else ' (does NOT fit)'}")
+        assumed = " (assumed)" if card == ASSUMED_CARD else ""
+        lines.append(f"{card}{assumed}: " + "; ".join(parts))
+    return fits, lines
 
 
 def estimates(args) -> Dict[str, Dict[str, float]]:
@@ -259,20 +317,24 @@ def print_plan(args, steps: List[dict], say) -> bool:
                      f"{args.micro_batch}; {args.steps} timed steps per point; at drive {ASSUME['drive_bps'] / 1e9:g} GB/s, "
                      f"link {ASSUME['link_bps'] / 1e9:g} GB/s, {ASSUME['flops'] / 1e12:g} TFLOP/s, registration "
                      f"{ASSUME['register_bps'] / 1e9:g} GB/s")
+        pts = measure_points(args)
+        cards = card_check({"measure": (measure_shape(args), args.micro_batch + 1, max(p["pinned"] for p in pts))})
+        return print_steps(args, steps, say, estimates(args), PARENT_S, notes, cards)
     return print_steps(args, steps, say, estimates(args), PARENT_S, notes)
 
 
 def print_steps(args, steps: List[dict], say, est: Dict[str, Dict[str, float]], parent_s: float,
-                notes: List[str]) -> bool:
-    """Each step's limit and estimate (its parts), their sums, ``notes``; True when it fits:
-    each step's estimate within its limit, and the limits adding up to --total-s less the
-    parent's share at most."""
+                notes: List[str], cards: Optional[Tuple[bool, List[str]]] = None) -> bool:
+    """Each step's limit and estimate (its parts), their sums, ``notes``, and ``cards``
+    (card_check's verdict and lines); True when it fits: each step's estimate within its
+    limit (a step in its own process: before its SIGTERM, KILL_GRACE_S earlier), the limits adding up to --total-s less the parent's share at most, and the shapes
+    fitting every card."""
     total = sum(s["timeout_s"] for s in steps)
     fits = True
     for s in steps:
         e = est[s["step"]]
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in e.items() if k != "total" and v >= 0.05)
-        over = e["total"] > s["timeout_s"]
+        over = e["total"] > s["timeout_s"] - (0 if s["step"] in PARENT_RUNS else KILL_GRACE_S)
         fits &= not over
         say(f"  {s['step']:<19} limit {s['timeout_s']:>4}s  estimate {e['total']:>5.0f}s"
             f"{' OVER' if over else ''}  ({parts})  {s['what']}")
@@ -285,5 +347,11 @@ def print_steps(args, steps: List[dict], say, est: Dict[str, Dict[str, float]], 
         f"memory {register:.0f}s" + (f" and collecting tests {collect:.0f}s" if collect else ""))
     for line in notes:
         say(f"  {line}")
+    if cards is not None:
+        fits &= cards[0]
+        say(f"  the same time plan on either card (ASSUME's rates are below both); memory on each, the largest "
+            f"point's GPU memory and pinned host memory:")
+        for line in cards[1]:
+            say(f"    {line}")
     say("the plan fits" if fits else "the plan does NOT fit: shorten the steps or shrink --layers/--hidden/--seq")
     return fits

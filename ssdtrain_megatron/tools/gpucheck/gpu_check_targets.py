@@ -1,4 +1,4 @@
-"""The targets of `make gpu-check` (scripts/gpu_check.py) and the table it prints.
+"""The targets of `make gpu-check` (gpu_check.py) and the table it prints.
 
 Every target has a row every time: PASS, FAIL, or NOT RUN with the reason (the step it needs was
 not run, timed out, failed with an error, or skipped a point for lack of disk or time). The check
@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
 STALL_MAX = 0.02  # the training thread's wait for the offloader beyond the IO deficit, of step time
 PEAK_MAX = 0.5  # the activations' part of peak reserved memory, offload over keep
-OVERLAP_MAX = 1.05  # offload's step time over its bound (scripts/gpu_check_bounds.py)
+OVERLAP_MAX = 1.05  # offload's step time over its bound (gpu_check_bounds.py)
 MIN_TIMED_STEPS = 5  # a point judged on fewer timed steps is not judged
 Verdict = Tuple[Optional[bool], str]  # (True/False, detail) or (None, why not run)
 
@@ -142,8 +142,9 @@ def _overlap(engine: str, step: dict, limit: float = OVERLAP_MAX) -> Verdict:
 
 
 def bound_verdict(off: dict, keep: dict, limit: float) -> Verdict:
-    """The point's median step over its bound, the formula and every term named, keep + IO
-    beside it (the bound assumes the IO hides entirely behind compute)."""
+    """The point's median step over its bound, the formula that binds and every term named,
+    keep + IO beside it (the bound assumes the IO hides entirely behind compute), and the
+    bound's note where the schedule makes a term unreachable."""
     b = off.get("bound")
     if not b:
         return None, off.get("bound_why", "no bound was measured")
@@ -151,7 +152,8 @@ def bound_verdict(off: dict, keep: dict, limit: float) -> Verdict:
     terms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in b["terms"].items())
     return r <= limit, (f"{r:.2f}x: {off['step_s'] * 1e3:.1f} ms (median of {off['steps_timed']}, spread "
                         f"{off.get('spread', 0):.0%}) vs {b['formula']} = {b['seconds'] * 1e3:.1f} ms (ms: {terms}; "
-                        f"keep + IO {(keep['step_s'] + b['io_s']) * 1e3:.1f})")
+                        f"keep + IO {(keep['step_s'] + b['io_s']) * 1e3:.1f})"
+                        + (f"; {b['note']}" if b.get("note") else ""))
 
 
 def _rok(step: dict) -> Verdict:
@@ -230,10 +232,14 @@ def render_points(points: List[dict]) -> List[str]:
         b = p.get("breakdown")
         if not b:
             continue
-        verdict = {True: "adds up", False: "does NOT add up", None: "no excess to split"}[b["adds_up"]]
+        explained = {True: "explained", False: "NOT explained", None: "no excess to split"}[b["explained"]]
+        typical = {True: "typical", False: "NOT typical", None: ""}[b["typical"]]
         lines += ["", f"{p['name']}: {b['step_s'] * 1e3:.1f} ms vs {b['formula']} {b['bound_s'] * 1e3:.1f} ms: excess "
-                      f"{b['excess_s'] * 1e3:.1f} ms; parts {b['sum_s'] * 1e3:.1f} ms ({verdict}; timeline step "
-                      f"{b['timeline_step_s'] * 1e3:.1f} ms)" + (f"; trace {p['trace']['path']}" if p.get("trace") else "")]
+                      f"{b['excess_s'] * 1e3:.1f} ms, {b['unexplained_s'] * 1e3:.1f} ms of it naming no cause "
+                      f"({explained}); parts {b['sum_s'] * 1e3:.1f} ms (traced step {b['timeline_step_s'] * 1e3:.1f} "
+                      f"ms{': ' + typical if typical else ''})" + (f"; trace {p['trace']['path']}" if p.get("trace") else "")]
+        if b.get("note"):
+            lines.append(f"  bound: {b['note']}")
         lines += [f"  {k:<58}{v * 1e3:>9.1f} ms" for k, v in sorted(b["parts"].items(), key=lambda kv: -abs(kv[1]))]
         lines += _io_lines(b, p.get("thread_cpu_s") or {})
     return lines
@@ -251,6 +257,14 @@ def _io_lines(b: dict, cpu: Dict[str, float]) -> List[str]:
     out = []
     if moved:
         out.append("  moved: " + ", ".join(moved) + f"; D2H and H2D overlapped {b['io']['link_overlap_s'] * 1e3:.1f} ms")
+    split = []
+    for key, label in (("link_d2h_alone", "D2H alone"), ("link_h2d_alone", "H2D alone"), ("link_both", "both at once")):
+        f = b["io"].get(key) or {}
+        if f.get("bytes"):
+            measured = f" (measured {f['assumed_gbps']:.1f})" if f.get("assumed_gbps") else ""
+            split.append(f"{label} {f['bytes'] / 1e9:.2f} GB at {f['gbps']:.1f} GB/s{measured}")
+    if split:
+        out.append("  link: " + ", ".join(split))
     if b.get("host_blocked_s"):
         out.append("  blocked (summed): " + ", ".join(f"{r} {v * 1e3:.1f} ms" for r, v in b["host_blocked_s"].items()))
     if cpu:

@@ -3,10 +3,10 @@
 
 The box: its own python3 (3.12) and a CUDA 13 build of torch (2.11), cupy and nvidia-cufile; no
 network. Everything else comes as wheels in ``.whl/`` (gitignored), made by ``make gpu-bundle``
-(scripts/gpu_bundle.py) where there is network. Each step runs in its own process under its own
+(gpu_bundle.py) where there is network. Each step runs in its own process under its own
 time limit (a hung step is reported, the others still run); the limits add up to at most 480 s,
 and each step's estimate (start, pinning its pools, collecting tests, its work) fits its limit
-(scripts/gpu_check_plan.py):
+(gpu_check_plan.py):
 
   env          python, torch, CUDA, the GPU, free disk (no GPU: nothing else runs)
   install      pip install --no-index --find-links .whl --prefix <out>/prefix: what the box lacks
@@ -31,7 +31,7 @@ and each step's estimate (start, pinning its pools, collecting tests, its work) 
                not at K+1; the last timed step of each point as a Chrome trace in <out>/traces
 
 A bitwise or stress step that its time limit stops before the steps it names is NOT RUN, with
-the count. It prints one row per target (scripts/gpu_check_targets.py): PASS, FAIL or NOT RUN
+the count. It prints one row per target (gpu_check_targets.py): PASS, FAIL or NOT RUN
 with the reason, and exits 0 only when every target passed. ``gpu-check.json`` (everything) and
 ``table.txt`` are rewritten in --out after every step. ``GPU_CHECK_DRY=1`` (or --dry-run) prints
 the time plan (each step's limit and estimate, their sums) and exits 1 if it does not fit.
@@ -52,11 +52,12 @@ import sysconfig
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from gpu_bundle import REQUIREMENTS
-from gpu_check_plan import STEPS, TOTAL_S, estimates, measure_estimate, plan, print_plan
-from gpu_check_targets import NOT_RUN, PASS, render, targets
+from .gpu_bundle import REQUIREMENTS
+from .gpu_check_plan import (DEADLINE_MARGIN_S, KILL_GRACE_S, KILL_WAIT_S, STEPS, TERM_WAIT_S, TOTAL_S, estimates,
+                            measure_estimate, plan, print_plan)
+from .gpu_check_targets import NOT_RUN, PASS, render, targets
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CHILD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1", "NCCL_P2P_DISABLE": "1"}
 STEP_ENV = {"bitwise-gds-compat": {"KVIKIO_COMPAT_MODE": "ON"}}  # kvikio's own switch, read at import
 SHAPE_FLAGS = ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")
@@ -65,12 +66,12 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "step
 @dataclasses.dataclass(frozen=True)
 class Suite:
     """A prepared run of steps, each in its own process under its own limit: gpu-check here,
-    gpu-perf in scripts/gpu_perf.py. The parent below runs either."""
+    gpu-perf in gpu_perf.py. The parent below runs either."""
 
     name: str
     """How its lines start ("gpu-check: ...")."""
-    script: str
-    """The file its children run with --child."""
+    module: str
+    """The module its children run (``python -m``) with --child."""
     steps: Sequence[tuple]
     """(name, limit in seconds, the steps it needs, what it does), in order."""
     plan: Callable[[argparse.Namespace], List[dict]]
@@ -273,13 +274,17 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
     if os.path.exists(result_path):
         os.unlink(result_path)
     log_path = os.path.join(args.out, "logs", f"{name}.log")
-    cmd = [sys.executable, os.path.abspath(args.suite.script), "--child", name, "--out", args.out,
+    cmd = [sys.executable, "-m", args.suite.module, "--child", name, "--out", args.out,
            "--scratch", args.scratch] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in args.suite.child_flags]
-    child_env = dict(env, GPU_CHECK_DEADLINE=str(time.time() + limit - 3), **STEP_ENV.get(name, {}))
+    # The kill path inside the limit: SIGTERM at limit - KILL_GRACE_S (the child saves what it
+    # has, as Terminated), SIGKILL after TERM_WAIT_S, then at most KILL_WAIT_S more; the child's
+    # own deadline DEADLINE_MARGIN_S before the SIGTERM, so it rarely needs one.
+    term_at = max(limit - KILL_GRACE_S, 1)
+    child_env = dict(env, GPU_CHECK_DEADLINE=str(time.time() + term_at - DEADLINE_MARGIN_S), **STEP_ENV.get(name, {}))
     with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-            rc = proc.wait(timeout=limit)
+            rc = proc.wait(timeout=term_at)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             rc = None
@@ -297,12 +302,14 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the step's process group, SIGKILL if it is still there TERM_WAIT_S later;
+    returns at most KILL_GRACE_S after it was called."""
     import signal
 
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig, wait in ((signal.SIGTERM, TERM_WAIT_S), (signal.SIGKILL, KILL_WAIT_S)):
         try:
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=5)
+            proc.wait(timeout=wait)
             return
         except (ProcessLookupError, subprocess.TimeoutExpired):
             continue
@@ -326,27 +333,48 @@ def _tail(path: str, n: int = 3) -> str:
 
 # -- the children: one step each, in their own process --------------------------------------
 
+class Terminated(BaseException):
+    """SIGTERM in a step's process (the parent's time limit, or anyone's kill): raised in the
+    main thread, so the step unwinds and its last result is saved with where it stopped. A
+    BaseException: a step's ``except Exception`` does not swallow it."""
+
+
+def _terminated(signum: int, frame) -> None:
+    raise Terminated(f"signal {signum} (SIGTERM): stopped from outside, most likely the step's time limit")
+
+
 def child(args: argparse.Namespace) -> int:
+    """One step in this process: its result saved at ``<out>/steps/<step>.json`` each time the
+    step saves one, and once more at the end. Whatever ends it (an exception, a CUDA error,
+    SIGTERM) the last result the step saved is kept, with the status "error", the exception
+    and its traceback beside what it measured."""
+    import signal
+    import traceback
+
     path = os.path.join(args.out, "steps", f"{args.child}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    last: Dict[str, object] = {}
 
     def save(result: dict) -> None:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(result, f, indent=1, default=str)
         os.replace(tmp, path)
+        last.clear()
+        last.update(result)
 
-    module, function = args.suite.run_step.split(":")
-    run_step = getattr(importlib.import_module(module), function)  # the steps import torch
-
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        module, function = args.suite.run_step.split(":")
+        run_step = getattr(importlib.import_module(module), function)  # the steps import torch
         result = run_step(args, save)
     except BaseException as exc:  # noqa: BLE001 - reported in the result, and the exit status
-        import traceback
-
         traceback.print_exc()
-        save({"status": "error", "why": f"{type(exc).__name__}: {exc}"[:2000]})
+        save(dict(last, status="error", why=f"{type(exc).__name__}: {exc}"[:2000],
+                  traceback=traceback.format_exc()[-4000:]))
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     save(result)
     return 0
 
@@ -356,14 +384,13 @@ def check_header(args: argparse.Namespace) -> dict:
             "measure_shape": {k: getattr(args, k) for k in SHAPE_FLAGS}}
 
 
-CHECK = Suite("gpu-check", os.path.abspath(__file__), STEPS, plan, check_header, print_plan, targets, render,
-              SHAPE_FLAGS, "gpu_check_steps:run_step")
+CHECK = Suite("gpu-check", f"{__package__}.gpu_check", STEPS, plan, check_header, print_plan, targets, render,
+              SHAPE_FLAGS, f"{__package__}.gpu_check_steps:run_step")
 
 
 def run(args: argparse.Namespace) -> int:
     """The parent, or with --child one step in this process."""
     if args.child:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         return child(args)
     return run_parent(args)
 

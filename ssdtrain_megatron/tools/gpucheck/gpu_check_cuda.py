@@ -20,9 +20,9 @@ import sys
 import xml.etree.ElementTree as ET
 from typing import Dict, List
 
-from gpu_check_common import deadline_left
+from .gpu_check_common import deadline_left
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 REQUIRED_FILES = [
     "tests/test_cuda_graphs.py", "tests/test_cuda_streams.py", "tests/test_device_copy.py",

@@ -26,7 +26,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from gpu_check_plan import LINK_BYTES
+from .gpu_check_plan import LINK_BYTES
 from ssdtrain_megatron import OffloadConfig
 from ssdtrain_megatron.io.layout import align_up
 from ssdtrain_megatron.io.memory import POOL_ALIGN
@@ -169,12 +169,14 @@ def measure_drive(cfg: OffloadConfig, ops: Any, sizes: Sequence[int], written: f
 def bound_for(point: dict, keep_s: float, rates: Dict[str, Optional[dict]]) -> Optional[Bound]:
     """The point's bound: its engine's (memory: the link; posix: the drive) with its bytes per
     step, or keep's step where it moves nothing through an engine; None when the rates it
-    needs were not measured."""
+    needs were not measured. With one micro-batch a step (every shape here; a point's
+    ``num_microbatches``, 1 if absent) reads follow their writes: telemetry/bounds.py."""
     w, r = point.get("bytes_written") or 0.0, point.get("bytes_read") or 0.0
     engine = point.get("engine") if point.get("policy") not in ("keep", "save_on_cpu") else None
     if engine == "memory" and w:
         link = rates.get("link")
-        return link_bound(keep_s, w, r, link["d2h"], link["h2d"], link["both"]) if link else None
+        return link_bound(keep_s, w, r, link["d2h"], link["h2d"], link["both"],
+                          reads_after_writes=point.get("num_microbatches", 1) == 1) if link else None
     if engine == "posix" and w:
         drive = rates.get("drive")
         return drive_bound(keep_s, w, r, drive["write"], drive["read"]) if drive and drive["read"] else None
@@ -184,7 +186,7 @@ def bound_for(point: dict, keep_s: float, rates: Dict[str, Optional[dict]]) -> O
 def assumed_rates(rates: Dict[str, Optional[dict]]) -> Dict[str, float]:
     """The bound's rates by the keys of telemetry/breakdown.py ``io_figures``."""
     link, drive = rates.get("link") or {}, rates.get("drive") or {}
-    return {k: v for k, v in (("d2h", link.get("d2h")), ("h2d", link.get("h2d")),
+    return {k: v for k, v in (("d2h", link.get("d2h")), ("h2d", link.get("h2d")), ("both", link.get("both")),
                               ("drive_write", drive.get("write")), ("drive_read", drive.get("read"))) if v}
 
 
