@@ -40,7 +40,7 @@ MCORE_TESTS ?= tests/test_megatron_integration.py tests/test_megatron_cpu.py \
 	tests/test_megatron_preemption.py tests/test_megatron_loop_errors.py
 
 # (venv-mcore-% and test-mcore-% are pattern rules: make skips implicit rules for .PHONY names.)
-.PHONY: install demo test test-all bench lint clean gpu-check gpu-perf gpu-bundle venv-megatron-deepspeed test-megatron-deepspeed
+.PHONY: install demo test test-all bench lint clean gpu-check gpu-perf gpu-bundle venv-megatron-deepspeed test-megatron-deepspeed test-megatron-main
 
 install: $(VENV)/.installed
 
@@ -111,6 +111,19 @@ venv-mcore-%:
 
 test-mcore-%: venv-mcore-%
 	PYTHONPATH="$(CURDIR)" "$(MCORE_VENV)/bin/python" -m pytest -q -m "not slow" $(PYTEST_ARGS) $(MCORE_TESTS)
+
+# Megatron-LM main (megatron-core 0.20, no wheel yet; docs/megatron.md): its own pretrain_gpt.py
+# with its checkout's megatron/core first on the path, in the 0.19 venv, whose wheel supplies
+# triton and the compiled dataset helpers (built from the same helpers.cpp: the test checks).
+# First the release table against the checkout's megatron/core imported in-process (its 0.20
+# entry, and a faked newer minor run with --ssd-offload-allow-untested-megatron).
+# MEGATRON_LM_DIR: a Megatron-LM main checkout (CI cannot fetch one). About 15 minutes on 2 cores.
+test-megatron-main: venv-mcore-0.19
+	@test -n "$(MEGATRON_LM_DIR)" || { echo "set MEGATRON_LM_DIR to a Megatron-LM main checkout"; exit 2; }
+	PYTHONPATH="$(MEGATRON_LM_DIR):$(CURDIR)" "$(MCORE_VENVS)/.venv-mcore-0.19/bin/python" \
+		-m pytest -q $(PYTEST_ARGS) tests/test_megatron_versions.py
+	MEGATRON_LM_DIR="$(MEGATRON_LM_DIR)" PYTHONPATH="$(CURDIR)" "$(MCORE_VENVS)/.venv-mcore-0.19/bin/python" \
+		-m pytest -q -rs $(PYTEST_ARGS) tests/test_pretrain_gpt.py tests/test_patches.py
 
 # Megatron-DeepSpeed (deepspeedai/Megatron-DeepSpeed master, 4efb479d) imports
 # deepspeed.compression.compress, which DeepSpeed 0.19.8 removed: its opt-in test

@@ -20,10 +20,11 @@ setup(
     install_requires=["torch>=2.3", "pyyaml>=6", "numpy", "tqdm>=4.60", "crc32c>=2.3"],
     extras_require={
         "test": ["pytest>=7", "matplotlib"],
-        # 0.16-0.19 (ssdtrain_megatron/megatron/compat.py). The 0.17+ wheels declare
+        # 0.16-0.20 (ssdtrain_megatron/megatron/compat.py; 0.20: Megatron-LM main, no wheel
+        # yet). The 0.17+ wheels declare
         # Requires-Python >=3.12: on 3.11 pip picks 0.16.1 here; a newer one installs with
         # `pip install --ignore-requires-python --no-deps megatron-core==X` (docs/install.md).
-        "megatron": ["megatron-core>=0.16,<0.20"],
+        "megatron": ["megatron-core>=0.16,<0.21"],
         "aio": ["deepspeed>=0.19.8,<0.20"],
         # Megatron-DeepSpeed (master 4efb479d) imports deepspeed.compression.compress, which
         # DeepSpeed 0.19.8 removed; 0.19.0 still has it.

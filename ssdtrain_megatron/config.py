@@ -68,6 +68,17 @@ class OffloadConfig:
     before Megatron starts, since filling it can stop the node. The offloader itself, built
     without the launcher (the Python API, the demo), only warns."""
 
+    allow_untested_megatron: bool = knob(False, check=boolean, help=(
+        "Let a megatron-core minor release newer than any tested run with the newest tested "
+        "release's patch points, once each is found with its expected parameters; one warning "
+        "at start names the version and what was assumed. Off: such a release is refused"))
+    """Let a megatron-core minor release newer than any this version of ssdtrain was tested
+    against (megatron/compat.py ``RELEASES``) run, with the patch points of the newest tested
+    one, once ``patch_points.verify`` has found each of them with the parameters the hooks rely on
+    (a missing or changed one is refused all the same). ``install()`` then logs one warning
+    naming the version and what it assumed. Off: such a release is refused, in one line that
+    names this setting's flag. An older release is refused either way."""
+
     engine: str = knob("posix", check=one_of(ENGINES), choices=ENGINES, help=(
         "IO engine: 'posix' (thread pool, O_DIRECT; no build step), 'aio' (DeepSpeed DeepNVMe "
         "aio_handle; needs libaio-dev and a one-time JIT build), 'gds' (kvikio/cuFile; CUDA "

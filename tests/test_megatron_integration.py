@@ -305,10 +305,10 @@ def test_install_twice_is_refused(tmp_path):
         integration.uninstall()
 
 
-@pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.15.3", "0.21.0", "1.0.0"])
 def test_unsupported_megatron_core_versions_fail_with_a_clear_message(version, monkeypatch):
     with pytest.raises(integration.UnsupportedMegatronVersion,
-                       match=r"0\.16\.x, 0\.17\.x, 0\.18\.x, 0\.19\.x"):
+                       match=r"0\.16\.x, 0\.17\.x, 0\.18\.x, 0\.19\.x, 0\.20\.x"):
         integration.check_megatron_version(version)
     # The package's `install` attribute is the function; the module is only in sys.modules.
     install_module = importlib.import_module("ssdtrain_megatron.megatron.install")
@@ -318,7 +318,8 @@ def test_unsupported_megatron_core_versions_fail_with_a_clear_message(version, m
     assert integration.installed() is None
 
 
-@pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.18.2", "0.19.2", "0.19.0rc1"])
+@pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.18.2", "0.19.2", "0.19.0rc1",
+                                     "0.20.0"])
 def test_supported_versions_are_accepted(version):
     assert integration.check_megatron_version(version) == version
 

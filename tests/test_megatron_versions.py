@@ -1,7 +1,9 @@
-"""What differs between megatron-core 0.16-0.19, checked against the megatron-core installed here.
+"""What differs between megatron-core 0.16-0.20, checked against the megatron-core installed here,
+and a newer minor release run at the user's word (--ssd-offload-allow-untested-megatron).
 
-Run by the default suite (megatron-core 0.16.1) and by ``make test-mcore-0.17`` / ``-0.18`` /
-``-0.19`` in a virtualenv of that release: every test reads the release table of
+Run by the default suite (megatron-core 0.16.1), by ``make test-mcore-0.17`` / ``-0.18`` /
+``-0.19`` in a virtualenv of that release, and by ``make test-megatron-main`` with a Megatron-LM
+main checkout's ``megatron/core`` imported first (0.20): every test reads the release table of
 ``ssdtrain_megatron.megatron.compat`` and checks it against the real package.
 """
 
@@ -26,11 +28,12 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*"
 
 from ssdtrain_megatron import OffloadConfig  # noqa: E402
 from ssdtrain_megatron import megatron as integration  # noqa: E402
-from ssdtrain_megatron.megatron import compat  # noqa: E402
+from ssdtrain_megatron.megatron import compat, patch_points  # noqa: E402
 from ssdtrain_megatron.megatron.launch import LaunchError, install_from_args  # noqa: E402
 from ssdtrain_megatron.megatron.scopes import LayerScopes  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))  # megatron_harness and its helpers
 
 
 def _release() -> compat.Release:
@@ -39,7 +42,7 @@ def _release() -> compat.Release:
 
 def test_the_release_table_matches_the_installed_megatron_core():
     release = _release()
-    compat.verify(release, compat.megatron_core_version())  # raises on any difference
+    patch_points.verify(release, compat.megatron_core_version())  # raises on any difference
     from megatron.core.pipeline_parallel import schedules
 
     owner, name, is_method = compat.recompute_patch_point(release)
@@ -235,3 +238,144 @@ def test_fallback_checkpoint_passes_tensors_inside_tuples_as_inputs():
     assert isinstance(rope, tuple) and len(rope) == 2 and mask is None
     assert torch.equal(rope[0], local) and torch.equal(rope[1], global_)
     assert rope[0] is not local  # the run function got checkpoint's tensors, not the originals
+
+
+# -- a minor release newer than the table, at the user's word ----------------------------------
+
+_ALLOW = "--ssd-offload-allow-untested-megatron"
+
+
+def _installed_minor() -> tuple:
+    return compat._minor_key(compat.megatron_core_version())
+
+
+@pytest.fixture
+def newer_than_table(monkeypatch):
+    """The release table cut after the installed megatron-core's minor release, and the
+    version lookup faked to say the next minor: a release newer than any known whose real
+    patch points are those of the newest known one. Returns the faked version."""
+    major, minor = _installed_minor()
+    table = {k: r for k, r in compat.RELEASES.items()
+             if compat._minor_key(k) <= (major, minor)}
+    monkeypatch.setattr(compat, "RELEASES", table)
+    fake = f"{major}.{minor + 1}.0"
+    install_module = importlib.import_module("ssdtrain_megatron.megatron.install")
+    monkeypatch.setattr(install_module, "megatron_core_version", lambda: fake)
+    return fake
+
+
+def _untested_warnings(caplog, version: str) -> list:
+    return [r for r in caplog.records if r.levelname == "WARNING" and version in r.getMessage()
+            and "newer than any release tested" in r.getMessage()]
+
+
+def test_a_newer_minor_is_refused_in_one_line_that_names_the_flag(newer_than_table, tmp_path):
+    with pytest.raises(integration.UnsupportedMegatronVersion) as err:
+        integration.install(OffloadConfig(dirs=[str(tmp_path / "never")]))
+    message = str(err.value)
+    assert "\n" not in message
+    assert newer_than_table in message and _ALLOW in message
+    assert "allow_untested_megatron: true" in message
+    assert integration.installed() is None
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_newer_minor_trains_with_the_flag_and_one_warning(newer_than_table, tmp_path, caplog):
+    """With the flag the faked newer release installs with the newest known release's patch
+    points (the installed megatron-core's, checked first), trains bitwise equal to training
+    without offload, and says once what it assumed."""
+    import megatron_harness as harness
+    from megatron_harness import LayoutSpec, Phase
+
+    offload = dict(dirs=["{root}/a"], policy="offload", min_tensor_bytes=0,
+                   allow_untested_megatron=True)
+    spec = LayoutSpec(iterations=1, phases=[Phase("plain"), Phase("offload", offload=offload)])
+    caplog.set_level("WARNING", logger="ssdtrain_megatron")
+    (r,) = harness.run_layout(spec, str(tmp_path))
+    assert harness.phase_differences(r.phases["plain"], r.phases["offload"]) == []
+    assert all(s["bytes_offloaded"] > 0 for s in r.phases["offload"].offload["steps"])
+    (warning,) = _untested_warnings(caplog, newer_than_table)
+    major, minor = _installed_minor()
+    assert f"patch points of megatron-core {major}.{minor}.x" in warning.getMessage()
+    assert "\n" not in warning.getMessage()
+    assert integration.installed() is None
+
+
+def _backward_step_with_other_parameters(input_tensor, output_tensor, grad, config, extra):
+    raise AssertionError("never called")
+
+
+def _checkpoint_with_other_parameters(function, *args):
+    raise AssertionError("never called")
+
+
+def _forward_step_without_vp_stage(forward_step_func, data_iterator, model, num_microbatches,
+                                   input_tensor, current_microbatch=None):
+    raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("module,name,replacement,named", [
+    ("megatron.core.pipeline_parallel.schedules", "backward_step", None,
+     "schedules.backward_step is missing"),
+    ("megatron.core.pipeline_parallel.schedules", "backward_step",
+     _backward_step_with_other_parameters, "schedules.backward_step("),
+    ("megatron.core.pipeline_parallel.schedules", "forward_step", _forward_step_without_vp_stage,
+     "expected parameters vp_stage"),
+    ("megatron.core.tensor_parallel.random", "checkpoint", _checkpoint_with_other_parameters,
+     "tensor_parallel.random.checkpoint("),
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving",
+     None, "schedules.forward_backward_pipelining_with_interleaving is missing"),
+])
+def test_a_missing_or_changed_patch_point_is_refused_even_with_the_flag(
+        newer_than_table, module, name, replacement, named, tmp_path, monkeypatch, caplog):
+    owner = importlib.import_module(module)
+    if replacement is None:
+        monkeypatch.delattr(owner, name)
+    else:
+        monkeypatch.setattr(owner, name, replacement)
+    with pytest.raises(integration.UnsupportedMegatronVersion) as err:
+        integration.install(OffloadConfig(dirs=[str(tmp_path / "never")],
+                                          allow_untested_megatron=True))
+    assert named in str(err.value) and newer_than_table in str(err.value)
+    assert "\n" not in str(err.value)
+    assert _untested_warnings(caplog, newer_than_table) == []
+    assert integration.installed() is None
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_missing_recompute_driver_is_refused_even_with_the_flag(newer_than_table, tmp_path,
+                                                                   monkeypatch):
+    owner, name, _ = compat.recompute_patch_point(compat.newest_release())
+    monkeypatch.delattr(owner, name)
+    with pytest.raises(integration.UnsupportedMegatronVersion, match=rf"{name} is missing"):
+        integration.install(OffloadConfig(dirs=[str(tmp_path / "never")],
+                                          allow_untested_megatron=True))
+    assert integration.installed() is None
+
+
+@pytest.mark.parametrize("version,allowed", [("0.21.0", "0.20"), ("1.0.0rc1", "0.20"),
+                                             ("0.15.3", None), ("0.12.0", None)])
+def test_only_a_newer_minor_is_allowed_and_only_with_the_flag(version, allowed):
+    if allowed is None:  # older: the flag does not help
+        with pytest.raises(integration.UnsupportedMegatronVersion, match="not supported"):
+            compat.release_for(version, allow_untested=True)
+        return
+    assert compat.release_for(version, allow_untested=True).minor == allowed
+    with pytest.raises(integration.UnsupportedMegatronVersion, match=_ALLOW):
+        compat.release_for(version)
+    assert compat.is_untested(version)
+    assert not compat.is_untested("0.20.0") and not compat.is_untested("0.19.2")
+
+
+def test_the_flag_and_the_yaml_key_set_allow_untested_megatron(tmp_path):
+    from ssdtrain_megatron.megatron.args import add_ssd_offload_args, config_from_args
+
+    parser = add_ssd_offload_args(argparse.ArgumentParser())
+    assert config_from_args(parser.parse_args(["--ssd-offload", _ALLOW])).allow_untested_megatron
+    assert not config_from_args(parser.parse_args(["--ssd-offload"])).allow_untested_megatron
+    preset = tmp_path / "p.yaml"
+    preset.write_text("offload:\n  allow_untested_megatron: true\n")
+    assert OffloadConfig.from_yaml(str(preset)).allow_untested_megatron
+    preset.write_text("offload:\n  allow_untested_megatron: maybe\n")
+    with pytest.raises(Exception, match="allow_untested_megatron"):
+        OffloadConfig.from_yaml(str(preset))

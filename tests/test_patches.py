@@ -21,7 +21,8 @@ LM_PATCHES = ["megatron-lm-core_v0.16.patch", "megatron-lm-core_v0.18.patch",
 # megatron-core minor version of a Megatron-LM checkout -> the patch for its pretrain_gpt.py
 # (tags core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0; anything newer: main's).
 LM_PATCH_FOR = {"0.16": "megatron-lm-core_v0.16.patch", "0.17": "megatron-lm-core_v0.16.patch",
-                "0.18": "megatron-lm-core_v0.18.patch", "0.19": "megatron-lm-main.patch"}
+                "0.18": "megatron-lm-core_v0.18.patch", "0.19": "megatron-lm-main.patch",
+                "0.20": "megatron-lm-main.patch"}
 DS_PATCH = "megatron-deepspeed.patch"
 ALL_PATCHES = LM_PATCHES + [DS_PATCH]
 

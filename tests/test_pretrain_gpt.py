@@ -1,21 +1,30 @@
 """The real client: Megatron-LM's own pretrain_gpt.py, on CPU, with and without --ssd-offload.
 
 Needs a Megatron-LM checkout named by ``MEGATRON_LM_DIR`` at a release tag of a supported
-megatron-core (core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0), run in an environment
-whose megatron-core wheel is of the same minor version (``make venv-mcore-0.18``, then
+megatron-core (core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0) or at Megatron-LM
+``main`` (megatron-core 0.20, tested at d98e8a64dd of 2026-08-22), run in an environment whose
+megatron-core wheel is of the same minor version (``make venv-mcore-0.18``, then
 ``MEGATRON_LM_DIR=... .venv-mcore-0.18/bin/python -m pytest tests/test_pretrain_gpt.py``; the
-wheel supplies the compiled dataset helpers and, 0.18+, triton); skipped without it.
+wheel supplies the compiled dataset helpers and, 0.18+, triton); skipped without it. main has
+no wheel of its minor: it runs in the venv of the newest wheel whose ``helpers.cpp`` is the
+checkout's (``make test-megatron-main MEGATRON_LM_DIR=...``, the 0.19 venv). CI has no
+checkout (it cannot fetch one), so these tests skip there.
 Megatron-LM's training code also imports ``six`` and ``regex`` (``pip install six regex``). Each run trains 3 iterations of a tiny GPT
 (``--mock-data``, gloo, ``--transformer-impl local``) under torchrun, with
 ``tests/megatron_lm_cpu_compat.py`` loaded into every worker through a generated
 ``sitecustomize.py``; a run takes about 20-30 s on 2 cores, the whole file about 4 minutes.
 
-For TP=1, TP=2 and PP=2 (1F1B, 4 micro-batches):
 * the launcher (``python -m ssdtrain_megatron.launch pretrain_gpt.py ... --ssd-offload``)
   logs the same losses and grad norms as ``pretrain_gpt.py`` without the flag, every rank
-  wrote bytes to its offload directory in every step, and nothing is left on disk;
+  wrote bytes to its offload directory in every step, and nothing is left on disk: TP=1,
+  TP=2, PP=2 (1F1B, 4 micro-batches), PP=2 interleaved (2 virtual stages), TP=2 with full
+  recompute, and mixture of experts (4 experts, top-2, EP=2, alltoall). Not bf16: Megatron-LM's
+  mixed-precision optimizers (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``)
+  accept only ``torch.cuda.*Tensor`` parameters, so ``--bf16`` cannot train on the CPU;
+* resumed: 2 iterations saved, then the third from the checkpoint, with offload, logs what
+  saving and resuming without offload logs (TP=2);
 * a copy of pretrain_gpt.py patched by ``scripts/apply_patches.sh`` (the patch for that
-  release) does the same.
+  release) does the same (TP=1, TP=2, PP=2).
 """
 
 from __future__ import annotations
@@ -42,8 +51,8 @@ CHECKOUT = os.environ.get("MEGATRON_LM_DIR")
 
 pytestmark = pytest.mark.skipif(
     not CHECKOUT, reason="MEGATRON_LM_DIR is not set: it names a Megatron-LM checkout at tag "
-                         "core_v0.16.1, core_v0.17.1, core_v0.18.2 or core_v0.19.0, whose "
-                         "pretrain_gpt.py these tests train on CPU")
+                         "core_v0.16.1, core_v0.17.1, core_v0.18.2 or core_v0.19.0, or at main "
+                         "(megatron-core 0.20), whose pretrain_gpt.py these tests train on CPU")
 
 ITERATIONS = 3
 RUN_TIMEOUT_S = 420
@@ -52,11 +61,27 @@ RUN_TIMEOUT_S = 420
 # clipping asserts that gradients are CUDA tensors; clipping is not what these tests compare.
 TINY_GPT = tiny_gpt(ITERATIONS) + MEGATRON_LM_CPU
 
+_TP2 = ["--tensor-model-parallel-size", "2"]
 LAYOUTS = {
     "tp1": (1, []),
-    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp2": (2, _TP2),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    # Interleaved 1F1B: 4 layers, 2 stages of 2 virtual stages of one layer each.
+    "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2",
+                     "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "tp2_recompute_full": (2, _TP2 + ["--recompute-granularity", "full",
+                                      "--recompute-method", "uniform",
+                                      "--recompute-num-layers", "1"]),
+    # megatron-core refuses MoE with TP > 1 without sequence parallel, which the local spec's
+    # LayerNorm refuses: experts are parallel over the two data-parallel ranks.
+    "moe_ep2": (2, ["--num-experts", "4", "--moe-router-topk", "2",
+                    "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                    "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+                    "--moe-aux-loss-coeff", "1e-2"]),
 }
+PATCHED_LAYOUTS = ["tp1", "tp2", "pp2"]
+# torch format: one file per rank; save-interval: Megatron asserts one with --save.
+CHECKPOINTING = ["--ckpt-format", "torch", "--save-interval", "1000"]
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
 
@@ -87,10 +112,11 @@ def site(tmp_path_factory) -> str:
         wheel = metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         wheel = "none"
-    if wheel[:4] != version[:4]:
+    if wheel[:4] != version[:4] and not _wheel_helpers_fit(version):
         pytest.skip(f"MEGATRON_LM_DIR is megatron-core {version} but this environment's wheel is "
                     f"{wheel}: run in a venv of the same minor version (make venv-mcore-"
-                    f"{version[:4]})")
+                    f"{version[:4]}), or for main one whose wheel's dataset helpers are built "
+                    f"from the checkout's helpers.cpp (make test-megatron-main)")
     missing = [m for m in ("six", "regex") if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"Megatron-LM's training code imports {', '.join(missing)}: "
@@ -100,6 +126,26 @@ def site(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("site"))
     megatron_lm_cpu_compat.write_sitecustomize(folder, CHECKOUT)
     return folder
+
+
+def _wheel_helpers_fit(version: str) -> bool:
+    """For a release tested from a checkout (main, no wheel of its minor yet): whether the
+    installed wheel's compiled dataset helpers (which the CPU shims use instead of building
+    the checkout's) come from the same ``helpers.cpp`` as the checkout's."""
+    from ssdtrain_megatron.megatron import compat
+
+    if not compat.RELEASES[version[:4]].checkout:
+        return False
+    try:
+        files = metadata.files("megatron-core") or []
+    except metadata.PackageNotFoundError:
+        return False
+    wheel = next((f for f in files if str(f).endswith("core/datasets/helpers.cpp")), None)
+    mine = os.path.join(CHECKOUT, "megatron", "core", "datasets", "helpers.cpp")
+    if wheel is None or not os.path.isfile(mine):
+        return False
+    with open(wheel.locate(), "rb") as a, open(mine, "rb") as b:
+        return a.read() == b.read()
 
 
 def _torchrun(nproc: int, program: List[str], site: str, cwd: str) -> str:
@@ -116,10 +162,10 @@ def _torchrun(nproc: int, program: List[str], site: str, cwd: str) -> str:
     return proc.stdout
 
 
-def _logged(output: str) -> List[Tuple[int, str, str]]:
-    """(iteration, lm loss, grad norm) as Megatron logged them."""
+def _logged(output: str, first: int = 1) -> List[Tuple[int, str, str]]:
+    """(iteration, lm loss, grad norm) as Megatron logged them, from iteration ``first``."""
     rows = [(int(i), loss, norm) for i, loss, norm in _ITERATION.findall(output)]
-    assert [r[0] for r in rows] == list(range(1, ITERATIONS + 1)), output[-4000:]
+    assert [r[0] for r in rows] == list(range(first, ITERATIONS + 1)), output[-4000:]
     return rows
 
 
@@ -131,11 +177,11 @@ def _offload_flags(root: str, stats: str) -> List[str]:
             "--ssd-offload-min-tensor-bytes", "0"]
 
 
-def _check_offloaded(stats: str, root: str, nproc: int) -> None:
+def _check_offloaded(stats: str, root: str, nproc: int, iterations: int = ITERATIONS) -> None:
     with open(stats, encoding="utf-8") as fh:
         steps = [r for r in (json.loads(line) for line in fh if line.strip())
                  if "run" not in r]  # each run (and rank) starts with a header line
-    assert len(steps) == nproc * ITERATIONS, steps
+    assert len(steps) == nproc * iterations, steps
     assert all(s["bytes_offloaded"] > 0 and s["bytes_read"] > 0 for s in steps), \
         [(s["bytes_offloaded"], s["bytes_read"]) for s in steps]
     assert all(s["bytes_on_disk"] == 0 for s in steps)
@@ -168,7 +214,42 @@ def test_launcher_offloads_without_changing_megatron_losses(layout, site, tmp_pa
     _check_offloaded(str(stats), str(root), nproc)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+def _saved_then_resumed(folder, site: str, offload: bool) -> Tuple[list, list]:
+    """TP=2: two iterations, saved (``--exit-interval``: Megatron saves and exits; the same
+    ``--train-iters`` as the resumed run, which the checkpoint's lr schedule must match), then
+    the third loaded from that checkpoint. The logged rows of both runs."""
+    nproc, extra = LAYOUTS["tp2"]
+    folder.mkdir()
+    root, ckpt = folder / "ssd", folder / "ckpt"
+    root.mkdir()
+    script = os.path.join(CHECKOUT, "pretrain_gpt.py")
+    program = ["-m", "ssdtrain_megatron.launch", script] if offload else [script]
+    flags = _offload_flags(str(root), str(folder / "stats.jsonl")) if offload else []
+    saved = _torchrun(nproc, [*program, *TINY_GPT, *extra, *CHECKPOINTING, "--exit-interval",
+                              str(ITERATIONS - 1), "--save", str(ckpt), *flags], site,
+                      str(folder))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == \
+        str(ITERATIONS - 1)
+    resumed = _torchrun(nproc, [*program, *TINY_GPT, *extra, *CHECKPOINTING, "--load",
+                                str(ckpt), *flags], site, str(folder))
+    rows = [(int(i), loss, norm) for i, loss, norm in _ITERATION.findall(saved)]
+    return rows, _logged(resumed, first=ITERATIONS)
+
+
+def test_launcher_resumes_from_a_checkpoint_as_megatron_does_without_offload(site, tmp_path):
+    """Saved after two iterations and resumed for the third, with offload in both runs: the
+    same logged rows as saving and resuming without offload (Megatron's resumed third
+    iteration is not the uninterrupted run's: it restores its RNG and data state its own way,
+    offload or not), every step offloaded, nothing left."""
+    plain = _saved_then_resumed(tmp_path / "plain", site, offload=False)
+    offloaded = _saved_then_resumed(tmp_path / "offload", site, offload=True)
+    assert [r[0] for r in plain[0]] == list(range(1, ITERATIONS))
+    assert offloaded == plain
+    _check_offloaded(str(tmp_path / "offload" / "stats.jsonl"), str(tmp_path / "offload" / "ssd"),
+                     LAYOUTS["tp2"][0], ITERATIONS)
+
+
+@pytest.mark.parametrize("layout", PATCHED_LAYOUTS)
 def test_patched_checkout_offloads_without_changing_megatron_losses(layout, site, tmp_path):
     nproc, extra = LAYOUTS[layout]
     fork = tmp_path / "fork"  # the checkout itself stays untouched: patch a copy of the script

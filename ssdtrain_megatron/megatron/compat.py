@@ -1,11 +1,11 @@
 """The megatron-core releases ``install()`` supports, and what differs between them.
 
 This is the one module that knows megatron-core versions apart; the hooks in ``scopes.py`` and
-``pipeline.py`` are written against the behaviour all four releases share, and ``install()``
+``pipeline.py`` are written against the behaviour all these releases share, and ``install()``
 asks :func:`release_for` where each patch point lives. What differs:
 
 =====================  ==============================  ===========================================
-                       0.16                            0.17 / 0.18 / 0.19
+                       0.16                            0.17 / 0.18 / 0.19 / 0.20
 =====================  ==============================  ===========================================
 full recompute         ``TransformerBlock.             0.17: the same method (gained
                        _checkpointed_forward``         ``extract_layer_indices``, ``layer_offset``);
@@ -20,9 +20,9 @@ multi-module 1F1B      (none)                          ``backward_step_multimodu
                                                        a ``functools.partial`` built per step (it
                                                        looks the name up at call time, so patching
                                                        the module attribute reaches it)
-``get_forward_         ``(pp_size, vp_size)``          0.19: ``schedule_pg_collection`` added
+``get_forward_         ``(pp_size, vp_size)``          0.19+: ``schedule_pg_collection`` added
 backward_func``
-RoPE at a full-        one tensor                      0.19: two tensors (local, global), so a
+RoPE at a full-        one tensor                      0.19+: two tensors (local, global), so a
 recompute checkpoint                                   checkpoint's inputs are one longer
 ``megatron.training``  not in the wheel                0.17+: shipped in the wheel
 imports                                                0.18+: triton at module level (schedules);
@@ -30,26 +30,54 @@ imports                                                0.18+: triton at module l
                                                        ``typing.override`` (Python 3.12)
 =====================  ==============================  ===========================================
 
+0.20 (Megatron-LM ``main``; no wheel on PyPI yet) has 0.19's patch points with the same
+parameters; read against 0.19.2 at main d98e8a64dd (2026-08-22), what moved around them:
+
+- ``schedules.forward_step`` / ``backward_step`` are decorated with a tracing decorator
+  (``megatron.core.telemetry``): without nemo-lens it returns the function itself; with it, a
+  wrapper, which is what the module attribute holds and what ``install()`` wraps in turn.
+  ``TransformerLayer.forward`` runs its body inside a tracing span (a no-op without nemo-lens).
+- ``megatron.core.recompute`` is unchanged; ``tensor_parallel.checkpoint`` takes the same
+  arguments (its backward now also runs during a CUDA graph capture).
+- ``CheckpointWithoutOutput`` gained a manager that discards the outputs of many checkpoints
+  at once (mHC recompute); every checkpoint still goes through
+  ``CheckpointWithoutOutput.checkpoint``, the method ``install()`` wraps (discarded.py).
+- A new layer class, ``HyperConnectionTransformerLayer`` (``enable_mhc_connections``),
+  overrides ``forward`` without calling ``TransformerLayer.forward``: its layers save outside
+  a layer scope (offloaded as layer None, no per-layer plan), and the offloader's watch names
+  them in ``StepStats.not_offloaded_why`` (cache/silence.py). Read, not run: no test trains
+  mHC.
+- The arguments ``compat`` reads (``cpu_offloading*``, ``fine_grained_activation_offloading``,
+  ``enable_cuda_graph``, ``external_cuda_graph``, ``cuda_graph_impl``) are unchanged, as are
+  ``parse_args`` and ``initialize_megatron``, which the launcher wraps.
+
 The 0.17-0.19 wheels declare ``Requires-Python >=3.12`` yet install and run on 3.11 with
 ``pip install --ignore-requires-python``; nothing in the patched paths needs 3.12.
 
-Before patching, :func:`verify` checks that the functions have the parameters this table says
-(a later patch release that changes one fails there, with the names, instead of misbehaving).
+Before patching, ``patch_points.verify`` checks that the functions have the parameters this
+table says (a later patch release that changes one fails there, with the names, instead of
+misbehaving).
+
+A minor release newer than the newest here is refused, unless the user allows it
+(``--ssd-offload-allow-untested-megatron``, ``OffloadConfig.allow_untested_megatron``): it then
+runs with the newest release's patch points, once ``patch_points.verify`` has found every one of them
+with its expected parameters, and ``install()`` logs one warning saying so
+(:func:`untested_warning`). An older release is refused either way.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["Release", "RELEASES", "SUPPORTED_MEGATRON_CORE", "UnsupportedMegatronVersion",
-           "megatron_core_version", "release_for", "recompute_patch_point", "verify",
+           "megatron_core_version", "release_for", "newest_release", "is_untested",
+           "untested_warning", "install_hint", "recompute_patch_point",
            "megatron_offloading_in_use", "refuse_megatron_offloading", "cuda_graphs_in_use",
            "refuse_cuda_graphs", "pipeline_position"]
 
@@ -80,6 +108,9 @@ class Release:
     """How many of a full-recompute checkpoint's inputs RoPE takes."""
     ships_training: bool
     """The wheel contains ``megatron.training`` (Megatron-LM's training loop)."""
+    checkout: str = ""
+    """For a release with no wheel yet: the Megatron-LM commit (and its date) whose
+    ``megatron/core`` the tests ran against; empty for a release tested from its wheel."""
 
     @property
     def recompute_is_method(self) -> bool:
@@ -102,17 +133,34 @@ RELEASES: Dict[str, Release] = {r.minor: r for r in (
     Release("0.19", "0.19.2", "megatron.core.recompute", "checkpointed_forward",
             ("backward_step", "backward_step_multimodule"), _BACKWARD_017,
             ("pp_size", "vp_size", "schedule_pg_collection"), 2, True),
+    # Megatron-LM main, which reports 0.20.0: tested from a checkout (no 0.20 wheel yet).
+    Release("0.20", "0.20.0", "megatron.core.recompute", "checkpointed_forward",
+            ("backward_step", "backward_step_multimodule"), _BACKWARD_017,
+            ("pp_size", "vp_size", "schedule_pg_collection"), 2, True,
+            checkout="Megatron-LM main d98e8a64dd of 2026-08-22"),
 )}
 
 SUPPORTED_MEGATRON_CORE: Tuple[str, ...] = tuple(RELEASES)
 """megatron-core minor versions the patches were written and tested against."""
 
-_REQUIREMENT = "'megatron-core>=0.16,<0.20'"
+_REQUIREMENT = "'megatron-core>=0.16,<0.21'"
+_ALLOW_FLAG = "--ssd-offload-allow-untested-megatron"
+
+
+def _tested_text(release: Release) -> str:
+    return f"{release.tested} at {release.checkout}" if release.checkout else release.tested
 
 
 def _supported_text() -> str:
     return (", ".join(r.minor + ".x" for r in RELEASES.values())
-            + " (tested: " + ", ".join(r.tested for r in RELEASES.values()) + ")")
+            + " (tested: " + ", ".join(_tested_text(r) for r in RELEASES.values()) + ")")
+
+
+def install_hint(release: Release) -> str:
+    """How to get the megatron-core ``release`` was tested with, as a sentence's start."""
+    if release.checkout:
+        return f"Use {release.checkout} (megatron-core {release.tested})"
+    return f"Install megatron-core=={release.tested}"
 
 
 # -- the version of the megatron that is imported ----------------------------------------------
@@ -180,20 +228,64 @@ def megatron_core_version() -> str:
         f"no megatron.core can be imported here")
 
 
-def release_for(version: str) -> Release:
-    """The :class:`Release` of megatron-core ``version``.
+_MINOR = re.compile(r"^(\d+)\.(\d+)")
+
+
+def _minor_key(version: str) -> Optional[Tuple[int, int]]:
+    """``(major, minor)`` of a version string ("0.21.0rc1" -> (0, 21)); None if it has none."""
+    match = _MINOR.match(version.strip())
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def newest_release() -> Release:
+    """The newest megatron-core minor release in the table."""
+    return max(RELEASES.values(), key=lambda r: _minor_key(r.minor) or (0, 0))
+
+
+def is_untested(version: str) -> bool:
+    """Whether ``version`` is a minor release newer than any in the table."""
+    key = _minor_key(version)
+    return key is not None and key > (_minor_key(newest_release().minor) or (0, 0))
+
+
+def release_for(version: str, allow_untested: bool = False) -> Release:
+    """The :class:`Release` of megatron-core ``version``; with ``allow_untested``, for a minor
+    release newer than any in the table, the newest one's (whose patch points
+    ``patch_points.verify`` must then find in ``version``).
 
     Raises:
-        UnsupportedMegatronVersion: an older or newer minor version.
+        UnsupportedMegatronVersion: an older minor version, or a newer one without
+            ``allow_untested`` (the one-line message names the flag that allows it).
     """
     minor = ".".join(version.split(".")[:2])
     release = RELEASES.get(minor)
-    if release is None:
+    if release is not None:
+        return release
+    if is_untested(version):
+        newest = newest_release()
+        if allow_untested:
+            return newest
         raise UnsupportedMegatronVersion(
-            f"megatron-core {version} is not supported by ssdtrain_megatron.megatron: its "
-            f"patches were written and tested against megatron-core {_supported_text()}. "
-            f"Install {_REQUIREMENT}, or run without --ssd-offload.")
-    return release
+            f"megatron-core {version} is newer than any release ssdtrain_megatron.megatron was "
+            f"tested against ({_supported_text()}). To try it with the patch points of "
+            f"{newest.minor}.x, each checked first, add {_ALLOW_FLAG} (YAML: "
+            f"allow_untested_megatron: true); or install {_REQUIREMENT}, or run without "
+            f"--ssd-offload.")
+    raise UnsupportedMegatronVersion(
+        f"megatron-core {version} is not supported by ssdtrain_megatron.megatron: its "
+        f"patches were written and tested against megatron-core {_supported_text()}. "
+        f"Install {_REQUIREMENT}, or run without --ssd-offload.")
+
+
+def untested_warning(release: Release, version: str) -> str:
+    """The one warning line of a run that :func:`release_for` allowed with ``allow_untested``:
+    the version, and what was assumed of it."""
+    return (f"ssdtrain: megatron-core {version} is newer than any release tested "
+            f"({_supported_text()}); running it because {_ALLOW_FLAG} is set, assuming it "
+            f"keeps the patch points of megatron-core {release.minor}.x (tested: "
+            f"{_tested_text(release)}), which were found with their expected parameters. "
+            f"Losses and the bytes moved are not checked for this release: compare a short "
+            f"run with and without --ssd-offload (docs/megatron.md)")
 
 
 # -- patch points ------------------------------------------------------------------------------
@@ -207,40 +299,6 @@ def recompute_patch_point(release: Release) -> Tuple[Any, str, bool]:
         cls_name, name = release.recompute_name.split(".")
         return getattr(module, cls_name), name, True
     return module, release.recompute_name, False
-
-
-def _params(fn: Callable) -> Tuple[str, ...]:
-    return tuple(inspect.signature(fn).parameters)
-
-
-def verify(release: Release, version: str) -> None:
-    """Check that the imported megatron-core has the patch points ``release`` describes.
-
-    Raises:
-        UnsupportedMegatronVersion: one is missing or has other parameters; the message names
-            it, what it has and what was expected.
-    """
-    from megatron.core.pipeline_parallel import schedules
-
-    problems: List[str] = []
-    owner, name, _ = recompute_patch_point(release)
-    if name not in vars(owner):
-        problems.append(f"{release.recompute_module}.{release.recompute_name} is missing")
-    for fn_name in release.backward_steps:
-        if not callable(vars(schedules).get(fn_name)):
-            problems.append(f"schedules.{fn_name} is missing")
-    checks = (("backward_step", release.backward_step_params),
-              ("get_forward_backward_func", release.forward_backward_func_params))
-    for fn_name, expected in checks:
-        fn = vars(schedules).get(fn_name)
-        if callable(fn) and _params(fn) != expected:
-            problems.append(f"schedules.{fn_name}{_params(fn)} (expected {expected})")
-    if problems:
-        raise UnsupportedMegatronVersion(
-            f"megatron-core {version} does not have the patch points of megatron-core "
-            f"{release.minor}.x that ssdtrain_megatron.megatron was tested against: "
-            f"{'; '.join(problems)}. Install megatron-core=={release.tested}, or run without "
-            f"--ssd-offload.")
 
 
 # -- megatron-core's own activation offloading -------------------------------------------------

@@ -1,6 +1,7 @@
 """install() / uninstall(): the monkey-patches that connect the offloader to megatron-core.
 
-Patched (megatron-core 0.16.x-0.19.x; :mod:`.compat` says where each point lives in each
+Patched (megatron-core 0.16.x-0.20.x, and a newer minor release with
+``OffloadConfig.allow_untested_megatron``; :mod:`.compat` says where each point lives in each
 release), and restored exactly by ``uninstall()``:
 
 - ``TransformerLayer.forward``: layer scope; recompute fallback.
@@ -29,7 +30,7 @@ import logging
 from typing import Callable, Optional
 
 from ..config import OffloadConfig
-from . import compat, handle
+from . import compat, handle, patch_points
 from .compat import SUPPORTED_MEGATRON_CORE, UnsupportedMegatronVersion, megatron_core_version
 from .discarded import DiscardedOutputs
 from .patching import Installation, Patcher
@@ -44,12 +45,12 @@ __all__ = ["SUPPORTED_MEGATRON_CORE", "UnsupportedMegatronVersion", "megatron_co
 INTEGRATION = "megatron-core"
 
 
-def check_megatron_version(version: Optional[str] = None) -> str:
+def check_megatron_version(version: Optional[str] = None, allow_untested: bool = False) -> str:
     """Raise UnsupportedMegatronVersion unless ``version`` (default: the version of the
-    megatron-core this process imports) is a supported megatron-core release. Returns the
-    version."""
+    megatron-core this process imports) is a supported megatron-core release, or, with
+    ``allow_untested``, a newer minor release. Returns the version."""
     version = megatron_core_version() if version is None else version
-    compat.release_for(version)
+    compat.release_for(version, allow_untested)
     return version
 
 
@@ -74,7 +75,8 @@ def install(config: OffloadConfig, offloader=None):
 
     Raises:
         UnsupportedMegatronVersion: megatron-core is missing, older than 0.16 or newer than
-            0.19, or its patch points differ from those of its release.
+            0.20 (unless ``config.allow_untested_megatron``), or its patch points differ from
+            those of its release (for a newer one: of the newest release known).
         RuntimeError: already installed (this integration or DeepSpeed's: one per process).
         ConfigError: from building the offloader.
 
@@ -84,14 +86,16 @@ def install(config: OffloadConfig, offloader=None):
         >>> forward_backward(forward_step_func=..., ...)
         >>> offloader.last_step_stats.bytes_offloaded
     """
-    version = check_megatron_version()
-    release = compat.release_for(version)
+    version = megatron_core_version()
+    release = compat.release_for(version, config.allow_untested_megatron)
     handle.check_free(INTEGRATION)
     layers = frozenset(config.recompute_layers) if config.recompute_fallback else frozenset()
 
     from ..cache import ActivationOffloader
 
-    compat.verify(release, version)
+    patch_points.verify(release, version)
+    if compat.is_untested(version):
+        log.warning(compat.untested_warning(release, version))
     if offloader is None:
         offloader = ActivationOffloader(config)
     patcher = Patcher()
