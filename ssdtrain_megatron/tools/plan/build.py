@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from ...plan.fit import reserve_bytes
 from ...plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
 from ...plan.memory import activation_budget
 from ...plan.model import (head_activation_terms, largest_micro_batch, layer_activation_bytes,
@@ -113,7 +114,9 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
     places = places_for(engine, recompute)
     keep_last = offload.keep_last_layers
     memory = activation_budget(shape, node.gpu_memory_bytes, getattr(args, "activation_budget", None),
-                               offload.activation_budget_bytes)
+                               offload.activation_budget_bytes,
+                               reserve=reserve_bytes(getattr(args, "memory_reserve", None),
+                                                     node.gpu_memory_bytes))
     budget = memory["activation_budget_bytes"]
     st = stage(shape, profile, node, m)
     ahead = offload.prefetch_layers

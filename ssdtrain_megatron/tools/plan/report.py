@@ -39,13 +39,13 @@ def header(shape: ModelShape, config: str) -> str:
                if shape.num_experts is not None else ""))
 
 
-def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "") -> None:
+def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str = "") -> None:
     """The plan as aligned lines; ``job``: the GPUs and global batch planned (and what was
-    assumed), at the end of the first line."""
+    assumed), at the end of the first line; ``first``: whether the job fits, at its start."""
     from ...plan.node import NodeProfile
 
     node = NodeProfile(**{k: r["node"][k] for k in NodeProfile.FIELDS})
-    print(header(shape, r["config"]) + (f"; {job}" if job else ""))
+    print((f"{first}; " if first else "") + header(shape, r["config"]) + (f"; {job}" if job else ""))
     print(f"node {node.describe()} ({r['node_source']})")
     print(f"policy {r['policy']}, engine {r['engine']}: places " + ", ".join(r["places"]))
     print(r["engine_choice"]["reason"])
@@ -135,6 +135,8 @@ def memory_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
     rows = [("model state per GPU", f"{state['bytes'] / 1e9:.1f} GB: {state['dense_parameters']:,} "
              f"dense + {state['expert_parameters']:,} expert parameters x {per_param} (dp="
              f"{model['dp']}, distributed optimizer {'on' if model['distributed_optimizer'] else 'off'})"),
+            ("reserve per GPU", f"{m.get('reserve_bytes', 0) / 1e9:.1f} GB for the CUDA context, "
+             "NCCL and fragmentation (--memory-reserve)"),
             ("activation budget", f"{budget / 1e9:.1f} GB ({m['activation_budget_source']}); "
              f"GPU {m['gpu_memory_bytes'] / 1e9:g} GB"
              + ("" if m["fits"] else ": MODEL STATE AND BUDGET EXCEED THE GPU'S MEMORY"))]

@@ -1,0 +1,128 @@
+"""Fit first (issue 58, item 1): every plan starts with whether the job fits, the model state,
+the reserve and the least activations against the GPU's memory (plan/fit.py); a job that does
+not fit says so in its first line with the layouts that would, and exits 1. Real presets, the
+real planner; pure Python."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ssdtrain_megatron.plan.fit import DEFAULT_RESERVE_BYTES, check, nearest_fits
+from ssdtrain_megatron.plan.node import load_profile
+from ssdtrain_megatron.plan.search import search
+from ssdtrain_megatron.tools.cli import main
+from ssdtrain_megatron.tools.plan.cli import read_preset
+
+QUESTION = ("plan", "--config", "llama3-70b", "--node", "dgx-h100", "--gpus", "8",
+            "--global-batch-size", "16")
+
+
+def _70b():
+    return read_preset("configs/llama3-70b.yaml")[0], load_profile("dgx-h100")
+
+
+def test_llama3_70b_on_one_dgx_says_first_that_it_does_not_fit_why_and_what_would(capsys):
+    """The issue's question: 8 H100s cannot hold the 70B model's state (156.4 GB per GPU at
+    TP8 PP1 even with the distributed optimizer); the first line says so and names the fewest
+    GPUs that hold it. Broken variant (run_plan without its refuse_unfit call): exit 2 and
+    "--gpus 8 is not a multiple of the preset's model-parallel size" on stderr."""
+    assert main(list(QUESTION)) == 1
+    lines = capsys.readouterr().out.splitlines()
+    first = lines[0]
+    assert first.startswith("DOES NOT FIT: the preset's layout tp 8 x pp 4 x cp 1 = 32 GPUs does "
+                            "not divide 8 GPUs")
+    assert ("the nearest, TP8 PP1 DP1, distributed optimizer, needs model state 156.4 GB + "
+            "reserve 5.0 GB") in first
+    assert "of 80 GB" in first
+    assert "what fits: 32 GPUs as TP8 PP2 DP2, distributed optimizer" in first
+    assert "32 GPUs as TP8 PP4 DP1, distributed optimizer" in first
+    assert any(line.startswith("  32 GPUs as TP8 PP4 DP1") for line in lines[1:])
+
+
+def test_the_answer_is_json_too_and_names_the_nearest_miss(capsys):
+    assert main([*QUESTION, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["gpus"] == 8
+    miss = out["nearest_miss"]
+    assert (miss["tp"], miss["pp"], miss["dp"], miss["fits"]) == (8, 1, 1, False)
+    assert round(miss["model_state_bytes"] / 1e9, 1) == 156.4
+    assert all(f["fits"] and f["gpus"] == 32 for f in out["nearest_fits"])
+
+
+def test_gpus_the_presets_layout_does_not_divide_get_the_layouts_that_do(capsys):
+    """--gpus 60 with the preset's 32-GPU layout: not a usage error any more, but the fit
+    answer naming Megatron's rule and layouts of 60 GPUs that fit (exit 1)."""
+    assert main(["plan", "--config", "llama3-70b", "--gpus", "60"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "= 32 GPUs does not divide 60 GPUs (Megatron: the world size is a multiple of it)" in first
+    assert "other layouts of 60 GPUs fit; what fits: 60 GPUs as TP4 PP5 DP3" in first
+
+
+def test_a_plan_that_fits_says_so_first_with_its_numbers(capsys):
+    """Broken variant (print_plan without first=): the line starts "plan for"."""
+    assert main(["plan", "--config", "llama3-70b", "--num-microbatches", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("fits: model state 27.2 GB + reserve 5.0 GB + activations at least")
+    assert "of 80 GB; plan for " in lines[0]
+    assert any(line.startswith("reserve per GPU              5.0 GB") for line in lines)
+
+
+def test_the_reserve_comes_off_the_activation_budget_and_the_flag_changes_it(capsys):
+    """llama3-8b names no budget: it is GPU memory less the model state and the reserve.
+    Broken variant (activation_budget ignoring reserve): the budgets are all equal."""
+    budgets = {}
+    for reserve in ("0B", "5GB", "0.1"):
+        assert main(["plan", "--config", "llama3-8b", "--memory-reserve", reserve, "--json"]) == 0
+        memory = json.loads(capsys.readouterr().out)["memory"]
+        assert memory["activation_budget_source"] == ("GPU memory less the model state"
+                                                      + (" and the reserve" if reserve != "0B" else ""))
+        budgets[reserve] = memory["activation_budget_bytes"]
+        assert budgets[reserve] == (memory["gpu_memory_bytes"] - memory["model_state"]["bytes"]
+                                    - memory["reserve_bytes"])
+    assert budgets["0B"] - budgets["5GB"] == 5 * 10 ** 9
+    assert budgets["0B"] - budgets["0.1"] == 8 * 10 ** 9  # a tenth of 80 GB
+
+
+def test_the_model_state_sharding_of_the_distributed_optimizer():
+    """6 + 12/d bytes per parameter: sharding over more replicas leaves more room."""
+    shape, node = _70b()
+    alone = check(shape.replace(dp=1, distributed_optimizer=False), node, DEFAULT_RESERVE_BYTES)
+    sharded = check(shape.replace(dp=4, distributed_optimizer=True), node, DEFAULT_RESERVE_BYTES)
+    assert alone.state_bytes * (6 + 12 / 4) == sharded.state_bytes * 18
+    assert sharded.room_bytes > alone.room_bytes
+
+
+def test_a_layout_within_the_reserve_is_not_offered_by_the_search():
+    """TP8 PP2 of llama3-70b on 16 GPUs holds 79.4 GB of state on an 80 GB GPU: without a
+    reserve the search offers it (offloading all but a layer); with the default it does not.
+    Broken variant (plan_layout ignoring reserve): the second search offers it too."""
+    shape, node = _70b()
+    _, with_ = search(shape, 16, 16, node, reserve=0)
+    assert [(x.shape.tp, x.shape.pp) for x in with_] == [(8, 2)]
+    assert search(shape, 16, 16, node) == ([], [])
+    assert nearest_fits(shape, 16, node, DEFAULT_RESERVE_BYTES, 16)[0].gpus == 32
+
+
+def test_a_search_that_finds_nothing_names_the_nearest_miss_and_exits_1(capsys):
+    """Broken variant (run_search returning 0 whatever it found): exit 0."""
+    assert main(["plan", "--config", "llama3-70b", "--gpus", "16", "--global-batch-size", "16",
+                 "--search"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("DOES NOT FIT: no layout of ")
+    assert ("the nearest miss, TP8 PP2 DP1, distributed optimizer at micro-batch 1, needs model "
+            "state 79.4 GB + reserve 5.0 GB") in first
+    assert "what fits: 32 GPUs as TP8 PP2 DP2" in first
+    assert main(["plan", "--config", "llama3-70b", "--gpus", "16", "--global-batch-size", "16",
+                 "--search", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["nearest_miss"]["pp"] == 2 and out["nearest_fits"]
+
+
+def test_a_bad_reserve_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--config", "llama3-8b", "--memory-reserve", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --memory-reserve: 2: give a unit" in err
