@@ -126,3 +126,16 @@ def test_a_bad_reserve_is_one_line(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --memory-reserve: 2: give a unit" in err
+
+
+def test_a_job_fits_only_with_room_for_its_least_activations():
+    """Full recompute's inputs of every in-flight micro-batch, one layer re-created and the
+    head: 1.2 GB for TP8 PP4 at b=1; a reserve that leaves one byte less does not fit.
+    Broken variant (least_activation_bytes returning 0): it fits."""
+    shape, node = _70b()
+    shape = shape.replace(dp=1)
+    fit = check(shape, node, DEFAULT_RESERVE_BYTES)
+    assert round(fit.least_activation_bytes / 1e9, 1) == 1.2
+    tight = node.gpu_memory_bytes - fit.state_bytes - fit.least_activation_bytes
+    assert check(shape, node, tight).fits
+    assert not check(shape, node, tight + 1).fits
