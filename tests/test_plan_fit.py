@@ -65,7 +65,7 @@ def test_a_plan_that_fits_says_so_first_with_its_numbers(capsys):
     assert main(["plan", "--config", "llama3-70b", "--num-microbatches", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("fits: model state 27.2 GB + reserve 5.0 GB + activations at least")
-    assert "of 80 GB; plan for " in lines[0]
+    assert "of 80 GB; x0.886 the best without offload (" in lines[0] and "; plan for " in lines[0]
     assert any(line.startswith("reserve per GPU              5.0 GB") for line in lines)
 
 
@@ -139,3 +139,41 @@ def test_a_job_fits_only_with_room_for_its_least_activations():
     tight = node.gpu_memory_bytes - fit.state_bytes - fit.least_activation_bytes
     assert check(shape, node, tight).fits
     assert not check(shape, node, tight + 1).fits
+
+
+# -- against what runs without offload (item 2) ----------------------------------------------
+
+def test_the_headline_is_against_the_best_without_offload_not_a_keep_that_does_not_fit(capsys):
+    """The issue's case: llama3-70b at b=4 on 32 GPUs, 16 sequences. Keep does not fit b=4, so
+    "x1.000 keep" is no gain; the best without offload (b=1, another layout) is 640 tokens/s
+    per GPU against this plan's 418. Broken variant (keep_words always "keep"): the row reads
+    "x1.000 keep (".
+    """
+    argv = ["plan", "--config", "llama3-70b", "--gpus", "32", "--global-batch-size", "16",
+            "--micro-batch-size", "4"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert ("; x0.653 the best without offload (TP8 PP2 DP2, b=1, keep and recompute per layer: "
+            "640 tokens/s per GPU; this plan 418); plan for ") in lines[0]
+    row = next(line for line in lines if line.startswith("against keep and recompute"))
+    assert "x1.000 a keep that does not fit (keep fits micro-batch 1 at most): no gain" in row
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["without_offload"]
+    assert out["keep_fits"] is False and out["gain"] == pytest.approx(0.653, abs=5e-4)
+    assert (out["best"]["tp"], out["best"]["pp"], out["best"]["micro_batch"]) == (8, 2, 1)
+
+
+@pytest.mark.parametrize("preset, gpus, batch", [("llama3-70b", 64, 16), ("llama3-8b", 8, 64),
+                                                  ("llama3-8b-128k", 32, 16)])
+def test_the_bounded_baseline_is_the_searchs_best_without_offload(preset, gpus, batch):
+    """plan/baseline.py stops at the first layout whose keep time is slower than the best
+    found; it must find what the whole search finds. Broken variant (stopping at a bound
+    twice the best): another layout."""
+    from ssdtrain_megatron.plan.baseline import best_without_offload
+
+    shape, _ = read_preset(f"configs/{preset}.yaml")
+    node = load_profile("dgx-h100")
+    best = best_without_offload(shape, gpus, batch, node)
+    without, _ = search(shape, gpus, batch, node)
+    assert (best.key(), best.tokens_per_s_per_gpu) == (without[0].key(),
+                                                       without[0].tokens_per_s_per_gpu)

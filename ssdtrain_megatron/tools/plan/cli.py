@@ -316,6 +316,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from .build import build_plan, node_for
     from .engine import given_fields
     from .fit_answer import fit_line, refuse_unfit
+    from .headline import against_without_offload, headline
     from .job_size import job_size
 
     try:
@@ -343,8 +344,12 @@ def run_plan(args: argparse.Namespace) -> int:
     result = build_plan(shape, offload, args, node, source, given=given)
     result.update(gpus=size.gpus, global_batch=size.global_batch, assumed=size.assumed)
     result["fit"] = fit_line(shape, args, node, size.num_micro_batches)
+    # the headline: against the best that runs without offload on these GPUs (headline.py)
+    result["without_offload"] = against_without_offload(shape, args, node, result,
+                                                         offload.keep_last_layers)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print_plan(shape, result, size.describe(shape.seq_len), first=result["fit"])
+    print_plan(shape, result, size.describe(shape.seq_len),
+               first=f"{result['fit']}; {headline(result['without_offload'])}")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from ...plan.shape import ModelShape
+from .headline import keep_words
 
 
 def _bytes(n: float) -> str:
@@ -90,7 +91,8 @@ def tier_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
         ("iteration time (model)", f"{r['iteration_s']:.4f} s {r['iteration_label']}, "
                                    f"{r['num_micro_batches']} micro-batch(es); stall "
                                    f"{r['stall_s']:.4f} s, recompute {r['recompute_s']:.4f} s"),
-        ("against keep and recompute", f"x{r['vs_keep']:.3f} keep ({r['keep_iteration_s']:.4f} s), "
+        ("against keep and recompute", f"x{r['vs_keep']:.3f} {keep_words(r)} "
+                                       f"({r['keep_iteration_s']:.4f} s), "
                                        f"x{r['vs_recompute']:.3f} full recompute "
                                        f"({r['recompute_iteration_s']:.4f} s)"),
         ("peak activations per GPU", f"{_gb(r['peak_bytes'])} of a {_gb(r['budget_bytes'])} budget"
