@@ -32,3 +32,26 @@ def test_every_ssd_offload_flag_of_the_parser_is_in_docs_flags_md():
         doc = fh.read()
     missing = [flag for flag in flags if not _documented(doc, flag)]
     assert missing == []
+
+
+def test_one_host_memory_rule_in_the_code_the_doctor_and_the_docs():
+    """Three quarters of what is free, shared by the node's GPUs: the job's rule
+    (USABLE_FRACTION), the doctor's measured profile and both docs. Broken variants: the doctor
+    dividing MemAvailable alone (host_memory_per_gpu without the fraction) -> 200 GB per GPU;
+    docs/models.md back on "60% of the GPU's share"."""
+    from ssdtrain_megatron.plan.engine_choice import USABLE_FRACTION, free_per_rank
+    from ssdtrain_megatron.plan.node import load_profile
+    from ssdtrain_megatron.tools.node_profile import host_memory_per_gpu
+
+    free = 1600 * 10 ** 9
+    assert USABLE_FRACTION == 0.75
+    assert host_memory_per_gpu(free, 8) == free_per_rank(free, 8, 0) == 150 * 10 ** 9
+    assert load_profile("dgx-h100").host_memory_bytes == host_memory_per_gpu(free, 8)
+    docs = {}
+    for name in ("models.md", "flags.md"):
+        with open(os.path.join(REPO, "docs", name), encoding="utf-8") as fh:
+            docs[name] = " ".join(fh.read().split())
+    assert "60%" not in docs["models.md"]
+    assert "three quarters of the memory free at the job's start" in docs["models.md"]
+    assert "1.6 TB x 3/4 / 8 = 150 GB" in docs["models.md"]
+    assert "Three quarters of it" in docs["flags.md"]
