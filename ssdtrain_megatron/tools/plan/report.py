@@ -63,7 +63,10 @@ def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str =
     rows += memory_rows(r)
     every = r["every_place"]
     if list(r["places"]) != list(every["places"]):
-        flags = (["--engine tiered"] if r["engine"] != "tiered" else []) \
+        # the every-place plan is the adaptive policy's: offload (every layer out) and keep
+        # (none) do not reach it whatever the places
+        flags = (["--policy adaptive"] if r["policy"] != "adaptive" else []) \
+            + (["--engine tiered"] if r["engine"] != "tiered" else []) \
             + (["--recompute-fallback"] if not r["recompute_fallback"] else [])
         rows.append(("all four places", f"{every['iteration_s']:.4f} s per iteration "
                      f"(x{every['vs_keep']:.3f} keep), binding {every['binding']}: "
