@@ -206,3 +206,32 @@ def test_the_all_four_places_hint_reaches_what_it_promises_for_every_preset(caps
         assert after["iteration_s"] == pytest.approx(out["every_place"]["iteration_s"]), (preset, flags)
         hinted += 1
     assert hinted >= 1
+
+
+# -- feasible means feasible (item 3) ---------------------------------------------------------
+
+def test_the_largest_micro_batch_counts_host_memory_staging_and_the_drives_life(capsys):
+    """llama3-70b's preset on a DGX H100, 8 micro-batches: GPU memory alone allowed b=33, which
+    needs more pinned staging than the node's host memory and wears the drives out within
+    weeks; within host memory with its staging and 30 days of rated drive life: b=17. At b=18
+    the plan says why it cannot run. Broken variant (the planned check without
+    feasible_on_node): 33."""
+    argv = ["plan", "--config", "llama3-70b", "--node", "dgx-h100", "--num-microbatches", "8"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["largest_micro_batch"]["planned"] == 17 and out["beyond_the_node"] is None
+    assert main([*argv, "--micro-batch-size", "18", "--json"]) == 0
+    over = json.loads(capsys.readouterr().out)
+    assert over["beyond_the_node"].startswith("host pool 141.6 GB + pinned staging 37.4 GB > "
+                                              "150.0 GB of host memory per GPU")
+    assert main([*argv, "--job-days", "100", "--json"]) == 0  # b=17's drives last 183 days
+    assert json.loads(capsys.readouterr().out)["largest_micro_batch"]["planned"] <= 17
+
+
+def test_every_plan_has_its_pinned_staging_line(capsys):
+    """A plan with no drive writes still pins the offloader's pool (8.6 GB: twice the preset's
+    4 GiB max_inflight_bytes). Broken variant (staging_rows empty without drive writes): no
+    such line."""
+    assert main(["plan", "--config", "llama3-70b", "--num-microbatches", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("pinned staging per GPU       8.6 GB pinned at start") for line in lines)

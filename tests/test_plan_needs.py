@@ -119,20 +119,24 @@ def test_the_largest_micro_batch_fits_beside_the_model_state(capsys, tiny):
     """Without a budget, activations get what the state leaves of --gpu-memory: a larger state
     (no distributed optimizer) leaves room for fewer samples."""
     gpu = 4 * LAYER_PARAMS * 18 + 10 ** 7  # the state plus 10 MB, no reserve (test_plan_fit)
-    out = plan(capsys, "--config", str(tiny), "--gpu-memory", f"{gpu}B", "--memory-reserve", "0B")
+    # no reserve, and a job of a day: the tiny model at 400 TFLOP/s keeps the drives writing
+    # (their rated life ~30 days; test_plan_fit counts it)
+    out = plan(capsys, "--config", str(tiny), "--gpu-memory", f"{gpu}B", "--memory-reserve", "0B",
+               "--job-days", "1")
     assert out["memory"]["activation_budget_bytes"] == 10 ** 7
     assert out["memory"]["activation_budget_source"] == "GPU memory less the model state"
     alone = out["largest_micro_batch"]
     assert alone == {"keep": 27, "planned": 55, "recompute": 93}  # 1e7 B, as test_plan_model
     sharded = plan(capsys, "--config", str(tiny), "--gpu-memory", f"{gpu}B", "--memory-reserve",
-                   "0B", "--use-distributed-optimizer", "--data-parallel-size", "8")
+                   "0B", "--job-days", "1", "--use-distributed-optimizer", "--data-parallel-size", "8")
     assert sharded["memory"]["model_state"]["bytes"] == 4 * LAYER_PARAMS * (6 + 1.5)
     assert all(sharded["largest_micro_batch"][m] > alone[m] for m in alone)
 
 
 def test_the_presets_fraction_budget_is_of_gpu_memory_and_the_flag_wins(capsys, tiny):
     tiny.write_text(TINY + "  activation_budget_bytes: 0.5\n")
-    out = plan(capsys, "--config", str(tiny), "--gpu-memory", "20MB", "--memory-reserve", "0B")
+    out = plan(capsys, "--config", str(tiny), "--gpu-memory", "20MB", "--memory-reserve", "0B",
+               "--job-days", "1")
     assert out["memory"]["activation_budget_bytes"] == 10 ** 7
     assert out["memory"]["activation_budget_source"].startswith(
         "the preset's activation_budget_bytes: 0.5 x GPU memory")

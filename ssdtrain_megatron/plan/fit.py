@@ -121,6 +121,25 @@ def check(shape: ModelShape, node: NodeProfile, reserve: int, num_micro_batches:
                least_activation_bytes(shape, node, num_micro_batches, profile))
 
 
+DEFAULT_JOB_DAYS = 30.0
+"""The job's length the drives' rated life must cover (``ssdtrain plan --job-days``): a plan
+that wears the node's drives out sooner is no plan to run."""
+
+
+def beyond_the_node(host_peak_bytes: int, staging_bytes: int, host_memory_bytes: int,
+                    rated_life_days: Optional[float], job_days: float) -> Optional[str]:
+    """Why a plan that fits GPU memory cannot run on the node, or None: its host pool and the
+    pinned staging its drive writes need (both come out of the host memory per GPU, as the
+    job takes them: docs/flags.md, The engine follows the node) beyond that memory, or drives
+    rated for fewer days than the job runs."""
+    if host_peak_bytes + staging_bytes > host_memory_bytes:
+        return (f"host pool {host_peak_bytes / GB:.1f} GB + pinned staging "
+                f"{staging_bytes / GB:.1f} GB > {host_memory_bytes / GB:.1f} GB of host memory per GPU")
+    if rated_life_days is not None and rated_life_days < job_days:
+        return f"the drives' rated life {rated_life_days:,.1f} days < the job's {job_days:g} days"
+    return None
+
+
 def _divisors(n: int, limit: int) -> List[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
@@ -176,5 +195,5 @@ def nearest_miss(base: ModelShape, gpus: int, node: NodeProfile, reserve: int,
     return min(fits, key=lambda f: (f.excess_bytes, _order(f))) if fits else None
 
 
-__all__ = ["DEFAULT_RESERVE_BYTES", "Fit", "candidates", "check", "least_activation_bytes",
+__all__ = ["DEFAULT_JOB_DAYS", "DEFAULT_RESERVE_BYTES", "Fit", "beyond_the_node", "candidates", "check", "least_activation_bytes",
            "nearest_fits", "nearest_miss", "reserve_bytes"]

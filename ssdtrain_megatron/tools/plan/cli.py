@@ -223,6 +223,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="GPU memory no plan uses, per GPU: the CUDA context, NCCL and "
                              "fragmentation; a size (5GB, 0B) or a fraction of GPU memory "
                              "(0.06); default 5GB (docs/models.md#does-the-job-fit)")
+    layout.add_argument("--job-days", type=positive_float, default=None, metavar="DAYS",
+                        help="the job's length, which the drives' rated life must cover for a "
+                             "micro-batch to count as runnable (default 30)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run_plan)
     return parser

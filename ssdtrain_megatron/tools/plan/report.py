@@ -110,8 +110,10 @@ def staging_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
     """The pinned host staging the SSD tier needs on a GPU, against the default (none when
     nothing goes to the drives)."""
     need, default = r["staging_bytes"], r["staging_default_bytes"]
-    if not need:
-        return []
+    if not need:  # the offloader pins its pool on a GPU whatever the engine
+        return [("pinned staging per GPU", f"{_gb(default)} pinned at start (pinned_staging_bytes, "
+                                           "twice max_inflight_bytes unless set); this plan's "
+                                           "drives need none of it")]
     verdict = "the default holds it" if need <= default else \
         f"more than the default {_gb(default)}: set --ssd-offload-pinned-staging-bytes"
     return [("pinned staging per GPU", f"{_gb(need)}: what the drives have not taken yet when the forward "
@@ -148,5 +150,8 @@ def memory_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
     best = r["largest_micro_batch"]
     rows.append((f"largest micro-batch in {budget / 1e9:.3g} GB",
                  f"keep {best['keep']}, this plan {best['planned']}, full recompute "
-                 f"{best['recompute']}"))
+                 f"{best['recompute']} (this plan's within host memory with its pinned staging "
+                 f"and drives rated for {r.get('job_days', 30):g} days: --job-days)"))
+    if r.get("beyond_the_node"):
+        rows.append(("NOT RUNNABLE ON THE NODE", r["beyond_the_node"]))
     return rows
