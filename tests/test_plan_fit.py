@@ -235,3 +235,18 @@ def test_every_plan_has_its_pinned_staging_line(capsys):
     assert main(["plan", "--config", "llama3-70b", "--num-microbatches", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("pinned staging per GPU       8.6 GB pinned at start") for line in lines)
+
+
+# -- the node's NVLink domain (item 4) --------------------------------------------------------
+
+def test_tp_beyond_the_nodes_nvlink_domain_is_refused_with_layouts_inside_it(capsys):
+    """gh200 has one GPU per node: the preset's TP8 would send its tensor-parallel traffic over
+    the network, which the planner prices at NVLink's 450 GB/s otherwise (x1.775 the best
+    without offload). Broken variant (no domain check in fit_answer.answer): exit 0 and a plan.
+    """
+    assert main(["plan", "--config", "llama3-70b", "--node", "gh200", "--gpus", "64",
+                 "--global-batch-size", "64"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("DOES NOT FIT: the preset's tp 8 x cp 1 = 8 GPUs spans more than the "
+                            "node's NVLink domain of 1 GPU(s) (gh200)")
+    assert "what fits: 64 GPUs as TP1 PP8 DP8, distributed optimizer" in first

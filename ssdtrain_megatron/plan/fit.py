@@ -161,7 +161,7 @@ def candidates(base: ModelShape, gpus: int, node: NodeProfile,
             for opt in optimizers:
                 try:
                     yield base.replace(tp=tp, pp=pp, dp=dp, micro_batch=1,
-                                       sequence_parallel=tp > 1 or base.sequence_parallel,
+                                       sequence_parallel=tp > 1,
                                        distributed_optimizer=opt)
                 except ValueError:
                     continue  # heads, groups or ffn not divisible by tp, and the like

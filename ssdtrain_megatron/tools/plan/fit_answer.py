@@ -46,7 +46,16 @@ def answer(shape: ModelShape, args: argparse.Namespace, node: NodeProfile) -> Op
     size = job_size(shape, args, node, search=True)
     reserve = reserve_of(args, node)
     gbs = getattr(args, "global_batch_size", None)
-    if size.dp is not None:
+    domain = shape.tp * shape.cp
+    if size.dp is not None and domain > node.gpus_per_node:
+        # TP (and CP) traffic is priced on NVLink; beyond one node it would cross the network,
+        # which the model does not price: refused, with the layouts inside the domain
+        job = None
+        why = (f"the preset's tp {shape.tp} x cp {shape.cp} = {domain} GPUs spans more than the "
+               f"node's NVLink domain of {node.gpus_per_node} GPU(s) ({node.name}): its tensor- "
+               "and context-parallel traffic would cross the network, which the planner does not "
+               "price")
+    elif size.dp is not None:
         if size.num_micro_batches is None:
             return None
         job = fitting.check(shape.replace(dp=size.dp), node, reserve, size.num_micro_batches)
