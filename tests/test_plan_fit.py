@@ -247,6 +247,6 @@ def test_tp_beyond_the_nodes_nvlink_domain_is_refused_with_layouts_inside_it(cap
     assert main(["plan", "--config", "llama3-70b", "--node", "gh200", "--gpus", "64",
                  "--global-batch-size", "64"]) == 1
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("DOES NOT FIT: the preset's tp 8 x cp 1 = 8 GPUs spans more than the "
-                            "node's NVLink domain of 1 GPU(s) (gh200)")
+    assert first.startswith("DOES NOT FIT: the preset's tp 8 spans more than the node's NVLink "
+                            "domain of 1 GPU(s) (gh200)")
     assert "what fits: 64 GPUs as TP1 PP8 DP8, distributed optimizer" in first

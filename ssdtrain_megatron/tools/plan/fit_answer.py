@@ -46,15 +46,13 @@ def answer(shape: ModelShape, args: argparse.Namespace, node: NodeProfile) -> Op
     size = job_size(shape, args, node, search=True)
     reserve = reserve_of(args, node)
     gbs = getattr(args, "global_batch_size", None)
-    domain = shape.tp * shape.cp
-    if size.dp is not None and domain > node.gpus_per_node:
-        # TP (and CP) traffic is priced on NVLink; beyond one node it would cross the network,
-        # which the model does not price: refused, with the layouts inside the domain
+    if size.dp is not None and shape.tp > node.gpus_per_node:
+        # TP traffic is priced on NVLink; beyond one node it would cross the network, which the
+        # model does not price: refused, with the layouts inside the domain
         job = None
-        why = (f"the preset's tp {shape.tp} x cp {shape.cp} = {domain} GPUs spans more than the "
-               f"node's NVLink domain of {node.gpus_per_node} GPU(s) ({node.name}): its tensor- "
-               "and context-parallel traffic would cross the network, which the planner does not "
-               "price")
+        why = (f"the preset's tp {shape.tp} spans more than the node's NVLink domain of "
+               f"{node.gpus_per_node} GPU(s) ({node.name}): its tensor-parallel traffic would "
+               "cross the network, which the planner does not price")
     elif size.dp is not None:
         if size.num_micro_batches is None:
             return None
