@@ -55,3 +55,21 @@ def test_one_host_memory_rule_in_the_code_the_doctor_and_the_docs():
     assert "three quarters of the memory free at the job's start" in docs["models.md"]
     assert "1.6 TB x 3/4 / 8 = 150 GB" in docs["models.md"]
     assert "Three quarters of it" in docs["flags.md"]
+
+
+def test_the_dgx_raid_layout_is_documented_with_a_template_the_config_takes():
+    """docs/cluster.md's /raid section: how to tell the layouts apart, and a --ssd-offload-dir
+    the flags accept (a {job} in it, one directory per local rank)."""
+    from ssdtrain_megatron.megatron.args import config_from_args
+
+    with open(os.path.join(REPO, "docs", "cluster.md"), encoding="utf-8") as fh:
+        doc = fh.read()
+    section = doc[doc.index("## A DGX as it ships: one RAID-0 at `/raid`"):]
+    for said in ("findmnt -no SOURCE,FSTYPE /raid", "cat /proc/mdstat", "lsblk"):
+        assert said in section, said
+    template = re.search(r"--ssd-offload-dir '([^']+)'", section).group(1)
+    assert template == "/raid/ssdtrain/{local_rank}/{job}"
+    parser = argparse.ArgumentParser()
+    add_ssd_offload_args(parser)
+    config = config_from_args(parser.parse_args(["--ssd-offload", "--ssd-offload-dir", template]))
+    assert list(config.dirs) == [template]
