@@ -250,3 +250,18 @@ def test_tp_beyond_the_nodes_nvlink_domain_is_refused_with_layouts_inside_it(cap
     assert first.startswith("DOES NOT FIT: the preset's tp 8 spans more than the node's NVLink "
                             "domain of 1 GPU(s) (gh200)")
     assert "what fits: 64 GPUs as TP1 PP8 DP8, distributed optimizer" in first
+
+
+def test_the_plan_states_the_assumptions_that_move_its_answer(capsys):
+    """Second line, after the node: the achieved TFLOP/s at every micro-batch, attention's full
+    square, TP on NVLink, the shared host link, what is not modelled and the reserve; a flag
+    that replaces one is what the line says. Broken variant (print_plan without
+    assumptions): no "assumed:" in the line."""
+    assert main(["plan", "--config", "llama3-8b", "--gpu-tflops", "250", "--memory-reserve",
+                 "3GB"]) == 0
+    node_line = capsys.readouterr().out.splitlines()[1]
+    assert node_line.startswith("node dgx-h100: 8 GPUs of 80 GB at 250 TFLOP/s")
+    for said in ("assumed: 250 TFLOP/s per GPU at every micro-batch", "full s^2 square",
+                 "TP within one node's NVLink at 450 GB/s", "no virtual pipeline",
+                 "a 3.0 GB reserve"):
+        assert said in node_line, said

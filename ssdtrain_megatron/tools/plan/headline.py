@@ -48,6 +48,21 @@ def headline(against: Dict[str, Any]) -> str:
             f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; this plan {mine:,.0f})")
 
 
+def assumptions(r: Dict[str, Any]) -> str:
+    """The assumptions that move the answer, in the plan's first lines (docs/models.md, "The
+    model's terms"): each one a user can check against their node or replace."""
+    node = r["node"]
+    reserve = r["memory"].get("reserve_bytes", 0) / 1e9
+    return (f"assumed: {node['gpu_tflops']:g} TFLOP/s per GPU at every micro-batch (GEMM "
+            "efficiency by tokens is not modelled: --gpu-tflops or a measured profile replaces "
+            "it); attention FLOPs over the full s^2 square (causal flash attention does about "
+            "half: long sequences read slow); TP within one node's NVLink at "
+            f"{node['nvlink_gbps']:g} GB/s; the host link {node['host_link_gbps']:g} GB/s per GPU "
+            "with every GPU copying at once, the memory bus they share not checked; no "
+            "data-parallel or pipeline communication, no expert all-to-all, no virtual pipeline; "
+            f"a {reserve:.1f} GB reserve")
+
+
 def keep_words(r: Dict[str, Any]) -> str:
     """What "x keep" is against: a keep that fits, or one that does not (no gain then)."""
     if r.get("without_offload", {}).get("keep_fits", True):
@@ -56,4 +71,4 @@ def keep_words(r: Dict[str, Any]) -> str:
             "at most): no gain")
 
 
-__all__ = ["against_without_offload", "headline", "keep_words"]
+__all__ = ["against_without_offload", "assumptions", "headline", "keep_words"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from ...plan.shape import ModelShape
-from .headline import keep_words
+from .headline import assumptions, keep_words
 
 
 def _bytes(n: float) -> str:
@@ -47,7 +47,8 @@ def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str =
 
     node = NodeProfile(**{k: r["node"][k] for k in NodeProfile.FIELDS})
     print((f"{first}; " if first else "") + header(shape, r["config"]) + (f"; {job}" if job else ""))
-    print(f"node {node.describe()} ({r['node_source']})")
+    print(f"node {node.describe()} ({r['node_source']})"
+          + (f"; {assumptions(r)}" if "memory" in r else ""))
     print(f"policy {r['policy']}, engine {r['engine']}: places " + ", ".join(r["places"]))
     print(r["engine_choice"]["reason"])
     print(f"{'layer':>5}  {'bytes':>18}  place   (layers numbered from 1, as Megatron does)")
