@@ -116,8 +116,6 @@ def test_the_gpus_and_global_batch_size_the_plan_of_the_presets_layout(capsys):
     (("--global-batch-size", "100", "--micro-batch-size", "4"),
      "--global-batch-size 100 is not a multiple of micro-batch 4 x data-parallel size 2 = 8 "
      "(Megatron's rule)"),
-    (("--gpus", "60"), "--gpus 60 is not a multiple of the preset's model-parallel size tp 8 x "
-                       "pp 4 x cp 1 = 32 (Megatron: the world size is a multiple of it)"),
     (("--gpus", "64", "--nodes", "4"), "--gpus 64 and --nodes 4 disagree: 4 node(s) of 8 GPUs "
                                        "(--gpus-per-node) are 32"),
     (("--global-batch-size", "64", "--num-microbatches", "3"),

@@ -24,7 +24,8 @@ from ssdtrain_megatron.plan.memory import layer_parameters, model_state_bytes
 from ssdtrain_megatron.plan.shape import ModelShape
 from ssdtrain_megatron.tools.cli import build_parser, main
 from ssdtrain_megatron.tools.cli_types import (byte_count, size_or_fraction, size_with_unit,
-                                               size_with_unit_or_fraction)
+                                               size_with_unit_or_fraction,
+                                               size_with_unit_zero_or_fraction)
 from tests.test_plan_model import LAYER_BYTES, PRESET
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,31 +118,37 @@ def test_parameter_counts_match_the_published_sizes(preset, billions):
 def test_the_largest_micro_batch_fits_beside_the_model_state(capsys, tiny):
     """Without a budget, activations get what the state leaves of --gpu-memory: a larger state
     (no distributed optimizer) leaves room for fewer samples."""
-    gpu = 4 * LAYER_PARAMS * 18 + 10 ** 7  # the state plus 10 MB
-    out = plan(capsys, "--config", str(tiny), "--gpu-memory", f"{gpu}B")
+    gpu = 4 * LAYER_PARAMS * 18 + 10 ** 7  # the state plus 10 MB, no reserve (test_plan_fit)
+    # no reserve, and a job of a day: the tiny model at 400 TFLOP/s keeps the drives writing
+    # (their rated life ~30 days; test_plan_fit counts it)
+    out = plan(capsys, "--config", str(tiny), "--gpu-memory", f"{gpu}B", "--memory-reserve", "0B",
+               "--job-days", "1")
     assert out["memory"]["activation_budget_bytes"] == 10 ** 7
     assert out["memory"]["activation_budget_source"] == "GPU memory less the model state"
     alone = out["largest_micro_batch"]
     assert alone == {"keep": 27, "planned": 55, "recompute": 93}  # 1e7 B, as test_plan_model
-    sharded = plan(capsys, "--config", str(tiny), "--gpu-memory", f"{gpu}B",
-                   "--use-distributed-optimizer", "--data-parallel-size", "8")
+    sharded = plan(capsys, "--config", str(tiny), "--gpu-memory", f"{gpu}B", "--memory-reserve",
+                   "0B", "--job-days", "1", "--use-distributed-optimizer", "--data-parallel-size", "8")
     assert sharded["memory"]["model_state"]["bytes"] == 4 * LAYER_PARAMS * (6 + 1.5)
     assert all(sharded["largest_micro_batch"][m] > alone[m] for m in alone)
 
 
 def test_the_presets_fraction_budget_is_of_gpu_memory_and_the_flag_wins(capsys, tiny):
     tiny.write_text(TINY + "  activation_budget_bytes: 0.5\n")
-    out = plan(capsys, "--config", str(tiny), "--gpu-memory", "20MB")
+    out = plan(capsys, "--config", str(tiny), "--gpu-memory", "20MB", "--memory-reserve", "0B",
+               "--job-days", "1")
     assert out["memory"]["activation_budget_bytes"] == 10 ** 7
     assert out["memory"]["activation_budget_source"].startswith(
         "the preset's activation_budget_bytes: 0.5 x GPU memory")
     assert out["largest_micro_batch"] == {"keep": 27, "planned": 55, "recompute": 93}
-    flag = plan(capsys, "--config", str(tiny), "--gpu-memory", "20MB", "--activation-budget", "1MB")
+    flag = plan(capsys, "--config", str(tiny), "--gpu-memory", "20MB", "--activation-budget", "1MB",
+                "--memory-reserve", "0B")
     assert flag["memory"]["activation_budget_bytes"] == 10 ** 6
-    over = plan(capsys, "--config", str(tiny), "--gpu-memory", "4MB", "--activation-budget", "0.9")
+    over = plan(capsys, "--config", str(tiny), "--gpu-memory", "4MB", "--activation-budget", "0.9",
+                "--memory-reserve", "0B")
     assert over["memory"]["fits"] is False  # 3.5 MB of state + 3.6 MB of budget > 4 MB
     assert main(["plan", "--config", str(tiny), "--gpu-memory", "4MB", "--activation-budget",
-                 "0.9"]) == 0
+                 "0.9", "--memory-reserve", "0B"]) == 0
     assert "MODEL STATE AND BUDGET EXCEED THE GPU'S MEMORY" in capsys.readouterr().out
 
 
@@ -219,7 +226,8 @@ def test_an_installed_package_finds_the_presets_setup_py_installs(tmp_path, monk
 
 # -- sizes -------------------------------------------------------------------------------------
 
-SIZE_TYPES = (byte_count, size_or_fraction, size_with_unit, size_with_unit_or_fraction)
+SIZE_TYPES = (byte_count, size_or_fraction, size_with_unit, size_with_unit_or_fraction,
+              size_with_unit_zero_or_fraction)
 """Every argparse type that reads a size: with a unit or not (only where the name says bytes)."""
 
 

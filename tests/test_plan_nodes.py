@@ -45,7 +45,15 @@ def test_every_preset_on_every_node_stays_within_its_tiers(capsys, preset):
     not held to the drives' time, plan/tiers.py ``_Step.iteration`` without ``*self.busy``):
     "AssertionError: ('llama3-8b on a100-80g, preset', 'ssd', {'used': 2.839..., 'needed':
     10.077..., 'available': 2.384...})": used above what the drives have, the stall too small."""
+    from ssdtrain_megatron.plan.node import load_profile
+    from ssdtrain_megatron.tools.plan.cli import read_preset
+
+    tp = read_preset(f"configs/{preset}.yaml")[0].tp
     for node in BUILTIN:
+        if tp > load_profile(node).gpus_per_node:  # beyond its NVLink domain: refused (test_plan_fit)
+            assert main(["plan", "--config", preset, "--node", node, "--num-microbatches", "8"]) == 1
+            assert "NVLink domain" in capsys.readouterr().out.splitlines()[0]
+            continue
         for extra, kind in (((), "preset"),
                             (("--policy", "adaptive", "--engine", "tiered", "--recompute-fallback",
                               "--micro-batch-size", "4"), "all places, b=4")):

@@ -98,7 +98,9 @@ def test_plan_prints_a_table(capsys, preset):
         "    4             180,224  keep",
     ]
     assert lines[1].startswith("node dgx-h100: 8 GPUs of 80 GB at 0.001 TFLOP/s")
-    assert "largest micro-batch in 0.01 GB keep 27, this plan 55, full recompute 93" in lines
+    assert ("largest micro-batch in 0.01 GB keep 27, this plan 55, full recompute 93 (this "
+            "plan's within host memory with its pinned staging and drives rated for 30 days: "
+            "--job-days)") in lines
     text = "\n".join(lines)
     assert text.index("SSD lifespan (rated TBW)") < text.index("SSD lifespan (paper, relaxed)")
     assert "per iteration" in text and "binding" in text

@@ -15,7 +15,9 @@ the 12 B of main parameters and Adam states sharded over the d data-parallel ran
 its pipeline stage's layers (the first stage, which also holds the word embeddings, the
 stage with the most micro-batches in flight under 1F1B), the dense ones split over tp, the
 experts over ep and tp. Not counted: the CUDA context, NCCL and allocator buffers,
-fragmentation; the planner reserves nothing for them (use a smaller --gpu-memory).
+fragmentation: plan/fit.py reserves GPU memory for them (its DEFAULT_RESERVE_BYTES, or
+``ssdtrain plan --memory-reserve``), and the default activation budget is what the model state
+and that reserve leave.
 """
 
 from __future__ import annotations
@@ -81,21 +83,24 @@ def model_state_bytes(shape: ModelShape) -> Dict[str, int]:
 
 
 def activation_budget(shape: ModelShape, gpu_memory: int, given: Any = None,
-                      preset_budget: Any = None) -> Dict[str, Any]:
+                      preset_budget: Any = None, reserve: int = 0) -> Dict[str, Any]:
     """Activation memory per GPU for a plan, and where it comes from: ``given``
     (``ssdtrain plan --activation-budget``), else the preset's activation_budget_bytes, else
     ``gpu_memory`` less the model state (weights, gradients, optimizer state:
-    :func:`model_state_bytes`). A fraction is of ``gpu_memory``."""
+    :func:`model_state_bytes`) and ``reserve`` (plan/fit.py). A fraction is of ``gpu_memory``;
+    ``fits``: the model state, the reserve and the budget within ``gpu_memory``."""
     state = model_state_bytes(shape)
     source = "--activation-budget"
     if given is None and preset_budget is not None:
         given, source = preset_budget, "the preset's activation_budget_bytes"
     if given is None:
-        budget, source = gpu_memory - state["bytes"], "GPU memory less the model state"
+        budget = gpu_memory - state["bytes"] - reserve
+        source = "GPU memory less the model state" + (" and the reserve" if reserve else "")
     elif isinstance(given, float) and given <= 1:
         budget, source = round(given * gpu_memory), f"{source}: {given:g} x GPU memory"
     else:
         budget = int(given)
     return {"gpu_memory_bytes": gpu_memory, "model_state": state,
             "activation_budget_bytes": max(budget, 0), "activation_budget_source": source,
-            "fits": state["bytes"] + max(budget, 0) <= gpu_memory}
+            "reserve_bytes": reserve,
+            "fits": state["bytes"] + reserve + max(budget, 0) <= gpu_memory}

@@ -8,7 +8,8 @@ What stays fixed: the model, the GPU count (tp x pp x cp x dp), the global batch
 distributed optimizer. What varies: tp (up to the node's GPUs, with sequence parallelism when
 tp > 1; tp x cp within one node's NVLink), pp (a divisor of the layers, up to 16), cp (for
 sequences of 16k tokens and more), the micro-batch, and the recompute granularity. A layout
-fits when the model state leaves room for activations and the plan fits what is left.
+fits when the model state and the reserve (plan/fit.py) leave room for activations and the
+plan fits what is left.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
+from .fit import DEFAULT_RESERVE_BYTES
 from .memory import model_state_bytes
 from .node import NodeProfile
 from .shape import ModelShape, SaveProfile
@@ -80,9 +82,11 @@ def layouts(base: ModelShape, gpus: int, global_batch: int,
 
 def plan_layout(shape: ModelShape, m: int, node: NodeProfile, places: Tuple[str, ...],
                 profile: SaveProfile, global_batch: int, gpus: int,
-                keep_last_layers: int = 1) -> Optional[Layout]:
-    """The layout planned with ``places``, or None when it does not fit the GPU."""
-    budget = node.gpu_memory_bytes - model_state_bytes(shape)["bytes"]
+                keep_last_layers: int = 1,
+                reserve: int = DEFAULT_RESERVE_BYTES) -> Optional[Layout]:
+    """The layout planned with ``places``, or None when it does not fit the GPU: the model
+    state and the ``reserve`` (plan/fit.py) come off its memory before activations."""
+    budget = node.gpu_memory_bytes - model_state_bytes(shape)["bytes"] - reserve
     if budget <= 0:
         return None
     st = stage(shape, profile, node, m)
@@ -96,14 +100,16 @@ def plan_layout(shape: ModelShape, m: int, node: NodeProfile, places: Tuple[str,
 
 def search(base: ModelShape, gpus: int, global_batch: int, node: NodeProfile,
            profile: SaveProfile = SaveProfile.paper(),
-           keep_last_layers: int = 1) -> Tuple[List[Layout], List[Layout]]:
-    """(without offload, with offload): the layouts that fit, fastest first."""
+           keep_last_layers: int = 1,
+           reserve: int = DEFAULT_RESERVE_BYTES) -> Tuple[List[Layout], List[Layout]]:
+    """(without offload, with offload): the layouts that fit, fastest first; ``reserve``: GPU
+    memory no layout may use (plan/fit.py)."""
     without: List[Layout] = []
     with_: List[Layout] = []
     for shape, m in layouts(base, gpus, global_batch, node):
         for places, out in ((WITHOUT_OFFLOAD, without), (WITH_OFFLOAD, with_)):
             found = plan_layout(shape, m, node, places, profile, global_batch, gpus,
-                                keep_last_layers)
+                                keep_last_layers, reserve)
             if found is not None:
                 out.append(found)
     order = (lambda x: (-x.tokens_per_s_per_gpu, x.key()))

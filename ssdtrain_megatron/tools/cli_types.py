@@ -107,6 +107,14 @@ def size_with_unit_or_fraction(text: str) -> float:
     return size
 
 
+def size_with_unit_zero_or_fraction(text: str) -> float:
+    """A size with its unit (5GB; 0B: none) in bytes, or a fraction of GPU memory in (0, 1):
+    ``ssdtrain plan --memory-reserve``."""
+    if re.fullmatch(r"\s*0*\.\d+\s*", text) and float(text) > 0:
+        return float(text)
+    return size_with_unit(text)  # a plain number is refused here, with its one line
+
+
 def preset_arg(text: str) -> str:
     """``--config``'s type in every subcommand: a YAML file, or a preset's name (``llama3-70b``
     is configs/llama3-70b.yaml); an unknown one is a usage error (exit 2) that lists the

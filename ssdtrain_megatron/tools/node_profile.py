@@ -8,7 +8,8 @@ same schema, so that ``--node OUT.yaml`` plans with this machine's own numbers:
   read GB/s come from io-bench's raw baseline (tools/iobench/measure.py ``raw_baseline``: several
   threads, 8 MiB requests, one preallocated file), in a private directory under the root that
   is removed after. Their median is the per-drive figure.
-* host memory: what the kernel reports available now (MemAvailable), shared by the GPUs.
+* host memory: three quarters of what the kernel reports available now (MemAvailable), shared
+  by the GPUs: the rule a job applies at its start (plan/engine_choice.USABLE_FRACTION).
 * on a GPU: the pinned host<->device copy GB/s each way (the slower one is ``host_link_gbps``),
   a bf16 matmul's TFLOP/s, and with two GPUs or more the peer copy GB/s (``nvlink_gbps``).
 * on a CPU (no GPU): the training device is the CPU, and what stands in for each GPU figure is
@@ -33,6 +34,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..plan.engine_choice import USABLE_FRACTION
 from ..plan.node import GB, NodeProfile
 
 DRIVE_BYTES = 1 << 30
@@ -217,13 +219,20 @@ def _compute_figures() -> Tuple[Dict[str, Any], List[str]]:
             "host_memory_total": mem.get("MemAvailable", 0)}, notes
 
 
+def host_memory_per_gpu(available: int, gpus: int) -> int:
+    """Host memory one GPU may fill: the job's rule (plan/engine_choice.USABLE_FRACTION of what
+    is free, shared by the node's GPUs), so a measured profile and a job agree."""
+    return int(available * USABLE_FRACTION) // max(gpus, 1)
+
+
 def measure_node(roots: List[str], name: Optional[str] = None, drive_bytes: Optional[int] = None) -> NodeProfile:
     """This machine's NodeProfile, measured (see the module docstring); progress on stderr."""
     compute, notes = _compute_figures()
     drives = measure_drives(roots, drive_bytes)
     gpus = compute["gpus_per_node"]
-    host = compute.pop("host_memory_total") // gpus
-    notes.append(f"host memory: MemAvailable / {gpus} GPU(s) at measurement")
+    host = host_memory_per_gpu(compute.pop("host_memory_total"), gpus)
+    notes.append(f"host memory: {USABLE_FRACTION:g} x MemAvailable / {gpus} GPU(s) at measurement "
+                 "(the job's rule: docs/models.md, Host memory and the link)")
     notes.append(f"{drives['drives']} drive(s) (offload roots on distinct drives: "
                  + ", ".join(d["root"] for d in drives["per_drive"]) + "), io-bench's O_DIRECT baseline"
                  + ("" if drives["direct"] else " (O_DIRECT refused: buffered IO)"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from ...plan.fit import DEFAULT_JOB_DAYS, beyond_the_node, reserve_bytes
 from ...plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
 from ...plan.memory import activation_budget
 from ...plan.model import (head_activation_terms, largest_micro_batch, layer_activation_bytes,
@@ -113,7 +114,9 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
     places = places_for(engine, recompute)
     keep_last = offload.keep_last_layers
     memory = activation_budget(shape, node.gpu_memory_bytes, getattr(args, "activation_budget", None),
-                               offload.activation_budget_bytes)
+                               offload.activation_budget_bytes,
+                               reserve=reserve_bytes(getattr(args, "memory_reserve", None),
+                                                     node.gpu_memory_bytes))
     budget = memory["activation_budget_bytes"]
     st = stage(shape, profile, node, m)
     ahead = offload.prefetch_layers
@@ -121,13 +124,21 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
     every = plan_stage(st, node, budget_bytes=budget, places=PLACES, keep_last_layers=keep_last,
                        prefetch_layers=ahead)
 
+    job_days = getattr(args, "job_days", None) or DEFAULT_JOB_DAYS
+
+    def feasible_on_node(p: TierPlan) -> Optional[str]:
+        life = lifespan(p, node)
+        return beyond_the_node(p.host_peak_bytes, p.staging_bytes, node.host_memory_bytes,
+                               life["rated_years"] * 365.25 if life else None, job_days)
+
     def fits(mode: str):
         def check(b: int) -> bool:
             sized = shape.replace(micro_batch=b)
-            if mode == "planned":
+            if mode == "planned":  # and on the node: host memory, staging, the drives' life
                 sized_stage = stage(sized, profile, node, m)
-                return tier_summary(plan_policy(sized_stage, node, policy, places, budget, offload),
-                                    sized_stage, budget)["fits_budget"]
+                sized_plan = plan_policy(sized_stage, node, policy, places, budget, offload)
+                return tier_summary(sized_plan, sized_stage, budget)["fits_budget"] \
+                    and feasible_on_node(sized_plan) is None
             if mode == "recompute":
                 return full_recompute_fits(stage(sized, profile, node, m), budget)
             return peak_activation_bytes(sized, "keep", profile) <= budget
@@ -171,6 +182,8 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
         "memory": memory,
         "largest_micro_batch": {mode: largest_micro_batch(fits(mode))
                                 for mode in ("keep", "planned", "recompute")},
+        "job_days": job_days,
+        "beyond_the_node": feasible_on_node(plan),
     }
     default = None
     if not choice.followed:  # what the node would choose, to say when it plans faster

@@ -17,7 +17,7 @@ from ...plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
 from ...plan.node import NodeProfile, profile_from_preset
 from ...plan.shape import ModelShape
 from ..cli_types import (PRESET_HELP, deprecated_alias, positive_float, preset_arg, size_with_unit,
-                         size_with_unit_or_fraction)
+                         size_with_unit_or_fraction, size_with_unit_zero_or_fraction)
 from .report import _bytes, _duration, print_plan
 
 PRESET_SECTIONS = ("model", "parallel", "offload", "node")
@@ -218,6 +218,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                         action=argparse.BooleanOptionalAction, default=None,
                         help="shard main params and Adam states over the data-parallel ranks "
                              "(default: the preset's parallel.distributed_optimizer)")
+    layout.add_argument("--memory-reserve", type=size_with_unit_zero_or_fraction, default=None,
+                        metavar="SIZE|FRACTION",
+                        help="GPU memory no plan uses, per GPU: the CUDA context, NCCL and "
+                             "fragmentation; a size (5GB, 0B) or a fraction of GPU memory "
+                             "(0.06); default 5GB (docs/models.md#does-the-job-fit)")
+    layout.add_argument("--job-days", type=positive_float, default=None, metavar="DAYS",
+                        help="the job's length, which the drives' rated life must cover for a "
+                             "micro-batch to count as runnable (default 30)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run_plan)
     return parser
@@ -310,6 +318,8 @@ def preset_node(path: str) -> Optional[NodeProfile]:
 def run_plan(args: argparse.Namespace) -> int:
     from .build import build_plan, node_for
     from .engine import given_fields
+    from .fit_answer import fit_line, refuse_unfit
+    from .headline import against_without_offload, headline
     from .job_size import job_size
 
     try:
@@ -320,6 +330,10 @@ def run_plan(args: argparse.Namespace) -> int:
                    if getattr(args, flag, None) is not None}
         shape = shape.replace(**changes)
         node, source = node_for(args, preset_node(args.config))
+        # fit first (plan/fit.py): a job that does not fit says so, and what would, before a plan
+        unfit = None if args.search else refuse_unfit(shape, args, node)
+        if unfit is not None:
+            return unfit
         size = job_size(shape, args, node, search=args.search)
     except ValueError as exc:
         return _error("plan", str(exc))
@@ -332,8 +346,13 @@ def run_plan(args: argparse.Namespace) -> int:
     given = given_fields(args, (_preset_data(args.config).get("offload") or {}).keys())
     result = build_plan(shape, offload, args, node, source, given=given)
     result.update(gpus=size.gpus, global_batch=size.global_batch, assumed=size.assumed)
+    result["fit"] = fit_line(shape, args, node, size.num_micro_batches)
+    # the headline: against the best that runs without offload on these GPUs (headline.py)
+    result["without_offload"] = against_without_offload(shape, args, node, result,
+                                                         offload.keep_last_layers)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print_plan(shape, result, size.describe(shape.seq_len))
+    print_plan(shape, result, size.describe(shape.seq_len),
+               first=f"{result['fit']}; {headline(result['without_offload'])}")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from ...plan.shape import ModelShape
+from .headline import assumptions, keep_words
 
 
 def _bytes(n: float) -> str:
@@ -39,14 +40,15 @@ def header(shape: ModelShape, config: str) -> str:
                if shape.num_experts is not None else ""))
 
 
-def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "") -> None:
+def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str = "") -> None:
     """The plan as aligned lines; ``job``: the GPUs and global batch planned (and what was
-    assumed), at the end of the first line."""
+    assumed), at the end of the first line; ``first``: whether the job fits, at its start."""
     from ...plan.node import NodeProfile
 
     node = NodeProfile(**{k: r["node"][k] for k in NodeProfile.FIELDS})
-    print(header(shape, r["config"]) + (f"; {job}" if job else ""))
-    print(f"node {node.describe()} ({r['node_source']})")
+    print((f"{first}; " if first else "") + header(shape, r["config"]) + (f"; {job}" if job else ""))
+    print(f"node {node.describe()} ({r['node_source']})"
+          + (f"; {assumptions(r)}" if "memory" in r else ""))
     print(f"policy {r['policy']}, engine {r['engine']}: places " + ", ".join(r["places"]))
     print(r["engine_choice"]["reason"])
     print(f"{'layer':>5}  {'bytes':>18}  place   (layers numbered from 1, as Megatron does)")
@@ -62,7 +64,10 @@ def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "") -> None:
     rows += memory_rows(r)
     every = r["every_place"]
     if list(r["places"]) != list(every["places"]):
-        flags = (["--engine tiered"] if r["engine"] != "tiered" else []) \
+        # the every-place plan is the adaptive policy's: offload (every layer out) and keep
+        # (none) do not reach it whatever the places
+        flags = (["--policy adaptive"] if r["policy"] != "adaptive" else []) \
+            + (["--engine tiered"] if r["engine"] != "tiered" else []) \
             + (["--recompute-fallback"] if not r["recompute_fallback"] else [])
         rows.append(("all four places", f"{every['iteration_s']:.4f} s per iteration "
                      f"(x{every['vs_keep']:.3f} keep), binding {every['binding']}: "
@@ -90,7 +95,8 @@ def tier_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
         ("iteration time (model)", f"{r['iteration_s']:.4f} s {r['iteration_label']}, "
                                    f"{r['num_micro_batches']} micro-batch(es); stall "
                                    f"{r['stall_s']:.4f} s, recompute {r['recompute_s']:.4f} s"),
-        ("against keep and recompute", f"x{r['vs_keep']:.3f} keep ({r['keep_iteration_s']:.4f} s), "
+        ("against keep and recompute", f"x{r['vs_keep']:.3f} {keep_words(r)} "
+                                       f"({r['keep_iteration_s']:.4f} s), "
                                        f"x{r['vs_recompute']:.3f} full recompute "
                                        f"({r['recompute_iteration_s']:.4f} s)"),
         ("peak activations per GPU", f"{_gb(r['peak_bytes'])} of a {_gb(r['budget_bytes'])} budget"
@@ -105,8 +111,10 @@ def staging_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
     """The pinned host staging the SSD tier needs on a GPU, against the default (none when
     nothing goes to the drives)."""
     need, default = r["staging_bytes"], r["staging_default_bytes"]
-    if not need:
-        return []
+    if not need:  # the offloader pins its pool on a GPU whatever the engine
+        return [("pinned staging per GPU", f"{_gb(default)} pinned at start (pinned_staging_bytes, "
+                                           "twice max_inflight_bytes unless set); this plan's "
+                                           "drives need none of it")]
     verdict = "the default holds it" if need <= default else \
         f"more than the default {_gb(default)}: set --ssd-offload-pinned-staging-bytes"
     return [("pinned staging per GPU", f"{_gb(need)}: what the drives have not taken yet when the forward "
@@ -135,11 +143,16 @@ def memory_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
     rows = [("model state per GPU", f"{state['bytes'] / 1e9:.1f} GB: {state['dense_parameters']:,} "
              f"dense + {state['expert_parameters']:,} expert parameters x {per_param} (dp="
              f"{model['dp']}, distributed optimizer {'on' if model['distributed_optimizer'] else 'off'})"),
+            ("reserve per GPU", f"{m.get('reserve_bytes', 0) / 1e9:.1f} GB for the CUDA context, "
+             "NCCL and fragmentation (--memory-reserve)"),
             ("activation budget", f"{budget / 1e9:.1f} GB ({m['activation_budget_source']}); "
              f"GPU {m['gpu_memory_bytes'] / 1e9:g} GB"
              + ("" if m["fits"] else ": MODEL STATE AND BUDGET EXCEED THE GPU'S MEMORY"))]
     best = r["largest_micro_batch"]
     rows.append((f"largest micro-batch in {budget / 1e9:.3g} GB",
                  f"keep {best['keep']}, this plan {best['planned']}, full recompute "
-                 f"{best['recompute']}"))
+                 f"{best['recompute']} (this plan's within host memory with its pinned staging "
+                 f"and drives rated for {r.get('job_days', 30):g} days: --job-days)"))
+    if r.get("beyond_the_node"):
+        rows.append(("NOT RUNNABLE ON THE NODE", r["beyond_the_node"]))
     return rows

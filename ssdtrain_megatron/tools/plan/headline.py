@@ -1,0 +1,74 @@
+"""``ssdtrain plan``'s headline: this plan against the best that runs without offload on the
+same GPUs at the same global batch (the library's plan/baseline.py), in tokens/s per GPU.
+
+"x1.000 keep" says how the plan compares with keeping every activation in this layout; when
+keep does not fit that layout's activation budget it is no run anyone can make, so the
+headline's gain is over the best plan that does fit without offload (keep at the largest
+micro-batch that fits, per-layer, selective or full recompute, another layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Dict, Optional
+
+from ...plan.baseline import best_without_offload, describe
+from ...plan.node import NodeProfile
+from ...plan.shape import ModelShape
+from .fit_answer import reserve_of
+
+
+def against_without_offload(shape: ModelShape, args: argparse.Namespace, node: NodeProfile,
+                            result: Dict[str, Any], keep_last_layers: int) -> Dict[str, Any]:
+    """The JSON-ready comparison: this plan's tokens/s per GPU, the best without offload's
+    (None where nothing fits without it) and the gain."""
+    gpus, global_batch = result["gpus"], result["global_batch"]
+    mine = global_batch * shape.seq_len / result["iteration_s"] / gpus
+    best = best_without_offload(shape, gpus, global_batch, node,
+                                keep_last_layers=keep_last_layers, reserve=reserve_of(args, node))
+    keep_fits = result["largest_micro_batch"]["keep"] >= shape.micro_batch
+    return {"tokens_per_s_per_gpu": mine, "keep_fits": keep_fits,
+            "best": None if best is None else {
+                "layout": describe(best), "tp": best.shape.tp, "pp": best.shape.pp,
+                "cp": best.shape.cp, "dp": best.shape.dp, "micro_batch": best.shape.micro_batch,
+                "recompute": best.shape.recompute, "iteration_s": best.plan.iteration_s,
+                "tokens_per_s_per_gpu": best.tokens_per_s_per_gpu},
+            "gain": None if best is None else mine / best.tokens_per_s_per_gpu}
+
+
+def headline(against: Dict[str, Any]) -> str:
+    """'x1.012 the best without offload (TP4 PP8 DP2, b=1, keep: 764 tokens/s per GPU; this
+    plan 773)', or that nothing fits without offload."""
+    mine = against["tokens_per_s_per_gpu"]
+    best: Optional[Dict[str, Any]] = against["best"]
+    if best is None:
+        return (f"{mine:,.0f} tokens/s per GPU; nothing fits these GPUs and this global batch "
+                "without offload")
+    return (f"x{against['gain']:.3f} the best without offload ({best['layout']}: "
+            f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; this plan {mine:,.0f})")
+
+
+def assumptions(r: Dict[str, Any]) -> str:
+    """The assumptions that move the answer, in the plan's first lines (docs/models.md, "The
+    model's terms"): each one a user can check against their node or replace."""
+    node = r["node"]
+    reserve = r["memory"].get("reserve_bytes", 0) / 1e9
+    return (f"assumed: {node['gpu_tflops']:g} TFLOP/s per GPU at every micro-batch (GEMM "
+            "efficiency by tokens is not modelled: --gpu-tflops or a measured profile replaces "
+            "it); attention FLOPs over the full s^2 square (causal flash attention does about "
+            "half: long sequences read slow); TP within one node's NVLink at "
+            f"{node['nvlink_gbps']:g} GB/s; the host link {node['host_link_gbps']:g} GB/s per GPU "
+            "with every GPU copying at once, the memory bus they share not checked; no "
+            "data-parallel or pipeline communication, no expert all-to-all, no virtual pipeline; "
+            f"a {reserve:.1f} GB reserve")
+
+
+def keep_words(r: Dict[str, Any]) -> str:
+    """What "x keep" is against: a keep that fits, or one that does not (no gain then)."""
+    if r.get("without_offload", {}).get("keep_fits", True):
+        return "keep"
+    return (f"a keep that does not fit (keep fits micro-batch {r['largest_micro_batch']['keep']} "
+            "at most): no gain")
+
+
+__all__ = ["against_without_offload", "assumptions", "headline", "keep_words"]
