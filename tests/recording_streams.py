@@ -28,9 +28,11 @@ their stream runs them. An event is done only once its stream has run to its rec
 first. The default stream and a stream a test names (``new_stream(device, "compute")``) are
 *eager*: the tests' kernels run on the host when they are issued, so such a stream has always
 run everything it was given, and its ``wait_event`` runs the waited-for stream up to the
-record point before it returns. ``Recorder.alloc`` models CUDA's caching allocator
-(tests/stand_in_allocator.py): one pool per stream, ``record_stream`` honoured, reserved and
-allocated bytes reported; ``poison=True`` overwrites each freed block.
+record point before it returns; a test kernel (``kernel``) is refused on a deferred stream,
+whose waits would not have run when the test's torch code reads the bytes. ``Recorder.alloc``
+models CUDA's caching allocator (tests/stand_in_allocator.py): one pool per stream,
+``record_stream`` honoured, reserved and allocated bytes reported; ``poison=True`` overwrites
+each freed block.
 
 Stream capture (CUDA graphs), as CUDA defines it for ``capture_error_mode="global"``:
 between ``begin_capture()`` and ``end_capture()`` the calling thread captures (``capturing()``
@@ -364,10 +366,18 @@ class Recorder(StreamOps):
 
     def kernel(self, kind: str, t: torch.Tensor) -> Node:
         """A kernel of the model (``produce``/``consume``) on the current stream, touching
-        ``t``'s bytes."""
+        ``t``'s bytes. On the stand-in the test's torch code touches those bytes on the host
+        when it runs, so the stream must be eager (the default, or one a test names): on a
+        deferred one, a consumer would read a restored tensor before its stream's wait for the
+        reload copy ran, wrong bytes that no ordering check can name."""
+        stream = self.current_stream(t.device)
+        if self.inner is None and not stream.eager:
+            raise AssertionError(f"stand-in: a test kernel ({kind}) on the deferred stream {stream.name} "
+                                 f"runs on the host before that stream's queued waits; name the stream "
+                                 f"(new_stream(device, name)) so that it is eager")
         if kind == "produce":
             self._delay()
-        return self._stream_op(self.current_stream(t.device), kind, ptr=_range(t))
+        return self._stream_op(stream, kind, ptr=_range(t))
 
     def host(self, kind: str, **tags) -> Node:
         """A host operation of the calling thread. A submission to the engine (``submit_*``,

@@ -92,7 +92,12 @@ def _side_stream_scene(tmp_path, engine: str, **kw):
     eng = ClosingLogged(make_engine(config), rec)
     off = ActivationOffloader(config, device=torch.device("cpu"), engine=eng, streams=rec)
     rec.unobserved.add(off.copy.reload_stream.name)
-    side = off.copy.ops.new_stream(torch.device("cpu"))
+    # Named, so eager (tests/recording_streams.py): the backward's kernels run on the host when
+    # autograd calls them, so the stream they are issued on must have run its waits by then.
+    # Left deferred, the host read a restored tensor before the side stream's wait (and so the
+    # reload copy into it) ran: wrong gradients with every ordering check passing, a fault of
+    # this scene, not of the data path.
+    side = off.copy.ops.new_stream(torch.device("cpu"), "side")
     grads = []
     x, loss = _forward(off, rec, 0)
     off.wait_writes()
@@ -161,7 +166,7 @@ def test_close_synchronises_the_streams_before_the_engine_lets_its_pool_go(tmp_p
     off = ActivationOffloader(config, device=torch.device("cpu"), engine=eng, streams=rec)
     rec.unobserved.add(off.copy.reload_stream.name)
     pool = _range(eng.inner._pool)
-    side = off.copy.ops.new_stream(torch.device("cpu"))
+    side = off.copy.ops.new_stream(torch.device("cpu"), "side")  # eager: _side_stream_scene
     x, loss = _forward(off, rec, 0)
     off.wait_writes()
     with rec.use(side):
