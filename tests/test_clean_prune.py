@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 
 import pytest
 
@@ -20,6 +18,7 @@ from ssdtrain_megatron.io import Identity
 from ssdtrain_megatron.io.layout import rank_dir_name
 from ssdtrain_megatron.io.owner import boot_id
 from ssdtrain_megatron.tools.clean import add_clean_parser
+from tests.throwaway_users import throwaway_user
 
 HOST = Identity.detect("x").hostname
 
@@ -34,17 +33,8 @@ def _clean_cli(argv):
 @pytest.fixture
 def alice():
     """A throwaway user's uid where we are root (removed afterwards); our own uid otherwise."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        yield os.getuid()
-        return
-    name = f"ssda{os.getpid() % 100000}"
-    subprocess.run(["useradd", "-M", "-r", "-s", "/usr/sbin/nologin", name], check=True, capture_output=True)
-    try:
-        import pwd
-
-        yield pwd.getpwnam(name).pw_uid
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
+    with throwaway_user("ssda") as uid:
+        yield os.getuid() if uid is None else uid
 
 
 def _dead_job_dir(folder, job, uid):

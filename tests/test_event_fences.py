@@ -27,27 +27,8 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.cache.device_copy import DeviceCopy
 from ssdtrain_megatron.io import make_engine
 from tests.recording_streams import Recorder, _range, overlaps
+from tests.test_memory_tier_direct import COLS, LAYERS, NBYTES, ROWS, Saves
 from tests.test_staging_race import Logged, check_staging_reuse
-
-ROWS, COLS, LAYERS = 64, 256, 3
-NBYTES = ROWS * COLS * 4
-
-
-class Saves(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, rec):
-        y = torch.tanh(x)
-        rec.kernel("produce", y)
-        ctx.save_for_backward(y)
-        ctx.rec = rec
-        return y * 1
-
-    @staticmethod
-    def backward(ctx, g):
-        (s,) = ctx.saved_tensors
-        ctx.rec.kernel("consume", s)
-        return g * (1 - s * s), None
-
 
 class ClosingLogged(Logged):
     """A logged engine whose ``close`` is logged once it returned (its pinned pool is gone)."""

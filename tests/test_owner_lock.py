@@ -33,6 +33,7 @@ from ssdtrain_megatron.io import Identity, make_engine, owner
 from ssdtrain_megatron.io.clean import LIVE, STALE, UNKNOWN, clean_root, scan_root, sweep_before_start
 from ssdtrain_megatron.io.layout import rank_dir_name
 from ssdtrain_megatron.tools.clean import add_clean_parser
+from tests.throwaway_users import throwaway_user
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = Identity.detect("x").hostname
@@ -217,17 +218,8 @@ def test_a_bad_owner_record_is_unknown_never_a_crash(tmp_path, name, other_user,
 @pytest.fixture
 def other_user():
     """A throwaway user's uid where we are root (removed afterwards); None otherwise."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        yield None
-        return
-    name = f"ssdt{os.getpid() % 100000}"
-    subprocess.run(["useradd", "-M", "-r", "-s", "/usr/sbin/nologin", name], check=True, capture_output=True)
-    try:
-        import pwd
-
-        yield pwd.getpwnam(name).pw_uid
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
+    with throwaway_user("ssdt") as uid:
+        yield uid
 
 
 # -- another pid namespace (a container) ------------------------------------------------------
