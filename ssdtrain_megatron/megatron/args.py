@@ -102,6 +102,17 @@ def _preset(path: str) -> str:
     return path
 
 
+def _node(value: str) -> str:
+    """``--ssd-offload-node``: a built-in node profile's name or a profile file, once it loads."""
+    from ..plan.node import load_profile
+
+    try:
+        load_profile(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 # -- the group ------------------------------------------------------------------------------
 
 
@@ -132,6 +143,12 @@ def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="a preset name (llama3-70b: configs/llama3-70b.yaml) or a YAML "
                             "file; its offload: section sets the defaults that the other "
                             "--ssd-offload-* flags override.")
+    group.add_argument("--ssd-offload-node", type=_node, default=None, metavar="NAME|PATH",
+                       help="the node the job's settings are planned for (engine, policy, host "
+                            "pool, places per layer): a built-in profile (dgx-h100, gh200, ...) "
+                            "or a file `ssdtrain doctor --node-profile` wrote; default: the "
+                            "preset's node: section, else dgx-h100. Its host memory is what is "
+                            "free on the node at the start.")
     for field in dataclasses.fields(OffloadConfig):
         kwargs = _argument(field, getattr(defaults, field.name))
         group.add_argument(flag_for(field.name), **kwargs)
@@ -270,6 +287,8 @@ def explicit_fields(args: argparse.Namespace) -> Dict[str, Any]:
 def given_flags(args: argparse.Namespace) -> List[str]:
     """Every --ssd-offload-* knob given on the command line (not --ssd-offload itself)."""
     flags = [flag_for(name) for name in explicit_fields(args)]
+    if getattr(args, "ssd_offload_node", None) is not None:
+        flags.insert(0, "--ssd-offload-node")
     if getattr(args, "ssd_offload_config", None) is not None:
         flags.insert(0, "--ssd-offload-config")
     return flags
