@@ -28,7 +28,7 @@ from ..config import OffloadConfig
 from ..plan.engine_choice import USABLE_FRACTION
 from ..plan.job import Job, JobError, Settings, job_settings
 from ..plan.node import DEFAULT_NODE, NodeProfile, load_profile
-from ..plan.preset_file import PresetFile, read_preset
+from ..plan.preset_file import PresetFile, preset_of
 from ..plan.shape import ModelShape
 from .args import explicit_fields, flag_for
 from .host_memory import HostMemory
@@ -207,7 +207,7 @@ def job_from_args(args: argparse.Namespace, megatron: argparse.Namespace,
         JobError, ValueError: the preset's model or node, or the layout (one line).
     """
     path = getattr(args, "ssd_offload_config", None)
-    preset = read_preset(path) if path else None
+    preset = preset_of(path) if path else None
     base = preset.config() if preset is not None else OffloadConfig()
     explicit = explicit_fields(args)
     config = base.replace(**explicit) if explicit else base

@@ -284,19 +284,18 @@ def space_problems(launch: Launch, ranks: Sequence[Identity],
 
 
 def disk_peak_bytes(launch: Launch) -> int:
-    """What one rank keeps on its drives at the peak of a step: every offloaded byte of the
-    first stage (plan/model.py ``peak_disk_bytes``), less, with the tiered engine, what its
-    host pool takes, and never less than the plan's SSD layers for every micro-batch the stage
-    holds at once (the layers it keeps, puts in host memory or recomputes take no drive)."""
+    """What one rank keeps on its drives at the peak of a step. The tiered engine places each
+    layer where the plan says (plan/job.py): the plan's SSD layers for every micro-batch the
+    first stage holds at once; what it keeps, puts in host memory or recomputes takes no drive.
+    The other engines write every offloaded byte (plan/model.py ``peak_disk_bytes``)."""
     settings, config = launch.settings, launch.config
-    per_rank = peak_disk_bytes(launch.shape, config.keep_last_layers)
-    if config.engine != "tiered":
-        return per_rank
-    per_rank = max(per_rank - config.host_memory_bytes, 0)
-    if settings is not None and settings.plan is not None and settings.stage is not None:
+    if config.engine == "tiered" and settings is not None and settings.plan is not None:
         st = settings.stage
         ssd_layers = max(row.count(SSD) for row in settings.plan.decisions)
-        per_rank = max(per_rank, ssd_layers * st.layer_bytes * st.positions[0].live)
+        return ssd_layers * st.layer_bytes * st.positions[0].live
+    per_rank = peak_disk_bytes(launch.shape, config.keep_last_layers)
+    if config.engine == "tiered":  # no plan: the host pool takes the first bytes
+        per_rank = max(per_rank - config.host_memory_bytes, 0)
     return per_rank
 
 

@@ -335,7 +335,7 @@ def launcher_job(args: argparse.Namespace):
     from ...megatron.follow_node import job_from_args, megatron_namespace
     from ...megatron.preflight import parse_flags
     from ...plan.node import load_profile
-    from ...plan.preset_file import read_preset as read
+    from ...plan.preset_file import preset_of
     from .build import node_for
 
     flags = parse_flags(args.launch_args)
@@ -343,7 +343,7 @@ def launcher_job(args: argparse.Namespace):
         raise ValueError("the arguments after -- have no --ssd-offload: nothing is offloaded")
     if args.config is not None and flags.ssd_offload_config is None:
         flags.ssd_offload_config = args.config
-    preset = read(flags.ssd_offload_config) if flags.ssd_offload_config else None
+    preset = preset_of(flags.ssd_offload_config) if flags.ssd_offload_config else None
     if args.node is not None:
         base = None  # node_for takes --node
     elif flags.ssd_offload_node is not None:
