@@ -56,15 +56,16 @@ class PresetFile:
         """The OffloadConfig fields the preset sets."""
         return tuple(str(k) for k in self.offload) if isinstance(self.offload, dict) else ()
 
-    def config(self) -> Any:
-        """The OffloadConfig of the ``offload:`` section.
+    def config(self, source: Optional[str] = None) -> Any:
+        """The OffloadConfig of the ``offload:`` section (``source``: how its messages name it;
+        default the file).
 
         Raises:
             ConfigError: an unknown key or invalid value (the message names the file and key).
         """
         from ..config import OffloadConfig
 
-        return OffloadConfig.from_dict(self.offload, source=str(self.path))
+        return OffloadConfig.from_dict(self.offload, source=source or str(self.path))
 
 
 def read_preset(path: str, strict: bool = False) -> PresetFile:

@@ -273,7 +273,7 @@ def read_preset(path: str) -> Tuple[ModelShape, Any]:
 
     preset = read(path, strict=True)
     try:
-        return preset.shape(), preset.config()
+        return preset.shape(), preset.config(source="offload")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}") from None
 
@@ -297,10 +297,10 @@ def plan_job(args: argparse.Namespace):
 
     preset = read(args.config, strict=True)
     try:
-        shape, offload = preset.shape(), preset.config()
-        node_section = preset.node_profile()
+        shape, offload = preset.shape(), preset.config(source="offload")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{args.config}: {exc}") from None
+    node_section = preset.node_profile()  # its messages name the file
     changes = {name: getattr(args, flag) for name, flag in
                (("micro_batch", "micro_batch"), ("dp", "dp"),
                 ("distributed_optimizer", "distributed_optimizer"))
