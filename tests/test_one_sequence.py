@@ -206,3 +206,34 @@ def test_9_without_a_micro_batch_count_both_plan_the_pipelines_depth_and_say_so(
     assert main(["plan", "--config", "llama3-70b", "--micro-batch-size", "4", "--json"]) == 0
     own = json.loads(capsys.readouterr().out)
     assert own["settings"]["num_micro_batches"] == 4 and own["notes"] == out["notes"]
+
+
+@pytest.mark.parametrize("args, gpus, says", [
+    (["--ssd-offload-engine", "tiered", "--ssd-offload-host-memory-bytes", "200GB"], 64,
+     ("--ssd-offload-host-memory-bytes: a host pool of 200.0 GB is more than the 141.4 GB of "
+      "host memory per rank left after 8.6 GB of pinned staging", "at most 141.4 GB fits")),
+    (["--ssd-offload-engine", "memory", "--ssd-offload-pinned-staging-bytes", "160GB"], 64,
+     ("pinned staging of 160.0 GB (--ssd-offload-pinned-staging-bytes) leaves no host pool in "
+      "the 150.0 GB of host memory per rank", "at most 150.0 GB of staging fits")),
+    (["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4"], 48,
+     ("the world size 48 is not a multiple of --tensor-model-parallel-size 8 x "
+      "--pipeline-model-parallel-size 4 x --context-parallel-size 1 = 32: 32 GPUs would fit",)),
+])
+def test_a_job_that_cannot_run_is_refused_in_one_line_by_plan_and_preflight_alike(
+        capsys, monkeypatch, tmp_path, args, gpus, says):
+    """A pool larger than the host memory there is, staging that leaves no pool, a layout that
+    does not divide the GPUs: plan and the pre-flight refuse alike, naming the flag and what
+    would fit. Broken variant (plan/job.py's _check_host left out): plan exits 0."""
+    argv = ["--ssd-offload", "--ssd-offload-config", "llama3-70b", "--ssd-offload-dir",
+            str(tmp_path), "--micro-batch-size", "1", *args]
+    assert main(["plan", "--gpus", str(gpus), "--host-memory", "150GB", "--", *argv]) == 2
+    planned = capsys.readouterr().err.splitlines()
+    monkeypatch.setenv("SSDTRAIN_HOST_MEMORY_FREE", f"{free_for(150 * GB, 8)}B")
+    assert main(["doctor", "--preflight", "--nproc-per-node", "8", "--nnodes", str(gpus // 8),
+                 "--", *argv]) == 2
+    checked = capsys.readouterr().err.splitlines()
+    assert len(planned) == len(checked) == 1
+    assert planned[0].startswith("ssdtrain plan: error: ")
+    assert checked[0].startswith("ssdtrain doctor: error: node ")
+    for part in says:
+        assert part in planned[0] and part in checked[0], (part, planned, checked)
