@@ -141,9 +141,16 @@ def test_host_memory_takes_layers_the_greedy_alone_would_recompute(capsys):
     _prefer_prefix out: vs_keep 1.120, 15.3 GB recomputed per micro-batch."""
     from tests.test_plan_model import main as cli
 
-    assert cli(["plan", "--config", "mixtral-8x7b", "--num-microbatches", "8", "--micro-batch-size", "4",
-                "--engine", "tiered", "--policy", "adaptive", "--recompute-fallback", "--node", "dgx-h100",
-                "--activation-budget", "59936694272B", "--json"]) == 0  # GPU memory less the state
+    # As the job runs it (issue 57): the budget GPU memory less the model state leaves, and a
+    # read-ahead byte cap (max_inflight_bytes) of two layers: with the preset's 2 GiB, under
+    # one layer's 4 GB, the runtime reads host layers back one at a time and recompute wins.
+    assert cli(["plan", "--node", "dgx-h100", "--gpus", "64", "--json", "--", "--ssd-offload",
+                "--ssd-offload-config", "mixtral-8x7b", "--micro-batch-size", "4",
+                "--global-batch-size", "512", "--ssd-offload-engine", "tiered",
+                "--ssd-offload-policy", "adaptive", "--ssd-offload-recompute-fallback",
+                "--ssd-offload-activation-budget", "59936694272",
+                "--ssd-offload-max-inflight-bytes", "8GB"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tiers"]["recompute"] == 0 and out["tiers"]["host"] > 0, out["tiers"]
-    assert out["vs_keep"] < 1.01 and out["peak_bytes"] <= out["budget_bytes"], (out["vs_keep"], out["peak_bytes"])
+    # priced as the runtime reads ahead (not past a write under way): 1.034x keep
+    assert out["vs_keep"] < 1.05 and out["peak_bytes"] <= out["budget_bytes"], (out["vs_keep"], out["peak_bytes"])
