@@ -296,13 +296,6 @@ def given_flags(args: argparse.Namespace) -> List[str]:
     return flags
 
 
-def preset_fields(path: str) -> List[str]:
-    """The OffloadConfig fields a preset file sets (its ``offload:`` section's keys, or the
-    top-level ones of a file without that section, as ``OffloadConfig.from_yaml`` reads it)."""
-    data = OffloadConfig.yaml_section(path)
-    return [str(k) for k in data] if isinstance(data, dict) else []
-
-
 def given_fields(args: argparse.Namespace) -> Dict[str, str]:
     """{OffloadConfig field: who set it} for every field a flag or the preset sets: the flag
     (``--ssd-offload-engine``) wins over ``the preset``. The fields missing here keep their

@@ -52,8 +52,15 @@ FLAG_OF = {name: "--" + name.replace("_", "-") for name in SHAPE_ARGS}
 FLAG_OF.update(global_batch_size="--global-batch-size")
 
 
+class _MegatronFlags(argparse.ArgumentParser):
+    """Megatron's flags that shape the job; a bad value is a JobError, not an exit."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook: raise instead of exiting
+        raise JobError(message)
+
+
 def _megatron_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = _MegatronFlags(add_help=False, allow_abbrev=False)
     for name in SHAPE_ARGS:
         if name in ("sequence_parallel", "use_distributed_optimizer"):
             parser.add_argument(FLAG_OF[name], dest=name, action="store_true", default=None)
@@ -83,9 +90,7 @@ def megatron_namespace(argv: Sequence[str], world_size: Optional[int]) -> argpar
     Raises:
         JobError: a Megatron flag's value is not what Megatron takes (one line naming it).
     """
-    parser = _megatron_parser()
-    parser.error = lambda message: (_ for _ in ()).throw(JobError(message))  # type: ignore
-    ns, _ = parser.parse_known_args(list(argv))
+    ns, _ = _megatron_parser().parse_known_args(list(argv))
     if ns.num_layers is not None:
         for name, value in LAYOUT_DEFAULTS.items():
             if getattr(ns, name) is None:
