@@ -52,12 +52,12 @@ def test_group_has_the_named_flags_and_one_flag_per_remaining_field():
     assert named <= flags
     for f in dataclasses.fields(OffloadConfig):
         assert flag_for(f.name) in flags, f.name
-    # Exactly: --ssd-offload, --ssd-offload-config, one per field, and --no- forms of booleans,
+    # Exactly: --ssd-offload, --ssd-offload-config, --ssd-offload-node, one per field, and --no- forms of booleans,
     # plus the hidden deprecated spellings (an old on/off switch has a --no- form too).
     booleans = [f.name for f in dataclasses.fields(OffloadConfig) if f.type in (bool, "bool")]
     old = [n for f in dataclasses.fields(OffloadConfig) for n in f.metadata["deprecated_flags"]]
     switches = [f.name for f in dataclasses.fields(OffloadConfig) if f.metadata["deprecated_switch"]]
-    assert len(flags) == 2 + len(dataclasses.fields(OffloadConfig)) + len(booleans) + len(old) \
+    assert len(flags) == 3 + len(dataclasses.fields(OffloadConfig)) + len(booleans) + len(old) \
         + 2 * len(switches)
 
 

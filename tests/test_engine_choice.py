@@ -226,8 +226,12 @@ def test_without_a_preset_the_model_megatron_trains_is_planned():
     import argparse
 
     from ssdtrain_megatron.megatron.args import add_ssd_offload_args
-    from ssdtrain_megatron.megatron.follow_node import job_settings
+    from ssdtrain_megatron.megatron.follow_node import settings_from_args
     from ssdtrain_megatron.plan.model import ModelShape, SaveProfile, layer_activation_bytes
+
+    def job_settings(args, host):
+        settings = settings_from_args(args, host)
+        return settings.config, settings.choice
 
     parser = add_ssd_offload_args(argparse.ArgumentParser())
     args = parser.parse_args(["--ssd-offload"])
@@ -247,9 +251,10 @@ def test_without_a_preset_the_model_megatron_trains_is_planned():
 
 
 def test_where_host_memory_cannot_be_measured_posix_runs_and_says_so():
-    from ssdtrain_megatron.megatron.follow_node import follow_node
+    from ssdtrain_megatron.plan.job import Job, job_settings
 
-    config, choice = follow_node(OffloadConfig(), {}, None, load_profile("dgx-h100"), None)
+    settings = job_settings(Job(OffloadConfig(), {}, None, load_profile("dgx-h100"), None))
+    config, choice = settings.config, settings.choice
     assert config == OffloadConfig() and choice.engine == "posix"
     assert choice.reason == ("engine posix: host memory cannot be measured here (no "
                              "/proc/meminfo); --ssd-offload-engine tiered uses it")

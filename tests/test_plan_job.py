@@ -70,8 +70,8 @@ def test_a_node_without_host_memory_plans_posix_and_says_why(capsys):
     out = _json(capsys, *ISSUE, "--host-memory", "1GB")
     assert (out["engine"], out["places"]) == ("posix", ["keep", "ssd", "recompute"])
     assert out["engine_choice"]["reason"] == (
-        "engine posix: 1.0 GB host memory per GPU (dgx-h100), 1.0 GB per rank for offload, less "
-        "than one layer's activations (1.1 GB)")
+        "engine posix: 1.0 GB host memory per GPU (dgx-h100), 0 B per rank for offload, less "
+        "than one layer's activations (1.1 GB)")  # the 2.1 GB of pinned staging comes first
 
 
 def test_search_ranks_layouts_at_the_global_batch_and_gpus_given(capsys):

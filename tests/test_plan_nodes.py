@@ -55,8 +55,10 @@ def test_every_preset_on_every_node_stays_within_its_tiers(capsys, preset):
             assert "NVLink domain" in capsys.readouterr().out.splitlines()[0]
             continue
         for extra, kind in (((), "preset"),
+                            # adaptive places within a budget (without one it keeps: issue 57)
                             (("--policy", "adaptive", "--engine", "tiered", "--recompute-fallback",
-                              "--micro-batch-size", "4"), "all places, b=4")):
+                              "--micro-batch-size", "4", "--activation-budget", "0.4"),
+                             "all places, b=4")):
             out = _plan(capsys, "--config", preset, "--node", node, "--num-microbatches", "8",
                         *extra)
             _check(out, f"{preset} on {node}, {kind}")

@@ -90,7 +90,9 @@ def test_plan_prints_a_table(capsys, preset):
                  "--memory-budget-gb", "0.01", "--ssd-tbw", "600"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[3] == "engine posix: named by the preset (posix)"
-    assert lines[4:9] == [
+    assert lines[4].startswith("the job runs: engine posix, policy offload, ")
+    assert lines[5].startswith("note: micro-batches per iteration not given: planned with 1")
+    assert lines[6:11] == [
         "layer               bytes  place   (layers numbered from 1, as Megatron does)",
         "    1             180,224  ssd",
         "    2             180,224  ssd",
@@ -127,7 +129,8 @@ def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, pre
         text = fh.read()
     with open(preset, "w") as fh:
         fh.write(text.replace("offload:\n", "offload:\n  prefetch_layers: 5\n", 1))
-    out = plan_json(capsys, preset, "--policy", "adaptive", "--ssd-gbps", "0.01")
+    out = plan_json(capsys, preset, "--policy", "adaptive", "--ssd-gbps", "0.01",
+                    "--activation-budget", "0.3")
     assert out["prefetch_layers"] == 5
     assert seen and set(seen) == {5}, f"planned with {sorted(set(seen))}"
 
@@ -140,9 +143,16 @@ def test_host_memory_takes_layers_the_greedy_alone_would_recompute(capsys):
     _prefer_prefix out: vs_keep 1.120, 15.3 GB recomputed per micro-batch."""
     from tests.test_plan_model import main as cli
 
-    assert cli(["plan", "--config", "mixtral-8x7b", "--num-microbatches", "8", "--micro-batch-size", "4",
-                "--engine", "tiered", "--policy", "adaptive", "--recompute-fallback", "--node", "dgx-h100",
-                "--json"]) == 0
+    # As the job runs it (issue 57): the budget GPU memory less the model state leaves, and a
+    # read-ahead byte cap (max_inflight_bytes) of two layers: with the preset's 2 GiB, under
+    # one layer's 4 GB, the runtime reads host layers back one at a time and recompute wins.
+    assert cli(["plan", "--node", "dgx-h100", "--gpus", "64", "--json", "--", "--ssd-offload",
+                "--ssd-offload-config", "mixtral-8x7b", "--micro-batch-size", "4",
+                "--global-batch-size", "512", "--ssd-offload-engine", "tiered",
+                "--ssd-offload-policy", "adaptive", "--ssd-offload-recompute-fallback",
+                "--ssd-offload-activation-budget", "59936694272",
+                "--ssd-offload-max-inflight-bytes", "8GB"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tiers"]["recompute"] == 0 and out["tiers"]["host"] > 0, out["tiers"]
-    assert out["vs_keep"] < 1.01 and out["peak_bytes"] <= out["budget_bytes"], (out["vs_keep"], out["peak_bytes"])
+    # priced as the runtime reads ahead (not past a write under way): 1.034x keep
+    assert out["vs_keep"] < 1.05 and out["peak_bytes"] <= out["budget_bytes"], (out["vs_keep"], out["peak_bytes"])

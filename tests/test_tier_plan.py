@@ -154,27 +154,29 @@ def test_empty_layers_or_positions_are_refused():
 def test_a_write_still_under_way_when_backward_comes_is_forwarded_not_read():
     """No budget, drives at 25 B/s (4 s per layer each way), three layers to the SSD: the forward
     ends at 4 s with all 300 bytes still being written (resident: the peak counts them; writes
-    end at 5, 9 and 13 s). A layer's read takes 4 s against 2 s of a layer's backward, so the
-    runtime reads three layers ahead (by time, plan/readahead.py): at the backward's start (4 s)
-    it asks for layers 2 and 1, and for layer 0 as backward enters layer 3 (still 4 s): all
-    three still being written, so all are forwarded from memory and backward uses them at once
-    while their writes go on (cache/transfers.py materialize waits only for reads): nothing is
-    read back, nothing stalls. Broken variant (every layer read back after its write):
-    ssd_read_bytes 300, stall 15 s."""
+    end at 5, 9 and 13 s). Read-ahead stops at a layer whose write is under way, as the
+    runtime's does (cache/reads.py, issue 57): at the backward's start (4 s) layer 2 is still
+    being written, so nothing is read ahead; backward wants layer 2 at 6 s and layer 1 at 8 s,
+    both still being written: forwarded from memory, used at once while their writes go on.
+    Layer 0 (written at 5 s) is read as backward enters layer 1 (8 s), behind the drive's last
+    write (13 s): 4 s of read, backward waits from 10 s to 17 s. Broken variants: every layer
+    read back after its write: ssd_read_bytes 300, stall 15 s; read-ahead taking a layer whose
+    write runs (as before issue 57): ssd_read_bytes 0, stall 0."""
     slow = tiers(budget_bytes=None, ssd_write_bps=25.0, ssd_read_bps=25.0)
     cost = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, slow)
-    assert (cost.ssd_bytes, cost.ssd_read_bytes, cost.lagging_bytes) == (300, 0, 300)
-    assert cost.stall_s == pytest.approx(0.0, abs=1e-3)
-    # With reads as fast as a layer's backward (2 s each at 50 B/s), two layers ahead: layer 0
-    # is asked for as backward enters layer 2 (6 s), written by then (its write ended at 3 s),
-    # and read back (6-8 s) before backward reaches it at 10 s.
+    assert (cost.ssd_bytes, cost.ssd_read_bytes, cost.lagging_bytes) == (300, 100, 300)
+    assert cost.stall_s == pytest.approx(7.0, abs=1e-3)
+    # With reads as fast as a layer's backward (2 s each at 50 B/s; writes end at 3, 5, 7 s):
+    # layer 2 is still being written when backward wants it (6 s): forwarded; layers 1 and 0
+    # are read ahead then (7-9 s and 9-11 s behind the last write), and backward waits 1 s
+    # for layer 1.
     quick = timeline(LAYERS, (SSD, SSD, SSD, KEEP), 0.0, tiers(budget_bytes=None, ssd_write_bps=50.0,
                                                                ssd_read_bps=50.0))
-    assert quick.ssd_read_bytes == 100 and quick.stall_s == pytest.approx(0.0, abs=1e-3)
+    assert quick.ssd_read_bytes == 200 and quick.stall_s == pytest.approx(1.0, abs=1e-3)
     plan = plan_tiers(LAYERS, ONE, slow)
     assert plan.decisions == ((KEEP,) * 4,)  # no budget: nothing moves
     priced = price(LAYERS, ONE, slow, [(SSD, SSD, SSD, KEEP)])
-    assert priced.peak_bytes == 400 and priced.ssd_read_bytes == 0
+    assert priced.peak_bytes == 400 and priced.ssd_read_bytes == 100
 
 
 def test_under_a_budget_the_forward_waits_for_writes_instead_of_exceeding_it():
@@ -222,3 +224,24 @@ def test_staging_is_what_the_drives_have_not_taken_when_the_forward_ends_plus_th
     plan = price(LAYERS, [Position(live=live)], tiers(ssd_write_bps=write_bps, budget_bytes=None),
                  [[SSD, SSD, SSD, KEEP]])
     assert plan.staging_bytes == expected
+
+
+def test_reads_ahead_stay_within_the_runtimes_byte_cap_and_staging_follows_the_window():
+    """Drives at 50 B/s both ways, writes done long before backward (a 100 s gap): a layer's
+    read (2 s) is as long as its backward, so the runtime reads ahead by time past
+    prefetch_layers 1 (plan/readahead.py: a read a little over a backward, so three layers). With max_inflight_bytes of one layer
+    (100 B) one read is ahead at a time, and backward waits for each; staging holds the reads
+    of the window the runtime opens, within that cap (issue 57). Broken variants: the byte cap
+    ignored in tier_costs.ask: the same stall as without it (4 s); staging by prefetch_layers:
+    200 bytes, not 400."""
+    drive = dict(budget_bytes=None, ssd_write_bps=50.0, ssd_read_bps=50.0, prefetch_layers=1)
+    row = (SSD, SSD, SSD, KEEP)
+    free = timeline(LAYERS, row, 100.0, tiers(**drive))
+    capped = timeline(LAYERS, row, 100.0, tiers(**drive, max_inflight_bytes=100))
+    assert free.ssd_read_bytes == capped.ssd_read_bytes == 300
+    assert capped.stall_s > free.stall_s
+    gap = [Position(gap_s=100.0)]
+    assert price(LAYERS, gap, tiers(**drive), [row]).staging_bytes == 100 + 3 * 100
+    assert price(LAYERS, gap, tiers(**drive, max_inflight_bytes=100), [row]).staging_bytes == 100 + 100
+    with pytest.raises(ValueError, match=r"^Tiers.max_inflight_bytes=0 is invalid"):
+        tiers(max_inflight_bytes=0)

@@ -80,9 +80,9 @@ def _validated(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 def _preset(path: str) -> str:
     """``--ssd-offload-config``: the file (a preset's name, ``llama3-70b``, finds
-    configs/llama3-70b.yaml), once its offload section has loaded and validated."""
-    import yaml
-
+    configs/llama3-70b.yaml), once its offload section has loaded and validated; the path
+    carries the file as read (plan/preset_file.PresetPath), so nothing reads it again."""
+    from ..plan.preset_file import PresetPath, read_preset
     from ..presets import UnknownPreset, resolve_preset
 
     try:
@@ -90,16 +90,27 @@ def _preset(path: str) -> str:
     except UnknownPreset as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     try:
-        OffloadConfig.from_yaml(path)
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(
-            f"cannot read {path!r}: {exc.strerror or exc}") from None
+        preset = read_preset(path)
+    except ValueError as exc:  # unreadable, or not YAML: one line
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    try:
+        preset.config()
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    except yaml.YAMLError as exc:  # several lines from the YAML parser: make it one
-        raise argparse.ArgumentTypeError(
-            f"{path!r} is not valid YAML: {' '.join(str(exc).split())}") from None
-    return path
+    carried = PresetPath(path)
+    carried.preset = preset
+    return carried
+
+
+def _node(value: str) -> str:
+    """``--ssd-offload-node``: a built-in node profile's name or a profile file, once it loads."""
+    from ..plan.node import load_profile
+
+    try:
+        load_profile(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 # -- the group ------------------------------------------------------------------------------
@@ -132,8 +143,15 @@ def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="a preset name (llama3-70b: configs/llama3-70b.yaml) or a YAML "
                             "file; its offload: section sets the defaults that the other "
                             "--ssd-offload-* flags override.")
+    group.add_argument("--ssd-offload-node", type=_node, default=None, metavar="NAME|PATH",
+                       help="the node the job's settings are planned for (engine, policy, host "
+                            "pool, places per layer): a built-in profile (dgx-h100, gh200, ...) "
+                            "or a file `ssdtrain doctor --node-profile` wrote; default: the "
+                            "preset's node: section, else dgx-h100. Its host memory is what is "
+                            "free on the node at the start.")
+    hints = typing.get_type_hints(OffloadConfig)  # once: resolving them is most of the build
     for field in dataclasses.fields(OffloadConfig):
-        kwargs = _argument(field, getattr(defaults, field.name))
+        kwargs = _argument(field, getattr(defaults, field.name), hints)
         group.add_argument(flag_for(field.name), **kwargs)
         for old in field.metadata.get("deprecated_flags", ()):
             group.add_argument(old, **dict(kwargs, help=argparse.SUPPRESS,
@@ -146,9 +164,10 @@ def add_ssd_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def _argument(field: dataclasses.Field, default: Any) -> Dict[str, Any]:
-    """The ``add_argument`` keywords of OffloadConfig field ``field``'s flag, from the field."""
-    parse, is_bool = field_type(field.name)
+def _argument(field: dataclasses.Field, default: Any, hints: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``add_argument`` keywords of OffloadConfig field ``field``'s flag, from the field
+    (``hints``: OffloadConfig's resolved annotations)."""
+    parse, is_bool = field_type(field.name, hints)
     kwargs: Dict[str, Any] = {"dest": dest_for(field.name), "default": None,
                               "help": _help(field.metadata.get("help") or f"OffloadConfig.{field.name}",
                                             default)}
@@ -156,7 +175,7 @@ def _argument(field: dataclasses.Field, default: Any) -> Dict[str, Any]:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs["type"] = _validated(field.name, parse)
-        kwargs["metavar"] = _metavar(field)
+        kwargs["metavar"] = _metavar(field, hints)
     return kwargs
 
 
@@ -202,7 +221,7 @@ def _help(text: str, default: Any) -> str:
     return f"{text} (default: {shown})".replace("%", "%%")
 
 
-def _metavar(field: dataclasses.Field) -> str:
+def _metavar(field: dataclasses.Field, hints: Dict[str, Any]) -> str:
     """The field's own ``metavar``, else one from its choices, unit or type."""
     meta = field.metadata
     if meta.get("metavar"):
@@ -211,7 +230,7 @@ def _metavar(field: dataclasses.Field) -> str:
         return "{" + ",".join(meta["choices"]) + "}"
     if meta.get("unit") == "bytes":
         return "BYTES"
-    hint = typing.get_type_hints(OffloadConfig)[field.name]
+    hint = hints[field.name]
     if typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is list:
@@ -270,24 +289,21 @@ def explicit_fields(args: argparse.Namespace) -> Dict[str, Any]:
 def given_flags(args: argparse.Namespace) -> List[str]:
     """Every --ssd-offload-* knob given on the command line (not --ssd-offload itself)."""
     flags = [flag_for(name) for name in explicit_fields(args)]
+    if getattr(args, "ssd_offload_node", None) is not None:
+        flags.insert(0, "--ssd-offload-node")
     if getattr(args, "ssd_offload_config", None) is not None:
         flags.insert(0, "--ssd-offload-config")
     return flags
-
-
-def preset_fields(path: str) -> List[str]:
-    """The OffloadConfig fields a preset file sets (its ``offload:`` section's keys, or the
-    top-level ones of a file without that section, as ``OffloadConfig.from_yaml`` reads it)."""
-    data = OffloadConfig.yaml_section(path)
-    return [str(k) for k in data] if isinstance(data, dict) else []
 
 
 def given_fields(args: argparse.Namespace) -> Dict[str, str]:
     """{OffloadConfig field: who set it} for every field a flag or the preset sets: the flag
     (``--ssd-offload-engine``) wins over ``the preset``. The fields missing here keep their
     defaults, and those of plan/engine_choice.FOLLOWS_THE_NODE follow the node."""
+    from ..plan.preset_file import preset_of
+
     preset = getattr(args, "ssd_offload_config", None)
-    given = {name: "the preset" for name in (preset_fields(preset) if preset else ())}
+    given = {name: "the preset" for name in (preset_of(preset).fields() if preset else ())}
     given.update({name: flag_for(name) for name in explicit_fields(args)})
     return given
 
@@ -299,8 +315,10 @@ def config_from_args(args: argparse.Namespace) -> OffloadConfig:
         ConfigError: the preset or the combination is invalid (the message names the field).
         OSError: the preset cannot be read.
     """
+    from ..plan.preset_file import preset_of
+
     preset = getattr(args, "ssd_offload_config", None)
-    base = OffloadConfig.from_yaml(preset) if preset else OffloadConfig()
+    base = preset_of(preset).config() if preset else OffloadConfig()
     changes = explicit_fields(args)
     # dataclasses.replace runs __post_init__ again: the combination is validated as a whole.
     return base.replace(**changes) if changes else base

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 import typing
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..config import OffloadConfig
 from ..sizes import EXPECTED as SIZE_EXPECTED
@@ -83,11 +83,12 @@ def parse_size_or_fraction(text: str) -> Any:
             "memory like 0.6") from None
 
 
-def field_type(name: str) -> Tuple[Callable[[str], Any], bool]:
+def field_type(name: str, hints: Optional[Dict[str, Any]] = None) -> Tuple[Callable[[str], Any], bool]:
     """(parser of one flag value, is_boolean) for OffloadConfig field ``name``, from its
     annotation (``List[int]``, ``Optional[float]``, ...) and its ``unit``. ``Optional[X]``
-    parses as X: a flag cannot set a field back to None."""
-    hint = typing.get_type_hints(OffloadConfig)[name]
+    parses as X: a flag cannot set a field back to None. ``hints``: OffloadConfig's resolved
+    annotations, where the caller has them (resolving them is most of a parser's build time)."""
+    hint = (hints or typing.get_type_hints(OffloadConfig))[name]
     if typing.get_origin(hint) is typing.Union:
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(inner) == 1:

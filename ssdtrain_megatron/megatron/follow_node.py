@@ -1,99 +1,122 @@
-"""The offload settings a job runs: the flags over the preset, and where neither names the
-engine, the engine the node calls for (plan/engine_choice.py: tiered where host memory is to
-spare, posix where it is not), with the one line that says which and why.
+"""The door of a job started by the launcher: its arguments parsed once into a
+:class:`~ssdtrain_megatron.plan.job.Job`, which plan/job.py's :func:`job_settings` (the one
+sequence) turns into the settings the job runs.
 
-Used where a job starts: the launcher's hooks right before ``install()`` (launch.py, on the
-parsed Megatron arguments) and its pre-flight (preflight.py, on the command line, so that the
-free-space check counts what host memory will take). The model planned is the preset's, with
-Megatron's own shape flags over it, or without a preset model the one Megatron's parsed
-arguments describe (:func:`megatron_model`); the node is the preset's ``node:`` section (else
-:data:`~ssdtrain_megatron.plan.node.DEFAULT_NODE`) with its host memory replaced by what is
-free here (host_memory.py). Nothing here imports megatron.
+Two ways in, one result: at install, Megatron's parsed arguments (:func:`settings_from_args`:
+every Megatron value there is what runs, its defaults included); before Megatron starts, the
+command line (:func:`settings_from_argv`, the pre-flight and ``ssdtrain plan -- ARGS``), read
+by :func:`megatron_namespace` into the same attribute names. A command line with
+``--num-layers`` is a whole Megatron command line, and Megatron's defaults fill what it does not
+give (tp, pp, cp 1; no sequence parallelism or recompute; global batch micro-batch x dp); one
+without (the flag group alone, as ``ssdtrain doctor --preflight --config`` checks) keeps the
+preset's layout where no flag is given.
+
+The model is the preset's with Megatron's values over it, or without a preset model the one
+Megatron's arguments describe (:func:`megatron_model`); its data-parallel size is the world size
+over tp x pp x cp; micro-batches per iteration the global batch over micro-batch x dp. The node
+is ``--ssd-offload-node``, else the preset's ``node:`` section, else
+:data:`~ssdtrain_megatron.plan.node.DEFAULT_NODE`; host memory per rank is what is free here
+(host_memory.py) over the local ranks. Nothing here imports megatron.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence
 
 from ..config import OffloadConfig
-from ..plan.engine_choice import (EngineChoice, choose_engine, forced, free_per_rank, host_need,
-                                  tiered_settings)
-from ..plan.node import DEFAULT_NODE, NodeProfile, load_profile, profile_from_preset
+from ..plan.engine_choice import USABLE_FRACTION
+from ..plan.job import Job, JobError, Settings, job_settings
+from ..plan.node import DEFAULT_NODE, NodeProfile, load_profile
+from ..plan.preset_file import PresetFile, preset_of
 from ..plan.shape import ModelShape
-from .args import config_from_args, given_fields
+from .args import explicit_fields, flag_for
 from .host_memory import HostMemory
 
-MEGATRON_SHAPE_FLAGS = {"--num-layers": "num_layers", "--seq-length": "seq_len",
-                        "--micro-batch-size": "micro_batch",
-                        "--tensor-model-parallel-size": "tp",
-                        "--pipeline-model-parallel-size": "pp"}
-"""Megatron flags that change what one GPU keeps, and the ModelShape field each sets."""
+SHAPE_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden", "num_attention_heads": "heads",
+              "ffn_hidden_size": "ffn_hidden", "seq_length": "seq_len",
+              "micro_batch_size": "micro_batch", "tensor_model_parallel_size": "tp",
+              "pipeline_model_parallel_size": "pp", "context_parallel_size": "cp",
+              "expert_model_parallel_size": "ep", "sequence_parallel": "sequence_parallel",
+              "recompute_granularity": "recompute",
+              "use_distributed_optimizer": "distributed_optimizer"}
+"""Megatron's argument (its namespace's name) -> the ModelShape field it sets."""
+
+LAYOUT_DEFAULTS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                   "context_parallel_size": 1, "expert_model_parallel_size": 1,
+                   "sequence_parallel": False, "recompute_granularity": None,
+                   "use_distributed_optimizer": False}
+"""Megatron's defaults for the layout: what runs when a whole command line does not say."""
+
+FLAG_OF = {name: "--" + name.replace("_", "-") for name in SHAPE_ARGS}
+FLAG_OF.update(global_batch_size="--global-batch-size")
 
 
-def _preset_data(path: Optional[str]) -> Optional[dict]:
-    if path is None:
-        return None
-    import yaml
+class _MegatronFlags(argparse.ArgumentParser):
+    """Megatron's flags that shape the job; a bad value is a JobError, not an exit."""
 
-    with open(path, encoding="utf-8") as fh:  # read (and validated) by the flag's parser
-        data = yaml.safe_load(fh)
-    return data if isinstance(data, dict) and "model" in data else None
+    def error(self, message: str):  # noqa: D401 - argparse's hook: raise instead of exiting
+        raise JobError(message)
 
 
-def preset_shape(path: Optional[str], megatron: Mapping[str, int]) -> Optional[ModelShape]:
-    """The preset's model with ``megatron``'s shape (ModelShape fields from Megatron's flags)
-    over it; None without a ``model:`` section, or where Megatron's flags do not fit it
-    (Megatron then says so, in its terms).
+def _megatron_parser() -> argparse.ArgumentParser:
+    parser = _MegatronFlags(add_help=False, allow_abbrev=False)
+    for name in SHAPE_ARGS:
+        if name in ("sequence_parallel", "use_distributed_optimizer"):
+            parser.add_argument(FLAG_OF[name], dest=name, action="store_true", default=None)
+        elif name == "recompute_granularity":
+            parser.add_argument(FLAG_OF[name], dest=name, default=None)
+        else:
+            parser.add_argument(FLAG_OF[name], dest=name, type=int, default=None)
+    parser.add_argument("--global-batch-size", dest="global_batch_size", type=int, default=None)
+    parser.add_argument("--num-query-groups", dest="num_query_groups", type=int, default=None)
+    parser.add_argument("--group-query-attention", dest="group_query_attention",
+                        action="store_true", default=False)
+    parser.add_argument("--kv-channels", dest="kv_channels", type=int, default=None)
+    parser.add_argument("--swiglu", action="store_true", default=False)
+    parser.add_argument("--bf16", action="store_true", default=False)
+    parser.add_argument("--fp16", action="store_true", default=False)
+    parser.add_argument("--num-experts", dest="num_experts", type=int, default=None)
+    parser.add_argument("--moe-router-topk", dest="moe_router_topk", type=int, default=None)
+    parser.add_argument("--moe-ffn-hidden-size", dest="moe_ffn_hidden_size", type=int, default=None)
+    return parser
+
+
+def megatron_namespace(argv: Sequence[str], world_size: Optional[int]) -> argparse.Namespace:
+    """Megatron's arguments in ``argv`` under Megatron's own names (the rest ignored), with
+    ``world_size``; Megatron's layout defaults where ``--num-layers`` makes it a whole command
+    line (see the module docstring).
 
     Raises:
-        ValueError: the preset's own model or parallel section is invalid.
+        JobError: a Megatron flag's value is not what Megatron takes (one line naming it).
     """
-    data = _preset_data(path)
-    if data is None:
-        return None
-    shape = ModelShape.from_preset(data["model"], data.get("parallel"))
-    try:
-        return shape.replace(**megatron)
-    except (TypeError, ValueError):
-        return None
+    ns, _ = _megatron_parser().parse_known_args(list(argv))
+    if ns.num_layers is not None:
+        for name, value in LAYOUT_DEFAULTS.items():
+            if getattr(ns, name) is None:
+                setattr(ns, name, value)
+    ns.world_size = world_size
+    ns.whole = ns.num_layers is not None
+    return ns
 
 
-def preset_node(path: Optional[str]) -> NodeProfile:
-    """The preset's ``node:`` section, else the default node."""
-    data = _preset_data(path)
-    if data is not None and data.get("node") is not None:
-        return profile_from_preset(data["node"], source=f"{path}: node")
-    return load_profile(DEFAULT_NODE)
-
-
-def megatron_shape_from_argv(argv: Sequence[str]) -> Dict[str, int]:
-    """The ModelShape fields Megatron's flags in ``argv`` set (the last of each wins)."""
-    found: Dict[str, int] = {}
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if flag not in MEGATRON_SHAPE_FLAGS:
-            continue
-        value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-        try:
-            found[MEGATRON_SHAPE_FLAGS[flag]] = int(value)
-        except ValueError:
-            continue
-    return found
-
-
-def megatron_shape_from_args(args: argparse.Namespace) -> Dict[str, int]:
-    """The ModelShape fields Megatron's parsed arguments set."""
-    found: Dict[str, int] = {}
-    for flag, name in MEGATRON_SHAPE_FLAGS.items():
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            found[name] = value
+def megatron_fields(args: argparse.Namespace) -> Dict[str, Any]:
+    """The ModelShape fields Megatron's arguments set (those it has; None is not given)."""
+    found: Dict[str, Any] = {}
+    for name, field in SHAPE_ARGS.items():
+        value = getattr(args, name, None)
+        if name == "recompute_granularity":
+            if value is not None or getattr(args, "whole", "num_layers" in vars(args)):
+                found[field] = value or "none"
+        elif isinstance(value, bool) and field in ("sequence_parallel", "distributed_optimizer"):
+            found[field] = value
+        elif isinstance(value, int) and not isinstance(value, bool):
+            found[field] = value
     return found
 
 
 def megatron_model(args: argparse.Namespace) -> Optional[ModelShape]:
-    """The model Megatron's parsed arguments describe, for a job without a preset; None where
+    """The model Megatron's arguments describe, for a job without a preset model; None where
     they lack its shape (the flag group alone) or the planner does not take it."""
     need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size")
     if not all(isinstance(getattr(args, n, None), int) for n in need):
@@ -101,89 +124,125 @@ def megatron_model(args: argparse.Namespace) -> Optional[ModelShape]:
     heads, hidden = args.num_attention_heads, args.hidden_size
     kv_channels = getattr(args, "kv_channels", None)
     experts = getattr(args, "num_experts", None)
+    fields = megatron_fields(args)
+    fields.update(
+        ffn_hidden=getattr(args, "ffn_hidden_size", None) or 4 * hidden,
+        kv_groups=getattr(args, "num_query_groups", None)
+        if getattr(args, "group_query_attention", False) else None,
+        kv_channels=kv_channels if kv_channels and kv_channels * heads != hidden else None,
+        dtype_bytes=2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4,
+        # Transformer Engine's attention (Megatron-LM's default) is fused: no s x s saved
+        flash_attention=getattr(args, "transformer_impl", None) == "transformer_engine"
+        or bool(getattr(args, "use_flash_attn", False)),
+        swiglu=bool(getattr(args, "swiglu", False)),
+        vocab=getattr(args, "padded_vocab_size", None),
+        attention_dropout=getattr(args, "attention_dropout", 0.1),
+        hidden_dropout=getattr(args, "hidden_dropout", 0.1),
+        num_experts=experts, moe_topk=getattr(args, "moe_router_topk", 2) or 2,
+        moe_ffn_hidden=getattr(args, "moe_ffn_hidden_size", None) if experts else None)
     try:
-        return ModelShape(
-            num_layers=args.num_layers, hidden=hidden, heads=heads,
-            ffn_hidden=getattr(args, "ffn_hidden_size", None) or 4 * hidden,
-            seq_len=args.seq_length, micro_batch=args.micro_batch_size,
-            kv_groups=getattr(args, "num_query_groups", None)
-            if getattr(args, "group_query_attention", False) else None,
-            kv_channels=kv_channels if kv_channels and kv_channels * heads != hidden else None,
-            dtype_bytes=2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4,
-            tp=getattr(args, "tensor_model_parallel_size", 1) or 1,
-            pp=getattr(args, "pipeline_model_parallel_size", 1) or 1,
-            cp=getattr(args, "context_parallel_size", 1) or 1,
-            ep=getattr(args, "expert_model_parallel_size", 1) or 1,
-            dp=getattr(args, "data_parallel_size", 1) or 1,
-            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-            # Transformer Engine's attention (Megatron-LM's default) is fused: no s x s saved
-            flash_attention=getattr(args, "transformer_impl", None) == "transformer_engine"
-            or bool(getattr(args, "use_flash_attn", False)),
-            swiglu=bool(getattr(args, "swiglu", False)),
-            recompute=getattr(args, "recompute_granularity", None) or "none",
-            vocab=getattr(args, "padded_vocab_size", None),
-            attention_dropout=getattr(args, "attention_dropout", 0.1),
-            hidden_dropout=getattr(args, "hidden_dropout", 0.1),
-            num_experts=experts, moe_topk=getattr(args, "moe_router_topk", 2) or 2,
-            moe_ffn_hidden=getattr(args, "moe_ffn_hidden_size", None) if experts else None,
-            distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+        return ModelShape(**fields)
     except (TypeError, ValueError):
         return None
 
 
-def micro_batches_from_args(args: argparse.Namespace) -> Optional[int]:
-    """Micro-batches per iteration as Megatron computes them (global batch over micro-batch
-    times data-parallel size), or None where its arguments do not say."""
-    gbs, b = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)
-    dp = getattr(args, "data_parallel_size", None)
-    if all(isinstance(v, int) and v > 0 for v in (gbs, b, dp)) and gbs % (b * dp) == 0:
-        return gbs // (b * dp)
-    return None
+def job_shape(preset: Optional[PresetFile], megatron: argparse.Namespace) -> Optional[ModelShape]:
+    """The model per GPU as the job runs it: the preset's (or Megatron's) with Megatron's
+    values over it and dp from the world size; None without a model.
+
+    Raises:
+        JobError: the world size does not divide by tp x pp x cp, or the global batch by
+            micro-batch x dp (one line naming the flag and what would fit).
+    """
+    base = preset.shape() if preset is not None else None
+    if base is None:
+        shape = megatron_model(megatron)
+    else:
+        try:
+            shape = base.replace(**megatron_fields(megatron))
+        except (TypeError, ValueError) as exc:
+            raise JobError(f"Megatron's flags do not fit {preset.path}'s model: {exc}") from None
+    if shape is None:
+        return None
+    world = getattr(megatron, "world_size", None)
+    if isinstance(world, int) and world > 0:
+        if world % shape.model_parallel:
+            raise JobError(
+                f"the world size {world} is not a multiple of --tensor-model-parallel-size "
+                f"{shape.tp} x --pipeline-model-parallel-size {shape.pp} x "
+                f"--context-parallel-size {shape.cp} = {shape.model_parallel}: "
+                f"{(world // shape.model_parallel or 1) * shape.model_parallel} GPUs would fit")
+        shape = shape.replace(dp=world // shape.model_parallel)
+    elif isinstance(getattr(megatron, "data_parallel_size", None), int):
+        shape = shape.replace(dp=megatron.data_parallel_size)
+    return shape
 
 
-def follow_node(config: OffloadConfig, given: Mapping[str, str], shape: Optional[ModelShape],
-                node: NodeProfile, host: Optional[HostMemory],
-                num_micro_batches: Optional[int] = None,
-                recompute: bool = True) -> Tuple[OffloadConfig, EngineChoice]:
-    """``config`` with the engine the node calls for where ``given`` (field -> who set it) has
-    none, and the choice with its line. ``num_micro_batches`` None: the pipeline's depth (the
-    most micro-batches the first stage holds at once). ``recompute``: whether the integration
-    can recompute a layer (Megatron-DeepSpeed cannot: the fallback then stays off)."""
-    if "engine" in given:
-        return config, forced(config.engine, f"{given['engine']} ({config.engine})")
+def micro_batches(shape: ModelShape, megatron: argparse.Namespace) -> Optional[int]:
+    """Micro-batches per iteration as Megatron computes them; None where nothing says.
+
+    Raises:
+        JobError: --global-batch-size is not a multiple of micro-batch x dp."""
+    gbs = getattr(megatron, "global_batch_size", None)
+    per_step = shape.micro_batch * shape.dp
+    if gbs is None:
+        return 1 if getattr(megatron, "whole", False) else None  # Megatron: gbs = b x dp
+    if gbs % per_step:
+        raise JobError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size "
+                       f"{shape.micro_batch} x data-parallel size {shape.dp} = {per_step}: "
+                       f"{max(gbs // per_step, 1) * per_step} would fit")
+    return gbs // per_step
+
+
+def host_per_rank(host: Optional[HostMemory]) -> Optional[int]:
+    """Host memory one rank may fill (pool and staging): the usable share of what is free."""
     if host is None:
-        return config, EngineChoice("posix", "engine posix: host memory cannot be measured here "
-                                             "(no /proc/meminfo); --ssd-offload-engine tiered uses it")
-    per_rank = free_per_rank(host.free_bytes, host.local_ranks, config.staging_bytes())
-    need = None
-    if shape is not None:
-        runs = tiered_settings(given, config, recompute)
-        need = host_need(shape, config, node, num_micro_batches or shape.pp, per_rank,
-                         runs["policy"], runs["recompute_fallback"])
-    choice = choose_engine(given, config, per_rank, host.describe(), need, recompute)
-    return config.replace(**choice.changes), choice
+        return None
+    return int(host.free_bytes * USABLE_FRACTION) // max(host.local_ranks, 1)
 
 
-def job_settings(args: argparse.Namespace, host: Optional[HostMemory],
-                 megatron: Optional[Mapping[str, Any]] = None,
-                 recompute: bool = True) -> Tuple[OffloadConfig, EngineChoice]:
-    """The OffloadConfig a job runs from its parsed flags (``args``: Megatron's whole namespace
-    at install, or the flag group alone), and the choice of its engine. ``megatron``: the
-    ModelShape fields Megatron's flags set (default: read from ``args``); ``recompute``: as
-    :func:`follow_node`.
+def job_from_args(args: argparse.Namespace, megatron: argparse.Namespace,
+                  host: Optional[HostMemory], recompute: bool = True,
+                  node: Optional[NodeProfile] = None) -> Job:
+    """The Job of a launcher's parsed flag group ``args`` and Megatron's arguments
+    ``megatron`` (the same namespace at install). ``node``: replaces the flag's and preset's.
 
     Raises:
         ConfigError: the flags and the preset are invalid together.
-        ValueError: the preset's model, parallel or node section is invalid.
+        JobError, ValueError: the preset's model or node, or the layout (one line).
     """
-    config = config_from_args(args)
-    preset = getattr(args, "ssd_offload_config", None)
-    shape = preset_shape(preset, megatron_shape_from_args(args) if megatron is None else megatron)
-    if shape is None and _preset_data(preset) is None:
-        shape = megatron_model(args)  # no preset model: the one Megatron's flags describe
-    return follow_node(config, given_fields(args), shape, preset_node(preset), host,
-                       micro_batches_from_args(args), recompute)
+    path = getattr(args, "ssd_offload_config", None)
+    preset = preset_of(path) if path else None
+    base = preset.config() if preset is not None else OffloadConfig()
+    explicit = explicit_fields(args)
+    config = base.replace(**explicit) if explicit else base
+    given = {name: "the preset" for name in (preset.fields() if preset else ())}
+    given.update({name: flag_for(name) for name in explicit})
+    if node is None:
+        named = getattr(args, "ssd_offload_node", None)
+        node = load_profile(named) if named else (
+            (preset.node_profile() if preset else None) or load_profile(DEFAULT_NODE))
+    shape = job_shape(preset, megatron)
+    return Job(config, given, shape, node, host_per_rank(host),
+               host.describe() if host is not None else "host memory not measured",
+               micro_batches(shape, megatron) if shape is not None else None, recompute)
 
 
-__all__ = ["MEGATRON_SHAPE_FLAGS", "follow_node", "job_settings", "megatron_model", "megatron_shape_from_args",
-           "megatron_shape_from_argv", "micro_batches_from_args", "preset_node", "preset_shape"]
+def settings_from_args(args: argparse.Namespace, host: Optional[HostMemory],
+                       recompute: bool = True) -> Settings:
+    """At install: the settings of Megatron's parsed arguments (the flag group among them)."""
+    return job_settings(job_from_args(args, args, host, recompute))
+
+
+def settings_from_argv(args: argparse.Namespace, argv: Sequence[str], host: Optional[HostMemory],
+                       world_size: Optional[int], recompute: bool = True,
+                       node: Optional[NodeProfile] = None) -> Settings:
+    """Before Megatron starts: the settings of a launcher command line (``args``: its flag
+    group, parsed)."""
+    return job_settings(job_from_args(args, megatron_namespace(argv, world_size), host,
+                                      recompute, node))
+
+
+__all__ = ["FLAG_OF", "SHAPE_ARGS", "host_per_rank", "job_from_args", "job_shape",
+           "megatron_fields", "megatron_model", "megatron_namespace", "micro_batches",
+           "settings_from_args", "settings_from_argv"]

@@ -55,7 +55,7 @@ from .args import add_ssd_offload_args, given_flags, with_ssd_offload_args
 from .compat import cuda_graph_conflict, cuda_graphs_in_use, megatron_offloading_in_use
 from . import host_memory, preflight
 from .errors import report_error
-from .follow_node import job_settings
+from .follow_node import settings_from_args
 from .patching import Patcher
 
 log = logging.getLogger(__name__)
@@ -172,14 +172,18 @@ def install_from_args(args: argparse.Namespace, target: Target = MEGATRON_LM,
     if current is not None:
         return getattr(current, "offloader", current)
     try:
-        config, choice = job_settings(args, host_memory.measure() if host is _MEASURE else host,
+        settings = settings_from_args(args, host_memory.measure() if host is _MEASURE else host,
                                       recompute=target.recomputes)
     except ConfigError:
         raise
-    except ValueError as exc:  # the preset's model or node, or SSDTRAIN_HOST_MEMORY_FREE
+    except ValueError as exc:  # JobError, the preset's model or node, SSDTRAIN_HOST_MEMORY_FREE
         raise LaunchError(str(exc)) from None
     rank = getattr(args, "rank", 0)
-    log.info("ssdtrain: rank %s: %s", rank, choice.reason)
+    config = settings.config
+    log.info("ssdtrain: rank %s: %s", rank, settings.choice.reason)
+    log.info("ssdtrain: rank %s runs %s", rank, settings.line())
+    for note in settings.notes:
+        log.warning("ssdtrain: rank %s: %s", rank, note)
     offloader = backend.install(config)
     log.info("ssdtrain: rank %s offloads activations to %s (engine %s, policy %s)", rank,
              ", ".join(getattr(offloader, "rank_dirs", None) or config.dirs), config.engine,

@@ -45,11 +45,13 @@ from ..config import OffloadConfig
 from ..io.layout import Identity, LayoutError, expand_file, expand_roots, free_bytes
 from ..io.roots import MISSING, check_root, on_system_disk, root_of, root_problem
 from ..io.where import binary, filesystem_of
+from ..plan.engine_choice import EngineChoice
+from ..plan.job import JobError, Settings
 from ..plan.model import peak_disk_bytes
 from ..plan.shape import ModelShape
-from ..plan.engine_choice import EngineChoice
+from ..plan.tiers import SSD
 from .args import add_ssd_offload_args, flag_for
-from .follow_node import job_settings, megatron_shape_from_argv, preset_shape
+from .follow_node import settings_from_argv
 from .host_memory import measure
 
 SKIP_ENV = "SSDTRAIN_SKIP_PREFLIGHT"
@@ -70,15 +72,19 @@ class _Parser(argparse.ArgumentParser):
 
 @dataclass(frozen=True)
 class Launch:
-    """What a launcher's argument list asks of the offloader."""
+    """What a launcher's argument list asks of the offloader: the settings the one sequence
+    (plan/job.py) gives it, as install() will take them."""
 
     config: OffloadConfig
     preset: Optional[str]
     """The preset file (``--ssd-offload-config``), or None."""
     shape: Optional[ModelShape]
-    """The preset's model with Megatron's shape flags applied; None without a model."""
+    """The model per GPU as the job runs it (Megatron's flags over the preset's); None
+    without a model."""
     choice: Optional[EngineChoice] = None
-    """How the engine was chosen (follow_node.py)."""
+    """How the engine was chosen (plan/engine_choice.py)."""
+    settings: Optional[Settings] = None
+    """Everything the job runs, with its plan (plan/job.py)."""
 
 
 @dataclass(frozen=True)
@@ -89,21 +95,40 @@ class Problem:
     local_ranks: Tuple[int, ...] = ()
 
 
-def read_launch(argv: Sequence[str], local_ranks: Optional[int] = None,
-                environ: Mapping[str, str] = os.environ) -> Optional[Launch]:
-    """The offload settings in a launcher argument list (Megatron's own flags are ignored but
-    for the shape ones), with the engine the node calls for where neither the flags nor the
-    preset name one (follow_node.py; ``local_ranks``: the ranks sharing this node's host
-    memory, default from ``environ``); None when ``--ssd-offload`` is not among them.
+def world_size(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """The job's world size where the environment says it (torchrun's WORLD_SIZE), else None
+    (the preset's data-parallel size is then planned)."""
+    text = environ.get("WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def parse_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """The ``--ssd-offload`` flag group of ``argv`` (the rest ignored), checked as Megatron's
+    parser will check it.
 
     Raises:
-        FlagError: a flag's value, the preset or their combination is invalid (one line, as
-            Megatron's parser would say it, naming the flag).
+        FlagError: a flag's value, the preset or their combination is invalid.
     """
     parser = add_ssd_offload_args(_Parser(add_help=False, allow_abbrev=False))
     with warnings.catch_warnings():  # deprecated flags: said once, when Megatron parses them
         warnings.simplefilter("ignore")
         args, _ = parser.parse_known_args(list(argv))
+    return args
+
+
+def read_launch(argv: Sequence[str], local_ranks: Optional[int] = None,
+                environ: Mapping[str, str] = os.environ,
+                world: Optional[int] = None) -> Optional[Launch]:
+    """The offload settings of a launcher argument list, decided by the one sequence
+    (follow_node.py, plan/job.py) as install() will decide them (``local_ranks``: the ranks
+    sharing this node's host memory, default from ``environ``; ``world``: the job's world
+    size, default ``environ``'s WORLD_SIZE); None when ``--ssd-offload`` is not among them.
+
+    Raises:
+        FlagError: a flag's value, the preset, their combination or the layout is invalid
+            (one line naming the flag).
+    """
+    args = parse_flags(argv)
     if not args.ssd_offload:
         return None
     preset = args.ssd_offload_config
@@ -111,13 +136,14 @@ def read_launch(argv: Sequence[str], local_ranks: Optional[int] = None,
         host = measure(environ)
         if host is not None and local_ranks is not None:
             host = dataclasses.replace(host, local_ranks=local_ranks)
-        megatron = megatron_shape_from_argv(argv)
-        shape = preset_shape(preset, megatron)
-        config, choice = job_settings(args, host, megatron)
+        settings = settings_from_argv(args, argv, host,
+                                      world if world is not None else world_size(environ))
+    except JobError as exc:
+        raise FlagError(str(exc)) from None
     except (TypeError, ValueError) as exc:
         where = f"argument --ssd-offload-config: {preset}: " if preset else ""
         raise FlagError(f"{where}{exc}") from None
-    return Launch(config, preset, shape, choice)
+    return Launch(settings.config, preset, settings.shape, settings.choice, settings)
 
 
 # -- the checks -----------------------------------------------------------------------------
@@ -226,9 +252,7 @@ def space_problems(launch: Launch, ranks: Sequence[Identity],
     config, shape = launch.config, launch.shape
     if shape is None or config.policy == "keep":
         return []
-    per_rank = peak_disk_bytes(shape, config.keep_last_layers)
-    if config.engine == "tiered":  # host memory takes the first host_memory_bytes
-        per_rank = max(per_rank - config.host_memory_bytes, 0)
+    per_rank = disk_peak_bytes(launch)
     share = math.ceil(per_rank / len(config.dirs))  # tensors are striped over a rank's roots
     drives: Dict[int, Tuple[List[str], List[int]]] = {}  # st_dev -> (roots, local ranks)
     for ident in node:
@@ -257,6 +281,22 @@ def space_problems(launch: Launch, ranks: Sequence[Identity],
             f"{SKIP_ENV}=1 to start anyway (writes that do not fit stay in GPU memory)",
             tuple(sorted(mine & set(who)))))
     return out
+
+
+def disk_peak_bytes(launch: Launch) -> int:
+    """What one rank keeps on its drives at the peak of a step. The tiered engine places each
+    layer where the plan says (plan/job.py): the plan's SSD layers for every micro-batch the
+    first stage holds at once; what it keeps, puts in host memory or recomputes takes no drive.
+    The other engines write every offloaded byte (plan/model.py ``peak_disk_bytes``)."""
+    settings, config = launch.settings, launch.config
+    if config.engine == "tiered" and settings is not None and settings.plan is not None:
+        st = settings.stage
+        ssd_layers = max(row.count(SSD) for row in settings.plan.decisions)
+        return ssd_layers * st.layer_bytes * st.positions[0].live
+    per_rank = peak_disk_bytes(launch.shape, config.keep_last_layers)
+    if config.engine == "tiered":  # no plan: the host pool takes the first bytes
+        per_rank = max(per_rank - config.host_memory_bytes, 0)
+    return per_rank
 
 
 # -- in the launcher --------------------------------------------------------------------------

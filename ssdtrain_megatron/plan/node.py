@@ -222,7 +222,7 @@ class NodeProfile:
 
         try:
             with open(path, encoding="utf-8") as fh:
-                data = yaml.safe_load(fh)
+                data = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         except OSError as exc:
             raise ProfileError(f"{path}: cannot read it: {exc.strerror or exc}") from None
         except yaml.YAMLError as exc:

@@ -34,6 +34,7 @@ def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ..
     ``prefetch_layers`` ahead of backward, as the preset's runtime (``offload``: anything with
     ``keep_last_layers`` and ``prefetch_layers``, such as an OffloadConfig) starts them."""
     keep_last, ahead = offload.keep_last_layers, offload.prefetch_layers
+    cap = getattr(offload, "max_inflight_bytes", None)  # the runtime's read-ahead byte cap
     if policy == "keep":
         return plan_stage(st, node, budget_bytes=None, places=places)
     if policy == "offload":
@@ -44,12 +45,14 @@ def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ..
         only_tail = max(kept, st.layer_bytes) + st.head_bytes
         chosen = plan_stage(st, node, budget_bytes=only_tail,
                             places=tuple(p for p in places if p != RECOMPUTE),
-                            keep_last_layers=keep_last, prefetch_layers=ahead)
+                            keep_last_layers=keep_last, prefetch_layers=ahead,
+                            max_inflight_bytes=cap)
         return price_stage(st, node, chosen.decisions,
                            budget_bytes=only_tail + st.layer_bytes,
-                           keep_last_layers=keep_last, prefetch_layers=ahead)
+                           keep_last_layers=keep_last, prefetch_layers=ahead,
+                           max_inflight_bytes=cap)
     return plan_stage(st, node, budget_bytes=budget, places=places,
-                      keep_last_layers=keep_last, prefetch_layers=ahead)
+                      keep_last_layers=keep_last, prefetch_layers=ahead, max_inflight_bytes=cap)
 
 
 __all__ = ["ENGINE_TIERS", "places_for", "plan_policy"]

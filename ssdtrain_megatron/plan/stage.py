@@ -128,7 +128,8 @@ def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
 
 def plan_stage(st: Stage, node: NodeProfile, *, budget_bytes: Optional[int],
                places: Tuple[str, ...] = PLACES, keep_last_layers: int = 1,
-               cpu_s_per_byte: float = 0.0, prefetch_layers: int = 2) -> TierPlan:
+               cpu_s_per_byte: float = 0.0, prefetch_layers: int = 2,
+               max_inflight_bytes: Optional[int] = None) -> TierPlan:
     """The four-place plan of ``st`` on ``node`` within ``budget_bytes`` of GPU activation
     memory (head bytes included: they stay), None: keep everything.
 
@@ -136,34 +137,39 @@ def plan_stage(st: Stage, node: NodeProfile, *, budget_bytes: Optional[int],
     from the plan's order (tier_costs.need_bytes); the head's bytes come off the budget. A
     layout that recomputes already (selective or full) gets no per-layer recompute on top:
     Megatron runs one granularity. ``prefetch_layers``: the least the runtime reads ahead of
-    backward (OffloadConfig.prefetch_layers; the window is sized by time above it)."""
+    backward (OffloadConfig.prefetch_layers; the window is sized by time above it);
+    ``max_inflight_bytes``: the runtime's read-ahead byte cap (None: none)."""
     if st.layout_recompute_s > 0:
         places = tuple(p for p in places if p != RECOMPUTE)
     budget = None if budget_bytes is None else max(0, budget_bytes - st.head_bytes)
     return plan_tiers(st.layers, st.positions,
-                      _tiers(st, node, budget, places, keep_last_layers, cpu_s_per_byte, prefetch_layers))
+                      _tiers(st, node, budget, places, keep_last_layers, cpu_s_per_byte, prefetch_layers,
+                             max_inflight_bytes))
 
 
 def price_stage(st: Stage, node: NodeProfile, decisions, *, budget_bytes: Optional[int],
                 keep_last_layers: int = 1, cpu_s_per_byte: float = 0.0,
-                prefetch_layers: int = 2) -> TierPlan:
+                prefetch_layers: int = 2, max_inflight_bytes: Optional[int] = None) -> TierPlan:
     """What ``decisions`` (one row of places per micro-batch position) cost on ``node``, the
     forward waiting for writes and backward reading ahead only within ``budget_bytes`` (head
     bytes included; None: no bound)."""
     budget = None if budget_bytes is None else max(0, budget_bytes - st.head_bytes)
     return price(st.layers, st.positions,
-                 _tiers(st, node, budget, PLACES, keep_last_layers, cpu_s_per_byte, prefetch_layers),
+                 _tiers(st, node, budget, PLACES, keep_last_layers, cpu_s_per_byte, prefetch_layers,
+                        max_inflight_bytes),
                  decisions)
 
 
 def _tiers(st: Stage, node: NodeProfile, budget: Optional[int], places: Tuple[str, ...],
-           keep_last_layers: int, cpu_s_per_byte: float, prefetch_layers: int) -> Tiers:
+           keep_last_layers: int, cpu_s_per_byte: float, prefetch_layers: int,
+           max_inflight_bytes: Optional[int] = None) -> Tiers:
     return Tiers(budget_bytes=budget, host_capacity_bytes=node.host_memory_bytes,
                  host_link_bps=node.host_link_gbps * 1e9,
                  ssd_write_bps=node.ssd_write_gbps * 1e9, ssd_read_bps=node.ssd_read_gbps * 1e9,
                  places=places, bubble_s=st.bubble_s + len(st.positions) * st.head_s,
                  cpu_s_per_byte=cpu_s_per_byte, backward_factor=st.backward_factor,
-                 keep_last_layers=keep_last_layers, prefetch_layers=prefetch_layers)
+                 keep_last_layers=keep_last_layers, prefetch_layers=prefetch_layers,
+                 max_inflight_bytes=max_inflight_bytes)
 
 
 def full_recompute_fits(st: Stage, budget_bytes: int) -> bool:

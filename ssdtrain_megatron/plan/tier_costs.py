@@ -18,11 +18,14 @@ asks for it (as backward reaches the layer the read-ahead window above it, or at
 backward's start for the last ones: the window by time, at least ``prefetch_layers``, as the
 runtime sizes it, ``_readahead``); under a budget a read ahead also waits until its bytes fit
 beside what the micro-batch still holds (the runtime reads ahead less, cache/budget.py), except
-the one backward needs now. A read that completes after its layer's backward is due stalls for
+the one backward needs now, and within the runtime's read-ahead byte cap
+(``max_inflight_bytes``). Read-ahead stops at a layer whose write is still under way, as the
+runtime's does (cache/reads.py): asked for then, it would be taken from memory and its write
+spent for nothing. A read that completes after its layer's backward is due stalls for
 the difference. A layer whose write has not completed when the runtime asks for it is still in
-GPU memory, and the runtime forwards it from there (cache/transfers.py): backward uses it at
-once while the write goes on (the drive still carries it, and the reads queue behind it), and
-nothing is read back. The bytes still being written when the forward ends are
+GPU memory: when backward itself wants it, the runtime forwards it from there
+(cache/transfers.py): backward uses it at once while the write goes on (the drive still
+carries it, and the reads queue behind it), and nothing is read back. The bytes still being written when the forward ends are
 resident then too (``PositionCost.lagging_bytes``): a drive too slow for its layers does not
 free their memory.
 Under a budget the forward waits for the oldest writes instead of exceeding it (cache/budget.py);
@@ -93,6 +96,9 @@ class Tiers:
     """Backward time of a layer as a multiple of its forward time."""
     keep_last_layers: int = 1
     """Where backward follows the forward at once (gap 0), the last N layers stay kept."""
+    max_inflight_bytes: Optional[int] = None
+    """The runtime's read-ahead byte cap (OffloadConfig.max_inflight_bytes): reads ahead of
+    backward stop where they would pass it (one always goes); None: no cap."""
     prefetch_layers: int = 2
     """The read-ahead window's start and floor (OffloadConfig.prefetch_layers): how far ahead
     of backward the runtime asks for a layer is as wide as the reads need to arrive in time,
@@ -112,6 +118,10 @@ class Tiers:
         for name in ("bubble_s", "cpu_s_per_byte"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Tiers.{name}={getattr(self, name)!r} is invalid: expected >= 0")
+        cap = self.max_inflight_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"Tiers.max_inflight_bytes={cap!r} is invalid: expected an integer "
+                             ">= 1 or None")
         if not self.backward_factor > 0:
             raise ValueError(f"Tiers.backward_factor={self.backward_factor!r} is invalid: "
                              "expected > 0")
@@ -322,21 +332,30 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
     held = kept  # what this micro-batch holds in backward: kept layers not yet freed, reads
     arrival: Dict[int, float] = {}  # moved layer -> when its bytes are back (0: forwarded)
     nxt = n - 1  # the next layer, in reverse order, whose bytes may be asked for
+    early: set = set()  # layers read ahead whose backward has not come: the byte cap's bytes
+    ahead_bytes = 0
 
     def ask(floor: int, now: float, demand: int) -> None:
         """The runtime asks for the moved layers down to ``floor`` (prefetch), in reverse order;
         under the cap a read waits until it fits beside what is held, except the layer
         backward needs now (``demand``)."""
-        nonlocal nxt, held, h2d_free, drive_free, host_read, ssd_read
+        nonlocal nxt, held, h2d_free, drive_free, host_read, ssd_read, ahead_bytes
         while nxt >= max(floor, 0):
             j = nxt
             place, size = row[j], layers[j].activation_bytes
             if place in (HOST, SSD) and done[j] > now:
-                arrival[j] = 0.0  # still being written: forwarded from memory at once
+                if j != demand:
+                    return  # read-ahead stops at a write under way (cache/reads.py)
+                arrival[j] = 0.0  # backward wants it: forwarded from memory at once
                 held += size
             elif place in (HOST, SSD):
-                if cap is not None and held + size > cap and j != demand:
+                if j != demand and ((cap is not None and held + size > cap) or (
+                        tiers.max_inflight_bytes is not None and ahead_bytes
+                        and ahead_bytes + size > tiers.max_inflight_bytes)):
                     return  # read ahead less: asked again when backward frees a layer
+                if j != demand:
+                    ahead_bytes += size
+                    early.add(j)
                 if place == HOST:
                     host_read += size
                     h2d_free = max(now, h2d_free, done[j]) + size / link
@@ -363,6 +382,8 @@ def timeline(layers: Sequence[LayerMeasurement], row: Sequence[str], gap_s: floa
             clock += layer.recompute_cost_s
         clock += tiers.backward_factor * layer.forward_s
         held -= size if place in (KEEP, HOST, SSD) else layer.checkpoint_bytes
+        if i in early:
+            ahead_bytes -= size
     return PositionCost(stall, recompute, cpu, host, ssd, kept, lagging, host_read, ssd_read,
                         max(most, need_bytes(layers, row)))
 

@@ -32,7 +32,7 @@ from typing import Dict, List, Sequence, Tuple
 from .policy import KEEP, RECOMPUTE, LayerMeasurement
 from .step_plan import Position
 from .tier_costs import (BINDING, HOST, PLACES, SSD, PositionCost, TierPlan, Tiers, REL_EPS,
-                         kept_bytes, timeline)
+                         _readahead, kept_bytes, timeline)
 
 __all__ = ["BINDING", "HOST", "KEEP", "PLACES", "Position", "RECOMPUTE", "SSD", "TierPlan",
            "Tiers", "kept_bytes", "plan_tiers", "price", "timeline"]
@@ -254,8 +254,9 @@ def _binding(step: _Step, costs: Sequence[PositionCost], iteration: float, stall
 def _staging(step: _Step, rows: List[List[str]], costs: Sequence[PositionCost]) -> int:
     """TierPlan.staging_bytes: per position, what its live micro-batches write to the SSD tier
     less what the drives take during their forwards (they are written as the forward goes),
-    at least one SSD layer's bytes; the most of any position, plus ``prefetch_layers`` SSD
-    layers read back through staging."""
+    at least one SSD layer's bytes; the most of any position, plus the SSD layers read back
+    through staging: the read-ahead window the runtime opens (by time, tier_costs._readahead),
+    within its read-ahead byte cap (``max_inflight_bytes``)."""
     t = step.tiers
     on_ssd = [layer.activation_bytes for row in rows for layer, place in zip(step.layers, row) if place == SSD]
     if not on_ssd:
@@ -264,7 +265,11 @@ def _staging(step: _Step, rows: List[List[str]], costs: Sequence[PositionCost]) 
     forward_s = sum(layer.forward_s for layer in step.layers)
     backlog = max(p.live * c.ssd_bytes - t.ssd_write_bps * p.live * forward_s
                   for (p, _), c in zip(step.groups, costs))
-    return int(max(backlog, one) + t.prefetch_layers * one)
+    window = max(_readahead(step.layers, row, t) for row in rows)
+    reads = window * one
+    if t.max_inflight_bytes is not None:
+        reads = min(reads, max(t.max_inflight_bytes, one))  # one read always goes
+    return int(max(backlog, one) + reads)
 
 
 def _result(step: _Step, rows: List[List[str]], costs: List[PositionCost], of: List[int],

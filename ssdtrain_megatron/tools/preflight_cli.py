@@ -11,6 +11,7 @@ prints nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import sys
 from typing import Any, List
@@ -29,6 +30,10 @@ def add_preflight_args(parser: argparse.ArgumentParser) -> None:
                             "and exit 2 for a node that fails, nothing when it passes")
     group.add_argument("--nproc-per-node", type=positive_int, default=1, metavar="N",
                        help="local ranks on this node (torchrun's --nproc-per-node; default 1)")
+    group.add_argument("--nnodes", type=positive_int, default=None, metavar="K",
+                       help="nodes of the job: the world size is K x --nproc-per-node, and the "
+                            "data-parallel size the world size over tp x pp x cp (default: "
+                            "WORLD_SIZE where set, else the preset's dp)")
     group.add_argument("--node-rank", type=int, default=0, metavar="R",
                        help="this node's rank: {rank} is R x N + the local rank (default 0)")
     group.add_argument("launch_args", nargs="*", metavar="-- LAUNCHER_ARGS",
@@ -60,6 +65,18 @@ def ranks_text(local_ranks: Any) -> str:
     return "local ranks " + ", ".join(map(str, ranks))
 
 
+def preflight_json(launch: Any, ranks: List[Any], problems: List[Any]) -> dict:
+    """``--preflight --json``: per local rank, the settings install() will take (plan/job.py's
+    Settings.summary(), what ``ssdtrain plan -- ARGS`` prints), with the engine's line, the
+    notes, and the problems found."""
+    settings = launch.settings
+    summary = settings.summary() if settings is not None else {}
+    return {"ranks": [{"rank": i.rank, "local_rank": i.local_rank, **summary} for i in ranks],
+            "engine_choice": launch.choice.reason if launch.choice else None,
+            "notes": list(settings.notes) if settings is not None else [],
+            "problems": [{"local_ranks": list(p.local_ranks), "what": p.what} for p in problems]}
+
+
 def run_preflight(args: argparse.Namespace) -> int:
     from ..io.layout import Identity
     from ..megatron.preflight import FlagError, check, read_launch
@@ -68,8 +85,9 @@ def run_preflight(args: argparse.Namespace) -> int:
         raise UsageError(f"--node-rank: expected an integer >= 0, got {args.node_rank}")
     host = socket.gethostname()
     prefix = f"ssdtrain doctor: error: node {host}"
+    world = args.nnodes * args.nproc_per_node if args.nnodes else None
     try:
-        launch = read_launch(launcher_argv(args), local_ranks=args.nproc_per_node)
+        launch = read_launch(launcher_argv(args), local_ranks=args.nproc_per_node, world=world)
     except FlagError as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return 2
@@ -80,6 +98,9 @@ def run_preflight(args: argparse.Namespace) -> int:
     n = args.nproc_per_node
     ranks = [Identity(args.node_rank * n + lr, lr, host, job) for lr in range(n)]
     problems = check(launch, ranks)
+    if getattr(args, "json", False):
+        print(json.dumps(preflight_json(launch, ranks, problems), indent=1))
+        return 2 if problems else 0
     if not problems:
         return 0
     first, rest = problems[0], problems[1:]

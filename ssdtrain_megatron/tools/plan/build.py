@@ -1,18 +1,20 @@
 """``ssdtrain plan``'s result: the preset on a node, planned across keep, host, SSD and recompute
 (the library's plan/stage.py and plan/tiers.py), as the JSON-ready dict ``plan --json`` prints.
 
-What the preset's offload: section says is what is planned: ``policy`` (keep: nothing leaves
-GPU memory; offload: every layer but the last keep_last_layers leaves it; adaptive: as much
-leaves as the activation budget needs), ``engine`` (posix, aio, gds: the drives; memory: host
-memory; tiered: both) and ``recompute_fallback`` (recompute is a place). Flags override each;
-an engine neither names follows the node, as the job's would (engine.py).
+The settings planned are the job's: plan/job.py's :func:`job_settings` (the one sequence the
+pre-flight and install() run too) decides engine, policy, recompute fallback, host pool and the
+place of each layer; this module only adds what the table and ``--json`` show around them
+(tiers, bandwidth, lifespan, the memory, the largest micro-batch), and, where the engine is
+named, what the node would have chosen.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from ...config import OffloadConfig
 from ...plan.fit import DEFAULT_JOB_DAYS, beyond_the_node, reserve_bytes
 from ...plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
 from ...plan.memory import activation_budget
@@ -22,8 +24,8 @@ from ...plan.node import DEFAULT_NODE, NodeProfile, load_profile
 from ...plan.placing import places_for, plan_policy
 from ...plan.shape import ModelShape, SaveProfile
 from ...plan.stage import Stage, full_recompute_fits, plan_stage, stage
+from ...plan.job import Job, Settings, job_settings
 from ...plan.tiers import PLACES, TierPlan
-from . import engine as engine_settings
 
 ITERATION_LABEL = ("per iteration: every micro-batch's forward and backward on one GPU of the "
                    "first pipeline stage, with the pipeline bubble")
@@ -100,29 +102,23 @@ def tier_summary(plan: TierPlan, st: Stage, budget: int) -> Dict[str, Any]:
     }
 
 
-def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
-               node: NodeProfile, node_source: str = "",
-               profile: SaveProfile = SaveProfile.paper(), *,
-               given: Mapping[str, str]) -> Dict[str, Any]:
-    """The whole plan as a JSON-ready dict (what ``ssdtrain plan --json`` prints). ``given``:
-    the OffloadConfig fields the preset or the flags set (engine.given_fields); the engine
-    follows the node where it is not among them."""
-    m = args.num_micro_batches
-    original = offload
-    offload, choice = engine_settings.plan_settings(offload, given, args, shape, node, m)
-    policy, engine, recompute = offload.policy, offload.engine, offload.recompute_fallback
-    places = places_for(engine, recompute)
-    keep_last = offload.keep_last_layers
+def build_plan(job: Job, settings: Settings, args: argparse.Namespace,
+               node_source: str = "") -> Dict[str, Any]:
+    """The whole plan of ``settings`` (``job_settings(job)``) as a JSON-ready dict (what
+    ``ssdtrain plan --json`` prints)."""
+    shape, node, profile = job.shape, job.node.replace(host_memory_bytes=job.host_bytes or 0), job.profile
+    offload, choice, plan, st = settings.config, settings.choice, settings.plan, settings.stage
+    m = settings.num_micro_batches
+    policy = settings.planned_policy
+    places = places_for(offload.engine, offload.recompute_fallback)
+    keep_last, ahead = offload.keep_last_layers, offload.prefetch_layers
     memory = activation_budget(shape, node.gpu_memory_bytes, getattr(args, "activation_budget", None),
                                offload.activation_budget_bytes,
-                               reserve=reserve_bytes(getattr(args, "memory_reserve", None),
-                                                     node.gpu_memory_bytes))
-    budget = memory["activation_budget_bytes"]
-    st = stage(shape, profile, node, m)
-    ahead = offload.prefetch_layers
-    plan = plan_policy(st, node, policy, places, budget, offload)
+                               reserve=reserve_bytes(job.memory_reserve, node.gpu_memory_bytes))
+    budget = settings.plan_budget_bytes
     every = plan_stage(st, node, budget_bytes=budget, places=PLACES, keep_last_layers=keep_last,
                        prefetch_layers=ahead)
+    plan_node = node.replace(host_memory_bytes=max((job.host_bytes or 0) - offload.staging_bytes(), 0))
 
     job_days = getattr(args, "job_days", None) or DEFAULT_JOB_DAYS
 
@@ -135,8 +131,8 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
         def check(b: int) -> bool:
             sized = shape.replace(micro_batch=b)
             if mode == "planned":  # and on the node: host memory, staging, the drives' life
-                sized_stage = stage(sized, profile, node, m)
-                sized_plan = plan_policy(sized_stage, node, policy, places, budget, offload)
+                sized_stage = stage(sized, profile, plan_node, m)
+                sized_plan = plan_policy(sized_stage, plan_node, policy, places, budget, offload)
                 return tier_summary(sized_plan, sized_stage, budget)["fits_budget"] \
                     and feasible_on_node(sized_plan) is None
             if mode == "recompute":
@@ -148,12 +144,14 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
     summary = tier_summary(plan, st, budget)
     life = lifespan(plan, node)
     result = {
-        "config": args.config,
+        "config": getattr(args, "config", None),
         "node": {**node.to_dict(), "ssd_write_gbps": node.ssd_write_gbps,
                  "ssd_read_gbps": node.ssd_read_gbps},
         "node_source": node_source,
-        "policy": policy, "engine": engine, "places": list(places),
-        "recompute_fallback": recompute,
+        "policy": offload.policy, "planned_policy": policy, "engine": offload.engine,
+        "places": list(places), "recompute_fallback": offload.recompute_fallback,
+        "settings": settings.summary(), "settings_line": settings.line(),
+        "notes": list(settings.notes),
         "engine_choice": {"engine": choice.engine, "followed_the_node": choice.followed,
                           "reason": choice.reason, "host_memory_bytes": offload.host_memory_bytes},
         "model": {name: getattr(shape, name) for name in shape.__dataclass_fields__},
@@ -172,7 +170,7 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
         **summary,
         "budget_bytes": budget,
         "staging_default_bytes": offload.staging_bytes(),
-        "host_capacity_bytes": node.host_memory_bytes,
+        "host_capacity_bytes": plan_node.host_memory_bytes,
         "lifespan_rated_years": life["rated_years"] if life else None,
         "lifespan": life,
         "tp_comm_s_per_layer": st.tp_comm_s,
@@ -185,9 +183,17 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
         "job_days": job_days,
         "beyond_the_node": feasible_on_node(plan),
     }
-    default = None
+    result["slower_than_the_node"] = None
     if not choice.followed:  # what the node would choose, to say when it plans faster
-        unnamed, plain = engine_settings.without_the_engine(given, args)
-        default = build_plan(shape, original, plain, node, node_source, profile, given=unnamed)
-    result["slower_than_the_node"] = engine_settings.slower_than_the_node(result, default, choice)
+        default = job_settings(dataclasses.replace(
+            job, offload=job.offload.replace(engine=OffloadConfig().engine),
+            given={k: v for k, v in job.given.items() if k != "engine"}))
+        if default.plan is not None and default.config.engine != offload.engine \
+                and default.plan.iteration_s < plan.iteration_s * (1 - 1e-9):
+            result["slower_than_the_node"] = {
+                "engine": default.config.engine, "reason": default.choice.reason,
+                "policy": default.config.policy,
+                "places": list(places_for(default.config.engine, default.config.recompute_fallback)),
+                "iteration_s": default.plan.iteration_s,
+                "vs_keep": default.plan.iteration_s / default.stage.keep_iteration_s}
     return result

@@ -13,14 +13,15 @@ import json
 import sys
 from typing import Any, Callable, Optional, Tuple
 
+from ...plan.engine_choice import size as size_text
 from ...plan.lifespan import RETENTION_FACTOR, WAF, WAF_RATED, ssd_lifespan
-from ...plan.node import NodeProfile, profile_from_preset
+from ...plan.node import NodeProfile
 from ...plan.shape import ModelShape
 from ..cli_types import (PRESET_HELP, deprecated_alias, positive_float, preset_arg, size_with_unit,
                          size_with_unit_or_fraction, size_with_unit_zero_or_fraction)
 from .report import _bytes, _duration, print_plan
 
-PRESET_SECTIONS = ("model", "parallel", "offload", "node")
+from ...plan.preset_file import SECTIONS as PRESET_SECTIONS
 
 
 # -- argument types (argparse names the flag in its error) -----------------------------------
@@ -150,8 +151,16 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "host link carries the SSD tier's bytes too). For one GPU of the first "
                     "pipeline stage (under 1F1B it has the most micro-batches in flight). "
                     "Figures are the model's, not measurements. Decimal units: 1 GB = 1e9 B.")
-    parser.add_argument("--config", required=True, metavar="PRESET", type=preset_arg,
-                        help=f"{PRESET_HELP}, with model:, parallel:, offload: (and node:) sections")
+    parser.add_argument("--config", default=None, metavar="PRESET", type=preset_arg,
+                        help=f"{PRESET_HELP}, with model:, parallel:, offload: (and node:) "
+                             "sections; not needed with the job's arguments after -- (their "
+                             "--ssd-offload-config)")
+    parser.add_argument("launch_args", nargs="*", metavar="-- LAUNCHER_ARGS",
+                        help="the job's own launcher arguments (Megatron's flags and the "
+                             "--ssd-offload flags, as ssdtrain-pretrain gets them): plan exactly "
+                             "what the job will run (the settings `ssdtrain doctor --preflight "
+                             "--json -- ARGS` prints per rank). --node, --gpus (the world size) "
+                             "and --host-memory (per GPU, staging included) still apply")
     parser.add_argument("--node", default=None, metavar="NAME|PATH", type=_node_arg,
                         help="the node: a built-in profile (" + ", ".join(BUILTIN) + ") or a "
                              "profile file (ssdtrain doctor --node-profile writes one); default: "
@@ -261,26 +270,6 @@ def load_preset(path: str) -> Tuple[ModelShape, int]:
     return shape, offload.keep_last_layers
 
 
-def _preset_data(path: str) -> dict:
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except OSError as exc:
-        raise ValueError(f"--config: cannot read {path!r}: {exc.strerror or exc}")
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--config: {path!r} is not valid YAML: "
-                         + " ".join(str(exc).split()))
-    if not isinstance(data, dict) or "model" not in data:
-        raise ValueError(f"{path}: expected a mapping with a model: section")
-    unknown = sorted(str(k) for k in data if k not in PRESET_SECTIONS)
-    if unknown:
-        raise ValueError(f"{path}: unknown section(s) {', '.join(unknown)}; allowed: "
-                         + ", ".join(PRESET_SECTIONS))
-    return data
-
-
 def read_preset(path: str) -> Tuple[ModelShape, Any]:
     """(shape, OffloadConfig of its offload: section) from a preset file.
 
@@ -288,68 +277,158 @@ def read_preset(path: str) -> Tuple[ModelShape, Any]:
         ValueError: unreadable file, unknown section or key, invalid value; one line that
             names the file and the key.
     """
-    from ...config import OffloadConfig
+    from ...plan.preset_file import read_preset as read
 
-    data = _preset_data(path)
+    preset = read(path, strict=True)
     try:
-        shape = ModelShape.from_preset(data["model"], data.get("parallel"))
-        offload = OffloadConfig.from_dict(data.get("offload") or {}, source="offload")
+        return preset.shape(), preset.config(source="offload")
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: {exc}")
-    return shape, offload
+        raise ValueError(f"{path}: {exc}") from None
 
 
-def preset_node(path: str) -> Optional[NodeProfile]:
-    """The node a preset's node: section names (a profile's name or path, or a mapping of its
-    fields with base: and overrides), or None without one.
+PLAN_FLAGS = {"engine": "--engine", "policy": "--policy", "recompute_fallback": "--recompute-fallback",
+              "activation_budget_bytes": "--activation-budget"}
+"""The OffloadConfig fields ``ssdtrain plan`` has a flag for, and the flag (its own spelling of
+the job's --ssd-offload-* flags)."""
+
+
+class FitAnswered(Exception):
+    """The fit answer (the job does not fit, and what would) was printed: exit with ``code``."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def plan_job(args: argparse.Namespace):
+    """The Job ``ssdtrain plan`` plans from its own flags, with its size (job_size.JobSize).
 
     Raises:
-        ValueError: one line naming the file, the key and what is allowed.
+        ValueError: the preset, the node or the job's size is invalid (one line).
     """
-    data = _preset_data(path)
-    if data.get("node") is None:
-        return None
+    from ...plan.job import Job
+    from ...plan.preset_file import read_preset as read
+    from .build import node_for
+    from .fit_answer import refuse_unfit
+    from .job_size import job_size
+
+    preset = read(args.config, strict=True)
     try:
-        return profile_from_preset(data["node"], source=f"{path}: node")
-    except ValueError as exc:
-        raise ValueError(str(exc)) from None
+        shape, offload = preset.shape(), preset.config(source="offload")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{args.config}: {exc}") from None
+    node_section = preset.node_profile()  # its messages name the file
+    changes = {name: getattr(args, flag) for name, flag in
+               (("micro_batch", "micro_batch"), ("dp", "dp"),
+                ("distributed_optimizer", "distributed_optimizer"))
+               if getattr(args, flag, None) is not None}
+    shape = shape.replace(**changes)
+    node, source = node_for(args, node_section)
+    if not args.search:  # fit first (plan/fit.py): a job that does not fit says so, and what would
+        unfit = refuse_unfit(shape, args, node)
+        if unfit is not None:
+            raise FitAnswered(unfit)
+    size = job_size(shape, args, node, search=args.search)
+    given = {name: "the preset" for name in preset.fields()}
+    values = {"engine": args.engine, "policy": args.policy,
+              "recompute_fallback": args.recompute_fallback,
+              "activation_budget_bytes": getattr(args, "activation_budget", None)}
+    values = {k: v for k, v in values.items() if v is not None}
+    given.update({k: PLAN_FLAGS[k] for k in values})
+    offload = offload.replace(**values) if values else offload
+    named_m = args.num_micro_batches is not None or args.global_batch_size is not None
+    job = Job(offload, given, shape.replace(dp=size.dp) if size.dp else shape, node,
+              node.host_memory_bytes, f"{size_text(node.host_memory_bytes)} host memory per "
+              f"GPU ({node.name})", size.num_micro_batches if named_m else None,
+              memory_reserve=args.memory_reserve)
+    return job, size, source
+
+
+def launcher_job(args: argparse.Namespace):
+    """The Job of the launcher arguments after ``--``, read by the launcher's own door
+    (megatron/follow_node.py), on --node (else --ssd-offload-node, the preset's, dgx-h100) with
+    --host-memory (else the node's) per GPU and --gpus (or --nodes) as the world size.
+
+    Raises:
+        ValueError: the flags, the preset or the layout are invalid (one line).
+    """
+    import dataclasses
+
+    from ...megatron.follow_node import job_from_args, megatron_namespace
+    from ...megatron.preflight import parse_flags
+    from ...plan.node import load_profile
+    from ...plan.preset_file import preset_of
+    from .build import node_for
+
+    if args.memory_reserve is not None:
+        raise ValueError("--memory-reserve: the job's launcher has no such flag, so the job runs "
+                         "with the default reserve; plan the preset with --config to try another")
+    flags = parse_flags(args.launch_args)
+    if not flags.ssd_offload:
+        raise ValueError("the arguments after -- have no --ssd-offload: nothing is offloaded")
+    if args.config is not None and flags.ssd_offload_config is None:
+        flags.ssd_offload_config = args.config
+    preset = preset_of(flags.ssd_offload_config) if flags.ssd_offload_config else None
+    if args.node is not None:
+        base = None  # node_for takes --node
+    elif flags.ssd_offload_node is not None:
+        base = load_profile(flags.ssd_offload_node)
+    else:
+        base = preset.node_profile() if preset else None
+    node, source = node_for(args, base)
+    world = args.gpus or (args.nodes * node.gpus_per_node if args.nodes else None)
+    job = job_from_args(flags, megatron_namespace(args.launch_args, world), None, node=node)
+    job = dataclasses.replace(job, host_bytes=node.host_memory_bytes,
+                              host_text=f"{size_text(node.host_memory_bytes)} host memory per "
+                                        f"GPU ({node.name})")
+    return job, source
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from .build import build_plan, node_for
-    from .engine import given_fields
-    from .fit_answer import fit_line, refuse_unfit
+    from ...megatron.preflight import FlagError
+    from ...plan.job import job_settings
+    from .build import build_plan
+    from .fit_answer import fit_line
     from .headline import against_without_offload, headline
-    from .job_size import job_size
 
+    if args.config is None and not args.launch_args:
+        return _error("plan", "give --config PRESET, or the job's launcher arguments after --")
     try:
-        shape, offload = read_preset(args.config)
-        changes = {name: getattr(args, flag) for name, flag in
-                   (("micro_batch", "micro_batch"), ("dp", "dp"),
-                    ("distributed_optimizer", "distributed_optimizer"))
-                   if getattr(args, flag, None) is not None}
-        shape = shape.replace(**changes)
-        node, source = node_for(args, preset_node(args.config))
-        # fit first (plan/fit.py): a job that does not fit says so, and what would, before a plan
-        unfit = None if args.search else refuse_unfit(shape, args, node)
-        if unfit is not None:
-            return unfit
-        size = job_size(shape, args, node, search=args.search)
-    except ValueError as exc:
-        return _error("plan", str(exc))
-    if args.search:
-        from .search import run_search
+        if args.launch_args:
+            if args.search:
+                raise ValueError("--search ranks layouts of --config: give no arguments after --")
+            job, source = launcher_job(args)
+            size = None
+        else:
+            job, size, source = plan_job(args)
+        if args.search:
+            from .search import run_search
 
-        return run_search(shape, offload, args, node, source, size)
-    shape = shape.replace(dp=size.dp)
-    args = argparse.Namespace(**{**vars(args), "num_micro_batches": size.num_micro_batches})
-    given = given_fields(args, (_preset_data(args.config).get("offload") or {}).keys())
-    result = build_plan(shape, offload, args, node, source, given=given)
+            return run_search(job.shape, job.offload, args, job.node, source, size)
+        if job.shape is None:
+            raise ValueError("no model to plan: give --ssd-offload-config a preset with a "
+                             "model: section, or Megatron's --num-layers, --hidden-size, "
+                             "--num-attention-heads, --seq-length and --micro-batch-size")
+        settings = job_settings(job)
+    except FitAnswered as answered:
+        return answered.code
+    except (ValueError, FlagError) as exc:
+        return _error("plan", str(exc))
+    result = build_plan(job, settings, args, source)
+    shape = job.shape
+    if size is None:
+        from .job_size import JobSize
+
+        gpus = shape.dp * shape.model_parallel
+        size = JobSize(gpus, shape.dp * shape.micro_batch * settings.num_micro_batches,
+                       shape.dp, settings.num_micro_batches,
+                       "" if args.gpus or args.nodes else f"{gpus} GPUs = dp {shape.dp} x "
+                       f"tp {shape.tp} x pp {shape.pp} x cp {shape.cp} (--gpus: the world size)")
     result.update(gpus=size.gpus, global_batch=size.global_batch, assumed=size.assumed)
-    result["fit"] = fit_line(shape, args, node, size.num_micro_batches)
+    result["fit"] = fit_line(shape, args, job.node, size.num_micro_batches)
     # the headline: against the best that runs without offload on these GPUs (headline.py)
-    result["without_offload"] = against_without_offload(shape, args, node, result,
-                                                         offload.keep_last_layers)
+    result["without_offload"] = against_without_offload(shape, args, job.node, result,
+                                                         settings.config.keep_last_layers)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

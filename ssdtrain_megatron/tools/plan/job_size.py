@@ -1,7 +1,7 @@
 """The size of the job ``ssdtrain plan`` plans: how many GPUs and how many sequences per
 iteration (Megatron's global batch), from --gpus or --nodes, --global-batch-size, or, where
 they are not given, from the preset (its dp x tp x pp x cp GPUs; dp x micro-batch x
---num-microbatches sequences), saying so in the plan's first line.
+--num-microbatches, else the pipeline's depth, sequences), saying so in the plan's first line.
 
 Megatron's rules hold: the GPUs are a multiple of the model-parallel size (tp x pp x cp), and
 the global batch a multiple of the micro-batch times the data-parallel size; a value that
@@ -80,8 +80,9 @@ def job_size(shape: ModelShape, args: argparse.Namespace, node: NodeProfile,
     b, m_given = shape.micro_batch, getattr(args, "num_micro_batches", None)
     gbs = getattr(args, "global_batch_size", None)
     if gbs is None:
-        m = m_given or 1
-        batch = f"{(dp or 1) * b * m} sequences = dp {dp} x micro-batch {b} x {m} micro-batch(es)"
+        m = m_given or shape.pp  # as the job's settings assume (plan/job.py)
+        batch = (f"{(dp or 1) * b * m} sequences = dp {dp} x micro-batch {b} x {m} micro-batch(es)"
+                 + ("" if m_given else " (the pipeline's depth)"))
         return JobSize(gpus, (dp or 1) * b * m, dp, m, _assumed(assumed_gpus, batch))
     per_step = b * dp if dp else None
     if per_step and gbs % per_step:

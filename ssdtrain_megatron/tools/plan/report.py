@@ -51,6 +51,9 @@ def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str =
           + (f"; {assumptions(r)}" if "memory" in r else ""))
     print(f"policy {r['policy']}, engine {r['engine']}: places " + ", ".join(r["places"]))
     print(r["engine_choice"]["reason"])
+    print("the job runs: " + r["settings_line"])
+    for note in r.get("notes", ()):
+        print(f"note: {note}")
     print(f"{'layer':>5}  {'bytes':>18}  place   (layers numbered from 1, as Megatron does)")
     for row in r["layers"]:
         print(f"{row['layer']:>5}  {row['bytes']:>18,}  {row['decision']}")
