@@ -26,7 +26,7 @@ from ssdtrain_megatron.plan.node import load_profile
 from ssdtrain_megatron.plan.preset_file import read_preset
 from ssdtrain_megatron.presets import preset_names, resolve_preset
 from ssdtrain_megatron.tools.cli import build_parser
-from ssdtrain_megatron.tools.plan.cli import launcher_job, plan_job
+from ssdtrain_megatron.tools.plan.cli import FitAnswered, launcher_job, plan_job
 from tests.test_one_sequence import GB, config_fields, free_for, install_path, of_config
 
 PRESETS = preset_names()
@@ -63,6 +63,8 @@ def _combinations(measured: str) -> List[Tuple]:
 def _outcome(call) -> Tuple[str, Any]:
     try:
         return "ok", call()
+    except FitAnswered as answered:  # plan's own flags: the job does not fit (plan/fit.py)
+        return "does not fit", answered.code
     except (ValueError, LaunchError) as exc:  # JobError, FlagError, LaunchError: one line
         return "refused", str(exc)
 

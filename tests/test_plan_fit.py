@@ -222,7 +222,9 @@ def test_the_largest_micro_batch_counts_host_memory_staging_and_the_drives_life(
     assert out["largest_micro_batch"]["planned"] == 17 and out["beyond_the_node"] is None
     assert main([*argv, "--micro-batch-size", "18", "--json"]) == 0
     over = json.loads(capsys.readouterr().out)
-    assert over["beyond_the_node"].startswith("host pool 141.6 GB + pinned staging 37.4 GB > "
+    # staging holds the read-ahead window the runtime opens by time (issue 57), the pool what
+    # host memory has left after it
+    assert over["beyond_the_node"].startswith("host pool 121.4 GB + pinned staging 52.5 GB > "
                                               "150.0 GB of host memory per GPU")
     assert main([*argv, "--job-days", "100", "--json"]) == 0  # b=17's drives last 183 days
     assert json.loads(capsys.readouterr().out)["largest_micro_batch"]["planned"] <= 17
