@@ -157,7 +157,9 @@ def command_problems(command: str, where: str, subs: Dict[str, Set[str]], megatr
         if sub not in subs:
             problems.append(f"{where}: ssdtrain {sub}: no such subcommand")
             continue
-        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest):
+        # after a lone --: the job's launcher arguments (plan, doctor --preflight), checked as
+        # --ssd-offload flags above
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", re.split(r"\s--(?:\s|$)", rest)[0]):
             if flag not in subs[sub]:
                 problems.append(f"{where}: ssdtrain {sub} has no {flag}")
     for m in re.finditer(r"(?:^|[\s;&|(`])make\s+([A-Za-z0-9_.-]+)", command):

@@ -144,7 +144,7 @@ def build_plan(job: Job, settings: Settings, args: argparse.Namespace,
     summary = tier_summary(plan, st, budget)
     life = lifespan(plan, node)
     result = {
-        "config": getattr(args, "config", None),
+        "config": getattr(args, "config", None) or "the job's launcher arguments (after --)",
         "node": {**node.to_dict(), "ssd_write_gbps": node.ssd_write_gbps,
                  "ssd_read_gbps": node.ssd_read_gbps},
         "node_source": node_source,
