@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .model import (forward_flops_per_layer, head_activation_terms, layer_activation_bytes,
-                    local_sequence_shape)
+from .model import (attention_core_flops, forward_flops_per_layer, head_activation_terms,
+                    layer_activation_bytes, local_sequence_shape)
 from .node import NodeProfile
 from .policy import LayerMeasurement
 from .shape import ModelShape, SaveProfile
@@ -107,8 +107,7 @@ def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
     if shape.recompute == "full":
         again = compute + comm
     elif shape.recompute == "selective":  # the core attention: scores and values over s^2
-        again = 4 * shape.micro_batch * shape.seq_len ** 2 * shape.query_width / gpus \
-            / node.gpu_flops
+        again = attention_core_flops(shape) / gpus / node.gpu_flops
     else:
         again = 0.0
     layer = LayerMeasurement(

@@ -55,8 +55,8 @@ def assumptions(r: Dict[str, Any]) -> str:
     reserve = r["memory"].get("reserve_bytes", 0) / 1e9
     return (f"assumed: {node['gpu_tflops']:g} TFLOP/s per GPU at every micro-batch (GEMM "
             "efficiency by tokens is not modelled: --gpu-tflops or a measured profile replaces "
-            "it); attention FLOPs over the full s^2 square (causal flash attention does about "
-            "half: long sequences read slow); TP within one node's NVLink at "
+            "it); attention FLOPs over half the s^2 square with flash attention (causal: its "
+            "kernels skip the masked half), the full square unfused; TP within one node's NVLink at "
             f"{node['nvlink_gbps']:g} GB/s; the host link {node['host_link_gbps']:g} GB/s per GPU "
             "with every GPU copying at once, the memory bus they share not checked; no "
             "data-parallel or pipeline communication, no expert all-to-all, no virtual pipeline; "
