@@ -80,3 +80,35 @@ def test_a_drive_slower_than_the_plan_needs_stalls_the_iteration(capsys):
     assert 10 * slow["compute_s"] * (1 - 1e-6) <= slow["iteration_s"] <= 10.5 * slow["compute_s"]
     ssd = slow["bandwidth_gbps"]["ssd"]
     assert 0.95 * ssd["available"] <= ssd["used"] <= ssd["available"] * (1 + 1e-6)
+
+
+def test_the_host_memory_bus_is_shared_by_the_nodes_gpus(capsys, tmp_path):
+    """The issue's case: qwen3-30b-a3b on a DGX H100 planned 8 GPUs x 2 directions x 48 GB/s =
+    768 GB/s of host copies against its two Xeons' 614 GB/s of DDR5. Each GPU's host tier now
+    runs at min(link, bus / GPUs / 2) = 38.4 GB/s each way, and the node's copies stay within
+    its bus; a profile that does not know its bus (host_memory_gbps: null) plans the link alone
+    and says so. Broken variant (plan/stage.py pricing the host tier at host_link_gbps): 48."""
+    out = _plan(capsys, "--config", "qwen3-30b-a3b", "--node", "dgx-h100")
+    host = out["bandwidth_gbps"]["host"]
+    assert host["available"] == pytest.approx(614.4 / 8 / 2)
+    assert 8 * 2 * host["used"] <= 614.4 * (1 + EPS)
+    assert out["node"]["host_copy_gbps"] == pytest.approx(38.4)
+    unknown = tmp_path / "bus-unknown.yaml"
+    unknown.write_text("base: dgx-h100\nhost_memory_gbps: null\n")
+    out = _plan(capsys, "--config", "qwen3-30b-a3b", "--node", str(unknown))
+    assert out["bandwidth_gbps"]["host"]["available"] == pytest.approx(48.0)
+    assert main(["plan", "--config", "qwen3-30b-a3b", "--node", str(unknown)]) == 0
+    assert "the memory bus they share not known" in capsys.readouterr().out
+    gh200 = BUILTIN["gh200"]  # one GPU, NVLink-C2C faster than its LPDDR5X both ways at once
+    assert gh200.host_copy_gbps == pytest.approx(min(300.0, 512.0 / 2))
+
+
+def test_a_bad_host_memory_bus_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: dgx-h100\nhost_memory_gbps: -1\n")
+    with pytest.raises(SystemExit) as exc:  # argparse's --node type refuses it
+        main(["plan", "--config", "llama3-8b", "--node", str(bad)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "host_memory_gbps=-1 is invalid: expected a number > 0, or null" \
+        in err[0], err

@@ -158,7 +158,7 @@ def price_stage(st: Stage, node: NodeProfile, decisions, *, budget_bytes: Option
 def _tiers(st: Stage, node: NodeProfile, budget: Optional[int], places: Tuple[str, ...],
            keep_last_layers: int, cpu_s_per_byte: float, prefetch_layers: int) -> Tiers:
     return Tiers(budget_bytes=budget, host_capacity_bytes=node.host_memory_bytes,
-                 host_link_bps=node.host_link_gbps * 1e9,
+                 host_link_bps=node.host_copy_gbps * 1e9,  # the link or its share of the bus
                  ssd_write_bps=node.ssd_write_gbps * 1e9, ssd_read_bps=node.ssd_read_gbps * 1e9,
                  places=places, bubble_s=st.bubble_s + len(st.positions) * st.head_s,
                  cpu_s_per_byte=cpu_s_per_byte, backward_factor=st.backward_factor,

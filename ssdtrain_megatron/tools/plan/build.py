@@ -150,7 +150,7 @@ def build_plan(shape: ModelShape, offload: Any, args: argparse.Namespace,
     result = {
         "config": args.config,
         "node": {**node.to_dict(), "ssd_write_gbps": node.ssd_write_gbps,
-                 "ssd_read_gbps": node.ssd_read_gbps},
+                 "ssd_read_gbps": node.ssd_read_gbps, "host_copy_gbps": node.host_copy_gbps},
         "node_source": node_source,
         "policy": policy, "engine": engine, "places": list(places),
         "recompute_fallback": recompute,

@@ -57,10 +57,17 @@ def assumptions(r: Dict[str, Any]) -> str:
             "efficiency by tokens is not modelled: --gpu-tflops or a measured profile replaces "
             "it); attention FLOPs over half the s^2 square with flash attention (causal: its "
             "kernels skip the masked half), the full square unfused; TP within one node's NVLink at "
-            f"{node['nvlink_gbps']:g} GB/s; the host link {node['host_link_gbps']:g} GB/s per GPU "
-            "with every GPU copying at once, the memory bus they share not checked; no "
+            f"{node['nvlink_gbps']:g} GB/s; the host tier {node['host_copy_gbps']:.1f} GB/s each way "
+            f"per GPU with every GPU copying both ways at once ({_bus(node)}); no "
             "data-parallel or pipeline communication, no expert all-to-all, no virtual pipeline; "
             f"a {reserve:.1f} GB reserve")
+
+
+def _bus(node: Dict[str, Any]) -> str:
+    if node.get("host_memory_gbps") is None:
+        return f"the {node['host_link_gbps']:g} GB/s link; the memory bus they share not known"
+    return (f"the {node['host_link_gbps']:g} GB/s link, or the {node['host_memory_gbps']:g} GB/s "
+            f"memory bus shared by {node['gpus_per_node']} GPU(s), whichever is less")
 
 
 def keep_words(r: Dict[str, Any]) -> str:
