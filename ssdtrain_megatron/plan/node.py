@@ -103,10 +103,18 @@ class NodeProfile:
     reads), so its host tier runs at min(host_link_gbps, host_memory_gbps / gpus_per_node / 2)
     each way (:attr:`host_copy_gbps`). None: not known, the host link alone (said so)."""
 
+    gpu_tflops_by_tokens: Optional[Tuple[Tuple[int, float], ...]] = None
+    """Achieved TFLOP/s measured at given tokens per micro-batch on one GPU (b x s / cp: the rows
+    of its GEMMs), replacing ``gpu_tflops`` where given: small micro-batches run GEMMs below
+    the GPU's efficiency. A mapping in YAML (``{2048: 310, 8192: 400}``); a micro-batch gets the
+    figure measured at the most tokens not above its own (below the least, the least's): the
+    measurements as they are, no curve fitted between them. None: ``gpu_tflops`` at every
+    micro-batch (said so in the plan's assumptions)."""
+
     FIELDS = ("name", "gpus_per_node", "gpu_memory_bytes", "gpu_tflops", "host_memory_bytes",
               "host_link_gbps", "drives", "drive_write_gbps", "drive_read_gbps", "drive_tbw_tb",
-              "nvlink_gbps", "source", "host_memory_gbps")
-    OPTIONAL = ("source", "host_memory_gbps")
+              "nvlink_gbps", "source", "host_memory_gbps", "gpu_tflops_by_tokens")
+    OPTIONAL = ("source", "host_memory_gbps", "gpu_tflops_by_tokens")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -127,6 +135,9 @@ class NodeProfile:
             value = getattr(self, name)
             if not _is_number(value) or not 0 < value < float("inf"):
                 _fail(name, value, "expected a number > 0")
+        if self.gpu_tflops_by_tokens is not None:
+            object.__setattr__(self, "gpu_tflops_by_tokens",
+                               _tflops_table(self.gpu_tflops_by_tokens))
         if self.host_memory_gbps is not None and (
                 not _is_number(self.host_memory_gbps)
                 or not 0 < self.host_memory_gbps < float("inf")):
@@ -164,6 +175,16 @@ class NodeProfile:
         """Achieved FLOP/s of one GPU."""
         return self.gpu_tflops * 1e12
 
+    def flops_at(self, tokens: int) -> float:
+        """Achieved FLOP/s of one GPU at ``tokens`` per micro-batch (b x s / cp): the measured
+        figure at the most tokens not above it (:attr:`gpu_tflops_by_tokens`), else
+        :attr:`gpu_flops`."""
+        table = self.gpu_tflops_by_tokens
+        if not table:
+            return self.gpu_flops
+        below = [tflops for at, tflops in table if at <= tokens]
+        return (below[-1] if below else table[0][1]) * 1e12
+
     def describe(self) -> str:
         """One line: the figures the planner reads."""
         drives = (f"{self.drives} drives of {self.drive_write_gbps:g} / {self.drive_read_gbps:g} "
@@ -188,7 +209,10 @@ class NodeProfile:
 
     def to_dict(self) -> Dict[str, Any]:
         """The fields, in schema order (what :meth:`from_dict` and the YAML file hold)."""
-        return {name: getattr(self, name) for name in self.FIELDS}
+        out = {name: getattr(self, name) for name in self.FIELDS}
+        if self.gpu_tflops_by_tokens is not None:
+            out["gpu_tflops_by_tokens"] = dict(self.gpu_tflops_by_tokens)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "node") -> "NodeProfile":
@@ -255,6 +279,23 @@ class NodeProfile:
         except yaml.YAMLError as exc:
             raise ProfileError(f"{path}: not valid YAML: " + " ".join(str(exc).split())) from None
         return cls.from_dict(data if data is not None else {}, source=str(path))
+
+
+def _tflops_table(value: Any) -> Tuple[Tuple[int, float], ...]:
+    """``gpu_tflops_by_tokens`` as sorted (tokens, TFLOP/s) pairs, or one line on what is wrong."""
+    items = list(value.items()) if isinstance(value, Mapping) else value
+    allowed = "expected a mapping of tokens per micro-batch (an integer >= 1) to TFLOP/s (> 0)"
+    try:
+        pairs = [(at, tflops) for at, tflops in items]
+    except (TypeError, ValueError):
+        _fail("gpu_tflops_by_tokens", value, allowed)
+    if not pairs:
+        _fail("gpu_tflops_by_tokens", value, allowed + ", or null")
+    for at, tflops in pairs:
+        if not _is_int(at) or at < 1 or not _is_number(tflops) \
+                or not 0 < tflops < float("inf"):
+            _fail("gpu_tflops_by_tokens", value, allowed)
+    return tuple(sorted((int(at), float(tflops)) for at, tflops in pairs))
 
 
 # -- built-in profiles -------------------------------------------------------------------------

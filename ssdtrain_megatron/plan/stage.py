@@ -100,14 +100,16 @@ def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
           num_micro_batches: int) -> Stage:
     """The first stage of ``shape`` on ``node`` for a step of ``num_micro_batches``."""
     gpus = shape.tp * shape.cp
-    compute = forward_flops_per_layer(shape) / gpus / node.gpu_flops
+    # GEMM efficiency by the micro-batch's tokens where the profile measured it (flops_at)
+    flops = node.flops_at(shape.micro_batch * shape.seq_len // shape.cp)
+    compute = forward_flops_per_layer(shape) / gpus / flops
     comm = tp_comm_bytes(shape) / (node.nvlink_gbps * 1e9)
     head_flops = 3 * 2 * shape.seq_len * shape.micro_batch * shape.hidden * (shape.vocab or 0)
-    head_s = head_flops / gpus / shape.pp / node.gpu_flops
+    head_s = head_flops / gpus / shape.pp / flops
     if shape.recompute == "full":
         again = compute + comm
     elif shape.recompute == "selective":  # the core attention: scores and values over s^2
-        again = attention_core_flops(shape) / gpus / node.gpu_flops
+        again = attention_core_flops(shape) / gpus / flops
     else:
         again = 0.0
     layer = LayerMeasurement(

@@ -46,6 +46,8 @@ def node_for(args: argparse.Namespace, preset_node: Optional[NodeProfile]) -> Tu
         value = getattr(args, flag, None)
         if value is not None:
             changes[name] = value
+    if "gpu_tflops" in changes:  # the flag's figure at every micro-batch, not the profile's table
+        changes["gpu_tflops_by_tokens"] = None
     if changes.get("drives") == 0:
         changes.update(drive_write_gbps=0.0, drive_read_gbps=0.0, drive_tbw_tb=0.0)
     node = node.replace(**changes) if changes else node
