@@ -107,7 +107,7 @@ def why(without, with_) -> str:
         return "only offload fits"
     gain = with_.tokens_per_s_per_gpu / without.tokens_per_s_per_gpu
     if gain < PAYS or not with_.offloads:
-        return "does not pay: keeping is as fast"
+        return "does not pay: as fast without offload"
     a, b = without.shape, with_.shape
     reasons = []
     if b.tp * b.pp * b.cp < a.tp * a.pp * a.cp:
