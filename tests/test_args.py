@@ -163,7 +163,7 @@ def test_every_shipped_preset_composes_with_flags():
     (["--ssd-offload-config", "/nonexistent/preset.yaml"],
      "pretrain_gpt.py: error: argument --ssd-offload-config: /nonexistent/preset.yaml: no such "
      "file and no preset of that name; presets: cpu-tiny, gpt3-1.3b, llama2-13b, llama2-7b, "
-     "llama3-70b, llama3-8b, llama3-8b-128k, mixtral-8x7b, qwen3-30b-a3b"),
+     "llama3-70b, llama3-8b, llama3-8b-128k, llama3-8b-dgx, mixtral-8x7b, qwen3-30b-a3b"),
 ])
 def test_bad_value_fails_at_parse_time_naming_the_flag(argv, line, capsys):
     assert _fails(argv, capsys) == line

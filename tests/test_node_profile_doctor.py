@@ -29,7 +29,9 @@ def small(monkeypatch):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU's stand-ins")
 def test_the_profile_doctor_writes_loads_and_says_what_stands_in_for_the_gpu(tmp_path, small, capsys):
     """Broken by writing the drive's read figure as its write figure in measure_node: the
-    profile's drive_write_gbps is the read one (not the median of the write measurements)."""
+    profile's drive_write_gbps is the read one (not the median of the write measurements).
+    The host memory bus is the copy counted both ways (broken by leaving it out of the
+    profile: None, the plan would not check the bus)."""
     root = tmp_path / "nvme"
     root.mkdir()
     out = tmp_path / "node.yaml"
@@ -56,6 +58,10 @@ def test_the_profile_doctor_writes_loads_and_says_what_stands_in_for_the_gpu(tmp
     assert node.drive_read_gbps == round(drive["read_gbps"], 3) > 0
     assert node.gpu_tflops > 0 and node.host_link_gbps > 0 and node.host_memory_bytes > 0
     assert "no GPU, the CPU trains" in node.source and "drive_tbw_tb ASSUMED" in node.source
+    assert node.host_memory_gbps is not None and node.host_memory_gbps > 0
+    assert node.host_memory_gbps == pytest.approx(2 * node.host_link_gbps, rel=1e-3)
+    assert node.host_copy_gbps == pytest.approx(node.host_link_gbps, rel=1e-3)  # one "GPU"
+    assert "host_memory_gbps" in node.source
     assert f"written to {out}" in captured.err
     assert os.listdir(root) == []  # the measurement's files are gone
 

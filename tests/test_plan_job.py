@@ -28,7 +28,7 @@ def _lines(capsys, *argv):
 def test_the_issues_plan_puts_layers_in_host_memory_without_an_engine_flag(capsys):
     """llama3-70b names no engine: on a DGX H100 (150 GB of host memory per GPU) the plan is the
     tiered engine's, all four places, as fast as keeping everything. Broken variant (the plan
-    back on the preset's engine, posix by default): 16 layers recomputed, x1.203 keep."""
+    back on the preset's engine, posix by default): 16 layers recomputed, x1.204 keep."""
     out = _json(capsys, *ISSUE)
     assert (out["engine"], out["policy"], out["places"]) == \
         ("tiered", "adaptive", ["keep", "host", "ssd", "recompute"])
@@ -48,7 +48,7 @@ def test_a_named_engine_is_planned_and_said_to_be_slower_than_the_nodes(capsys):
     assert lines[2] == "policy adaptive, engine posix: places keep, ssd, recompute"
     assert lines[3] == "engine posix: named by --engine (posix)"
     assert lines[-1].startswith("slower than the node's       engine posix, named by --engine "
-                                "(posix), plans x1.203 keep; without it the engine follows the "
+                                "(posix), plans x1.204 keep; without it the engine follows the "
                                 "node: engine tiered: 150.0 GB host memory per GPU (dgx-h100)")
     assert lines[-1].endswith("; x1.000 keep")
     as_fast = _json(capsys, *ISSUE, "--engine", "tiered")

@@ -156,6 +156,34 @@ def test_recompute_adds_the_recomputed_forward():
         base + 32 * 4 * B * S * S * H
 
 
+def test_causal_flash_attention_computes_half_the_square():
+    """Flash attention's kernels skip the blocks above the causal mask's diagonal: the core
+    attention (scores and attention over values) is 2bs^2q, not 4bs^2q; unfused attention
+    computes the whole square and masks it. At 128k the square is most of a layer's FLOPs, so
+    the planned layer is that much shorter. Broken variant (4bs^2q with flash attention, the
+    full square): the forward FLOPs and the stage's compute are the unfused figures."""
+    from ssdtrain_megatron.plan.model import attention_core_flops
+    from ssdtrain_megatron.plan.node import load_profile
+    from ssdtrain_megatron.plan.stage import stage
+
+    shape = ModelShape(num_layers=1, hidden=4096, heads=32, ffn_hidden=14336, seq_len=131072,
+                       micro_batch=1, kv_groups=8, swiglu=True, flash_attention=True)
+    s, h = 131072, 4096
+    unfused = shape.replace(flash_attention=False)
+    assert attention_core_flops(unfused) == 4 * s * s * h
+    assert attention_core_flops(shape) == 2 * s * s * h
+    assert forward_flops_per_layer(unfused) - forward_flops_per_layer(shape) == 2 * s * s * h
+    selective = shape.replace(recompute="selective")
+    assert training_flops_per_micro_batch(selective) - training_flops_per_micro_batch(shape) \
+        == 2 * s * s * h  # the recomputed core: half the square too
+    node = load_profile("dgx-h100")
+    flash_s = stage(shape, SaveProfile.paper(), node, 1).layers[0].forward_s
+    unfused_s = stage(unfused, SaveProfile.paper(), node, 1).layers[0].forward_s
+    assert unfused_s / flash_s > 1.6  # 128k: the square is most of the layer
+    again = stage(selective, SaveProfile.paper(), node, 1).layout_recompute_s
+    assert again == pytest.approx(2 * s * s * h / node.gpu_flops, rel=1e-12)
+
+
 def test_gqa_and_swiglu_flops():
     shape = ModelShape(num_layers=1, hidden=4096, heads=32, ffn_hidden=11008, seq_len=4096,
                        micro_batch=1, kv_groups=8, swiglu=True)

@@ -138,9 +138,12 @@ def test_the_presets_prefetch_layers_is_how_far_ahead_the_plan_reads(capsys, pre
 def test_host_memory_takes_layers_the_greedy_alone_would_recompute(capsys):
     """Mixtral 8x7B at micro-batch 4 on a DGX H100, four micro-batches live on the first stage:
     moving one layer at a time, the greedy took recompute (a single host move stalls the forward
-    under the budget) and ended with four of eight layers recomputed, 1.12x keep; five layers in
-    host memory fit the budget at 1.002x keep (plan/tiers.py _prefer_prefix). Broken by leaving
-    _prefer_prefix out: vs_keep 1.120, 15.3 GB recomputed per micro-batch."""
+    under the budget) and ended with layers recomputed; host memory (23.8 GB per micro-batch)
+    fits the budget at 1.132x keep (plan/tiers.py _prefer_prefix; 1.021x over the 48 GB/s link
+    alone, before the host memory bus the 8 GPUs share, 38.4 GB/s each way, was counted;
+    1.002x before causal flash attention's half square, which leaves less compute to hide the
+    copies behind). Broken by leaving _prefer_prefix out: vs_keep 1.150, 19.1 GB recomputed per
+    micro-batch."""
     from tests.test_plan_model import main as cli
 
     # As the job runs it (issue 57): the budget GPU memory less the model state leaves, and a
@@ -154,5 +157,6 @@ def test_host_memory_takes_layers_the_greedy_alone_would_recompute(capsys):
                 "--ssd-offload-max-inflight-bytes", "8GB"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tiers"]["recompute"] == 0 and out["tiers"]["host"] > 0, out["tiers"]
-    # priced as the runtime reads ahead (not past a write under way): 1.034x keep
-    assert out["vs_keep"] < 1.05 and out["peak_bytes"] <= out["budget_bytes"], (out["vs_keep"], out["peak_bytes"])
+    # priced as the runtime reads ahead (not past a write under way), over the node's shared
+    # memory bus, with causal attention's half square: 1.132x keep
+    assert out["vs_keep"] < 1.14 and out["peak_bytes"] <= out["budget_bytes"], (out["vs_keep"], out["peak_bytes"])

@@ -31,8 +31,10 @@ LAYOUTS = {  # preset: (tp, pp)
     "mixtral-8x7b": (1, 4),
     "qwen3-30b-a3b": (1, 2),
     "llama3-8b-128k": (2, 1),
+    "llama3-8b-dgx": (1, 2),
     "cpu-tiny": (1, 1),
 }
+RAID = {"llama3-8b-dgx"}  # a DGX as it ships: one RAID-0 at /raid shared by the node's ranks
 GPU_PRESETS = [name for name in LAYOUTS if name != "cpu-tiny"]
 
 
@@ -79,11 +81,28 @@ def test_ssdtrain_plan_accepts_preset(name, capsys):
     assert plan["iteration_s"] >= plan["compute_s"] > 0
 
 
-@pytest.mark.parametrize("name", GPU_PRESETS)
+@pytest.mark.parametrize("name", [n for n in GPU_PRESETS if n not in RAID])
 def test_gpu_preset_writes_to_one_node_local_drive_per_local_rank_per_job(name):
     for template in OffloadConfig.from_yaml(_path(name)).dirs:
         assert template.startswith("/mnt/nvme{local_rank}/"), template
         assert template.endswith("/{job}"), template
+
+
+@pytest.mark.parametrize("name", sorted(RAID))
+def test_the_dgx_preset_gives_each_rank_its_folder_on_the_one_array(name, capsys):
+    """A stock DGX: one RAID-0 at /raid (docs/cluster.md). Every local rank writes its own
+    folder on it, the job's below; the plan is the DGX H100's, whose drive bandwidth per GPU is
+    the node's drives shared by its GPUs, what eight ranks get from one array striped over
+    them. Broken variants (the other presets' /mnt/nvme{local_rank} dirs; node: {base:
+    dgx-h100, drives: 1}, the array counted as one drive): the path or the bandwidth differs."""
+    dirs = OffloadConfig.from_yaml(_path(name)).dirs
+    assert list(dirs) == ["/raid/ssdtrain/{local_rank}/{job}"], dirs
+    assert cli.main(["plan", "--config", _path(name), "--num-microbatches", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    node = plan["node"]
+    assert node["name"] == "dgx-h100" and node["drives"] == 8 and node["gpus_per_node"] == 8
+    assert node["ssd_write_gbps"] == pytest.approx(8 * 3.8 / 8)
+    assert plan["bandwidth_gbps"]["ssd"]["available"] == pytest.approx(1 / (1 / 3.8 + 1 / 6.4))
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)

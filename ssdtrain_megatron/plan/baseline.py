@@ -7,7 +7,10 @@ It is :func:`plan.search.search`'s best without offload, found with fewer plans:
 iteration keeping every activation (``Stage.keep_iteration_s``, what its own recompute
 granularity adds included) is a lower bound on any plan of it without offload (recompute and
 waiting only add time), so layouts are planned fastest bound first, and the search stops at
-the first whose bound is slower than the best found. Pure: the analytic model.
+the first whose bound is slower than the best found. The same bound holds with offload (host
+memory and the drives only add waiting), so :func:`best_layout` finds the best with offload as
+fast: the README's table of where offload pays (scripts/plan_table.py) runs both per row. Pure:
+the analytic model.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import List, Optional, Tuple
 from .fit import DEFAULT_RESERVE_BYTES
 from .memory import model_state_bytes
 from .node import NodeProfile
-from .search import WITHOUT_OFFLOAD, Layout, layouts, plan_layout
+from .search import WITH_OFFLOAD, WITHOUT_OFFLOAD, Layout, layouts, plan_layout
 from .shape import ModelShape, SaveProfile
 from .stage import stage
 
@@ -26,6 +29,24 @@ def best_without_offload(base: ModelShape, gpus: int, global_batch: int, node: N
                          profile: SaveProfile = SaveProfile.paper(), keep_last_layers: int = 1,
                          reserve: int = DEFAULT_RESERVE_BYTES) -> Optional[Layout]:
     """The fastest layout without offload that fits (ties: search's order), or None."""
+    return best_layout(base, gpus, global_batch, node, WITHOUT_OFFLOAD, profile,
+                       keep_last_layers, reserve)
+
+
+def best_with_offload(base: ModelShape, gpus: int, global_batch: int, node: NodeProfile,
+                      profile: SaveProfile = SaveProfile.paper(), keep_last_layers: int = 1,
+                      reserve: int = DEFAULT_RESERVE_BYTES) -> Optional[Layout]:
+    """The fastest layout with offload (keep, host, SSD, recompute) that fits, or None: what
+    search's with-offload ranking puts first."""
+    return best_layout(base, gpus, global_batch, node, WITH_OFFLOAD, profile,
+                       keep_last_layers, reserve)
+
+
+def best_layout(base: ModelShape, gpus: int, global_batch: int, node: NodeProfile,
+                places: Tuple[str, ...], profile: SaveProfile = SaveProfile.paper(),
+                keep_last_layers: int = 1,
+                reserve: int = DEFAULT_RESERVE_BYTES) -> Optional[Layout]:
+    """The fastest layout planned with ``places`` that fits (ties: search's order), or None."""
     bounds: List[Tuple[float, Tuple[int, ...], ModelShape, int]] = []
     tokens = global_batch * base.seq_len
     for shape, m in layouts(base, gpus, global_batch, node):
@@ -40,7 +61,7 @@ def best_without_offload(base: ModelShape, gpus: int, global_batch: int, node: N
     for bound, _, shape, m in bounds:
         if best is not None and bound < best.tokens_per_s_per_gpu:
             break  # no plan of this layout, nor of any after it, can be faster
-        found = plan_layout(shape, m, node, WITHOUT_OFFLOAD, profile, global_batch, gpus,
+        found = plan_layout(shape, m, node, places, profile, global_batch, gpus,
                             keep_last_layers, reserve)
         if found is not None and (best is None or (-found.tokens_per_s_per_gpu, found.key())
                                   < (-best.tokens_per_s_per_gpu, best.key())):
@@ -58,4 +79,4 @@ def describe(x: Layout) -> str:
             + f" DP{s.dp}, b={s.micro_batch}, {how}")
 
 
-__all__ = ["best_without_offload", "describe"]
+__all__ = ["best_layout", "best_with_offload", "best_without_offload", "describe"]

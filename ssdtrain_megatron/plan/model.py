@@ -43,7 +43,8 @@ PEAK_MODES = ("keep", "offload", "recompute")
 
 __all__ = [
     "DTYPE_BYTES", "PAPER", "PEAK_MODES", "RECOMPUTE_GRANULARITIES", "ModelShape", "SaveProfile",
-    "estimate_step_time_s", "forward_flops_per_layer", "head_activation_terms",
+    "attention_core_flops", "estimate_step_time_s", "forward_flops_per_layer",
+    "head_activation_terms",
     "largest_micro_batch", "layer_activation_bytes", "layer_activation_terms",
     "peak_activation_bytes", "peak_disk_bytes", "required_write_gbps",
     "training_flops_per_micro_batch",
@@ -270,11 +271,22 @@ def head_activation_terms(shape: ModelShape, profile: SaveProfile = PAPER) -> Di
 # -- compute -----------------------------------------------------------------------------------
 
 
+def attention_core_flops(shape: ModelShape) -> int:
+    """FLOPs of one layer's core attention (scores and attention over values) for one
+    micro-batch: 4bs^2q over the full square unfused, half of it with flash attention, whose
+    kernels skip the blocks above a causal mask's diagonal (every model planned here is a
+    causal GPT); unfused attention computes the whole square and masks it after.
+    q = heads x head_dim."""
+    full = 4 * shape.micro_batch * shape.seq_len ** 2 * shape.query_width
+    return full // 2 if shape.flash_attention else full
+
+
 def forward_flops_per_layer(shape: ModelShape) -> int:
     """Matmul FLOPs of one layer's forward for one micro-batch, summed over the TP ranks.
 
-    QKV 2sbh(q + 2*g*hd), scores and attention over values 4bs^2q (the full square, as
-    megatron's own formula counts it), output projection 2sbqh, MLP 4sbhf (6sbhf with SwiGLU),
+    QKV 2sbh(q + 2*g*hd), scores and attention over values (:func:`attention_core_flops`:
+    4bs^2q unfused, as megatron's own formula counts it; half with causal flash attention),
+    output projection 2sbqh, MLP 4sbhf (6sbhf with SwiGLU),
     where q = heads x head_dim is the query width (h unless kv_channels says otherwise).
     A mixture of experts runs each token through top-k experts of width f_e (k times the MLP
     at f_e) plus the router 2sbhE.
@@ -283,7 +295,7 @@ def forward_flops_per_layer(shape: ModelShape) -> int:
     kv_width = shape.groups * shape.head_dim
     q = shape.query_width
     qkv = 2 * s * b * h * (q + 2 * kv_width)
-    attention = 4 * b * s * s * q
+    attention = attention_core_flops(shape)
     proj = 2 * s * b * q * h
     if shape.num_experts is not None:
         f_e = shape.moe_ffn_hidden or f
@@ -304,7 +316,7 @@ def training_flops_per_micro_batch(shape: ModelShape) -> int:
     if shape.recompute == "full":
         total += shape.num_layers * layer
     elif shape.recompute == "selective":
-        total += shape.num_layers * 4 * shape.micro_batch * shape.seq_len ** 2 * shape.query_width
+        total += shape.num_layers * attention_core_flops(shape)
     return total
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from ..sizes import parse_size_with_unit
 
@@ -96,9 +96,25 @@ class NodeProfile:
     source: str = ""
     """Where the figures come from (a datasheet, a measurement and its date)."""
 
+    host_memory_gbps: Optional[float] = None
+    """GB/s of the node's host memory, reads and writes together (DDR channels x their rate;
+    a DGX H100's two Xeons: 16 DDR5-4800 channels, 614 GB/s), shared by every GPU of the node.
+    Each GPU copies both ways at once (one micro-batch's forward writes while another's backward
+    reads), so its host tier runs at min(host_link_gbps, host_memory_gbps / gpus_per_node / 2)
+    each way (:attr:`host_copy_gbps`). None: not known, the host link alone (said so)."""
+
+    gpu_tflops_by_tokens: Optional[Tuple[Tuple[int, float], ...]] = None
+    """Achieved TFLOP/s measured at given tokens per micro-batch on one GPU (b x s / cp: the rows
+    of its GEMMs), replacing ``gpu_tflops`` where given: small micro-batches run GEMMs below
+    the GPU's efficiency. A mapping in YAML (``{2048: 310, 8192: 400}``); a micro-batch gets the
+    figure measured at the most tokens not above its own (below the least, the least's): the
+    measurements as they are, no curve fitted between them. None: ``gpu_tflops`` at every
+    micro-batch (said so in the plan's assumptions)."""
+
     FIELDS = ("name", "gpus_per_node", "gpu_memory_bytes", "gpu_tflops", "host_memory_bytes",
               "host_link_gbps", "drives", "drive_write_gbps", "drive_read_gbps", "drive_tbw_tb",
-              "nvlink_gbps", "source")
+              "nvlink_gbps", "source", "host_memory_gbps", "gpu_tflops_by_tokens")
+    OPTIONAL = ("source", "host_memory_gbps", "gpu_tflops_by_tokens")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -119,6 +135,14 @@ class NodeProfile:
             value = getattr(self, name)
             if not _is_number(value) or not 0 < value < float("inf"):
                 _fail(name, value, "expected a number > 0")
+        if self.gpu_tflops_by_tokens is not None:
+            object.__setattr__(self, "gpu_tflops_by_tokens",
+                               _tflops_table(self.gpu_tflops_by_tokens))
+        if self.host_memory_gbps is not None and (
+                not _is_number(self.host_memory_gbps)
+                or not 0 < self.host_memory_gbps < float("inf")):
+            _fail("host_memory_gbps", self.host_memory_gbps,
+                  "expected a number > 0, or null (not known)")
         for name in ("drive_write_gbps", "drive_read_gbps", "drive_tbw_tb"):
             value = getattr(self, name)
             low_ok = value >= 0 if self.drives == 0 else value > 0
@@ -139,9 +163,27 @@ class NodeProfile:
         return self.drives * self.drive_read_gbps / self.gpus_per_node
 
     @property
+    def host_copy_gbps(self) -> float:
+        """GB/s each way between one GPU and host memory when every GPU of the node copies
+        both ways at once: the link, or its share of the memory bus where that is less."""
+        if self.host_memory_gbps is None:
+            return self.host_link_gbps
+        return min(self.host_link_gbps, self.host_memory_gbps / self.gpus_per_node / 2)
+
+    @property
     def gpu_flops(self) -> float:
         """Achieved FLOP/s of one GPU."""
         return self.gpu_tflops * 1e12
+
+    def flops_at(self, tokens: int) -> float:
+        """Achieved FLOP/s of one GPU at ``tokens`` per micro-batch (b x s / cp): the measured
+        figure at the most tokens not above it (:attr:`gpu_tflops_by_tokens`), else
+        :attr:`gpu_flops`."""
+        table = self.gpu_tflops_by_tokens
+        if not table:
+            return self.gpu_flops
+        below = [tflops for at, tflops in table if at <= tokens]
+        return (below[-1] if below else table[0][1]) * 1e12
 
     def describe(self) -> str:
         """One line: the figures the planner reads."""
@@ -151,8 +193,14 @@ class NodeProfile:
                   if self.drives else "no drives")
         return (f"{self.name}: {self.gpus_per_node} GPUs of {self.gpu_memory_bytes / GB:g} GB at "
                 f"{self.gpu_tflops:g} TFLOP/s; host memory {self.host_memory_bytes / GB:g} GB per "
-                f"GPU over {self.host_link_gbps:g} GB/s each way; {drives}; NVLink "
+                f"GPU over {self.host_link_gbps:g} GB/s each way{self._bus()}; {drives}; NVLink "
                 f"{self.nvlink_gbps:g} GB/s")
+
+    def _bus(self) -> str:
+        if self.host_memory_gbps is None:
+            return " (the host memory bus they share: not known, not checked)"
+        return (f" (the {self.host_memory_gbps:g} GB/s host memory bus shared by "
+                f"{self.gpus_per_node} GPU(s) both ways: {self.host_copy_gbps:.1f} GB/s each)")
 
     def replace(self, **changes: Any) -> "NodeProfile":
         return dataclasses.replace(self, **changes)
@@ -161,7 +209,10 @@ class NodeProfile:
 
     def to_dict(self) -> Dict[str, Any]:
         """The fields, in schema order (what :meth:`from_dict` and the YAML file hold)."""
-        return {name: getattr(self, name) for name in self.FIELDS}
+        out = {name: getattr(self, name) for name in self.FIELDS}
+        if self.gpu_tflops_by_tokens is not None:
+            out["gpu_tflops_by_tokens"] = dict(self.gpu_tflops_by_tokens)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "node") -> "NodeProfile":
@@ -192,7 +243,7 @@ class NodeProfile:
                 except ValueError as exc:
                     raise ProfileError(f"{source}.{key}: {exc}") from None
             fields[key] = value
-        missing = [k for k in cls.FIELDS if k not in fields and k != "source"]
+        missing = [k for k in cls.FIELDS if k not in fields and k not in cls.OPTIONAL]
         if missing:
             raise ProfileError(f"{source}: missing key(s) {', '.join(missing)} (or give base: "
                                "a built-in profile to start from: " + ", ".join(BUILTIN) + ")")
@@ -230,6 +281,23 @@ class NodeProfile:
         return cls.from_dict(data if data is not None else {}, source=str(path))
 
 
+def _tflops_table(value: Any) -> Tuple[Tuple[int, float], ...]:
+    """``gpu_tflops_by_tokens`` as sorted (tokens, TFLOP/s) pairs, or one line on what is wrong."""
+    items = list(value.items()) if isinstance(value, Mapping) else value
+    allowed = "expected a mapping of tokens per micro-batch (an integer >= 1) to TFLOP/s (> 0)"
+    try:
+        pairs = [(at, tflops) for at, tflops in items]
+    except (TypeError, ValueError):
+        _fail("gpu_tflops_by_tokens", value, allowed)
+    if not pairs:
+        _fail("gpu_tflops_by_tokens", value, allowed + ", or null")
+    for at, tflops in pairs:
+        if not _is_int(at) or at < 1 or not _is_number(tflops) \
+                or not 0 < tflops < float("inf"):
+            _fail("gpu_tflops_by_tokens", value, allowed)
+    return tuple(sorted((int(at), float(tflops)) for at, tflops in pairs))
+
+
 # -- built-in profiles -------------------------------------------------------------------------
 
 _PM1733 = dict(drive_write_gbps=3.8, drive_read_gbps=6.4, drive_tbw_tb=7008.0)
@@ -243,32 +311,35 @@ def _builtin() -> Dict[str, NodeProfile]:
 
     profiles = (
         node("a100-80g", "DGX A100 640GB datasheet (8x A100 80GB, 2 TB memory, 8x 3.84 TB Gen4 "
-             "NVMe); 150 TFLOP/s: Megatron-LM's A100 runs (Narayanan et al. 2021); "
+             "NVMe; 2x EPYC 7742: 16 DDR4-3200 channels, 410 GB/s); 150 TFLOP/s: Megatron-LM's A100 runs (Narayanan et al. 2021); "
              "docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=80 * GB, gpu_tflops=150.0,
              host_memory_bytes=150 * GB, host_link_gbps=24.0, drives=8, nvlink_gbps=300.0,
-             **_PM1733),
-        node("dgx-h100", "DGX H100 datasheet (8x H100 80GB, 2 TB memory, 8x 3.84 TB NVMe U.2); "
+             host_memory_gbps=409.6, **_PM1733),
+        node("dgx-h100", "DGX H100 datasheet (8x H100 80GB, 2 TB memory, 8x 3.84 TB NVMe U.2; 2x Xeon "
+             "8480C: 16 DDR5-4800 channels, 614 GB/s); "
              "400 TFLOP/s: Megatron-Core's reported MFU on H100; docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=80 * GB, gpu_tflops=400.0,
              host_memory_bytes=150 * GB, host_link_gbps=48.0, drives=8, nvlink_gbps=450.0,
-             **_PM1733),
-        node("dgx-h200", "DGX H200 datasheet (8x H200 141GB, 2 TB memory, 8x 3.84 TB NVMe U.2); "
+             host_memory_gbps=614.4, **_PM1733),
+        node("dgx-h200", "DGX H200 datasheet (8x H200 141GB, 2 TB memory, 8x 3.84 TB NVMe U.2; 2x Xeon "
+             "8480C: 614 GB/s); "
              "H100's compute; docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=141 * GB, gpu_tflops=420.0,
              host_memory_bytes=150 * GB, host_link_gbps=48.0, drives=8, nvlink_gbps=450.0,
-             **_PM1733),
-        node("dgx-b200", "DGX B200 datasheet (8x B200 180GB, 2 TB memory, 8x 3.84 TB NVMe U.2); "
+             host_memory_gbps=614.4, **_PM1733),
+        node("dgx-b200", "DGX B200 datasheet (8x B200 180GB, 2 TB memory, 8x 3.84 TB NVMe U.2; 2x Xeon "
+             "8570: 16 DDR5-5600 channels, 717 GB/s); "
              "docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=180 * GB, gpu_tflops=900.0,
              host_memory_bytes=150 * GB, host_link_gbps=48.0, drives=8, nvlink_gbps=900.0,
-             **_PM1733),
-        node("gh200", "GH200 Grace Hopper superchip (96 GB HBM3, 480 GB LPDDR5X behind "
+             host_memory_gbps=716.8, **_PM1733),
+        node("gh200", "GH200 Grace Hopper superchip (96 GB HBM3, 480 GB LPDDR5X of up to 512 GB/s behind "
              "NVLink-C2C), one per node, two local Gen4 drives assumed; "
              "docs/models.md#node-profiles",
              gpus_per_node=1, gpu_memory_bytes=96 * GB, gpu_tflops=400.0,
              host_memory_bytes=288 * GB, host_link_gbps=300.0, drives=2, nvlink_gbps=450.0,
-             **_PM1733),
+             host_memory_gbps=512.0, **_PM1733),
         node("cloud-h100", "a cloud 8x H100 80GB instance with 1.8 TB memory and two local "
              "Gen4 NVMe drives (fewer drives than a DGX); docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=80 * GB, gpu_tflops=400.0,

@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .model import (forward_flops_per_layer, head_activation_terms, layer_activation_bytes,
-                    local_sequence_shape)
+from .model import (attention_core_flops, forward_flops_per_layer, head_activation_terms,
+                    layer_activation_bytes, local_sequence_shape)
 from .node import NodeProfile
 from .policy import LayerMeasurement
 from .shape import ModelShape, SaveProfile
@@ -100,15 +100,16 @@ def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
           num_micro_batches: int) -> Stage:
     """The first stage of ``shape`` on ``node`` for a step of ``num_micro_batches``."""
     gpus = shape.tp * shape.cp
-    compute = forward_flops_per_layer(shape) / gpus / node.gpu_flops
+    # GEMM efficiency by the micro-batch's tokens where the profile measured it (flops_at)
+    flops = node.flops_at(shape.micro_batch * shape.seq_len // shape.cp)
+    compute = forward_flops_per_layer(shape) / gpus / flops
     comm = tp_comm_bytes(shape) / (node.nvlink_gbps * 1e9)
     head_flops = 3 * 2 * shape.seq_len * shape.micro_batch * shape.hidden * (shape.vocab or 0)
-    head_s = head_flops / gpus / shape.pp / node.gpu_flops
+    head_s = head_flops / gpus / shape.pp / flops
     if shape.recompute == "full":
         again = compute + comm
     elif shape.recompute == "selective":  # the core attention: scores and values over s^2
-        again = 4 * shape.micro_batch * shape.seq_len ** 2 * shape.query_width / gpus \
-            / node.gpu_flops
+        again = attention_core_flops(shape) / gpus / flops
     else:
         again = 0.0
     layer = LayerMeasurement(
@@ -164,7 +165,7 @@ def _tiers(st: Stage, node: NodeProfile, budget: Optional[int], places: Tuple[st
            keep_last_layers: int, cpu_s_per_byte: float, prefetch_layers: int,
            max_inflight_bytes: Optional[int] = None) -> Tiers:
     return Tiers(budget_bytes=budget, host_capacity_bytes=node.host_memory_bytes,
-                 host_link_bps=node.host_link_gbps * 1e9,
+                 host_link_bps=node.host_copy_gbps * 1e9,  # the link or its share of the bus
                  ssd_write_bps=node.ssd_write_gbps * 1e9, ssd_read_bps=node.ssd_read_gbps * 1e9,
                  places=places, bubble_s=st.bubble_s + len(st.positions) * st.head_s,
                  cpu_s_per_byte=cpu_s_per_byte, backward_factor=st.backward_factor,

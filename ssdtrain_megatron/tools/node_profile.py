@@ -10,6 +10,9 @@ same schema, so that ``--node OUT.yaml`` plans with this machine's own numbers:
   is removed after. Their median is the per-drive figure.
 * host memory: three quarters of what the kernel reports available now (MemAvailable), shared
   by the GPUs: the rule a job applies at its start (plan/engine_choice.USABLE_FRACTION).
+* the host memory bus (``host_memory_gbps``): one large host-memory copy on torch's threads,
+  counted twice (it reads and writes every byte), a STREAM-copy-like lower bound of what the
+  node's GPUs share (the channels' peak is higher).
 * on a GPU: the pinned host<->device copy GB/s each way (the slower one is ``host_link_gbps``),
   a bf16 matmul's TFLOP/s, and with two GPUs or more the peer copy GB/s (``nvlink_gbps``).
 * on a CPU (no GPU): the training device is the CPU, and what stands in for each GPU figure is
@@ -203,8 +206,10 @@ def _compute_figures() -> Tuple[Dict[str, Any], List[str]]:
         else:
             nvlink = min(h2d, d2h)
             notes.append("one GPU: nvlink_gbps is the host link's figure (no tensor-parallel peer)")
+        bus = 2 * host_copy_gbps()
+        notes.append(_bus_note(bus))
         return {"gpus_per_node": gpus, "gpu_memory_bytes": int(prop.total_memory), "gpu_tflops": tflops,
-                "host_link_gbps": min(h2d, d2h), "nvlink_gbps": nvlink,
+                "host_link_gbps": min(h2d, d2h), "nvlink_gbps": nvlink, "host_memory_gbps": bus,
                 "host_memory_total": mem.get("MemAvailable", 0)}, notes
     threads = torch.get_num_threads()
     _say(f"no GPU: the CPU stands in (fp32 matmul on {threads} thread(s), host memory copies)")
@@ -213,10 +218,17 @@ def _compute_figures() -> Tuple[Dict[str, Any], List[str]]:
     total = mem.get("MemTotal", 0)
     notes = [f"no GPU, the CPU trains: gpu_memory_bytes is its RAM, gpu_tflops an fp32 matmul on {threads} "
              f"torch thread(s) ({tflops:.3f} TFLOP/s), host_link_gbps and nvlink_gbps the host memory "
-             f"copy ({copy:.1f} GB/s: what the memory tier's copies cost here)"]
+             f"copy ({copy:.1f} GB/s: what the memory tier's copies cost here)", _bus_note(2 * copy)]
     return {"gpus_per_node": 1, "gpu_memory_bytes": max(total, GB), "gpu_tflops": tflops,
-            "host_link_gbps": copy, "nvlink_gbps": copy,
+            "host_link_gbps": copy, "nvlink_gbps": copy, "host_memory_gbps": 2 * copy,
             "host_memory_total": mem.get("MemAvailable", 0)}, notes
+
+
+def _bus_note(bus: float) -> str:
+    import torch
+
+    return (f"host_memory_gbps {bus:.1f}: one host-memory copy on {torch.get_num_threads()} torch "
+            "thread(s), reads and writes counted (a lower bound of the memory channels' peak)")
 
 
 def host_memory_per_gpu(available: int, gpus: int) -> int:
@@ -247,6 +259,7 @@ def measure_node(roots: List[str], name: Optional[str] = None, drive_bytes: Opti
         drives=drives["drives"], drive_write_gbps=round(drives["write_gbps"], 3),
         drive_read_gbps=round(drives["read_gbps"], 3), drive_tbw_tb=drives["tbw_tb"],
         nvlink_gbps=round(compute["nvlink_gbps"], 3),
+        host_memory_gbps=round(compute["host_memory_gbps"], 3),
         source=f"measured by ssdtrain doctor --node-profile on {host_name}, {when}; " + "; ".join(notes))
 
 

@@ -48,6 +48,8 @@ def node_for(args: argparse.Namespace, preset_node: Optional[NodeProfile]) -> Tu
         value = getattr(args, flag, None)
         if value is not None:
             changes[name] = value
+    if "gpu_tflops" in changes:  # the flag's figure at every micro-batch, not the profile's table
+        changes["gpu_tflops_by_tokens"] = None
     if changes.get("drives") == 0:
         changes.update(drive_write_gbps=0.0, drive_read_gbps=0.0, drive_tbw_tb=0.0)
     node = node.replace(**changes) if changes else node
@@ -146,7 +148,7 @@ def build_plan(job: Job, settings: Settings, args: argparse.Namespace,
     result = {
         "config": getattr(args, "config", None) or "the job's launcher arguments (after --)",
         "node": {**node.to_dict(), "ssd_write_gbps": node.ssd_write_gbps,
-                 "ssd_read_gbps": node.ssd_read_gbps},
+                 "ssd_read_gbps": node.ssd_read_gbps, "host_copy_gbps": node.host_copy_gbps},
         "node_source": node_source,
         "policy": offload.policy, "planned_policy": policy, "engine": offload.engine,
         "places": list(places), "recompute_fallback": offload.recompute_fallback,

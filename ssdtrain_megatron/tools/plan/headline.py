@@ -53,14 +53,30 @@ def assumptions(r: Dict[str, Any]) -> str:
     model's terms"): each one a user can check against their node or replace."""
     node = r["node"]
     reserve = r["memory"].get("reserve_bytes", 0) / 1e9
-    return (f"assumed: {node['gpu_tflops']:g} TFLOP/s per GPU at every micro-batch (GEMM "
-            "efficiency by tokens is not modelled: --gpu-tflops or a measured profile replaces "
-            "it); attention FLOPs over the full s^2 square (causal flash attention does about "
-            "half: long sequences read slow); TP within one node's NVLink at "
-            f"{node['nvlink_gbps']:g} GB/s; the host link {node['host_link_gbps']:g} GB/s per GPU "
-            "with every GPU copying at once, the memory bus they share not checked; no "
+    return (f"assumed: {_tflops(node)}; attention FLOPs over half the s^2 square with flash attention (causal: its "
+            "kernels skip the masked half), the full square unfused; TP within one node's NVLink at "
+            f"{node['nvlink_gbps']:g} GB/s; the host tier {node['host_copy_gbps']:.1f} GB/s each way "
+            f"per GPU with every GPU copying both ways at once ({_bus(node)}); no "
             "data-parallel or pipeline communication, no expert all-to-all, no virtual pipeline; "
             f"a {reserve:.1f} GB reserve")
+
+
+def _tflops(node: Dict[str, Any]) -> str:
+    table = node.get("gpu_tflops_by_tokens")
+    if not table:
+        return (f"{node['gpu_tflops']:g} TFLOP/s per GPU at every micro-batch (GEMM efficiency "
+                "by tokens is not modelled: --gpu-tflops or a profile's measured "
+                "gpu_tflops_by_tokens replaces it)")
+    measured = ", ".join(f"{at:,} tokens {tflops:g}" for at, tflops in sorted(table.items()))
+    return (f"TFLOP/s per GPU by tokens per micro-batch as the profile measured them ({measured}; "
+            "a micro-batch takes the figure at the most tokens not above its own)")
+
+
+def _bus(node: Dict[str, Any]) -> str:
+    if node.get("host_memory_gbps") is None:
+        return f"the {node['host_link_gbps']:g} GB/s link; the memory bus they share not known"
+    return (f"the {node['host_link_gbps']:g} GB/s link, or the {node['host_memory_gbps']:g} GB/s "
+            f"memory bus shared by {node['gpus_per_node']} GPU(s), whichever is less")
 
 
 def keep_words(r: Dict[str, Any]) -> str:
