@@ -8,26 +8,15 @@ user's own ``/raid/alice`` went, and her next job was refused. Real users where 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import pytest
 
-from ssdtrain_megatron.io import Identity
 from ssdtrain_megatron.io.layout import rank_dir_name
 from ssdtrain_megatron.io.owner import boot_id
-from ssdtrain_megatron.tools.clean import add_clean_parser
+from tests.test_owner_lock import HOST, _clean_cli
 from tests.throwaway_users import throwaway_user
-
-HOST = Identity.detect("x").hostname
-
-
-def _clean_cli(argv):
-    parser = argparse.ArgumentParser(prog="ssdtrain")
-    add_clean_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["clean", *argv])
-    return args.func(args)
 
 
 @pytest.fixture
