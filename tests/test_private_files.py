@@ -39,7 +39,9 @@ def _offloader(tmp_path, **kw):
 def _steps(off, steps=1):
     model = mlp(width=64, depth=2)
     batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(1)]
-    run_steps(model, batches, off, steps=steps)
+    # every write lands before backward, so each step writes trace lines whatever the machine's
+    # load (a write backward overtakes is cancelled and traces nothing)
+    run_steps(model, batches, off, steps=steps, wait_writes=True)
 
 
 @pytest.mark.parametrize("mask", [0o000, 0o022, 0o077])
