@@ -98,6 +98,7 @@ with off.microbatch(0):
         with off.layer(i):
             h = torch.relu(layer(h))
     loss = h.square().mean()
+off.wait_writes()  # every write lands first: bytes offloaded whatever the machine's load
 off.begin_backward(0)
 loss.backward()
 stats = off.end_step()
