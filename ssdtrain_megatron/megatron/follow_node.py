@@ -223,6 +223,8 @@ def job_shape(preset: Optional[PresetFile], megatron: argparse.Namespace) -> Opt
     else:
         try:
             shape = base.replace(**megatron_fields(megatron))
+        except JobError:
+            raise  # a flag's own one line (optimizer_fields)
         except (TypeError, ValueError) as exc:
             raise JobError(f"Megatron's flags do not fit {preset.path}'s model: {exc}") from None
     if shape is None:
