@@ -152,6 +152,11 @@ class NodeProfile:
                 or not 0 < self.host_memory_gbps < float("inf")):
             _fail("host_memory_gbps", self.host_memory_gbps,
                   "expected a number > 0, or null (not known)")
+        if isinstance(self.cpu_adam_params_per_s, str):  # YAML reads 2.5e9 (no dot) as text
+            try:
+                object.__setattr__(self, "cpu_adam_params_per_s", float(self.cpu_adam_params_per_s))
+            except ValueError:
+                pass
         if self.cpu_adam_params_per_s is not None and (
                 not _is_number(self.cpu_adam_params_per_s)
                 or not 0 < self.cpu_adam_params_per_s < float("inf")):

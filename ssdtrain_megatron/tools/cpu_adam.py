@@ -36,11 +36,14 @@ def cores_per_rank(local_ranks: int, cpus: Optional[int] = None) -> int:
     return max(1, (cpus or 1) // max(local_ranks, 1))
 
 
-def fused_adamw_params_per_s(threads: int, params: int = PARAMS, repeats: int = REPEATS) -> float:
+def fused_adamw_params_per_s(threads: int, params: Optional[int] = None,
+                             repeats: int = REPEATS) -> float:
     """Parameters per second of ``torch.optim.AdamW(fused=True)`` stepping ``params`` fp32
-    parameters on the CPU with ``threads`` torch threads (the median of ``repeats`` steps
-    after a first that makes the moments)."""
+    parameters (default :data:`PARAMS`) on the CPU with ``threads`` torch threads (the median
+    of ``repeats`` steps after a first that makes the moments)."""
     import torch
+
+    params = params or PARAMS
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
