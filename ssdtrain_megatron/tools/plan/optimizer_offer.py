@@ -55,7 +55,7 @@ def offer_answer(shape: ModelShape, gpus: int, global_batch: Optional[int], node
                             "tokens_per_s_per_gpu": bigger.tokens_per_s_per_gpu}
         versus = (f"; against {more_gpus} GPUs as {describe(bigger)}: "
                   f"{bigger.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
-    who = "with ours" if best is ours else "without ours"
+    who = "with ours" if best is ours and best.offloads_activations else "without ours"
     other = alone if best is ours else ours
     also = "" if other is None else (
         f"; optimizer offload {'alone' if best is ours else 'with ours'}: "
