@@ -97,7 +97,7 @@ def run_search(shape: ModelShape, offload: Any, args: argparse.Namespace, node: 
         print(json.dumps(result, indent=2))
         return 0 if found else NOT_FIT
     if not found and result.get("optimizer_offload"):
-        print(result["optimizer_offload"]["line"] + "; without it:")
+        print(result["optimizer_offload"]["line"] + "; without it: ", end="")  # one line
     if not found:
         print(f"DOES NOT FIT: no layout of {args.config} on {result['gpus']} GPUs of {node.name} "
               f"at {result['global_batch']} sequences fits: {result['why_none']}; what fits: "
