@@ -117,7 +117,8 @@ def why(without, with_) -> str:
     if gain < PAYS or not with_.offloads:
         return "does not pay: as fast without offload"
     a, b = without.shape, with_.shape
-    reasons = ["only with megatron-core's optimizer offload"] if a.optimizer_offload_fraction else []
+    reasons = (["only with megatron-core's optimizer offload"] if a.optimizer_offload_fraction
+               else [])
     if b.tp * b.pp * b.cp < a.tp * a.pp * a.cp:
         reasons.append("less model parallelism")
     if _recomputes(without) and not _recomputes(with_):

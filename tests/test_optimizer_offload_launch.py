@@ -54,7 +54,8 @@ def test_plan_preflight_and_install_leave_the_same_host_memory_for_activations(
     assert out["host_capacity_bytes"] == 150 * GB - taken - STAGING
     assert out["settings"]["host_pool_bytes"] <= out["host_capacity_bytes"]
     assert out["settings"]["staging_bytes"] == STAGING
-    assert "less 132.9 GB for megatron-core's optimizer CPU offload" in out["engine_choice"]["reason"]
+    reason = out["engine_choice"]["reason"]
+    assert "less 132.9 GB for megatron-core's optimizer CPU offload" in reason
     assert out["model"]["optimizer_offload_fraction"] == 0.85
     assert out["model"]["overlap_optimizer_d2h_h2d"] is True
 
