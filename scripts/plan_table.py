@@ -79,8 +79,14 @@ def best(preset: str, node: str, gpus: int):
 
     shape, profile = _shape(preset), load_profile(node)
     batch = global_batch(preset)
-    return (best_without_offload(shape, gpus, batch, profile),
-            best_with_offload(shape, gpus, batch, profile))
+    found = (best_without_offload(shape, gpus, batch, profile),
+             best_with_offload(shape, gpus, batch, profile))
+    if found == (None, None):  # megatron-core's optimizer CPU offload (plan/optimizer_offload.py)
+        from ssdtrain_megatron.plan.optimizer_offload import offer
+
+        offered = offer(shape, gpus, batch, profile)
+        found = tuple(x.layout if x else None for x in (offered["alone"], offered["with_ours"]))
+    return found
 
 
 def _layout(x) -> str:
@@ -91,6 +97,8 @@ def _layout(x) -> str:
     how = {"none": "", "selective": ", selective recompute", "full": ", full recompute"}[s.recompute]
     if s.recompute == "none" and "recompute" in places:
         how = ", some layers recomputed"
+    if s.optimizer_offload_fraction:
+        how += f", optimizer offload {s.optimizer_offload_fraction:.2f}"
     return (f"TP{s.tp} PP{s.pp}" + (f" CP{s.cp}" if s.cp > 1 else "") + f" DP{s.dp}, "
             f"b={s.micro_batch}{how}: {x.tokens_per_s_per_gpu:,.0f}")
 
@@ -109,7 +117,8 @@ def why(without, with_) -> str:
     if gain < PAYS or not with_.offloads:
         return "does not pay: as fast without offload"
     a, b = without.shape, with_.shape
-    reasons = []
+    reasons = (["only with megatron-core's optimizer offload"] if a.optimizer_offload_fraction
+               else [])
     if b.tp * b.pp * b.cp < a.tp * a.pp * a.cp:
         reasons.append("less model parallelism")
     if _recomputes(without) and not _recomputes(with_):
@@ -127,8 +136,13 @@ def _where(x, node: str) -> str:
     from ssdtrain_megatron.plan.node import load_profile
     from ssdtrain_megatron.plan.tiers import SSD
 
+    from ssdtrain_megatron.plan.memory import model_state_bytes
+
     profile = load_profile(node)
-    text = (f"host {x.plan.host_peak_bytes / 1e9:.0f} of {profile.host_memory_bytes / 1e9:.0f} GB")
+    optimizer = model_state_bytes(x.shape)["host_bytes"]
+    text = (f"host {x.plan.host_peak_bytes / 1e9:.0f}" + (f" + optimizer {optimizer / 1e9:.0f}"
+                                                          if optimizer else "")
+            + f" of {profile.host_memory_bytes / 1e9:.0f} GB")
     if x.plan.tier_bytes[SSD] > 0:
         ssd = x.plan.bandwidth_bps()["ssd"]
         text += f", drives {ssd['needed'] / 1e9:.1f} of {ssd['available'] / 1e9:.1f} GB/s"

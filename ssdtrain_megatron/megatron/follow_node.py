@@ -79,7 +79,69 @@ def _megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-experts", dest="num_experts", type=int, default=None)
     parser.add_argument("--moe-router-topk", dest="moe_router_topk", type=int, default=None)
     parser.add_argument("--moe-ffn-hidden-size", dest="moe_ffn_hidden_size", type=int, default=None)
+    add_optimizer_flags(parser)
     return parser
+
+
+def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
+    """Megatron's flags that set the model state's precision and its optimizer CPU offload,
+    under Megatron's names and defaults (``--optimizer-offload-fraction``: 1.0)."""
+    for flag in ("--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
+                 "--use-precision-aware-optimizer", "--accumulate-allreduce-grads-in-fp32"):
+        parser.add_argument(flag, dest=flag[2:].replace("-", "_"), action="store_true",
+                            default=False)
+    parser.add_argument("--optimizer-offload-fraction", dest="optimizer_offload_fraction",
+                        type=float, default=1.0)
+    parser.add_argument("--main-grads-dtype", dest="main_grads_dtype", default="fp32")
+
+
+def _is_16bit(value: Any) -> bool:
+    """A dtype named as Megatron's flag does ('bf16', 'fp16') or as its parsed torch dtype."""
+    return str(value).rsplit(".", 1)[-1] in ("bf16", "fp16", "bfloat16", "float16")
+
+
+def optimizer_fields(args: argparse.Namespace) -> Dict[str, Any]:
+    """The ModelShape fields of the model state's precision and of megatron-core's optimizer
+    CPU offload, from Megatron's arguments (its namespace at install, or
+    :func:`megatron_namespace`'s): ``main_grad_bytes`` (4: fp32, what Megatron runs with bf16,
+    and with fp16 under ``--accumulate-allreduce-grads-in-fp32``; 2: ``--main-grads-dtype
+    bf16``, or fp16 without that flag), ``optimizer_offload_fraction`` (0 without
+    ``--optimizer-cpu-offload``) and ``overlap_optimizer_d2h_h2d``. Nothing where the arguments
+    say nothing of them (the flag group alone keeps the preset's).
+
+    Raises:
+        JobError: ``--optimizer-cpu-offload`` without ``--use-precision-aware-optimizer`` and
+            ``--use-distributed-optimizer`` (Megatron refuses it), or a fraction outside [0, 1].
+    """
+    offload = bool(getattr(args, "optimizer_cpu_offload", False))
+    whole = getattr(args, "whole", "num_layers" in vars(args))
+    if not offload and not whole:
+        return {}
+    found: Dict[str, Any] = {}
+    if whole:
+        fp16 = bool(getattr(args, "fp16", False))
+        grads16 = _is_16bit(getattr(args, "main_grads_dtype", "fp32")) or (
+            fp16 and not getattr(args, "accumulate_allreduce_grads_in_fp32", False))
+        found["main_grad_bytes"] = 2 if grads16 else 4
+    if not offload:
+        found["optimizer_offload_fraction"] = 0.0
+        return found
+    missing = [flag for flag, name in (("--use-precision-aware-optimizer",
+                                        "use_precision_aware_optimizer"),
+                                       ("--use-distributed-optimizer", "use_distributed_optimizer"))
+               if not getattr(args, name, False)]
+    if missing:
+        raise JobError("--optimizer-cpu-offload needs " + " and ".join(missing) + " (megatron-core "
+                       "steps the offloaded part with its precision-aware distributed optimizer): "
+                       "add " + " ".join(missing))
+    fraction = getattr(args, "optimizer_offload_fraction", 1.0)
+    if not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise JobError(f"--optimizer-offload-fraction {fraction} is invalid: expected a fraction "
+                       "from 0 to 1")
+    found.update(optimizer_offload_fraction=float(fraction),
+                 overlap_optimizer_d2h_h2d=bool(getattr(args, "overlap_cpu_optimizer_d2h_h2d",
+                                                        False)))
+    return found
 
 
 def megatron_namespace(argv: Sequence[str], world_size: Optional[int]) -> argparse.Namespace:
@@ -112,6 +174,7 @@ def megatron_fields(args: argparse.Namespace) -> Dict[str, Any]:
             found[field] = value
         elif isinstance(value, int) and not isinstance(value, bool):
             found[field] = value
+    found.update(optimizer_fields(args))
     return found
 
 
@@ -160,6 +223,8 @@ def job_shape(preset: Optional[PresetFile], megatron: argparse.Namespace) -> Opt
     else:
         try:
             shape = base.replace(**megatron_fields(megatron))
+        except JobError:
+            raise  # a flag's own one line (optimizer_fields)
         except (TypeError, ValueError) as exc:
             raise JobError(f"Megatron's flags do not fit {preset.path}'s model: {exc}") from None
     if shape is None:
@@ -243,6 +308,6 @@ def settings_from_argv(args: argparse.Namespace, argv: Sequence[str], host: Opti
                                       recompute, node))
 
 
-__all__ = ["FLAG_OF", "SHAPE_ARGS", "host_per_rank", "job_from_args", "job_shape",
-           "megatron_fields", "megatron_model", "megatron_namespace", "micro_batches",
-           "settings_from_args", "settings_from_argv"]
+__all__ = ["FLAG_OF", "SHAPE_ARGS", "add_optimizer_flags", "host_per_rank", "job_from_args",
+           "job_shape", "megatron_fields", "megatron_model", "megatron_namespace",
+           "micro_batches", "optimizer_fields", "settings_from_args", "settings_from_argv"]

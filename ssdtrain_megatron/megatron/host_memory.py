@@ -5,7 +5,9 @@ What is free: ``MemAvailable`` of /proc/meminfo, or less where the process's mem
 (Slurm's ``--mem``, a container's limit) leaves less room under its limit; the node's local
 ranks share it (``LOCAL_WORLD_SIZE``, as torchrun sets it, else ``SLURM_NTASKS_PER_NODE``).
 Measured before Megatron starts (the launcher's hooks are applied before any rank of the job
-pins memory), so every rank of a node sees the same figure.
+pins memory), so every rank of a node sees the same figure; what megatron-core's optimizer CPU
+offload will take of it (``--optimizer-cpu-offload``) is subtracted per rank by the one
+sequence (plan/job.py, rule 0), not here.
 
 ``SSDTRAIN_HOST_MEMORY_FREE`` (a size: ``64GB``) replaces the measurement: for a node whose
 limit neither figure shows, and for tests.

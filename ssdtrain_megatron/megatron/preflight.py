@@ -21,6 +21,9 @@ itself would (io/roots.py, io/layout.py):
   shape) split over each rank's roots, less the host pool where the engine is ``tiered`` (named,
   or chosen by the node as the job will choose it: follow_node.py). Skipped without a preset
   that has a ``model:`` section, with ``policy: keep`` and with ``engine: memory``;
+- the host memory per rank against megatron-core's optimizer CPU offload
+  (``--optimizer-cpu-offload``, its fraction) and the pinned staging together (plan/job.py rule
+  0, as install takes it): refused in one line with the fraction that fits;
 - that the engine can run here (``is_available()``: DeepSpeed's aio op built or buildable,
   kvikio and CUDA for gds), without building anything;
 - the ``stats_path`` and ``trace_path`` templates (layout.expand_file).

@@ -2,7 +2,8 @@
 
 A GPU holds, besides activations, the model state (weights, gradients, optimizer state:
 memory.model_state_bytes, with the distributed optimizer's sharding over the data-parallel
-ranks) and what no plan controls: the CUDA context, NCCL's communicators and buffers, and the
+ranks, gradients in their precision, less what megatron-core's optimizer CPU offload moves to
+host memory) and what no plan controls: the CUDA context, NCCL's communicators and buffers, and the
 caching allocator's fragmentation. That last part is the *reserve*: a stated figure
 (:data:`DEFAULT_RESERVE_BYTES`, ``ssdtrain plan --memory-reserve`` replaces it), never zero,
 because a plan that fills the GPU to the byte does not start.
@@ -15,7 +16,8 @@ so a job whose room is below one layer and the head fits no plan at all.
 
 When a job does not fit, :func:`nearest_fits` names the layouts that would: more pipeline
 stages or tensor parallelism on the same GPUs, the distributed optimizer, or more GPUs (the
-fewest that hold the model). Pure: no IO, no clock.
+fewest that hold the model); plan/optimizer_offload.py, megatron-core's optimizer CPU offload
+on the same GPUs. Pure: no IO, no clock.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ class Fit:
         s = self.shape
         return (f"TP{s.tp} PP{s.pp}" + (f" CP{s.cp}" if s.cp > 1 else "") + f" DP{s.dp}"
                 + (f" EP{s.ep}" if s.ep > 1 else "")
-                + (", distributed optimizer" if s.distributed_optimizer else ""))
+                + (", distributed optimizer" if s.distributed_optimizer else "")
+                + (f", optimizer offload {s.optimizer_offload_fraction:.2f}"
+                   if s.optimizer_offload_fraction else ""))
 
     def sums(self) -> str:
         """'model state 156.4 GB + reserve 5.0 GB + activations 1.2 GB = 162.6 GB of 80 GB'."""
@@ -107,6 +111,7 @@ class Fit:
         s = self.shape
         return {"tp": s.tp, "pp": s.pp, "cp": s.cp, "dp": s.dp, "ep": s.ep, "gpus": self.gpus,
                 "distributed_optimizer": s.distributed_optimizer, "fits": self.fits,
+                "optimizer_offload_fraction": s.optimizer_offload_fraction,
                 "gpu_memory_bytes": self.gpu_memory_bytes, "model_state_bytes": self.state_bytes,
                 "reserve_bytes": self.reserve_bytes,
                 "least_activation_bytes": self.least_activation_bytes,

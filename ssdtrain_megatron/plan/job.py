@@ -13,6 +13,9 @@ launcher's arguments after ``--``); none of them decides a setting itself.
 
 The rules, in order:
 
+0. megatron-core's optimizer CPU offload (``--optimizer-cpu-offload``) takes its host memory
+   (plan/memory.py ``host_bytes``) out of the host memory per rank before anything of ours; a
+   node whose host memory per rank cannot hold it and the pinned staging is refused.
 1. Pinned staging (``pinned_staging_bytes``, else twice ``max_inflight_bytes``) comes out of
    the host memory per rank first; what is left is what a host pool may take.
 2. The engine: as named (preset or flag), else the node's (plan/engine_choice.py): tiered with
@@ -30,13 +33,15 @@ Pure: numbers and OffloadConfigs in, Settings out; nothing here parses a command
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .engine_choice import (EngineChoice, HostNeed, choose_engine, forced, size,
                             tiered_settings)
 from .fit import reserve_bytes
-from .memory import activation_budget
+from .memory import activation_budget, model_state_bytes
 from .node import NodeProfile
 from .placing import places_for, plan_policy
 from .shape import ModelShape, SaveProfile
@@ -189,6 +194,7 @@ def job_settings(job: Job) -> Settings:
     Raises:
         JobError: a pool or staging larger than the host memory there is (one line).
     """
+    job = less_optimizer_host(job)
     config, given = job.offload, job.given
     m = job.num_micro_batches or (job.shape.pp if job.shape is not None else 1)
     notes: Tuple[str, ...] = ()
@@ -227,6 +233,27 @@ def job_settings(job: Job) -> Settings:
                     job.shape, plan, st, notes + more)
 
 
+def less_optimizer_host(job: Job) -> Job:
+    """Rule 0: the job with the host memory megatron-core's optimizer CPU offload takes per rank
+    subtracted (the job unchanged without it, or where host memory is not known).
+
+    Raises:
+        JobError: it and the pinned staging do not fit the host memory per rank (one line)."""
+    taken = model_state_bytes(job.shape)["host_bytes"] if job.shape is not None else 0
+    if not taken or job.host_bytes is None:
+        return job
+    staging = job.offload.staging_bytes()
+    if taken + staging > job.host_bytes:
+        fraction = job.shape.optimizer_offload_fraction
+        most = max(0.0, fraction * (job.host_bytes - staging) / taken)
+        raise JobError(f"--optimizer-offload-fraction {fraction:g} puts {size(taken)} of "
+                       f"optimizer state in host memory per rank, which with {size(staging)} of "
+                       f"pinned staging is more than the {size(job.host_bytes)} there is "
+                       f"({job.host_text}): at most {math.floor(most * 100) / 100:g} fits")
+    return dataclasses.replace(job, host_bytes=job.host_bytes - taken, host_text=(
+        f"{job.host_text}, less {size(taken)} for megatron-core's optimizer CPU offload"))
+
+
 def _budget(config: Any, shape: Optional[ModelShape], node: NodeProfile) -> Optional[int]:
     """The runtime's activation budget in bytes (a fraction is of the node's GPU memory)."""
     value = config.activation_budget_bytes
@@ -237,4 +264,5 @@ def _budget(config: Any, shape: Optional[ModelShape], node: NodeProfile) -> Opti
     return int(value)
 
 
-__all__ = ["HOST_ENGINES", "Job", "JobError", "Settings", "has_budget", "job_settings"]
+__all__ = ["HOST_ENGINES", "Job", "JobError", "Settings", "has_budget", "job_settings",
+           "less_optimizer_host"]

@@ -111,10 +111,19 @@ class NodeProfile:
     measurements as they are, no curve fitted between them. None: ``gpu_tflops`` at every
     micro-batch (said so in the plan's assumptions)."""
 
+    cpu_adam_params_per_s: Optional[float] = None
+    """Parameters per second one GPU's rank steps with torch's fused AdamW on the CPU (the
+    class megatron-core's optimizer CPU offload uses), every local rank stepping at once on its
+    share of the cores and of the memory bus. ``ssdtrain doctor --node-profile`` measures it;
+    the built-in profiles carry an estimate (:data:`CPU_ADAM_ESTIMATES`). None: not known (a
+    plan with optimizer offload then says it cannot price the CPU step)."""
+
     FIELDS = ("name", "gpus_per_node", "gpu_memory_bytes", "gpu_tflops", "host_memory_bytes",
               "host_link_gbps", "drives", "drive_write_gbps", "drive_read_gbps", "drive_tbw_tb",
               "nvlink_gbps", "source", "host_memory_gbps", "gpu_tflops_by_tokens")
     OPTIONAL = ("source", "host_memory_gbps", "gpu_tflops_by_tokens")
+    FIELDS += ("cpu_adam_params_per_s",)
+    OPTIONAL += ("cpu_adam_params_per_s",)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -143,6 +152,16 @@ class NodeProfile:
                 or not 0 < self.host_memory_gbps < float("inf")):
             _fail("host_memory_gbps", self.host_memory_gbps,
                   "expected a number > 0, or null (not known)")
+        if isinstance(self.cpu_adam_params_per_s, str):  # YAML reads 2.5e9 (no dot) as text
+            try:
+                object.__setattr__(self, "cpu_adam_params_per_s", float(self.cpu_adam_params_per_s))
+            except ValueError:
+                pass
+        if self.cpu_adam_params_per_s is not None and (
+                not _is_number(self.cpu_adam_params_per_s)
+                or not 0 < self.cpu_adam_params_per_s < float("inf")):
+            _fail("cpu_adam_params_per_s", self.cpu_adam_params_per_s,
+                  "expected a number > 0 (parameters per second), or null (not known)")
         for name in ("drive_write_gbps", "drive_read_gbps", "drive_tbw_tb"):
             value = getattr(self, name)
             low_ok = value >= 0 if self.drives == 0 else value > 0
@@ -346,7 +365,22 @@ def _builtin() -> Dict[str, NodeProfile]:
              host_memory_bytes=135 * GB, host_link_gbps=48.0, drives=2, nvlink_gbps=450.0,
              **_PM1733),
     )
-    return {p.name: p for p in profiles}
+    return {p.name: p.replace(cpu_adam_params_per_s=CPU_ADAM_ESTIMATES.get(p.name))
+            for p in profiles}
+
+
+CPU_ADAM_ESTIMATES: Dict[str, float] = {
+    "a100-80g": 0.9e9, "dgx-h100": 1.37e9, "dgx-h200": 1.37e9, "dgx-b200": 1.6e9,
+    "gh200": 9.1e9, "cloud-h100": 1.37e9}
+"""ESTIMATES, not measurements: parameters per second of torch's fused AdamW on the CPU per
+GPU's rank, every rank stepping at once (``cpu_adam_params_per_s``). A step reads the fp32
+parameter, gradient and both moments and writes back three, 28 B per parameter, so the memory
+bus bounds it: DGX H100, 614 GB/s / 28 B / 8 ranks = 2.7e9 per rank; each estimate is half its
+node's bound (what a loaded two-socket memory system sustains, pageable memory on either
+socket), the cores being no limit (one core of this project's 2-core machine stepped 0.73e9
+parameters/s; a DGX H100 gives each rank 14). cloud-h100 (bus not known): the DGX H100's.
+``ssdtrain doctor --node-profile`` measures the node's own (docs/models.md, Optimizer
+offload)."""
 
 
 BUILTIN: Dict[str, NodeProfile] = _builtin()

@@ -126,6 +126,21 @@ class ModelShape:
     """Megatron's ``--use-distributed-optimizer``: fp32 main parameters and Adam's two states
     sharded over the data-parallel ranks (see ``plan/memory.py``)."""
 
+    main_grad_bytes: int = 4
+    """Bytes per element of Megatron's gradient buffer: 4 (fp32, what Megatron runs with bf16:
+    ``--accumulate-allreduce-grads-in-fp32`` is set for it), 2 (``--main-grads-dtype bf16``,
+    with ``--use-precision-aware-optimizer``). Only the model state reads it."""
+
+    optimizer_offload_fraction: float = 0.0
+    """megatron-core's optimizer CPU offload (``--optimizer-cpu-offload``,
+    ``--optimizer-offload-fraction F``): the fraction of the optimizer's parameters whose fp32
+    main weights and Adam states live in host memory and step on the CPU (plan/memory.py,
+    plan/optimizer_offload.py). 0: none."""
+
+    overlap_optimizer_d2h_h2d: bool = False
+    """``--overlap-cpu-optimizer-d2h-h2d``: the offloaded part's gradient copies to host, its
+    CPU step and its parameter copies back run overlapped (else one after another)."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
                      "tp", "pp", "dp"):
@@ -180,6 +195,21 @@ class ModelShape:
             _fail("sequence_parallel", True, "needs tp > 1")
         if self.num_layers % self.pp:
             _fail("num_layers", self.num_layers, f"expected a multiple of pp ({self.pp})")
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        if self.main_grad_bytes not in (2, 4) or isinstance(self.main_grad_bytes, bool):
+            _fail("main_grad_bytes", self.main_grad_bytes, "expected 4 (fp32) or 2 (bf16)")
+        f = self.optimizer_offload_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            _fail("optimizer_offload_fraction", f, "expected a fraction in [0, 1]")
+        if f > 0 and not self.distributed_optimizer:
+            _fail("optimizer_offload_fraction", f, "needs distributed_optimizer: true (megatron "
+                  "runs --optimizer-cpu-offload with --use-precision-aware-optimizer, which "
+                  "needs --use-distributed-optimizer)")
+        if not isinstance(self.overlap_optimizer_d2h_h2d, bool):
+            _fail("overlap_optimizer_d2h_h2d", self.overlap_optimizer_d2h_h2d,
+                  "expected true or false")
 
     # -- derived sizes ------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 from .model import (attention_core_flops, forward_flops_per_layer, head_activation_terms,
                     layer_activation_bytes, local_sequence_shape)
 from .node import NodeProfile
+from .optimizer_step import optimizer_step_s
 from .policy import LayerMeasurement
 from .shape import ModelShape, SaveProfile
 from .step_plan import Position
@@ -52,7 +53,8 @@ class Stage:
     head_s: float
     """Output layer and loss per micro-batch and stage (forward and backward)."""
     bubble_s: float
-    """The pipeline bubble of the step: (pp - 1) micro-batch times."""
+    """The pipeline bubble of the step: (pp - 1) micro-batch times; and the step of
+    megatron-core's optimizer CPU offload where the shape has it (plan/optimizer_step.py)."""
     layer_bytes: int
     """Activation bytes of one layer and micro-batch."""
     head_bytes: int
@@ -123,7 +125,8 @@ def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
                     sum(head_activation_terms(shape, profile).values()))
     gap = (live - 1) * partial.micro_batch_s
     return Stage(layers, (Position(gap_s=gap, live=live),) * num_micro_batches, compute, comm,
-                 again, head_s, (shape.pp - 1) * partial.micro_batch_s, partial.layer_bytes,
+                 again, head_s, (shape.pp - 1) * partial.micro_batch_s
+                 + optimizer_step_s(shape, node), partial.layer_bytes,
                  partial.head_bytes)
 
 

@@ -15,6 +15,9 @@ same schema, so that ``--node OUT.yaml`` plans with this machine's own numbers:
   node's GPUs share (the channels' peak is higher).
 * on a GPU: the pinned host<->device copy GB/s each way (the slower one is ``host_link_gbps``),
   a bf16 matmul's TFLOP/s, and with two GPUs or more the peer copy GB/s (``nvlink_gbps``).
+* the CPU optimizer (``cpu_adam_params_per_s``): torch's fused AdamW on the CPU, as
+  megatron-core's optimizer CPU offload steps it, on the cores one local rank (one GPU) gets,
+  bounded by the rank's share of the memory bus (tools/cpu_adam.py).
 * on a CPU (no GPU): the training device is the CPU, and what stands in for each GPU figure is
   said in ``source``: its RAM for the GPU's memory, an fp32 matmul's TFLOP/s on torch's threads
   for ``gpu_tflops``, the host memory copy GB/s (what the memory tier's copies cost) for the
@@ -39,6 +42,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..plan.engine_choice import USABLE_FRACTION
 from ..plan.node import GB, NodeProfile
+from .cpu_adam import describe as describe_cpu_adam
+from .cpu_adam import measure_cpu_adam
 
 DRIVE_BYTES = 1 << 30
 """Bytes written and read per drive (less on a nearly full one: a quarter of its free space)."""
@@ -250,6 +255,8 @@ def measure_node(roots: List[str], name: Optional[str] = None, drive_bytes: Opti
                  + ("" if drives["direct"] else " (O_DIRECT refused: buffered IO)"))
     notes.append(f"drive_tbw_tb ASSUMED, not measured: 1 drive write per day for 5 years of "
                  f"{drives['size_tb']:.2f} TB; put the vendor's rated TBW here")
+    adam = measure_cpu_adam(gpus, compute["host_memory_gbps"])
+    notes.append(describe_cpu_adam(adam, gpus))
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     host_name = socket.gethostname()
     return NodeProfile(
@@ -260,6 +267,7 @@ def measure_node(roots: List[str], name: Optional[str] = None, drive_bytes: Opti
         drive_read_gbps=round(drives["read_gbps"], 3), drive_tbw_tb=drives["tbw_tb"],
         nvlink_gbps=round(compute["nvlink_gbps"], 3),
         host_memory_gbps=round(compute["host_memory_gbps"], 3),
+        cpu_adam_params_per_s=float(f"{adam['params_per_s']:.4g}"),
         source=f"measured by ssdtrain doctor --node-profile on {host_name}, {when}; " + "; ".join(notes))
 
 

@@ -24,8 +24,9 @@ from ...plan.node import DEFAULT_NODE, NodeProfile, load_profile
 from ...plan.placing import places_for, plan_policy
 from ...plan.shape import ModelShape, SaveProfile
 from ...plan.stage import Stage, full_recompute_fits, plan_stage, stage
-from ...plan.job import Job, Settings, job_settings
+from ...plan.job import Job, Settings, job_settings, less_optimizer_host
 from ...plan.tiers import PLACES, TierPlan
+from .optimizer_offer import optimizer_offload_of
 
 ITERATION_LABEL = ("per iteration: every micro-batch's forward and backward on one GPU of the "
                    "first pipeline stage, with the pipeline bubble")
@@ -108,6 +109,7 @@ def build_plan(job: Job, settings: Settings, args: argparse.Namespace,
                node_source: str = "") -> Dict[str, Any]:
     """The whole plan of ``settings`` (``job_settings(job)``) as a JSON-ready dict (what
     ``ssdtrain plan --json`` prints)."""
+    job = less_optimizer_host(job)  # the host memory megatron-core's optimizer offload leaves
     shape, node, profile = job.shape, job.node.replace(host_memory_bytes=job.host_bytes or 0), job.profile
     offload, choice, plan, st = settings.config, settings.choice, settings.plan, settings.stage
     m = settings.num_micro_batches
@@ -184,6 +186,7 @@ def build_plan(job: Job, settings: Settings, args: argparse.Namespace,
                                 for mode in ("keep", "planned", "recompute")},
         "job_days": job_days,
         "beyond_the_node": feasible_on_node(plan),
+        "optimizer_offload": optimizer_offload_of(shape, node),
     }
     result["slower_than_the_node"] = None
     if not choice.followed:  # what the node would choose, to say when it plans faster

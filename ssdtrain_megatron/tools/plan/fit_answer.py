@@ -17,6 +17,7 @@ from ...plan import fit as fitting
 from ...plan.node import GB, NodeProfile
 from ...plan.shape import ModelShape
 from .job_size import job_size
+from .optimizer_offer import offer_answer
 
 NOT_FIT = 1
 """Exit code of a plan whose job does not fit (2 stays bad input)."""
@@ -72,15 +73,22 @@ def answer(shape: ModelShape, args: argparse.Namespace, node: NodeProfile) -> Op
     elif miss is not None and (job is None or miss.shape != job.shape):
         why += (f"; no layout of {size.gpus} GPUs fits: the nearest, {miss.layout()}, needs "
                 f"{miss.sums()}")
-    return {"fits": False, "gpus": size.gpus, "why": why,
-            "layout": job.to_dict() if job else None,
-            "nearest_miss": miss.to_dict() if miss else None,
-            "nearest_fits": [f.to_dict() for f in nearest],
-            "first_line": f"DOES NOT FIT: {why}; what fits: "
-                          + (_layouts(nearest) or "no layout up to "
-                             f"{size.gpus * fitting.MAX_GPU_FACTOR} GPUs")
-                          + f" ({reserve_words(args, node)})",
-            "nearest_text": [f"  {f.gpus} GPUs as {f.layout()}: {f.sums()}" for f in nearest]}
+    result = {"fits": False, "gpus": size.gpus, "why": why,
+              "layout": job.to_dict() if job else None,
+              "nearest_miss": miss.to_dict() if miss else None,
+              "nearest_fits": [f.to_dict() for f in nearest],
+              "first_line": f"DOES NOT FIT: {why}; what fits: "
+                            + (_layouts(nearest) or "no layout up to "
+                               f"{size.gpus * fitting.MAX_GPU_FACTOR} GPUs")
+                            + f" ({reserve_words(args, node)})",
+              "nearest_text": [f"  {f.gpus} GPUs as {f.layout()}: {f.sums()}" for f in nearest]}
+    if not (nearest and nearest[0].gpus == size.gpus):  # megatron-core's optimizer offload
+        more = nearest[0].gpus if nearest else None
+        offered = offer_answer(shape, size.gpus, size.global_batch, node, reserve, more)
+        if offered is not None:
+            result["optimizer_offload"] = offered
+            result["first_line"] = offered["line"] + "; without it: " + result["first_line"]
+    return result
 
 
 def refuse_unfit(shape: ModelShape, args: argparse.Namespace, node: NodeProfile) -> Optional[int]:

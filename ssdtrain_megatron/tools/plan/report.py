@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Tuple
 
 from ...plan.shape import ModelShape
 from .headline import assumptions, keep_words
+from .optimizer_offer import optimizer_rows
 
 
 def _bytes(n: float) -> str:
@@ -146,6 +147,7 @@ def memory_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
     rows = [("model state per GPU", f"{state['bytes'] / 1e9:.1f} GB: {state['dense_parameters']:,} "
              f"dense + {state['expert_parameters']:,} expert parameters x {per_param} (dp="
              f"{model['dp']}, distributed optimizer {'on' if model['distributed_optimizer'] else 'off'})"),
+            *optimizer_rows(r),
             ("reserve per GPU", f"{m.get('reserve_bytes', 0) / 1e9:.1f} GB for the CUDA context, "
              "NCCL and fragmentation (--memory-reserve)"),
             ("activation budget", f"{budget / 1e9:.1f} GB ({m['activation_budget_source']}); "

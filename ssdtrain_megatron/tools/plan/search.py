@@ -14,6 +14,7 @@ from ...plan.search import Layout, search
 from ...plan.shape import ModelShape
 from .build import lifespan, tier_summary
 from .fit_answer import NOT_FIT, reserve_of, reserve_words
+from .optimizer_offer import offer_answer
 from .job_size import JobSize
 
 MODEL_LABEL = ("the model's figures (docs/models.md, \"The model's terms\"), not measurements: "
@@ -66,7 +67,10 @@ def nothing_fits(shape: ModelShape, size: JobSize, node: NodeProfile,
     if miss is not None and miss.fits:
         why = (f"{miss.layout()} at micro-batch 1 leaves {miss.room_bytes / 1e9:.1f} GB for "
                "activations, yet no plan of it fits them at the job's micro-batches")
+    more = nearest[0].gpus if nearest and nearest[0].gpus > size.gpus else None
     return {"nearest_miss": miss.to_dict() if miss else None, "why_none": why,
+            "optimizer_offload": offer_answer(shape, size.gpus, size.global_batch, node, reserve,
+                                              more),
             "nearest_fits": [f.to_dict() for f in nearest],
             "nearest_fits_text": [f"{f.gpus} GPUs as {f.layout()}: {f.sums()}" for f in nearest]}
 
@@ -92,6 +96,8 @@ def run_search(shape: ModelShape, offload: Any, args: argparse.Namespace, node: 
     if args.json:
         print(json.dumps(result, indent=2))
         return 0 if found else NOT_FIT
+    if not found and result.get("optimizer_offload"):
+        print(result["optimizer_offload"]["line"] + "; without it: ", end="")  # one line
     if not found:
         print(f"DOES NOT FIT: no layout of {args.config} on {result['gpus']} GPUs of {node.name} "
               f"at {result['global_batch']} sequences fits: {result['why_none']}; what fits: "
