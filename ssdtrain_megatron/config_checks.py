@@ -18,7 +18,7 @@ import logging
 import string
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-TEMPLATE_KEYS = ("rank", "local_rank", "hostname", "job")
+TEMPLATE_KEYS = ("rank", "local_rank", "hostname", "job", "user")
 
 Check = Callable[[str, Any], Any]
 
