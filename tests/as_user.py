@@ -5,6 +5,7 @@ deadline (a call that would block for ever, an open of a FIFO, comes back as "hu
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import grp
 import json
@@ -56,7 +57,10 @@ def call_as(user, fn: Callable[[], object], deadline_s: float = 60.0) -> Tuple[s
     """``fn()`` in a forked child running as ``user`` (None: as this process's user):
     ``("ok", str(result))``, ``(exception class name, message)``, or ``("hung", "")`` when
     no answer came within ``deadline_s`` (the child is killed then). The child imports
-    nothing new: what ``fn`` needs is loaded here first, before the fork."""
+    nothing new (the interpreter's own library may be out of the user's reach): what ``fn``
+    needs is loaded here first, before the fork, the codecs files are opened with included."""
+    for codec in ("ascii", "utf-8", "latin-1"):
+        codecs.lookup(codec)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: drop to the user, run, answer through the pipe
