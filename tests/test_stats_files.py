@@ -207,18 +207,22 @@ def test_another_users_file_at_the_stats_path_gets_no_line(users, scratch, kind)
 # -- what needs no second user -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mask", [0o000, 0o002])
-def test_stats_and_trace_in_one_job_folder_start_and_stay_private_under_umask(tmp_path, umask, mask):
+@pytest.mark.parametrize("mask,setgid", [(0o000, False), (0o002, True)], ids=["umask000", "umask002-setgid"])
+def test_stats_and_trace_in_one_job_folder_start_and_stay_private_under_umask(tmp_path, umask, mask, setgid):
     """Main made the trace folder 0777 (0775) with os.makedirs at the start, and then refused
     that folder, its own, when it checked the stats path in it: the job did not start. Now the
-    folder is made 0700 through descriptors at the first line, whatever the umask."""
+    folder is made 0700 through descriptors at the first line, whatever the umask or a setgid
+    parent (which main's folder inherited: 2775)."""
     umask(mask)
+    if setgid:
+        (tmp_path / "out").mkdir()
+        os.chmod(tmp_path / "out", 0o2755)
     folder = tmp_path / "out" / "{job}"
     with _offloader(tmp_path, stats_path=str(folder / "stats-{rank}.jsonl"),
                     trace_path=str(folder / "trace-{rank}.jsonl")) as off:
         _steps(off)
     made = tmp_path / "out" / "j"
-    assert (_mode(tmp_path / "out"), _mode(made)) == (0o700, 0o700)
+    assert (_mode(tmp_path / "out"), _mode(made)) == (0o2755 if setgid else 0o700, 0o700)
     assert sorted(os.listdir(made)) == ["stats-0.jsonl", "trace-0.jsonl"]
     for name in ("stats-0.jsonl", "trace-0.jsonl"):
         assert _mode(made / name) == 0o600
