@@ -15,8 +15,12 @@ import select
 import shutil
 import signal
 import subprocess
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator, Optional, Tuple
+
+import pytest
 
 
 @contextlib.contextmanager
@@ -43,6 +47,30 @@ def two_users(prefix: str) -> Iterator[Optional[SimpleNamespace]]:
         for name in made:
             subprocess.run(["userdel", name], capture_output=True)
         subprocess.run(["groupdel", group], capture_output=True)
+
+
+def users_fixture(prefix: str):
+    """A module-scoped fixture: :func:`two_users`, or the test skipped with the reason."""
+    @pytest.fixture(scope="module")
+    def users():
+        with two_users(prefix) as found:
+            if found is None:
+                pytest.skip("needs root and useradd to play two users of one node (the tests make "
+                            "throwaway users)")
+            yield found
+    return users
+
+
+def scratch_fixture(prefix: str, mode: int):
+    """A fixture: a root's folder under /tmp, ``mode``, that the throwaway users can reach
+    (pytest's tmp_path is 0700); removed afterwards."""
+    @pytest.fixture
+    def scratch():
+        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        os.chmod(path, mode)
+        yield Path(path)
+        shutil.rmtree(path, ignore_errors=True)
+    return scratch
 
 
 def sh_as(user, script: str) -> subprocess.CompletedProcess:

@@ -11,11 +11,8 @@ test)."""
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +20,7 @@ from ssdtrain_megatron.config import OffloadConfig
 from ssdtrain_megatron.io.dirfd import LayoutError, open_chain, user_name
 from ssdtrain_megatron.io.layout import Identity, expand_roots, make_rank_dirs
 from ssdtrain_megatron.io.roots import check_roots
-from tests.as_user import call_as, sh_as, two_users
+from tests.as_user import call_as, scratch_fixture, sh_as, users_fixture
 from tests.test_scripts import NODE, REPO, stand_ins  # noqa: F401 (fixture)
 
 FIX = ("where several users share a root, give each a folder of their own above {job} ({user} in the "
@@ -31,22 +28,8 @@ FIX = ("where several users share a root, give each a folder of their own above 
        "elsewhere")
 
 
-@pytest.fixture(scope="module")
-def users():
-    with two_users("ssdt65f") as found:
-        if found is None:
-            pytest.skip("needs root and useradd to run jobs as two users of one node (the tests make "
-                        "throwaway users)")
-        yield found
-
-
-@pytest.fixture
-def scratch():
-    """A root-owned 1777 folder under /tmp (a /raid with the sticky bit, or /tmp itself)."""
-    path = tempfile.mkdtemp(prefix="ssdt-raid-", dir="/tmp")
-    os.chmod(path, 0o1777)
-    yield Path(path)
-    shutil.rmtree(path, ignore_errors=True)
+users = users_fixture("ssdt65f")
+scratch = scratch_fixture("ssdt-raid-", 0o1777)  # root's, under /tmp (a /raid with the sticky bit)
 
 
 def owner(user) -> str:

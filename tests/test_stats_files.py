@@ -13,9 +13,7 @@ call that main would block in for ever (the FIFO) runs in a forked child with a 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,28 +21,14 @@ import pytest
 from ssdtrain_megatron.io.dirfd import LayoutError, user_name
 from ssdtrain_megatron.io.layout import Identity, expand_file
 from ssdtrain_megatron.telemetry.stats import append_line
-from tests.as_user import call_as, sh_as, two_users
+from tests.as_user import call_as, scratch_fixture, sh_as, users_fixture
 from tests.test_private_files import _mode, _offloader, _steps, umask  # noqa: F401 (fixture)
 
 FLAG = "(--ssd-offload-stats-path)"
 
 
-@pytest.fixture(scope="module")
-def users():
-    with two_users("ssdt65s") as found:
-        if found is None:
-            pytest.skip("needs root and useradd to play a second user on the node (the tests make "
-                        "throwaway users)")
-        yield found
-
-
-@pytest.fixture
-def scratch():
-    """A directory under /tmp that the throwaway users may traverse (tmp_path is 0700)."""
-    path = tempfile.mkdtemp(prefix="ssdt-stats-", dir="/tmp")
-    os.chmod(path, 0o755)
-    yield Path(path)
-    shutil.rmtree(path, ignore_errors=True)
+users = users_fixture("ssdt65s")
+scratch = scratch_fixture("ssdt-stats-", 0o755)  # root's, under /tmp
 
 
 def shared_out(scratch: Path, users, kind: str) -> Path:
