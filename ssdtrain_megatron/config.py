@@ -178,7 +178,9 @@ class OffloadConfig:
         "When set, each step's StepStats is appended to this file as one JSON line"))
     """When set, each step's StepStats is appended to this file as one JSON line. A path
     template like ``dirs`` ({rank}, ...): give each rank its own file. A restarted job (the
-    same command line) appends to the same file; a directory there is refused at start."""
+    same command line) appends to the same file; a directory there is refused at start, and so
+    is anything but a plain file of ours that nobody else may write (a symlink, even at a fixed
+    path; a FIFO; another user's file): docs/cluster.md, "Shared roots"."""
 
     io_threads: int = knob(4, check=int_at_least(1), help=(
         "Worker threads of the IO engine (each keeps one request in flight); gds: also the "

@@ -181,7 +181,7 @@ class DirChain:
             os.fchmod(fd, DIR_MODE)  # the umask, a setgid parent or a default ACL may have widened it
         st = os.fstat(fd)
         problem = trust_problem(st) if not made else (
-            None if st.st_uid == os.getuid() else "was replaced right after we made it")
+            None if st.st_uid == os.getuid() else f"was replaced right after we made it ({owner_and_mode(st)})")
         if problem:
             raise LayoutError(f"{self.path!r}{what} is {problem}")
         return True
