@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ssdtrain_megatron.io.dirfd import LayoutError, user_name
+from ssdtrain_megatron.io import private_file
 from ssdtrain_megatron.io.layout import Identity, expand_file
 from ssdtrain_megatron.telemetry.stats import append_line
 from tests.as_user import call_as, scratch_fixture, sh_as, users_fixture
@@ -138,6 +139,29 @@ def test_a_stats_folder_swapped_for_a_link_between_steps_steers_nothing(users, s
         _steps(off)
     assert os.listdir(elsewhere) == []
     assert (out / "j.moved" / "stats-0.jsonl").read_text().count('"step"') == 2
+
+
+def test_a_stats_folder_swapped_between_the_walk_and_the_open_steers_nothing(users, scratch, monkeypatch):
+    """The race inside the first line, made deterministic by a hook between the walk to the
+    folder and the open of the file (private_file.open_chain returns, then the group member
+    renames our fresh ``{job}`` folder and leaves a link in its place): the file is opened
+    relative to the folder's descriptor, so it is made in our folder, none in the target.
+    (Main made the folder and opened the file by path: the file went through the link.)"""
+    out = shared_out(scratch, users, "2775")
+    elsewhere = scratch / "elsewhere"
+    elsewhere.mkdir()
+    real = private_file.open_chain
+
+    def walk_then_swap(*args, **kw):
+        chain = real(*args, **kw)
+        sh_as(users.attacker, f"mv -T '{out}/j' '{out}/j.moved' && ln -s '{elsewhere}' '{out}/j'")
+        return chain
+
+    monkeypatch.setattr(private_file, "open_chain", walk_then_swap)
+    with _offloader(scratch, stats_path=str(out / "{job}" / "stats-{rank}.jsonl")) as off:
+        _steps(off)
+    assert os.listdir(elsewhere) == []
+    assert (out / "j.moved" / "stats-0.jsonl").read_text().count('"step"') == 1
 
 
 # -- a FIFO at the path --------------------------------------------------------------------------

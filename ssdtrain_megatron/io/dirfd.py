@@ -81,8 +81,11 @@ def entry_facts(dir_fd: int, name: str) -> str:
 
 
 def refused_text(path: str, exc: OSError, facts: str) -> str:
-    """One line for a folder the kernel does not let us open or make a folder in (EACCES,
-    EPERM, ...): the path, the error, its owner and mode (``facts``), and the fix."""
+    """One line for a folder the kernel does not let us open or make a folder in: the path,
+    the error, its owner and mode (``facts``), and, where we lack the rights (EACCES, EPERM),
+    the fix."""
+    if exc.errno not in (errno.EACCES, errno.EPERM):
+        return f"{path} cannot be used ({exc.strerror or exc}; {facts})"
     return (f"{path} cannot be used ({exc.strerror or exc}; {facts}): another user's folder, or one "
             f"we may not enter; {PER_USER_FIX}")
 
