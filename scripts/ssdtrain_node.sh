@@ -11,7 +11,7 @@
 #                  parallel: sections become Megatron flags (a missing or bad preset stops
 #                  here, exit 2, before torchrun starts)
 #   SSD_DIRS       offload roots, comma-separated path templates ({local_rank}, {rank},
-#                  {hostname}, {job}); each must contain {job}, the directory removed at the end;
+#                  {hostname}, {job}, {user}); each must contain {job}, the directory removed at the end;
 #                  the part above {job} must exist (the offloader refuses a missing root)
 #   JOB_ID         the {job} value (the Slurm job id)
 #   NNODES, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT, NODE_RANK (default: $SLURM_NODEID or 0)
@@ -41,6 +41,7 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 PYTHON="${PYTHON:-python}"
 host="$(hostname)"
+user="$(id -un 2>/dev/null || id -u)"  # {user}: the login name (the uid where it has none), as the offloader
 
 # The job directory of one root template for one local rank: the template up to and
 # including its {job} component, with every placeholder filled in.
@@ -52,6 +53,7 @@ job_dir() {
     dir="${dir//\{local_rank\}/$local_rank}"
     dir="${dir//\{rank\}/$((NODE_RANK * GPUS_PER_NODE + local_rank))}"
     dir="${dir//\{hostname\}/$host}"
+    dir="${dir//\{user\}/$user}"
     printf '%s\n' "$dir"
 }
 

@@ -44,9 +44,10 @@ class OffloadConfig:
     dirs: List[str] = knob(
         default_factory=lambda: ["/tmp/ssdtrain"], check=path_templates, flag="--ssd-offload-dir",
         metavar="DIR[,DIR...]", help="Comma-separated offload roots, one per drive; path templates "
-        "may use {rank}, {local_rank}, {hostname}, {job}")
+        "may use {rank}, {local_rank}, {hostname}, {job}, {user}")
     """Offload roots, one per drive; tensors are striped across them. Path templates may use
-    {rank}, {local_rank}, {hostname} and {job}. Each rank creates its own 0700 directory under
+    {rank}, {local_rank}, {hostname}, {job} and {user} (the login name the job runs as: a folder
+    per user on a shared drive, docs/cluster.md). Each rank creates its own 0700 directory under
     every root and removes it when it closes, with the job folders (from the first component
     holding {job} on) that this leaves empty. A root (the part above the first {job}
     component) must exist: see ``create_dirs``."""
@@ -177,7 +178,9 @@ class OffloadConfig:
         "When set, each step's StepStats is appended to this file as one JSON line"))
     """When set, each step's StepStats is appended to this file as one JSON line. A path
     template like ``dirs`` ({rank}, ...): give each rank its own file. A restarted job (the
-    same command line) appends to the same file; a directory there is refused at start."""
+    same command line) appends to the same file; a directory there is refused at start, and so
+    is anything but a plain file of ours that nobody else may write (a symlink, even at a fixed
+    path; a FIFO; another user's file): docs/cluster.md, "Shared roots"."""
 
     io_threads: int = knob(4, check=int_at_least(1), help=(
         "Worker threads of the IO engine (each keeps one request in flight); gds: also the "

@@ -18,7 +18,7 @@ import logging
 import string
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-TEMPLATE_KEYS = ("rank", "local_rank", "hostname", "job")
+TEMPLATE_KEYS = ("rank", "local_rank", "hostname", "job", "user")
 
 Check = Callable[[str, Any], Any]
 
@@ -164,7 +164,7 @@ def boolean(name: str, value: Any) -> Any:
 
 
 def path_template(name: str, template: Any, item: Optional[int] = None) -> Any:
-    """A non-empty path that may use {rank}, {local_rank}, {hostname}, {job}, without '..'."""
+    """A non-empty path that may use {rank}, {local_rank}, {hostname}, {job}, {user}, without '..'."""
     if not isinstance(template, str) or not template.strip():
         fail(name, template, "expected a non-empty path string", item)
     try:

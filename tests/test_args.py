@@ -150,7 +150,7 @@ def test_every_shipped_preset_composes_with_flags():
      "allowed: offload, adaptive, keep"),
     (["--ssd-offload-dir", "/mnt/{drive}"],
      "pretrain_gpt.py: error: argument --ssd-offload-dir: '/mnt/{drive}' is invalid: unknown "
-     "placeholder {drive}; allowed: {rank}, {local_rank}, {hostname}, {job}"),
+     "placeholder {drive}; allowed: {rank}, {local_rank}, {hostname}, {job}, {user}"),
     (["--ssd-offload-dir", "/a,,/b"],
      "pretrain_gpt.py: error: argument --ssd-offload-dir: '/a,,/b' is invalid: expected "
      "comma-separated items, none of them empty"),

@@ -68,7 +68,7 @@ def test_the_dgx_raid_layout_is_documented_with_a_template_the_config_takes():
     for said in ("findmnt -no SOURCE,FSTYPE /raid", "cat /proc/mdstat", "lsblk"):
         assert said in section, said
     template = re.search(r"--ssd-offload-dir '([^']+)'", section).group(1)
-    assert template == "/raid/ssdtrain/{local_rank}/{job}"
+    assert template == "/raid/{user}/ssdtrain/{local_rank}/{job}"  # a folder per user (issue 65)
     parser = argparse.ArgumentParser()
     add_ssd_offload_args(parser)
     config = config_from_args(parser.parse_args(["--ssd-offload", "--ssd-offload-dir", template]))

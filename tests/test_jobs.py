@@ -92,22 +92,27 @@ def test_a_directory_where_the_stats_file_should_be_fails_at_start_and_leaves_no
     (tmp_path / "out" / "stats-0.jsonl").mkdir(parents=True)
     (tmp_path / "ssd").mkdir()  # the drive
     before = tree(tmp_path)
-    with pytest.raises(LayoutError, match=r"stats-0\.jsonl' \(from the template .*\) is a directory; "
-                                          r"this setting names a file"):
+    with pytest.raises(LayoutError, match=r"stats-0\.jsonl' \(from the template .*\) is a directory \(owner .*, "
+                                          r"mode \d{4}\); this setting names a file"):
         ActivationOffloader(small([tmp_path / "ssd" / "{job}" / "r{rank}"], job="j1",
                                   **{field: str(tmp_path / "out" / "stats-{rank}.jsonl")}))
     # The engine had made ssd/j1/r0/ssdtrain.j1...: all of it is gone again.
     assert tree(tmp_path) == before
 
 
-def test_expand_file_refuses_a_symlink_a_placeholder_names_but_follows_a_fixed_one(tmp_path):
+def test_expand_file_refuses_a_symlink_whether_a_placeholder_names_it_or_not(tmp_path):
+    """Issue 65: a link at a fixed path is refused too (main followed it)."""
     ident = Identity(rank=0, local_rank=0, hostname="h", job="j")
     target = tmp_path / "target.jsonl"
     target.write_text("")
     os.symlink(target, tmp_path / "s-0.jsonl")
-    with pytest.raises(LayoutError, match="is a symlink where this rank's file should be"):
+    with pytest.raises(LayoutError, match=r"s-\{rank\}.jsonl'\) is a symlink \(owner "):
         expand_file(str(tmp_path / "s-{rank}.jsonl"), ident)
-    assert expand_file(str(tmp_path / "s-0.jsonl"), ident) == str(tmp_path / "s-0.jsonl")
+    with pytest.raises(LayoutError, match=r"s-0.jsonl' is a symlink \(owner .*, mode 0777\); "
+                                          "refusing to follow it. Remove it, or name the file itself"):
+        expand_file(str(tmp_path / "s-0.jsonl"), ident)
+    target.rename(tmp_path / "s-1.jsonl")  # a plain file of ours, 0644: appended to
+    assert expand_file(str(tmp_path / "s-1.jsonl"), ident) == str(tmp_path / "s-1.jsonl")
     assert expand_file(str(tmp_path / "{job}" / "s.jsonl"), ident) == str(tmp_path / "j" / "s.jsonl")
 
 

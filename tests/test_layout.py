@@ -20,6 +20,22 @@ def test_templates_expand_per_rank():
     assert expand_root("/mnt/nvme{local_rank}/{job}/{hostname}/r{rank}", IDENT) == "/mnt/nvme1/j42/node7/r3"
 
 
+def test_user_expands_to_the_login_name_the_job_runs_as():
+    """{user} (issue 65): a folder per user on a shared drive. Broken on main: an unknown
+    placeholder (the config refused it; expand_root raised KeyError)."""
+    import pwd
+
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert IDENT.user == me
+    assert expand_root("/raid/{user}/ssdtrain/{local_rank}/{job}", IDENT) == f"/raid/{me}/ssdtrain/1/j42"
+    alice = Identity(rank=0, local_rank=0, hostname="h", job="7", user="alice")
+    assert expand_root("/raid/{user}/{job}", alice) == "/raid/alice/7"
+    assert OffloadConfig(dirs=["/raid/{user}/{job}"], stats_path="/out/{user}/s-{rank}.jsonl").dirs == [
+        "/raid/{user}/{job}"]
+    with pytest.raises(LayoutError, match=r"\{user\}='\.\.' cannot be used in the offload path"):
+        expand_root("/raid/{user}/{job}", Identity(rank=0, local_rank=0, hostname="h", job="7", user=".."))
+
+
 def test_rank_identity_comes_from_launcher_env(monkeypatch):
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("LOCAL_RANK", "1")

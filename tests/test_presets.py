@@ -94,9 +94,11 @@ def test_the_dgx_preset_gives_each_rank_its_folder_on_the_one_array(name, capsys
     folder on it, the job's below; the plan is the DGX H100's, whose drive bandwidth per GPU is
     the node's drives shared by its GPUs, what eight ranks get from one array striped over
     them. Broken variants (the other presets' /mnt/nvme{local_rank} dirs; node: {base:
-    dgx-h100, drives: 1}, the array counted as one drive): the path or the bandwidth differs."""
+    dgx-h100, drives: 1}, the array counted as one drive): the path or the bandwidth differs.
+    A folder per user above the ranks' ({user}, issue 65): two users of one node never meet in
+    one folder (tests/test_folder_refusals.py starts two users' jobs on it)."""
     dirs = OffloadConfig.from_yaml(_path(name)).dirs
-    assert list(dirs) == ["/raid/ssdtrain/{local_rank}/{job}"], dirs
+    assert list(dirs) == ["/raid/{user}/ssdtrain/{local_rank}/{job}"], dirs
     assert cli.main(["plan", "--config", _path(name), "--num-microbatches", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     node = plan["node"]

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
+from ssdtrain_megatron.io.dirfd import user_name
+from ssdtrain_megatron.io.layout import LayoutError
 from ssdtrain_megatron.tools.cli_types import writable_dir
 from tests.models import mlp, run_steps
 
@@ -23,6 +25,10 @@ def umask():
     os.umask(before)
     yield os.umask
     os.umask(before)
+
+
+def _me() -> str:
+    return f"owner {user_name(os.getuid())} (uid {os.getuid()})"
 
 
 def _mode(path) -> int:
@@ -74,29 +80,35 @@ def test_a_symlink_swapped_in_after_the_first_step_gets_no_line(tmp_path):
 
 def test_a_symlink_put_where_a_placeholder_names_the_file_before_the_first_step_is_refused(tmp_path):
     """Between the start's check (expand_file) and the first step a link appears: the first
-    line is refused with the path named, never written through it (broken by dropping
-    O_NOFOLLOW: the victim gets the line)."""
+    line is refused with the path and the setting named, never written through it (broken by
+    dropping O_NOFOLLOW: the victim gets the line)."""
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     (tmp_path / "out").mkdir()
     with _offloader(tmp_path, stats_path=str(tmp_path / "out" / "stats-{rank}.jsonl")) as off:
         os.symlink(victim, tmp_path / "out" / "stats-0.jsonl")
-        with pytest.raises(OSError, match=r"stats-0.jsonl became a symlink after the job started"):
+        with pytest.raises(LayoutError) as err:
             _steps(off)
+    assert str(err.value) == (f"{str(tmp_path / 'out' / 'stats-0.jsonl')!r} (--ssd-offload-stats-path) is a "
+                              f"symlink ({_me()}, mode 0777); refusing to follow it. Remove it, or name the file "
+                              "itself in the path")
     assert victim.read_text() == "precious\n"
 
 
-def test_a_fixed_stats_path_that_is_a_symlink_at_start_is_followed_once(tmp_path):
-    """The user's own link (no placeholder names it): resolved at the start, as expand_file
-    allows; the lines land in its target."""
+def test_a_fixed_stats_path_that_is_a_symlink_is_refused_at_start(tmp_path):
+    """A link at a fixed path is never followed (issue 65: another user's link there made a
+    root job append to a root-only file): refused at start, naming the path, the link's owner
+    and the fix. Broken on main, which resolved it once and appended to its target."""
     target = tmp_path / "logs" / "stats.jsonl"
     target.parent.mkdir()
     target.write_text("")
     (tmp_path / "out").mkdir()
     os.symlink(target, tmp_path / "out" / "stats.jsonl")
-    with _offloader(tmp_path, stats_path=str(tmp_path / "out" / "stats.jsonl")) as off:
-        _steps(off)
-    assert target.read_text().count('"step"') == 1
+    with pytest.raises(LayoutError) as err:
+        _offloader(tmp_path, stats_path=str(tmp_path / "out" / "stats.jsonl"))
+    assert str(err.value) == (f"{str(tmp_path / 'out' / 'stats.jsonl')!r} is a symlink ({_me()}, mode 0777); "
+                              "refusing to follow it. Remove it, or name the file itself in the path")
+    assert target.read_text() == ""
 
 
 @pytest.mark.parametrize("mask", [0o000, 0o002, 0o022])

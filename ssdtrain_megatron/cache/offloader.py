@@ -29,7 +29,7 @@ import torch
 
 from ..config import OffloadConfig
 from ..io import IOEngine, cleanup, make_engine
-from ..io.layout import Identity, expand_file, space_shortfalls
+from ..io.layout import Identity, expand_file, file_base, space_shortfalls
 from ..io.roots import log_roots
 from ..telemetry.append import AppendFile
 from ..telemetry.stats import StepStats, append_jsonl, append_line, run_header
@@ -131,7 +131,7 @@ class ActivationOffloader:
         ident = (self._engine.ident if self._engine is not None else None) or Identity.detect(config.job_id())
         self._tracer: Optional[IOTracer] = None
         if config.trace_path and self._engine is not None:
-            self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank)
+            self._tracer = IOTracer(expand_file(config.trace_path, ident), ident.rank, file_base(config.trace_path))
             self._engine.tracer = self._tracer.on_io
         self._step = Step()
         self._warn = WarnOnce()
@@ -154,7 +154,8 @@ class ActivationOffloader:
         self.record_memory_timeline = False
         self.last_memory_timeline: List[tuple] = []
         # Files, not directories: a restarted job (same command line) appends to them.
-        self._stats_file = AppendFile(expand_file(config.stats_path, ident)) if config.stats_path else None
+        self._stats_file = AppendFile(expand_file(config.stats_path, ident), file_base(config.stats_path),
+                                      "--ssd-offload-stats-path") if config.stats_path else None
         # The run's header line goes before its first step's (readers split appended runs there).
         self._stats_header: Optional[dict] = run_header(ident.job, ident.rank, time.time(), config.to_dict()) \
             if self._stats_file else None

@@ -42,21 +42,52 @@ def user_name(uid: int) -> str:
 def trust_problem(st: os.stat_result, uid: Optional[int] = None) -> Optional[str]:
     """Why a directory with this ``stat`` is not safe to create our folders in (None when it
     is): someone else than us and root could rename or replace our entries there. The text,
-    to follow "... is", ends with the fix."""
+    to follow "... is", names its owner and mode and ends with the fix."""
     uid = os.getuid() if uid is None else uid
     if st.st_uid not in (uid, 0):
-        return (f"owned by {user_name(st.st_uid)} (uid {st.st_uid}), not by us or root: its owner "
-                "can rename or replace what we put in it; refusing to write under it. Use a directory "
-                "of your own (mkdir -m 700), or remove it if someone put it there")
+        return (f"owned by {user_name(st.st_uid)} (uid {st.st_uid}), not by us or root (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}): its owner can rename or replace what we put in it; "
+                "refusing to write under it. Use a directory of your own (mkdir -m 700), or remove it "
+                f"if someone put it there; {PER_USER_FIX}")
     sticky = st.st_mode & stat.S_ISVTX
     if st.st_mode & stat.S_IWOTH and not sticky:
-        return ("world-writable without the sticky bit: anyone can rename or replace what we put "
-                "in it; chmod 700 it, or set the sticky bit (chmod +t) on a shared root")
+        return (f"world-writable without the sticky bit ({owner_and_mode(st)}): anyone can rename or "
+                "replace what we put in it; chmod 700 it, or set the sticky bit (chmod +t) on a shared root")
     if st.st_mode & stat.S_IWGRP and not sticky:
-        return ("group-writable without the sticky bit: any member can rename or replace "
-                "what we put in it; chmod g-w it, set the sticky bit (chmod +t), or use a directory "
-                "of your own")
+        return (f"group-writable without the sticky bit ({owner_and_mode(st)}): any member can rename "
+                "or replace what we put in it; chmod g-w it, set the sticky bit (chmod +t), or use a "
+                "directory of your own")
     return None
+
+
+PER_USER_FIX = ("where several users share a root, give each a folder of their own above {job} "
+                "({user} in the template: /raid/{user}/ssdtrain/{job}), or point --ssd-offload-dir "
+                "(or the stats or trace path) elsewhere")
+"""The fix for a folder another user made or holds where ours should go (docs/cluster.md)."""
+
+
+def owner_and_mode(st: os.stat_result) -> str:
+    """``owner alice (uid 1001), mode 0700``: what a refusal says of a folder or file."""
+    return f"owner {user_name(st.st_uid)} (uid {st.st_uid}), mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def entry_facts(dir_fd: int, name: str) -> str:
+    """:func:`owner_and_mode` of the entry ``name`` below ``dir_fd`` (not followed), or why it
+    cannot be looked at."""
+    try:
+        return owner_and_mode(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+    except OSError as exc:
+        return f"cannot be looked at: {exc.strerror or exc}"
+
+
+def refused_text(path: str, exc: OSError, facts: str) -> str:
+    """One line for a folder the kernel does not let us open or make a folder in: the path,
+    the error, its owner and mode (``facts``), and, where we lack the rights (EACCES, EPERM),
+    the fix."""
+    if exc.errno not in (errno.EACCES, errno.EPERM):
+        return f"{path} cannot be used ({exc.strerror or exc}; {facts})"
+    return (f"{path} cannot be used ({exc.strerror or exc}; {facts}): another user's folder, or one "
+            f"we may not enter; {PER_USER_FIX}")
 
 
 def vanished_text(path: str, exc: OSError) -> str:
@@ -127,6 +158,11 @@ class DirChain:
                     raise LayoutError(f"{self._what(name, what)} already exists ({kind}): another offloader "
                                       "of this process uses the same root, or something was put there; run "
                                       f"`ssdtrain clean {self.path}`") from None
+            except (FileNotFoundError, NotADirectoryError):
+                raise
+            except OSError as exc:  # EACCES, EPERM, EROFS, ...: we may not make a folder here
+                raise LayoutError(refused_text(self._what(name, what), exc,
+                                               f"in {self.path}: {entry_facts(self.fd, '.')}")) from None
         try:
             fd = os.open(name, DIR_FLAGS, dir_fd=self.fd)
         except FileNotFoundError:
@@ -135,11 +171,12 @@ class DirChain:
             return False
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
+                raise LayoutError(refused_text(self._what(name, what), exc, entry_facts(self.fd, name))) from None
             if _is_link(self.fd, name):
                 raise LayoutError(f"{self._what(name, what)} is a symlink where a job directory should be; "
-                                  "refusing to follow it. Remove it, or put the link's target in dirs") from None
-            raise LayoutError(f"{self._what(name, what)} is not a directory") from None
+                                  f"refusing to follow it ({entry_facts(self.fd, name)}). Remove it, or put "
+                                  "the link's target in dirs") from None
+            raise LayoutError(f"{self._what(name, what)} is not a directory ({entry_facts(self.fd, name)})") from None
         self.fds.append(fd)
         self.names.append(name)
         if made:
@@ -147,7 +184,7 @@ class DirChain:
             os.fchmod(fd, DIR_MODE)  # the umask, a setgid parent or a default ACL may have widened it
         st = os.fstat(fd)
         problem = trust_problem(st) if not made else (
-            None if st.st_uid == os.getuid() else "was replaced right after we made it")
+            None if st.st_uid == os.getuid() else f"was replaced right after we made it ({owner_and_mode(st)})")
         if problem:
             raise LayoutError(f"{self.path!r}{what} is {problem}")
         return True
@@ -173,6 +210,22 @@ def remove_entry_dir(parent_fd: int, name: str, fd: int) -> bool:
     return True
 
 
+def open_base(base: str) -> int:
+    """The descriptor of ``base``, opened by path (the part of a template the user wrote).
+
+    Raises LayoutError (its owner and mode, and the fix) where we may not open it."""
+    try:
+        return os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except OSError as exc:
+        try:
+            facts = owner_and_mode(os.stat(base))
+        except OSError as again:
+            facts = f"cannot be looked at: {again.strerror or again}"
+        raise LayoutError(refused_text(repr(base), exc, facts)) from None
+
+
 def open_chain(path: str, create: bool, base: Optional[str] = None, what: str = "",
                check_base: bool = True) -> DirChain:
     """Walk from ``base`` (a directory above ``path``, opened by path; by default the
@@ -190,7 +243,7 @@ def open_chain(path: str, create: bool, base: Optional[str] = None, what: str = 
             base = os.path.dirname(base)
     base = os.path.abspath(base)
     chain = DirChain(base)
-    chain.fds.append(os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+    chain.fds.append(open_base(base))
     chain.names.append(base)
     try:
         problem = trust_problem(os.fstat(chain.fd)) if check_base else None

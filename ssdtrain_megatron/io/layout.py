@@ -20,13 +20,15 @@ import itertools
 import json
 import logging
 import os
+import pwd
 import socket
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from .dirfd import DirChain, LayoutError, open_chain, remove_entry_dir, vanished_text
 from .owner import hold_owner_lock, owner_record
+from .private_file import file_problem
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ class Identity:
     local_rank: int
     hostname: str
     job: str
+    user: str = field(default_factory=lambda: current_user())
+    """``{user}``: the login name of the user this process runs as (its uid where the passwd
+    database has no name for it, as in many containers)."""
 
     @classmethod
     def detect(cls, job: str) -> "Identity":
@@ -64,6 +69,14 @@ class Identity:
             rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", str(rank if "RANK" not in os.environ else 0)))
         return cls(rank=rank, local_rank=local_rank, hostname=socket.gethostname(), job=job)
+
+
+def current_user() -> str:
+    """The login name of this process's user, or its uid as text where it has none."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
 
 
 def expand_root(template: str, ident: Identity) -> str:
@@ -95,7 +108,8 @@ def expand_root(template: str, ident: Identity) -> str:
 
 
 def _values(ident: Identity) -> Dict[str, object]:
-    return {"rank": ident.rank, "local_rank": ident.local_rank, "hostname": ident.hostname, "job": ident.job}
+    return {"rank": ident.rank, "local_rank": ident.local_rank, "hostname": ident.hostname, "job": ident.job,
+            "user": ident.user}
 
 
 def fixed_part(template: str) -> str:
@@ -109,8 +123,11 @@ def expand_file(template: str, ident: Identity) -> str:
     """The file a path template (``stats_path``, ``trace_path``) names for this process.
 
     Its directories are checked as :func:`expand_root` checks a root's; the file itself may
-    already exist (a restarted job appends to it) but must then be a plain file: not a
-    directory, and not a symlink where a placeholder put it. Raises LayoutError otherwise."""
+    already exist (a restarted job appends to it) but must then be one we may append to
+    (:func:`private_file.file_problem`: a plain file of ours that nobody else may write, not a
+    symlink, not a FIFO, not a directory). Raises LayoutError otherwise. The folders and the
+    file are made, opened and judged again through descriptors at the first line
+    (``telemetry/append.py``), from :func:`file_base`."""
     path = os.path.abspath(os.path.expanduser(template))
     parent, name = os.path.split(path)
     directory = expand_root(parent, ident) if "{" in template else parent
@@ -120,17 +137,16 @@ def expand_file(template: str, ident: Identity) -> str:
     except FileNotFoundError:
         return full
     what = f"{full!r}" + (f" (from the template {template!r})" if "{" in template else "")
-    if stat.S_ISLNK(st.st_mode):
-        if "{" in name:
-            raise LayoutError(f"{what} is a symlink where this rank's file should be; refusing to follow "
-                              "it. Remove it, or name the link's target in the path")
-        st = os.stat(full)
-    if stat.S_ISDIR(st.st_mode):
-        raise LayoutError(f"{what} is a directory; this setting names a file (one per rank with "
-                          "{rank}), which later runs append to")
-    if not stat.S_ISREG(st.st_mode):
-        raise LayoutError(f"{what} is not a plain file")
+    problem = file_problem(st)
+    if problem:
+        raise LayoutError(f"{what} is {problem}")
     return full
+
+
+def file_base(template: str) -> str:
+    """Where the walk to the folder of a file ``template`` names starts, opened by path: the
+    directories above its first placeholder (the whole folder of a fixed path)."""
+    return fixed_part(os.path.dirname(os.path.abspath(os.path.expanduser(template))))
 
 
 def job_levels(template: str) -> int:

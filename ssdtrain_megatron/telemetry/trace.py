@@ -13,7 +13,6 @@ other and with Megatron's log.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Dict, Hashable, List, Optional, Tuple
@@ -22,7 +21,9 @@ from .append import AppendFile
 
 
 class IOTracer:
-    def __init__(self, path: str, rank: int) -> None:
+    """``base``: where the walk to the file's folder starts (:class:`AppendFile`)."""
+
+    def __init__(self, path: str, rank: int, base: Optional[str] = None) -> None:
         self.path = path
         self.rank = rank
         self._t0 = time.perf_counter()
@@ -30,8 +31,8 @@ class IOTracer:
         self._lock = threading.Lock()
         self._context: Dict[int, Tuple[int, Optional[str], Optional[str], str]] = {}
         self._rows: List[str] = []
-        self._file = AppendFile(path)  # opened once, at the first flush, never through a link
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        # opened once, at the first flush, never through a link; its folders made then, 0700
+        self._file = AppendFile(path, base, "--ssd-offload-trace-path")
 
     def tag(self, key: int, step: int, microbatch: Hashable, layer: Hashable, phase: str) -> None:
         ctx = (step, None if microbatch is None else str(microbatch), None if layer is None else str(layer), phase)
