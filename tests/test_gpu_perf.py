@@ -35,6 +35,7 @@ from ssdtrain_megatron.tools.gpucheck import gpu_perf  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck import gpu_perf_plan  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck import gpu_perf_step  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck import gpu_perf_targets  # noqa: E402
+from tests.test_gpu_archive import unpacked  # noqa: E402
 
 TARGETS = [t[0] for t in gpu_perf_targets.TARGETS]
 
@@ -42,7 +43,7 @@ TARGETS = [t[0] for t in gpu_perf_targets.TARGETS]
 def _make(tmp_path, dry, args=""):
     env = dict(os.environ, GPU_CHECK_DRY="1" if dry else "0")
     return subprocess.run(["make", "-s", "-C", ROOT, "gpu-perf", f"PYTHON={sys.executable}",
-                           f"GPU_PERF_ARGS=--out {tmp_path / 'res'} {args}"],
+                           f"GPU_PERF_ARGS=--out {tmp_path / 'res'} --scratch {tmp_path / 'scratch'} {args}"],
                           env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -68,9 +69,10 @@ def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
             "50 GB/s, drive 2 GB/s: memory 0.56 (1 kept + 3.5 read ahead (the byte cap) of 8 layers") in proc.stdout
     assert "activation-peak target 0.35x keep's; floor at 500 TFLOP/s, link 50 GB/s, drive 2 GB/s: memory 0.25 (1 " \
            "kept + 3 read ahead of 16 layers" in proc.stdout
-    plan = json.loads((tmp_path / "res" / "plan.json").read_text())
+    res = unpacked(tmp_path / "res", "gpu-perf")
+    plan = json.loads((res / "plan.json").read_text())
     assert plan["dry_run"] and plan["steps_per_point"] == 5 and set(plan["shapes"]) == {"io-bound", "compute-bound"}
-    assert sorted(os.listdir(tmp_path / "res")) == ["plan.json"]  # nothing ran
+    assert sorted(os.listdir(res)) == ["plan.json"]  # nothing ran
 
 
 def test_the_two_shapes_sit_on_either_side_of_the_papers_regime():
@@ -170,7 +172,7 @@ def test_make_gpu_perf_without_the_bundle_lists_every_target_not_run_and_fails(t
     os.makedirs(tmp_path / "nowheels")
     proc = _make(tmp_path, dry=False, args=f"--wheels {tmp_path / 'nowheels'}")
     assert proc.returncode != 0 and "gpu-perf] Error 1" in proc.stderr, proc.stdout + proc.stderr
-    data = json.loads((tmp_path / "res" / "gpu-perf.json").read_text())
+    data = json.loads((unpacked(tmp_path / "res", "gpu-perf") / "gpu-perf.json").read_text())
     assert [t["target"] for t in data["targets"]] == TARGETS
     for t in data["targets"]:
         assert t["result"] == "NOT RUN" and "no wheels in" in t["detail"], t
@@ -208,7 +210,7 @@ TINY_SHAPES = {
 def perf_args(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_perf_step, "SHAPES", TINY_SHAPES)
     monkeypatch.setattr(gpu_check_measure, "MIN_TENSOR_BYTES", 1024)  # the tiny shapes' tensors
-    args = gpu_perf.parse_args(["--out", str(tmp_path / "res")])
+    args = gpu_perf.parse_args(["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch")])
     os.makedirs(args.scratch)
     return args
 
@@ -343,7 +345,7 @@ def test_the_peak_is_what_forward_and_backward_add_above_the_steps_start(runtime
     box = MemoryOfTheModel(StandInBox(), model, log)
     real_step = Runner.step
     monkeypatch.setattr(Runner, "step", lambda self: (log.append("step"), real_step(self))[1])
-    args = gpu_perf.parse_args(["--out", str(tmp_path), "--steps", "5"])
+    args = gpu_perf.parse_args(["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch"), "--steps", "5"])
     os.makedirs(args.scratch)
     m = gpu_check_measure.Measure(args, lambda r: None, model, runtime.device, box)
     p = m.point("keep", 1, "keep")
