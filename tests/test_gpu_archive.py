@@ -152,7 +152,10 @@ def test_a_stand_in_run_leaves_one_archive_with_every_result_under_16_mib(tmp_pa
                                        + traces)
     table = _read(archive, "gpu-perf-results/table.txt")
     assert table in printed and f"gpu-perf: archive {archive}: {size:,} bytes, 16 files" in printed
-    assert json.loads(_read(archive, "gpu-perf-results/steps/perf.json"))["status"] == "pass"
+    perf = json.loads(_read(archive, "gpu-perf-results/steps/perf.json"))
+    assert perf["status"] == "pass"
+    for sub in perf["shapes"].values():  # what the drive rows measured (tests/test_gpu_drive.py)
+        assert sub["drive"]["dir"] == seen["drive"] and sub["drive"]["o_direct"] is True
     assert seen["prefix"].startswith(str(scratch)) and seen["drive"].startswith(str(scratch))
     assert os.listdir(scratch) == []
 

@@ -54,6 +54,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .gpu_archive import archive_path, pack, remove, results_dir, scratch_dir, scratch_problem
 from .gpu_bundle import REQUIREMENTS
+from .gpu_drive import probe as probe_drive
+from .gpu_drive import text as drive_text
 from .gpu_check_plan import (DEADLINE_MARGIN_S, KILL_GRACE_S, KILL_WAIT_S, STEPS, TERM_WAIT_S, TOTAL_S, estimates,
                             measure_estimate, plan, print_plan)
 from .gpu_check_targets import NOT_RUN, PASS, render, targets
@@ -234,10 +236,11 @@ def _run_steps(args: argparse.Namespace, prefix: str, extensions: str) -> int:
     steps = suite.plan(args)
     header = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
               "dry_run": args.dry_run, "out": args.out, "scratch": args.scratch, "wheels": args.wheels,
-              "plan": steps, "total_s": args.total_s, **suite.header(args)}
+              "plan": steps, "total_s": args.total_s, "drive": probe_drive(args.scratch), **suite.header(args)}
     if args.dry_run:
         say(f"dry run: the time plan ({len(steps)} steps, each in its own process under its limit):")
         fits = suite.print_plan(args, steps, say)
+        say(drive_text(header["drive"]))
         with open(os.path.join(args.out, "plan.json"), "w") as f:
             json.dump(header, f, indent=1)
         return 0 if fits else 1

@@ -46,6 +46,7 @@ from .gpu_check_common import CudaBox, GpuGPT, deadline_left
 from .gpu_check_plan import (ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_SETTLE_CAP, ADAPTIVE_TRIAL_STEPS, MEASURE_INFLIGHT,
                             OVERFLOW_STAGING, measure_estimate, memory_pool_bytes, reserves)
 from .gpu_check_runner import SAVE_ON_CPU, TRACE_MAX_BYTES, Runner, record_step
+from .gpu_drive import probe as probe_drive
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io.pinned import pinned_cost
 from ssdtrain_megatron.telemetry.timeline import Timeline
@@ -129,7 +130,8 @@ class Measure:
         (gpu_check_plan.points_estimate): what each must have left to start."""
         self.args, self.save, self.model, self.dev, self.box = args, save, model, device, box
         self.trace_dir, self.until = trace_dir, until
-        self.result: Dict[str, object] = {"points": []}
+        # What the posix points' bytes go to (gpu_drive.py): a drive with O_DIRECT, or the rows say why not.
+        self.result: Dict[str, object] = {"points": [], "drive": probe_drive(args.scratch)}
         self.total = box.total_memory(device)
         self.host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         self.registers = box.registration_works()

@@ -28,10 +28,11 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .gpu_check_targets import (Verdict, _keep_and_offload, _not_run_why, _overlap, _peak, _point, _stall,
-                               bound_verdict, peak_verdict, render_points)
+from .gpu_check_targets import (Verdict, _drive, _keep_and_offload, _not_run_why, _overlap, _peak, _point, _stall,
+                               bound_verdict, needs_drive, peak_verdict, render_points)
 from .gpu_check_targets import render as check_render
 from .gpu_check_targets import targets as check_targets
+from .gpu_drive import text as drive_text
 from .gpu_perf_plan import PEAK_MAX, floor_text, nominal_floors
 
 IO_BOUND_MAX, COMPUTE_MEMORY_MAX, COMPUTE_POSIX_MAX = 1.10, 1.03, 1.05
@@ -223,13 +224,15 @@ TARGETS: List[Tuple[str, str, Callable[[dict], Verdict]]] = [(name, "perf", _at(
     (f"io-bound: memory <= {IO_BOUND_MAX:.2f}x its link bound", IO,
      functools.partial(_overlap, "memory", limit=IO_BOUND_MAX)),
     (f"io-bound: posix <= {IO_BOUND_MAX:.2f}x its drive bound", IO,
-     functools.partial(_overlap, "posix", limit=IO_BOUND_MAX)),
-] + [(f"io-bound: stall beyond the IO deficit <= 2%: {e}", IO, functools.partial(_stall, e)) for e in ("memory", "posix")
-     ] + [(f"io-bound: activation peak <= {IO_PEAK_MAX}x keep's: {e}", IO,
-           functools.partial(_peak_with_floor, e, limit=IO_PEAK_MAX)) for e in ("memory", "posix")] + [
+     needs_drive(functools.partial(_overlap, "posix", limit=IO_BOUND_MAX))),
+] + [(f"io-bound: stall beyond the IO deficit <= 2%: {e}", IO, _drive(e, functools.partial(_stall, e)))
+     for e in ("memory", "posix")] + [(f"io-bound: activation peak <= {IO_PEAK_MAX}x keep's: {e}", IO,
+                                       _drive(e, functools.partial(_peak_with_floor, e, limit=IO_PEAK_MAX)))
+                                      for e in ("memory", "posix")] + [
     (f"compute-bound: memory <= {COMPUTE_MEMORY_MAX:.2f}x keep, peak <= {COMPUTE_PEAK_MAX:.2f}x keep", COMPUTE,
      _compute_memory),
-    (f"compute-bound: posix <= {COMPUTE_POSIX_MAX:.2f}x keep (or {IO_BOUND_MAX:.2f}x bound)", COMPUTE, _compute_posix),
+    (f"compute-bound: posix <= {COMPUTE_POSIX_MAX:.2f}x keep (or {IO_BOUND_MAX:.2f}x bound)", COMPUTE,
+     needs_drive(_compute_posix)),
     (f"compute-bound: ours <= {VS_SAVE_ON_CPU_MAX}x save_on_cpu, peak no higher", COMPUTE, _vs_save_on_cpu),
 ] + [(f"{shape}: the model within {MODEL_MAX:.0%} of every step", shape, _model) for shape in (IO, COMPUTE)] + [
     (f"{shape}: every excess explained, <= {UNEXPLAINED_MAX:.0%} unexplained", shape, _explained)
@@ -263,6 +266,8 @@ def _shape_lines(data: dict) -> List[str]:
         if link:
             lines.append(f"link on registered memory: D2H {link['d2h'] / 1e9:.1f}, H2D {link['h2d'] / 1e9:.1f}, both "
                          f"ways {link['both'] / 1e9:.1f} GB/s")
+        if st.get("drive"):
+            lines.append(drive_text(st["drive"]))
         if drive:
             lines.append(f"drive in the step's pattern: write {drive['write'] / 1e9:.2f}, read {drive['read'] / 1e9:.2f} GB/s")
         floors = {e: g for e, g in ((e, floor_of(st, e)) for e in ("memory", "posix")) if g}
