@@ -47,9 +47,9 @@ def _make(tmp_path, dry, args=""):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
+def test_the_plan_fits_185_s_and_prints_every_points_estimate(tmp_path):
     """`GPU_CHECK_DRY=1 make gpu-perf`: each step's limit and estimate, each point's steps x
-    (compute + bytes moved) + registration, the limits within 180 s less the parent's share.
+    (compute + bytes moved) + registration, the limits within 185 s less the parent's share.
     Fails when a point is added or the shapes grown past their slots."""
     proc = _make(tmp_path, dry=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -58,7 +58,7 @@ def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
     for name, limit, *_ in gpu_perf_plan.STEPS:
         assert f"{name:<19} limit {limit:>4}s  estimate {est[name]['total']:>5.0f}s  (" in proc.stdout
         assert est[name]["total"] <= limit
-    assert sum(s[1] for s in gpu_perf_plan.STEPS) + gpu_perf_plan.PARENT_S <= 180
+    assert sum(s[1] for s in gpu_perf_plan.STEPS) + gpu_perf_plan.PARENT_S <= gpu_perf_plan.TOTAL_S == 185
     for shape in gpu_perf_plan.SHAPES.values():
         k = shape["micro_batch"]
         for point, _ in gpu_perf_plan.STRATEGIES:

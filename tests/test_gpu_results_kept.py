@@ -351,6 +351,7 @@ def test_each_points_reserve_is_its_own_estimate_so_short_points_at_the_end_stil
     m = gpu_check_measure.Measure.__new__(gpu_check_measure.Measure)
     m.args, m.until, m.per_sample, m.registers, m.host_ram = args, None, None, True, 1 << 40
     m.estimates = {"recompute@2": 1.4, "offload-posix@2": 31.2, "drive": 5.0}
+    m.ran, m.result = [], {}  # nothing ran yet: the estimates at the plan's pace (tests/test_gpu_time.py)
     monkeypatch.setenv("GPU_CHECK_DEADLINE", str(time.time() + 8))
     assert m._skip(2, "keep", "posix", {}, "recompute@2") is None
     why = m._skip(2, "offload", "posix", {}, "offload-posix@2")

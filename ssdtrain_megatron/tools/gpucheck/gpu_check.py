@@ -90,6 +90,8 @@ class Suite:
     """The options every child gets, as the parent got them."""
     run_step: str
     """"module:function" a child runs its step with: (args, save) -> result."""
+    groups: Dict[str, Tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Names --only takes for several steps at once."""
 
     def say(self, msg: str) -> None:
         print(f"{self.name}: {msg}", flush=True)
@@ -128,7 +130,8 @@ def suite_parser(prog: str, doc: str, out: str, total_s: int) -> argparse.Argume
     p.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY", "") not in ("", "0"),
                    help="only print the time plan and check that it fits (also GPU_CHECK_DRY=1)")
     p.add_argument("--only", default=None,
-                   help="comma-separated steps to run, with the steps they need (default: all; the "
+                   help="comma-separated steps (or groups of steps: gpu-check's after-perf is every step but "
+                        "measure, which gpu-perf covers) to run, with the steps they need (default: all; the "
                         "targets of the others are NOT RUN, so the exit status is 1)")
     p.add_argument("--total-s", type=_positive_int, default=total_s,
                    help="time limit of the whole run, seconds (default: %(default)s)")
@@ -144,9 +147,11 @@ def finish_args(p: argparse.ArgumentParser, suite: Suite, argv: Optional[List[st
     args = p.parse_args(argv)
     names = [s[0] for s in suite.steps]
     if args.only:
+        args.only = ",".join(n for part in args.only.split(",") for n in suite.groups.get(part, (part,)))
         bad = [n for n in args.only.split(",") if n not in names]
         if bad:
-            p.error(f"--only: unknown step(s) {', '.join(bad)}; steps: {', '.join(names)}")
+            groups = "".join(f"; {g}: {', '.join(s)}" for g, s in suite.groups.items())
+            p.error(f"--only: unknown step(s) {', '.join(bad)}; steps: {', '.join(names)}{groups}")
     args.out = os.path.abspath(args.out)
     args.wheels = os.path.abspath(args.wheels)
     args.scratch = os.path.abspath(args.scratch)
@@ -252,9 +257,11 @@ def _run_steps(args: argparse.Namespace, prefix: str, extensions: str) -> int:
     env = dict(os.environ, **CHILD_ENV)
     env["PYTHONPATH"] = _pythonpath(prefix)
     env["TORCH_EXTENSIONS_DIR"] = env.get("TORCH_EXTENSIONS_DIR", extensions)
+    banked = 0.0  # install's unused seconds, given to the step after it
     try:
         for s in steps:
-            name, timeout = s["step"], s["timeout_s"]
+            name, timeout = s["step"], s["timeout_s"] + banked
+            banked = 0.0
             left = args.total_s - (time.monotonic() - start) - 5
             blocked = next((d for d in s["needs"] if res.data["steps"].get(d, {}).get("status") != "pass"), None)
             if blocked:
@@ -268,9 +275,11 @@ def _run_steps(args: argparse.Namespace, prefix: str, extensions: str) -> int:
                 say(f"{name}: running (limit {limit}s) ...")
                 t0 = time.monotonic()
                 result = install(args, prefix, env, limit) if name == "install" else run_child(args, name, env, limit)
+                result["seconds"] = round(time.monotonic() - t0, 1)
                 if name == "install":
                     env["PYTHONPATH"] = _pythonpath(prefix)  # where pip put them, now that it has
-                result["seconds"] = round(time.monotonic() - t0, 1)
+                    banked = max(0.0, limit - result["seconds"]) if result["status"] == "pass" else 0.0
+                result["limit_s"] = limit
             res.step(name, result)
             say(f"{name}: {result['status']}{' (%ss)' % result['seconds'] if 'seconds' in result else ''}"
                 f"{' - ' + result['why'] if result.get('why') else ''}")
@@ -474,7 +483,10 @@ def check_header(args: argparse.Namespace) -> dict:
 
 
 CHECK = Suite("gpu-check", f"{__package__}.gpu_check", STEPS, plan, check_header, print_plan, targets, render,
-              SHAPE_FLAGS, f"{__package__}.gpu_check_steps:run_step")
+              SHAPE_FLAGS, f"{__package__}.gpu_check_steps:run_step",
+              groups={"after-perf": tuple(n for n, *_ in STEPS if n != "measure")})
+"""gpu-check. ``--only after-perf`` is the second of the two GPU calls (docs/gpu-check.md): every
+step but measure, whose shape gpu-perf measured in the first."""
 
 
 def run(args: argparse.Namespace) -> int:

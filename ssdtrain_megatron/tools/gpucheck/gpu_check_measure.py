@@ -63,6 +63,9 @@ LINK_HOLD_CYCLES = 4_000_000  # ~2 ms on the compute stream while the link measu
 # point, two of its slowest steps and this. A point the plan has no estimate for keeps the
 # reserve every point had before it scaled with its estimate.
 RESERVE_SLACK_S = 2.0
+PACE_RANGE = (0.1, 4.0)
+"""The pace (measured over estimated seconds of what ran) a reserve is scaled by, at least and
+at most: a box far faster than the plan's rates still keeps a tenth of each estimate."""
 UNPLANNED_RESERVE_S = 20.0
 
 
@@ -143,6 +146,7 @@ class Measure:
         self.rates: Dict[str, Optional[dict]] = {"link": None, "drive": None}
         self.sizes: List[int] = []
         self.estimates: Dict[str, float] = dict(estimates or {})
+        self.ran: List[tuple] = []  # (seconds measured, seconds estimated) of each planned point and rate run
 
     def left(self) -> float:
         """Seconds until this measurement's deadline (the step's, or ``until`` if earlier)."""
@@ -155,7 +159,20 @@ class Measure:
         the plan does not know. Scaled to each point, not fixed: a fixed 20 s left the short
         points at the end of a share (save_on_cpu, recompute, adaptive) unrun."""
         est = self.estimates.get(name)
-        return UNPLANNED_RESERVE_S if est is None else RESERVE_SLACK_S + est
+        return UNPLANNED_RESERVE_S if est is None else RESERVE_SLACK_S + est * self.pace()
+
+    def pace(self) -> float:
+        """Measured over estimated seconds of the planned points and rates run so far (1 before
+        any), within PACE_RANGE: each reserve is its estimate at this pace, so a box faster than
+        the plan's rates starts the long points at the end of a share that the estimate alone
+        would cut, and a slower one stops in time."""
+        measured, estimated = sum(m for m, _ in self.ran), sum(e for _, e in self.ran)
+        return 1.0 if estimated <= 0 else min(max(measured / estimated, PACE_RANGE[0]), PACE_RANGE[1])
+
+    def _ran(self, name: str, seconds: float) -> None:
+        if name in self.estimates:
+            self.ran.append((seconds, self.estimates[name]))
+            self.result["pace"] = round(self.pace(), 3)
 
     def pinned(self, policy: str, cfg_kw: dict, mb: int = 1) -> int:
         """Host memory the point locks: its offloader's staging pool and its engine's pool, at
@@ -195,6 +212,7 @@ class Measure:
         if why:
             p.update(ok=False, error=why)
             return self._done(p)
+        began = time.perf_counter()
         box = self.box
         off = streams = None
         stopped: Optional[BaseException] = None  # a signal, or the like: the point is saved, then it goes on
@@ -226,6 +244,8 @@ class Measure:
             p.update(ok=False, cleanup_error=f"{type(cleanup).__name__}: {cleanup}"[:500],
                      cleanup_traceback="".join(traceback.format_exception(type(cleanup), cleanup,
                                                                           cleanup.__traceback__))[-4000:])
+        p["seconds"] = round(time.perf_counter() - began, 2)
+        self._ran(str(p["name"]), p["seconds"])
         self._done(p)
         if stopped is not None:
             raise stopped
@@ -377,10 +397,12 @@ class Measure:
         if left < reserve:
             self.result[f"{kind}_rate_error"] = f"not measured: out of time ({left:.0f}s left, its estimate needs {reserve:.0f}s)"
             return
+        began = time.perf_counter()
         try:
             self.rates[kind] = measure()
         except Exception as exc:  # noqa: BLE001 - the rows that need it say why
             self.result[f"{kind}_rate_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        self._ran(kind, time.perf_counter() - began)
         self.result["rates"] = self.rates
         self.save(dict(self.result, status="running"))
 
