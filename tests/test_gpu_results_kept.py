@@ -377,10 +377,10 @@ def test_the_plan_is_checked_on_both_cards_and_names_the_one_it_assumed(tmp_path
     assert f"attention kernel       {gpu_check_plan.ASSUME['sdpa_first_s']:.1f}s" in proc.stdout
     plan = json.loads((unpacked(tmp_path / "res", "gpu-perf") / "plan.json").read_text())
     assert plan["card_assumed"] == "H100 80 GB" and set(plan["cards"]) == {"H100 80 GB", "H200 141 GB"}
-    big = dict(gpu_perf_step.SHAPES["compute-bound"], layers=40)  # 18 B parameters: 145 GB of state
+    big = dict(gpu_perf_step.SHAPES["compute-bound"], layers=15)  # 19 B parameters: 152 GB of state
     fits, lines = gpu_check_plan.card_check({"big": (big, 1, 0)})
     assert not fits and all("does NOT fit" in line for line in lines)
-    fits, lines = gpu_check_plan.card_check({"big": (dict(big, layers=12), 1, 0)})  # 43 GB: both
+    fits, lines = gpu_check_plan.card_check({"big": (dict(big, layers=4), 1, 0)})  # 42 GB: both
     assert fits
 
 
