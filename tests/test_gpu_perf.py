@@ -47,9 +47,9 @@ def _make(tmp_path, dry, args=""):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_plan_fits_196_s_and_prints_every_points_estimate(tmp_path):
+def test_the_plan_fits_198_s_and_prints_every_points_estimate(tmp_path):
     """`GPU_CHECK_DRY=1 make gpu-perf`: each step's limit and estimate, each point's steps x
-    (compute + bytes moved) + registration, the limits within 196 s less the parent's share.
+    (compute + bytes moved) + registration, the limits within 198 s less the parent's share.
     Fails when a point is added or the shapes grown past their slots."""
     proc = _make(tmp_path, dry=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -58,7 +58,7 @@ def test_the_plan_fits_196_s_and_prints_every_points_estimate(tmp_path):
     for name, limit, *_ in gpu_perf_plan.STEPS:
         assert f"{name:<19} limit {limit:>4}s  estimate {est[name]['total']:>5.0f}s  (" in proc.stdout
         assert est[name]["total"] <= limit
-    assert sum(s[1] for s in gpu_perf_plan.STEPS) + gpu_perf_plan.PARENT_S <= gpu_perf_plan.TOTAL_S == 196
+    assert sum(s[1] for s in gpu_perf_plan.STEPS) + gpu_perf_plan.PARENT_S <= gpu_perf_plan.TOTAL_S == 198
     for shape in gpu_perf_plan.SHAPES.values():
         k = shape["micro_batch"]
         for point, _ in gpu_perf_plan.STRATEGIES:
@@ -287,7 +287,8 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
     assert [r["target"] for r in rows] == TARGETS
     for row in rows:
         if "explained" in row["target"] or "typical" in row["target"]:  # a CPU step may have no excess
-            assert row["result"] != "NOT RUN" or row["detail"] == "no point had an excess to split", row
+            assert row["result"] != "NOT RUN" or row["detail"] in ("no point of ours had an excess to split",
+                                                                   "no breakdown of ours"), row
         else:
             assert row["result"] in ("PASS", "FAIL"), row
     table = gpu_perf_targets.render({"targets": rows, "steps": steps})
@@ -403,8 +404,9 @@ def _perf_steps():
         _point("offload-posix@1", 1.04, 74, written=2e9, read=2e9, policy="offload", engine="posix"),
         _point("save_on_cpu@1", 2.0, 80, policy="save_on_cpu"),
         _point("recompute@1", 1.33, 64, policy="keep"),
-    ], "parameters": 10**9, "record_sizes": {"records": 10, "bytes": 10**9, "largest": 10**8}}
+    ], "parameters": 10**9, "record_sizes": {"records": 10, "bytes": 4 * 10**9, "largest": 10**8}}
     io["shape"], compute["shape"] = gpu_perf_plan.SHAPES["io-bound"], gpu_perf_plan.SHAPES["compute-bound"]
+    io["rates"] = dict(RATES, drive_raw={"write": 5e9, "read": 5e9})  # the drive's own rate, as the engine's
     for step in (io, compute):
         judge_points(step["points"], 1, RATES, {})
         step["model"] = {"forward_from": "timeline", "points": {"offload-memory@1": {"error": 0.04},
@@ -431,8 +433,10 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
         judge_points(sub["points"], 1, RATES, {})
         return {r["target"]: r for r in gpu_perf_targets.targets(s)}[name]["result"]
 
-    assert result("io-bound: memory <= 1.10x its link bound", "io-bound", 1, step_s=2.3) == "FAIL"  # 1.15x
-    assert result("io-bound: posix <= 1.10x its drive bound", "io-bound", 2, step_s=11.5) == "FAIL"
+    # the bound 2 s and what cannot overlap: keep's forward and backward (1 s) over its 8 layers
+    assert result("io-bound: memory <= 1.10x link bound + unoverlappable", "io-bound", 1, step_s=2.3) == "PASS"  # 1.08x of 2.125 s
+    assert result("io-bound: memory <= 1.10x link bound + unoverlappable", "io-bound", 1, step_s=2.4) == "FAIL"  # 1.13x
+    assert result("io-bound: posix <= 1.10x its raw drive bound", "io-bound", 2, step_s=11.5) == "FAIL"
     assert result("io-bound: stall beyond the IO deficit <= 2%: posix", "io-bound", 2, stall_s=9.5) == "FAIL"
     io_peak = "io-bound: activation peak <= 0.7x keep's: posix"
     assert result(io_peak, "io-bound", 2, activation_reserved=29) == "FAIL"  # 0.725x
@@ -456,11 +460,12 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
     assert result(posix, "compute-bound", 2, bytes_written=5e9, bytes_read=5e9,
                   step_s=2.1) == "PASS"
     assert result(posix, "compute-bound", 2, bytes_written=5e9, bytes_read=5e9, step_s=2.3) == "FAIL"
-    ours = "compute-bound: ours <= 0.7x save_on_cpu, peak no higher"
-    assert rows[ours]["detail"].startswith("offload-memory@1 0.51x save_on_cpu's step")
+    ours = "compute-bound: ours hides >= 70% of save_on_cpu copies"
+    assert rows[ours]["detail"].startswith("ours hides 87% of the 160.0 ms save_on_cpu's activation copies take "
+                                           "(+20.0 ms over keep); offload-memory@1 0.51x save_on_cpu's step")
     # against keep too, and save_on_cpu's weights' copies as their own term
     assert "keep 1000.0 ms: ours 1.02x, save_on_cpu 2.00x" in rows[ours]["detail"]
-    assert ("save_on_cpu = keep 1000.0 + weights' copies 80.0 + activations' copies 40.0 + rest 880.0 ms; ours "
+    assert ("save_on_cpu = keep 1000.0 + weights' copies 80.0 + activations' copies 160.0 + rest 760.0 ms; ours "
             "0.53x save_on_cpu less its weights' copies") in rows[ours]["detail"]
     bare = json.loads(json.dumps(steps))
     for sub in bare["perf"]["shapes"].values():  # the fixture's breakdowns and model are partial: not printed here
@@ -473,7 +478,8 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
                  "  offload-memory@1       step 1.02x  activation peak 0.30x"):
         assert line in table, table
     assert "activation-peak target 0.8x keep's; floor: memory 0.50 (1 kept + 2 read ahead of 6 layers" in table
-    assert result(ours, "compute-bound", 3, step_s=1.3) == "FAIL"  # 0.78x
+    assert result(ours, "compute-bound", 3, step_s=1.3) == "PASS"  # save_on_cpu's own step judges nothing
+    assert result(ours, "compute-bound", record_sizes={"records": 10, "bytes": 10**9, "largest": 10**8}) == "FAIL"
     assert result(ours, "compute-bound", 3, activation_reserved=10) == "FAIL"  # none of ours as low
     model = "compute-bound: the model within 10% of every step"
     assert result(model, "compute-bound", model={"points": {"offload-posix@1": {"error": 0.11}}}) == "FAIL"
@@ -481,21 +487,22 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
     typical = "io-bound: every traced step typical, within 10%"
     explained = "io-bound: every excess explained, <= 20% unexplained"
     good = steps["perf"]["shapes"]["io-bound"]["points"][1]["breakdown"]
-    assert result(typical, "io-bound", 1, breakdown=dict(good, typical=False)) == "FAIL"
+    # 55 ms off the median's excess: over 10% of it and over the steps' spread (2% of 2.08 s)
+    assert result(typical, "io-bound", 1, breakdown=dict(good, sum_s=0.05)) == "FAIL"
     assert result(explained, "io-bound", 1, breakdown=dict(good, typical=False)) == "PASS"  # judged apart
     assert result(typical, "io-bound", 1, breakdown=dict(good, typical=None)) == "PASS"  # posix's still typical
     assert rows[explained]["detail"].startswith("offload-memory@1 15.0 of 105.0 ms unexplained")
     unexplained = dict(good, explained=False, unexplained_s=0.05)
     assert result(explained, "io-bound", 1, breakdown=unexplained) == "FAIL"
     assert result(typical, "io-bound", 1, breakdown=unexplained) == "PASS"
-    assert result("io-bound: memory <= 1.10x its link bound", "io-bound", 1, steps_timed=4) == "NOT RUN"
+    assert result("io-bound: memory <= 1.10x link bound + unoverlappable", "io-bound", 1, steps_timed=4) == "NOT RUN"
     rows = gpu_perf_targets.targets({}, {"perf": "not selected (--only)"})
     assert {r["detail"] for r in rows} == {"not selected (--only)"}
     half = {"perf": {"status": "fail", "why": "compute-bound: out of memory", "shapes": steps["perf"]["shapes"]}}
     del half["perf"]["shapes"]["compute-bound"]
     rows = {r["target"]: r for r in gpu_perf_targets.targets(half)}
     assert rows[memory]["detail"] == "the compute-bound shape was not measured"
-    assert rows["io-bound: memory <= 1.10x its link bound"]["result"] == "PASS"
+    assert rows["io-bound: memory <= 1.10x link bound + unoverlappable"]["result"] == "PASS"
 
 
 def test_each_shape_gets_its_share_of_the_steps_time_and_a_failing_one_leaves_the_next_its_own(

@@ -47,6 +47,7 @@ from .gpu_check_plan import (ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_SETTLE_CAP, ADAPTI
                             OVERFLOW_STAGING, measure_estimate, memory_pool_bytes, reserves)
 from .gpu_check_runner import SAVE_ON_CPU, TRACE_MAX_BYTES, Runner, record_step
 from .gpu_drive import probe as probe_drive
+from .gpu_drive import raw_rates
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io.pinned import pinned_cost
 from ssdtrain_megatron.telemetry.timeline import Timeline
@@ -384,6 +385,8 @@ class Measure:
             cfg = self.base_cfg.replace(max_inflight_bytes=MEASURE_INFLIGHT, job=f"gc-drive-{k}")
             self._rate("drive", lambda: measure_drive(cfg, self.box.stream_ops(), self.sizes,
                                                       posix["bytes_written"], posix["bytes_read"]))
+            # The drive's own rate, apart from the engine: what its bound is judged by (gpu_perf_targets.py).
+            self._rate("drive_raw", lambda: raw_rates(self.args.scratch, int(posix["bytes_written"])))
         return keep
 
     def memory_settings(self, mb: int) -> dict:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from .gpu_drive import RAW_MAX_BYTES
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -227,6 +229,7 @@ def points_estimate(shape: dict, points: List[dict]) -> dict:
         rates["link"] = 4 * link_bytes / ASSUME["register_bps"] + 12 * link_bytes / ASSUME["link_bps"]
     if any(p["engine"] == "posix" and p["name"].startswith("offload") for p in points):
         rates["drive"] = 2 * activation_bytes(shape) / ASSUME["drive_bps"]
+        rates["drive_raw"] = 2 * min(activation_bytes(shape), RAW_MAX_BYTES) / ASSUME["drive_bps"]
     per_point["bounds' rates"] = {"seconds": round(sum(rates.values()), 1)}
     per_point["model build"] = {"seconds": round(8 * parameters(shape) / ASSUME["build_bps"], 1)}
     if shape.get("attention") == "sdpa":

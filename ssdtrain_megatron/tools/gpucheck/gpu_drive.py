@@ -12,11 +12,18 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from typing import Dict, Optional
+import threading
+import time
+from typing import Dict, List, Optional
 
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 PROBE_NAME = ".o_direct_probe"
 PROBE_BYTES = 4096  # one page: the largest direct-IO granularity the engine probes for (io/bounce.py)
+RAW_NAME = ".raw_rate"
+RAW_CHUNK = 8 << 20
+RAW_THREADS = 4
+RAW_MAX_BYTES = 512 << 20
+"""The raw rate's bytes at most each way (the plan's estimate counts them)."""
 
 
 def filesystem(path: str, mountinfo: str = "/proc/self/mountinfo") -> Dict[str, str]:
@@ -81,6 +88,54 @@ def probe(directory: str) -> Dict[str, object]:
                    f"and its rows would time the page cache; give --scratch a directory on a local drive")
     return {"dir": directory, "filesystem": fs["type"], "mount": fs["mount"], "source": fs["source"],
             "o_direct": err is None, "o_direct_error": err, "problem": problem}
+
+
+def raw_rates(directory: str, nbytes: int) -> Dict[str, float]:
+    """The drive's own rate, apart from the engine (as io-bench measures it): ``nbytes`` (at
+    most RAW_MAX_BYTES, whole RAW_CHUNKs) written with O_DIRECT by RAW_THREADS threads at
+    disjoint offsets of one file, fsync'd, then read back: {"write", "read"} bytes per second,
+    "bytes". OSError where O_DIRECT is refused (the drive rows are NOT RUN then anyway)."""
+    chunks = max(RAW_THREADS, min(int(nbytes), RAW_MAX_BYTES) // RAW_CHUNK)
+    path = os.path.join(directory, RAW_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    try:
+        os.ftruncate(fd, chunks * RAW_CHUNK)
+        seconds = {}
+        for op in ("write", "read"):
+            t0 = time.perf_counter()
+            _in_threads(fd, op, chunks)
+            if op == "write":
+                os.fsync(fd)
+            seconds[op] = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    n = chunks * RAW_CHUNK
+    return {"write": n / seconds["write"], "read": n / seconds["read"], "bytes": n}
+
+
+def _in_threads(fd: int, op: str, chunks: int) -> None:
+    errors: List[BaseException] = []
+
+    def work(first: int) -> None:
+        buf = mmap.mmap(-1, RAW_CHUNK)  # page-aligned, as O_DIRECT needs
+        try:
+            for i in range(first, chunks, RAW_THREADS):
+                done = (os.pwritev if op == "write" else os.preadv)(fd, [buf], i * RAW_CHUNK)
+                if done != RAW_CHUNK:
+                    raise OSError(errno.EIO, f"a short O_DIRECT {op}: {done} of {RAW_CHUNK} bytes")
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            errors.append(exc)
+        finally:
+            buf.close()
+
+    threads = [threading.Thread(target=work, args=(t,), name=f"raw-{op}-{t}") for t in range(RAW_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def text(p: Dict[str, object]) -> str:

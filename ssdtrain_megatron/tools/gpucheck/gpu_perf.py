@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """`make gpu-perf`: the measure step alone, at two shapes, with a timeline of every point, in at
-most 196 s on a bare single-GPU box (set-up included), so a change can be tried three times in
+most 198 s on a bare single-GPU box (set-up included), so a change can be tried three times in
 one sitting. `make gpu-check` stays the acceptance check; this says where the time goes.
 
 The box and the bundle are gpu-check's (docs/gpu-check.md: ``make gpu-bundle`` where there is
