@@ -73,7 +73,7 @@ ONLY ?=
 gpu-check:
 	PYTHON=$(PYTHON) scripts/gpu_check.sh $(if $(ONLY),--only $(ONLY)) $(GPU_CHECK_ARGS)
 
-# Where the GPU's time goes, on the same box in at most 185 s: the measure step alone at an
+# Where the GPU's time goes, on the same box in at most 198 s: the measure step alone at an
 # IO-bound and a compute-bound shape, every strategy, a Chrome trace of every point and its
 # excess over the bound split by cause (docs/gpu-check.md). GPU_CHECK_DRY=1 prints the time plan
 # only. Options: GPU_PERF_ARGS="--out DIR ...".
