@@ -65,12 +65,15 @@ bench: install
 
 # The GPU check runs on a bare GPU box: no venv, no network, the wheels of `make gpu-bundle` in
 # .whl/ (see docs/gpu-check.md). Exit status 0 only when every target passed. GPU_CHECK_DRY=1
-# prints the time plan only. Options: GPU_CHECK_ARGS="--out DIR ...".
+# prints the time plan only. Options: GPU_CHECK_ARGS="--out DIR --scratch DIR ...";
+# ONLY=steps (comma-separated) or ONLY=after-perf (every step but measure: the second GPU call
+# after `make gpu-perf`, docs/gpu-check.md). The run leaves one archive under --out.
 GPU_CHECK_ARGS ?=
+ONLY ?=
 gpu-check:
-	PYTHON=$(PYTHON) scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+	PYTHON=$(PYTHON) scripts/gpu_check.sh $(if $(ONLY),--only $(ONLY)) $(GPU_CHECK_ARGS)
 
-# Where the GPU's time goes, on the same box in at most 180 s: the measure step alone at an
+# Where the GPU's time goes, on the same box in at most 198 s: the measure step alone at an
 # IO-bound and a compute-bound shape, every strategy, a Chrome trace of every point and its
 # excess over the bound split by cause (docs/gpu-check.md). GPU_CHECK_DRY=1 prints the time plan
 # only. Options: GPU_PERF_ARGS="--out DIR ...".

@@ -24,6 +24,7 @@ from ssdtrain_megatron.tools.gpucheck import gpu_check_measure  # noqa: E402,F40
 from ssdtrain_megatron.tools.gpucheck import gpu_check_plan  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck import gpu_check_targets  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck.gpu_check_bounds import judge_points  # noqa: E402
+from tests.test_gpu_archive import unpacked  # noqa: E402
 
 TARGET_NAMES = [t[0] for t in gpu_check_targets.TARGETS]
 
@@ -37,7 +38,7 @@ def _run(args, tmp_path, dry=True, timeout=300):
 def _make(tmp_path, dry, args=""):
     env = dict(os.environ, GPU_CHECK_DRY="1" if dry else "0")
     return subprocess.run(["make", "-s", "-C", ROOT, "gpu-check", f"PYTHON={sys.executable}",
-                           f"GPU_CHECK_ARGS=--out {tmp_path / 'res'} {args}"],
+                           f"GPU_CHECK_ARGS=--out {tmp_path / 'res'} --scratch {tmp_path / 'scratch'} {args}"],
                           env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -93,17 +94,19 @@ def test_make_dry_run_prints_each_limit_estimate_and_the_sum(tmp_path):
     assert f"sum                 limit {total:>4}s  of 470s" in proc.stdout
     assert "registering pinned memory" in proc.stdout and "collecting tests 15s" in proc.stdout
     assert "the plan fits" in proc.stdout
-    plan = json.loads((tmp_path / "res" / "plan.json").read_text())
+    res = unpacked(tmp_path / "res", "gpu-check")
+    plan = json.loads((res / "plan.json").read_text())
     measure_limit = next(limit for name, limit, *_ in gpu_check.STEPS if name == "measure")
     assert plan["dry_run"] and plan["measure_estimate"]["seconds"] <= measure_limit
     assert plan["estimates"]["measure"]["register"] > 0
-    assert sorted(os.listdir(tmp_path / "res")) == ["plan.json"]  # nothing ran
+    assert sorted(os.listdir(res)) == ["plan.json"]  # nothing ran
+    assert os.listdir(tmp_path / "res") == ["gpu-check-results.tar.gz"]
 
 
 @pytest.mark.parametrize("argv", [["--total-s", "300"], ["--layers", "32", "--seq", "2048"]],
                          ids=["limits-over-the-total", "measure-over-its-slot"])
 def test_dry_run_fails_when_the_plan_does_not_fit(tmp_path, argv):
-    proc = _run(argv + ["--out", str(tmp_path / "res")], tmp_path)
+    proc = _run(argv + ["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch")], tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "the plan does NOT fit" in proc.stdout
 
@@ -137,7 +140,7 @@ def test_make_gpu_check_without_a_gpu_lists_every_target_not_run_and_fails(tmp_p
     (the env step found no CUDA), and no step past env started."""
     proc = _make(tmp_path, dry=False)
     assert proc.returncode != 0 and "gpu-check] Error 1" in proc.stderr, proc.stdout + proc.stderr
-    out = tmp_path / "res"
+    out = unpacked(tmp_path / "res", "gpu-check")
     data = json.loads((out / "gpu-check.json").read_text())
     assert [t["target"] for t in data["targets"]] == TARGET_NAMES
     for t in data["targets"]:
@@ -148,7 +151,7 @@ def test_make_gpu_check_without_a_gpu_lists_every_target_not_run_and_fails(tmp_p
         assert f"{name:<56} NOT RUN" in table
     assert f"0 of {len(TARGET_NAMES)} targets PASS, 0 FAIL, {len(TARGET_NAMES)} NOT RUN" in proc.stdout
     assert sorted(os.listdir(out / "logs")) == ["env.log"]
-    assert not (out / "scratch").exists()  # the scratch directory is removed at the end
+    assert os.listdir(tmp_path / "scratch") == []  # the run's scratch is removed at the end
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -157,7 +160,7 @@ def test_make_gpu_check_without_a_gpu_lists_every_target_not_run_and_fails(tmp_p
     (["--seq", "0"], "must be >= 1"),
 ])
 def test_bad_arguments_fail_before_anything_runs(tmp_path, argv, message):
-    proc = _run(argv + ["--out", str(tmp_path / "res")], tmp_path)
+    proc = _run(argv + ["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch")], tmp_path)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert not (tmp_path / "res").exists()
@@ -411,7 +414,7 @@ def test_the_ram_guard_counts_the_staging_pool_and_what_pinning_really_locks(tmp
     m = gpu_check_measure.Measure.__new__(gpu_check_measure.Measure)
     m.registers, m.host_ram, m.per_sample, m.until, m.estimates = registers, 64 << 30, None, None, {}
     m.base_cfg = OffloadConfig(dirs=[str(tmp_path)], engine="posix")
-    m.args = gpu_check.parse_args(["--out", str(tmp_path)])
+    m.args = gpu_check.parse_args(["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch")])
     os.makedirs(m.args.scratch, exist_ok=True)
     mem = dict(engine="memory", host_memory_bytes=3 << 30, max_inflight_bytes=5 << 30)
     want = (13 << 30) if registers else (16 << 30) + (4 << 30)  # staging 10 GiB (or 16), pool 3 GiB (or 4)
@@ -436,7 +439,7 @@ def test_exit_status_is_0_only_when_every_target_passed(tmp_path, monkeypatch, c
         steps["cuda-tests"] = {"status": "error", "why": "exit status 1, no result"}
     monkeypatch.setattr(gpu_check, "run_child", lambda args, name, env, limit: dict(steps[name]))
     monkeypatch.setattr(gpu_check, "install", lambda args, prefix, env, limit: dict(steps["install"]))
-    rc = gpu_check.run_parent(gpu_check.parse_args(["--out", str(tmp_path / "res")]))
+    rc = gpu_check.run_parent(gpu_check.parse_args(["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch")]))
     out = capsys.readouterr().out
     assert rc == code, out
     if code == 0:
@@ -474,7 +477,7 @@ def test_install_takes_the_bundle_offline_and_what_the_box_has_from_the_box(tmp_
     whl = tmp_path / "whl"
     _wheel(whl, "demo-top", "1.0", ["demo-dep>=2", "pyyaml"])
     dep = _wheel(whl, "demo-dep", "2.1")
-    args = gpu_check.parse_args(["--out", str(tmp_path / "res"), "--wheels", str(whl)])
+    args = gpu_check.parse_args(["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch"), "--wheels", str(whl)])
     os.makedirs(tmp_path / "res" / "logs")
     prefix = str(tmp_path / "res" / "prefix")
     result = gpu_check.install(args, prefix, dict(os.environ), 120)

@@ -127,7 +127,7 @@ def shrunk(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_check_steps, "BITWISE_STEPS", 2)
     monkeypatch.setattr(gpu_check_steps, "STRESS_STEPS", 3)
     monkeypatch.setattr(gpu_check_steps, "bitwise_settings", _tiny_settings)
-    args = gpu_check.parse_args(["--out", str(tmp_path / "res"), "--layers", "2", "--hidden", "64", "--heads", "4",
+    args = gpu_check.parse_args(["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch"), "--layers", "2", "--hidden", "64", "--heads", "4",
                                  "--seq", "32", "--vocab", "128", "--micro-batch", "1", "--steps", "1"])
     os.makedirs(args.scratch)
     return args

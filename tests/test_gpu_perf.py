@@ -35,6 +35,7 @@ from ssdtrain_megatron.tools.gpucheck import gpu_perf  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck import gpu_perf_plan  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck import gpu_perf_step  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck import gpu_perf_targets  # noqa: E402
+from tests.test_gpu_archive import unpacked  # noqa: E402
 
 TARGETS = [t[0] for t in gpu_perf_targets.TARGETS]
 
@@ -42,13 +43,13 @@ TARGETS = [t[0] for t in gpu_perf_targets.TARGETS]
 def _make(tmp_path, dry, args=""):
     env = dict(os.environ, GPU_CHECK_DRY="1" if dry else "0")
     return subprocess.run(["make", "-s", "-C", ROOT, "gpu-perf", f"PYTHON={sys.executable}",
-                           f"GPU_PERF_ARGS=--out {tmp_path / 'res'} {args}"],
+                           f"GPU_PERF_ARGS=--out {tmp_path / 'res'} --scratch {tmp_path / 'scratch'} {args}"],
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
+def test_the_plan_fits_198_s_and_prints_every_points_estimate(tmp_path):
     """`GPU_CHECK_DRY=1 make gpu-perf`: each step's limit and estimate, each point's steps x
-    (compute + bytes moved) + registration, the limits within 180 s less the parent's share.
+    (compute + bytes moved) + registration, the limits within 198 s less the parent's share.
     Fails when a point is added or the shapes grown past their slots."""
     proc = _make(tmp_path, dry=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -57,7 +58,7 @@ def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
     for name, limit, *_ in gpu_perf_plan.STEPS:
         assert f"{name:<19} limit {limit:>4}s  estimate {est[name]['total']:>5.0f}s  (" in proc.stdout
         assert est[name]["total"] <= limit
-    assert sum(s[1] for s in gpu_perf_plan.STEPS) + gpu_perf_plan.PARENT_S <= 180
+    assert sum(s[1] for s in gpu_perf_plan.STEPS) + gpu_perf_plan.PARENT_S <= gpu_perf_plan.TOTAL_S == 198
     for shape in gpu_perf_plan.SHAPES.values():
         k = shape["micro_batch"]
         for point, _ in gpu_perf_plan.STRATEGIES:
@@ -66,11 +67,12 @@ def test_the_plan_fits_180_s_and_prints_every_points_estimate(tmp_path):
     # each shape's activation-peak floor beside its target
     assert ("io-bound: 8 layers" in proc.stdout and "activation-peak target 0.7x keep's; floor at 500 TFLOP/s, link "
             "50 GB/s, drive 2 GB/s: memory 0.56 (1 kept + 3.5 read ahead (the byte cap) of 8 layers") in proc.stdout
-    assert "activation-peak target 0.35x keep's; floor at 500 TFLOP/s, link 50 GB/s, drive 2 GB/s: memory 0.25 (1 " \
-           "kept + 3 read ahead of 16 layers" in proc.stdout
-    plan = json.loads((tmp_path / "res" / "plan.json").read_text())
+    assert "activation-peak target 0.8x keep's; floor at 500 TFLOP/s, link 50 GB/s, drive 2 GB/s: memory 0.50 (1 " \
+           "kept + 2 read ahead of 6 layers" in proc.stdout  # the regime's floor per card: tests/test_gpu_regime.py
+    res = unpacked(tmp_path / "res", "gpu-perf")
+    plan = json.loads((res / "plan.json").read_text())
     assert plan["dry_run"] and plan["steps_per_point"] == 5 and set(plan["shapes"]) == {"io-bound", "compute-bound"}
-    assert sorted(os.listdir(tmp_path / "res")) == ["plan.json"]  # nothing ran
+    assert sorted(os.listdir(res)) == ["plan.json"]  # nothing ran
 
 
 def test_the_two_shapes_sit_on_either_side_of_the_papers_regime():
@@ -80,8 +82,8 @@ def test_the_two_shapes_sit_on_either_side_of_the_papers_regime():
 
     io, compute = (gpu_perf_plan.flop_per_saved_byte(gpu_perf_plan.SHAPES[n]) for n in ("io-bound", "compute-bound"))
     assert io < 10_000 <= compute
-    # with the local spec's attention the compute shape would be IO-bound again (about 6,100 at seq 1024)
-    unfused = dict(gpu_perf_plan.SHAPES["compute-bound"], attention="local", seq=1024)
+    # with the local spec's attention the compute shape would be IO-bound again (about 6,700 at seq 2048)
+    unfused = dict(gpu_perf_plan.SHAPES["compute-bound"], attention="local", seq=2048)
     assert gpu_perf_plan.flop_per_saved_byte(unfused) < 10_000
     assert 8 * parameters(gpu_perf_plan.SHAPES["compute-bound"]) < 0.5 * 141e9  # fits an H200
 
@@ -111,8 +113,9 @@ def test_the_peak_floor_is_the_offloaders_own_window_and_config():
 
 
 def test_each_shape_can_reach_its_peak_target_with_margin_on_an_h100():
-    """The compute-bound shape has layers enough that its floor is 0.25 at most (0.1 under the
-    0.35 target), the IO-bound one's byte-capped floor sits 0.1 under its 0.7; the
+    """The read-window floors sit 0.1 or more under each target (the compute-bound shape's
+    whole floor, forward side and weight-gradient temporary included, is
+    tests/test_gpu_regime.py's), the IO-bound one's byte-capped floor 0.1 under its 0.7; the
     compute-bound shape's weights, gradients and Adam state and its activations fit an H100's
     80 GB with room to spare."""
     from ssdtrain_megatron.tools.gpucheck.gpu_check_plan import activation_bytes, parameters
@@ -120,7 +123,7 @@ def test_each_shape_can_reach_its_peak_target_with_margin_on_an_h100():
     for name, shape in gpu_perf_plan.SHAPES.items():
         floor = gpu_perf_plan.nominal_floors(shape)["memory"]["floor"]
         assert floor <= gpu_perf_plan.PEAK_MAX[name] - 0.1 + 1e-9, (name, floor)
-    assert gpu_perf_plan.nominal_floors(gpu_perf_plan.SHAPES["compute-bound"])["memory"]["floor"] <= 0.25
+    assert gpu_perf_plan.nominal_floors(gpu_perf_plan.SHAPES["compute-bound"])["memory"]["floor"] <= 0.5
     assert gpu_perf_plan.nominal_floors(gpu_perf_plan.SHAPES["io-bound"])["posix"]["floor"] <= gpu_perf_plan.PEAK_MAX[
         "io-bound"] - 0.1
     compute = gpu_perf_plan.SHAPES["compute-bound"]
@@ -170,7 +173,7 @@ def test_make_gpu_perf_without_the_bundle_lists_every_target_not_run_and_fails(t
     os.makedirs(tmp_path / "nowheels")
     proc = _make(tmp_path, dry=False, args=f"--wheels {tmp_path / 'nowheels'}")
     assert proc.returncode != 0 and "gpu-perf] Error 1" in proc.stderr, proc.stdout + proc.stderr
-    data = json.loads((tmp_path / "res" / "gpu-perf.json").read_text())
+    data = json.loads((unpacked(tmp_path / "res", "gpu-perf") / "gpu-perf.json").read_text())
     assert [t["target"] for t in data["targets"]] == TARGETS
     for t in data["targets"]:
         assert t["result"] == "NOT RUN" and "no wheels in" in t["detail"], t
@@ -208,7 +211,7 @@ TINY_SHAPES = {
 def perf_args(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_perf_step, "SHAPES", TINY_SHAPES)
     monkeypatch.setattr(gpu_check_measure, "MIN_TENSOR_BYTES", 1024)  # the tiny shapes' tensors
-    args = gpu_perf.parse_args(["--out", str(tmp_path / "res")])
+    args = gpu_perf.parse_args(["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch")])
     os.makedirs(args.scratch)
     return args
 
@@ -284,12 +287,13 @@ def test_both_shapes_run_every_strategy_save_on_cpu_included_through_the_stand_i
     assert [r["target"] for r in rows] == TARGETS
     for row in rows:
         if "explained" in row["target"] or "typical" in row["target"]:  # a CPU step may have no excess
-            assert row["result"] != "NOT RUN" or row["detail"] == "no point had an excess to split", row
+            assert row["result"] != "NOT RUN" or row["detail"] in ("no point of ours had an excess to split",
+                                                                   "no breakdown of ours"), row
         else:
             assert row["result"] in ("PASS", "FAIL"), row
     table = gpu_perf_targets.render({"targets": rows, "steps": steps})
     assert "the planner's prediction with this box's figures" in table and "link on registered memory" in table
-    assert "activation-peak target 0.35x keep's; floor: memory " in table and " at the measured rates" in table
+    assert "activation-peak target 0.8x keep's; floor: memory " in table and " at the measured rates" in table
 
 
 class MemoryOfTheModel:
@@ -343,7 +347,7 @@ def test_the_peak_is_what_forward_and_backward_add_above_the_steps_start(runtime
     box = MemoryOfTheModel(StandInBox(), model, log)
     real_step = Runner.step
     monkeypatch.setattr(Runner, "step", lambda self: (log.append("step"), real_step(self))[1])
-    args = gpu_perf.parse_args(["--out", str(tmp_path), "--steps", "5"])
+    args = gpu_perf.parse_args(["--out", str(tmp_path / "res"), "--scratch", str(tmp_path / "scratch"), "--steps", "5"])
     os.makedirs(args.scratch)
     m = gpu_check_measure.Measure(args, lambda r: None, model, runtime.device, box)
     p = m.point("keep", 1, "keep")
@@ -400,8 +404,9 @@ def _perf_steps():
         _point("offload-posix@1", 1.04, 74, written=2e9, read=2e9, policy="offload", engine="posix"),
         _point("save_on_cpu@1", 2.0, 80, policy="save_on_cpu"),
         _point("recompute@1", 1.33, 64, policy="keep"),
-    ], "parameters": 10**9, "record_sizes": {"records": 10, "bytes": 10**9, "largest": 10**8}}
+    ], "parameters": 10**9, "record_sizes": {"records": 10, "bytes": 4 * 10**9, "largest": 10**8}}
     io["shape"], compute["shape"] = gpu_perf_plan.SHAPES["io-bound"], gpu_perf_plan.SHAPES["compute-bound"]
+    io["rates"] = dict(RATES, drive_raw={"write": 5e9, "read": 5e9})  # the drive's own rate, as the engine's
     for step in (io, compute):
         judge_points(step["points"], 1, RATES, {})
         step["model"] = {"forward_from": "timeline", "points": {"offload-memory@1": {"error": 0.04},
@@ -428,8 +433,10 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
         judge_points(sub["points"], 1, RATES, {})
         return {r["target"]: r for r in gpu_perf_targets.targets(s)}[name]["result"]
 
-    assert result("io-bound: memory <= 1.10x its link bound", "io-bound", 1, step_s=2.3) == "FAIL"  # 1.15x
-    assert result("io-bound: posix <= 1.10x its drive bound", "io-bound", 2, step_s=11.5) == "FAIL"
+    # the bound 2 s and what cannot overlap: keep's forward and backward (1 s) over its 8 layers
+    assert result("io-bound: memory <= 1.10x link bound + unoverlappable", "io-bound", 1, step_s=2.3) == "PASS"  # 1.08x of 2.125 s
+    assert result("io-bound: memory <= 1.10x link bound + unoverlappable", "io-bound", 1, step_s=2.4) == "FAIL"  # 1.13x
+    assert result("io-bound: posix <= 1.10x its raw drive bound", "io-bound", 2, step_s=11.5) == "FAIL"
     assert result("io-bound: stall beyond the IO deficit <= 2%: posix", "io-bound", 2, stall_s=9.5) == "FAIL"
     io_peak = "io-bound: activation peak <= 0.7x keep's: posix"
     assert result(io_peak, "io-bound", 2, activation_reserved=29) == "FAIL"  # 0.725x
@@ -442,10 +449,10 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
     row = {r["target"]: r for r in gpu_perf_targets.targets(s)}[io_peak]
     assert row["result"] == "PASS" and "; floor at the measured rates 0.80 (1 kept + 5.4 read ahead" in row["detail"]
     assert row["detail"].endswith("the target 0.7 is below it: the shape cannot reach it")
-    memory = "compute-bound: memory <= 1.03x keep, peak <= 0.35x keep"
+    memory = "compute-bound: memory <= keep + 3% fwd+bwd, peak <= 0.80x"  # tests/test_gpu_regime.py too
     assert result(memory, "compute-bound", 1, step_s=1.04) == "FAIL"
-    assert result(memory, "compute-bound", 1, activation_reserved=15) == "FAIL"  # 0.375x
-    assert "floor at the nominal rates 0.25 (1 kept + 3 read ahead of 16 layers" in rows[memory]["detail"]
+    assert result(memory, "compute-bound", 1, activation_reserved=33) == "FAIL"  # 0.825x
+    assert "floor 0.72 on the H100 80 GB (the forward side, the read window" in rows[memory]["detail"]
     posix = "compute-bound: posix <= 1.05x keep (or 1.10x bound)"
     assert rows[posix]["detail"].startswith("the drive carries the bytes (800.0 ms of IO in keep's 1000.0 ms)")
     assert result(posix, "compute-bound", 2, step_s=1.06) == "FAIL"
@@ -453,11 +460,12 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
     assert result(posix, "compute-bound", 2, bytes_written=5e9, bytes_read=5e9,
                   step_s=2.1) == "PASS"
     assert result(posix, "compute-bound", 2, bytes_written=5e9, bytes_read=5e9, step_s=2.3) == "FAIL"
-    ours = "compute-bound: ours <= 0.7x save_on_cpu, peak no higher"
-    assert rows[ours]["detail"].startswith("offload-memory@1 0.51x save_on_cpu's step")
+    ours = "compute-bound: ours hides >= 70% of save_on_cpu copies"
+    assert rows[ours]["detail"].startswith("ours hides 87% of the 160.0 ms save_on_cpu's activation copies take "
+                                           "(+20.0 ms over keep); offload-memory@1 0.51x save_on_cpu's step")
     # against keep too, and save_on_cpu's weights' copies as their own term
     assert "keep 1000.0 ms: ours 1.02x, save_on_cpu 2.00x" in rows[ours]["detail"]
-    assert ("save_on_cpu = keep 1000.0 + weights' copies 80.0 + activations' copies 40.0 + rest 880.0 ms; ours "
+    assert ("save_on_cpu = keep 1000.0 + weights' copies 80.0 + activations' copies 160.0 + rest 760.0 ms; ours "
             "0.53x save_on_cpu less its weights' copies") in rows[ours]["detail"]
     bare = json.loads(json.dumps(steps))
     for sub in bare["perf"]["shapes"].values():  # the fixture's breakdowns and model are partial: not printed here
@@ -469,8 +477,9 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
                  "  recompute@1            step 1.33x  activation peak 0.10x",
                  "  offload-memory@1       step 1.02x  activation peak 0.30x"):
         assert line in table, table
-    assert "activation-peak target 0.35x keep's; floor: memory 0.25 (1 kept + 3 read ahead of 16 layers" in table
-    assert result(ours, "compute-bound", 3, step_s=1.3) == "FAIL"  # 0.78x
+    assert "activation-peak target 0.8x keep's; floor: memory 0.50 (1 kept + 2 read ahead of 6 layers" in table
+    assert result(ours, "compute-bound", 3, step_s=1.3) == "PASS"  # save_on_cpu's own step judges nothing
+    assert result(ours, "compute-bound", record_sizes={"records": 10, "bytes": 10**9, "largest": 10**8}) == "FAIL"
     assert result(ours, "compute-bound", 3, activation_reserved=10) == "FAIL"  # none of ours as low
     model = "compute-bound: the model within 10% of every step"
     assert result(model, "compute-bound", model={"points": {"offload-posix@1": {"error": 0.11}}}) == "FAIL"
@@ -478,21 +487,22 @@ def test_each_gpu_perf_target_passes_and_fails_at_its_own_limit():
     typical = "io-bound: every traced step typical, within 10%"
     explained = "io-bound: every excess explained, <= 20% unexplained"
     good = steps["perf"]["shapes"]["io-bound"]["points"][1]["breakdown"]
-    assert result(typical, "io-bound", 1, breakdown=dict(good, typical=False)) == "FAIL"
+    # 55 ms off the median's excess: over 10% of it and over the steps' spread (2% of 2.08 s)
+    assert result(typical, "io-bound", 1, breakdown=dict(good, sum_s=0.05)) == "FAIL"
     assert result(explained, "io-bound", 1, breakdown=dict(good, typical=False)) == "PASS"  # judged apart
     assert result(typical, "io-bound", 1, breakdown=dict(good, typical=None)) == "PASS"  # posix's still typical
     assert rows[explained]["detail"].startswith("offload-memory@1 15.0 of 105.0 ms unexplained")
     unexplained = dict(good, explained=False, unexplained_s=0.05)
     assert result(explained, "io-bound", 1, breakdown=unexplained) == "FAIL"
     assert result(typical, "io-bound", 1, breakdown=unexplained) == "PASS"
-    assert result("io-bound: memory <= 1.10x its link bound", "io-bound", 1, steps_timed=4) == "NOT RUN"
+    assert result("io-bound: memory <= 1.10x link bound + unoverlappable", "io-bound", 1, steps_timed=4) == "NOT RUN"
     rows = gpu_perf_targets.targets({}, {"perf": "not selected (--only)"})
     assert {r["detail"] for r in rows} == {"not selected (--only)"}
     half = {"perf": {"status": "fail", "why": "compute-bound: out of memory", "shapes": steps["perf"]["shapes"]}}
     del half["perf"]["shapes"]["compute-bound"]
     rows = {r["target"]: r for r in gpu_perf_targets.targets(half)}
     assert rows[memory]["detail"] == "the compute-bound shape was not measured"
-    assert rows["io-bound: memory <= 1.10x its link bound"]["result"] == "PASS"
+    assert rows["io-bound: memory <= 1.10x link bound + unoverlappable"]["result"] == "PASS"
 
 
 def test_each_shape_gets_its_share_of_the_steps_time_and_a_failing_one_leaves_the_next_its_own(

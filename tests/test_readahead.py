@@ -50,3 +50,24 @@ def test_each_steps_window_is_the_one_its_own_figures_give(tmp_path, monkeypatch
     with ActivationOffloader(cfg) as off:
         run_steps(mlp(depth=8), batches, off, steps=2, wait_writes=True)
         assert off.transfers.readahead_layers == 7 and seen == [0, 1], seen
+
+
+def test_a_slow_drive_widens_the_window_by_compute_not_by_its_own_waits(tmp_path):
+    """An 8-layer MLP on a drive capped at 0.001 GB/s: a layer's read (131 KB) takes 65-130
+    ms, its backward's compute a few. A layer's backward is timed by the CPU its thread
+    spent (LayerStats.backward_s), so the waits for the slow reads (counted or not: the
+    throttle, the drain) do not lengthen it, and the window is the one the reads need: every
+    layer. On a975649 the host's wall time less the counted waits still held the reads' time
+    (60-99 ms a layer) and the window stayed 3."""
+    batches = [torch.randn(32, 256, generator=torch.Generator().manual_seed(0))]
+    cfg = OffloadConfig(dirs=[str(tmp_path)], create_dirs=True, min_tensor_bytes=1024, keep_last_layers=0,
+                        bandwidth_cap_gbps=0.001)
+    with ActivationOffloader(cfg) as off:
+        _, _, stats = run_steps(mlp(depth=8), batches, off, steps=1, wait_writes=True)
+        window = off.transfers.readahead_layers
+    s = stats[-1]
+    moved = [r for r in s.layers if r.bytes_offloaded]
+    read_s = sum(r.bytes_offloaded for r in moved) / len(moved) / (s.read_gbps * 1e9)
+    timed = [r.backward_s for r in moved if r.backward_s > 0]
+    assert timed and max(timed) < read_s / 2, (timed, read_s)
+    assert window == measured_window(cfg.prefetch_layers, s, 1) == len(s.layers) > 3

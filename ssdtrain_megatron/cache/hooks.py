@@ -18,6 +18,7 @@ import contextlib
 import os
 import queue
 import sys
+import threading
 import time
 from typing import Callable, Hashable, Iterator, Optional
 
@@ -325,7 +326,8 @@ class SavedTensorHooks:
             self.enter_backward(mb)
         entering = mb is not None and (mb.backward_layer is None or rec.last_pos < mb.backward_layer)
         if entering:  # backward reaches this layer: the layer before it is done (its time)
-            self._step.counters.backward_entered(mb.key, rec.layer, time.perf_counter())
+            self._step.counters.backward_entered(mb.key, rec.layer, time.perf_counter(),
+                                                 (threading.get_ident(), time.thread_time()))
         out = self._transfers.materialize(rec)
         if mb is not None:
             mb.consumed(rec)

@@ -231,6 +231,10 @@ def _attention_terms(terms: Dict[str, int], shape: ModelShape, profile: SaveProf
         terms["query"] = d * tokens * q_width // t
         terms["key"] = d * tokens * kv_width // t
         terms["value"] = d * tokens * kv_width // t
+        if profile.count_aliased_views:
+            # torch's SDPA saves its output [b, a, s, hd]; the projection saves the [s, b, q]
+            # view of it: the same storage, a second record for an offloader keyed by view.
+            terms["attention_output"] = d * tokens * q_width // t
         if profile.small_fp32_stats:
             terms["attention_lse"] = _FP32 * b * a * s // t
 

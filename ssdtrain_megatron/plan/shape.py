@@ -349,3 +349,8 @@ class SaveProfile:
 
 
 PAPER = SaveProfile.paper()
+SDPA_SPEC = SaveProfile(count_aliased_views=True)
+"""megatron-core's layers with core attention on torch's SDPA (the gpu check's compute-bound
+spec, tools/gpucheck/gpu_check_sdpa.py): what a CUDA run saves, each view a record of its own,
+so SDPA's output and the projection's view of it both count (tests/test_gpu_saved_bytes.py
+compares the terms with what the spec saves on CPU)."""

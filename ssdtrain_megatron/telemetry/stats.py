@@ -45,8 +45,9 @@ class LayerStats:
     backward_s: float = 0.0
     """Host seconds of the layer's backward, all micro-batches together, less the IO waits in
     it: from backward's first unpack in this layer to its first in the layer before (the
-    layer backward reaches last in a micro-batch is not timed). On a GPU this is what the
-    training thread spent launching it; cache/reads.py sizes its read-ahead by it."""
+    layer backward reaches last in a micro-batch is not timed), and at most the CPU time its
+    thread spent there (a wait sleeps: a slow drive does not lengthen it). On a GPU this is what
+    the training thread spent launching it; cache/reads.py sizes its read-ahead by it."""
     late_writes: int = 0
     """GPU: the layer's records backward wanted before their device->host copy had landed:
     their copies were spent on bytes backward took from device memory (the offloader then
@@ -285,6 +286,8 @@ class StepCounters:
     """When a list: (perf_counter time, resident bytes) at every change (plots)."""
     backward_at: Dict[Hashable, Tuple[Hashable, float, float]] = field(default_factory=dict)
     """Per micro-batch, the layer its backward entered last: (layer, when, io_wait_s then)."""
+    backward_cpu_at: Dict[Hashable, Tuple[int, float]] = field(default_factory=dict)
+    """Per micro-batch, (thread, its CPU time) when its backward entered the layer it is in."""
 
     def layer(self, key: Hashable, decision: str) -> _LayerAcc:
         acc = self.layers.get(key)
@@ -317,16 +320,27 @@ class StepCounters:
             key = (wasted, record.origin() if record is not None else f"layer {layer}")
             self.wasted[key] = self.wasted.get(key, 0) + nbytes
 
-    def backward_entered(self, micro_batch: Hashable, layer: Hashable, t: float) -> None:
+    def backward_entered(self, micro_batch: Hashable, layer: Hashable, t: float,
+                         cpu: Optional[Tuple[int, float]] = None) -> None:
         """Backward of ``micro_batch`` reached ``layer`` at ``t`` (perf_counter): the layer it
-        was in before is done, its time less the IO waits since counted (LayerStats.backward_s)."""
+        was in before is done, its time less the IO waits since counted (LayerStats.backward_s).
+        ``cpu``: (the thread, its CPU time, ``time.thread_time()``) now; where backward stayed on
+        that thread, the layer's time is at most the CPU time it spent: a wait of any kind
+        (a read, the throttle, a drain) sleeps and adds none, so a slow drive does not lengthen
+        the compute the read-ahead window is sized by (plan/readahead.py)."""
         before = self.backward_at.get(micro_batch)
+        cpu_before = self.backward_cpu_at.get(micro_batch)
         if before is not None:
             prev, t0, waited = before
             acc = self.layers.get(prev)
             if acc is not None:
-                acc.backward_s += max(0.0, t - t0 - (self.io_wait_s - waited))
+                seconds = max(0.0, t - t0 - (self.io_wait_s - waited))
+                if cpu is not None and cpu_before is not None and cpu[0] == cpu_before[0]:
+                    seconds = min(seconds, max(0.0, cpu[1] - cpu_before[1]))
+                acc.backward_s += seconds
         self.backward_at[micro_batch] = (layer, t, self.io_wait_s)
+        if cpu is not None:
+            self.backward_cpu_at[micro_batch] = cpu
 
     def pass_through(self, reason: str, layer: Hashable, detail: str = "") -> None:
         """A saved tensor left to autograd, for ``reason`` (PASS_REASONS)."""

@@ -52,13 +52,19 @@ import sysconfig
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .gpu_archive import archive_path, pack, remove, results_dir, scratch_dir, scratch_problem
 from .gpu_bundle import REQUIREMENTS
+from .gpu_drive import probe as probe_drive
+from .gpu_drive import text as drive_text
 from .gpu_check_plan import (DEADLINE_MARGIN_S, KILL_GRACE_S, KILL_WAIT_S, STEPS, TERM_WAIT_S, TOTAL_S, estimates,
                             measure_estimate, plan, print_plan)
 from .gpu_check_targets import NOT_RUN, PASS, render, targets
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-CHILD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1", "NCCL_P2P_DISABLE": "1"}
+# The steps run single-node: gloo (megatron's CPU groups) binds the loopback device instead of
+# resolving the host's name, which a bare box may not resolve; rendezvous on 127.0.0.1.
+CHILD_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1", "NCCL_P2P_DISABLE": "1",
+             "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
 STEP_ENV = {"bitwise-gds-compat": {"KVIKIO_COMPAT_MODE": "ON"}}  # kvikio's own switch, read at import
 SHAPE_FLAGS = ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps")
 
@@ -84,6 +90,8 @@ class Suite:
     """The options every child gets, as the parent got them."""
     run_step: str
     """"module:function" a child runs its step with: (args, save) -> result."""
+    groups: Dict[str, Tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Names --only takes for several steps at once."""
 
     def say(self, msg: str) -> None:
         print(f"{self.name}: {msg}", flush=True)
@@ -111,14 +119,19 @@ def suite_parser(prog: str, doc: str, out: str, total_s: int) -> argparse.Argume
     """The options every suite has (its results folder, the bundle, the scratch directory, the
     dry run, --only, its time limit, the timed steps per point)."""
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=out, help="results directory (default: %(default)s)")
+    p.add_argument("--out", default=out,
+                   help="where the run leaves its one archive, <out>/%s-results.tar.gz, and nothing else "
+                        "(default: %%(default)s)" % prog.replace("_", "-"))
     p.add_argument("--wheels", default=".whl", help="folder of the bundle, `make gpu-bundle` (default: %(default)s)")
-    p.add_argument("--scratch", default=None,
-                   help="directory on the drive to offload to (default: <out>/scratch)")
+    p.add_argument("--scratch", default=os.path.join(REPO, ".gpu-scratch"),
+                   help="directory on the drive to offload to, outside --out; the run uses and removes "
+                        "<scratch>/<suite>-scratch/ there: the drive's files and the installed bundle "
+                        "(default: the checkout's disk, %(default)s)")
     p.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY", "") not in ("", "0"),
                    help="only print the time plan and check that it fits (also GPU_CHECK_DRY=1)")
     p.add_argument("--only", default=None,
-                   help="comma-separated steps to run, with the steps they need (default: all; the "
+                   help="comma-separated steps (or groups of steps: gpu-check's after-perf is every step but "
+                        "measure, which gpu-perf covers) to run, with the steps they need (default: all; the "
                         "targets of the others are NOT RUN, so the exit status is 1)")
     p.add_argument("--total-s", type=_positive_int, default=total_s,
                    help="time limit of the whole run, seconds (default: %(default)s)")
@@ -134,12 +147,16 @@ def finish_args(p: argparse.ArgumentParser, suite: Suite, argv: Optional[List[st
     args = p.parse_args(argv)
     names = [s[0] for s in suite.steps]
     if args.only:
+        args.only = ",".join(n for part in args.only.split(",") for n in suite.groups.get(part, (part,)))
         bad = [n for n in args.only.split(",") if n not in names]
         if bad:
-            p.error(f"--only: unknown step(s) {', '.join(bad)}; steps: {', '.join(names)}")
+            groups = "".join(f"; {g}: {', '.join(s)}" for g, s in suite.groups.items())
+            p.error(f"--only: unknown step(s) {', '.join(bad)}; steps: {', '.join(names)}{groups}")
     args.out = os.path.abspath(args.out)
     args.wheels = os.path.abspath(args.wheels)
-    args.scratch = os.path.abspath(args.scratch or os.path.join(args.out, "scratch"))
+    args.scratch = os.path.abspath(args.scratch)
+    if not args.child and scratch_problem(args.out, args.scratch):
+        p.error(scratch_problem(args.out, args.scratch))
     args.suite = suite
     return args
 
@@ -178,17 +195,57 @@ class Results:
 
 
 def run_parent(args: argparse.Namespace) -> int:
+    """The run: its results in ``<out>/<suite>-results/``, packed into the one archive under
+    --out in a ``finally`` (SIGTERM, SIGINT and SIGHUP end the run through it, the step in
+    flight killed first), ``table.txt`` printed; its scratch under --scratch removed."""
+    import signal
+
+    suite = args.suite
+    work = results_dir(args.out, suite.name)
+    scratch = scratch_dir(args.scratch, suite.name)
+    for stale in (work, scratch):  # a run killed before its finally
+        remove(stale)
+    os.makedirs(work)
+    previous = {sig: signal.signal(sig, _terminated) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    # The children see the results folder as their --out and the drive's folder as their --scratch.
+    run = argparse.Namespace(**dict(vars(args), out=work, scratch=os.path.join(scratch, "drive")))
+    code = 1
+    try:
+        code = _run_steps(run, os.path.join(scratch, "prefix"), os.path.join(scratch, "torch_extensions"))
+    except Terminated as exc:
+        suite.say(f"stopped: {exc}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _finish(suite, args.out, work, scratch)
+    return code
+
+
+def _finish(suite: Suite, out: str, work: str, scratch: str) -> None:
+    """table.txt to stdout, the results folder into the archive (then removed), scratch removed."""
+    remove(scratch)
+    table = os.path.join(work, "table.txt")
+    if os.path.exists(table):
+        with open(table) as f:
+            print(f.read(), end="", flush=True)
+    packed = pack(work, archive_path(out, suite.name))
+    remove(work)
+    left = f"; left out (over its size): {', '.join(packed['left_out'])}" if packed["left_out"] else ""
+    suite.say(f"archive {packed['path']}: {packed['bytes']:,} bytes, {packed['files']} files{left}")
+
+
+def _run_steps(args: argparse.Namespace, prefix: str, extensions: str) -> int:
     suite = args.suite
     say = suite.say
     start = time.monotonic()
     steps = suite.plan(args)
     header = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
               "dry_run": args.dry_run, "out": args.out, "scratch": args.scratch, "wheels": args.wheels,
-              "plan": steps, "total_s": args.total_s, **suite.header(args)}
+              "plan": steps, "total_s": args.total_s, "drive": probe_drive(args.scratch), **suite.header(args)}
     if args.dry_run:
         say(f"dry run: the time plan ({len(steps)} steps, each in its own process under its limit):")
         fits = suite.print_plan(args, steps, say)
-        os.makedirs(args.out, exist_ok=True)
+        say(drive_text(header["drive"]))
         with open(os.path.join(args.out, "plan.json"), "w") as f:
             json.dump(header, f, indent=1)
         return 0 if fits else 1
@@ -198,37 +255,46 @@ def run_parent(args: argparse.Namespace) -> int:
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     os.makedirs(args.scratch, exist_ok=True)
     env = dict(os.environ, **CHILD_ENV)
-    prefix = os.path.join(args.out, "prefix")
     env["PYTHONPATH"] = _pythonpath(prefix)
-    env["TORCH_EXTENSIONS_DIR"] = env.get("TORCH_EXTENSIONS_DIR", os.path.join(args.out, "torch_extensions"))
-    for s in steps:
-        name, timeout = s["step"], s["timeout_s"]
-        left = args.total_s - (time.monotonic() - start) - 5
-        blocked = next((d for d in s["needs"] if res.data["steps"].get(d, {}).get("status") != "pass"), None)
-        if blocked:
-            dep = res.data["steps"].get(blocked, {})  # the first step that did not pass, and why
-            why = dep.get("root") or f"step {blocked} {dep.get('status', 'not run')}: {dep.get('why', '')}"
-            result = {"status": "not run", "why": why, "root": why}
-        elif left < 10:
-            result = {"status": "not run", "why": f"out of time ({args.total_s}s for the whole check)"}
-        else:
-            limit = int(min(timeout, left))
-            say(f"{name}: running (limit {limit}s) ...")
-            t0 = time.monotonic()
-            result = install(args, prefix, env, limit) if name == "install" else run_child(args, name, env, limit)
-            if name == "install":
-                env["PYTHONPATH"] = _pythonpath(prefix)  # where pip put them, now that it has
-            result["seconds"] = round(time.monotonic() - t0, 1)
-        res.step(name, result)
-        say(f"{name}: {result['status']}{' (%ss)' % result['seconds'] if 'seconds' in result else ''}"
-            f"{' - ' + result['why'] if result.get('why') else ''}")
-    print(suite.render(res.data), flush=True)
-    shutil.rmtree(args.scratch, ignore_errors=True)
+    env["TORCH_EXTENSIONS_DIR"] = env.get("TORCH_EXTENSIONS_DIR", extensions)
+    banked = 0.0  # install's unused seconds, given to the step after it
+    try:
+        for s in steps:
+            name, timeout = s["step"], s["timeout_s"] + banked
+            banked = 0.0
+            left = args.total_s - (time.monotonic() - start) - 5
+            blocked = next((d for d in s["needs"] if res.data["steps"].get(d, {}).get("status") != "pass"), None)
+            if blocked:
+                dep = res.data["steps"].get(blocked, {})  # the first step that did not pass, and why
+                why = dep.get("root") or f"step {blocked} {dep.get('status', 'not run')}: {dep.get('why', '')}"
+                result = {"status": "not run", "why": why, "root": why}
+            elif left < 10:
+                result = {"status": "not run", "why": f"out of time ({args.total_s}s for the whole check)"}
+            else:
+                limit = int(min(timeout, left))
+                say(f"{name}: running (limit {limit}s) ...")
+                t0 = time.monotonic()
+                result = install(args, prefix, env, limit) if name == "install" else run_child(args, name, env, limit)
+                result["seconds"] = round(time.monotonic() - t0, 1)
+                if name == "install":
+                    env["PYTHONPATH"] = _pythonpath(prefix)  # where pip put them, now that it has
+                    banked = max(0.0, limit - result["seconds"]) if result["status"] == "pass" else 0.0
+                result["limit_s"] = limit
+            res.step(name, result)
+            say(f"{name}: {result['status']}{' (%ss)' % result['seconds'] if 'seconds' in result else ''}"
+                f"{' - ' + result['why'] if result.get('why') else ''}")
+    except Terminated as exc:  # the step in flight was stopped (run_child): what it saved is its result
+        res.data["stopped"] = str(exc)
+        if name not in res.data["steps"]:
+            partial = _load(os.path.join(args.out, "steps", f"{name}.json")) or {}
+            res.data["steps"][name] = dict(partial, status="error", why=f"the run was stopped: {exc}")
+        res.write()
+        raise
     rows = res.data["targets"]
     passed = sum(t["result"] == PASS for t in rows)
     not_run = sum(t["result"] == NOT_RUN for t in rows)
     say(f"{passed} of {len(rows)} targets PASS, {len(rows) - passed - not_run} FAIL, {not_run} NOT RUN; "
-        f"results in {args.out}/{suite.name}.json and table.txt")
+        f"the results ({suite.name}.json, table.txt, steps/, logs/, traces/) in the archive below")
     return 0 if passed == len(rows) else 1
 
 
@@ -259,7 +325,8 @@ def install(args: argparse.Namespace, prefix: str, env: dict, limit: int) -> dic
            "--prefix", prefix, "--no-compile", "--no-warn-script-location"] + REQUIREMENTS
     with open(log_path, "w") as log:
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit).returncode
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit,
+                                preexec_fn=_die_with(os.getpid())).returncode
         except subprocess.TimeoutExpired:
             return {"status": "timeout", "why": f"pip install ran over {limit}s; see {log_path}"}
     out = {"command": " ".join(cmd), "rc": rc, "wheels": [os.path.basename(w) for w in wheels]}
@@ -282,12 +349,18 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
     term_at = max(limit - KILL_GRACE_S, 1)
     child_env = dict(env, GPU_CHECK_DEADLINE=str(time.time() + term_at - DEADLINE_MARGIN_S), **STEP_ENV.get(name, {}))
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+        # Its own session, so that the kill path reaches whatever it started; and it dies with
+        # this process, whatever kills it (a SIGKILL included): the GPU is not left held.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+                                preexec_fn=_die_with(os.getpid()))
         try:
             rc = proc.wait(timeout=term_at)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             rc = None
+        except BaseException:  # this process stopped (a signal): the step goes first, as at its limit
+            _kill_group(proc)
+            raise
     partial = _load(result_path)
     if rc is None:
         out = dict(partial or {}, status="timeout", why=f"killed after {limit}s; see {log_path}")
@@ -299,6 +372,26 @@ def run_child(args: argparse.Namespace, name: str, env: dict, limit: int) -> dic
             out["status"] = "error"
             out["why"] = f"exit status {rc}: {_tail(log_path)}"
     return out
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """What a step's process runs before its program (``preexec_fn``): SIGTERM to it when
+    ``parent`` ends (Linux's parent-death signal, kept across exec), and an exit at once if
+    ``parent`` already ended between the fork and the call."""
+
+    def arm() -> None:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -340,7 +433,10 @@ class Terminated(BaseException):
 
 
 def _terminated(signum: int, frame) -> None:
-    raise Terminated(f"signal {signum} (SIGTERM): stopped from outside, most likely the step's time limit")
+    import signal
+
+    raise Terminated(f"signal {signum} ({signal.Signals(signum).name}): stopped from outside, most likely the "
+                     f"time limit (the step's, or the run's)")
 
 
 def child(args: argparse.Namespace) -> int:
@@ -365,6 +461,7 @@ def child(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        os.makedirs(args.scratch, exist_ok=True)  # the step before it removed its own
         module, function = args.suite.run_step.split(":")
         run_step = getattr(importlib.import_module(module), function)  # the steps import torch
         result = run_step(args, save)
@@ -375,6 +472,7 @@ def child(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        remove(args.scratch)  # the drive's files; the parent removes the run's scratch too
     save(result)
     return 0
 
@@ -385,7 +483,10 @@ def check_header(args: argparse.Namespace) -> dict:
 
 
 CHECK = Suite("gpu-check", f"{__package__}.gpu_check", STEPS, plan, check_header, print_plan, targets, render,
-              SHAPE_FLAGS, f"{__package__}.gpu_check_steps:run_step")
+              SHAPE_FLAGS, f"{__package__}.gpu_check_steps:run_step",
+              groups={"after-perf": tuple(n for n, *_ in STEPS if n != "measure")})
+"""gpu-check. ``--only after-perf`` is the second of the two GPU calls (docs/gpu-check.md): every
+step but measure, whose shape gpu-perf measured in the first."""
 
 
 def run(args: argparse.Namespace) -> int:

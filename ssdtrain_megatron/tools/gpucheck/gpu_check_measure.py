@@ -46,6 +46,8 @@ from .gpu_check_common import CudaBox, GpuGPT, deadline_left
 from .gpu_check_plan import (ADAPTIVE_EXPLORE_STEPS, ADAPTIVE_SETTLE_CAP, ADAPTIVE_TRIAL_STEPS, MEASURE_INFLIGHT,
                             OVERFLOW_STAGING, measure_estimate, memory_pool_bytes, reserves)
 from .gpu_check_runner import SAVE_ON_CPU, TRACE_MAX_BYTES, Runner, record_step
+from .gpu_drive import probe as probe_drive
+from .gpu_drive import raw_rates
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io.pinned import pinned_cost
 from ssdtrain_megatron.telemetry.timeline import Timeline
@@ -62,6 +64,9 @@ LINK_HOLD_CYCLES = 4_000_000  # ~2 ms on the compute stream while the link measu
 # point, two of its slowest steps and this. A point the plan has no estimate for keeps the
 # reserve every point had before it scaled with its estimate.
 RESERVE_SLACK_S = 2.0
+PACE_RANGE = (0.1, 4.0)
+"""The pace (measured over estimated seconds of what ran) a reserve is scaled by, at least and
+at most: a box far faster than the plan's rates still keeps a tenth of each estimate."""
 UNPLANNED_RESERVE_S = 20.0
 
 
@@ -129,7 +134,8 @@ class Measure:
         (gpu_check_plan.points_estimate): what each must have left to start."""
         self.args, self.save, self.model, self.dev, self.box = args, save, model, device, box
         self.trace_dir, self.until = trace_dir, until
-        self.result: Dict[str, object] = {"points": []}
+        # What the posix points' bytes go to (gpu_drive.py): a drive with O_DIRECT, or the rows say why not.
+        self.result: Dict[str, object] = {"points": [], "drive": probe_drive(args.scratch)}
         self.total = box.total_memory(device)
         self.host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         self.registers = box.registration_works()
@@ -141,6 +147,7 @@ class Measure:
         self.rates: Dict[str, Optional[dict]] = {"link": None, "drive": None}
         self.sizes: List[int] = []
         self.estimates: Dict[str, float] = dict(estimates or {})
+        self.ran: List[tuple] = []  # (seconds measured, seconds estimated) of each planned point and rate run
 
     def left(self) -> float:
         """Seconds until this measurement's deadline (the step's, or ``until`` if earlier)."""
@@ -153,7 +160,20 @@ class Measure:
         the plan does not know. Scaled to each point, not fixed: a fixed 20 s left the short
         points at the end of a share (save_on_cpu, recompute, adaptive) unrun."""
         est = self.estimates.get(name)
-        return UNPLANNED_RESERVE_S if est is None else RESERVE_SLACK_S + est
+        return UNPLANNED_RESERVE_S if est is None else RESERVE_SLACK_S + est * self.pace()
+
+    def pace(self) -> float:
+        """Measured over estimated seconds of the planned points and rates run so far (1 before
+        any), within PACE_RANGE: each reserve is its estimate at this pace, so a box faster than
+        the plan's rates starts the long points at the end of a share that the estimate alone
+        would cut, and a slower one stops in time."""
+        measured, estimated = sum(m for m, _ in self.ran), sum(e for _, e in self.ran)
+        return 1.0 if estimated <= 0 else min(max(measured / estimated, PACE_RANGE[0]), PACE_RANGE[1])
+
+    def _ran(self, name: str, seconds: float) -> None:
+        if name in self.estimates:
+            self.ran.append((seconds, self.estimates[name]))
+            self.result["pace"] = round(self.pace(), 3)
 
     def pinned(self, policy: str, cfg_kw: dict, mb: int = 1) -> int:
         """Host memory the point locks: its offloader's staging pool and its engine's pool, at
@@ -193,6 +213,7 @@ class Measure:
         if why:
             p.update(ok=False, error=why)
             return self._done(p)
+        began = time.perf_counter()
         box = self.box
         off = streams = None
         stopped: Optional[BaseException] = None  # a signal, or the like: the point is saved, then it goes on
@@ -224,6 +245,8 @@ class Measure:
             p.update(ok=False, cleanup_error=f"{type(cleanup).__name__}: {cleanup}"[:500],
                      cleanup_traceback="".join(traceback.format_exception(type(cleanup), cleanup,
                                                                           cleanup.__traceback__))[-4000:])
+        p["seconds"] = round(time.perf_counter() - began, 2)
+        self._ran(str(p["name"]), p["seconds"])
         self._done(p)
         if stopped is not None:
             raise stopped
@@ -362,6 +385,8 @@ class Measure:
             cfg = self.base_cfg.replace(max_inflight_bytes=MEASURE_INFLIGHT, job=f"gc-drive-{k}")
             self._rate("drive", lambda: measure_drive(cfg, self.box.stream_ops(), self.sizes,
                                                       posix["bytes_written"], posix["bytes_read"]))
+            # The drive's own rate, apart from the engine: what its bound is judged by (gpu_perf_targets.py).
+            self._rate("drive_raw", lambda: raw_rates(self.args.scratch, int(posix["bytes_written"])))
         return keep
 
     def memory_settings(self, mb: int) -> dict:
@@ -375,10 +400,12 @@ class Measure:
         if left < reserve:
             self.result[f"{kind}_rate_error"] = f"not measured: out of time ({left:.0f}s left, its estimate needs {reserve:.0f}s)"
             return
+        began = time.perf_counter()
         try:
             self.rates[kind] = measure()
         except Exception as exc:  # noqa: BLE001 - the rows that need it say why
             self.result[f"{kind}_rate_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        self._ran(kind, time.perf_counter() - began)
         self.result["rates"] = self.rates
         self.save(dict(self.result, status="running"))
 

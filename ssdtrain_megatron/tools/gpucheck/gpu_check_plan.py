@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from .gpu_drive import RAW_MAX_BYTES
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -51,9 +53,11 @@ PARENT_S = 10  # the parent's share: starting the steps, writing the results
 # ``sdpa_first_s``: a shape on SDPA attention chooses its backend (a small forward and backward
 # per backend tried: gpu_check_sdpa.py) and its first step builds the kernel's plan
 # (cuDNN attention builds a graph per shape, seconds; flash compiles nothing at run time).
+# ``build_bps``: building a shape's model on the GPU, its weights initialised and its gradient
+# buffers and Adam state allocated (8 bytes a parameter; 59 GB at the compute-bound shape).
 ASSUME = {"drive_bps": 1.0e9, "link_bps": 10e9, "flops": 100e12, "start_s": 20.0, "torch_start_s": 10.0,
           "register_bps": 2.0e9, "collect_s": 15.0, "pip_s": 25.0, "cuda_tests_s": 15.0, "cycle_s": 0.5e-9,
-          "sdpa_first_s": 5.0}
+          "sdpa_first_s": 5.0, "build_bps": 20e9}
 # The cards the device machines lend, with the GPU memory a process sees on each (about 78 GiB
 # of an H100's 80 GB, 139 GiB of an H200's 141 GB) and the host RAM beside them. ASSUME's rates
 # are below both (sm90, the same bf16 matmul rate and a PCIe Gen5 link on each), so the time
@@ -225,7 +229,9 @@ def points_estimate(shape: dict, points: List[dict]) -> dict:
         rates["link"] = 4 * link_bytes / ASSUME["register_bps"] + 12 * link_bytes / ASSUME["link_bps"]
     if any(p["engine"] == "posix" and p["name"].startswith("offload") for p in points):
         rates["drive"] = 2 * activation_bytes(shape) / ASSUME["drive_bps"]
+        rates["drive_raw"] = 2 * min(activation_bytes(shape), RAW_MAX_BYTES) / ASSUME["drive_bps"]
     per_point["bounds' rates"] = {"seconds": round(sum(rates.values()), 1)}
+    per_point["model build"] = {"seconds": round(8 * parameters(shape) / ASSUME["build_bps"], 1)}
     if shape.get("attention") == "sdpa":
         per_point["attention kernel"] = {"seconds": ASSUME["sdpa_first_s"]}
     total = ASSUME["start_s"] + sum(p["seconds"] for p in per_point.values())

@@ -174,6 +174,20 @@ def _rok(step: dict) -> Verdict:
     return ad["tokens_per_s"] >= keep["tokens_per_s"] and ad["tokens_per_s"] > rc["tokens_per_s"], detail
 
 
+def needs_drive(judge: Callable[[dict], Verdict]) -> Callable[[dict], Verdict]:
+    """``judge`` of a row that times the drive: NOT RUN where the step's scratch was not a
+    drive taking O_DIRECT (tmpfs, or O_DIRECT refused: gpu_drive.py), with the reason."""
+    @functools.wraps(judge)
+    def on_a_drive(step: dict) -> Verdict:
+        problem = (step.get("drive") or {}).get("problem")
+        return (None, problem) if problem else judge(step)
+    return on_a_drive
+
+
+def _drive(engine: str, judge: Callable[[dict], Verdict]) -> Callable[[dict], Verdict]:
+    return needs_drive(judge) if engine == "posix" else judge
+
+
 # (target, the step whose result judges it, judge). Order: as the steps run.
 TARGETS: List[Tuple[str, str, Callable[[dict], Verdict]]] = [
     ("install: the bundle installs offline (pip --no-index)", "install", _status),
@@ -187,10 +201,10 @@ TARGETS: List[Tuple[str, str, Callable[[dict], Verdict]]] = [
     ("cuda tests: every required one passed", "cuda-tests", _status),
     ("no host sync added by offload (memory engine)", "syncs", _syncs),
 ] + [(f"stall beyond the IO deficit offload-{e} <= {STALL_MAX:.0%} of step", "measure",
-      functools.partial(_stall, e)) for e in ("memory", "posix")] + [
-    (f"peak activation memory offload-{e} <= {PEAK_MAX}x keep", "measure", functools.partial(_peak, e))
+      _drive(e, functools.partial(_stall, e))) for e in ("memory", "posix")] + [
+    (f"peak activation memory offload-{e} <= {PEAK_MAX}x keep", "measure", _drive(e, functools.partial(_peak, e)))
     for e in ("memory", "posix")] + [
-    (f"overlap offload-{e} <= {OVERLAP_MAX}x its bound", "measure", functools.partial(_overlap, e))
+    (f"overlap offload-{e} <= {OVERLAP_MAX}x its bound", "measure", _drive(e, functools.partial(_overlap, e)))
     for e in ("memory", "posix")] + [
     ("ROK: adaptive at K+1 >= keep's best and > recompute", "measure", _rok),
 ]

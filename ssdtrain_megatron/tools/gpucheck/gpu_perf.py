@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """`make gpu-perf`: the measure step alone, at two shapes, with a timeline of every point, in at
-most 180 s on a bare single-GPU box (set-up included), so a change can be tried three times in
+most 198 s on a bare single-GPU box (set-up included), so a change can be tried three times in
 one sitting. `make gpu-check` stays the acceptance check; this says where the time goes.
 
 The box and the bundle are gpu-check's (docs/gpu-check.md: ``make gpu-bundle`` where there is
@@ -37,7 +37,9 @@ from typing import List, Optional
 
 from .gpu_check import Suite, finish_args, run, suite_parser
 from .gpu_check_plan import plan
-from .gpu_perf_plan import SHAPES, STEPS, TOTAL_S, cards_header, estimates, print_plan
+from .gpu_perf_plan import SHAPES, STEPS, TOTAL_S, cards_header, estimates
+from .gpu_perf_plan import print_plan as print_shapes_plan
+from .gpu_perf_regime import REGIME_MARGIN, card_regimes, regime_lines
 from .gpu_perf_targets import render, targets
 
 
@@ -46,7 +48,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def header(args: argparse.Namespace) -> dict:
-    return {"estimates": estimates(args), "shapes": SHAPES, "steps_per_point": args.steps, **cards_header()}
+    return {"estimates": estimates(args), "shapes": SHAPES, "steps_per_point": args.steps,
+            "compute_bound_regime": card_regimes(SHAPES["compute-bound"]), **cards_header()}
+
+
+def print_plan(args: argparse.Namespace, steps: List[dict], say) -> bool:
+    """The plan (gpu_perf_plan.print_plan), the compute-bound shape's regime, bound and floor per
+    card under it; it does not fit when the shape is out of the regime on a card."""
+    regimes = card_regimes(SHAPES["compute-bound"])
+    lines = ["in SSDTrain's regime on each card (gpu_perf_regime.py):"] + [f"  {line}" for line in
+                                                                             regime_lines(SHAPES["compute-bound"])]
+    out = [card for card, r in regimes.items() if r["margin"] < REGIME_MARGIN]
+    fits = print_shapes_plan(args, steps, say, {"compute-bound": lines})
+    if out:
+        say(f"the compute-bound shape is NOT in the regime on {', '.join(out)}: grow its hidden size")
+    return fits and not out
 
 
 PERF = Suite("gpu-perf", f"{__package__}.gpu_perf", STEPS, lambda args: plan(args, STEPS), header, print_plan,
