@@ -11,7 +11,8 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..io.clean import LIVE, STALE, Leftover, human_bytes, clean_templates, clean_tree, template_roots
+from ..io.clean import LIVE, STALE, Leftover, human_bytes, clean_templates, clean_tree, held_by, template_roots
+from ..io.sweepfd import Skips
 from .cli_types import PRESET_HELP, duration, preset_arg
 
 
@@ -108,7 +109,8 @@ def _report(found: List[Leftover], dry_run: bool, totals: Dict[str, int]) -> int
                 print(f"removed  {folder} (empty job folder)")
                 totals["folders"] += 1
         elif item.verdict == LIVE:
-            print(f"live     {item.describe()}")
+            held = held_by(item)
+            print(f"live     {item.describe()}" + (f": {held}" if held else ""))
         else:
             print(f"skipped  {item.describe()}")
     return status
@@ -125,17 +127,21 @@ def run_clean(args: argparse.Namespace) -> int:
         return 2
     status = 0
     totals: Dict[str, int] = {"dirs": 0, "bytes": 0, "folders": 0}
+    skips = Skips()
     for name, batch_templates in _batches(args.roots, templates):
         try:
             if batch_templates is None:
-                found = clean_tree(name, dry_run=args.dry_run, older_than=args.older_than)
+                found = clean_tree(name, dry_run=args.dry_run, older_than=args.older_than, skips=skips)
             else:
-                found = clean_templates(batch_templates, dry_run=args.dry_run, older_than=args.older_than)
+                found = clean_templates(batch_templates, dry_run=args.dry_run, older_than=args.older_than,
+                                        skips=skips)
         except OSError as exc:
             print(f"ssdtrain clean: {name}: {exc.strerror or exc}", file=sys.stderr)
             status = 1
             continue
         status = max(status, _report(found, args.dry_run, totals))
+    if skips.line():
+        print(skips.line())
     verb = "would free" if args.dry_run else "freed"
     folders = f", {totals['folders']} empty folder{'' if totals['folders'] == 1 else 's'} removed" \
         if totals["folders"] else ""
