@@ -172,17 +172,19 @@ def test_a_tree_deeper_than_the_bound_costs_one_line_and_the_rest_is_cleaned(scr
 
 
 def test_the_start_up_sweep_judges_a_bounded_number_per_folder_and_says_so(scratch, users, monkeypatch, caplog):
-    """Thousands of planted rank directories in one folder must not hold up every job's start:
-    at most MAX_SWEEP_JUDGED are judged there (3 here), the rest named in one line; `ssdtrain
-    clean` judges all. Broken by dropping the bound (main: 5 judged)."""
+    """Thousands of planted rank directories (in one folder, or in many) must not hold up every
+    job's start: at most MAX_SWEEP_JUDGED are judged in all (3 here), the rest named in one
+    line; `ssdtrain clean` judges all. Broken by dropping the bound (main: 5 judged), or by
+    bounding each folder alone (5 judged)."""
     for pid in range(5):
-        _record_dir(os.path.join(scratch, "mal"), pid=1000 + pid, job="mal", boot=OTHER_BOOT)
-    _chown_tree(os.path.join(scratch, "mal"), users.mal)
-    monkeypatch.setattr(clean, "MAX_SWEEP_JUDGED", 3)
+        folder = os.path.join(scratch, "mal" if pid < 2 else "mal2")
+        _record_dir(folder, pid=1000 + pid, job="mal", boot=OTHER_BOOT)
+        _chown_tree(folder, users.mal)
+    monkeypatch.setattr(clean, "MAX_SWEEP_JUDGED", 3, raising=False)  # main had no bound
     with caplog.at_level(logging.INFO, logger="ssdtrain_megatron"):
         found = clean.sweep_before_start([], [os.path.join(scratch, "{job}")], HOST)
     assert [os.path.basename(f.path) for f in found] == [f"ssdtrain.mal.{HOST}.rank0.pid{1000 + i}" for i in range(3)]
-    first = os.path.join(scratch, "mal", f"ssdtrain.mal.{HOST}.rank0.pid1003")
+    first = os.path.join(scratch, "mal2", f"ssdtrain.mal.{HOST}.rank0.pid1003")
     assert ("the start-up sweep for dead jobs' leftovers skipped 2 rank directories past the start-up "
             f"sweep's bound, not judged (`ssdtrain clean` judges all) (first: {first})") in caplog.text
     assert len(clean.clean_tree(scratch, dry_run=True)) == 5

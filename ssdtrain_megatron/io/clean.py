@@ -59,8 +59,9 @@ from .sweepfd import MANY, Folder, Skips, close_all, open_path, open_top, owner_
 log = logging.getLogger(__name__)
 
 MAX_SWEEP_JUDGED = 1024
-"""Rank directories the start-up sweep judges at most per folder: 20,000 planted in one folder
-must not hold up every job's start (``ssdtrain clean`` judges them all)."""
+"""Rank directories the start-up sweep judges at most, in all its folders together: 20,000
+planted in one folder, or a thousand in each of many, must not hold up every job's start
+(``ssdtrain clean`` judges them all)."""
 _NAME = re.compile(re.escape(DIR_PREFIX) + r".+\.rank\d+\.pid\d+$")
 
 # Verdicts of a scan.
@@ -351,7 +352,7 @@ def clean_templates(templates: Sequence[str], dry_run: bool = False, hostname: O
                     skips: Optional[Skips] = None) -> List[Leftover]:
     """:func:`clean_dir` on every directory ``templates`` name on this host
     (:func:`template_roots`, or :func:`bounded_template_roots` when ``bounded``: then at most
-    MAX_SWEEP_JUDGED rank directories judged in each), each reached from the template's fixed
+    MAX_SWEEP_JUDGED rank directories judged in all), each reached from the template's fixed
     part through held descriptors without following a link (``sweepfd.open_path``), then
     remove the job folders (the template's components from its first ``{job}`` on) that the
     removals left empty, through the same descriptors. What was left out is counted in
@@ -359,6 +360,7 @@ def clean_templates(templates: Sequence[str], dry_run: bool = False, hostname: O
     skips = Skips() if skips is None else skips
     found: List[Leftover] = []
     seen = set()
+    judged = 0
     for template in templates:
         roots = bounded_template_roots(template, hostname) if bounded else template_roots(template, hostname)
         base = fixed_part(template)
@@ -374,8 +376,9 @@ def clean_templates(templates: Sequence[str], dry_run: bool = False, hostname: O
             if chain is None:
                 continue
             try:
-                here = clean_dir(chain[-1].fd, root, chain[-1].for_uid, dry_run, older_than,
-                                 MAX_SWEEP_JUDGED if bounded else None, skips)
+                left = max(0, MAX_SWEEP_JUDGED - judged) if bounded else None
+                here = clean_dir(chain[-1].fd, root, chain[-1].for_uid, dry_run, older_than, left, skips)
+                judged += len(here)
                 found.extend(here)
                 removed = [item for item in here if item.removed]
                 if removed:
@@ -409,12 +412,12 @@ def _log_sweep(found: List[Leftover]) -> None:
             log.warning("ssdtrain: could not remove the leftovers of a dead job %s: %s", item.describe(), item.error)
 
 
-def remove_stale(root: str, skips: Optional[Skips] = None) -> List[Leftover]:
-    """Start-up sweep of one root: remove dead jobs' leftovers (at most MAX_SWEEP_JUDGED
-    judged), log what happened, never raise (a root we cannot sweep is still usable for our
+def remove_stale(root: str, skips: Optional[Skips] = None, limit: Optional[int] = None) -> List[Leftover]:
+    """Start-up sweep of one root: remove dead jobs' leftovers (at most ``limit`` judged,
+    MAX_SWEEP_JUDGED by default), log what happened, never raise (a root we cannot sweep is still usable for our
     own directory)."""
     try:
-        found = clean_root(root, skips=skips, limit=MAX_SWEEP_JUDGED)
+        found = clean_root(root, skips=skips, limit=MAX_SWEEP_JUDGED if limit is None else limit)
     except OSError as exc:
         log.warning("ssdtrain: could not look for leftovers of dead jobs in %s: %s", root, exc.strerror or exc)
         return []
@@ -433,7 +436,7 @@ def sweep_before_start(roots: Sequence[str], templates: Optional[Sequence[str]] 
     found = sweep_templates(templates, hostname, skips) if templates else []
     for root in roots:
         if os.path.isdir(root):
-            found.extend(remove_stale(root, skips))
+            found.extend(remove_stale(root, skips, max(0, MAX_SWEEP_JUDGED - len(found))))
     line = skips.line()
     if line:
         log.info("ssdtrain: the start-up sweep for dead jobs' leftovers %s", line)
