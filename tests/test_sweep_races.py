@@ -209,3 +209,20 @@ def test_the_seam_is_called_only_for_what_is_removed(tmp_path, monkeypatch):
     (item,) = clean.clean_root(str(tmp_path))
     assert seen == [d] and item.removed and not os.path.exists(d)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_users_sweep_does_not_walk_another_users_folder(scratch, users, monkeypatch, capsys):
+    """Run by the victim (getuid says so; the files are real and really theirs): the attacker's
+    folder is not walked, the victim's dead job goes. Broken by walking every folder whose
+    owner is not root for anyone (walks_for)."""
+    mine = _record_dir(os.path.join(scratch, "5"), pid=PID, job="5", boot=boot_id())
+    _chown_tree(os.path.join(scratch, "5"), users.vic)
+    theirs = _record_dir(os.path.join(scratch, "mal"), pid=PID, job="6", boot=boot_id())
+    _chown_tree(os.path.join(scratch, "mal"), users.mal)
+    monkeypatch.setattr(os, "getuid", lambda: users.vic.uid)
+    assert _clean_cli([scratch]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert not os.path.exists(mine) and os.path.isdir(theirs)
+    assert (f"skipped 1 folder of another user than the one the sweep removes for, not walked "
+            f"(first: {scratch}/mal)") in out
+    assert not any(theirs in line for line in out)
