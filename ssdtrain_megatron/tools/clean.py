@@ -33,7 +33,11 @@ def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     "kernel's locks (written on this boot of this node, in any container, or "
                     "before this node booted on a local filesystem). Directories of running "
                     "processes, of other machines or boots on a shared filesystem, and anything "
-                    "we did not create are left alone (--older-than for the former). The exit "
+                    "we did not create are left alone (--older-than for the former). Symlinks "
+                    "below ROOT are not followed; only folders of the user it removes for (run as "
+                    "root: each folder's owner) are walked, at most 64 levels deep; one line says "
+                    "what was skipped. A live directory whose job is gone names the process that "
+                    "holds its lock (a child forked from C). The exit "
                     "code is 1 when a root could not be read or a stale directory could not be "
                     "removed.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
