@@ -52,7 +52,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .dirfd import DIR_FLAGS, remove_entry_dir
 from .layout import DIR_PREFIX, OWNER_FILE, fixed_part, job_levels, rank_dir_name
-from .owner import MAX_OWNER_BYTES, human_age, judge_owner, last_change, orphaned_lock, parse_owner
+from .owner import MAX_OWNER_BYTES, OpenFiles, human_age, judge_owner, last_change, orphaned_lock, parse_owner
 from .template_roots import MAX_SWEEP_ENTRIES, bounded_template_roots, template_roots  # noqa: F401 (API)
 from .sweepfd import MANY, Folder, Skips, close_all, open_path, open_top, owner_text, prune, sweeper, walk
 
@@ -443,12 +443,12 @@ def sweep_before_start(roots: Sequence[str], templates: Optional[Sequence[str]] 
     return found
 
 
-def held_by(item: Leftover) -> Optional[str]:
+def held_by(item: Leftover, open_files: OpenFiles) -> Optional[str]:
     """For a live directory whose lock outlived the process that wrote its record (a child it
     forked from C kept the lock): which processes hold it (``owner.orphaned_lock``); else None."""
     if item.verdict != LIVE or item.owner is None or item.record is None:
         return None
-    return orphaned_lock(item.owner, item.record)
+    return orphaned_lock(item.owner, item.record, open_files)
 
 
 def human_bytes(n: int) -> str:

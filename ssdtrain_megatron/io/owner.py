@@ -33,7 +33,7 @@ import logging
 import os
 import re
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -337,31 +337,46 @@ def holds_record(record: Optional[Tuple[int, int]]) -> bool:
     return record is not None and any((dev, ino) == record for _fd, dev, ino in _held)
 
 
-def lock_holders(record: Tuple[int, int]) -> List[int]:
-    """The pids (as this pid namespace numbers them) of the processes that have the file with
-    this (device, inode) open, from /proc/<pid>/fd: only those this user may look at (root:
-    all). The holders of its lock are among them."""
-    pids = []
+class OpenFiles:
+    """Which processes have which files open, from /proc/<pid>/fd (only those this user may
+    look at; root: all), read once, when first asked: a report that names the holders of many
+    locks scans /proc once, not once per lock."""
+
+    def __init__(self) -> None:
+        self._index: Optional[Dict[Tuple[int, int], List[int]]] = None
+
+    def pids(self, record: Tuple[int, int]) -> List[int]:
+        """The pids (as this pid namespace numbers them) with the file of this (device, inode)
+        open: the holders of its lock are among them."""
+        if self._index is None:
+            self._index = _scan_open_files()
+        return self._index.get(record, [])
+
+
+def _scan_open_files() -> Dict[Tuple[int, int], List[int]]:
+    index: Dict[Tuple[int, int], List[int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return pids
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == os.getpid():
+        return index
+    for entry in sorted((e for e in entries if e.isdigit()), key=int):
+        if int(entry) == os.getpid():
             continue
         try:
             fds = os.listdir(f"/proc/{entry}/fd")
         except OSError:
             continue
+        seen = set()
         for fd in fds:
             try:
                 st = os.stat(f"/proc/{entry}/fd/{fd}")
             except OSError:
                 continue
-            if (st.st_dev, st.st_ino) == record:
-                pids.append(int(entry))
-                break
-    return sorted(pids)
+            key = (st.st_dev, st.st_ino)
+            if key not in seen:
+                seen.add(key)
+                index.setdefault(key, []).append(int(entry))
+    return index
 
 
 def _command(pid: int) -> str:
@@ -372,7 +387,7 @@ def _command(pid: int) -> str:
         return "?"
 
 
-def orphaned_lock(owner: dict, record: Tuple[int, int]) -> Optional[str]:
+def orphaned_lock(owner: dict, record: Tuple[int, int], open_files: OpenFiles) -> Optional[str]:
     """For a record whose lock is held: when the process that wrote it is gone (judged on this
     boot, in this pid namespace, by pid and start time) the lock was kept by a process that
     shares its open file: a child forked from C (a library's ``fork()``, which runs none of
@@ -386,7 +401,7 @@ def orphaned_lock(owner: dict, record: Tuple[int, int]) -> Optional[str]:
     alive, why = _pid_alive(owner)
     if alive is not False:
         return None
-    pids = lock_holders(record)
+    pids = open_files.pids(record)
     who = ", ".join(f"pid {p} ({_command(p)})" for p in pids) or \
         "a process this user cannot see (another user's, or in another pid namespace)"
     return (f"the job itself is gone ({why}) but its owner.json lock is held by {who}: a child it forked "

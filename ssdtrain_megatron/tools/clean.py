@@ -12,6 +12,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..io.clean import LIVE, STALE, Leftover, human_bytes, clean_templates, clean_tree, held_by, template_roots
+from ..io.owner import OpenFiles
 from ..io.sweepfd import Skips
 from .cli_types import PRESET_HELP, duration, preset_arg
 
@@ -97,7 +98,7 @@ def _batches(roots: Sequence[str], templates: List[str]) -> List[Tuple[str, Opti
     return batches
 
 
-def _report(found: List[Leftover], dry_run: bool, totals: Dict[str, int]) -> int:
+def _report(found: List[Leftover], dry_run: bool, totals: Dict[str, int], open_files: OpenFiles) -> int:
     """One line per rank directory found (added to ``totals``); 1 if a removal failed."""
     status = 0
     for item in found:
@@ -113,7 +114,7 @@ def _report(found: List[Leftover], dry_run: bool, totals: Dict[str, int]) -> int
                 print(f"removed  {folder} (empty job folder)")
                 totals["folders"] += 1
         elif item.verdict == LIVE:
-            held = held_by(item)
+            held = held_by(item, open_files)
             print(f"live     {item.describe()}" + (f": {held}" if held else ""))
         else:
             print(f"skipped  {item.describe()}")
@@ -132,6 +133,7 @@ def run_clean(args: argparse.Namespace) -> int:
     status = 0
     totals: Dict[str, int] = {"dirs": 0, "bytes": 0, "folders": 0}
     skips = Skips()
+    open_files = OpenFiles()
     for name, batch_templates in _batches(args.roots, templates):
         try:
             if batch_templates is None:
@@ -143,7 +145,7 @@ def run_clean(args: argparse.Namespace) -> int:
             print(f"ssdtrain clean: {name}: {exc.strerror or exc}", file=sys.stderr)
             status = 1
             continue
-        status = max(status, _report(found, args.dry_run, totals))
+        status = max(status, _report(found, args.dry_run, totals, open_files))
     if skips.line():
         print(skips.line())
     verb = "would free" if args.dry_run else "freed"
