@@ -226,3 +226,23 @@ def test_a_users_sweep_does_not_walk_another_users_folder(scratch, users, monkey
     assert (f"skipped 1 folder of another user than the one the sweep removes for, not walked "
             f"(first: {scratch}/mal)") in out
     assert not any(theirs in line for line in out)
+
+
+def test_a_rank_directory_replaced_after_judging_is_left_alone(scratch, users, monkeypatch, capsys):
+    """The attacker swaps the judged directory itself for another one of the same name (its
+    own, holding a file it wants gone): the device and inode differ from what was judged, so
+    nothing in it is removed and the line says why. Broken by dropping the device+inode check
+    in ``_remove_at``: the other directory's file is deleted."""
+    fake = _record_dir(os.path.join(scratch, "mal"), pid=PID, job=JOB, boot=boot_id())
+    _chown_tree(os.path.join(scratch, "mal"), users.mal)
+
+    def swap(item) -> None:
+        done = as_user(users.mal, f"mv {fake} {fake}.judged && mkdir {fake} && echo keep > {fake}/keep")
+        assert done.returncode == 0, done.stderr
+
+    monkeypatch.setattr(clean, "between_judging_and_removing", swap)
+    assert _clean_cli([scratch]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert _files(fake) == {"keep": b"keep\n"}
+    assert any(line.startswith(f"failed   {fake} (job {JOB}, rank 0, ") and
+               line.endswith("): replaced by another directory after it was judged; left alone") for line in out), out
