@@ -33,7 +33,7 @@ import logging
 import os
 import re
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -326,3 +326,84 @@ def _pid_alive(owner: dict) -> Tuple[Optional[bool], str]:
         if now is not None and now != ticks:
             return False, f"pid {pid} is gone (now reused by another process)"
     return True, f"pid {pid} is running"
+
+
+# -- who holds a lock whose writer is gone ----------------------------------------------------
+
+
+def holds_record(record: Optional[Tuple[int, int]]) -> bool:
+    """Whether this process holds the lock of the owner.json with this (device, inode)."""
+    _release_unlinked()
+    return record is not None and any((dev, ino) == record for _fd, dev, ino in _held)
+
+
+class OpenFiles:
+    """Which processes have which files open, from /proc/<pid>/fd (only those this user may
+    look at; root: all), read once, when first asked: a report that names the holders of many
+    locks scans /proc once, not once per lock."""
+
+    def __init__(self) -> None:
+        self._index: Optional[Dict[Tuple[int, int], List[int]]] = None
+
+    def pids(self, record: Tuple[int, int]) -> List[int]:
+        """The pids (as this pid namespace numbers them) with the file of this (device, inode)
+        open: the holders of its lock are among them."""
+        if self._index is None:
+            self._index = _scan_open_files()
+        return self._index.get(record, [])
+
+
+def _scan_open_files() -> Dict[Tuple[int, int], List[int]]:
+    index: Dict[Tuple[int, int], List[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return index
+    for entry in sorted((e for e in entries if e.isdigit()), key=int):
+        if int(entry) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        seen = set()
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{entry}/fd/{fd}")
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key not in seen:
+                seen.add(key)
+                index.setdefault(key, []).append(int(entry))
+    return index
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"
+
+
+def orphaned_lock(owner: dict, record: Tuple[int, int], open_files: OpenFiles) -> Optional[str]:
+    """For a record whose lock is held: when the process that wrote it is gone (judged on this
+    boot, in this pid namespace, by pid and start time) the lock was kept by a process that
+    shares its open file: a child forked from C (a library's ``fork()``, which runs none of
+    Python's fork hooks, so the child keeps the descriptor ``hold_owner_lock`` made; one that
+    execs drops it, close-on-exec). A line naming the holders and what to do; None when the
+    writer runs or this cannot be told."""
+    if owner.get("lock") != LOCK or owner.get("boot_id") != boot_id():
+        return None
+    if owner.get("pid_ns") != pid_namespace() or not isinstance(owner.get("start_ticks"), int):
+        return None
+    alive, why = _pid_alive(owner)
+    if alive is not False:
+        return None
+    pids = open_files.pids(record)
+    who = ", ".join(f"pid {p} ({_command(p)})" for p in pids) or \
+        "a process this user cannot see (another user's, or in another pid namespace)"
+    return (f"the job itself is gone ({why}) but its owner.json lock is held by {who}: a child it forked "
+            "from C kept the lock; the directory is removed by the first sweep after that process ends "
+            f"({'kill ' + ' '.join(map(str, pids)) if pids else 'find it with lsof'} if it is a leftover)")

@@ -32,6 +32,7 @@ from . import cleanup
 from .base import BusyMeter, EngineError, IOEngine
 from .bounce import ChunkStaging, as_engine_error
 from .clean import sweep_before_start
+from .name_clash import check_own_names
 from .extents import Extent
 from .layout import ALIGN, Identity, RankDir, expand_roots, make_rank_dirs, remove_rank_dir
 from .roots import check_roots
@@ -87,6 +88,7 @@ class SlabEngine(IOEngine):
         # there meanwhile by someone else is refused, not used.
         check_roots(self.config.dirs, self.ident, create=self.config.create_dirs)
         sweep_before_start(self.roots, self.config.dirs, self.ident.hostname)  # dead jobs' leftovers
+        check_own_names(self.roots, self.ident)  # a second pod with our job id: said as such
         self._held_dirs = make_rank_dirs(self.roots, self.ident, self.config.dirs)
         self.rank_dirs = [d.path for d in self._held_dirs]
         self._slabs = [Slab(d, direct, on_open) for d in self._held_dirs]

@@ -11,7 +11,9 @@ import argparse
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..io.clean import LIVE, STALE, Leftover, human_bytes, clean_templates, clean_tree, template_roots
+from ..io.clean import LIVE, STALE, Leftover, human_bytes, clean_templates, clean_tree, held_by, template_roots
+from ..io.owner import OpenFiles
+from ..io.sweepfd import Skips
 from .cli_types import PRESET_HELP, duration, preset_arg
 
 
@@ -32,7 +34,11 @@ def add_clean_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     "kernel's locks (written on this boot of this node, in any container, or "
                     "before this node booted on a local filesystem). Directories of running "
                     "processes, of other machines or boots on a shared filesystem, and anything "
-                    "we did not create are left alone (--older-than for the former). The exit "
+                    "we did not create are left alone (--older-than for the former). Symlinks "
+                    "below ROOT are not followed; only folders of the user it removes for (run as "
+                    "root: each folder's owner) are walked, at most 64 levels deep; one line says "
+                    "what was skipped. A live directory whose job is gone names the process that "
+                    "holds its lock (a child forked from C). The exit "
                     "code is 1 when a root could not be read or a stale directory could not be "
                     "removed.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
@@ -92,7 +98,7 @@ def _batches(roots: Sequence[str], templates: List[str]) -> List[Tuple[str, Opti
     return batches
 
 
-def _report(found: List[Leftover], dry_run: bool, totals: Dict[str, int]) -> int:
+def _report(found: List[Leftover], dry_run: bool, totals: Dict[str, int], open_files: OpenFiles) -> int:
     """One line per rank directory found (added to ``totals``); 1 if a removal failed."""
     status = 0
     for item in found:
@@ -108,7 +114,8 @@ def _report(found: List[Leftover], dry_run: bool, totals: Dict[str, int]) -> int
                 print(f"removed  {folder} (empty job folder)")
                 totals["folders"] += 1
         elif item.verdict == LIVE:
-            print(f"live     {item.describe()}")
+            held = held_by(item, open_files)
+            print(f"live     {item.describe()}" + (f": {held}" if held else ""))
         else:
             print(f"skipped  {item.describe()}")
     return status
@@ -125,17 +132,22 @@ def run_clean(args: argparse.Namespace) -> int:
         return 2
     status = 0
     totals: Dict[str, int] = {"dirs": 0, "bytes": 0, "folders": 0}
+    skips = Skips()
+    open_files = OpenFiles()
     for name, batch_templates in _batches(args.roots, templates):
         try:
             if batch_templates is None:
-                found = clean_tree(name, dry_run=args.dry_run, older_than=args.older_than)
+                found = clean_tree(name, dry_run=args.dry_run, older_than=args.older_than, skips=skips)
             else:
-                found = clean_templates(batch_templates, dry_run=args.dry_run, older_than=args.older_than)
+                found = clean_templates(batch_templates, dry_run=args.dry_run, older_than=args.older_than,
+                                        skips=skips)
         except OSError as exc:
             print(f"ssdtrain clean: {name}: {exc.strerror or exc}", file=sys.stderr)
             status = 1
             continue
-        status = max(status, _report(found, args.dry_run, totals))
+        status = max(status, _report(found, args.dry_run, totals, open_files))
+    if skips.line():
+        print(skips.line())
     verb = "would free" if args.dry_run else "freed"
     folders = f", {totals['folders']} empty folder{'' if totals['folders'] == 1 else 's'} removed" \
         if totals["folders"] else ""
