@@ -133,20 +133,33 @@ class Settings:
 
 def _plan(job: Job, config: Any, host: int, m: int) -> Tuple[Stage, TierPlan, str, int, tuple]:
     """The plan of the first stage for ``config`` with ``host`` bytes of host memory per rank:
-    (stage, plan, policy planned, the plan's budget, notes)."""
+    (stage, plan, policy planned, the plan's budget, notes).
+
+    The budget is ``activation_budget_bytes`` where the runtime holds one (adaptive, offload),
+    else what the model state and the reserve leave of GPU memory: policy keep applies no budget
+    (config.py), so a keep plan is measured against the GPU, not against a preset's fraction.
+    The adaptive policy without a budget keeps every layer where that fits; where it does not,
+    it is planned within what the model state leaves, the budget :func:`job_settings` then
+    gives the runtime (so policy adaptive is returned with no budget in ``config``)."""
     shape, node = job.shape, job.node.replace(host_memory_bytes=max(host, 0))
     st = stage(shape, job.profile, node, m)
-    budget = activation_budget(shape, node.gpu_memory_bytes, None, config.activation_budget_bytes,
+    held = None if config.policy == "keep" else config.activation_budget_bytes
+    budget = activation_budget(shape, node.gpu_memory_bytes, None, held,
                                reserve=reserve_bytes(job.memory_reserve, node.gpu_memory_bytes)
                                )["activation_budget_bytes"]
     policy, notes = config.policy, ()
     if policy == "adaptive" and not has_budget(config):
-        policy = "keep"
         peak = st.layer_bytes * len(st.layers) * st.positions[0].live + st.head_bytes
-        notes = ("policy adaptive without a budget keeps every layer (cache/adaptive.py): "
-                 + ("it fits" if peak <= budget else
-                    f"{size(peak)} of activations do not fit in {size(budget)}; set "
-                    "activation_budget_bytes (--ssd-offload-activation-budget) or policy offload"),)
+        if peak <= budget:
+            policy = "keep"
+            notes = ("policy adaptive without a budget keeps every layer (cache/adaptive.py): "
+                     f"{size(peak)} of activations fit the {size(budget)} the model state "
+                     "leaves",)
+        else:
+            notes = (f"policy adaptive without a budget would keep every layer, but "
+                     f"{size(peak)} of activations do not fit the {size(budget)} the model state "
+                     "leaves: the runtime's budget is that (activation_budget_bytes), within "
+                     "which the plan places each layer",)
     engine = config.engine
     plan = plan_policy(st, node, policy, places_for(engine, config.recompute_fallback), budget,
                        config)
@@ -221,6 +234,8 @@ def job_settings(job: Job) -> Settings:
             or planned[0].recompute_fallback != config.recompute_fallback:
         planned = (config,) + _plan(job, config, per_rank or 0, m)
     _, st, plan, policy, budget, more = planned
+    if policy == "adaptive" and not has_budget(config):  # keep does not fit: hold the plan's
+        config = config.replace(activation_budget_bytes=budget)
     if config.engine in HOST_ENGINES and "host_memory_bytes" not in given and per_rank is not None:
         config = config.replace(host_memory_bytes=min(per_rank, plan.host_peak_bytes + st.layer_bytes))
     return Settings(config, choice, m, _budget(config, job.shape, job.node), budget, policy,
