@@ -9,6 +9,7 @@ here and reported in one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any, Callable, Optional, Tuple
@@ -388,11 +389,15 @@ def run_plan(args: argparse.Namespace) -> int:
     from ...megatron.preflight import FlagError
     from ...plan.job import job_settings
     from .build import build_plan
-    from .fit_answer import fit_line
-    from .headline import against_without_offload, headline
+    from .fit_answer import as_planned, fit_line
+    from .headline import against_without_offload, headline, job_words, micro_batch_source
 
     if args.config is None and not args.launch_args:
         return _error("plan", "give --config PRESET, or the job's launcher arguments after --")
+    if args.search and args.micro_batch is not None:
+        return _error("plan", f"--micro-batch-size {args.micro_batch}: --search ranks every "
+                              "micro-batch of every layout; give no --micro-batch-size with "
+                              "--search, or plan that micro-batch without --search")
     try:
         if args.launch_args:
             if args.search:
@@ -424,14 +429,23 @@ def run_plan(args: argparse.Namespace) -> int:
                        shape.dp, settings.num_micro_batches,
                        "" if args.gpus or args.nodes else f"{gpus} GPUs = dp {shape.dp} x "
                        f"tp {shape.tp} x pp {shape.pp} x cp {shape.cp} (--gpus: the world size)")
+    if args.launch_args and job.num_micro_batches is None:
+        size = dataclasses.replace(size, assumed="; ".join(p for p in (
+            size.assumed, f"{settings.num_micro_batches} micro-batch(es), the pipeline's depth: the "
+            "arguments after -- give no --global-batch-size") if p))
     result.update(gpus=size.gpus, global_batch=size.global_batch, assumed=size.assumed)
     result["fit"] = fit_line(shape, args, job.node, size.num_micro_batches)
     # the headline: against the best that runs without offload on these GPUs (headline.py)
     result["without_offload"] = against_without_offload(shape, args, job.node, result,
                                                          settings.config.keep_last_layers)
+    unfit = as_planned(result)
+    result["fits_as_planned"] = unfit is None
+    job_text = job_words(size.describe(shape.seq_len), shape.micro_batch, micro_batch_source(args),
+                         settings.num_micro_batches)
+    result["first_line"] = (f"{result['fit']}" if unfit is None else unfit) \
+        + f"; {headline(result['without_offload'])}; {job_text}"
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print_plan(shape, result, size.describe(shape.seq_len),
-               first=f"{result['fit']}; {headline(result['without_offload'])}")
+    print_plan(shape, result, first=result["first_line"])
     return 0

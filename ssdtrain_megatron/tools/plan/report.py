@@ -41,12 +41,15 @@ def header(shape: ModelShape, config: str) -> str:
 
 
 def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str = "") -> None:
-    """The plan as aligned lines; ``job``: the GPUs and global batch planned (and what was
-    assumed), at the end of the first line; ``first``: whether the job fits, at its start."""
+    """The plan as aligned lines; ``first``: the first line (whether the job fits as planned,
+    its gain, the job it answers for: cli.run_plan), then the model planned; without it,
+    ``job`` (the GPUs and global batch planned) ends the model's line."""
     from ...plan.node import NodeProfile
 
     node = NodeProfile(**{k: r["node"][k] for k in NodeProfile.FIELDS})
-    print((f"{first}; " if first else "") + header(shape, r["config"]) + (f"; {job}" if job else ""))
+    if first:
+        print(first)
+    print(header(shape, r["config"]) + (f"; {job}" if job else ""))
     print(f"node {node.describe()} ({r['node_source']})"
           + (f"; {assumptions(r)}" if "memory" in r else ""))
     print(f"policy {r['policy']}, engine {r['engine']}: places " + ", ".join(r["places"]))
@@ -106,8 +109,33 @@ def tier_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
                                      + ("" if r["fits_budget"] else ": DOES NOT FIT")),
         ("host memory per GPU", f"{_gb(r['host_peak_bytes'])} of {_gb(r['host_capacity_bytes'])}"),
     ] + staging_rows(r) + [
-        ("binding", r["binding"]),
+        ("binding", binding_words(r)),
     ]
+
+
+def binding_words(r: Dict[str, Any]) -> str:
+    """What binds, and, where it is a tier whose need over the iteration is within its rate
+    (the plan gives it what it needs), why it binds all the same: a serial term of the model,
+    or one layer more that would not fit the iteration."""
+    binding = r["binding"]
+    if not r["fits_budget"]:
+        return (f"GPU memory: the peak of {_gb(r['peak_bytes'])} is over the "
+                f"{_gb(r['budget_bytes'])} budget")
+    tier = {"the host link": "host", "the drives": "ssd"}.get(binding)
+    if tier is None:
+        return binding
+    bw = r["bandwidth_gbps"][tier]
+    if bw["needed"] > bw["available"] * (1 + 1e-9):
+        return (f"{binding}: it needs {bw['needed']:.2f} GB/s over the iteration, more than its "
+                f"{bw['available']:.2f}")
+    if r["stall_s"] > 0:
+        return (f"{binding}, though it needs {bw['needed']:.2f} of its {bw['available']:.2f} GB/s "
+                "over the iteration: the stall is serial, not its rate: each micro-batch reads its "
+                f"layers back one after another in reverse, at most {r['prefetch_layers']} "
+                "layer(s) ahead within the read-ahead byte cap (max_inflight_bytes), none "
+                "before its write has ended, while its backward waits")
+    return (f"{binding}: it needs {bw['needed']:.2f} of its {bw['available']:.2f} GB/s, and one "
+            "layer more on it would not fit the iteration (the rest is recomputed or kept)")
 
 
 def staging_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
