@@ -214,7 +214,7 @@ def test_9_without_a_micro_batch_count_both_plan_the_pipelines_depth_and_say_so(
      ("--ssd-offload-host-memory-bytes: a host pool of 200.0 GB is more than the 141.4 GB of "
       "host memory per rank left after 8.6 GB of pinned staging", "at most 141.4 GB fits")),
     (["--ssd-offload-engine", "memory", "--ssd-offload-pinned-staging-bytes", "160GB"], 64,
-     ("pinned staging of 160.0 GB (--ssd-offload-pinned-staging-bytes) leaves no host pool in "
+     ("pinned staging of 160.0 GB (pinned_staging_bytes, set by --ssd-offload-pinned-staging-bytes) leaves no host pool in "
       "the 150.0 GB of host memory per rank", "at most 150.0 GB of staging fits")),
     (["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4"], 48,
      ("the world size 48 is not a multiple of --tensor-model-parallel-size 8 x "

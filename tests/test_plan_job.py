@@ -67,11 +67,11 @@ def test_a_preset_that_names_its_engine_is_honoured(capsys, tmp_path):
 
 
 def test_a_node_without_host_memory_plans_posix_and_says_why(capsys):
-    out = _json(capsys, *ISSUE, "--host-memory", "1GB")
+    out = _json(capsys, *ISSUE, "--host-memory", "9GB")
     assert (out["engine"], out["places"]) == ("posix", ["keep", "ssd", "recompute"])
     assert out["engine_choice"]["reason"] == (
-        "engine posix: 1.0 GB host memory per GPU (dgx-h100), 0 B per rank for offload, less "
-        "than one layer's activations (1.1 GB)")  # the 2.1 GB of pinned staging comes first
+        "engine posix: 9.0 GB host memory per GPU (--host-memory), 410.1 MB per rank for offload, "
+        "less than one layer's activations (1.1 GB)")  # the 8.6 GB of pinned staging come first
 
 
 def test_search_ranks_layouts_at_the_global_batch_and_gpus_given(capsys):

@@ -30,6 +30,7 @@ Pure: numbers and OffloadConfigs in, Settings out; nothing here parses a command
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -42,6 +43,8 @@ from .placing import places_for, plan_policy
 from .shape import ModelShape, SaveProfile
 from .stage import Stage, stage
 from .tiers import TierPlan
+
+log = logging.getLogger(__name__)
 
 HOST_ENGINES = ("tiered", "memory")
 """Engines with a pinned host pool of ``host_memory_bytes``."""
@@ -141,6 +144,8 @@ def _plan(job: Job, config: Any, host: int, m: int) -> Tuple[Stage, TierPlan, st
     The adaptive policy without a budget keeps every layer where that fits; where it does not,
     it is planned within what the model state leaves, the budget :func:`job_settings` then
     gives the runtime (so policy adaptive is returned with no budget in ``config``)."""
+    if config.engine in HOST_ENGINES and "host_memory_bytes" in job.given:
+        host = min(host, config.host_memory_bytes)  # a named pool bounds the host places
     shape, node = job.shape, job.node.replace(host_memory_bytes=max(host, 0))
     st = stage(shape, job.profile, node, m)
     held = None if config.policy == "keep" else config.activation_budget_bytes
@@ -176,8 +181,12 @@ def _check_host(job: Job, config: Any, per_rank: int) -> Tuple[str, ...]:
     host memory there is: refused (JobError). Elsewhere staging beyond host memory is a note
     (the runtime then pins what it copies with torch's allocator, cache/staging)."""
     staging = config.staging_bytes()
-    who = job.given.get("pinned_staging_bytes") or job.given.get("max_inflight_bytes") \
-        or "twice max_inflight_bytes"
+    if "pinned_staging_bytes" in job.given:
+        who = f"pinned_staging_bytes, set by {job.given['pinned_staging_bytes']}"
+    elif "max_inflight_bytes" in job.given:
+        who = f"twice max_inflight_bytes, set by {job.given['max_inflight_bytes']}"
+    else:
+        who = "twice max_inflight_bytes"
     named_host = config.engine in HOST_ENGINES and "engine" in job.given
     if job.host_bytes is None or staging <= job.host_bytes:
         pass
@@ -185,9 +194,10 @@ def _check_host(job: Job, config: Any, per_rank: int) -> Tuple[str, ...]:
         raise JobError(f"pinned staging of {size(staging)} ({who}) leaves no host pool in the "
                        f"{size(job.host_bytes)} of host memory per rank ({job.host_text}): at "
                        f"most {size(job.host_bytes)} of staging fits, less the pool")
-    else:
-        return (f"pinned staging of {size(staging)} ({who}) is more than the "
-                f"{size(job.host_bytes)} of host memory per rank ({job.host_text})",)
+    else:  # every local rank pins its staging at start, whatever the engine (issue 66)
+        raise JobError(f"pinned staging of {size(staging)} per rank ({who}) is more than the "
+                       f"{size(job.host_bytes)} of host memory per rank ({job.host_text}): set "
+                       f"--ssd-offload-pinned-staging-bytes to at most {size(job.host_bytes)}")
     if named_host and "host_memory_bytes" in job.given and config.host_memory_bytes > per_rank:
         raise JobError(f"{job.given['host_memory_bytes']}: a host pool of "
                        f"{size(config.host_memory_bytes)} is more than the {size(per_rank)} of "
@@ -196,11 +206,28 @@ def _check_host(job: Job, config: Any, per_rank: int) -> Tuple[str, ...]:
     return ()
 
 
+def _check_recompute_layers(job: Job, config: Any) -> None:
+    """Layers named to recompute run so only with the recompute fallback (cache/decisions.py),
+    and only where the integration can recompute: otherwise refused, never dropped."""
+    if not config.recompute_layers:
+        return
+    flag = job.given.get("recompute_layers", "recompute_layers")
+    layers = ",".join(str(n) for n in config.recompute_layers)
+    if not job.recompute:
+        raise JobError(f"{flag} {layers}: Megatron-DeepSpeed cannot recompute a layer; drop "
+                       f"{flag}")
+    if not config.recompute_fallback:
+        raise JobError(f"{flag} {layers}: layers run recomputed only with the recompute "
+                       "fallback, which is off here: add --ssd-offload-recompute-fallback, or "
+                       f"drop {flag}")
+
+
 def job_settings(job: Job) -> Settings:
     """The settings ``job`` runs (see the module docstring): the one function that decides.
 
     Raises:
-        JobError: a pool or staging larger than the host memory there is (one line).
+        JobError: a pool or staging larger than the host memory there is, or layers named to
+            recompute without the recompute fallback (one line).
     """
     config, given = job.offload, job.given
     m = job.num_micro_batches or (job.shape.pp if job.shape is not None else 1)
@@ -227,6 +254,7 @@ def job_settings(job: Job) -> Settings:
             need = HostNeed(planned[2].host_peak_bytes, planned[1].layer_bytes)
         choice = choose_engine(given, config, per_rank, job.host_text, need, job.recompute)
     config = config.replace(**choice.changes)
+    _check_recompute_layers(job, config)
     if job.shape is None:
         return Settings(config, choice, m, _budget(config, None, job.node), 0, config.policy,
                         notes=notes)
@@ -242,6 +270,18 @@ def job_settings(job: Job) -> Settings:
                     job.shape, plan, st, notes + more)
 
 
+def as_megatron_runs(base: ModelShape, fields: Dict[str, Any]) -> Dict[str, Any]:
+    """Megatron's arguments ``fields`` (ModelShape fields) over ``base`` as Megatron runs them:
+    with a tensor-parallel size of 1, sequence parallelism is turned off with one warning
+    (Megatron's ``validate_args`` does the same), not refused."""
+    tp = fields.get("tp", base.tp)
+    if tp == 1 and fields.get("sequence_parallel", base.sequence_parallel):
+        log.warning("sequence parallelism turned off: --tensor-model-parallel-size 1 leaves "
+                    "nothing to split the sequence over (Megatron disables it the same way)")
+        fields = {**fields, "sequence_parallel": False}
+    return fields
+
+
 def _budget(config: Any, shape: Optional[ModelShape], node: NodeProfile) -> Optional[int]:
     """The runtime's activation budget in bytes (a fraction is of the node's GPU memory)."""
     value = config.activation_budget_bytes
@@ -252,4 +292,5 @@ def _budget(config: Any, shape: Optional[ModelShape], node: NodeProfile) -> Opti
     return int(value)
 
 
-__all__ = ["HOST_ENGINES", "Job", "JobError", "Settings", "has_budget", "job_settings"]
+__all__ = ["HOST_ENGINES", "Job", "JobError", "Settings", "as_megatron_runs", "has_budget",
+           "job_settings"]

@@ -107,7 +107,8 @@ def tier_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
                                        f"({r['recompute_iteration_s']:.4f} s)"),
         ("peak activations per GPU", f"{_gb(r['peak_bytes'])} of a {_gb(r['budget_bytes'])} budget"
                                      + ("" if r["fits_budget"] else ": DOES NOT FIT")),
-        ("host memory per GPU", f"{_gb(r['host_peak_bytes'])} of {_gb(r['host_capacity_bytes'])}"),
+        ("host memory per GPU", f"{_gb(r['host_peak_bytes'])} of {_gb(r['host_capacity_bytes'])}"
+                                + (f": {r['host_memory_source']}" if r.get("host_memory_source") else "")),
     ] + staging_rows(r) + [
         ("binding", binding_words(r)),
     ]
