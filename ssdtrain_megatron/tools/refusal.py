@@ -3,9 +3,10 @@
 non-zero exit (issue 66).
 
 The project's one-line errors name the flag first and end with what to do after the last
-colon ("--x 3: ... : set --y"), so the object is read from the line itself: ``flag`` is the
-first ``--flag`` it names (None where it names none, e.g. a preset key), ``fix`` the last
-clause."""
+colon ("--x 3: ...: set --y"), so the object is read from the line itself: ``fix`` is the last
+clause (after the last colon, and after the last semicolon there); ``flag`` the flag the line
+starts with, else the first the fix names, else the first anywhere (None where it names none,
+e.g. a preset's key)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 def refusal(message: str) -> Dict[str, Optional[str]]:
     """{error, flag, fix} of a one-line error."""
-    found = FLAG.search(message)
-    fix = message.rsplit(": ", 1)[-1] if ": " in message else message
+    fix = message.rsplit(": ", 1)[-1].rsplit("; ", 1)[-1]
+    first = FLAG.match(message)
+    found = first or FLAG.search(fix) or FLAG.search(message)
     return {"error": message, "flag": found.group(0) if found else None, "fix": fix}
 
 
