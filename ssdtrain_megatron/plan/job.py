@@ -14,13 +14,17 @@ launcher's arguments after ``--``); none of them decides a setting itself.
 The rules, in order:
 
 1. Pinned staging (``pinned_staging_bytes``, else twice ``max_inflight_bytes``) comes out of
-   the host memory per rank first; what is left is what a host pool may take.
+   the host memory per rank first (staging larger than it is refused: every local rank pins
+   its own); what is left is what a host pool may take.
 2. The engine: as named (preset or flag), else the node's (plan/engine_choice.py): tiered with
    its policy and fallback where host memory holds one layer's activations, else posix.
 3. The plan of the first pipeline stage for that engine, policy and fallback, with host
-   memory of that size. The adaptive policy without a budget (neither
-   ``activation_budget_bytes`` nor ``memory_budget_bytes``) keeps every layer at run time
-   (cache/adaptive.py): it is planned as keep, and a note says so, and whether it fits.
+   memory of that size (a named pool's, where the engine's pool is named). The adaptive policy
+   without a budget (neither ``activation_budget_bytes`` nor ``memory_budget_bytes``) keeps
+   every layer at run time (cache/adaptive.py): it is planned as keep where that fits what the
+   model state leaves; where it does not, the runtime gets that as its budget and the plan
+   places each layer within it. A note says which. Layers named by ``recompute_layers`` are
+   recompute in the places (refused without the recompute fallback, which alone runs them).
 4. The host pool of an engine that has one (tiered, memory), unless given: what the plan puts
    in host memory and one layer more, within what is left.
 
