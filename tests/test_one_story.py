@@ -122,6 +122,9 @@ def test_a_binding_link_within_its_rate_names_the_serial_term(capsys):
     assert code == 0 and contradictions(out) == []
     assert ("binding                      the host link, though it needs 31.46 of its 38.40 GB/s "
             "over the iteration: the stall is serial, not its rate: ") in out
+    # the faster flags are said first, not only in the last line (a975649)
+    assert ("; --policy adaptive --recompute-fallback plans x1.000 keep against this plan's "
+            "x1.998; 8 GPUs, ") in out.splitlines()[0]
 
 
 def test_a_keep_that_fits_no_micro_batch_says_so_in_this_layout(capsys):

@@ -19,7 +19,7 @@ from ...plan.node import NodeProfile
 from ...plan.shape import ModelShape
 from ..cli_types import (PRESET_HELP, deprecated_alias, positive_float, preset_arg, size_with_unit,
                          size_with_unit_or_fraction, size_with_unit_zero_or_fraction)
-from .report import _bytes, _duration, print_plan
+from .report import _bytes, _duration, faster_with, print_plan
 
 from ...plan.preset_file import SECTIONS as PRESET_SECTIONS
 
@@ -460,8 +460,10 @@ def run_plan(args: argparse.Namespace) -> int:
     result["fits_as_planned"] = unfit is None
     job_text = job_words(size.describe(shape.seq_len), shape.micro_batch, micro_batch_source(args),
                          settings.num_micro_batches)
+    faster = faster_with(result)
     result["first_line"] = (f"{result['fit']}" if unfit is None else unfit) \
-        + f"; {headline(result['without_offload'])}; {job_text}"
+        + f"; {headline(result['without_offload'])}" + (f"; {faster}" if faster else "") \
+        + f"; {job_text}"
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -70,11 +70,7 @@ def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str =
     rows += memory_rows(r)
     every = r["every_place"]
     if list(r["places"]) != list(every["places"]):
-        # the every-place plan is the adaptive policy's: offload (every layer out) and keep
-        # (none) do not reach it whatever the places
-        flags = (["--policy adaptive"] if r["policy"] != "adaptive" else []) \
-            + (["--engine tiered"] if r["engine"] != "tiered" else []) \
-            + (["--recompute-fallback"] if not r["recompute_fallback"] else [])
+        flags = every_place_flags(r)
         rows.append(("all four places", f"{every['iteration_s']:.4f} s per iteration "
                      f"(x{every['vs_keep']:.3f} keep), binding {every['binding']}: "
                      + " ".join(flags)))
@@ -86,6 +82,25 @@ def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str =
                      f"{slower['reason']}; x{slower['vs_keep']:.3f} keep"))
     for name, value in rows:
         print(f"{name:<28} {value}")
+
+
+def every_place_flags(r: Dict[str, Any]) -> List[str]:
+    """The flags that plan the every-place plan (the adaptive policy's: offload, every layer
+    out, and keep, none, do not reach it whatever the places)."""
+    return (["--policy adaptive"] if r["policy"] != "adaptive" else []) \
+        + (["--engine tiered"] if r["engine"] != "tiered" else []) \
+        + (["--recompute-fallback"] if not r["recompute_fallback"] else [])
+
+
+def faster_with(r: Dict[str, Any], error: float = 1.02) -> str:
+    """For the first line: the flags that plan faster than this plan beyond the model's error,
+    and by how much; '' where none do."""
+    every = r["every_place"]
+    if list(r["places"]) == list(every["places"]) or every["iteration_s"] * error >= r["iteration_s"] \
+            or not every["fits_budget"]:
+        return ""
+    return (f"{' '.join(every_place_flags(r))} plans x{every['vs_keep']:.3f} keep against this "
+            f"plan's x{r['vs_keep']:.3f}")
 
 
 def tier_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
