@@ -4,7 +4,7 @@ came from, and no later line contradicts it (tests/plan_story.py reads each plan
 would). The issue's cases one by one, then every plan of the grid of
 test_preset_never_slower.py (each preset on every built-in node, 8, 64 and 512 GPUs, micro-batch
 1, 2 and 4, as the preset plans it and with --policy offload) and the jobs of the README's table:
-a seeded sample of 24 in the default suite, the whole grid (822 plans, about 3 minutes) under
+a seeded sample of 12 in the default suite, the whole grid (822 plans, about 3 minutes) under
 ``-m slow``."""
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ def test_micro_batch_size_under_search_is_refused_in_one_line(capsys):
 # -- every plan of the grid and of the README ---------------------------------------------------
 
 def test_a_seeded_sample_of_the_grid_tells_one_story(capsys):
-    jobs = random.Random(66).sample(grid(), 24)
-    assert check_all(capsys, jobs) >= 12
+    jobs = random.Random(66).sample(grid(), 12)
+    assert check_all(capsys, jobs) >= 6
 
 
 def test_the_readmes_jobs_tell_one_story(capsys):
