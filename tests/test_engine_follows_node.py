@@ -177,14 +177,17 @@ def test_a_preset_without_an_engine_runs_tiered_where_host_memory_is_to_spare(jo
 
 
 def test_with_host_memory_below_one_layer_it_runs_posix_and_says_why(job):
-    """Broken variant (choose_engine ignoring what is free): tiered, with a pool of one layer."""
-    results, lines = _train(job, SSDTRAIN_HOST_MEMORY_FREE="1MB")
+    """Broken variant (choose_engine ignoring what is free): tiered, with a pool of one layer.
+    The pinned staging is set small: staging larger than the host memory per rank is refused
+    (issue 66), and this CPU job pins none of it."""
+    results, lines = _train(job, "--ssd-offload-pinned-staging-bytes", "1000",
+                            SSDTRAIN_HOST_MEMORY_FREE="1MB")
     for r in results:
         assert (r["engine"], r["engine_class"]) == ("posix", "PosixEngine")
         assert r["offloaded"] > 0 and r["tiers"].get("host", 0) == 0 and r["tiers"]["ssd"] == r["offloaded"]
         assert lines[r["rank"]] == (
             "engine posix: 1.0 MB host memory free ($SSDTRAIN_HOST_MEMORY_FREE) for 2 local "
-            f"rank(s), 0 B per rank for offload, less than one layer's activations "
+            f"rank(s), 374.0 kB per rank for offload, less than one layer's activations "
             f"({_layer_bytes() / 1e6:.1f} MB)")
 
 

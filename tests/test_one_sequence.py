@@ -113,19 +113,20 @@ def test_2_the_data_parallel_size_is_the_world_size_over_the_layout(capsys, monk
     assert out["settings"]["num_micro_batches"] == 4096 // (8 * shape["dp"])
 
 
-def test_3_adaptive_without_a_budget_plans_keep_and_says_it_does_not_fit(capsys, monkeypatch,
-                                                                           tmp_path):
-    """The runtime's adaptive policy keeps every layer without a budget (cache/adaptive.py).
-    Broken variant (planned within GPU memory less the model state): layers planned in host
-    memory, 'host' among the places."""
+def test_3_adaptive_without_a_budget_where_keep_does_not_fit_runs_the_plans_budget(
+        capsys, monkeypatch, tmp_path):
+    """The runtime's adaptive policy keeps every layer without a budget (cache/adaptive.py);
+    where that does not fit, the job runs with the plan's budget (what the model state leaves),
+    the same for the three (issue 66: it was planned keep, which does not fit). Broken variant
+    (planned keep): every place 'keep', no budget."""
     out = three_ways(capsys, monkeypatch, tmp_path,
                      ["--ssd-offload-config", "llama3-8b", "--ssd-offload-policy", "adaptive",
                       "--micro-batch-size", "4", "--global-batch-size", "512"],
                      gpus=64, per_node=8, host_per_gpu=150 * GB)
-    assert out["planned_policy"] == "keep" and set(out["settings"]["places"]) == {"keep"}
-    assert out["settings"]["activation_budget_bytes"] is None
+    assert out["planned_policy"] == "adaptive" and set(out["settings"]["places"]) != {"keep"}
+    assert out["settings"]["activation_budget_bytes"] == out["budget_bytes"]
     (note,) = [n for n in out["notes"] if n.startswith("policy adaptive without a budget")]
-    assert "do not fit" in note and "--ssd-offload-activation-budget" in note
+    assert "do not fit" in note and "activation_budget_bytes" in note
 
 
 def test_4_a_gh200_is_planned_as_a_gh200_with_its_gpu_memory(capsys, monkeypatch, tmp_path):
@@ -213,7 +214,7 @@ def test_9_without_a_micro_batch_count_both_plan_the_pipelines_depth_and_say_so(
      ("--ssd-offload-host-memory-bytes: a host pool of 200.0 GB is more than the 141.4 GB of "
       "host memory per rank left after 8.6 GB of pinned staging", "at most 141.4 GB fits")),
     (["--ssd-offload-engine", "memory", "--ssd-offload-pinned-staging-bytes", "160GB"], 64,
-     ("pinned staging of 160.0 GB (--ssd-offload-pinned-staging-bytes) leaves no host pool in "
+     ("pinned staging of 160.0 GB (pinned_staging_bytes, set by --ssd-offload-pinned-staging-bytes) leaves no host pool in "
       "the 150.0 GB of host memory per rank", "at most 150.0 GB of staging fits")),
     (["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4"], 48,
      ("the world size 48 is not a multiple of --tensor-model-parallel-size 8 x "

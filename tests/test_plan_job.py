@@ -45,8 +45,8 @@ def test_a_named_engine_is_planned_and_said_to_be_slower_than_the_nodes(capsys):
     """--engine posix (or a preset's engine: posix) plans posix; the last line says the node's
     choice would plan x1.000 keep. Broken variant (no comparison): no such line."""
     lines = _lines(capsys, *ISSUE, "--engine", "posix")
-    assert lines[2] == "policy adaptive, engine posix: places keep, ssd, recompute"
-    assert lines[3] == "engine posix: named by --engine (posix)"
+    assert lines[3] == "policy adaptive, engine posix: places keep, ssd, recompute"
+    assert lines[4] == "engine posix: named by --engine (posix)"
     assert lines[-1].startswith("slower than the node's       engine posix, named by --engine "
                                 "(posix), plans x1.204 keep; without it the engine follows the "
                                 "node: engine tiered: 150.0 GB host memory per GPU (dgx-h100)")
@@ -67,11 +67,11 @@ def test_a_preset_that_names_its_engine_is_honoured(capsys, tmp_path):
 
 
 def test_a_node_without_host_memory_plans_posix_and_says_why(capsys):
-    out = _json(capsys, *ISSUE, "--host-memory", "1GB")
+    out = _json(capsys, *ISSUE, "--host-memory", "9GB")
     assert (out["engine"], out["places"]) == ("posix", ["keep", "ssd", "recompute"])
     assert out["engine_choice"]["reason"] == (
-        "engine posix: 1.0 GB host memory per GPU (dgx-h100), 0 B per rank for offload, less "
-        "than one layer's activations (1.1 GB)")  # the 2.1 GB of pinned staging comes first
+        "engine posix: 9.0 GB host memory per GPU (--host-memory), 410.1 MB per rank for offload, "
+        "less than one layer's activations (1.1 GB)")  # the 8.6 GB of pinned staging come first
 
 
 def test_search_ranks_layouts_at_the_global_batch_and_gpus_given(capsys):
@@ -98,10 +98,12 @@ def test_without_them_the_first_line_says_what_was_assumed(capsys):
     assert plan[0].endswith("; 64 GPUs, a global batch of 64 x 8192 tokens (assumed: 64 GPUs = "
                             "the preset's dp 2 x tp 8 x pp 4; 64 sequences = dp 2 x micro-batch "
                             "4 x 8 micro-batch(es) (--gpus or --nodes, --global-batch-size: the "
-                            "job you will run))")
+                            "job you will run)), micro-batch 4 (--micro-batch-size), 8 "
+                            "micro-batch(es) per iteration")
     given = _lines(capsys, *ISSUE[:4], "--micro-batch-size", "4", "--gpus", "64",
                    "--global-batch-size", "64")
-    assert given[0].endswith("; 64 GPUs, a global batch of 64 x 8192 tokens")
+    assert given[0].endswith("; 64 GPUs, a global batch of 64 x 8192 tokens, micro-batch 4 "
+                             "(--micro-batch-size), 8 micro-batch(es) per iteration")
 
 
 def test_the_gpus_and_global_batch_size_the_plan_of_the_presets_layout(capsys):

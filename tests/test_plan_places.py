@@ -88,7 +88,7 @@ def test_plan_json_has_the_names_a_script_reads(capsys, preset):
 def test_plan_prints_a_table(capsys, preset):
     assert main(["plan", "--config", preset, "--gpu-tflops", "0.001",
                  "--memory-budget-gb", "0.01", "--ssd-tbw", "600"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()[1:]  # after the first line's answer
     assert lines[3] == "engine posix: named by the preset (posix)"
     assert lines[4].startswith("the job runs: engine posix, policy offload, ")
     assert lines[5].startswith("note: micro-batches per iteration not given: planned with 1")

@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from ..config import OffloadConfig
 from ..plan.engine_choice import USABLE_FRACTION
-from ..plan.job import Job, JobError, Settings, job_settings
+from ..plan.job import Job, JobError, Settings, as_megatron_runs, job_settings
 from ..plan.node import DEFAULT_NODE, NodeProfile, load_profile
 from ..plan.preset_file import PresetFile, preset_of
 from ..plan.shape import ModelShape
@@ -222,7 +222,7 @@ def job_shape(preset: Optional[PresetFile], megatron: argparse.Namespace) -> Opt
         shape = megatron_model(megatron)
     else:
         try:
-            shape = base.replace(**megatron_fields(megatron))
+            shape = base.replace(**as_megatron_runs(base, megatron_fields(megatron)))
         except JobError:
             raise  # a flag's own one line (optimizer_fields)
         except (TypeError, ValueError) as exc:

@@ -17,13 +17,17 @@ The rules, in order:
    (plan/memory.py ``host_bytes``) out of the host memory per rank before anything of ours; a
    node whose host memory per rank cannot hold it and the pinned staging is refused.
 1. Pinned staging (``pinned_staging_bytes``, else twice ``max_inflight_bytes``) comes out of
-   the host memory per rank first; what is left is what a host pool may take.
+   the host memory per rank first (staging larger than it is refused: every local rank pins
+   its own); what is left is what a host pool may take.
 2. The engine: as named (preset or flag), else the node's (plan/engine_choice.py): tiered with
    its policy and fallback where host memory holds one layer's activations, else posix.
 3. The plan of the first pipeline stage for that engine, policy and fallback, with host
-   memory of that size. The adaptive policy without a budget (neither
-   ``activation_budget_bytes`` nor ``memory_budget_bytes``) keeps every layer at run time
-   (cache/adaptive.py): it is planned as keep, and a note says so, and whether it fits.
+   memory of that size (a named pool's, where the engine's pool is named). The adaptive policy
+   without a budget (neither ``activation_budget_bytes`` nor ``memory_budget_bytes``) keeps
+   every layer at run time (cache/adaptive.py): it is planned as keep where that fits what the
+   model state leaves; where it does not, the runtime gets that as its budget and the plan
+   places each layer within it. A note says which. Layers named by ``recompute_layers`` are
+   recompute in the places (refused without the recompute fallback, which alone runs them).
 4. The host pool of an engine that has one (tiered, memory), unless given: what the plan puts
    in host memory and one layer more, within what is left.
 
@@ -34,6 +38,7 @@ Pure: numbers and OffloadConfigs in, Settings out; nothing here parses a command
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -47,6 +52,8 @@ from .placing import places_for, plan_policy
 from .shape import ModelShape, SaveProfile
 from .stage import Stage, stage
 from .tiers import TierPlan
+
+log = logging.getLogger(__name__)
 
 HOST_ENGINES = ("tiered", "memory")
 """Engines with a pinned host pool of ``host_memory_bytes``."""
@@ -138,20 +145,35 @@ class Settings:
 
 def _plan(job: Job, config: Any, host: int, m: int) -> Tuple[Stage, TierPlan, str, int, tuple]:
     """The plan of the first stage for ``config`` with ``host`` bytes of host memory per rank:
-    (stage, plan, policy planned, the plan's budget, notes)."""
+    (stage, plan, policy planned, the plan's budget, notes).
+
+    The budget is ``activation_budget_bytes`` where the runtime holds one (adaptive, offload),
+    else what the model state and the reserve leave of GPU memory: policy keep applies no budget
+    (config.py), so a keep plan is measured against the GPU, not against a preset's fraction.
+    The adaptive policy without a budget keeps every layer where that fits; where it does not,
+    it is planned within what the model state leaves, the budget :func:`job_settings` then
+    gives the runtime (so policy adaptive is returned with no budget in ``config``)."""
+    if config.engine in HOST_ENGINES and "host_memory_bytes" in job.given:
+        host = min(host, config.host_memory_bytes)  # a named pool bounds the host places
     shape, node = job.shape, job.node.replace(host_memory_bytes=max(host, 0))
     st = stage(shape, job.profile, node, m)
-    budget = activation_budget(shape, node.gpu_memory_bytes, None, config.activation_budget_bytes,
+    held = None if config.policy == "keep" else config.activation_budget_bytes
+    budget = activation_budget(shape, node.gpu_memory_bytes, None, held,
                                reserve=reserve_bytes(job.memory_reserve, node.gpu_memory_bytes)
                                )["activation_budget_bytes"]
     policy, notes = config.policy, ()
     if policy == "adaptive" and not has_budget(config):
-        policy = "keep"
         peak = st.layer_bytes * len(st.layers) * st.positions[0].live + st.head_bytes
-        notes = ("policy adaptive without a budget keeps every layer (cache/adaptive.py): "
-                 + ("it fits" if peak <= budget else
-                    f"{size(peak)} of activations do not fit in {size(budget)}; set "
-                    "activation_budget_bytes (--ssd-offload-activation-budget) or policy offload"),)
+        if peak <= budget:
+            policy = "keep"
+            notes = ("policy adaptive without a budget keeps every layer (cache/adaptive.py): "
+                     f"{size(peak)} of activations fit the {size(budget)} the model state "
+                     "leaves",)
+        else:
+            notes = (f"policy adaptive without a budget would keep every layer, but "
+                     f"{size(peak)} of activations do not fit the {size(budget)} the model state "
+                     "leaves: the runtime's budget is that (activation_budget_bytes), within "
+                     "which the plan places each layer",)
     engine = config.engine
     plan = plan_policy(st, node, policy, places_for(engine, config.recompute_fallback), budget,
                        config)
@@ -168,8 +190,12 @@ def _check_host(job: Job, config: Any, per_rank: int) -> Tuple[str, ...]:
     host memory there is: refused (JobError). Elsewhere staging beyond host memory is a note
     (the runtime then pins what it copies with torch's allocator, cache/staging)."""
     staging = config.staging_bytes()
-    who = job.given.get("pinned_staging_bytes") or job.given.get("max_inflight_bytes") \
-        or "twice max_inflight_bytes"
+    if "pinned_staging_bytes" in job.given:
+        who = f"pinned_staging_bytes, set by {job.given['pinned_staging_bytes']}"
+    elif "max_inflight_bytes" in job.given:
+        who = f"twice max_inflight_bytes, set by {job.given['max_inflight_bytes']}"
+    else:
+        who = "twice max_inflight_bytes"
     named_host = config.engine in HOST_ENGINES and "engine" in job.given
     if job.host_bytes is None or staging <= job.host_bytes:
         pass
@@ -177,9 +203,10 @@ def _check_host(job: Job, config: Any, per_rank: int) -> Tuple[str, ...]:
         raise JobError(f"pinned staging of {size(staging)} ({who}) leaves no host pool in the "
                        f"{size(job.host_bytes)} of host memory per rank ({job.host_text}): at "
                        f"most {size(job.host_bytes)} of staging fits, less the pool")
-    else:
-        return (f"pinned staging of {size(staging)} ({who}) is more than the "
-                f"{size(job.host_bytes)} of host memory per rank ({job.host_text})",)
+    else:  # every local rank pins its staging at start, whatever the engine (issue 66)
+        raise JobError(f"pinned staging of {size(staging)} per rank ({who}) is more than the "
+                       f"{size(job.host_bytes)} of host memory per rank ({job.host_text}): set "
+                       f"--ssd-offload-pinned-staging-bytes to at most {size(job.host_bytes)}")
     if named_host and "host_memory_bytes" in job.given and config.host_memory_bytes > per_rank:
         raise JobError(f"{job.given['host_memory_bytes']}: a host pool of "
                        f"{size(config.host_memory_bytes)} is more than the {size(per_rank)} of "
@@ -188,11 +215,28 @@ def _check_host(job: Job, config: Any, per_rank: int) -> Tuple[str, ...]:
     return ()
 
 
+def _check_recompute_layers(job: Job, config: Any) -> None:
+    """Layers named to recompute run so only with the recompute fallback (cache/decisions.py),
+    and only where the integration can recompute: otherwise refused, never dropped."""
+    if not config.recompute_layers:
+        return
+    flag = job.given.get("recompute_layers", "recompute_layers")
+    layers = ",".join(str(n) for n in config.recompute_layers)
+    if not job.recompute:
+        raise JobError(f"{flag} {layers}: Megatron-DeepSpeed cannot recompute a layer; drop "
+                       f"{flag}")
+    if not config.recompute_fallback:
+        raise JobError(f"{flag} {layers}: layers run recomputed only with the recompute "
+                       "fallback, which is off here: add --ssd-offload-recompute-fallback, or "
+                       f"drop {flag}")
+
+
 def job_settings(job: Job) -> Settings:
     """The settings ``job`` runs (see the module docstring): the one function that decides.
 
     Raises:
-        JobError: a pool or staging larger than the host memory there is (one line).
+        JobError: a pool or staging larger than the host memory there is, or layers named to
+            recompute without the recompute fallback (one line).
     """
     job = less_optimizer_host(job)
     config, given = job.offload, job.given
@@ -220,6 +264,7 @@ def job_settings(job: Job) -> Settings:
             need = HostNeed(planned[2].host_peak_bytes, planned[1].layer_bytes)
         choice = choose_engine(given, config, per_rank, job.host_text, need, job.recompute)
     config = config.replace(**choice.changes)
+    _check_recompute_layers(job, config)
     if job.shape is None:
         return Settings(config, choice, m, _budget(config, None, job.node), 0, config.policy,
                         notes=notes)
@@ -227,6 +272,8 @@ def job_settings(job: Job) -> Settings:
             or planned[0].recompute_fallback != config.recompute_fallback:
         planned = (config,) + _plan(job, config, per_rank or 0, m)
     _, st, plan, policy, budget, more = planned
+    if policy == "adaptive" and not has_budget(config):  # keep does not fit: hold the plan's
+        config = config.replace(activation_budget_bytes=budget)
     if config.engine in HOST_ENGINES and "host_memory_bytes" not in given and per_rank is not None:
         config = config.replace(host_memory_bytes=min(per_rank, plan.host_peak_bytes + st.layer_bytes))
     return Settings(config, choice, m, _budget(config, job.shape, job.node), budget, policy,
@@ -254,6 +301,18 @@ def less_optimizer_host(job: Job) -> Job:
         f"{job.host_text}, less {size(taken)} for megatron-core's optimizer CPU offload"))
 
 
+def as_megatron_runs(base: ModelShape, fields: Dict[str, Any]) -> Dict[str, Any]:
+    """Megatron's arguments ``fields`` (ModelShape fields) over ``base`` as Megatron runs them:
+    with a tensor-parallel size of 1, sequence parallelism is turned off with one warning
+    (Megatron's ``validate_args`` does the same), not refused."""
+    tp = fields.get("tp", base.tp)
+    if tp == 1 and fields.get("sequence_parallel", base.sequence_parallel):
+        log.warning("sequence parallelism turned off: --tensor-model-parallel-size 1 leaves "
+                    "nothing to split the sequence over (Megatron disables it the same way)")
+        fields = {**fields, "sequence_parallel": False}
+    return fields
+
+
 def _budget(config: Any, shape: Optional[ModelShape], node: NodeProfile) -> Optional[int]:
     """The runtime's activation budget in bytes (a fraction is of the node's GPU memory)."""
     value = config.activation_budget_bytes
@@ -264,5 +323,5 @@ def _budget(config: Any, shape: Optional[ModelShape], node: NodeProfile) -> Opti
     return int(value)
 
 
-__all__ = ["HOST_ENGINES", "Job", "JobError", "Settings", "has_budget", "job_settings",
-           "less_optimizer_host"]
+__all__ = ["HOST_ENGINES", "Job", "JobError", "Settings", "as_megatron_runs", "has_budget",
+           "job_settings", "less_optimizer_host"]

@@ -9,7 +9,7 @@ Pure: the analytic model of plan/stage.py and plan/tiers.py.
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Collection, Tuple
 
 from .node import NodeProfile
 from .stage import Stage, plan_stage, price_stage
@@ -26,6 +26,35 @@ def places_for(engine: str, recompute: bool) -> Tuple[str, ...]:
 
 
 def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ...],
+                budget: int, offload: Any) -> TierPlan:
+    """The plan of :func:`policy_plan`, with the layers ``offload.recompute_layers`` names
+    (OffloadConfig.recompute_layers, 1-based as Megatron numbers them; those of this stage, the
+    first) recomputed in every micro-batch position, as the runtime runs them, and priced so
+    (within the policy's budget). Without the recompute fallback in ``places`` they are not
+    forced: plan/job.py refuses that combination before planning."""
+    plan = policy_plan(st, node, policy, places, budget, offload)
+    named = getattr(offload, "recompute_layers", None) or ()
+    return with_recomputed(st, node, plan, named, budget, offload) \
+        if named and RECOMPUTE in places else plan
+
+
+def with_recomputed(st: Stage, node: NodeProfile, plan: TierPlan, layers: Collection[int],
+                    budget: int, offload: Any) -> TierPlan:
+    """``plan`` with ``layers`` (1-based) of the stage recomputed, priced again."""
+    wanted = {n - 1 for n in layers if 1 <= n <= len(st.layers)}
+    if not wanted:
+        return plan
+    rows = tuple(tuple(RECOMPUTE if i in wanted else d for i, d in enumerate(row))
+                 for row in plan.decisions)
+    if rows == plan.decisions:
+        return plan
+    return price_stage(st, node, rows, budget_bytes=budget if offload.policy != "keep" else None,
+                       keep_last_layers=offload.keep_last_layers,
+                       prefetch_layers=offload.prefetch_layers,
+                       max_inflight_bytes=getattr(offload, "max_inflight_bytes", None))
+
+
+def policy_plan(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ...],
                 budget: int, offload: Any) -> TierPlan:
     """The plan ``policy`` makes: keep (nothing moves), offload (every layer but the last
     ``keep_last_layers`` leaves GPU memory, for the engine's tiers: chosen as under a budget
@@ -55,4 +84,4 @@ def plan_policy(st: Stage, node: NodeProfile, policy: str, places: Tuple[str, ..
                       keep_last_layers=keep_last, prefetch_layers=ahead, max_inflight_bytes=cap)
 
 
-__all__ = ["ENGINE_TIERS", "places_for", "plan_policy"]
+__all__ = ["ENGINE_TIERS", "places_for", "plan_policy", "policy_plan", "with_recomputed"]

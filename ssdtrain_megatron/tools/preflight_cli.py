@@ -89,6 +89,10 @@ def run_preflight(args: argparse.Namespace) -> int:
     try:
         launch = read_launch(launcher_argv(args), local_ranks=args.nproc_per_node, world=world)
     except FlagError as exc:
+        if getattr(args, "json", False):  # the format asked for (tools/refusal.py)
+            from .refusal import refuse
+
+            return refuse("doctor", f"node {host}: {exc}", True)
         print(f"{prefix}: {exc}", file=sys.stderr)
         return 2
     if launch is None:

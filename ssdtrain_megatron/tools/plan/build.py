@@ -116,8 +116,12 @@ def build_plan(job: Job, settings: Settings, args: argparse.Namespace,
     policy = settings.planned_policy
     places = places_for(offload.engine, offload.recompute_fallback)
     keep_last, ahead = offload.keep_last_layers, offload.prefetch_layers
-    memory = activation_budget(shape, node.gpu_memory_bytes, getattr(args, "activation_budget", None),
-                               offload.activation_budget_bytes,
+    # the budget the plan is measured against (plan/job.py): policy keep applies none, and one
+    # job_settings gave an adaptive job without one is what the model state leaves
+    held = offload.policy != "keep" and "activation_budget_bytes" in job.given
+    memory = activation_budget(shape, node.gpu_memory_bytes,
+                               getattr(args, "activation_budget", None) if held else None,
+                               offload.activation_budget_bytes if held else None,
                                reserve=reserve_bytes(job.memory_reserve, node.gpu_memory_bytes))
     budget = settings.plan_budget_bytes
     every = plan_stage(st, node, budget_bytes=budget, places=PLACES, keep_last_layers=keep_last,

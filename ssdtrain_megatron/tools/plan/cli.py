@@ -9,8 +9,8 @@ here and reported in one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import sys
 from typing import Any, Callable, Optional, Tuple
 
 from ...plan.engine_choice import size as size_text
@@ -19,7 +19,7 @@ from ...plan.node import NodeProfile
 from ...plan.shape import ModelShape
 from ..cli_types import (PRESET_HELP, deprecated_alias, positive_float, preset_arg, size_with_unit,
                          size_with_unit_or_fraction, size_with_unit_zero_or_fraction)
-from .report import _bytes, _duration, print_plan
+from .report import _bytes, _duration, faster_with, print_plan
 
 from ...plan.preset_file import SECTIONS as PRESET_SECTIONS
 
@@ -65,9 +65,9 @@ def _node_arg(text: str) -> NodeProfile:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _error(command: str, message: str) -> int:
-    print(f"ssdtrain {command}: error: {message}", file=sys.stderr)
-    return 2
+def _host_origin(args: argparse.Namespace, node: NodeProfile) -> str:
+    """Where the plan's host memory per GPU comes from: --host-memory, else the profile."""
+    return "--host-memory" if getattr(args, "host_memory", None) is not None else node.name
 
 
 # -- ssdtrain lifespan ------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def plan_job(args: argparse.Namespace):
     named_m = args.num_micro_batches is not None or args.global_batch_size is not None
     job = Job(offload, given, shape.replace(dp=size.dp) if size.dp else shape, node,
               node.host_memory_bytes, f"{size_text(node.host_memory_bytes)} host memory per "
-              f"GPU ({node.name})", size.num_micro_batches if named_m else None,
+              f"GPU ({_host_origin(args, node)})", size.num_micro_batches if named_m else None,
               memory_reserve=args.memory_reserve)
     return job, size, source
 
@@ -380,19 +380,41 @@ def launcher_job(args: argparse.Namespace):
     job = job_from_args(flags, megatron_namespace(args.launch_args, world), None, node=node)
     job = dataclasses.replace(job, host_bytes=node.host_memory_bytes,
                               host_text=f"{size_text(node.host_memory_bytes)} host memory per "
-                                        f"GPU ({node.name})")
+                                        f"GPU ({_host_origin(args, node)})")
     return job, source
+
+
+def host_memory_words(job: Any, settings: Any, args: argparse.Namespace) -> dict:
+    """The host memory the plan used and where it came from (``host_capacity_bytes``,
+    ``host_memory_source``): a named pool bounds the host places (plan/job.py)."""
+    origin = "--host-memory" if getattr(args, "host_memory", None) is not None else \
+        f"the {job.node.name} profile's; a job measures its node's at start"
+    total = f"{size_text(job.host_bytes or 0)} per GPU ({origin})"
+    staging = settings.config.staging_bytes()
+    if settings.config.engine in ("tiered", "memory") and "host_memory_bytes" in job.given:
+        return {"host_capacity_bytes": settings.config.host_memory_bytes,
+                "host_memory_source": f"the host pool named by {job.given['host_memory_bytes']}, "
+                                      f"of {total}; what it cannot hold is planned on the drives"}
+    return {"host_capacity_bytes": max((job.host_bytes or 0) - staging, 0),
+            "host_memory_source": f"{total} less {size_text(staging)} of pinned staging"}
 
 
 def run_plan(args: argparse.Namespace) -> int:
     from ...megatron.preflight import FlagError
     from ...plan.job import job_settings
     from .build import build_plan
-    from .fit_answer import fit_line
-    from .headline import against_without_offload, headline
+    from .fit_answer import as_planned, fit_line
+    from .headline import against_without_offload, headline, job_words, micro_batch_source
+
+    from ..refusal import refuse
 
     if args.config is None and not args.launch_args:
-        return _error("plan", "give --config PRESET, or the job's launcher arguments after --")
+        return refuse("plan", "give --config PRESET, or the job's launcher arguments after --",
+                      args.json)
+    if args.search and args.micro_batch is not None:
+        return refuse("plan", f"--micro-batch-size {args.micro_batch}: --search ranks every "
+                              "micro-batch of every layout; give no --micro-batch-size with "
+                              "--search, or plan that micro-batch without --search", args.json)
     try:
         if args.launch_args:
             if args.search:
@@ -413,7 +435,7 @@ def run_plan(args: argparse.Namespace) -> int:
     except FitAnswered as answered:
         return answered.code
     except (ValueError, FlagError) as exc:
-        return _error("plan", str(exc))
+        return refuse("plan", str(exc), args.json)
     result = build_plan(job, settings, args, source)
     shape = job.shape
     if size is None:
@@ -424,14 +446,26 @@ def run_plan(args: argparse.Namespace) -> int:
                        shape.dp, settings.num_micro_batches,
                        "" if args.gpus or args.nodes else f"{gpus} GPUs = dp {shape.dp} x "
                        f"tp {shape.tp} x pp {shape.pp} x cp {shape.cp} (--gpus: the world size)")
+    if args.launch_args and job.num_micro_batches is None:
+        size = dataclasses.replace(size, assumed="; ".join(p for p in (
+            size.assumed, f"{settings.num_micro_batches} micro-batch(es), the pipeline's depth: the "
+            "arguments after -- give no --global-batch-size") if p))
     result.update(gpus=size.gpus, global_batch=size.global_batch, assumed=size.assumed)
+    result.update(host_memory_words(job, settings, args))
     result["fit"] = fit_line(shape, args, job.node, size.num_micro_batches)
     # the headline: against the best that runs without offload on these GPUs (headline.py)
     result["without_offload"] = against_without_offload(shape, args, job.node, result,
                                                          settings.config.keep_last_layers)
+    unfit = as_planned(result)
+    result["fits_as_planned"] = unfit is None
+    job_text = job_words(size.describe(shape.seq_len), shape.micro_batch, micro_batch_source(args),
+                         settings.num_micro_batches)
+    faster = faster_with(result)
+    result["first_line"] = (f"{result['fit']}" if unfit is None else unfit) \
+        + f"; {headline(result['without_offload'])}" + (f"; {faster}" if faster else "") \
+        + f"; {job_text}"
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print_plan(shape, result, size.describe(shape.seq_len),
-               first=f"{result['fit']}; {headline(result['without_offload'])}")
+    print_plan(shape, result, first=result["first_line"])
     return 0

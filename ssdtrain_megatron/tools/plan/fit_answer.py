@@ -116,5 +116,24 @@ def fit_line(shape: ModelShape, args: argparse.Namespace, node: NodeProfile,
     return f"fits: {job.sums()}"
 
 
-__all__ = ["NOT_FIT", "answer", "fit_line", "refuse_unfit", "reserve_of",
+def as_planned(r: Dict[str, Any]) -> Optional[str]:
+    """Why the plan ``r`` (build.build_plan's) cannot run as planned, as the first line's
+    verdict ('DOES NOT FIT as planned: ...'), or None when it can: the same budget, model state
+    and node the later lines measure it against, so no line contradicts the first."""
+    why = []
+    if not r["memory"]["fits"]:
+        m = r["memory"]
+        why.append(f"model state {m['model_state']['bytes'] / GB:.1f} GB + reserve "
+                   f"{m.get('reserve_bytes', 0) / GB:.1f} GB + the activation budget "
+                   f"{m['activation_budget_bytes'] / GB:.1f} GB ({m['activation_budget_source']}) "
+                   f"exceed the GPU's {m['gpu_memory_bytes'] / GB:g} GB")
+    if not r["fits_budget"]:
+        why.append(f"policy {r['planned_policy']} peaks at {r['peak_bytes'] / GB:.1f} GB of "
+                   f"activations, over the {r['budget_bytes'] / GB:.1f} GB budget")
+    if r.get("beyond_the_node"):
+        why.append(f"not runnable on the node: {r['beyond_the_node']}")
+    return f"DOES NOT FIT as planned: {'; '.join(why)}" if why else None
+
+
+__all__ = ["NOT_FIT", "answer", "as_planned", "fit_line", "refuse_unfit", "reserve_of",
            "reserve_words"]

@@ -80,11 +80,30 @@ def _bus(node: Dict[str, Any]) -> str:
 
 
 def keep_words(r: Dict[str, Any]) -> str:
-    """What "x keep" is against: a keep that fits, or one that does not (no gain then)."""
+    """What "x keep" is against: a keep that fits, or one that does not in this layout (no gain
+    then; the headline's best without offload may be another layout or micro-batch)."""
     if r.get("without_offload", {}).get("keep_fits", True):
         return "keep"
-    return (f"a keep that does not fit (keep fits micro-batch {r['largest_micro_batch']['keep']} "
-            "at most): no gain")
+    most = r["largest_micro_batch"]["keep"]
+    return ("a keep that does not fit (in this layout keep fits "
+            + (f"micro-batch {most} at most" if most else "no micro-batch") + "): no gain")
 
 
-__all__ = ["against_without_offload", "assumptions", "headline", "keep_words"]
+def micro_batch_source(args: argparse.Namespace) -> str:
+    """Where the job's micro-batch comes from, in the flag's or the preset's words."""
+    if getattr(args, "micro_batch", None) is not None:
+        return "--micro-batch-size"
+    if getattr(args, "launch_args", None):
+        return "the arguments after --"
+    return "the preset's model.micro_batch; --micro-batch-size changes it"
+
+
+def job_words(size: str, micro_batch: int, source: str, num_micro_batches: int) -> str:
+    """The job the first line answers for: '8 GPUs, a global batch of 64 x 8192 tokens,
+    micro-batch 2 (--micro-batch-size), 16 micro-batch(es) per iteration'."""
+    return (f"{size}, micro-batch {micro_batch} ({source}), {num_micro_batches} micro-batch(es) "
+            "per iteration")
+
+
+__all__ = ["against_without_offload", "assumptions", "headline", "job_words", "keep_words",
+           "micro_batch_source"]

@@ -42,12 +42,15 @@ def header(shape: ModelShape, config: str) -> str:
 
 
 def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str = "") -> None:
-    """The plan as aligned lines; ``job``: the GPUs and global batch planned (and what was
-    assumed), at the end of the first line; ``first``: whether the job fits, at its start."""
+    """The plan as aligned lines; ``first``: the first line (whether the job fits as planned,
+    its gain, the job it answers for: cli.run_plan), then the model planned; without it,
+    ``job`` (the GPUs and global batch planned) ends the model's line."""
     from ...plan.node import NodeProfile
 
     node = NodeProfile(**{k: r["node"][k] for k in NodeProfile.FIELDS})
-    print((f"{first}; " if first else "") + header(shape, r["config"]) + (f"; {job}" if job else ""))
+    if first:
+        print(first)
+    print(header(shape, r["config"]) + (f"; {job}" if job else ""))
     print(f"node {node.describe()} ({r['node_source']})"
           + (f"; {assumptions(r)}" if "memory" in r else ""))
     print(f"policy {r['policy']}, engine {r['engine']}: places " + ", ".join(r["places"]))
@@ -68,11 +71,7 @@ def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str =
     rows += memory_rows(r)
     every = r["every_place"]
     if list(r["places"]) != list(every["places"]):
-        # the every-place plan is the adaptive policy's: offload (every layer out) and keep
-        # (none) do not reach it whatever the places
-        flags = (["--policy adaptive"] if r["policy"] != "adaptive" else []) \
-            + (["--engine tiered"] if r["engine"] != "tiered" else []) \
-            + (["--recompute-fallback"] if not r["recompute_fallback"] else [])
+        flags = every_place_flags(r)
         rows.append(("all four places", f"{every['iteration_s']:.4f} s per iteration "
                      f"(x{every['vs_keep']:.3f} keep), binding {every['binding']}: "
                      + " ".join(flags)))
@@ -84,6 +83,25 @@ def print_plan(shape: ModelShape, r: Dict[str, Any], job: str = "", first: str =
                      f"{slower['reason']}; x{slower['vs_keep']:.3f} keep"))
     for name, value in rows:
         print(f"{name:<28} {value}")
+
+
+def every_place_flags(r: Dict[str, Any]) -> List[str]:
+    """The flags that plan the every-place plan (the adaptive policy's: offload, every layer
+    out, and keep, none, do not reach it whatever the places)."""
+    return (["--policy adaptive"] if r["policy"] != "adaptive" else []) \
+        + (["--engine tiered"] if r["engine"] != "tiered" else []) \
+        + (["--recompute-fallback"] if not r["recompute_fallback"] else [])
+
+
+def faster_with(r: Dict[str, Any], error: float = 1.02) -> str:
+    """For the first line: the flags that plan faster than this plan beyond the model's error,
+    and by how much; '' where none do."""
+    every = r["every_place"]
+    if list(r["places"]) == list(every["places"]) or every["iteration_s"] * error >= r["iteration_s"] \
+            or not every["fits_budget"]:
+        return ""
+    return (f"{' '.join(every_place_flags(r))} plans x{every['vs_keep']:.3f} keep against this "
+            f"plan's x{r['vs_keep']:.3f}")
 
 
 def tier_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
@@ -105,10 +123,36 @@ def tier_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
                                        f"({r['recompute_iteration_s']:.4f} s)"),
         ("peak activations per GPU", f"{_gb(r['peak_bytes'])} of a {_gb(r['budget_bytes'])} budget"
                                      + ("" if r["fits_budget"] else ": DOES NOT FIT")),
-        ("host memory per GPU", f"{_gb(r['host_peak_bytes'])} of {_gb(r['host_capacity_bytes'])}"),
+        ("host memory per GPU", f"{_gb(r['host_peak_bytes'])} of {_gb(r['host_capacity_bytes'])}"
+                                + (f": {r['host_memory_source']}" if r.get("host_memory_source") else "")),
     ] + staging_rows(r) + [
-        ("binding", r["binding"]),
+        ("binding", binding_words(r)),
     ]
+
+
+def binding_words(r: Dict[str, Any]) -> str:
+    """What binds, and, where it is a tier whose need over the iteration is within its rate
+    (the plan gives it what it needs), why it binds all the same: a serial term of the model,
+    or one layer more that would not fit the iteration."""
+    binding = r["binding"]
+    if not r["fits_budget"]:
+        return (f"GPU memory: the peak of {_gb(r['peak_bytes'])} is over the "
+                f"{_gb(r['budget_bytes'])} budget")
+    tier = {"the host link": "host", "the drives": "ssd"}.get(binding)
+    if tier is None:
+        return binding
+    bw = r["bandwidth_gbps"][tier]
+    if bw["needed"] > bw["available"] * (1 + 1e-9):
+        return (f"{binding}: it needs {bw['needed']:.2f} GB/s over the iteration, more than its "
+                f"{bw['available']:.2f}")
+    if r["stall_s"] > 0:
+        return (f"{binding}, though it needs {bw['needed']:.2f} of its {bw['available']:.2f} GB/s "
+                "over the iteration: the stall is serial, not its rate: each micro-batch reads its "
+                f"layers back one after another in reverse, at most {r['prefetch_layers']} "
+                "layer(s) ahead within the read-ahead byte cap (max_inflight_bytes), none "
+                "before its write has ended, while its backward waits")
+    return (f"{binding}: it needs {bw['needed']:.2f} of its {bw['available']:.2f} GB/s, and one "
+            "layer more on it would not fit the iteration (the rest is recomputed or kept)")
 
 
 def staging_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
