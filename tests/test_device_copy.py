@@ -20,6 +20,8 @@ For each tensor the offloader hands to the engine, the chain asserted is:
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import types
 from concurrent.futures import Future
@@ -327,7 +329,10 @@ def _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, dev
     config = _config(tmp_path, engine)
     logged = LoggedEngine(_engine(engine, config, monkeypatch), rec)
     stream = rec.new_stream(device, "compute") if stream_name == "compute" else None
-    with ActivationOffloader(config, device=device, engine=logged, streams=rec) as off:
+    # Built (installed) with the compute stream current: the stream restores are allocated on.
+    with rec.use(stream) if stream is not None else contextlib.nullcontext():
+        off = ActivationOffloader(config, device=device, engine=logged, streams=rec)
+    with off:
         if patch is not None:
             patch(off.copy)
         # The pinned memory whose reuse _check_all checks: the staging pool, the memory tier's.
