@@ -34,8 +34,8 @@ scenes (``deferred_compute=True``) defer every stream, the default one and named
 their kernels go through the stream (``launch``: the torch code runs when the stream runs
 it), so a consumer's stream waits for a reload only as far as its events say. ``Recorder.alloc``
 models CUDA's caching allocator (tests/stand_in_allocator.py): one pool per stream,
-``record_stream`` honoured, reserved and allocated bytes reported; ``poison=True`` overwrites
-each freed block.
+``record_stream`` honoured, reserved and allocated bytes reported; ``poison`` (on unless a
+scene turns it off) overwrites each freed block.
 
 Stream capture (CUDA graphs), as CUDA defines it for ``capture_error_mode="global"``:
 between ``begin_capture()`` and ``end_capture()`` the calling thread captures (``capturing()``
@@ -183,7 +183,7 @@ class Recorder(StreamOps):
     around real streams (``inner=CudaStreams()``). See the module docstring."""
 
     def __init__(self, inner: Optional[StreamOps] = None, delay_s: float = 0.0,
-                 pin_fails: bool = False, seed: Optional[int] = None, poison: bool = False,
+                 pin_fails: bool = False, seed: Optional[int] = None, poison: bool = True,
                  pace: float = 0.3, deferred_compute: bool = False) -> None:
         self.inner = inner
         self.delay_s = delay_s
@@ -529,7 +529,8 @@ class Recorder(StreamOps):
                 for p in after:
                     self._run_to(p)
                 if work is not None:
-                    work()
+                    with torch.no_grad():  # a GPU's work, whichever host thread made it run
+                        work()
                 stream.done += 1
 
     def _reached(self, point: Optional[Tuple[RecStream, int]], poll: bool = False) -> bool:
