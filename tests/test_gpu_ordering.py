@@ -137,6 +137,14 @@ def test_an_extent_is_fenced_by_its_own_event_or_none(tmp_path, monkeypatch, see
     scene.exact(rec, grads, "memory: ")
 
 
+def _last_backward(off, h) -> None:
+    """Micro-batch 1's writes finish, its backward runs on the compute stream, the step ends."""
+    off.wait_writes()
+    off.begin_backward(1)
+    scene.backward(h)
+    off.end_step()
+
+
 @pytest.mark.parametrize("seed", scene.SEEDS)
 def test_a_staged_copy_back_block_waits_for_a_side_stream_consumers_reload(tmp_path, seed):
     """Micro-batch 0's writes are staged (their copies landed) behind one IO thread held in the
@@ -175,11 +183,7 @@ def test_a_staged_copy_back_block_waits_for_a_side_stream_consumers_reload(tmp_p
         rec.unobserved.discard(off.copy.reload_stream.name)
         h = scene.forward(rec, 1, outs[1], off)
         held.go.set()
-        off.wait_writes()
-        off.begin_backward(1)
-        scene.backward(h)
-        del h
-        off.end_step()
+        _last_backward(off, h)
     finally:
         held.go.set()
         off.close()
@@ -218,12 +222,7 @@ def test_retired_ready_events_come_back_only_once_the_last_recorded_one_ran(tmp_
         readies = [n for n in rec.log if n.kind == "record" and n.agent == reload.name]
         assert len(readies) > 2 and reload.done < readies[-1].pos, "the reloads ran already (nothing to check)"
         rec._run_to((reload, readies[0].pos))  # the GPU ran the first reload only
-        h = scene.forward(rec, 1, outs[1], off, between=lambda: rec.run(rec.default))
-        off.wait_writes()
-        off.begin_backward(1)
-        scene.backward(h)
-        del h
-        off.end_step()
+        _last_backward(off, scene.forward(rec, 1, outs[1], off, between=lambda: rec.run(rec.default)))
     finally:
         off.close()
     rec.run_all()

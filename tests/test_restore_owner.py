@@ -22,45 +22,16 @@ Broken variant: ``DeviceCopy.restore`` taking ``ops.current_stream`` as the owne
 from __future__ import annotations
 
 import threading
-from typing import List
 
 import pytest
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io import make_engine
+from tests import gpu_scenes as scene
 from tests.recording_streams import Recorder
 from tests.staging_checks import check_staging_reuse
 from tests.test_staging_race import Logged
-
-LAYERS = 4
-SHAPE = (64, 64)  # 16 KiB of float32: a 512-byte multiple
-NBYTES = SHAPE[0] * SHAPE[1] * 4
-SEEDS = range(5)
-
-
-class TanhTimes(torch.autograd.Function):
-    """y = tanh(x) * x, with tanh(x) and a copy of x saved, both from the allocator model on
-    the current (compute) stream, as a GPU model's activations are."""
-
-    @staticmethod
-    def forward(ctx, x, rec):
-        t = rec.empty(x.numel(), x.dtype, x.device).view(x.shape)
-        torch.tanh(x, out=t)
-        c = rec.empty(x.numel(), x.dtype, x.device).view(x.shape)
-        c.copy_(x)
-        rec.kernel("produce", t)
-        rec.kernel("produce", c)
-        ctx.save_for_backward(t, c)
-        ctx.rec = rec
-        return t * x
-
-    @staticmethod
-    def backward(ctx, g):
-        t, c = ctx.saved_tensors
-        ctx.rec.kernel("consume", t)
-        ctx.rec.kernel("consume", c)
-        return g * ((1 - t * t) * c + t), None
 
 
 class Holding(Logged):
@@ -129,61 +100,40 @@ class _HeldQueue:
         return getattr(self.eng.queue, name)
 
 
-def _forward(off, rec, mb: int):
-    x = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(mb)).requires_grad_()
-    with off.microbatch(mb):
-        h = x
-        for i in range(LAYERS):
-            with off.layer(i):
-                h = TanhTimes.apply(h, rec)
-        loss = h.sum()
-    return x, loss
-
-
-def _reference(mb: int) -> torch.Tensor:
-    rec = Recorder(seed=0)
-    x = torch.randn(*SHAPE, generator=torch.Generator().manual_seed(mb)).requires_grad_()
-    h = x
-    for _ in range(LAYERS):
-        h = TanhTimes.apply(h, rec)
-    h.sum().backward()
-    return x.grad
-
-
 def one_f_one_b(tmp_path, seed: int):
     """a's forward and writes; a's reads start (held in the engine); b's forward, whose first
     write hands the reads over and whose second write's back-pressure restores them. Returns
     (recorder, the compute stream's name, the streams of allocations made elsewhere from
     b's forward on, the allocator's report, the gradients)."""
-    rec = Recorder(seed=seed, poison=True)
+    rec = Recorder(seed=seed, poison=True, deferred_compute=True)
     cfg = OffloadConfig(dirs=[str(tmp_path)], engine="posix", io_threads=1, min_tensor_bytes=0,
-                        keep_last_layers=1, prefetch_layers=LAYERS, chunk_bytes=NBYTES,
-                        max_inflight_bytes=NBYTES, pinned_staging_bytes=4 * LAYERS * NBYTES)
+                        keep_last_layers=1, prefetch_layers=scene.LAYERS, chunk_bytes=scene.NBYTES,
+                        max_inflight_bytes=scene.NBYTES, pinned_staging_bytes=4 * scene.LAYERS * scene.NBYTES)
     eng = Holding(make_engine(cfg), rec)
-    grads: List[torch.Tensor] = []
+    outs = [torch.zeros(scene.SHAPE) for _ in range(2)]
     with ActivationOffloader(cfg, device=torch.device("cpu"), engine=eng, streams=rec) as off:
         compute = off.copy.compute_stream.name
-        xa, la = _forward(off, rec, 0)
+        ha = scene.forward(rec, 0, outs[0], off)
         off.wait_writes()
         eng.armed = True
         off.begin_backward(0)
         eng.wait_held(1)  # read-ahead's byte cap (max_inflight_bytes) allows one read
         start = len(rec.log)
-        xb, lb = _forward(off, rec, 1)
+        hb = scene.forward(rec, 1, outs[1], off)
         assert not eng.held and not eng.armed, "b's writes never handed a's reads over"
-        la.backward()
-        grads.append(xa.grad)
-        lb.backward()
-        grads.append(xb.grad)
+        scene.backward(ha)
+        off.begin_backward(1)
+        scene.backward(hb)
         off.end_step()
         elsewhere = [n.agent for n in rec.log[start:] if n.kind == "alloc" and n.agent != compute]
         rec.run_all()
         report = rec.streams_report()
         check_staging_reuse(rec, off.copy.pool._mem)
-    return rec, compute, elsewhere, report, grads
+    rec.run_all()
+    return rec, compute, elsewhere, report, outs
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", scene.SEEDS)
 def test_reads_restored_inside_a_write_batch_are_owned_by_the_compute_stream(tmp_path, seed):
     """Every restored tensor's memory comes from the compute stream's pool, none from the
     offload stream's, and the gradients of both micro-batches are exact (poison on)."""
@@ -192,6 +142,4 @@ def test_reads_restored_inside_a_write_batch_are_owned_by_the_compute_stream(tmp
                            f"(seed {rec.seed})")
     others = {s: b for s, b in report["reserved"].items() if s != compute and b}
     assert not others, f"bytes reserved on streams other than the compute stream: {others} (seed {rec.seed})"
-    for mb, got in enumerate(grads):
-        want = _reference(mb)
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"micro-batch {mb} (seed {rec.seed})"
+    scene.exact(rec, grads)

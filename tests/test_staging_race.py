@@ -202,17 +202,19 @@ class Scene:
         self.gating = False
         return ya, yd, self.save("b", 3.0)
 
-    def read_a_while_d_is_held_then_finish(self, ya: torch.Tensor, yd: torch.Tensor) -> None:
+    def read_a_while_d_is_held_then_finish(self, ya: torch.Tensor, yd: torch.Tensor, then=None) -> None:
         """a's read takes a staging block while d still holds another one (b's may be reused
         only after b's copy), then waits behind d in the one IO thread; d is let go as soon as
-        a's read was handed to the engine. Then d's backward, and the ordering check, which
-        must have checked some reuse of a block on the stand-in."""
+        a's read was handed to the engine. Then d's backward, ``then()``, and the ordering
+        check, which must have checked some reuse of a block on the stand-in."""
         opener = threading.Thread(target=_open_after_read_of, args=(self, 0))
         opener.start()
         ya.sum().backward()
         opener.join()
         self.restored_bytes_match("a")
         yd.sum().backward()
+        if then is not None:
+            then()
         pairs = self.finish()
         if not self.cuda:
             assert pairs > 0, "the scenario never reused a staging block (nothing was checked)"
@@ -275,15 +277,12 @@ def test_a_cancelled_writes_copy_event_is_not_reused_before_its_copy_ran(tmp_pat
     s.off.poll()
     assert 2 not in s.off.table, "b's write was not taken back by cancel()"
     ye = s.save("e", 5.0)  # queued behind d too
-    opener = threading.Thread(target=_open_after_read_of, args=(s, 0))
-    opener.start()
-    ya.sum().backward()
-    opener.join()
-    s.restored_bytes_match("a")
-    yd.sum().backward()
-    ye.sum().backward()
-    s.restored_bytes_match("e")
-    assert s.finish() > 0, "the scenario never reused a staging block (nothing was checked)"
+
+    def e_backward():
+        ye.sum().backward()
+        s.restored_bytes_match("e")
+
+    s.read_a_while_d_is_held_then_finish(ya, yd, e_backward)
 
 
 @pytest.mark.parametrize("ops", OPS)
