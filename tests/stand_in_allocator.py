@@ -11,7 +11,8 @@ c10/cuda/CUDACachingAllocator defines it:
   ``s`` has run past it (queried at the next allocation, never waited for: ``s`` is never made
   to run by the free or by the query);
 - nothing is ever given back to the device (no ``empty_cache``): ``reserved`` only grows.
-  Blocks are reused by their size rounded to 512 bytes (CUDA's alignment); CUDA would also
+  Blocks are reused by their size rounded to 512 bytes (CUDA's alignment), the free block at
+  the lowest address first (CUDA's ordering of its free blocks); CUDA would also
   split a larger block, which the scenes here (tensors of a few fixed sizes) never need.
 
 Each tensor handed out is a *new* storage over its block (``torch.frombuffer``), so its death
@@ -159,7 +160,8 @@ class CachingAllocator:
         free = self._free.get((stream, size))
         if not free:
             return None
-        for i, block in enumerate(free):
+        # CUDA's order among free blocks of one stream and size: the lowest address first.
+        for i, block in sorted(enumerate(free), key=lambda ib: ib[1].start):
             if all(self._done(s) >= pos for s, pos in block.free_at):
                 if self.poison and block.free_at:  # marked: poisoned once reusable (module docstring)
                     self._poison(block)

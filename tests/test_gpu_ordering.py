@@ -228,3 +228,41 @@ def test_retired_ready_events_come_back_only_once_the_last_recorded_one_ran(tmp_
     rec.run_all()
     assert check_staging_reuse(rec, pool) > 0, "no staging block was reused (nothing was checked)"
     scene.exact(rec, outs, "retired events: ")
+
+
+@pytest.mark.parametrize("seed", scene.SEEDS)
+def test_a_restore_nobody_consumed_lands_before_its_block_is_reused(tmp_path, seed):
+    """Micro-batch 0's reads start (restores allocated on the compute stream, their copies
+    queued on the reload stream), then its graph is dropped: the restored tensors go
+    unconsumed and their blocks back to the compute stream's pool at once. Micro-batch 1's
+    activations take those blocks; after each layer the GPU happens to run the compute stream
+    and then the reload stream. The compute stream must have waited for each abandoned copy
+    before its block was let go (``DeviceCopy.unused``), or the copy lands on micro-batch 1's
+    activation. Broken variant: ``unused`` a no-op: micro-batch 1's gradient differs."""
+    rec = Recorder(seed=seed, poison=True, deferred_compute=True)
+    cfg = _config(tmp_path, "memory", prefetch_layers=scene.LAYERS)
+    off = ActivationOffloader(cfg, device=torch.device("cpu"), engine=Logged(make_engine(cfg), rec), streams=rec)
+    reload = off.copy.reload_stream
+    outs = [torch.zeros(scene.SHAPE) for _ in range(MICRO)]
+    try:
+        h = scene.forward(rec, 0, outs[0], off)
+        off.wait_writes()
+        rec.pace = 0.0  # streams run only when something waits for them
+        off.begin_backward(0)  # every layer's read starts: copies queued on the reload stream
+        assert reload.done < reload.issued, "the reloads ran before the graph was dropped"
+        del h
+        off.poll()  # the handles dropped: the records, and their restored tensors, go
+
+        def gpu_runs():
+            rec.run(rec.default)
+            rec.run(reload)
+
+        h = scene.forward(rec, 1, outs[1], off, between=gpu_runs)
+        rec.pace = 0.3  # from here on the host sees the streams progress as it polls
+        _last_backward(off, h)
+    finally:
+        off.close()
+    rec.run_all()
+    want = scene.reference(MICRO)[1]
+    assert torch.equal(outs[1].view(torch.int32), want.view(torch.int32)), (
+        f"micro-batch 1's gradient changed: an abandoned reload landed on its activations (seed {rec.seed})")
