@@ -113,7 +113,11 @@ def _exact(grads) -> None:
 def test_a_side_stream_consumer_keeps_memory_engine_extents_exact(tmp_path, seed):
     """The memory engine: one extent more than a micro-batch needs, so the second micro-batch's
     first write takes the free one (its producer event is the newest event in the pool) and
-    its second write wants an extent the first micro-batch's reads came out of."""
+    its second write wants an extent the first micro-batch's reads came out of. Broken
+    variant: the pool read not fenced (cache/reads.py, ``self._engine.fence(rec.id, ready)``
+    removed): "staging reuse ... is not ordered before"; on a975649 this passed, the extent
+    still fenced by the write's copy event, recycled and re-recorded since (io/memory.py
+    ``commit`` now drops it)."""
     rec, off, eng, grads = _side_stream_scene(tmp_path, "memory", seed, host_memory_bytes=(LAYERS + 1) * NBYTES)
     try:
         pairs = check_staging_reuse(rec, eng.inner._pool)

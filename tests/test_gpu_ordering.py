@@ -7,17 +7,24 @@ making the marked stream run. Each scene runs over several seeds (tests/gpu_scen
 ``SEEDS``, printed by the recorder; ``SSDTRAIN_STANDIN_SEED=N`` runs one). Engines, files,
 pinned pools and autograd are real; only CUDA is stood in for.
 
-Breaks each scene was checked against (one at a time):
+Breaks each scene was checked against (one at a time; the test named fails):
 
 - ``DeviceCopy.consume`` without ``record_stream`` for a consumer on another stream than the
-  allocating one: the side-stream scenes' gradients differ (a restored block reused or
-  poisoned on the compute stream before the side stream's kernel read it);
+  allocating one: ``test_a_consumer_on_another_stream...`` (a restored block poisoned or
+  reused on the compute stream before the side stream's kernel read it: gradients differ);
 - ``DeviceCopy.stage_out`` letting the record's device bytes go before its copy is queued:
-  the copies read poison, the gradients differ;
+  ``test_activations_are_copied...`` (the copies read poison: gradients differ);
 - the memory engine keeping a write's copy event as an extent's fence after ``DeviceCopy``
-  recycled it at landing: "the memory engine fences key ... with an event the data path
-  recycled";
-- the pool read not fenced (cache/reads.py): "staging reuse ... is not ordered before".
+  recycled it at landing (``commit`` not dropping it): ``test_an_extent_is_fenced...``
+  ("the memory engine fences an extent with eN, an event the data path recycled");
+- ``DeviceCopy.written`` giving a staged copy-back block back without its ready event:
+  ``test_a_staged_copy_back_block...`` ("staging reuse ... is not ordered before");
+- ``_retire`` querying the lowest sequence: ``test_retired_ready_events...`` (same message);
+- ``DeviceCopy.unused`` a no-op: ``test_a_restore_nobody_consumed...`` (micro-batch 1's
+  gradient changed).
+
+The pool read not fenced (cache/reads.py) fails tests/test_event_fences.py's memory-engine
+scene, whose reload stream the host never sees finish.
 """
 
 from __future__ import annotations
