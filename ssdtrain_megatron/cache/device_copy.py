@@ -342,7 +342,8 @@ class DeviceCopy:
         ops = self.ops
         # on the compute stream named at install; cuFile reads into 4 KiB-aligned memory
         # without bouncing
-        with ops.use(self.compute_stream):
+        with ops.use(self.compute_stream) if ops.current_stream(self.device) != self.compute_stream \
+                else contextlib.nullcontext():
             restored, dest = rec.allocate_restore(GDS_ALIGN)
         xfer.packed = rec.staging  # a compact record's packed elements (device), else None
         rec.staging = None
