@@ -23,8 +23,9 @@ Breaks each scene was checked against (one at a time; the test named fails):
 - ``DeviceCopy.unused`` a no-op: ``test_a_restore_nobody_consumed...`` (micro-batch 1's
   gradient changed).
 
-The pool read not fenced (cache/reads.py) fails tests/test_event_fences.py's memory-engine
-scene, whose reload stream the host never sees finish.
+- the memory engine's pool read not fenced (cache/reads.py ``self._engine.fence(rec.id,
+  ready)`` removed): ``test_a_side_stream_consumer_leaves_buffers_fenced...[memory-*]``
+  ("staging reuse ... is not ordered before"), and tests/test_event_fences.py's memory scene.
 """
 
 from __future__ import annotations
@@ -273,3 +274,40 @@ def test_a_restore_nobody_consumed_lands_before_its_block_is_reused(tmp_path, se
     want = scene.reference(MICRO)[1]
     assert torch.equal(outs[1].view(torch.int32), want.view(torch.int32)), (
         f"micro-batch 1's gradient changed: an abandoned reload landed on its activations (seed {rec.seed})")
+
+
+@pytest.mark.parametrize("seed", scene.SEEDS)
+@pytest.mark.parametrize("engine", ["posix", "memory"])
+def test_a_side_stream_consumer_leaves_buffers_fenced_while_the_gpu_is_behind(tmp_path, engine, seed):
+    """Micro-batch 0's backward consumes on a side stream while the host never sees the
+    reload stream finish (a GPU far behind); micro-batch 1's writes then want the staging
+    blocks or extents micro-batch 0's reloads came out of (one more than a micro-batch's):
+    only their fences (the reads' ready events) order the copies into them. Broken variant:
+    the memory engine's pool read not fenced (cache/reads.py): "staging reuse ... is not
+    ordered before"."""
+    rec = Recorder(seed=seed, poison=True, deferred_compute=True)
+    room = (2 * scene.LAYERS + 1) * scene.NBYTES
+    cfg = _config(tmp_path, engine, io_threads=1, prefetch_layers=scene.LAYERS, host_memory_bytes=room,
+                  pinned_staging_bytes=room)
+    eng = Logged(make_engine(cfg), rec)
+    off = ActivationOffloader(cfg, device=torch.device("cpu"), engine=eng, streams=rec)
+    pool = eng.inner._pool if engine == "memory" else off.copy.pool._mem
+    side = rec.new_stream(torch.device("cpu"), "side")
+    outs = [torch.zeros(scene.SHAPE) for _ in range(MICRO)]
+    try:
+        h = scene.forward(rec, 0, outs[0], off)
+        off.wait_writes()
+        rec.unobserved.add(off.copy.reload_stream.name)
+        off.begin_backward(0)
+        with rec.use(side):
+            scene.backward(h)
+        del h
+        off.poll()
+        h = scene.forward(rec, 1, outs[1], off)
+        rec.unobserved.discard(off.copy.reload_stream.name)
+        _last_backward(off, h)
+    finally:
+        off.close()
+    rec.run_all()
+    assert check_staging_reuse(rec, pool) > 0, "no buffer was reused (nothing was checked)"
+    scene.exact(rec, outs, f"{engine}, GPU behind: ")
