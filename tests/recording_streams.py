@@ -29,10 +29,13 @@ first. The default stream and a stream a test names (``new_stream(device, "compu
 *eager*: the tests' kernels run on the host when they are issued, so such a stream has always
 run everything it was given, and its ``wait_event`` runs the waited-for stream up to the
 record point before it returns; a test kernel (``kernel``) is refused on a deferred stream,
-whose waits would not have run when the test's torch code reads the bytes. ``Recorder.alloc``
+whose waits would not have run when the test's torch code reads the bytes. The ordering
+scenes (``deferred_compute=True``) defer every stream, the default one and named ones too:
+their kernels go through the stream (``launch``: the torch code runs when the stream runs
+it), so a consumer's stream waits for a reload only as far as its events say. ``Recorder.alloc``
 models CUDA's caching allocator (tests/stand_in_allocator.py): one pool per stream,
-``record_stream`` honoured, reserved and allocated bytes reported; ``poison=True`` overwrites
-each freed block.
+``record_stream`` honoured, reserved and allocated bytes reported; ``poison`` (on unless a
+scene turns it off) overwrites each freed block.
 
 Stream capture (CUDA graphs), as CUDA defines it for ``capture_error_mode="global"``:
 between ``begin_capture()`` and ``end_capture()`` the calling thread captures (``capturing()``
@@ -180,8 +183,8 @@ class Recorder(StreamOps):
     around real streams (``inner=CudaStreams()``). See the module docstring."""
 
     def __init__(self, inner: Optional[StreamOps] = None, delay_s: float = 0.0,
-                 pin_fails: bool = False, seed: Optional[int] = None, poison: bool = False,
-                 pace: float = 0.3) -> None:
+                 pin_fails: bool = False, seed: Optional[int] = None, poison: bool = True,
+                 pace: float = 0.3, deferred_compute: bool = False) -> None:
         self.inner = inner
         self.delay_s = delay_s
         self.pin_fails = pin_fails
@@ -207,7 +210,10 @@ class Recorder(StreamOps):
         self.alloc: Optional[CachingAllocator] = None if inner is not None else CachingAllocator(
             lambda name: self._by_name(name).issued, lambda name: self._by_name(name).done,
             self._enqueue, poison=poison)
-        self.default = self._wrap_stream(None, "default")
+        self.deferred_compute = deferred_compute
+        """Every stream deferred, the default one and those a test names too (the ordering
+        scenes): the tests' kernels then go through their stream (``launch``), as CUDA's do."""
+        self.default = self._wrap_stream(None, "default", eager=not deferred_compute)
         self.capture_thread: Optional[int] = None  # the thread capturing in global mode
         self._modes: Dict[int, int] = {}  # thread -> its stream-capture interaction mode
         self.driver = CaptureDriver(self)
@@ -252,8 +258,9 @@ class Recorder(StreamOps):
                    eager: Optional[bool] = None) -> RecStream:
         """A stream; deferred unless a test names it (or ``eager``): module docstring."""
         real = self.inner.new_stream(device) if self.inner is not None else None
-        return self._wrap_stream(real, name or f"s{len(self._streams)}",
-                                 eager=(name is not None) if eager is None else eager)
+        if eager is None:
+            eager = name is not None and not self.deferred_compute
+        return self._wrap_stream(real, name or f"s{len(self._streams)}", eager=eager)
 
     def new_event(self) -> RecEvent:
         with self._lock:
@@ -378,6 +385,21 @@ class Recorder(StreamOps):
         if kind == "produce":
             self._delay()
         return self._stream_op(stream, kind, ptr=_range(t))
+
+    def launch(self, kind: str, fn: Callable[..., None], *tensors: torch.Tensor) -> Node:
+        """A kernel of the model on the current stream (any stream, deferred ones included):
+        ``fn(*tensors)`` runs when the stream runs it, as a GPU kernel does, on views of the
+        allocator model's blocks (``CachingAllocator.raw``), so a kernel queued on a tensor
+        does not keep its block alive, as a queued CUDA kernel does not: a free before the
+        kernel ran, unless ordered by the stream or marked by ``record_stream``, lets the
+        block be poisoned or reused under it. Logged with the first tensor's byte range."""
+        stream = self.current_stream(tensors[0].device)
+        if self.inner is not None:
+            fn(*tensors)
+            return self._stream_op(stream, kind, ptr=_range(tensors[0]))
+        with self._lock:
+            raws = [self.alloc.raw(t) for t in tensors]
+        return self._stream_op(stream, kind, ptr=_range(tensors[0]), _work=lambda: fn(*raws))
 
     def host(self, kind: str, **tags) -> Node:
         """A host operation of the calling thread. A submission to the engine (``submit_*``,
@@ -507,7 +529,8 @@ class Recorder(StreamOps):
                 for p in after:
                     self._run_to(p)
                 if work is not None:
-                    work()
+                    with torch.no_grad():  # a GPU's work, whichever host thread made it run
+                        work()
                 stream.done += 1
 
     def _reached(self, point: Optional[Tuple[RecStream, int]], poll: bool = False) -> bool:

@@ -2,7 +2,8 @@
 
 Used by every scene that runs the GPU data path on the recording stand-in
 (tests/recording_streams.py): test_device_copy, test_staging_race, test_staged_writes,
-test_memory_tier_direct, test_gpu_check_steps, test_restore_memory.
+test_memory_tier_direct, test_gpu_check_steps, test_restore_memory, test_restore_owner,
+test_gpu_ordering.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ c10/cuda/CUDACachingAllocator defines it:
   work, so reuse needs no event);
 - ``record_stream(t, s)`` with ``s`` another stream: when ``t``'s block is freed, the allocator
   notes ``s``'s tail (an event recorded there at the free) and the block is reused only once
-  ``s`` has run past it (queried at the next allocation, never waited for);
+  ``s`` has run past it (queried at the next allocation, never waited for: ``s`` is never made
+  to run by the free or by the query);
 - nothing is ever given back to the device (no ``empty_cache``): ``reserved`` only grows.
-  Blocks are reused by their size rounded to 512 bytes (CUDA's alignment); CUDA would also
+  Blocks are reused by their size rounded to 512 bytes (CUDA's alignment), the free block at
+  the lowest address first (CUDA's ordering of its free blocks); CUDA would also
   split a larger block, which the scenes here (tensors of a few fixed sizes) never need.
 
 Each tensor handed out is a *new* storage over its block (``torch.frombuffer``), so its death
@@ -20,9 +22,12 @@ of the block (another storage over the same memory), so a queued copy does not k
 block alive, just as a queued CUDA copy does not.
 
 ``poison``: when a block goes back to its pool, its bytes are overwritten (0xA5) as an
-operation on the owning stream, after every stream recorded on it has run past its free point:
-any copy that reads or writes the block later than CUDA's rules allow then moves wrong bytes,
-and the exactness oracle (bitwise gradients, restored bytes) names the tensor.
+operation on the owning stream: at once (queued behind the stream's earlier work) for a block
+no other stream was recorded on; for one marked by ``record_stream``, when the block is handed
+out again (only once every marked stream has run past its free point, as the reuse itself):
+the marked streams are not made to run at the free. Any copy or kernel that reads or writes
+the block later than CUDA's rules allow then moves wrong bytes, and the exactness oracle
+(bitwise gradients, restored bytes) names the tensor.
 """
 
 from __future__ import annotations
@@ -128,9 +133,8 @@ class CachingAllocator:
             block.free_at = [(s, self._position(s)) for s in sorted(block.uses)]
             self.allocated[block.stream] -= block.size
             self._free.setdefault((block.stream, block.size), []).append(block)
-            if self.poison:
-                raw = block.raw
-                self._enqueue(block.stream, lambda raw=raw: raw.fill_(POISON), list(block.free_at))
+            if self.poison and not block.free_at:
+                self._poison(block)
 
     def report(self) -> Dict[str, Any]:
         """Reserved and allocated bytes per stream, now and at the peak of allocated bytes."""
@@ -156,10 +160,17 @@ class CachingAllocator:
         free = self._free.get((stream, size))
         if not free:
             return None
-        for i, block in enumerate(free):
+        # CUDA's order among free blocks of one stream and size: the lowest address first.
+        for i, block in sorted(enumerate(free), key=lambda ib: ib[1].start):
             if all(self._done(s) >= pos for s, pos in block.free_at):
+                if self.poison and block.free_at:  # marked: poisoned once reusable (module docstring)
+                    self._poison(block)
                 return free.pop(i)
         return None
+
+    def _poison(self, block: _Block) -> None:
+        raw = block.raw
+        self._enqueue(block.stream, lambda: raw.fill_(POISON), [])
 
     def _note_peak(self) -> None:
         total = sum(self.allocated.values())

@@ -20,6 +20,8 @@ For each tensor the offloader hands to the engine, the chain asserted is:
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import types
 from concurrent.futures import Future
@@ -34,6 +36,7 @@ from ssdtrain_megatron.io import IOEngine, make_engine
 from tests import fake_kvikio
 from tests.faulty import FaultyEngine, HeldWrites
 from tests.forwarding import ForwardingEngine
+from tests.gpu_scenes import SEEDS
 from tests.recording_streams import Node, Recorder, _range, contains, overlaps
 from tests.staging_checks import check_staging_reuse
 
@@ -327,7 +330,10 @@ def _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, dev
     config = _config(tmp_path, engine)
     logged = LoggedEngine(_engine(engine, config, monkeypatch), rec)
     stream = rec.new_stream(device, "compute") if stream_name == "compute" else None
-    with ActivationOffloader(config, device=device, engine=logged, streams=rec) as off:
+    # Built (installed) with the compute stream current: the stream restores are allocated on.
+    with rec.use(stream) if stream is not None else contextlib.nullcontext():
+        off = ActivationOffloader(config, device=device, engine=logged, streams=rec)
+    with off:
         if patch is not None:
             patch(off.copy)
         # The pinned memory whose reuse _check_all checks: the staging pool, the memory tier's.
@@ -385,6 +391,18 @@ def test_every_offloaded_tensor_is_ordered_producer_to_disk_to_consumer(tmp_path
         offload = {n.agent for n in rec.nodes("copy") if n.tags["dst"] in
                    [w.tags["ptr"] for w in rec.nodes("submit_write")]}
         assert not [n for n in rec.nodes("record_stream") if n.tags["stream"] in offload]
+
+
+@pytest.mark.parametrize("seed", SEEDS[1:])
+@pytest.mark.parametrize("engine", ["posix", "memory"])
+def test_every_offloaded_tensor_is_ordered_over_more_seeds(tmp_path, monkeypatch, engine, seed):
+    """The scene above (compute stream, spans and compact records in one run each) over the
+    other seeds of tests/gpu_scenes.py: with the variants' own seed, five in all."""
+    monkeypatch.setenv("SSDTRAIN_STANDIN_SEED", str(seed))
+    for compact in (False, True):
+        (tmp_path / str(compact)).mkdir()
+        test_every_offloaded_tensor_is_ordered_producer_to_disk_to_consumer(
+            tmp_path / str(compact), monkeypatch, engine, compact, "compute")
 
 
 def test_the_wrapper_forwards_every_name_the_engine_interface_declares():

@@ -113,7 +113,10 @@ def test_a_restored_tensor_nobody_consumed_is_written_only_before_its_block_is_r
     of those activations to host memory. The compute stream must have waited for the
     abandoned copies before it let the blocks go (``DeviceCopy.unused``), or they land on the
     new activations and the second micro-batch's gradients change. Broken variant:
-    ``DeviceCopy.unused`` a no-op: its gradients differ bitwise."""
+    ``DeviceCopy.unused`` a no-op: this scene passes (it did on a975649 too: the second
+    micro-batch's activations take other free blocks first); the deferred-compute scene
+    tests/test_gpu_ordering.py::test_a_restore_nobody_consumed_lands_before_its_block_is_reused
+    fails it."""
     rec = Recorder(seed=SEED, poison=True, pace=0.0)  # streams run only when waited for
     cfg = OffloadConfig(dirs=[str(tmp_path)], engine="memory", min_tensor_bytes=0, keep_last_layers=0,
                         prefetch_layers=LAYERS, host_memory_bytes=64 << 20, max_inflight_bytes=64 << 20,

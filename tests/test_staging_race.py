@@ -42,6 +42,7 @@ from ssdtrain_megatron.cache.record import State
 from ssdtrain_megatron.io import IOEngine, make_engine
 from tests.faulty import FaultyEngine
 from tests.forwarding import ForwardingEngine
+from tests.gpu_scenes import SEEDS
 from tests.recording_streams import Recorder, _range, overlaps
 from tests.staging_checks import check_staging_reuse  # noqa: F401 - other tests import it from here
 
@@ -159,7 +160,7 @@ def _open_after_read_of(s: "Scene", key: int, timeout: float = 60.0) -> None:
 class Scene:
     """One offloader on a logged real engine, the streams of ``ops`` and tensors of NBYTES."""
 
-    def __init__(self, tmp_path, ops: str, engine: str, pooled: bool = True, **kw) -> None:
+    def __init__(self, tmp_path, ops: str, engine: str, pooled: bool = True, pace: float = 0.3, **kw) -> None:
         self.cuda = ops == "cuda"
         if self.cuda:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -168,7 +169,7 @@ class Scene:
             self.rec: Recorder = SlowReload(delay_s=0.5, reload_delay_s=0.2)
         else:
             self.device = torch.device("cpu")
-            self.rec = Recorder()
+            self.rec = Recorder(pace=pace)
         self.config = _config(tmp_path, engine, **kw)
         self.gate = threading.Event()
         self.entered = threading.Event()
@@ -201,17 +202,19 @@ class Scene:
         self.gating = False
         return ya, yd, self.save("b", 3.0)
 
-    def read_a_while_d_is_held_then_finish(self, ya: torch.Tensor, yd: torch.Tensor) -> None:
+    def read_a_while_d_is_held_then_finish(self, ya: torch.Tensor, yd: torch.Tensor, then=None) -> None:
         """a's read takes a staging block while d still holds another one (b's may be reused
         only after b's copy), then waits behind d in the one IO thread; d is let go as soon as
-        a's read was handed to the engine. Then d's backward, and the ordering check, which
-        must have checked some reuse of a block on the stand-in."""
+        a's read was handed to the engine. Then d's backward, ``then()``, and the ordering
+        check, which must have checked some reuse of a block on the stand-in."""
         opener = threading.Thread(target=_open_after_read_of, args=(self, 0))
         opener.start()
         ya.sum().backward()
         opener.join()
         self.restored_bytes_match("a")
         yd.sum().backward()
+        if then is not None:
+            then()
         pairs = self.finish()
         if not self.cuda:
             assert pairs > 0, "the scenario never reused a staging block (nothing was checked)"
@@ -255,6 +258,31 @@ def test_a_cancelled_write_returns_its_staging_only_after_its_copy(tmp_path, ops
     s.off.poll()
     assert 2 not in s.off.table, "b's write was not taken back by cancel()"
     s.read_a_while_d_is_held_then_finish(ya, yd)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_cancelled_writes_copy_event_is_not_reused_before_its_copy_ran(tmp_path, monkeypatch, seed):
+    """The cancel scene with one more save between the cancel and a's read: that save's
+    producer and copy events come from the event pool. b's copy event still fences b's block
+    (its copy never seen to land), so it must not be in that pool: re-recorded on the compute
+    stream, it would answer done for that point and hand b's block to a's read before b's copy
+    ran. Broken variant: ``DeviceCopy.written`` recycling the copy event whether or not it
+    landed: "a came back with other bytes" or "staging reuse ... is not ordered before"."""
+    monkeypatch.setenv("SSDTRAIN_STANDIN_SEED", str(seed))
+    # pace 0: the offload stream runs only when something waits for it, so b's copy has not
+    # run by chance when e's events are recorded (the seeds still vary what runs at a wait)
+    s = Scene(tmp_path, "stand-in", "posix", pace=0.0, io_threads=1)
+    ya, yd, yb = s.a_on_disk_d_held_b_queued()
+    del yb  # b's graph goes: its handle drops, its unstarted write is cancelled
+    s.off.poll()
+    assert 2 not in s.off.table, "b's write was not taken back by cancel()"
+    ye = s.save("e", 5.0)  # queued behind d too
+
+    def e_backward():
+        ye.sum().backward()
+        s.restored_bytes_match("e")
+
+    s.read_a_while_d_is_held_then_finish(ya, yd, e_backward)
 
 
 @pytest.mark.parametrize("ops", OPS)

@@ -27,8 +27,10 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   must not hand out a block a copy will still land on (staging.py).
 - Reload (``finish_in``, after the engine's read into a staging block completed, or at once
   from the memory engine's pool; the training thread): the restored tensor is allocated *on
-  the current (compute) stream* just before its copy (no read-ahead holds device memory while
-  the drive reads). CUDA's caching allocator hands a freed block only to allocations on the
+  the compute stream named at install* (the stream current when the offloader was built,
+  whatever stream or thread is current at the restore: a read that completes inside a write
+  batch's back-pressure is restored under the offload stream's context) just before its
+  copy (no read-ahead holds device memory while the drive reads). CUDA's caching allocator hands a freed block only to allocations on the
   stream that freed it, and the activations forward let go and backward frees go back to the
   compute stream's pool: allocated there, restores reuse that memory instead of growing a
   pool of their own beside it (tests/test_restore_memory.py measures reserved against
@@ -53,7 +55,7 @@ Contract (what the offloader, the IO engines and CUDA may each assume):
   from and can reuse it.
 - ``direct`` engines (gds: cuFile DMAs device memory outside any stream) get device memory,
   no staging: on writes the engine's IO thread waits for the producer event before cuFile
-  reads the bytes; on reads the restored tensor is allocated on the current stream at
+  reads the bytes; on reads the restored tensor is allocated on the compute stream at
   prefetch with an *allocation event* the engine waits for before cuFile writes into it, and
   the read's completion is observed by the host before the consumer is launched (a compact
   record's scatter runs on the reload stream, ordered before the consumer by the ready event).
@@ -141,10 +143,14 @@ class DeviceCopy:
     """
 
     def __init__(self, device: torch.device, staging_bytes: int, ops: Optional[StreamOps] = None,
-                 direct: bool = False) -> None:
+                 direct: bool = False, compute: Any = None) -> None:
         self.device = torch.device(device)
         self.ops = ops if ops is not None else CudaStreams()
         self.direct = direct
+        # The compute stream, named at install (default: the stream current now, on the thread
+        # that builds the offloader): restores are allocated on it whatever stream or thread
+        # is current when a read completes (module docstring).
+        self.compute_stream = compute if compute is not None else self.ops.current_stream(self.device)
         self.offload_stream = self.ops.new_stream(self.device)
         self.reload_stream = self.ops.new_stream(self.device)
         self.pool = None if direct else StagingPool(staging_bytes, self.ops)
@@ -328,18 +334,21 @@ class DeviceCopy:
         :meth:`finish_in` allocates it; where the engine reads the bytes into; the event the
         engine waits for before it writes there, or None). Sets ``rec.transfer``. Staged: a
         staging block (``block``, or one taken now), no device memory yet; direct: device
-        memory allocated on the current stream now, with its allocation event."""
+        memory allocated on the compute stream now, with its allocation event."""
         xfer = rec.transfer = Transfer()
         if not self.direct:
             xfer.block = block if block is not None else self.take_block(rec.nbytes)
             return None, xfer.block.tensor, None
         ops = self.ops
-        # on the current stream; cuFile reads into 4 KiB-aligned memory without bouncing
-        restored, dest = rec.allocate_restore(GDS_ALIGN)
+        # on the compute stream named at install; cuFile reads into 4 KiB-aligned memory
+        # without bouncing
+        with ops.use(self.compute_stream) if ops.current_stream(self.device) != self.compute_stream \
+                else contextlib.nullcontext():
+            restored, dest = rec.allocate_restore(GDS_ALIGN)
         xfer.packed = rec.staging  # a compact record's packed elements (device), else None
         rec.staging = None
         xfer.alloc_event = self._event()
-        xfer.alloc_event.record(ops.current_stream(self.device))
+        xfer.alloc_event.record(self.compute_stream)
         return restored, dest, xfer.alloc_event
 
     def restore(self, rec, source: Optional[torch.Tensor] = None) -> None:
@@ -358,11 +367,17 @@ class DeviceCopy:
         stream = self.reload_stream
         tl = self.timeline
         host = source if source is not None else xfer.block.tensor
-        # Allocated on the current (compute) stream, from the pool backward's frees go back
-        # to; the reload stream writes it only once the compute stream has run to this point,
-        # where whatever used the block before is done (module docstring).
-        owner = xfer.owner = ops.current_stream(self.device)
-        restored, dest = rec.allocate_restore(empty=ops.empty, pad=False)
+        # Allocated on the compute stream named at install, from the pool backward's frees go
+        # back to, whatever stream is current: a read that completes inside a write batch's
+        # back-pressure runs here under the offload stream's context. The reload stream writes
+        # it only once the compute stream has run to this point, where whatever used the
+        # block before is done (module docstring).
+        owner = xfer.owner = self.compute_stream
+        if ops.current_stream(self.device) == owner:
+            restored, dest = rec.allocate_restore(empty=ops.empty, pad=False)
+        else:
+            with ops.use(owner):
+                restored, dest = rec.allocate_restore(empty=ops.empty, pad=False)
         allocated = self._event()
         allocated.record(owner)
         stream.wait_event(allocated)

@@ -134,8 +134,8 @@ class TensorRecord:
         ``align``: a tensor that started on a 512-byte boundary (most do) comes back on an
         ``align`` boundary; a compact record's packed bytes start on one. ``empty``: where the
         memory comes from (``torch.empty``'s signature; on a CPU device, the offloader's
-        restore_pool.py; on the GPU path, the caching allocator on the current (compute)
-        stream, whose pool the original's block went back to: device_copy.py). ``pad=False``:
+        restore_pool.py; on the GPU path, the caching allocator on the compute stream named
+        at install, whose pool the original's block went back to: device_copy.py). ``pad=False``:
         ``empty`` gives ``align``-aligned memory (CUDA's caching allocator: 512 bytes), so a
         tensor that started on a boundary is allocated at exactly its bytes, in the size
         class of the block it came from (padding it would put it in the next one, where it

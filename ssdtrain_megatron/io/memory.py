@@ -21,7 +21,8 @@ Why these choices:
   (``pool_view_of``, counted with ``pool_read``); the meters and the trace count both.
   ``fence`` names the event of the last copy into or out of an extent: a released extent is
   handed out again only once that event completed (``query``, never a wait), like a staging
-  block (cache/device_copy.py).
+  block (cache/device_copy.py). An extent keeps its own fence or none: ``commit`` (the copy
+  in ran) drops the copy's, which the data path then reuses for other record points.
 """
 
 from __future__ import annotations
@@ -138,10 +139,15 @@ class MemoryEngine(IOEngine):
         return self._pool[offset:offset + nbytes]
 
     def commit(self, key: int) -> None:
-        """The offloader's copy into ``key``'s ``pool_view`` ran: the bytes are stored."""
+        """The offloader's copy into ``key``'s ``pool_view`` ran: the bytes are stored. Its
+        event fences nothing now (the data path gives it back to its event pool, to be
+        re-recorded for something else): the extent keeps no fence until a copy out of it
+        names its own."""
         with self._lock:
             t_view = self._in_place.pop(key, None)
             where = self._extents.get(key)
+            if t_view is not None:
+                self._fences.pop(key, None)
         if t_view is None or where is None:
             raise EngineError(f"commit of key {key}, which has no pool_view waiting for its bytes")
         self._counted("write", key, where, self.write_meter, t_view)
