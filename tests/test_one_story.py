@@ -49,7 +49,11 @@ def check_all(capsys, jobs: List[List[str]]) -> int:
     planned, bad = 0, []
     for argv in jobs:
         code, out = story(capsys, argv)
-        if out.startswith("DOES NOT FIT: "):  # the fit answer: no plan to read
+        # the fit answer (the job as given does not fit; what would, or megatron-core's
+        # optimizer offload that makes it fit, issue 67): no plan to read
+        if out.startswith("DOES NOT FIT: ") or re.match(
+                r"FITS \d+ GPUs WITH MEGATRON'S OPTIMIZER OFFLOAD", out):
+            assert code == 1, (argv, out[:200])
             continue
         planned += 1
         found = contradictions(out)

@@ -386,10 +386,17 @@ def launcher_job(args: argparse.Namespace):
 
 def host_memory_words(job: Any, settings: Any, args: argparse.Namespace) -> dict:
     """The host memory the plan used and where it came from (``host_capacity_bytes``,
-    ``host_memory_source``): a named pool bounds the host places (plan/job.py)."""
+    ``host_memory_source``): a named pool bounds the host places (plan/job.py), and what
+    megatron-core's optimizer CPU offload takes is not ours (rule 0)."""
+    from ...plan.job import less_optimizer_host
     origin = "--host-memory" if getattr(args, "host_memory", None) is not None else \
         f"the {job.node.name} profile's; a job measures its node's at start"
     total = f"{size_text(job.host_bytes or 0)} per GPU ({origin})"
+    left = less_optimizer_host(job)  # what megatron-core's optimizer CPU offload leaves (rule 0)
+    if left.host_bytes != job.host_bytes:
+        total += (f", less {size_text((job.host_bytes or 0) - (left.host_bytes or 0))} for "
+                  "megatron-core's optimizer CPU offload")
+    job = left
     staging = settings.config.staging_bytes()
     if settings.config.engine in ("tiered", "memory") and "host_memory_bytes" in job.given:
         return {"host_capacity_bytes": settings.config.host_memory_bytes,
