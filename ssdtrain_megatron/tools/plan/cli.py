@@ -364,8 +364,6 @@ def launcher_job(args: argparse.Namespace):
         raise ValueError("--memory-reserve: the job's launcher has no such flag, so the job runs "
                          "with the default reserve; plan the preset with --config to try another")
     flags = parse_flags(args.launch_args)
-    if not flags.ssd_offload:
-        raise ValueError("the arguments after -- have no --ssd-offload: nothing is offloaded")
     if args.config is not None and flags.ssd_offload_config is None:
         flags.ssd_offload_config = args.config
     preset = preset_of(flags.ssd_offload_config) if flags.ssd_offload_config else None
@@ -381,7 +379,37 @@ def launcher_job(args: argparse.Namespace):
     job = dataclasses.replace(job, host_bytes=node.host_memory_bytes,
                               host_text=f"{size_text(node.host_memory_bytes)} host memory per "
                                         f"GPU ({node.name})")
+    if not flags.ssd_offload:  # a plain Megatron command line: the job keeps everything
+        job = dataclasses.replace(job, offload=job.offload.replace(policy="keep"),
+                                  given={**job.given, "policy": "no --ssd-offload"})
     return job, source
+
+
+def launched_size(job, args: argparse.Namespace):
+    """The GPUs and global batch of the job after ``--`` (for --search)."""
+    from .job_size import JobSize
+
+    shape = job.shape
+    if shape is None:
+        raise ValueError("--search: no model in the arguments after -- (Megatron's --num-layers, "
+                         "--hidden-size, --num-attention-heads, --seq-length, --micro-batch-size)")
+    m = job.num_micro_batches or 1
+    gpus = shape.dp * shape.model_parallel
+    return JobSize(gpus, shape.dp * shape.micro_batch * m, shape.dp, m,
+                   "" if args.gpus or args.nodes else f"{gpus} GPUs = dp {shape.dp} x tp "
+                   f"{shape.tp} x pp {shape.pp} x cp {shape.cp} (--gpus: the world size)")
+
+
+def job_throughput(job, settings, size) -> dict:
+    """The job as given: its tokens/s per GPU (keeping everything where its policy is keep or
+    it has no --ssd-offload, else its plan), whether or not it fits (plan/fit.py says that),
+    and the step's seconds by term (plan/step_time.py)."""
+    st = settings.stage
+    keeps = settings.config.policy == "keep" or job.given.get("policy") == "no --ssd-offload"
+    iteration = st.keep_iteration_s if keeps or settings.plan is None else settings.plan.iteration_s
+    tokens = size.global_batch * job.shape.seq_len / iteration / size.gpus
+    return {"job_tokens_per_s_per_gpu": tokens, "job_iteration_s": iteration,
+            "job_offloads": not keeps, "time_terms_s": dict(st.terms)}
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -395,10 +423,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return _error("plan", "give --config PRESET, or the job's launcher arguments after --")
     try:
         if args.launch_args:
-            if args.search:
-                raise ValueError("--search ranks layouts of --config: give no arguments after --")
             job, source = launcher_job(args)
-            size = None
+            size = launched_size(job, args) if args.search else None
         else:
             job, size, source = plan_job(args)
         if args.search:
@@ -425,6 +451,7 @@ def run_plan(args: argparse.Namespace) -> int:
                        "" if args.gpus or args.nodes else f"{gpus} GPUs = dp {shape.dp} x "
                        f"tp {shape.tp} x pp {shape.pp} x cp {shape.cp} (--gpus: the world size)")
     result.update(gpus=size.gpus, global_batch=size.global_batch, assumed=size.assumed)
+    result.update(job_throughput(job, settings, size))
     result["fit"] = fit_line(shape, args, job.node, size.num_micro_batches)
     # the headline: against the best that runs without offload on these GPUs (headline.py)
     result["without_offload"] = against_without_offload(shape, args, job.node, result,
