@@ -220,8 +220,10 @@ class NodeProfile:
                   f"GB/s write / read, {self.drive_tbw_tb:,g} TBW each (per GPU "
                   f"{self.ssd_write_gbps:.2f} / {self.ssd_read_gbps:.2f} GB/s)"
                   if self.drives else "no drives")
+        rate = (f"{self.gpu_kind} (its GEMM, attention and memory rates)"
+                if self.gpu_kind and not self.gpu_tflops_by_tokens else f"{self.gpu_tflops:g} TFLOP/s")
         return (f"{self.name}: {self.gpus_per_node} GPUs of {self.gpu_memory_bytes / GB:g} GB at "
-                f"{self.gpu_tflops:g} TFLOP/s; host memory {self.host_memory_bytes / GB:g} GB per "
+                f"{rate}; host memory {self.host_memory_bytes / GB:g} GB per "
                 f"GPU over {self.host_link_gbps:g} GB/s each way{self._bus()}; {drives}; NVLink "
                 f"{self.nvlink_gbps:g} GB/s")
 

@@ -12,7 +12,7 @@ layout, as each source's table gives them), never their text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Any, Mapping, Tuple
 
 
 @dataclass(frozen=True)
@@ -144,4 +144,24 @@ def beyond_error(gain: float, error: ModelError = MODEL_ERROR) -> bool:
     return gain - 1 > error.spread
 
 
-__all__ = ["MODEL_ERROR", "ModelError", "PUBLISHED_RUNS", "PublishedRun", "beyond_error"]
+def assumed_terms(node: Mapping[str, Any]) -> Tuple[str, str]:
+    """(compute, communication) words for the plan's assumptions line from a node profile's
+    dict: its GPU kind's terms and the model's measured error, or ("", what a node without a
+    kind leaves out)."""
+    kind = node.get("gpu_kind")
+    if not kind or node.get("gpu_tflops_by_tokens"):
+        return "", ("no data-parallel or pipeline communication, no expert all-to-all (a node "
+                    "without gpu_kind: one rate for every FLOP)")
+    from .gpu_kind import gpu_kind
+
+    compute = (f"{gpu_kind(kind).describe()} (plan/gpu_kind.py; a profile's gemm_efficiency "
+               "replaces it)")
+    nics = (f"{node['nics']} x {node['nic_gbps']:g} Gb/s NICs per node" if node.get("nics")
+            else "NICs not known (NVLink's rate assumed)")
+    comm = ("TP, CP and expert all-to-all over NVLink, data-parallel reduce-scatter and "
+            f"all-gather and pipeline sends over NVLink within a node or {nics}, overlapped as "
+            "the job's flags say; the (interleaved) pipeline bubble; " + MODEL_ERROR.line())
+    return compute, comm
+
+
+__all__ = ["assumed_terms", "MODEL_ERROR", "ModelError", "PUBLISHED_RUNS", "PublishedRun", "beyond_error"]

@@ -2,22 +2,18 @@
 micro-batch positions and pipeline bubble for one GPU of the first stage (the one with the most
 micro-batches in flight under 1F1B), and the plan :func:`plan_stage` makes for it.
 
-Time per layer and micro-batch, forward (docs/models.md, "The model's terms"):
+Time per layer and micro-batch (docs/models.md, "The model's terms"): with a GPU kind, by
+plan/step_time.py's terms (GEMMs by shape and precision, attention, memory-bound passes, TP, CP
+and expert communication as the flags overlap them), and once a step its bubble ((pp - 1) / vp
+micro-batch times), pipeline sends, data-parallel communication and optimizer (``step_s``);
+the last stage, with the output layer and loss, sets the pace. Without a kind (a custom
+profile, ``--gpu-tflops``): the layer's FLOPs over tp x cp GPUs at the node's one rate, TP
+communication over NVLink not overlapped, backward twice the compute, the output layer spread
+over the stages, and the bubble.
 
-* compute: the layer's FLOPs over tp x cp GPUs at the node's achieved TFLOP/s;
-* tensor-parallel communication over NVLink (tp > 1): two all-gathers and two reduce-scatters
-  (or two all-reduces without sequence parallelism) of the layer's s x b x h activations, each
-  moving (tp - 1) / tp of them per GPU, the same again in backward, not overlapped with compute;
-* backward: twice the compute, the same communication; recompute: one more forward.
-
-A step of m micro-batches on pp stages (1F1B) takes (m + pp - 1) micro-batch times: the
-pp - 1 are the pipeline bubble. The output layer and loss run on the last stage; their FLOPs
-are counted as if spread over the stages (a balanced layout gives the last stage fewer layers).
 Under 1F1B the first stage holds min(pp, m) micro-batches at once, and between a micro-batch's
 forward and its backward it runs the forwards and backwards of the others: that is the time its
-writes have to drain. Not modelled: data-parallel gradient reduction, pipeline sends, expert
-all-to-all, context-parallel exchange (each overlaps compute in Megatron to a degree not known
-here).
+writes have to drain.
 """
 
 from __future__ import annotations
