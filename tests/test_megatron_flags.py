@@ -89,6 +89,7 @@ def test_plan_takes_a_plain_megatron_command_line_and_prices_the_job_as_given(ca
     assert set(out["time_terms_s"]["step"]) == {"pipeline_bubble", "pipeline_sends",
                                                 "dp_grad_reduce", "dp_param_gather", "optimizer"}
     assert out["without_offload"]["best"] is not None
+    assert out["with_offload"] is None or out["with_offload"]["tokens_per_s_per_gpu"] > 0
 
 
 def test_search_of_a_command_line_tries_context_parallelism_at_8k(capsys):
@@ -103,3 +104,14 @@ def test_search_of_a_command_line_tries_context_parallelism_at_8k(capsys):
     ranked = out["without_offload"] + out["with_offload"]
     assert any(d["cp"] == 2 for d in ranked)
     assert all(d["offloads"] for d in out["with_offload"])
+
+
+def test_newer_recompute_and_expert_flags_are_read_or_refused():
+    with pytest.raises(JobError, match="--recompute-modules moe: only core_attn"):
+        _model("--recompute-granularity", "selective", "--recompute-modules", "moe")
+    assert _model("--recompute-granularity", "selective", "--recompute-modules",
+                  "core_attn").recompute == "selective"
+    with pytest.raises(JobError, match="--expert-tensor-parallel-size 1: the planner splits"):
+        _model("--tensor-model-parallel-size", "2", "--num-experts", "8",
+               "--moe-token-dispatcher-type", "alltoall", "--expert-tensor-parallel-size", "1")
+    assert _model("--fp8-param-gather", "--use-distributed-optimizer").fp8_param_gather

@@ -123,3 +123,14 @@ def test_a_node_without_a_gpu_kind_times_every_flop_at_its_one_rate():
     flat = NODE.replace(gpu_kind=None)
     st = stage(ModelShape(**LLAMA_8B), SaveProfile.paper(), flat, 4)
     assert st.step_s == 0.0 and st.terms == {} and st.backward_s is None
+
+
+def test_a_grouped_gemm_shares_its_waves_between_the_experts():
+    """16 experts of 4096 x 1536: each alone runs 192 tiles in 2 waves of 132 (0.73 busy);
+    grouped, 3,072 tiles run in 24 waves (0.97 busy). Broken variant (the grouped flag
+    ignored): the two times are equal."""
+    from ssdtrain_megatron.plan.step_time import Gemm, gemm_time
+
+    alone = gemm_time(Gemm("e", 4096, 1536, 2048, "bf16", 16, False), H100, NODE, 8192)
+    grouped = gemm_time(Gemm("e", 4096, 1536, 2048, "bf16", 16, True), H100, NODE, 8192)
+    assert alone / grouped == pytest.approx((3072 / (24 * 132)) / (192 / (2 * 132)))

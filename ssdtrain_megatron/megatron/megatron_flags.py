@@ -18,7 +18,9 @@ that names it (a value the planner does not model), never silently ignored:
   modelled);
 * recompute: ``--recompute-activations`` (selective), ``--recompute-granularity``,
   ``--recompute-method`` / ``--recompute-num-layers`` (full recompute of every layer only);
-* context parallelism's exchange: ``--cp-comm-type`` p2p (the ring; others refused).
+* context parallelism's exchange: ``--cp-comm-type`` p2p (the ring; others refused);
+* ``--recompute-modules`` (core_attn only), ``--expert-tensor-parallel-size`` (tp only),
+  ``--fp8-param-gather`` (the parameter all-gather in FP8).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ def add_time_flags(parser: argparse.ArgumentParser) -> None:
     add("--recompute-method", dest="recompute_method", default=None, choices=("uniform", "block"))
     add("--recompute-num-layers", dest="recompute_num_layers", type=int, default=None)
     add("--cp-comm-type", dest="cp_comm_type", default="p2p")
+    add("--recompute-modules", dest="recompute_modules", nargs="*", default=None)
+    add("--expert-tensor-parallel-size", dest="expert_tensor_parallel_size", type=int,
+        default=None)
+    add("--fp8-param-gather", dest="fp8_param_gather", action="store_true", default=False)
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -119,7 +125,7 @@ def time_fields(args: Any, whole: bool) -> Dict[str, Any]:
     if fp8 or whole:
         found["fp8"] = bool(fp8)
     for name in ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
-                 "grad_reduce_in_bf16", "moe_grouped_gemm"):
+                 "grad_reduce_in_bf16", "moe_grouped_gemm", "fp8_param_gather"):
         value = getattr(args, name, None)
         if value or (whole and value is not None):
             found[name] = bool(value)
@@ -145,6 +151,16 @@ def _refuse(args: Any) -> None:
     if (getattr(args, "context_parallel_size", 1) or 1) > 1 and cp_type != "p2p":
         raise JobError(f"--cp-comm-type {cp_type}: not modelled (the planner prices the p2p "
                        "ring's key/value exchange); give --cp-comm-type p2p")
+    modules = getattr(args, "recompute_modules", None)
+    if getattr(args, "recompute_granularity", None) == "selective" and modules \
+            and list(modules) != ["core_attn"]:
+        raise JobError(f"--recompute-modules {' '.join(modules)}: only core_attn (Megatron's "
+                       "default selective recompute) is modelled; drop the flag")
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if getattr(args, "num_experts", None) and etp is not None and etp != tp:
+        raise JobError(f"--expert-tensor-parallel-size {etp}: the planner splits experts over "
+                       f"tp ({tp}), Megatron's default; give {tp} or leave the flag out")
     method, count = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None)
     if getattr(args, "recompute_granularity", None) == "full" and method is not None \
             and count is not None:

@@ -152,6 +152,9 @@ class ModelShape:
     moe_grouped_gemm: bool = False
     """``--moe-grouped-gemm``: a rank's experts run as one grouped GEMM."""
 
+    fp8_param_gather: bool = False
+    """``--fp8-param-gather``: the distributed optimizer all-gathers parameters in FP8 (1 byte)."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
                      "tp", "pp", "dp"):
@@ -166,7 +169,8 @@ class ModelShape:
             _fail("dtype_bytes", self.dtype_bytes, "expected 2 (bf16/fp16) or 4 (fp32)")
         for name in ("sequence_parallel", "flash_attention", "swiglu", "swiglu_fusion",
                      "distributed_optimizer", "fp8", "tp_comm_overlap", "overlap_grad_reduce",
-                     "overlap_param_gather", "grad_reduce_in_bf16", "moe_grouped_gemm"):
+                     "overlap_param_gather", "grad_reduce_in_bf16", "moe_grouped_gemm",
+                     "fp8_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "expected true or false")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
@@ -250,7 +254,8 @@ class ModelShape:
                          "num_experts", "moe_topk", "moe_ffn_hidden", "fp8", "moe_grouped_gemm")
     PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel", "ep", "cp", "dp",
                             "distributed_optimizer", "vp", "tp_comm_overlap",
-                            "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16")
+                            "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16",
+                            "fp8_param_gather")
 
     @classmethod
     def from_preset(cls, model: Mapping, parallel: Optional[Mapping] = None) -> "ModelShape":

@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .gpu_kind import GpuKind, attention_rate, gemm_seconds, gpu_kind, memory_seconds, wave_efficiency
+from .gpu_kind import (TILE_M, TILE_N, GpuKind, attention_rate, gemm_seconds, gpu_kind, memory_seconds,
+                       wave_efficiency)
 from .memory import layer_parameters
 from .model import attention_core_flops, local_sequence_shape
 from .node import NodeProfile
@@ -133,12 +134,13 @@ def gemm_time(g: Gemm, kind: Optional[GpuKind], node: NodeProfile, tokens: int) 
     if kind is None:
         return g.flops / node.flops_at(tokens)
     eff = getattr(node, "gemm_efficiency", None)
-    if g.grouped and g.count > 1:  # one kernel: the experts' tiles share the waves
-        wave = wave_efficiency(g.m, g.n, kind.sms)
-        tiles = -(-g.m // 128) * -(-g.n // 256) * g.count
+    if g.grouped and g.count > 1:
+        # one kernel: the experts' tiles share the waves, instead of each running its own
+        one = gemm_seconds(kind, g.m, g.n, g.k, g.precision, eff)
+        tiles = g.count * -(-g.m // TILE_M) * -(-g.n // TILE_N)
         waves = -(-tiles // kind.sms)
-        busy = (g.m * g.n * g.count) / (waves * kind.sms * 128 * 256)
-        return g.count * gemm_seconds(kind, g.m, g.n, g.k, g.precision, eff) * wave / busy
+        shared = g.count * g.m * g.n / (waves * kind.sms * TILE_M * TILE_N)
+        return g.count * one * wave_efficiency(g.m, g.n, kind.sms) / shared
     return g.count * gemm_seconds(kind, g.m, g.n, g.k, g.precision, eff)
 
 
@@ -331,7 +333,7 @@ def _data_parallel(shape: ModelShape, node: NodeProfile, forward_s: float,
             rate = link_gbps(node, shape.tp * ranks) * 1e9
             if shape.distributed_optimizer:
                 reduce_s += params * grad_bytes * share / rate
-                gather_s += params * _BF16 * share / rate
+                gather_s += params * (1 if shape.fp8_param_gather else _BF16) * share / rate
             else:
                 reduce_s += 2 * params * grad_bytes * share / rate
         shards = ranks if shape.distributed_optimizer else 1

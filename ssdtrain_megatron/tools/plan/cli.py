@@ -400,6 +400,24 @@ def launched_size(job, args: argparse.Namespace):
                    f"{shape.tp} x pp {shape.pp} x cp {shape.cp} (--gpus: the world size)")
 
 
+def best_with_offload_summary(shape, size, node, args: argparse.Namespace,
+                              keep_last_layers: int) -> Optional[dict]:
+    """The fastest layout on the job's GPUs and global batch that offloads something (None
+    where none fits), as ``without_offload["best"]`` says the best without."""
+    from ...plan.baseline import best_with_offload, describe
+    from .fit_answer import reserve_of
+
+    best = best_with_offload(shape, size.gpus, size.global_batch, node,
+                             keep_last_layers=keep_last_layers, reserve=reserve_of(args, node))
+    if best is None:
+        return None
+    s = best.shape
+    return {"layout": describe(best), "tp": s.tp, "pp": s.pp, "vp": s.vp, "cp": s.cp, "dp": s.dp,
+            "micro_batch": s.micro_batch, "recompute": s.recompute,
+            "iteration_s": best.plan.iteration_s,
+            "tokens_per_s_per_gpu": best.tokens_per_s_per_gpu}
+
+
 def job_throughput(job, settings, size) -> dict:
     """The job as given: its tokens/s per GPU (keeping everything where its policy is keep or
     it has no --ssd-offload, else its plan), whether or not it fits (plan/fit.py says that),
@@ -456,6 +474,9 @@ def run_plan(args: argparse.Namespace) -> int:
     # the headline: against the best that runs without offload on these GPUs (headline.py)
     result["without_offload"] = against_without_offload(shape, args, job.node, result,
                                                          settings.config.keep_last_layers)
+    if args.launch_args:  # the job as given, beside the best without and with offload
+        result["with_offload"] = best_with_offload_summary(shape, size, job.node, args,
+                                                           settings.config.keep_last_layers)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
