@@ -115,3 +115,22 @@ def test_newer_recompute_and_expert_flags_are_read_or_refused():
         _model("--tensor-model-parallel-size", "2", "--num-experts", "8",
                "--moe-token-dispatcher-type", "alltoall", "--expert-tensor-parallel-size", "1")
     assert _model("--fp8-param-gather", "--use-distributed-optimizer").fp8_param_gather
+
+
+def test_the_answer_is_one_value_with_the_job_both_bests_and_the_verdict(capsys):
+    """plan/answer.py's Answer as ``plan -- ARGS --json`` gives it: the job's own figure equals
+    the top-level one, the gain is the bests' ratio, and the verdict follows the model's error.
+    Broken variant (verdict ignoring the error band: "offload pays" above 1): the 8B job's
+    x1.03 reads "offload pays"."""
+    from ssdtrain_megatron.plan.published import MODEL_ERROR, PUBLISHED_RUNS
+
+    run = PUBLISHED_RUNS[0]
+    assert main(["plan", "--node", "dgx-h100", "--gpus", "8", "--json", "--", *run.argv]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ans = out["answer"]
+    assert ans["job_tokens_per_s_per_gpu"] == out["job_tokens_per_s_per_gpu"]
+    best, with_ = ans["best_without_offload"], ans["best_with_offload"]
+    assert ans["gain"] == pytest.approx(with_["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"])
+    assert 1 < ans["gain"] < 1 + MODEL_ERROR.spread
+    assert ans["verdict"] == "within the model's error"
+    assert ans["model_error"]["median"] == MODEL_ERROR.median

@@ -400,34 +400,12 @@ def launched_size(job, args: argparse.Namespace):
                    f"{shape.tp} x pp {shape.pp} x cp {shape.cp} (--gpus: the world size)")
 
 
-def best_with_offload_summary(shape, size, node, args: argparse.Namespace,
-                              keep_last_layers: int) -> Optional[dict]:
-    """The fastest layout on the job's GPUs and global batch that offloads something (None
-    where none fits), as ``without_offload["best"]`` says the best without."""
-    from ...plan.baseline import best_with_offload, describe
-    from .fit_answer import reserve_of
-
-    best = best_with_offload(shape, size.gpus, size.global_batch, node,
-                             keep_last_layers=keep_last_layers, reserve=reserve_of(args, node))
-    if best is None:
-        return None
-    s = best.shape
-    return {"layout": describe(best), "tp": s.tp, "pp": s.pp, "vp": s.vp, "cp": s.cp, "dp": s.dp,
-            "micro_batch": s.micro_batch, "recompute": s.recompute,
-            "iteration_s": best.plan.iteration_s,
-            "tokens_per_s_per_gpu": best.tokens_per_s_per_gpu}
-
-
 def job_throughput(job, settings, size) -> dict:
-    """The job as given: its tokens/s per GPU (keeping everything where its policy is keep or
-    it has no --ssd-offload, else its plan), whether or not it fits (plan/fit.py says that),
-    and the step's seconds by term (plan/step_time.py)."""
-    st = settings.stage
-    keeps = settings.config.policy == "keep" or job.given.get("policy") == "no --ssd-offload"
-    iteration = st.keep_iteration_s if keeps or settings.plan is None else settings.plan.iteration_s
-    tokens = size.global_batch * job.shape.seq_len / iteration / size.gpus
-    return {"job_tokens_per_s_per_gpu": tokens, "job_iteration_s": iteration,
-            "job_offloads": not keeps, "time_terms_s": dict(st.terms)}
+    """The job as given (plan/answer.py): its tokens/s per GPU whether or not it fits (plan/fit.py
+    says that), and the step's seconds by term (plan/step_time.py)."""
+    from ...plan.answer import job_as_given
+
+    return job_as_given(job, settings, size.gpus, size.global_batch)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -474,9 +452,13 @@ def run_plan(args: argparse.Namespace) -> int:
     # the headline: against the best that runs without offload on these GPUs (headline.py)
     result["without_offload"] = against_without_offload(shape, args, job.node, result,
                                                          settings.config.keep_last_layers)
-    if args.launch_args:  # the job as given, beside the best without and with offload
-        result["with_offload"] = best_with_offload_summary(shape, size, job.node, args,
-                                                           settings.config.keep_last_layers)
+    if args.launch_args:  # the answer, one value (plan/answer.py): the job, both bests, the error
+        from ...plan.answer import answer
+        from .fit_answer import reserve_of
+
+        result["answer"] = answer(job, size.gpus, size.global_batch, settings,
+                                  reserve_of(args, job.node)).to_dict()
+        result["with_offload"] = result["answer"]["best_with_offload"]
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
