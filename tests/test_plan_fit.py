@@ -266,6 +266,12 @@ def test_the_plan_states_the_assumptions_that_move_its_answer(capsys):
     assert node_line.startswith("node dgx-h100: 8 GPUs of 80 GB at 250 TFLOP/s")
     for said in ("assumed: 250 TFLOP/s per GPU at every micro-batch",
                  "half the s^2 square with flash attention",
-                 "TP within one node's NVLink at 450 GB/s", "no virtual pipeline",
-                 "a 3.0 GB reserve"):
+                 "TP within one node's NVLink at 450 GB/s",
+                 "no data-parallel or pipeline communication", "a 3.0 GB reserve"):
+        assert said in node_line, said
+    # with the node's GPU kind (no --gpu-tflops): its terms and the model's measured error
+    assert main(["plan", "--config", "llama3-8b"]) == 0
+    node_line = capsys.readouterr().out.splitlines()[1]
+    for said in ("assumed: h100-sxm: GEMM BF16 989.4 x 0.72", "8 x 400 Gb/s NICs per node",
+                 "the model's error over 7 published H100 Megatron runs: median +5.2%"):
         assert said in node_line, said

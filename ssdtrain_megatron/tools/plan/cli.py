@@ -159,7 +159,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="the job's own launcher arguments (Megatron's flags and the "
                              "--ssd-offload flags, as ssdtrain-pretrain gets them): plan exactly "
                              "what the job will run (the settings `ssdtrain doctor --preflight "
-                             "--json -- ARGS` prints per rank). --node, --gpus (the world size) "
+                             "--json -- ARGS` prints per rank); without --ssd-offload, the job "
+                             "as Megatron runs it (keeping everything: job_tokens_per_s_per_gpu "
+                             "in --json). --node, --gpus (the world size) "
                              "and --host-memory (per GPU, staging included) still apply")
     parser.add_argument("--node", default=None, metavar="NAME|PATH", type=_node_arg,
                         help="the node: a built-in profile (" + ", ".join(BUILTIN) + ") or a "
@@ -201,9 +203,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                                            "preset's recompute_fallback, else off; on where the "
                                            "node chooses tiered and the policy is adaptive)")
     parser.add_argument("--search", action="store_true",
-                        help="rank layouts (tp, pp, cp, micro-batch, recompute, tier plan) of the "
-                             "preset's model on --gpus at --global-batch-size by modeled "
-                             "tokens/s per GPU, without and with offload")
+                        help="rank layouts (tp, pp, vp, cp, micro-batch, recompute, distributed "
+                             "optimizer, tier plan) of the preset's (or the job's, after --) "
+                             "model on --gpus at --global-batch-size by modeled tokens/s per GPU, "
+                             "without and with offload (only plans that offload rank with it)")
     parser.add_argument("--top", type=_int_at_least(1), default=5, metavar="K",
                         help="--search: layouts shown per kind (default 5)")
     _add_node_flags(parser)
