@@ -29,9 +29,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS_PER_ITERATION = 4 * 2 ** 20
 """About 4M tokens per iteration, Llama 3's global batch at the start of its pretraining (Meta
 2024): 512 sequences of 8,192 tokens, 1,024 of 4,096, 32 of 131,072."""
-PAYS = 1.02
-"""A gain below 2% is within what the model leaves out (docs/models.md): the row says offload
-does not pay there."""
+
+
+def _error():
+    """The planner's measured error over published runs (plan/published.py): a gain within
+    its spread is "within the model's error", not a gain."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from ssdtrain_megatron.plan.published import MODEL_ERROR
+
+    return MODEL_ERROR
+
+
+def beyond(gain: float) -> bool:
+    from ssdtrain_megatron.plan.published import beyond_error
+
+    return beyond_error(gain, _error())
 
 JOBS: Tuple[Tuple[str, str, int], ...] = (
     ("llama3-8b", "dgx-h100", 8), ("llama3-8b", "dgx-h100", 64), ("llama3-8b", "dgx-h100", 512),
@@ -99,7 +112,8 @@ def _layout(x) -> str:
         how = ", some layers recomputed"
     if s.optimizer_offload_fraction:
         how += f", optimizer offload {s.optimizer_offload_fraction:.2f}"
-    return (f"TP{s.tp} PP{s.pp}" + (f" CP{s.cp}" if s.cp > 1 else "") + f" DP{s.dp}, "
+    return (f"TP{s.tp} PP{s.pp}" + (f" VP{s.vp}" if s.vp > 1 else "")
+            + (f" CP{s.cp}" if s.cp > 1 else "") + f" DP{s.dp}, "
             f"b={s.micro_batch}{how}: {x.tokens_per_s_per_gpu:,.0f}")
 
 
@@ -114,8 +128,10 @@ def why(without, with_) -> str:
     if without is None:
         return "only offload fits"
     gain = with_.tokens_per_s_per_gpu / without.tokens_per_s_per_gpu
-    if gain < PAYS or not with_.offloads:
-        return "does not pay: as fast without offload"
+    if gain <= 1 or not with_.offloads:
+        return "does not pay: faster without offload"
+    if not beyond(gain):
+        return "within the model's error: as fast without offload"
     a, b = without.shape, with_.shape
     reasons = (["only with megatron-core's optimizer offload"] if a.optimizer_offload_fraction
                else [])
@@ -171,7 +187,7 @@ class Row:
 
     @property
     def pays(self) -> bool:
-        return self.gain is not None and self.gain >= PAYS and self.with_.offloads
+        return self.gain is not None and beyond(self.gain) and self.with_.offloads
 
     def markdown(self) -> str:
         shape = _shape(self.preset)
@@ -215,14 +231,18 @@ def summary(planned: Optional[List[Row]] = None) -> str:
     if only:
         reasons.append(f"only offload fits ({len(only)} job{'s' if len(only) > 1 else ''})")
     long_context = [r for r in paying if _shape(r.preset).seq_len >= 32768]
-    flat = [r for r in planned if r.why.startswith("does not pay")]
+    flat = [r for r in planned if r.why.startswith(("does not pay", "within the model's error"))]
     none = [r for r in planned if r.why == "nothing fits"]
     first = (f"In the planner's table of {len(planned)} jobs below, offload pays (tokens/s per "
              f"GPU) in {len(paying) + len(only)}: " + "; ".join(reasons)
              + (f"; at 128k context on {' and '.join(sorted(set(str(r.gpus) for r in long_context), key=int))}"
                 f" GPUs {_span([r.gain for r in long_context])}" if long_context else "") + ".")
+    error = _error()
     second = (f"In the other {len(flat) + len(none)} it does not: keeping, or Megatron's own "
-              f"recompute, is as fast within {round((PAYS - 1) * 100)}% ({len(flat)})"
+              f"recompute, is faster or as fast within the model's error ({len(flat)}; its error "
+              f"over {error.runs} published H100 runs: median {error.median:+.1%}, from "
+              f"{error.low:+.1%} to {error.high:+.1%}, so a gain under x{1 + error.spread:.2f} "
+              "is within it)"
               + (f", or nothing fits the GPUs ({len(none)}; `ssdtrain plan` names what would)"
                  if none else "") + ".")
     return first + "\n" + second

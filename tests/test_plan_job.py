@@ -48,7 +48,7 @@ def test_a_named_engine_is_planned_and_said_to_be_slower_than_the_nodes(capsys):
     assert lines[3] == "policy adaptive, engine posix: places keep, ssd, recompute"
     assert lines[4] == "engine posix: named by --engine (posix)"
     assert lines[-1].startswith("slower than the node's       engine posix, named by --engine "
-                                "(posix), plans x1.204 keep; without it the engine follows the "
+                                "(posix), plans x1.198 keep; without it the engine follows the "
                                 "node: engine tiered: 150.0 GB host memory per GPU (dgx-h100)")
     assert lines[-1].endswith("; x1.000 keep")
     as_fast = _json(capsys, *ISSUE, "--engine", "tiered")

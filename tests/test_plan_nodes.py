@@ -140,13 +140,17 @@ def test_gemm_efficiency_by_tokens_is_the_profiles_measurement_when_it_has_one(c
                     "--num-microbatches", "8", *flags)
         return out["compute_s"] / (b * 8)
 
-    flat = [per_token("dgx-h100", b) for b in (1, 2, 4)]
+    # One rate at every micro-batch (--gpu-tflops: no GPU kind's terms either), said so
+    flat = [per_token("dgx-h100", b, "--gpu-tflops", "400") for b in (1, 2, 4)]
     assert flat == pytest.approx([flat[0]] * 3, rel=1e-9)  # the assumption, stated
     by_tokens = [per_token(str(measured), b) for b in (1, 2, 4)]
     assert by_tokens[0] / by_tokens[1] == pytest.approx(360 / 300, rel=1e-9)
     assert by_tokens[1] / by_tokens[2] == pytest.approx(400 / 360, rel=1e-9)
     assert by_tokens[2] == pytest.approx(flat[2], rel=1e-9)  # 8,192 tokens: the 400 measured
     assert per_token(str(measured), 1, "--gpu-tflops", "400") == pytest.approx(flat[0], rel=1e-9)
+    # dgx-h100's GPU kind times each GEMM by its shape (plan/step_time.py): no tie
+    kind = [per_token("dgx-h100", b) for b in (1, 2, 4)]
+    assert kind[0] != kind[1]
     assert main(["plan", "--config", "llama3-8b", "--node", str(measured)]) == 0
     assert "by tokens per micro-batch as the profile measured them (2,048 tokens 300" in \
         capsys.readouterr().out

@@ -32,6 +32,7 @@ from ..plan.preset_file import PresetFile, preset_of
 from ..plan.shape import ModelShape
 from .args import explicit_fields, flag_for
 from .host_memory import HostMemory
+from .megatron_flags import add_time_flags, flash_attention, padded_vocab, time_fields, virtual_pipeline
 
 SHAPE_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden", "num_attention_heads": "heads",
               "ffn_hidden_size": "ffn_hidden", "seq_length": "seq_len",
@@ -80,6 +81,7 @@ def _megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-router-topk", dest="moe_router_topk", type=int, default=None)
     parser.add_argument("--moe-ffn-hidden-size", dest="moe_ffn_hidden_size", type=int, default=None)
     add_optimizer_flags(parser)
+    add_time_flags(parser)
     return parser
 
 
@@ -165,6 +167,12 @@ def megatron_namespace(argv: Sequence[str], world_size: Optional[int]) -> argpar
 def megatron_fields(args: argparse.Namespace) -> Dict[str, Any]:
     """The ModelShape fields Megatron's arguments set (those it has; None is not given)."""
     found: Dict[str, Any] = {}
+    whole = getattr(args, "whole", "num_layers" in vars(args))
+    found.update(time_fields(args, bool(whole)))
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    vp = virtual_pipeline(args, getattr(args, "num_layers", None), pp or 1)
+    if vp > 1 or whole:
+        found["vp"] = vp
     for name, field in SHAPE_ARGS.items():
         value = getattr(args, name, None)
         if name == "recompute_granularity":
@@ -175,6 +183,8 @@ def megatron_fields(args: argparse.Namespace) -> Dict[str, Any]:
         elif isinstance(value, int) and not isinstance(value, bool):
             found[field] = value
     found.update(optimizer_fields(args))
+    if getattr(args, "recompute_activations", False) and not getattr(args, "recompute_granularity", None):
+        found["recompute"] = "selective"  # Megatron's --recompute-activations
     return found
 
 
@@ -195,10 +205,9 @@ def megatron_model(args: argparse.Namespace) -> Optional[ModelShape]:
         kv_channels=kv_channels if kv_channels and kv_channels * heads != hidden else None,
         dtype_bytes=2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4,
         # Transformer Engine's attention (Megatron-LM's default) is fused: no s x s saved
-        flash_attention=getattr(args, "transformer_impl", None) == "transformer_engine"
-        or bool(getattr(args, "use_flash_attn", False)),
+        flash_attention=flash_attention(args),
         swiglu=bool(getattr(args, "swiglu", False)),
-        vocab=getattr(args, "padded_vocab_size", None),
+        vocab=_vocab(args),
         attention_dropout=getattr(args, "attention_dropout", 0.1),
         hidden_dropout=getattr(args, "hidden_dropout", 0.1),
         num_experts=experts, moe_topk=getattr(args, "moe_router_topk", 2) or 2,
@@ -207,6 +216,18 @@ def megatron_model(args: argparse.Namespace) -> Optional[ModelShape]:
         return ModelShape(**fields)
     except (TypeError, ValueError):
         return None
+
+
+def _vocab(args: argparse.Namespace) -> Optional[int]:
+    """Megatron's padded vocabulary: its own at install, else --vocab-size padded as it pads."""
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded:
+        return padded
+    vocab = getattr(args, "vocab_size", None)
+    if not vocab:
+        return None
+    return padded_vocab(vocab, getattr(args, "make_vocab_size_divisible_by", 128) or 128,
+                        getattr(args, "tensor_model_parallel_size", 1) or 1)
 
 
 def job_shape(preset: Optional[PresetFile], megatron: argparse.Namespace) -> Optional[ModelShape]:

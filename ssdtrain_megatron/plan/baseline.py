@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 from .fit import DEFAULT_RESERVE_BYTES
 from .memory import model_state_bytes
 from .node import NodeProfile
-from .search import WITH_OFFLOAD, WITHOUT_OFFLOAD, Layout, layouts, plan_layout
+from .search import WITH_OFFLOAD, WITHOUT_OFFLOAD, Layout, layout_key, layouts, plan_layout
 from .shape import ModelShape, SaveProfile
 from .stage import stage
 
@@ -36,8 +36,8 @@ def best_without_offload(base: ModelShape, gpus: int, global_batch: int, node: N
 def best_with_offload(base: ModelShape, gpus: int, global_batch: int, node: NodeProfile,
                       profile: SaveProfile = SaveProfile.paper(), keep_last_layers: int = 1,
                       reserve: int = DEFAULT_RESERVE_BYTES) -> Optional[Layout]:
-    """The fastest layout with offload (keep, host, SSD, recompute) that fits, or None: what
-    search's with-offload ranking puts first."""
+    """The fastest layout with offload (keep, host, SSD, recompute) that fits and offloads
+    something, or None: what search's with-offload ranking puts first."""
     return best_layout(base, gpus, global_batch, node, WITH_OFFLOAD, profile,
                        keep_last_layers, reserve)
 
@@ -53,9 +53,7 @@ def best_layout(base: ModelShape, gpus: int, global_batch: int, node: NodeProfil
         if node.gpu_memory_bytes - model_state_bytes(shape)["bytes"] - reserve <= 0:
             continue
         bound = tokens / stage(shape, profile, node, m).keep_iteration_s / gpus
-        order = (shape.tp, shape.pp, shape.cp, shape.micro_batch,
-                 ("none", "selective", "full").index(shape.recompute))
-        bounds.append((bound, order, shape, m))
+        bounds.append((bound, layout_key(shape), shape, m))
     bounds.sort(key=lambda b: (-b[0], b[1]))
     best: Optional[Layout] = None
     for bound, _, shape, m in bounds:
@@ -63,6 +61,8 @@ def best_layout(base: ModelShape, gpus: int, global_batch: int, node: NodeProfil
             break  # no plan of this layout, nor of any after it, can be faster
         found = plan_layout(shape, m, node, places, profile, global_batch, gpus,
                             keep_last_layers, reserve)
+        if found is not None and places != WITHOUT_OFFLOAD and not found.offloads:
+            found = None  # keeps everything: no gain of offload
         if found is not None and (best is None or (-found.tokens_per_s_per_gpu, found.key())
                                   < (-best.tokens_per_s_per_gpu, best.key())):
             best = found
@@ -75,8 +75,9 @@ def describe(x: Layout) -> str:
     places = set(p for row in x.plan.decisions for p in row)
     how = {"none": "keep" + (" and recompute per layer" if "recompute" in places else ""),
            "selective": "selective recompute", "full": "full recompute"}[s.recompute]
-    return (f"TP{s.tp} PP{s.pp}" + (f" CP{s.cp}" if s.cp > 1 else "")
-            + f" DP{s.dp}, b={s.micro_batch}, {how}")
+    return (f"TP{s.tp} PP{s.pp}" + (f" VP{s.vp}" if s.vp > 1 else "")
+            + (f" CP{s.cp}" if s.cp > 1 else "") + f" DP{s.dp}, b={s.micro_batch}, {how}"
+            + ("" if s.distributed_optimizer else ", no distributed optimizer"))
 
 
 __all__ = ["best_layout", "best_with_offload", "best_without_offload", "describe"]

@@ -118,10 +118,27 @@ class NodeProfile:
     the built-in profiles carry an estimate (:data:`CPU_ADAM_ESTIMATES`). None: not known (a
     plan with optimizer offload then says it cannot price the CPU step)."""
 
+    gpu_kind: Optional[str] = None
+    """The GPU's kind (plan/gpu_kind.py: ``h100-sxm``, ``h200``, ``gh200``, ``a100-sxm``,
+    ``b200``): GEMMs by shape and precision, attention and memory-bound passes at its rates
+    (plan/step_time.py). None: every FLOP at ``gpu_tflops``, the one achieved rate."""
+
+    nics: int = 0
+    """Network adapters per node for traffic between nodes (DGX H100: 8). 0: not known
+    (traffic between nodes priced as NVLink's, said so)."""
+
+    nic_gbps: float = 0.0
+    """Gb/s of one NIC (bits: InfiniBand NDR is 400)."""
+
+    gemm_efficiency: Optional[float] = None
+    """Measured fraction of the kind's peak its large GEMMs reach (replaces the kind's)."""
+
     FIELDS = ("name", "gpus_per_node", "gpu_memory_bytes", "gpu_tflops", "host_memory_bytes",
               "host_link_gbps", "drives", "drive_write_gbps", "drive_read_gbps", "drive_tbw_tb",
-              "nvlink_gbps", "source", "host_memory_gbps", "gpu_tflops_by_tokens")
-    OPTIONAL = ("source", "host_memory_gbps", "gpu_tflops_by_tokens")
+              "nvlink_gbps", "source", "host_memory_gbps", "gpu_tflops_by_tokens", "gpu_kind",
+              "nics", "nic_gbps", "gemm_efficiency")
+    OPTIONAL = ("source", "host_memory_gbps", "gpu_tflops_by_tokens", "gpu_kind", "nics",
+                "nic_gbps", "gemm_efficiency")
     FIELDS += ("cpu_adam_params_per_s",)
     OPTIONAL += ("cpu_adam_params_per_s",)
 
@@ -147,6 +164,18 @@ class NodeProfile:
         if self.gpu_tflops_by_tokens is not None:
             object.__setattr__(self, "gpu_tflops_by_tokens",
                                _tflops_table(self.gpu_tflops_by_tokens))
+        if self.gpu_kind is not None:
+            from .gpu_kind import KINDS
+
+            if self.gpu_kind not in KINDS:
+                _fail("gpu_kind", self.gpu_kind, "allowed: " + ", ".join(KINDS) + ", or null")
+        if not _is_int(self.nics) or self.nics < 0:
+            _fail("nics", self.nics, "expected an integer >= 0 (0: not known)")
+        if not _is_number(self.nic_gbps) or self.nic_gbps < 0 or (self.nics and not self.nic_gbps):
+            _fail("nic_gbps", self.nic_gbps, "expected Gb/s > 0 where nics is given")
+        if self.gemm_efficiency is not None and (
+                not _is_number(self.gemm_efficiency) or not 0 < self.gemm_efficiency <= 1):
+            _fail("gemm_efficiency", self.gemm_efficiency, "expected a number in (0, 1], or null")
         if self.host_memory_gbps is not None and (
                 not _is_number(self.host_memory_gbps)
                 or not 0 < self.host_memory_gbps < float("inf")):
@@ -210,8 +239,10 @@ class NodeProfile:
                   f"GB/s write / read, {self.drive_tbw_tb:,g} TBW each (per GPU "
                   f"{self.ssd_write_gbps:.2f} / {self.ssd_read_gbps:.2f} GB/s)"
                   if self.drives else "no drives")
+        rate = (f"{self.gpu_kind} (its GEMM, attention and memory rates)"
+                if self.gpu_kind and not self.gpu_tflops_by_tokens else f"{self.gpu_tflops:g} TFLOP/s")
         return (f"{self.name}: {self.gpus_per_node} GPUs of {self.gpu_memory_bytes / GB:g} GB at "
-                f"{self.gpu_tflops:g} TFLOP/s; host memory {self.host_memory_bytes / GB:g} GB per "
+                f"{rate}; host memory {self.host_memory_bytes / GB:g} GB per "
                 f"GPU over {self.host_link_gbps:g} GB/s each way{self._bus()}; {drives}; NVLink "
                 f"{self.nvlink_gbps:g} GB/s")
 
@@ -334,36 +365,36 @@ def _builtin() -> Dict[str, NodeProfile]:
              "docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=80 * GB, gpu_tflops=150.0,
              host_memory_bytes=150 * GB, host_link_gbps=24.0, drives=8, nvlink_gbps=300.0,
-             host_memory_gbps=409.6, **_PM1733),
+             host_memory_gbps=409.6, gpu_kind="a100-sxm", nics=8, nic_gbps=200.0, **_PM1733),
         node("dgx-h100", "DGX H100 datasheet (8x H100 80GB, 2 TB memory, 8x 3.84 TB NVMe U.2; 2x Xeon "
-             "8480C: 16 DDR5-4800 channels, 614 GB/s); "
+             "8480C: 16 DDR5-4800 channels, 614 GB/s; 8x ConnectX-7 400 Gb/s for the compute fabric); "
              "400 TFLOP/s: Megatron-Core's reported MFU on H100; docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=80 * GB, gpu_tflops=400.0,
              host_memory_bytes=150 * GB, host_link_gbps=48.0, drives=8, nvlink_gbps=450.0,
-             host_memory_gbps=614.4, **_PM1733),
+             host_memory_gbps=614.4, gpu_kind="h100-sxm", nics=8, nic_gbps=400.0, **_PM1733),
         node("dgx-h200", "DGX H200 datasheet (8x H200 141GB, 2 TB memory, 8x 3.84 TB NVMe U.2; 2x Xeon "
              "8480C: 614 GB/s); "
              "H100's compute; docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=141 * GB, gpu_tflops=420.0,
              host_memory_bytes=150 * GB, host_link_gbps=48.0, drives=8, nvlink_gbps=450.0,
-             host_memory_gbps=614.4, **_PM1733),
+             host_memory_gbps=614.4, gpu_kind="h200", nics=8, nic_gbps=400.0, **_PM1733),
         node("dgx-b200", "DGX B200 datasheet (8x B200 180GB, 2 TB memory, 8x 3.84 TB NVMe U.2; 2x Xeon "
              "8570: 16 DDR5-5600 channels, 717 GB/s); "
              "docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=180 * GB, gpu_tflops=900.0,
              host_memory_bytes=150 * GB, host_link_gbps=48.0, drives=8, nvlink_gbps=900.0,
-             host_memory_gbps=716.8, **_PM1733),
+             host_memory_gbps=716.8, gpu_kind="b200", nics=8, nic_gbps=400.0, **_PM1733),
         node("gh200", "GH200 Grace Hopper superchip (96 GB HBM3, 480 GB LPDDR5X of up to 512 GB/s behind "
              "NVLink-C2C), one per node, two local Gen4 drives assumed; "
              "docs/models.md#node-profiles",
              gpus_per_node=1, gpu_memory_bytes=96 * GB, gpu_tflops=400.0,
              host_memory_bytes=288 * GB, host_link_gbps=300.0, drives=2, nvlink_gbps=450.0,
-             host_memory_gbps=512.0, **_PM1733),
+             host_memory_gbps=512.0, gpu_kind="gh200", nics=1, nic_gbps=400.0, **_PM1733),
         node("cloud-h100", "a cloud 8x H100 80GB instance with 1.8 TB memory and two local "
              "Gen4 NVMe drives (fewer drives than a DGX); docs/models.md#node-profiles",
              gpus_per_node=8, gpu_memory_bytes=80 * GB, gpu_tflops=400.0,
              host_memory_bytes=135 * GB, host_link_gbps=48.0, drives=2, nvlink_gbps=450.0,
-             **_PM1733),
+             gpu_kind="h100-sxm", nics=8, nic_gbps=400.0, **_PM1733),
     )
     return {p.name: p.replace(cpu_adam_params_per_s=CPU_ADAM_ESTIMATES.get(p.name))
             for p in profiles}

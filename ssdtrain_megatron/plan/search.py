@@ -5,11 +5,14 @@ modeled tokens/s per GPU. Pure: the analytic model of plan/stage.py and plan/tie
 
 What stays fixed: the model, the GPU count (tp x pp x cp x dp), the global batch in sequences
 (dp x micro-batch x micro-batches), expert parallelism (it must divide dp x cp), dtype and the
-distributed optimizer. What varies: tp (up to the node's GPUs, with sequence parallelism when
-tp > 1; tp x cp within one node's NVLink), pp (a divisor of the layers, up to 16), cp (for
-sequences of 16k tokens and more), the micro-batch, and the recompute granularity. A layout
-fits when the model state and the reserve (plan/fit.py) leave room for activations and the
-plan fits what is left.
+FP8 and the overlap flags (the job's own). What varies: tp (up to the node's GPUs, with sequence
+parallelism when tp > 1; tp x cp within one node's NVLink), pp (a divisor of the layers, up to
+16), the virtual pipeline (with pp > 1: 1, the job's own, and each divisor of a stage's layers
+up to 8), cp (1, 2, 4, 8 at every sequence length, with fused attention), the micro-batch, the
+recompute granularity, and the distributed optimizer (the job's, and on where the job has it
+off). A layout fits when the model state and the reserve (plan/fit.py) leave room for
+activations and the plan fits what is left. The ranking with offload holds only plans that
+offload something: a plan that keeps everything is no gain of offload.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ WITHOUT_OFFLOAD = (KEEP, RECOMPUTE)
 WITH_OFFLOAD = PLACES
 MAX_PP = 16
 MAX_MICRO_BATCH = 16
+MAX_VP = 8
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,13 @@ class Layout:
         return self.plan.tier_bytes[HOST] + self.plan.tier_bytes[SSD] > 0
 
     def key(self) -> Tuple[int, ...]:
-        s = self.shape
-        return (s.tp, s.pp, s.cp, s.micro_batch, ("none", "selective", "full").index(s.recompute))
+        return layout_key(self.shape)
+
+
+def layout_key(s: ModelShape) -> Tuple[int, ...]:
+    """Ties between layouts as fast: the smaller layout first."""
+    return (s.tp, s.pp, s.cp, s.micro_batch, ("none", "selective", "full").index(s.recompute),
+            s.vp, int(not s.distributed_optimizer))
 
 
 def _divisors(n: int, limit: int) -> List[int]:
@@ -57,8 +66,8 @@ def _divisors(n: int, limit: int) -> List[int]:
 def layouts(base: ModelShape, gpus: int, global_batch: int,
             node: NodeProfile) -> Iterator[Tuple[ModelShape, int]]:
     """(shape, micro-batches) of every layout to try; see the module docstring."""
-    cps = [c for c in (1, 2, 4, 8) if base.seq_len % c == 0] \
-        if base.flash_attention and base.seq_len >= 16384 else [1]
+    cps = [c for c in (1, 2, 4, 8) if base.seq_len % c == 0] if base.flash_attention else [1]
+    optimizers = (True, False) if not base.distributed_optimizer else (True,)
     for tp in _divisors(node.gpus_per_node, node.gpus_per_node):
         for cp in cps:
             if tp * cp > node.gpus_per_node:
@@ -71,13 +80,25 @@ def layouts(base: ModelShape, gpus: int, global_batch: int,
                     continue
                 for b in _divisors(global_batch // dp if global_batch % dp == 0 else 0,
                                    MAX_MICRO_BATCH):
-                    for recompute in ("none", "selective", "full"):
+                    for vp, recompute, dist in _variants(base, pp, optimizers):
                         try:
                             shape = base.replace(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch=b,
-                                                 sequence_parallel=tp > 1, recompute=recompute)
+                                                 sequence_parallel=tp > 1, recompute=recompute,
+                                                 vp=vp, distributed_optimizer=dist)
                         except ValueError:
                             continue  # heads, groups or ffn not divisible by tp, and the like
                         yield shape, global_batch // (dp * b)
+
+
+def _variants(base: ModelShape, pp: int, optimizers: Tuple[bool, ...]):
+    """(vp, recompute, distributed optimizer) to try for a pipeline of ``pp`` stages."""
+    per_stage = base.num_layers // pp
+    vps = [1] if pp == 1 else sorted({1, base.vp if per_stage % base.vp == 0 else 1}
+                                     | {v for v in _divisors(per_stage, MAX_VP)})
+    for vp in vps:
+        for recompute in ("none", "selective", "full"):
+            for dist in optimizers:
+                yield vp, recompute, dist
 
 
 def plan_layout(shape: ModelShape, m: int, node: NodeProfile, places: Tuple[str, ...],
@@ -110,7 +131,7 @@ def search(base: ModelShape, gpus: int, global_batch: int, node: NodeProfile,
         for places, out in ((WITHOUT_OFFLOAD, without), (WITH_OFFLOAD, with_)):
             found = plan_layout(shape, m, node, places, profile, global_batch, gpus,
                                 keep_last_layers, reserve)
-            if found is not None:
+            if found is not None and (places == WITHOUT_OFFLOAD or found.offloads):
                 out.append(found)
     order = (lambda x: (-x.tokens_per_s_per_gpu, x.key()))
     return sorted(without, key=order), sorted(with_, key=order)

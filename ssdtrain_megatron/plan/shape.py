@@ -141,6 +141,35 @@ class ModelShape:
     """``--overlap-cpu-optimizer-d2h-h2d``: the offloaded part's gradient copies to host, its
     CPU step and its parameter copies back run overlapped (else one after another)."""
 
+    fp8: bool = False
+    """The linear layers' GEMMs in FP8 (Megatron's ``--fp8-format``, Transformer Engine):
+    the FP8 rate and the casts (plan/step_time.py); attention stays BF16."""
+
+    vp: int = 1
+    """Virtual pipeline chunks per stage (``--virtual-pipeline-model-parallel-size``, or
+    layers per stage over ``--num-layers-per-virtual-pipeline-stage``): the interleaved 1F1B
+    schedule's bubble is (pp - 1) / vp micro-batch times."""
+
+    tp_comm_overlap: bool = False
+    """``--tp-comm-overlap``: tensor-parallel collectives overlap the GEMMs they feed."""
+
+    overlap_grad_reduce: bool = False
+    """``--overlap-grad-reduce``: the data-parallel gradient reduction overlaps the last
+    micro-batch's backward."""
+
+    overlap_param_gather: bool = False
+    """``--overlap-param-gather``: the distributed optimizer's parameter all-gather overlaps
+    the next step's first forward."""
+
+    grad_reduce_in_bf16: bool = False
+    """``--grad-reduce-in-bf16``: gradients are reduced in bf16 (2 bytes) instead of fp32."""
+
+    moe_grouped_gemm: bool = False
+    """``--moe-grouped-gemm``: a rank's experts run as one grouped GEMM."""
+
+    fp8_param_gather: bool = False
+    """``--fp8-param-gather``: the distributed optimizer all-gathers parameters in FP8 (1 byte)."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
                      "tp", "pp", "dp"):
@@ -154,7 +183,9 @@ class ModelShape:
         if self.dtype_bytes not in (2, 4) or isinstance(self.dtype_bytes, bool):
             _fail("dtype_bytes", self.dtype_bytes, "expected 2 (bf16/fp16) or 4 (fp32)")
         for name in ("sequence_parallel", "flash_attention", "swiglu", "swiglu_fusion",
-                     "distributed_optimizer"):
+                     "distributed_optimizer", "fp8", "tp_comm_overlap", "overlap_grad_reduce",
+                     "overlap_param_gather", "grad_reduce_in_bf16", "moe_grouped_gemm",
+                     "fp8_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "expected true or false")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
@@ -195,6 +226,10 @@ class ModelShape:
             _fail("sequence_parallel", True, "needs tp > 1")
         if self.num_layers % self.pp:
             _fail("num_layers", self.num_layers, f"expected a multiple of pp ({self.pp})")
+        if not _is_int(self.vp) or self.vp < 1 or (self.vp > 1 and self.pp == 1) \
+                or self.num_layers % (self.pp * self.vp):
+            _fail("vp", self.vp, f"expected an integer >= 1 (above 1 only with pp > 1) with "
+                  f"num_layers ({self.num_layers}) a multiple of pp x vp")
         self._check_optimizer()
 
     def _check_optimizer(self) -> None:
@@ -246,9 +281,11 @@ class ModelShape:
     PRESET_MODEL_KEYS = ("num_layers", "hidden", "heads", "ffn_hidden", "seq_len", "micro_batch",
                          "kv_groups", "kv_channels", "dtype", "swiglu", "swiglu_fusion", "flash_attention",
                          "recompute", "vocab", "attention_dropout", "hidden_dropout",
-                         "num_experts", "moe_topk", "moe_ffn_hidden")
+                         "num_experts", "moe_topk", "moe_ffn_hidden", "fp8", "moe_grouped_gemm")
     PRESET_PARALLEL_KEYS = ("tp", "pp", "sequence_parallel", "ep", "cp", "dp",
-                            "distributed_optimizer")
+                            "distributed_optimizer", "vp", "tp_comm_overlap",
+                            "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16",
+                            "fp8_param_gather")
 
     @classmethod
     def from_preset(cls, model: Mapping, parallel: Optional[Mapping] = None) -> "ModelShape":

@@ -2,36 +2,35 @@
 micro-batch positions and pipeline bubble for one GPU of the first stage (the one with the most
 micro-batches in flight under 1F1B), and the plan :func:`plan_stage` makes for it.
 
-Time per layer and micro-batch, forward (docs/models.md, "The model's terms"):
+Time per layer and micro-batch (docs/models.md, "The model's terms"): with a GPU kind, by
+plan/step_time.py's terms (GEMMs by shape and precision, attention, memory-bound passes, TP, CP
+and expert communication as the flags overlap them), and once a step its bubble ((pp - 1) / vp
+micro-batch times), pipeline sends, data-parallel communication and optimizer (``step_s``);
+the last stage, with the output layer and loss, sets the pace. Without a kind (a custom
+profile, ``--gpu-tflops``): the layer's FLOPs over tp x cp GPUs at the node's one rate, TP
+communication over NVLink not overlapped, backward twice the compute, the output layer spread
+over the stages, and the bubble.
 
-* compute: the layer's FLOPs over tp x cp GPUs at the node's achieved TFLOP/s;
-* tensor-parallel communication over NVLink (tp > 1): two all-gathers and two reduce-scatters
-  (or two all-reduces without sequence parallelism) of the layer's s x b x h activations, each
-  moving (tp - 1) / tp of them per GPU, the same again in backward, not overlapped with compute;
-* backward: twice the compute, the same communication; recompute: one more forward.
-
-A step of m micro-batches on pp stages (1F1B) takes (m + pp - 1) micro-batch times: the
-pp - 1 are the pipeline bubble. The output layer and loss run on the last stage; their FLOPs
-are counted as if spread over the stages (a balanced layout gives the last stage fewer layers).
 Under 1F1B the first stage holds min(pp, m) micro-batches at once, and between a micro-batch's
 forward and its backward it runs the forwards and backwards of the others: that is the time its
-writes have to drain. Not modelled: data-parallel gradient reduction, pipeline sends, expert
-all-to-all, context-parallel exchange (each overlaps compute in Megatron to a degree not known
-here).
+writes have to drain.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from .model import (attention_core_flops, forward_flops_per_layer, head_activation_terms,
-                    layer_activation_bytes, local_sequence_shape)
+                    layer_activation_bytes)
 from .node import NodeProfile
 from .optimizer_step import optimizer_step_s
 from .policy import LayerMeasurement
 from .shape import ModelShape, SaveProfile
 from .step_plan import Position
+from .step_time import (StepOverheads, head_time, layer_time, step_overheads, timed_by_terms,
+                        tp_comm_bytes)
 from .tiers import PLACES, RECOMPUTE, TierPlan, Tiers, plan_tiers, price
 
 
@@ -59,12 +58,23 @@ class Stage:
     """Activation bytes of one layer and micro-batch."""
     head_bytes: int
     """Activation bytes outside the layers (kept: the planner does not move them)."""
+    backward_s: Optional[float] = None
+    """One layer's backward, what the layout recomputes included, by plan/step_time.py's
+    terms; None: twice the compute, the same communication and the recompute."""
+    step_s: float = 0.0
+    """What the step adds once beyond its micro-batches and bubble: exposed pipeline sends,
+    data-parallel communication, the optimizer (plan/step_time.py)."""
+    terms: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Seconds by term (plan/step_time.py) where the node has a GPU kind: what the plan's JSON
+    shows."""
 
     @property
     def backward_factor(self) -> float:
         """Backward over forward time: twice the compute, the same communication, and what the
-        layout recomputes."""
+        layout recomputes (or plan/step_time.py's backward over its forward)."""
         forward = self.compute_s + self.tp_comm_s
+        if self.backward_s is not None:
+            return self.backward_s / forward if forward > 0 else 2.0
         backward = 2 * self.compute_s + self.tp_comm_s + self.layout_recompute_s
         return backward / forward if forward > 0 else 2.0
 
@@ -76,8 +86,9 @@ class Stage:
 
     @property
     def keep_iteration_s(self) -> float:
-        """The step keeping every activation: every micro-batch, plus the bubble."""
-        return len(self.positions) * self.micro_batch_s + self.bubble_s
+        """The step keeping every activation: every micro-batch, the bubble and what the step
+        adds once (``step_s``)."""
+        return len(self.positions) * self.micro_batch_s + self.bubble_s + self.step_s
 
     @property
     def recompute_iteration_s(self) -> float:
@@ -87,20 +98,13 @@ class Stage:
             self.compute_s + self.tp_comm_s - self.layout_recompute_s)
 
 
-def tp_comm_bytes(shape: ModelShape) -> int:
-    """Bytes one GPU sends for one layer's forward under tensor parallelism: four collectives
-    (all-gather and reduce-scatter around attention and MLP; or two all-reduces, which move as
-    much) of (tp - 1) / tp of the s x b x h activations."""
-    if shape.tp == 1:
-        return 0
-    local = local_sequence_shape(shape) if shape.cp > 1 else shape
-    activations = local.seq_len * local.micro_batch * local.hidden * local.dtype_bytes
-    return 4 * activations * (shape.tp - 1) // shape.tp
-
-
 def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
           num_micro_batches: int) -> Stage:
-    """The first stage of ``shape`` on ``node`` for a step of ``num_micro_batches``."""
+    """The first stage of ``shape`` on ``node`` for a step of ``num_micro_batches``: with a
+    ``gpu_kind``, timed by plan/step_time.py's terms (the slowest stage sets the pace: the last,
+    with the output layer and loss); without one, at the node's one achieved rate."""
+    if timed_by_terms(node):
+        return _stage_by_terms(shape, profile, node, num_micro_batches)
     gpus = shape.tp * shape.cp
     # GEMM efficiency by the micro-batch's tokens where the profile measured it (flops_at)
     flops = node.flops_at(shape.micro_batch * shape.seq_len // shape.cp)
@@ -114,6 +118,14 @@ def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
         again = attention_core_flops(shape) / gpus / flops
     else:
         again = 0.0
+    return _assemble(shape, profile, node, num_micro_batches, compute, comm, again, head_s)
+
+
+def _assemble(shape: ModelShape, profile: SaveProfile, node: NodeProfile, num_micro_batches: int,
+              compute: float,
+              comm: float, again: float, head_s: float, backward_s: Optional[float] = None,
+              overheads: Optional[Callable[[Stage], StepOverheads]] = None,
+              terms: Optional[Dict[str, Any]] = None) -> Stage:
     layer = LayerMeasurement(
         forward_s=compute + comm,
         activation_bytes=layer_activation_bytes(shape, profile),
@@ -122,12 +134,40 @@ def stage(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
     layers = (layer,) * shape.layers_per_stage
     live = min(shape.pp, num_micro_batches)
     partial = Stage(layers, (), compute, comm, again, head_s, 0.0, layer.activation_bytes,
-                    sum(head_activation_terms(shape, profile).values()))
+                    sum(head_activation_terms(shape, profile).values()), backward_s)
     gap = (live - 1) * partial.micro_batch_s
+    step = overheads(partial) if overheads is not None else None
+    bubble = step.terms["pipeline_bubble"] if step else (shape.pp - 1) * partial.micro_batch_s / shape.vp
+    extra = step.total_s - bubble if step else 0.0
+    # megatron-core's optimizer CPU offload: its copies and CPU step (plan/optimizer_step.py)
+    offloaded_s = optimizer_step_s(shape, node)
+    extra += offloaded_s
+    all_terms = dict(terms or {})
+    if step:
+        all_terms["step"] = dict(step.terms)
+    if offloaded_s:
+        all_terms.setdefault("step", {})["optimizer_cpu_offload"] = offloaded_s
     return Stage(layers, (Position(gap_s=gap, live=live),) * num_micro_batches, compute, comm,
-                 again, head_s, (shape.pp - 1) * partial.micro_batch_s
-                 + optimizer_step_s(shape, node), partial.layer_bytes,
-                 partial.head_bytes)
+                 again, head_s, bubble, partial.layer_bytes, partial.head_bytes, backward_s,
+                 extra, all_terms)
+
+
+def _stage_by_terms(shape: ModelShape, profile: SaveProfile, node: NodeProfile,
+                    num_micro_batches: int) -> Stage:
+    lt = layer_time(shape, node)
+    comm = lt.forward["tp_comm"]
+    compute = lt.forward_s - comm
+    head_s = head_time(shape, node)
+    n = shape.layers_per_stage
+
+    def overheads(partial: Stage) -> StepOverheads:
+        return step_overheads(shape, node, partial.micro_batch_s, num_micro_batches,
+                              n * lt.forward_s, n * lt.backward_s)
+
+    terms = {"layer_forward": dict(lt.forward), "layer_backward": dict(lt.backward),
+             "layer_recompute": lt.recompute_s, "head": head_s}
+    return _assemble(shape, profile, node, num_micro_batches, compute, comm, lt.recompute_s, head_s,
+                     lt.backward_s, overheads, terms)
 
 
 def plan_stage(st: Stage, node: NodeProfile, *, budget_bytes: Optional[int],
@@ -170,7 +210,8 @@ def _tiers(st: Stage, node: NodeProfile, budget: Optional[int], places: Tuple[st
     return Tiers(budget_bytes=budget, host_capacity_bytes=node.host_memory_bytes,
                  host_link_bps=node.host_copy_gbps * 1e9,  # the link or its share of the bus
                  ssd_write_bps=node.ssd_write_gbps * 1e9, ssd_read_bps=node.ssd_read_gbps * 1e9,
-                 places=places, bubble_s=st.bubble_s + len(st.positions) * st.head_s,
+                 places=places,
+                 bubble_s=st.bubble_s + len(st.positions) * st.head_s + st.step_s,
                  cpu_s_per_byte=cpu_s_per_byte, backward_factor=st.backward_factor,
                  keep_last_layers=keep_last_layers, prefetch_layers=prefetch_layers,
                  max_inflight_bytes=max_inflight_bytes)

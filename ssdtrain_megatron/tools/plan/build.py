@@ -51,6 +51,7 @@ def node_for(args: argparse.Namespace, preset_node: Optional[NodeProfile]) -> Tu
             changes[name] = value
     if "gpu_tflops" in changes:  # the flag's figure at every micro-batch, not the profile's table
         changes["gpu_tflops_by_tokens"] = None
+        changes["gpu_kind"] = None  # nor its GPU kind's terms (plan/step_time.py)
     if changes.get("drives") == 0:
         changes.update(drive_write_gbps=0.0, drive_read_gbps=0.0, drive_tbw_tb=0.0)
     node = node.replace(**changes) if changes else node

@@ -159,7 +159,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="the job's own launcher arguments (Megatron's flags and the "
                              "--ssd-offload flags, as ssdtrain-pretrain gets them): plan exactly "
                              "what the job will run (the settings `ssdtrain doctor --preflight "
-                             "--json -- ARGS` prints per rank). --node, --gpus (the world size) "
+                             "--json -- ARGS` prints per rank); without --ssd-offload, the job "
+                             "as Megatron runs it (keeping everything: job_tokens_per_s_per_gpu "
+                             "in --json). --node, --gpus (the world size) "
                              "and --host-memory (per GPU, staging included) still apply")
     parser.add_argument("--node", default=None, metavar="NAME|PATH", type=_node_arg,
                         help="the node: a built-in profile (" + ", ".join(BUILTIN) + ") or a "
@@ -201,9 +203,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                                            "preset's recompute_fallback, else off; on where the "
                                            "node chooses tiered and the policy is adaptive)")
     parser.add_argument("--search", action="store_true",
-                        help="rank layouts (tp, pp, cp, micro-batch, recompute, tier plan) of the "
-                             "preset's model on --gpus at --global-batch-size by modeled "
-                             "tokens/s per GPU, without and with offload")
+                        help="rank layouts (tp, pp, vp, cp, micro-batch, recompute, distributed "
+                             "optimizer, tier plan) of the preset's (or the job's, after --) "
+                             "model on --gpus at --global-batch-size by modeled tokens/s per GPU, "
+                             "without and with offload (only plans that offload rank with it)")
     parser.add_argument("--top", type=_int_at_least(1), default=5, metavar="K",
                         help="--search: layouts shown per kind (default 5)")
     _add_node_flags(parser)
@@ -364,8 +367,6 @@ def launcher_job(args: argparse.Namespace):
         raise ValueError("--memory-reserve: the job's launcher has no such flag, so the job runs "
                          "with the default reserve; plan the preset with --config to try another")
     flags = parse_flags(args.launch_args)
-    if not flags.ssd_offload:
-        raise ValueError("the arguments after -- have no --ssd-offload: nothing is offloaded")
     if args.config is not None and flags.ssd_offload_config is None:
         flags.ssd_offload_config = args.config
     preset = preset_of(flags.ssd_offload_config) if flags.ssd_offload_config else None
@@ -381,6 +382,9 @@ def launcher_job(args: argparse.Namespace):
     job = dataclasses.replace(job, host_bytes=node.host_memory_bytes,
                               host_text=f"{size_text(node.host_memory_bytes)} host memory per "
                                         f"GPU ({_host_origin(args, node)})")
+    if not flags.ssd_offload:  # a plain Megatron command line: the job keeps everything
+        job = dataclasses.replace(job, offload=job.offload.replace(policy="keep"),
+                                  given={**job.given, "policy": "no --ssd-offload"})
     return job, source
 
 
@@ -406,6 +410,29 @@ def host_memory_words(job: Any, settings: Any, args: argparse.Namespace) -> dict
             "host_memory_source": f"{total} less {size_text(staging)} of pinned staging"}
 
 
+def launched_size(job, args: argparse.Namespace):
+    """The GPUs and global batch of the job after ``--`` (for --search)."""
+    from .job_size import JobSize
+
+    shape = job.shape
+    if shape is None:
+        raise ValueError("--search: no model in the arguments after -- (Megatron's --num-layers, "
+                         "--hidden-size, --num-attention-heads, --seq-length, --micro-batch-size)")
+    m = job.num_micro_batches or 1
+    gpus = shape.dp * shape.model_parallel
+    return JobSize(gpus, shape.dp * shape.micro_batch * m, shape.dp, m,
+                   "" if args.gpus or args.nodes else f"{gpus} GPUs = dp {shape.dp} x tp "
+                   f"{shape.tp} x pp {shape.pp} x cp {shape.cp} (--gpus: the world size)")
+
+
+def job_throughput(job, settings, size) -> dict:
+    """The job as given (plan/answer.py): its tokens/s per GPU whether or not it fits (plan/fit.py
+    says that), and the step's seconds by term (plan/step_time.py)."""
+    from ...plan.answer import job_as_given
+
+    return job_as_given(job, settings, size.gpus, size.global_batch)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from ...megatron.preflight import FlagError
     from ...plan.job import job_settings
@@ -424,10 +451,8 @@ def run_plan(args: argparse.Namespace) -> int:
                               "--search, or plan that micro-batch without --search", args.json)
     try:
         if args.launch_args:
-            if args.search:
-                raise ValueError("--search ranks layouts of --config: give no arguments after --")
             job, source = launcher_job(args)
-            size = None
+            size = launched_size(job, args) if args.search else None
         else:
             job, size, source = plan_job(args)
         if args.search:
@@ -459,6 +484,7 @@ def run_plan(args: argparse.Namespace) -> int:
             "arguments after -- give no --global-batch-size") if p))
     result.update(gpus=size.gpus, global_batch=size.global_batch, assumed=size.assumed)
     result.update(host_memory_words(job, settings, args))
+    result.update(job_throughput(job, settings, size))
     result["fit"] = fit_line(shape, args, job.node, size.num_micro_batches)
     # the headline: against the best that runs without offload on these GPUs (headline.py)
     result["without_offload"] = against_without_offload(shape, args, job.node, result,
@@ -471,6 +497,13 @@ def run_plan(args: argparse.Namespace) -> int:
     result["first_line"] = (f"{result['fit']}" if unfit is None else unfit) \
         + f"; {headline(result['without_offload'])}" + (f"; {faster}" if faster else "") \
         + f"; {job_text}"
+    if args.launch_args:  # the answer, one value (plan/answer.py): the job, both bests, the error
+        from ...plan.answer import answer
+        from .fit_answer import reserve_of
+
+        result["answer"] = answer(job, size.gpus, size.global_batch, settings,
+                                  reserve_of(args, job.node)).to_dict()
+        result["with_offload"] = result["answer"]["best_with_offload"]
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 
 from ...plan.baseline import best_without_offload, describe
 from ...plan.node import NodeProfile
+from ...plan.published import assumed_terms, beyond_error
 from ...plan.shape import ModelShape
 from .fit_answer import reserve_of
 
@@ -44,8 +45,10 @@ def headline(against: Dict[str, Any]) -> str:
     if best is None:
         return (f"{mine:,.0f} tokens/s per GPU; nothing fits these GPUs and this global batch "
                 "without offload")
+    within = "" if against["gain"] <= 1 or beyond_error(against["gain"]) else \
+        ", within the model's error"  # plan/published.py
     return (f"x{against['gain']:.3f} the best without offload ({best['layout']}: "
-            f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; this plan {mine:,.0f})")
+            f"{best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; this plan {mine:,.0f}{within})")
 
 
 def assumptions(r: Dict[str, Any]) -> str:
@@ -53,11 +56,11 @@ def assumptions(r: Dict[str, Any]) -> str:
     model's terms"): each one a user can check against their node or replace."""
     node = r["node"]
     reserve = r["memory"].get("reserve_bytes", 0) / 1e9
-    return (f"assumed: {_tflops(node)}; attention FLOPs over half the s^2 square with flash attention (causal: its "
+    compute, comm = assumed_terms(node)  # plan/published.py: the GPU kind's terms, the error
+    return (f"assumed: {compute or _tflops(node)}; attention FLOPs over half the s^2 square with flash attention (causal: its "
             "kernels skip the masked half), the full square unfused; TP within one node's NVLink at "
             f"{node['nvlink_gbps']:g} GB/s; the host tier {node['host_copy_gbps']:.1f} GB/s each way "
-            f"per GPU with every GPU copying both ways at once ({_bus(node)}); no "
-            "data-parallel or pipeline communication, no expert all-to-all, no virtual pipeline; "
+            f"per GPU with every GPU copying both ways at once ({_bus(node)}); {comm}; "
             f"a {reserve:.1f} GB reserve")
 
 

@@ -25,7 +25,8 @@ def layout_dict(x: Layout, node: NodeProfile) -> Dict[str, Any]:
     """One ranked layout as JSON: its shape, tokens/s per GPU and the plan's names."""
     s = x.shape
     life = lifespan(x.plan, node)
-    return {"tp": s.tp, "pp": s.pp, "cp": s.cp, "dp": s.dp, "ep": s.ep,
+    return {"tp": s.tp, "pp": s.pp, "vp": s.vp, "cp": s.cp, "dp": s.dp, "ep": s.ep,
+            "distributed_optimizer": s.distributed_optimizer,
             "micro_batch": s.micro_batch, "num_micro_batches": x.num_micro_batches,
             "recompute": s.recompute, "offloads": x.offloads,
             "tokens_per_s_per_gpu": x.tokens_per_s_per_gpu,
@@ -80,7 +81,8 @@ def _line(d: Dict[str, Any]) -> str:
     needs = (f"host {d['tiers']['host'] / 1e9:.1f} GB, drives {d['tiers']['ssd'] / 1e9:.1f} GB per "
              f"micro-batch; link {bw['host']['needed']:.1f}, drives {bw['ssd']['needed']:.1f} GB/s"
              if d["offloads"] else "no offload")
-    return (f"  TP{d['tp']} PP{d['pp']}" + (f" CP{d['cp']}" if d["cp"] > 1 else "")
+    return (f"  TP{d['tp']} PP{d['pp']}" + (f" VP{d['vp']}" if d.get("vp", 1) > 1 else "")
+            + (f" CP{d['cp']}" if d["cp"] > 1 else "")
             + f" DP{d['dp']} b={d['micro_batch']} m={d['num_micro_batches']} "
             f"recompute={d['recompute']}: {d['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
             f"{d['iteration_s']:.3f} s per iteration, peak {d['peak_bytes'] / 1e9:.1f} of "
@@ -104,7 +106,7 @@ def run_search(shape: ModelShape, offload: Any, args: argparse.Namespace, node: 
               + ("; ".join(result["nearest_fits_text"]) or "nothing up to "
                  f"{size.gpus * fitting.MAX_GPU_FACTOR} GPUs")
               + f" ({reserve_words(args, node)})")
-    print(f"layouts for {args.config} on {result['gpus']} GPUs of {node.name} ({source}), "
+    print(f"layouts for {args.config or 'the job after --'} on {result['gpus']} GPUs of {node.name} ({source}), "
           f"{result['global_batch']} sequences of {shape.seq_len} tokens per iteration"
           + (f" (assumed: {size.assumed})" if size.assumed else "") + f"; {MODEL_LABEL}")
     for title, key in (("without offload (keep, recompute)", "without_offload"),
