@@ -53,6 +53,9 @@ def test_gradients_are_counted_in_their_precision():
     sharded = _small(distributed_optimizer=True, dp=4)
     assert model_state_bytes(sharded)["bytes"] == P * 9
     assert model_state_bytes(sharded.replace(main_grad_bytes=2))["bytes"] == P * 7
+    # --grad-reduce-in-bf16: Megatron leaves --accumulate-allreduce-grads-in-fp32 off for bf16,
+    # so the gradient buffer is bf16 too
+    assert model_state_bytes(sharded.replace(grad_reduce_in_bf16=True))["bytes"] == P * 7
 
 
 def test_optimizer_offload_moves_main_weights_and_adam_states_to_host_memory():
@@ -92,8 +95,9 @@ def test_nvidias_8b_row_keeps_every_activation_with_bf16_gradients(capsys):
     """Llama 3.1 8B BF16 on 8 H100s at TP1 PP1 CP2 with the distributed optimizer (NVIDIA's
     published row; its runs reduce gradients in bf16): 7.50 B parameters on the rank at
     2 + 2 + 12 / 8 B = 41.3 GB, and keep fits. With fp32 gradients (6 + 12 / 8 B: 56.3 GB)
-    keep's 21 GB of activations do not fit. Broken variant (main_grad_bytes ignored): keep does
-    not fit either way."""
+    keep's 21 GB of activations do not fit. ``--grad-reduce-in-bf16`` (what NVIDIA's recipes
+    pass) gives bf16 gradients too. Broken variant (main_grad_bytes ignored): keep does not fit
+    either way."""
     args = ["--ssd-offload", "--ssd-offload-config", "llama3-8b", "--ssd-offload-policy", "keep",
             "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
             "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "14336",
@@ -101,7 +105,8 @@ def test_nvidias_8b_row_keeps_every_activation_with_bf16_gradients(capsys):
             "--context-parallel-size", "2", "--bf16", "--swiglu", "--attention-dropout", "0",
             "--hidden-dropout", "0", "--use-distributed-optimizer"]
     fits = {}
-    for grads in ((), ("--use-precision-aware-optimizer", "--main-grads-dtype", "bf16")):
+    for grads in ((), ("--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"),
+                  ("--grad-reduce-in-bf16",)):
         assert main(["plan", "--node", "dgx-h100", "--gpus", "8", "--json", "--", *args,
                      *grads]) == 0
         out = json.loads(capsys.readouterr().out)

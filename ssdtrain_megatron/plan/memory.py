@@ -88,10 +88,13 @@ def parameters_per_gpu(shape: ModelShape) -> Dict[str, int]:
 
 def bytes_per_parameter(shape: ModelShape, shards: int) -> float:
     """GPU bytes per parameter: 18 B (16 B in fp32), or 6 + 12 / shards B with the
-    distributed optimizer; the main gradients at ``shape.main_grad_bytes`` (fp32 models: 4);
-    the optimizer's 12 B (8 in fp32) times 1 - ``optimizer_offload_fraction``."""
+    distributed optimizer; the main gradients at ``shape.main_grad_bytes`` (fp32 models: 4),
+    or 2 under ``--grad-reduce-in-bf16`` (Megatron then does not turn on
+    ``--accumulate-allreduce-grads-in-fp32`` for bf16, so its gradient buffer is bf16); the
+    optimizer's 12 B (8 in fp32) times 1 - ``optimizer_offload_fraction``."""
     weights = shape.dtype_bytes
-    grads = shape.main_grad_bytes if shape.dtype_bytes < 4 else 4
+    grads = (2 if shape.grad_reduce_in_bf16 else shape.main_grad_bytes) \
+        if shape.dtype_bytes < 4 else 4
     sharded = optimizer_gpu_bytes(shape) * (1 - shape.optimizer_offload_fraction)
     if shape.distributed_optimizer:
         return weights + grads + sharded / shards
