@@ -25,7 +25,7 @@ saying so.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 PINNED_SLACK = 0.10  # measured pinned host memory over the plan's, at most
 TIME_SLACK = 0.25  # the optimizer step's measured time against the plan's row, either way
