@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 
-
 from ssdtrain_megatron.megatron.host_memory import HostMemory
 from ssdtrain_megatron.tools.gpucheck import gpu_check, gpu_check_plan, gpu_check_steps, gpu_check_targets
 from ssdtrain_megatron.tools.gpucheck import gpu_check_optimizer as row
