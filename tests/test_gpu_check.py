@@ -25,6 +25,7 @@ from ssdtrain_megatron.tools.gpucheck import gpu_check_plan  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck import gpu_check_targets  # noqa: E402
 from ssdtrain_megatron.tools.gpucheck.gpu_check_bounds import judge_points  # noqa: E402
 from tests.test_gpu_archive import unpacked  # noqa: E402
+from tests.test_gpu_optimizer_row import RECORDED as OPTIMIZER_RECORDED  # noqa: E402
 
 TARGET_NAMES = [t[0] for t in gpu_check_targets.TARGETS]
 
@@ -91,7 +92,7 @@ def test_make_dry_run_prints_each_limit_estimate_and_the_sum(tmp_path):
     for name, limit, *_ in gpu_check.STEPS:
         assert f"{name:<19} limit {limit:>4}s  estimate {est[name]['total']:>5.0f}s  (" in proc.stdout
     total = sum(s[1] for s in gpu_check.STEPS)
-    assert f"sum                 limit {total:>4}s  of 470s" in proc.stdout
+    assert f"sum                 limit {total:>4}s  of {gpu_check.TOTAL_S - gpu_check_plan.PARENT_S}s" in proc.stdout
     assert "registering pinned memory" in proc.stdout and "collecting tests 15s" in proc.stdout
     assert "the plan fits" in proc.stdout
     res = unpacked(tmp_path / "res", "gpu-check")
@@ -281,6 +282,7 @@ def _passing_steps():
                           "kvikio": {"version": "26.10.00", "gds_unavailable": "", "mode": "direct", "nvidia_fs": True}})
     steps["bitwise-gds"] = {"status": "pass", "kvikio_mode": "direct"}
     steps["bitwise-gds-compat"] = {"status": "pass", "kvikio_mode": "compat"}
+    steps["optimizer-offload"] = json.loads(json.dumps(OPTIMIZER_RECORDED))  # tests/test_gpu_optimizer_row.py
     return steps
 
 

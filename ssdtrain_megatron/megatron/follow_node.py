@@ -22,6 +22,7 @@ is ``--ssd-offload-node``, else the preset's ``node:`` section, else
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Dict, Optional, Sequence
 
 from ..config import OffloadConfig
@@ -316,8 +317,17 @@ def job_from_args(args: argparse.Namespace, megatron: argparse.Namespace,
 
 def settings_from_args(args: argparse.Namespace, host: Optional[HostMemory],
                        recompute: bool = True) -> Settings:
-    """At install: the settings of Megatron's parsed arguments (the flag group among them)."""
-    return job_settings(job_from_args(args, args, host, recompute))
+    """At install: the settings of Megatron's parsed arguments (the flag group among them). On
+    a device without CUDA nothing pins staging (plan/job.py ``Job.staging_pinned``)."""
+    job = job_from_args(args, args, host, recompute)
+    return job_settings(dataclasses.replace(job, staging_pinned=cuda_here()))
+
+
+def cuda_here() -> bool:
+    """Whether this process trains on CUDA (the offloader's device: cache/offloader.py)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def settings_from_argv(args: argparse.Namespace, argv: Sequence[str], host: Optional[HostMemory],

@@ -17,8 +17,9 @@ The rules, in order:
    (plan/memory.py ``host_bytes``) out of the host memory per rank before anything of ours; a
    node whose host memory per rank cannot hold it and the pinned staging is refused.
 1. Pinned staging (``pinned_staging_bytes``, else twice ``max_inflight_bytes``) comes out of
-   the host memory per rank first (staging larger than it is refused: every local rank pins
-   its own); what is left is what a host pool may take.
+   the host memory per rank first (staging larger than it is refused where staging is pinned,
+   ``Job.staging_pinned``: every local rank on a CUDA device pins its own; a job on a device
+   without CUDA pins none); what is left is what a host pool may take.
 2. The engine: as named (preset or flag), else the node's (plan/engine_choice.py): tiered with
    its policy and fallback where host memory holds one layer's activations, else posix.
 3. The plan of the first pipeline stage for that engine, policy and fallback, with host
@@ -87,6 +88,12 @@ class Job:
     memory_reserve: Optional[float] = None
     """GPU memory no plan uses (CUDA context, NCCL, fragmentation): bytes, or a fraction of the
     GPU's; None: plan/fit.py's default. It comes off the activation budget where none is set."""
+    staging_pinned: bool = True
+    """Whether the job pins its staging: True on a CUDA device and for a plan of a node
+    profile (every profile is a GPU node); False at install on a device without CUDA, where
+    the offloader allocates no staging (cache/offloader.py), so staging larger than the host
+    memory per rank is not refused there (the demo, CPU training on a machine with little
+    free memory). The accounting is the same either way (rule 1), so plan and install agree."""
 
 
 @dataclass(frozen=True)
@@ -187,8 +194,8 @@ def has_budget(config: Any) -> bool:
 
 def _check_host(job: Job, config: Any, per_rank: int) -> Tuple[str, ...]:
     """A named host engine whose pool, or whose pool after pinned staging, is larger than the
-    host memory there is: refused (JobError). Elsewhere staging beyond host memory is a note
-    (the runtime then pins what it copies with torch's allocator, cache/staging)."""
+    host memory there is: refused (JobError); so is pinned staging larger than it for any
+    engine, where the job pins staging (``Job.staging_pinned``: not on a device without CUDA)."""
     staging = config.staging_bytes()
     if "pinned_staging_bytes" in job.given:
         who = f"pinned_staging_bytes, set by {job.given['pinned_staging_bytes']}"
@@ -197,8 +204,8 @@ def _check_host(job: Job, config: Any, per_rank: int) -> Tuple[str, ...]:
     else:
         who = "twice max_inflight_bytes"
     named_host = config.engine in HOST_ENGINES and "engine" in job.given
-    if job.host_bytes is None or staging <= job.host_bytes:
-        pass
+    if job.host_bytes is None or staging <= job.host_bytes or not job.staging_pinned:
+        pass  # nothing pins staging without CUDA (Job.staging_pinned)
     elif named_host:
         raise JobError(f"pinned staging of {size(staging)} ({who}) leaves no host pool in the "
                        f"{size(job.host_bytes)} of host memory per rank ({job.host_text}): at "

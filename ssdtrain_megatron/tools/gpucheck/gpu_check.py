@@ -4,8 +4,8 @@
 The box: its own python3 (3.12) and a CUDA 13 build of torch (2.11), cupy and nvidia-cufile; no
 network. Everything else comes as wheels in ``.whl/`` (gitignored), made by ``make gpu-bundle``
 (gpu_bundle.py) where there is network. Each step runs in its own process under its own
-time limit (a hung step is reported, the others still run); the limits add up to at most 480 s,
-and each step's estimate (start, pinning its pools, collecting tests, its work) fits its limit
+time limit (a hung step is reported, the others still run); the limits add up to at most 480 s
+of the run's 490, and each step's estimate (start, pinning its pools, collecting tests, its work) fits its limit
 (gpu_check_plan.py):
 
   env          python, torch, CUDA, the GPU, free disk (no GPU: nothing else runs)
@@ -20,6 +20,9 @@ and each step's estimate (start, pinning its pools, collecting tests, its work) 
   cuda-tests   the cuda-marked tests this box can run, each required to pass (gpu_check_cuda.py)
   syncs        host synchronisations on the training thread (torch.cuda.set_sync_debug_mode),
                steady state, offload with the memory engine vs keep
+  optimizer-offload  megatron-core's optimizer CPU offload (HybridDeviceOptimizer, half the parameters)
+               with ours through the launcher, against it alone: pools, pinned memory, bitwise,
+               the optimizer step vs the plan (gpu_check_optimizer.py; NOT RUN without Transformer Engine)
   measure      8 layers, hidden 2048, seq 1024 (--layers/--hidden/--seq; sized to finish in its
                slot, see --dry-run), --steps timed steps per point (5): peak memory (reserved and
                allocated, and the activations' part of it: the peak less memory at the step's

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from .gpu_check_optimizer import estimate as optimizer_estimate
 from .gpu_drive import RAW_MAX_BYTES
 
 MiB = 1 << 20
@@ -20,7 +21,7 @@ GiB = 1 << 30
 # (name, time limit in seconds, the steps it needs to have passed, what it does). Order =
 # priority: what matters most runs first.
 STEPS = [
-    ("env", 20, (), "python, torch, CUDA and GPU versions; free disk"),
+    ("env", 15, (), "python, torch, CUDA and GPU versions; free disk"),
     ("install", 35, ("env",), "pip install --no-index the bundle (.whl) into <out>/prefix"),
     ("imports", 20, ("install",), "import megatron.core and kvikio (and its mode); the gds engine available?"),
     ("bitwise-posix", 30, ("imports",), "GPT bf16, keep vs offload (posix), delayed compute: bitwise"),
@@ -28,12 +29,17 @@ STEPS = [
     ("bitwise-tiered", 30, ("imports",), "GPT bf16, keep vs offload (tiered), delayed compute: bitwise"),
     ("bitwise-gds", 30, ("imports",), "the same with gds through GPUDirect Storage (not run in compat mode)"),
     ("bitwise-gds-compat", 30, ("imports",), "the same with gds in kvikio's compat mode (KVIKIO_COMPAT_MODE=ON)"),
-    ("stress", 40, ("imports",), "50 steps, delayed side compute stream, compact views: bitwise"),
-    ("cuda-tests", 40, ("install",), "the cuda tests this box can run (gpu_check_cuda.py): all pass"),
+    ("stress", 35, ("imports",), "50 steps, delayed side compute stream, compact views: bitwise"),
+    ("cuda-tests", 35, ("install",), "the cuda tests this box can run (gpu_check_cuda.py): all pass"),
     ("syncs", 26, ("imports",), "host syncs on the training thread, offload (memory) vs keep"),
-    ("measure", 139, ("imports",), "per policy: peak activation memory, step time against its bound, stall"),
+    ("optimizer-offload", 34, ("imports",), "megatron-core's optimizer CPU offload with ours (tiered), through the "
+                                            "launcher: pools, pinned memory, bitwise, the optimizer step vs the plan"),
+    ("measure", 130, ("imports",), "per policy: peak activation memory, step time against its bound, stall"),
 ]
-TOTAL_S = 480  # the whole check, the parent's own work included
+# 490: the optimizer-offload row's 34 s came from 10 more here and 5 each off env, stress and
+# cuda-tests and 9 off measure, each still at least its estimate before its SIGTERM; within
+# 480 s of limits, what one 10-minute device call holds with 2 minutes for the transfers.
+TOTAL_S = 490  # the whole check, the parent's own work included
 # A step over its limit (gpu_check.py run_child): SIGTERM, then SIGKILL TERM_WAIT_S
 # later, then KILL_WAIT_S at most for the process to go. The SIGTERM comes KILL_GRACE_S before
 # the limit, so the kill path ends within it; a step's estimate must fit before the SIGTERM.
@@ -55,9 +61,11 @@ PARENT_S = 10  # the parent's share: starting the steps, writing the results
 # (cuDNN attention builds a graph per shape, seconds; flash compiles nothing at run time).
 # ``build_bps``: building a shape's model on the GPU, its weights initialised and its gradient
 # buffers and Adam state allocated (8 bytes a parameter; 59 GB at the compute-bound shape).
+# ``te_import_s``: importing Transformer Engine (its CUDA libraries) beside megatron-core, for
+# the optimizer-offload step (gpu_check_optimizer.py).
 ASSUME = {"drive_bps": 1.0e9, "link_bps": 10e9, "flops": 100e12, "start_s": 20.0, "torch_start_s": 10.0,
           "register_bps": 2.0e9, "collect_s": 15.0, "pip_s": 25.0, "cuda_tests_s": 15.0, "cycle_s": 0.5e-9,
-          "sdpa_first_s": 5.0, "build_bps": 20e9}
+          "sdpa_first_s": 5.0, "build_bps": 20e9, "te_import_s": 5.0}
 # The cards the device machines lend, with the GPU memory a process sees on each (about 78 GiB
 # of an H100's 80 GB, 139 GiB of an H200's 141 GB) and the host RAM beside them. ASSUME's rates
 # are below both (sm90, the same bf16 matmul rate and a PCIe Gen5 link on each), so the time
@@ -293,6 +301,7 @@ def estimates(args) -> Dict[str, Dict[str, float]]:
     syncs = dict(bitwise_settings("memory"))
     out["syncs"] = {"start": ASSUME["start_s"], "register": pinned_bytes("memory", syncs) / ASSUME["register_bps"],
                     "work": 2 * 5 * _compute_s(BITWISE_SHAPE, BITWISE_SHAPE["micro_batch"])}
+    out["optimizer-offload"] = optimizer_estimate(ASSUME)
     m = measure_estimate(args)
     out["measure"] = {"start": ASSUME["start_s"], "register": m["register_s"],
                       "work": m["seconds"] - ASSUME["start_s"] - m["register_s"]}

@@ -309,6 +309,10 @@ def run_step(args: argparse.Namespace, save: Callable[[dict], None], box: Option
         from .gpu_check_measure import step_measure  # gpu_check_measure.py
 
         return step_measure(args, save, box)
+    if name == "optimizer-offload":
+        from .gpu_check_optimizer_step import step_optimizer_offload  # gpu_check_optimizer_step.py
+
+        return step_optimizer_offload(args, save, box)
     if name == "cuda-tests":
         from .gpu_check_cuda import step_cuda_tests  # gpu_check_cuda.py
 

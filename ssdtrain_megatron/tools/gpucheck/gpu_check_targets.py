@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .gpu_check_optimizer import judge as optimizer_row
+
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
 STALL_MAX = 0.02  # the training thread's wait for the offloader beyond the IO deficit, of step time
 PEAK_MAX = 0.5  # the activations' part of peak reserved memory, offload over keep
@@ -200,6 +202,7 @@ TARGETS: List[Tuple[str, str, Callable[[dict], Verdict]]] = [
     ("stress: 50 steps bitwise, side stream, compact views", "stress", _status),
     ("cuda tests: every required one passed", "cuda-tests", _status),
     ("no host sync added by offload (memory engine)", "syncs", _syncs),
+    ("optimizer offload + ours: pool, pinned, bitwise, time", "optimizer-offload", optimizer_row),
 ] + [(f"stall beyond the IO deficit offload-{e} <= {STALL_MAX:.0%} of step", "measure",
       _drive(e, functools.partial(_stall, e))) for e in ("memory", "posix")] + [
     (f"peak activation memory offload-{e} <= {PEAK_MAX}x keep", "measure", _drive(e, functools.partial(_peak, e)))
