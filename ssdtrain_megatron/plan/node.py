@@ -133,6 +133,14 @@ class NodeProfile:
     gemm_efficiency: Optional[float] = None
     """Measured fraction of the kind's peak its large GEMMs reach (replaces the kind's)."""
 
+    gemm_tflops_by_shape: Optional[Tuple[Tuple[int, int, int, str, float], ...]] = None
+    """Measured TFLOP/s of torch matmuls at given GEMM shapes (``ssdtrain doctor --node-profile``
+    on a GPU: tools/gemm_sweep.py): in YAML a list of ``{m, n, k, dtype, tflops}`` (dtype
+    ``bf16`` or ``fp8``), held as (m, n, k, dtype, tflops) tuples. With ``gpu_kind`` set, each
+    of the job's GEMMs runs at the rate of the nearest measured shape of its dtype
+    (plan/gpu_kind.py ``nearest_measured``) instead of the kind's efficiency and waves. None:
+    the kind's (said so in the plan's assumptions)."""
+
     FIELDS = ("name", "gpus_per_node", "gpu_memory_bytes", "gpu_tflops", "host_memory_bytes",
               "host_link_gbps", "drives", "drive_write_gbps", "drive_read_gbps", "drive_tbw_tb",
               "nvlink_gbps", "source", "host_memory_gbps", "gpu_tflops_by_tokens", "gpu_kind",
@@ -141,6 +149,8 @@ class NodeProfile:
                 "nic_gbps", "gemm_efficiency")
     FIELDS += ("cpu_adam_params_per_s",)
     OPTIONAL += ("cpu_adam_params_per_s",)
+    FIELDS += ("gemm_tflops_by_shape",)
+    OPTIONAL += ("gemm_tflops_by_shape",)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -164,6 +174,9 @@ class NodeProfile:
         if self.gpu_tflops_by_tokens is not None:
             object.__setattr__(self, "gpu_tflops_by_tokens",
                                _tflops_table(self.gpu_tflops_by_tokens))
+        if self.gemm_tflops_by_shape is not None:
+            object.__setattr__(self, "gemm_tflops_by_shape",
+                               _gemm_table(self.gemm_tflops_by_shape))
         if self.gpu_kind is not None:
             from .gpu_kind import KINDS
 
@@ -262,6 +275,9 @@ class NodeProfile:
         out = {name: getattr(self, name) for name in self.FIELDS}
         if self.gpu_tflops_by_tokens is not None:
             out["gpu_tflops_by_tokens"] = dict(self.gpu_tflops_by_tokens)
+        if self.gemm_tflops_by_shape is not None:
+            out["gemm_tflops_by_shape"] = [dict(zip(GEMM_ROW_KEYS, row))
+                                           for row in self.gemm_tflops_by_shape]
         return out
 
     @classmethod
@@ -346,6 +362,37 @@ def _tflops_table(value: Any) -> Tuple[Tuple[int, float], ...]:
                 or not 0 < tflops < float("inf"):
             _fail("gpu_tflops_by_tokens", value, allowed)
     return tuple(sorted((int(at), float(tflops)) for at, tflops in pairs))
+
+
+GEMM_ROW_KEYS = ("m", "n", "k", "dtype", "tflops")
+"""The keys of one ``gemm_tflops_by_shape`` row, in its tuple's order."""
+
+GEMM_DTYPES = ("bf16", "fp8")
+
+
+def _gemm_table(value: Any) -> Tuple[Tuple[int, int, int, str, float], ...]:
+    """``gemm_tflops_by_shape`` as (m, n, k, dtype, tflops) tuples in the given order, or one
+    line naming the field, the row and what is wrong."""
+    allowed = ("expected a list of {m, n, k, dtype, tflops}: m, n, k integers >= 1, dtype "
+               + " or ".join(GEMM_DTYPES) + ", tflops a number > 0")
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        _fail("gemm_tflops_by_shape", value, allowed + ", or null")
+    rows = []
+    for i, row in enumerate(value):
+        if isinstance(row, Mapping):
+            if sorted(row) != sorted(GEMM_ROW_KEYS):
+                _fail(f"gemm_tflops_by_shape[{i}]", dict(row), allowed)
+            row = tuple(row[key] for key in GEMM_ROW_KEYS)
+        if not isinstance(row, (tuple, list)) or len(row) != len(GEMM_ROW_KEYS):
+            _fail(f"gemm_tflops_by_shape[{i}]", row, allowed)
+        m, n, k, dtype, tflops = row
+        if not all(_is_int(d) and d >= 1 for d in (m, n, k)) or dtype not in GEMM_DTYPES \
+                or not _is_number(tflops) or not 0 < tflops < float("inf"):
+            _fail(f"gemm_tflops_by_shape[{i}]", dict(zip(GEMM_ROW_KEYS, row)), allowed)
+        rows.append((m, n, k, dtype, float(tflops)))
+    if not rows:
+        _fail("gemm_tflops_by_shape", value, allowed + " (at least one row), or null")
+    return tuple(rows)
 
 
 # -- built-in profiles -------------------------------------------------------------------------
