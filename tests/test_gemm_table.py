@@ -19,6 +19,7 @@ from ssdtrain_megatron.plan.published import assumed_terms
 from ssdtrain_megatron.plan.shape import ModelShape
 from ssdtrain_megatron.plan.step_time import Gemm, gemm_source, gemm_time, layer_gemms, layer_time
 from ssdtrain_megatron.tools import gemm_sweep
+from ssdtrain_megatron.tools.cli import main
 from ssdtrain_megatron.tools.node_profile import kind_of_device
 
 H100 = gpu_kind("h100-sxm")
@@ -165,3 +166,21 @@ def test_the_layer_time_follows_the_table_and_the_assumptions_say_so():
     assert gemm_source(_table_node(TABLE[:2]).to_dict()).endswith(
         "; FP8 at the kind's efficiency and waves (not measured)")
     assert "GEMMs at the kind's efficiency and waves" in assumed_terms(load_profile("dgx-h100").to_dict())[0]
+
+
+def test_ssdtrain_plan_with_a_measured_profile_says_so_and_prices_its_gemms(tmp_path, capsys):
+    rows = [{"m": 8192, "n": n, "k": k, "dtype": "bf16", "tflops": 300.0}
+            for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))]
+    path = tmp_path / "node.yaml"
+    _table_node(rows).save(str(path))
+    question = ["plan", "--config", "llama3-8b", "--gpus", "8", "--json"]
+    assert main(question + ["--node", "dgx-h100"]) == 0
+    kind = json.loads(capsys.readouterr().out)
+    assert main(question + ["--node", str(path)]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    text = json.dumps(measured)
+    assert "at h100-sxm (its GEMM, attention and memory rates, its GEMMs by 4 measured shapes)" \
+        in _table_node(rows).describe()
+    assert "GEMMs at the rate of the nearest of the profile's measured shapes" in text
+    # 300 TFLOP/s is well below the kind's 0.72 x 989: the job runs slower
+    assert measured["job_tokens_per_s_per_gpu"] < kind["job_tokens_per_s_per_gpu"]

@@ -252,7 +252,9 @@ class NodeProfile:
                   f"GB/s write / read, {self.drive_tbw_tb:,g} TBW each (per GPU "
                   f"{self.ssd_write_gbps:.2f} / {self.ssd_read_gbps:.2f} GB/s)"
                   if self.drives else "no drives")
-        rate = (f"{self.gpu_kind} (its GEMM, attention and memory rates)"
+        measured = (f", its GEMMs by {len(self.gemm_tflops_by_shape)} measured shapes"
+                    if self.gemm_tflops_by_shape else "")
+        rate = (f"{self.gpu_kind} (its GEMM, attention and memory rates{measured})"
                 if self.gpu_kind and not self.gpu_tflops_by_tokens else f"{self.gpu_tflops:g} TFLOP/s")
         return (f"{self.name}: {self.gpus_per_node} GPUs of {self.gpu_memory_bytes / GB:g} GB at "
                 f"{rate}; host memory {self.host_memory_bytes / GB:g} GB per "
