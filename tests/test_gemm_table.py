@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from ssdtrain_megatron.plan.gpu_kind import gemm_seconds, gpu_kind, nearest_measured
 from ssdtrain_megatron.plan.node import BUILTIN, NodeProfile, ProfileError, load_profile
@@ -72,6 +73,36 @@ def test_the_sweep_with_a_timer_gives_the_profiles_table_and_its_note():
     assert words.endswith("; fp8 not measured: it does not run on this GPU")
     node = _table_node(table)
     assert node.gemm_tflops_by_shape[0] == (2048, 6144, 4096, "bf16", 600.0)
+
+
+def test_the_jobs_own_shapes_are_swept_first(tmp_path):
+    """Qwen3-30B-A3B's preset (TP1 PP2 EP8): its layer's GEMMs at b x s tokens, the router,
+    the 16 local experts' GEMMs at their 4096 x top-8 / 16 rows each (one after another: the
+    preset does not set moe_grouped_gemm), the output layer."""
+    first = gemm_sweep.job_shapes("configs/qwen3-30b-a3b.yaml")
+    assert first == [(4096, 5120, 2048), (4096, 2048, 4096), (4096, 128, 2048),
+                     (2048, 1536, 2048), (2048, 2048, 768), (4096, 151936, 2048)]
+    table, words = gemm_sweep.measure_gemm_table(fake_timer, first=first)
+    assert [(r["m"], r["n"], r["k"]) for r in table[:6]] == first
+    # grouped, the experts' GEMMs are priced (and swept) as one of their stacked rows
+    data = yaml.safe_load(open("configs/qwen3-30b-a3b.yaml"))
+    data["model"]["moe_grouped_gemm"] = True
+    grouped = tmp_path / "grouped.yaml"
+    grouped.write_text(yaml.safe_dump(data))
+    assert gemm_sweep.job_shapes(str(grouped))[3:5] == [(16 * 2048, 1536, 2048), (16 * 2048, 2048, 768)]
+    # the two expert GEMMs at 2,048 rows are among the usual shapes too: measured once
+    assert len(table) == 6 + 22 - 2 and "the job's 6 first" in words
+
+
+def test_doctor_refuses_an_unreadable_preset_for_the_sweep_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "job.yaml"
+    bad.write_text("model: {hidden: 64}\noffload: {dirs: [/tmp]}\n")
+    out = tmp_path / "node.yaml"
+    rc = main(["doctor", "--dir", str(tmp_path), "--config", str(bad), "--node-profile", str(out), "--json"])
+    assert rc == 1 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith(f"ssdtrain doctor: --node-profile with --config {bad}: ")
+    assert "missing key(s)" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("name, kind", [

@@ -7,6 +7,7 @@ The shapes (:data:`SHAPES`): the (M tokens, N, K) of the GEMMs plan/step_time.py
 Llama-style layers on one rank: QKV, projection, fc1 (SwiGLU: twice the FFN width) and fc2 of
 a Llama 3 8B layer at TP1 and of a 70B layer at TP4, at 2,048 and 8,192 tokens; and narrow
 expert GEMMs (a Qwen3-30B-A3B expert: hidden 2,048, FFN 768) at 512, 2,048 and 8,192 rows.
+With ``doctor --config PRESET`` the job's own shapes (:func:`job_shapes`) are swept first.
 Each in BF16 (torch.mm) and, where torch._scaled_mm runs on the card, FP8 (e4m3 inputs,
 per-tensor scales, BF16 output).
 
@@ -44,6 +45,29 @@ SHAPES: Tuple[Tuple[int, int, int], ...] = tuple(
 """The (M, N, K) swept (module docstring)."""
 
 DTYPES = ("bf16", "fp8")
+
+
+def job_shapes(preset: str) -> List[Tuple[int, int, int]]:
+    """The (M, N, K) the planner prices for the job of the preset at ``preset`` (its model on
+    its layout: plan/step_time.py ``layer_gemms`` and the output layer; a grouped expert GEMM
+    as one of the experts' stacked rows, as the lookup takes it), each once; [] for a preset
+    without a model.
+
+    Raises:
+        ValueError: an unreadable or invalid preset (one line naming it)."""
+    from ..plan.preset_file import read_preset
+    from ..plan.step_time import layer_gemms, local_tokens
+
+    shape = read_preset(preset).shape()
+    if shape is None:
+        return []
+    out: List[Tuple[int, int, int]] = []
+    for g in layer_gemms(shape):
+        m = g.count * g.m if g.grouped and g.count > 1 else g.m
+        out.append((m, g.n, g.k))
+    if shape.vocab:
+        out.append((local_tokens(shape), -(-shape.vocab // shape.tp), shape.hidden))
+    return list(dict.fromkeys(s for s in out if min(s) >= 1))
 
 Timer = Callable[[int, int, int, str], Optional[float]]
 """Seconds of one (m x k) @ (k x n) matmul in a dtype, or None where the dtype cannot run."""
@@ -112,9 +136,11 @@ def cuda_timer(device: str = "cuda:0") -> Timer:
     return timer
 
 
-def measure_gemm_table(timer: Optional[Timer] = None) -> Tuple[Optional[List[Dict[str, object]]], str]:
+def measure_gemm_table(timer: Optional[Timer] = None, first: Sequence[Tuple[int, int, int]] = ()
+                       ) -> Tuple[Optional[List[Dict[str, object]]], str]:
     """(the table, a note for the profile's source): on a CUDA device the sweep (``timer``:
-    :func:`cuda_timer` unless given); on a CPU (None, why it was skipped)."""
+    :func:`cuda_timer` unless given) of ``first`` (the job's shapes: :func:`job_shapes`) and
+    then :data:`SHAPES`; on a CPU (None, why it was skipped)."""
     if timer is None:
         import torch
 
@@ -123,11 +149,14 @@ def measure_gemm_table(timer: Optional[Timer] = None) -> Tuple[Optional[List[Dic
                           "(torch.cuda.is_available() is False); it times GPU matmuls only")
         timer = cuda_timer()
     began = time.monotonic()
-    rows, notes = sweep(timer)
+    shapes = list(dict.fromkeys(list(first) + list(SHAPES)))
+    rows, notes = sweep(timer, shapes)
     took = time.monotonic() - began
-    words = (f"gemm_tflops_by_shape: {len(rows)} torch matmuls at Megatron layers' shapes in "
+    job = f", the job's {len(first)} first" if first else ""
+    words = (f"gemm_tflops_by_shape: {len(rows)} torch matmuls at Megatron layers' shapes{job}, in "
              f"{took:.1f} s (tools/gemm_sweep.py)" + "".join(f"; {n}" for n in notes))
     return (rows or None), words
 
 
-__all__ = ["BUDGET_S", "DTYPES", "SHAPES", "TIMED", "Timer", "WARMUP", "cuda_timer", "measure_gemm_table", "sweep"]
+__all__ = ["BUDGET_S", "DTYPES", "SHAPES", "TIMED", "Timer", "WARMUP", "cuda_timer", "job_shapes",
+           "measure_gemm_table", "sweep"]
