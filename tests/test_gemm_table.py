@@ -61,6 +61,57 @@ def test_the_sweep_is_bounded_in_time():
     assert notes[-1] == "stopped after 2.5 s: 20 of 22 shapes not measured"
 
 
+class FakeEvent:
+    """Stands in for torch.cuda.Event (CUDA cannot run here): 25 ms between any two."""
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.recorded = self.waited = False
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        assert self.recorded and end.recorded and end.waited
+        return 25.0
+
+
+def test_the_cuda_timer_warms_up_times_between_events_and_runs_fp8_as_scaled_mm(monkeypatch):
+    """The timer's real torch calls on CPU tensors (torch runs _scaled_mm on the CPU too);
+    CUDA's events and synchronize faked."""
+    import torch
+
+    synced, calls = [], {"mm": 0, "scaled": 0}
+    real_mm, real_scaled = torch.mm, torch._scaled_mm
+
+    def mm(a, b):
+        calls["mm"] += 1
+        return real_mm(a, b)
+
+    def scaled(a, b, **kw):
+        calls["scaled"] += 1
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and b.stride() == (1, b.shape[0])
+        return real_scaled(a, b, **kw)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled)
+    timer = gemm_sweep.cuda_timer("cpu")
+    assert timer(64, 48, 32, "bf16") == 25.0 / 1e3 / gemm_sweep.TIMED
+    assert timer(64, 48, 32, "fp8") == 25.0 / 1e3 / gemm_sweep.TIMED
+    assert calls == {"mm": 13, "scaled": 13} and synced == ["cpu", "cpu"]
+
+    def refuses(*args, **kw):
+        raise RuntimeError("torch._scaled_mm is only supported on compute capability >= 8.9")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuses)
+    assert timer(64, 48, 32, "fp8") is None
+
+
 def test_on_this_cpu_the_sweep_is_skipped_and_says_why():
     table, words = gemm_sweep.measure_gemm_table()
     assert table is None
