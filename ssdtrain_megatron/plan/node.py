@@ -175,8 +175,9 @@ class NodeProfile:
             object.__setattr__(self, "gpu_tflops_by_tokens",
                                _tflops_table(self.gpu_tflops_by_tokens))
         if self.gemm_tflops_by_shape is not None:
-            object.__setattr__(self, "gemm_tflops_by_shape",
-                               _gemm_table(self.gemm_tflops_by_shape))
+            from .gemm_table import gemm_table
+
+            object.__setattr__(self, "gemm_tflops_by_shape", gemm_table(self.gemm_tflops_by_shape))
         if self.gpu_kind is not None:
             from .gpu_kind import KINDS
 
@@ -278,8 +279,9 @@ class NodeProfile:
         if self.gpu_tflops_by_tokens is not None:
             out["gpu_tflops_by_tokens"] = dict(self.gpu_tflops_by_tokens)
         if self.gemm_tflops_by_shape is not None:
-            out["gemm_tflops_by_shape"] = [dict(zip(GEMM_ROW_KEYS, row))
-                                           for row in self.gemm_tflops_by_shape]
+            from .gemm_table import table_rows
+
+            out["gemm_tflops_by_shape"] = table_rows(self.gemm_tflops_by_shape)
         return out
 
     @classmethod
@@ -364,37 +366,6 @@ def _tflops_table(value: Any) -> Tuple[Tuple[int, float], ...]:
                 or not 0 < tflops < float("inf"):
             _fail("gpu_tflops_by_tokens", value, allowed)
     return tuple(sorted((int(at), float(tflops)) for at, tflops in pairs))
-
-
-GEMM_ROW_KEYS = ("m", "n", "k", "dtype", "tflops")
-"""The keys of one ``gemm_tflops_by_shape`` row, in its tuple's order."""
-
-GEMM_DTYPES = ("bf16", "fp8")
-
-
-def _gemm_table(value: Any) -> Tuple[Tuple[int, int, int, str, float], ...]:
-    """``gemm_tflops_by_shape`` as (m, n, k, dtype, tflops) tuples in the given order, or one
-    line naming the field, the row and what is wrong."""
-    allowed = ("expected a list of {m, n, k, dtype, tflops}: m, n, k integers >= 1, dtype "
-               + " or ".join(GEMM_DTYPES) + ", tflops a number > 0")
-    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
-        _fail("gemm_tflops_by_shape", value, allowed + ", or null")
-    rows = []
-    for i, row in enumerate(value):
-        if isinstance(row, Mapping):
-            if sorted(row) != sorted(GEMM_ROW_KEYS):
-                _fail(f"gemm_tflops_by_shape[{i}]", dict(row), allowed)
-            row = tuple(row[key] for key in GEMM_ROW_KEYS)
-        if not isinstance(row, (tuple, list)) or len(row) != len(GEMM_ROW_KEYS):
-            _fail(f"gemm_tflops_by_shape[{i}]", row, allowed)
-        m, n, k, dtype, tflops = row
-        if not all(_is_int(d) and d >= 1 for d in (m, n, k)) or dtype not in GEMM_DTYPES \
-                or not _is_number(tflops) or not 0 < tflops < float("inf"):
-            _fail(f"gemm_tflops_by_shape[{i}]", dict(zip(GEMM_ROW_KEYS, row)), allowed)
-        rows.append((m, n, k, dtype, float(tflops)))
-    if not rows:
-        _fail("gemm_tflops_by_shape", value, allowed + " (at least one row), or null")
-    return tuple(rows)
 
 
 # -- built-in profiles -------------------------------------------------------------------------
