@@ -22,12 +22,24 @@ kind of kernel, never per model or per published run:
 * memory-bound passes (norms, activations, residual adds, casts, permutes): 0.85 of HBM GB/s.
 
 A node profile may measure its own (``gemm_efficiency``: NodeProfile) and replace the kind's.
+
+A measured table replaces both the efficiency and the waves (``gemm_tflops_by_shape``:
+NodeProfile; ``ssdtrain doctor --node-profile`` sweeps torch matmuls on a GPU): a GEMM runs at
+the rate measured at the nearest shape (:func:`nearest_measured`). "Nearest" is simple and
+stated: among the rows of the GEMM's dtype, the least |ln(FLOPs / row's FLOPs)| +
+|ln(narrowest dimension / row's narrowest)|, the first such row on a tie; its waves and tile
+edges are in its measured rate. A table without the dtype's rows (no FP8 where
+torch._scaled_mm did not run) leaves that dtype to the kind's efficiency and waves.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence, Tuple
+
+MeasuredRow = Tuple[int, int, int, str, float]
+"""One measured GEMM: (m, n, k, dtype, TFLOP/s) (NodeProfile.gemm_tflops_by_shape)."""
 
 #: Rows x columns of one output tile of the Hopper/Blackwell BF16/FP8 GEMM kernels cuBLAS and
 #: CUTLASS pick for large training GEMMs (128 x 256 warp-specialized tiles).
@@ -98,6 +110,33 @@ def gemm_seconds(kind: GpuKind, m: int, n: int, k: int, precision: str = "bf16",
     return 2 * m * n * k / (rate * wave_efficiency(m, n, kind.sms))
 
 
+def nearest_measured(table: Optional[Sequence[MeasuredRow]], m: int, n: int, k: int,
+                     precision: str) -> Optional[MeasuredRow]:
+    """The row of ``table`` ((m, n, k, dtype, tflops) tuples: NodeProfile.gemm_tflops_by_shape)
+    nearest to an (m, n, k) GEMM in ``precision`` (module docstring), or None where the table
+    has no row of that dtype."""
+    flops, narrow = math.log(m * n * k), math.log(min(m, n, k))
+    best, best_d = None, float("inf")
+    for row in table or ():
+        if row[3] != precision:
+            continue
+        d = abs(flops - math.log(row[0] * row[1] * row[2])) + abs(narrow - math.log(min(row[:3])))
+        if d < best_d:
+            best, best_d = row, d
+    return best
+
+
+def measured_gemm_seconds(table: Optional[Sequence[MeasuredRow]], m: int, n: int, k: int, precision: str = "bf16") -> Optional[float]:
+    """Seconds of one (m x k) @ (k x n) GEMM at the TFLOP/s measured at the nearest shape of
+    its dtype in ``table``; None where the table has no row of that dtype."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    row = nearest_measured(table, m, n, k, precision)
+    if row is None:
+        return None
+    return 2 * m * n * k / (row[4] * 1e12)
+
+
 #: Keys per kernel call at which flash attention runs at half its long-sequence rate.
 ATTENTION_HALF_RATE_KEYS = 512
 
@@ -135,4 +174,5 @@ def gpu_kind(name: str) -> GpuKind:
         raise ValueError(f"gpu_kind={name!r} is invalid: allowed: " + ", ".join(KINDS)) from None
 
 
-__all__ = ["ATTENTION_HALF_RATE_KEYS", "GpuKind", "KINDS", "attention_rate", "gemm_seconds", "gpu_kind", "memory_seconds", "wave_efficiency"]
+__all__ = ["ATTENTION_HALF_RATE_KEYS", "GpuKind", "KINDS", "attention_rate", "gemm_seconds", "gpu_kind",
+           "measured_gemm_seconds", "memory_seconds", "nearest_measured", "wave_efficiency"]

@@ -133,6 +133,14 @@ class NodeProfile:
     gemm_efficiency: Optional[float] = None
     """Measured fraction of the kind's peak its large GEMMs reach (replaces the kind's)."""
 
+    gemm_tflops_by_shape: Optional[Tuple[Tuple[int, int, int, str, float], ...]] = None
+    """Measured TFLOP/s of torch matmuls at given GEMM shapes (``ssdtrain doctor --node-profile``
+    on a GPU: tools/gemm_sweep.py): in YAML a list of ``{m, n, k, dtype, tflops}`` (dtype
+    ``bf16`` or ``fp8``), held as (m, n, k, dtype, tflops) tuples. With ``gpu_kind`` set, each
+    of the job's GEMMs runs at the rate of the nearest measured shape of its dtype
+    (plan/gpu_kind.py ``nearest_measured``) instead of the kind's efficiency and waves. None:
+    the kind's (said so in the plan's assumptions)."""
+
     FIELDS = ("name", "gpus_per_node", "gpu_memory_bytes", "gpu_tflops", "host_memory_bytes",
               "host_link_gbps", "drives", "drive_write_gbps", "drive_read_gbps", "drive_tbw_tb",
               "nvlink_gbps", "source", "host_memory_gbps", "gpu_tflops_by_tokens", "gpu_kind",
@@ -141,6 +149,8 @@ class NodeProfile:
                 "nic_gbps", "gemm_efficiency")
     FIELDS += ("cpu_adam_params_per_s",)
     OPTIONAL += ("cpu_adam_params_per_s",)
+    FIELDS += ("gemm_tflops_by_shape",)
+    OPTIONAL += ("gemm_tflops_by_shape",)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -164,6 +174,10 @@ class NodeProfile:
         if self.gpu_tflops_by_tokens is not None:
             object.__setattr__(self, "gpu_tflops_by_tokens",
                                _tflops_table(self.gpu_tflops_by_tokens))
+        if self.gemm_tflops_by_shape is not None:
+            from .gemm_table import gemm_table
+
+            object.__setattr__(self, "gemm_tflops_by_shape", gemm_table(self.gemm_tflops_by_shape))
         if self.gpu_kind is not None:
             from .gpu_kind import KINDS
 
@@ -239,7 +253,9 @@ class NodeProfile:
                   f"GB/s write / read, {self.drive_tbw_tb:,g} TBW each (per GPU "
                   f"{self.ssd_write_gbps:.2f} / {self.ssd_read_gbps:.2f} GB/s)"
                   if self.drives else "no drives")
-        rate = (f"{self.gpu_kind} (its GEMM, attention and memory rates)"
+        measured = (f", its GEMMs by {len(self.gemm_tflops_by_shape)} measured shapes"
+                    if self.gemm_tflops_by_shape else "")
+        rate = (f"{self.gpu_kind} (its GEMM, attention and memory rates{measured})"
                 if self.gpu_kind and not self.gpu_tflops_by_tokens else f"{self.gpu_tflops:g} TFLOP/s")
         return (f"{self.name}: {self.gpus_per_node} GPUs of {self.gpu_memory_bytes / GB:g} GB at "
                 f"{rate}; host memory {self.host_memory_bytes / GB:g} GB per "
@@ -262,6 +278,10 @@ class NodeProfile:
         out = {name: getattr(self, name) for name in self.FIELDS}
         if self.gpu_tflops_by_tokens is not None:
             out["gpu_tflops_by_tokens"] = dict(self.gpu_tflops_by_tokens)
+        if self.gemm_tflops_by_shape is not None:
+            from .gemm_table import table_rows
+
+            out["gemm_tflops_by_shape"] = table_rows(self.gemm_tflops_by_shape)
         return out
 
     @classmethod

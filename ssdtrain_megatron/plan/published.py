@@ -154,8 +154,9 @@ def assumed_terms(node: Mapping[str, Any]) -> Tuple[str, str]:
                     "without gpu_kind: one rate for every FLOP)")
     from .gpu_kind import gpu_kind
 
-    compute = (f"{gpu_kind(kind).describe()} (plan/gpu_kind.py; a profile's gemm_efficiency "
-               "replaces it)")
+    from .step_time import gemm_source
+
+    compute = f"{gpu_kind(kind).describe()}; {gemm_source(node)}"
     nics = (f"{node['nics']} x {node['nic_gbps']:g} Gb/s NICs per node" if node.get("nics")
             else "NICs not known (NVLink's rate assumed)")
     comm = ("TP, CP and expert all-to-all over NVLink, data-parallel reduce-scatter and "

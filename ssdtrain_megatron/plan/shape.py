@@ -286,6 +286,7 @@ class ModelShape:
                             "distributed_optimizer", "vp", "tp_comm_overlap",
                             "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16",
                             "fp8_param_gather")
+    PRESET_PARALLEL_KEYS += ("main_grad_bytes", "optimizer_offload_fraction", "overlap_optimizer_d2h_h2d")
 
     @classmethod
     def from_preset(cls, model: Mapping, parallel: Optional[Mapping] = None) -> "ModelShape":

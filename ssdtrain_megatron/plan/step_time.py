@@ -26,6 +26,12 @@ within a node else the node's NICs, hidden behind the last micro-batch's backwar
 ``--overlap-grad-reduce`` and behind the first one's forward with ``--overlap-param-gather``;
 the optimizer's memory-bound update of its shard.
 
+A node whose profile holds a measured GEMM table (``gemm_tflops_by_shape``, from ``ssdtrain
+doctor --node-profile`` on a GPU) runs each GEMM at the rate measured at the nearest shape of
+its dtype (plan/gpu_kind.py ``nearest_measured``): the experts of a grouped GEMM as one GEMM
+of their stacked rows, else each at its own rows; a dtype the table lacks at the kind's
+efficiency and waves. :func:`gemm_source` says which, for the plan's assumptions line.
+
 A node with no ``gpu_kind`` (a custom profile, ``--gpu-tflops``) runs every FLOP at its one
 achieved rate (``gpu_tflops``, or its ``gpu_tflops_by_tokens``) with no memory-bound passes:
 the terms above that need a kind are then left out, said so in the plan's assumptions.
@@ -34,10 +40,11 @@ the terms above that need a kind are then left out, said so in the plan's assump
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .gpu_kind import (TILE_M, TILE_N, GpuKind, attention_rate, gemm_seconds, gpu_kind, memory_seconds,
                        wave_efficiency)
+from .gpu_kind import measured_gemm_seconds
 from .memory import layer_parameters
 from .model import attention_core_flops, local_sequence_shape
 from .node import NodeProfile
@@ -133,6 +140,12 @@ def gemm_time(g: Gemm, kind: Optional[GpuKind], node: NodeProfile, tokens: int) 
     """Seconds of ``g`` (all its count) on the node's GPU kind, or at the node's one rate."""
     if kind is None:
         return g.flops / node.flops_at(tokens)
+    table = getattr(node, "gemm_tflops_by_shape", None)
+    if table:
+        stacked = g.grouped and g.count > 1
+        one = measured_gemm_seconds(table, g.count * g.m if stacked else g.m, g.n, g.k, g.precision)
+        if one is not None:
+            return one if stacked else g.count * one
     eff = getattr(node, "gemm_efficiency", None)
     if g.grouped and g.count > 1:
         # one kernel: the experts' tiles share the waves, instead of each running its own
@@ -142,6 +155,22 @@ def gemm_time(g: Gemm, kind: Optional[GpuKind], node: NodeProfile, tokens: int) 
         shared = g.count * g.m * g.n / (waves * kind.sms * TILE_M * TILE_N)
         return g.count * one * wave_efficiency(g.m, g.n, kind.sms) / shared
     return g.count * gemm_seconds(kind, g.m, g.n, g.k, g.precision, eff)
+
+
+def gemm_source(node: Mapping[str, Any]) -> str:
+    """Where a node's GEMM rates come from, in words for the plan's assumptions line (from its
+    profile's dict): the measured table (and the dtypes it lacks), else the kind's
+    efficiency and waves."""
+    table = node.get("gemm_tflops_by_shape")
+    if not table:
+        return "GEMMs at the kind's efficiency and waves (plan/gpu_kind.py; a profile's gemm_efficiency replaces it)"
+    rows = [r["dtype"] if isinstance(r, Mapping) else r[3] for r in table]
+    measured = ", ".join(f"{rows.count(d)} {d}" for d in ("bf16", "fp8") if d in rows)
+    lacking = [d for d in ("bf16", "fp8") if d not in rows]
+    return (f"GEMMs at the rate of the nearest of the profile's measured shapes "
+            f"(gemm_tflops_by_shape: {measured} rows; nearest by log FLOPs and narrowest dimension)"
+            + (f"; {', '.join(lacking).upper()} at the kind's efficiency and waves (not measured)"
+               if lacking else ""))
 
 
 def elementwise_bytes(shape: ModelShape) -> Tuple[int, int]:
@@ -350,5 +379,5 @@ def _data_parallel(shape: ModelShape, node: NodeProfile, forward_s: float,
 
 
 __all__ = ["timed_by_terms", "tp_comm_bytes", "Gemm", "LINK_EFFICIENCY", "LayerTime", "StepOverheads", "elementwise_bytes",
-           "gemm_time", "head_time", "layer_gemms", "layer_time", "link_gbps", "local_tokens",
+           "gemm_source", "gemm_time", "head_time", "layer_gemms", "layer_time", "link_gbps", "local_tokens",
            "stage_parameters", "step_overheads"]

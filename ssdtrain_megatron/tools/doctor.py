@@ -49,7 +49,9 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--node-profile", metavar="OUT.yaml", default=None,
                    help="also measure this machine (each --dir's drive, free host memory, "
-                        "on a GPU its pinned copies and matmul, on a CPU what stands in for them, "
+                        "on a GPU its pinned copies and matmul and a GEMM sweep at Megatron "
+                        "layers' shapes, --config's job's first (gemm_tflops_by_shape), on a CPU "
+                        "what stands in for them, "
                         "torch's fused AdamW on the cores one local rank gets) and "
                         "write its node profile there, for `ssdtrain plan --node OUT.yaml` "
                         "(tools/node_profile.py; about a minute)")
@@ -309,5 +311,5 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.node_profile:
         from .node_profile import write_node_profile
 
-        ok = write_node_profile(args.node_profile, report) == 0 and ok
+        ok = write_node_profile(args.node_profile, report, args.config) == 0 and ok
     return 0 if ok else 1

@@ -15,6 +15,11 @@ same schema, so that ``--node OUT.yaml`` plans with this machine's own numbers:
   node's GPUs share (the channels' peak is higher).
 * on a GPU: the pinned host<->device copy GB/s each way (the slower one is ``host_link_gbps``),
   a bf16 matmul's TFLOP/s, and with two GPUs or more the peer copy GB/s (``nvlink_gbps``).
+* on a GPU, its kind (``gpu_kind``, from the device's name: :func:`kind_of_device`) and the
+  GEMM sweep (``gemm_tflops_by_shape``: torch matmuls at Megatron layers' shapes, BF16 and FP8
+  where the card runs it, a few seconds, the shapes of ``--config``'s job first;
+  tools/gemm_sweep.py); on a CPU the sweep is skipped
+  and ``source`` says why.
 * the CPU optimizer (``cpu_adam_params_per_s``): torch's fused AdamW on the CPU, as
   megatron-core's optimizer CPU offload steps it, on the cores one local rank (one GPU) gets,
   bounded by the rank's share of the memory bus (tools/cpu_adam.py).
@@ -38,12 +43,13 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..plan.engine_choice import USABLE_FRACTION
 from ..plan.node import GB, NodeProfile
 from .cpu_adam import describe as describe_cpu_adam
 from .cpu_adam import measure_cpu_adam
+from .gemm_sweep import job_shapes, measure_gemm_table
 
 DRIVE_BYTES = 1 << 30
 """Bytes written and read per drive (less on a nearly full one: a quarter of its free space)."""
@@ -191,7 +197,19 @@ def peer_copy_gbps(nbytes: int = COPY_BYTES) -> float:
     return nbytes / _median_time(run) / GB
 
 
-def _compute_figures() -> Tuple[Dict[str, Any], List[str]]:
+def kind_of_device(name: str) -> Optional[str]:
+    """The planner's GPU kind (plan/gpu_kind.py) of a CUDA device called ``name``, or None where
+    its datasheet is not one of the kinds (an H100 PCIe or NVL, say)."""
+    for needle, kind in (("GH200", "gh200"), ("H200", "h200"), ("B200", "b200"),
+                         ("A100-SXM", "a100-sxm")):
+        if needle in name:
+            return kind
+    if "H100" in name and "HBM3" in name:  # "NVIDIA H100 80GB HBM3": the SXM5 board
+        return "h100-sxm"
+    return None
+
+
+def _compute_figures(first_shapes: Sequence[Tuple[int, int, int]] = ()) -> Tuple[Dict[str, Any], List[str]]:
     """The GPU figures (or what stands in for them on a CPU) and the words for ``source``."""
     import torch
 
@@ -213,9 +231,17 @@ def _compute_figures() -> Tuple[Dict[str, Any], List[str]]:
             notes.append("one GPU: nvlink_gbps is the host link's figure (no tensor-parallel peer)")
         bus = 2 * host_copy_gbps()
         notes.append(_bus_note(bus))
+        kind = kind_of_device(prop.name)
+        notes.append(f"gpu_kind {kind} from the device name" if kind else
+                     f"gpu_kind not set: {prop.name!r} is none of the planner's kinds (the table "
+                     "below is read only with one: set gpu_kind by hand if its datasheet matches)")
+        _say("GEMM sweep: torch matmuls at Megatron layers' shapes (a few seconds)")
+        table, words = measure_gemm_table(first=first_shapes)
+        notes.append(words)
         return {"gpus_per_node": gpus, "gpu_memory_bytes": int(prop.total_memory), "gpu_tflops": tflops,
                 "host_link_gbps": min(h2d, d2h), "nvlink_gbps": nvlink, "host_memory_gbps": bus,
-                "host_memory_total": mem.get("MemAvailable", 0)}, notes
+                "host_memory_total": mem.get("MemAvailable", 0), "gpu_kind": kind,
+                "gemm_tflops_by_shape": table}, notes
     threads = torch.get_num_threads()
     _say(f"no GPU: the CPU stands in (fp32 matmul on {threads} thread(s), host memory copies)")
     tflops = matmul_tflops("cpu", "float32", 1024)
@@ -224,6 +250,9 @@ def _compute_figures() -> Tuple[Dict[str, Any], List[str]]:
     notes = [f"no GPU, the CPU trains: gpu_memory_bytes is its RAM, gpu_tflops an fp32 matmul on {threads} "
              f"torch thread(s) ({tflops:.3f} TFLOP/s), host_link_gbps and nvlink_gbps the host memory "
              f"copy ({copy:.1f} GB/s: what the memory tier's copies cost here)", _bus_note(2 * copy)]
+    _table, skipped = measure_gemm_table()
+    _say(skipped)
+    notes.append(skipped)
     return {"gpus_per_node": 1, "gpu_memory_bytes": max(total, GB), "gpu_tflops": tflops,
             "host_link_gbps": copy, "nvlink_gbps": copy, "host_memory_gbps": 2 * copy,
             "host_memory_total": mem.get("MemAvailable", 0)}, notes
@@ -242,9 +271,11 @@ def host_memory_per_gpu(available: int, gpus: int) -> int:
     return int(available * USABLE_FRACTION) // max(gpus, 1)
 
 
-def measure_node(roots: List[str], name: Optional[str] = None, drive_bytes: Optional[int] = None) -> NodeProfile:
-    """This machine's NodeProfile, measured (see the module docstring); progress on stderr."""
-    compute, notes = _compute_figures()
+def measure_node(roots: List[str], name: Optional[str] = None, drive_bytes: Optional[int] = None,
+                 gemm_shapes: Sequence[Tuple[int, int, int]] = ()) -> NodeProfile:
+    """This machine's NodeProfile, measured (see the module docstring); progress on stderr.
+    ``gemm_shapes``: the job's GEMMs, swept before the usual ones (tools/gemm_sweep.py)."""
+    compute, notes = _compute_figures(gemm_shapes)
     drives = measure_drives(roots, drive_bytes)
     gpus = compute["gpus_per_node"]
     host = host_memory_per_gpu(compute.pop("host_memory_total"), gpus)
@@ -268,13 +299,15 @@ def measure_node(roots: List[str], name: Optional[str] = None, drive_bytes: Opti
         nvlink_gbps=round(compute["nvlink_gbps"], 3),
         host_memory_gbps=round(compute["host_memory_gbps"], 3),
         cpu_adam_params_per_s=float(f"{adam['params_per_s']:.4g}"),
+        gpu_kind=compute.get("gpu_kind"), gemm_tflops_by_shape=compute.get("gemm_tflops_by_shape"),
         source=f"measured by ssdtrain doctor --node-profile on {host_name}, {when}; " + "; ".join(notes))
 
 
-def write_node_profile(path: str, report: Dict[str, Any]) -> int:
+def write_node_profile(path: str, report: Dict[str, Any], preset: Optional[str] = None) -> int:
     """Measure this machine into ``path`` (YAML), from the roots doctor found usable in
     ``report``; say what was written on stderr (stdout is doctor's report, one JSON object
-    with --json). 1 (and why) when nothing could be measured."""
+    with --json). ``preset``: doctor's --config, whose job's GEMM shapes the sweep measures
+    first. 1 (and why) when nothing could be measured."""
     roots = [r["root"] for r in report["roots"] if r["problem"] is None and r["writable"]]
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
@@ -285,7 +318,12 @@ def write_node_profile(path: str, report: Dict[str, Any]) -> int:
               "ROOT on the drive activations will go to", file=sys.stderr)
         return 1
     try:
-        profile = measure_node(roots)
+        shapes = job_shapes(preset) if preset else []
+    except ValueError as exc:
+        print(f"ssdtrain doctor: --node-profile with --config {preset}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        profile = measure_node(roots, gemm_shapes=shapes)
     except (RuntimeError, OSError) as exc:
         print(f"ssdtrain doctor: --node-profile: {exc}", file=sys.stderr)
         return 1
