@@ -105,9 +105,10 @@ def test_restored_tensors_reuse_the_memory_forward_freed(tmp_path, seed):
     streams together), and backward's restores reused the compute stream's blocks instead of
     growing a pool of their own. Broken variant: ``DeviceCopy.restore`` allocating inside
     ``ops.use(reload_stream)`` (fault A, main before this change): the reload stream's pool
-    holds the read-ahead window beside the compute stream's: 1.20 at seed 54 before the compute stream was deferred (1.25 on main's
-    code); with the fix 1.00 (384 KiB reserved, all on the compute stream, 58 of 62 blocks
-    reused)."""
+    holds the read-ahead window beside the compute stream's: 1.20 at seed 54 with an eager
+    compute stream (1.25 on main's code); with the fix 1.00 (384 KiB reserved, all on the
+    compute stream, 58 of 62 blocks reused). Every seed here fails it, and so does the reload
+    stream not waiting for the allocation event (the poisoned block reused under the copy)."""
     rec = Recorder(seed=seed, poison=True, deferred_compute=True)
     cfg = OffloadConfig(dirs=[str(tmp_path)], engine="memory", min_tensor_bytes=0, keep_last_layers=0,
                         prefetch_layers=2, host_memory_bytes=64 << 20, max_inflight_bytes=64 << 20,
