@@ -6,17 +6,22 @@ the same twice back. Now the engine hands out the pool extent (``pool_view``) an
 stream copies into it directly; a read copies out of it on the reload stream. The extent is
 reused only after the event of the last copy into or out of it completed (``fence``).
 
-CPU machine: the streams are the recording stand-in (tests/recording_streams.py), the
-engines, pool memory, offloader and autograd are real. Only a GPU run shows the bandwidth.
+CPU machine: the streams are the recording stand-in (tests/recording_streams.py), every one
+deferred, the compute stream too (``deferred_compute``: the model's kernels go through their
+stream, ``Recorder.launch``), with the caching-allocator model and poison on; the engines,
+pool memory, offloader and autograd are real. Only a GPU run shows the bandwidth.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io import make_engine
+from tests.gpu_scenes import Sink
 from tests.recording_streams import Recorder, _range, overlaps
 from tests.test_staging_race import Logged, check_staging_reuse
 
@@ -24,20 +29,55 @@ ROWS, COLS, LAYERS = 64, 256, 3
 NBYTES = ROWS * COLS * 4
 
 
+def _like(rec: Recorder, x: torch.Tensor) -> torch.Tensor:
+    return rec.empty(x.numel(), x.dtype, x.device).view(x.shape)
+
+
+def _forward_kernel(y, out, x) -> None:
+    torch.tanh(x, out=y)
+    out.copy_(y)
+
+
+def _backward_kernel(s, gx, g) -> None:
+    torch.mul(g, 1 - s * s, out=gx)
+
+
 class Saves(torch.autograd.Function):
+    """y = tanh(x), saved for backward. Both kernels go through the stream
+    (``Recorder.launch``): on the deferred stand-in the torch code runs when the stream runs
+    it, so the host never reads a tensor before its stream ran."""
+
     @staticmethod
     def forward(ctx, x, rec):
-        y = torch.tanh(x)
-        rec.kernel("produce", y)
+        y, out = _like(rec, x), _like(rec, x)
+        rec.launch("produce", _forward_kernel, y, out, x)
         ctx.save_for_backward(y)
         ctx.rec = rec
-        return y * 1
+        return out
 
     @staticmethod
     def backward(ctx, g):
         (s,) = ctx.saved_tensors
-        ctx.rec.kernel("consume", s)
-        return g * (1 - s * s), None
+        gx = _like(ctx.rec, g)
+        ctx.rec.launch("consume", _backward_kernel, s, gx, g)
+        return gx, None
+
+
+def forward(off, rec: Recorder, mb: int, out: torch.Tensor, device=torch.device("cpu")) -> torch.Tensor:
+    """Micro-batch ``mb``'s forward (under the offloader when given): its output. The input's
+    gradient lands in ``out`` through the stream (tests/gpu_scenes.py ``Sink``)."""
+    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(mb)).to(device).requires_grad_()
+    h = Sink.apply(x, out, rec)
+    with off.microbatch(mb) if off is not None else contextlib.nullcontext():
+        for i in range(LAYERS):
+            with off.layer(i) if off is not None else contextlib.nullcontext():
+                h = Saves.apply(h, rec)
+    return h
+
+
+def backward(h: torch.Tensor) -> None:
+    """Backward from ``h`` with a gradient of ones (no host op reads ``h``)."""
+    torch.autograd.backward(h, torch.ones_like(h))
 
 
 def _run(off, rec, abandon_first: bool = False, device=torch.device("cpu")):
@@ -46,35 +86,29 @@ def _run(off, rec, abandon_first: bool = False, device=torch.device("cpu")):
     compute stream waits for those reads, only the fence orders the extents' reuse."""
     grads = []
     for mb in range(2):
-        x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(mb)).to(device).requires_grad_()
-        with off.microbatch(mb):
-            h = x
-            for i in range(LAYERS):
-                with off.layer(i):
-                    h = Saves.apply(h, rec)
-            loss = h.sum()
+        out = torch.zeros(ROWS, COLS, device=device)
+        h = forward(off, rec, mb, out, device)
         off.wait_writes()
         if abandon_first and mb == 0:
             off.begin_backward(0)  # reads start (prefetch_layers covers every layer)
             off.transfers.wait_all()
-            del loss, h
+            del h
             off.poll()  # the handles dropped: the records (and their extents) are released
             continue
-        loss.backward()
-        grads.append(x.grad)
+        backward(h)
+        del h
+        grads.append(out)
     return grads, off.end_step()
 
 
 def _reference(abandon_first: bool = False, device=torch.device("cpu")):
-    rec = Recorder()
+    rec = Recorder()  # eager streams: kernels run when issued
     grads = []
     for mb in range(1 if abandon_first else 0, 2):
-        x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(mb)).to(device).requires_grad_()
-        h = x
-        for _ in range(LAYERS):
-            h = Saves.apply(h, rec)
-        h.sum().backward()
-        grads.append(x.grad)
+        out = torch.zeros(ROWS, COLS, device=device)
+        backward(forward(None, rec, mb, out, device))
+        rec.run_all()
+        grads.append(out)
     return grads
 
 
@@ -87,8 +121,8 @@ def _offload(tmp_path, engine: str, host_bytes: int, abandon_first: bool = False
         from ssdtrain_megatron.cache.stream_ops import CudaStreams
 
         rec, device = Recorder(inner=CudaStreams(), delay_s=0.002), torch.device("cuda", torch.cuda.current_device())
-    else:
-        rec, device = Recorder(), torch.device("cpu")
+    else:  # every stream deferred, the compute stream too, poison on
+        rec, device = Recorder(poison=True, deferred_compute=True), torch.device("cpu")
     engine_ = Logged(make_engine(config), rec)
     with ActivationOffloader(config, device=device, engine=engine_, streams=rec) as off:
         if unobserved_reloads:  # the host never sees a copy out of the pool finish
@@ -98,13 +132,14 @@ def _offload(tmp_path, engine: str, host_bytes: int, abandon_first: bool = False
         grads, stats = _run(off, rec, abandon_first, device)
         if cuda:
             torch.cuda.synchronize()
+        rec.run_all()
         check_staging_reuse(rec, memory._pool)
         check_staging_reuse(rec, off.copy.pool._mem)
     ref = _reference(abandon_first, device)
     if cuda:
         torch.cuda.synchronize()
     for a, b in zip(grads, ref, strict=True):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"gradients differ (seed {rec.seed})"
     return rec, stats, pool, staging
 
 
