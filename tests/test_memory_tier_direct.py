@@ -8,7 +8,8 @@ reused only after the event of the last copy into or out of it completed (``fenc
 
 CPU machine: the streams are the recording stand-in (tests/recording_streams.py), every one
 deferred, the compute stream too (``deferred_compute``: the model's kernels go through their
-stream, ``Recorder.launch``), with the caching-allocator model and poison on; the engines,
+stream, ``Recorder.launch``), with the caching-allocator model and poison on; the two ordering scenes over
+tests/gpu_scenes.py ``SEEDS`` (printed); the engines,
 pool memory, offloader and autograd are real. Only a GPU run shows the bandwidth.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io import make_engine
-from tests.gpu_scenes import Sink
+from tests.gpu_scenes import SEEDS, Sink
 from tests.recording_streams import Recorder, _range, overlaps
 from tests.test_staging_race import Logged, check_staging_reuse
 
@@ -113,7 +114,7 @@ def _reference(abandon_first: bool = False, device=torch.device("cpu")):
 
 
 def _offload(tmp_path, engine: str, host_bytes: int, abandon_first: bool = False, cuda: bool = False,
-             unobserved_reloads: bool = False):
+             unobserved_reloads: bool = False, seed=None):
     config = OffloadConfig(dirs=[str(tmp_path)], engine=engine, min_tensor_bytes=0, keep_last_layers=0,
                            prefetch_layers=LAYERS, chunk_bytes=64 * 1024, max_inflight_bytes=1 << 20,
                            pinned_staging_bytes=1 << 20, host_memory_bytes=host_bytes)
@@ -122,7 +123,7 @@ def _offload(tmp_path, engine: str, host_bytes: int, abandon_first: bool = False
 
         rec, device = Recorder(inner=CudaStreams(), delay_s=0.002), torch.device("cuda", torch.cuda.current_device())
     else:  # every stream deferred, the compute stream too, poison on
-        rec, device = Recorder(poison=True, deferred_compute=True), torch.device("cpu")
+        rec, device = Recorder(seed=seed, poison=True, deferred_compute=True), torch.device("cpu")
     engine_ = Logged(make_engine(config), rec)
     with ActivationOffloader(config, device=device, engine=engine_, streams=rec) as off:
         if unobserved_reloads:  # the host never sees a copy out of the pool finish
@@ -147,10 +148,11 @@ def _copies(rec, side: str, where):
     return [n for n in rec.nodes("copy") if overlaps(n.tags[side], where)]
 
 
-def test_the_memory_engine_is_written_and_read_with_one_copy_each_way(tmp_path):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_memory_engine_is_written_and_read_with_one_copy_each_way(tmp_path, seed):
     """Its pool holds one micro-batch's tensors: the second micro-batch reuses the first's
     extents, which the reuse check orders after the first's copies out of them."""
-    rec, stats, pool, staging = _offload(tmp_path, "memory", LAYERS * NBYTES)
+    rec, stats, pool, staging = _offload(tmp_path, "memory", LAYERS * NBYTES, seed=seed)
     n = stats.tensors_offloaded
     assert n == 2 * LAYERS and stats.bytes_read == n * NBYTES and stats.fallbacks == 0
     assert len(_copies(rec, "dst", pool)) == n, "each tensor: one device->pool copy"
@@ -176,11 +178,12 @@ def _check_copies_out_follow_copies_in(rec, pool) -> None:
             last_in[n.tags["dst"]] = n
 
 
-def test_an_extent_read_back_but_never_used_is_reused_only_after_its_copy_out(tmp_path):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_extent_read_back_but_never_used_is_reused_only_after_its_copy_out(tmp_path, seed):
     """The first micro-batch's reads are abandoned (nothing on the compute stream waits for
     them): the second micro-batch's copies into the same extents are still ordered after the
     copies out, by the fence the engine checks (``query``) before it hands an extent out."""
-    rec, stats, pool, _ = _offload(tmp_path, "memory", LAYERS * NBYTES, abandon_first=True)
+    rec, stats, pool, _ = _offload(tmp_path, "memory", LAYERS * NBYTES, abandon_first=True, seed=seed)
     assert len({c.tags["dst"] for c in _copies(rec, "dst", pool)}) == LAYERS  # reused
     assert len(_copies(rec, "src", pool)) == 2 * LAYERS  # the abandoned reads did copy out
 

@@ -4,7 +4,7 @@ not when the drive has the bytes (issue 47: a slow drive fills host staging, not
 
 The streams are the recording stand-in (tests/recording_streams.py: every stream deferred, the
 compute stream too, whose kernels run when it runs them (``Recorder.launch``); copies run when
-their stream runs them, at seeded random moments; poison on; a scene that needs them landed says so with ``run_all``,
+their stream runs them, at seeded random moments; poison on; the copy-back and read-ahead scenes over tests/gpu_scenes.py ``SEEDS``, printed; a scene that needs them landed says so with ``run_all``,
 one that needs them never seen to land marks the offload stream ``unobserved``); the
 posix engine, its files and IO threads are real, with an IO thread held inside a write where a
 test needs a drive write to be under way (tests/faulty.py). What only a GPU shows: how fast
@@ -31,6 +31,7 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.cache.lifecycle import State
 from ssdtrain_megatron.io import make_engine
 from tests.faulty import FaultyEngine
+from tests.gpu_scenes import SEEDS
 from tests.recording_streams import Recorder, contains
 from tests.test_staging_race import Logged, check_staging_reuse
 
@@ -75,8 +76,8 @@ def _backward(y: torch.Tensor) -> None:
     torch.autograd.backward(y, torch.ones(y.shape))
 
 
-def _recorder() -> Recorder:
-    return Recorder(poison=True, deferred_compute=True)
+def _recorder(seed=None) -> Recorder:
+    return Recorder(seed=seed, poison=True, deferred_compute=True)
 
 
 class Drive:
@@ -100,8 +101,8 @@ class Drive:
         return None
 
 
-def _scene(tmp_path, **kw):
-    rec = _recorder()
+def _scene(tmp_path, seed=None, **kw):
+    rec = _recorder(seed)
     drive = Drive()
     settings = dict(min_tensor_bytes=0, keep_last_layers=0, prefetch_layers=1, chunk_bytes=NBYTES, io_threads=1,
                     max_inflight_bytes=1 << 20, pinned_staging_bytes=1 << 20)
@@ -177,13 +178,14 @@ def test_device_memory_goes_when_the_copy_lands_not_when_the_drive_has_it(tmp_pa
         off.close()
 
 
-def test_a_record_wanted_during_its_drive_write_comes_back_from_its_staging_block(tmp_path):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_record_wanted_during_its_drive_write_comes_back_from_its_staging_block(tmp_path, seed):
     """a's drive write is under way (held), b's queued behind it. Backward wants b: its write
     is taken back and its bytes copied back from its staging block (no drive read); then a:
     its write cannot be taken back, so it too is copied back from staging, and READY once
     the write ends. Each copy back is ordered after the copy into that block, the consumer
     after the copy back, and the blocks are reused only after both."""
-    rec, drive, off = _scene(tmp_path)
+    rec, drive, off = _scene(tmp_path, seed)
     seen = []
     try:
         drive.holding = True
@@ -354,14 +356,15 @@ def test_writes_backward_wanted_before_their_copy_landed_are_not_started_in_the_
         off.close()
 
 
-def test_read_ahead_leaves_a_write_whose_copy_has_not_landed(tmp_path):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_read_ahead_leaves_a_write_whose_copy_has_not_landed(tmp_path, seed):
     """Read-ahead does not take from memory a record whose device->host copy is still running
     (issue 54, break 3): with the offload stream never seen to finish and the drive held
     inside layer 0's write, layers 1 and 2's writes are taken back (``cancel``) only when
     backward itself reaches them, after the consumers of the layers above. Broken variant:
     the refusal in ``Transfers._wanted_while_writing`` (``elif ahead: return False``)
     removed: read-ahead takes layer 2's write back before layer 3's consumer ran."""
-    rec, drive, off = _scene(tmp_path, keep_last_layers=1, prefetch_layers=1)
+    rec, drive, off = _scene(tmp_path, seed, keep_last_layers=1, prefetch_layers=1)
     rec.unobserved.add(off.copy.offload_stream.name)
     try:
         drive.holding = True
