@@ -4,8 +4,10 @@ not when the drive has the bytes (issue 47: a slow drive fills host staging, not
 
 The streams are the recording stand-in (tests/recording_streams.py: every stream deferred, the
 compute stream too, whose kernels run when it runs them (``Recorder.launch``); copies run when
-their stream runs them, at seeded random moments; poison on; the copy-back and read-ahead scenes over tests/gpu_scenes.py ``SEEDS``, printed; a scene that needs them landed says so with ``run_all``,
-one that needs them never seen to land marks the offload stream ``unobserved``); the
+their stream runs them, at seeded random moments; poison on; the copy-back and read-ahead
+scenes over tests/gpu_scenes.py ``SEEDS``, printed; a scene that needs the copies landed says
+so with ``run_all``, one that needs them never seen to land marks the offload stream
+``unobserved``); the
 posix engine, its files and IO threads are real, with an IO thread held inside a write where a
 test needs a drive write to be under way (tests/faulty.py). What only a GPU shows: how fast
 the copies land, and the memory the allocator really gets back.
