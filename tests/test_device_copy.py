@@ -396,6 +396,17 @@ def _bitwise(a, b):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32))
 
 
+def _eager(device) -> Recorder:
+    """Streams that run each kernel when it is issued, for a reference run: the stand-in's
+    eager ones on the CPU, the real streams (logged) on a GPU, where the model's memory must
+    be device memory."""
+    if device.type == "cuda":
+        from ssdtrain_megatron.cache.device_copy import CudaStreams
+
+        return Recorder(inner=CudaStreams())
+    return Recorder()
+
+
 def _recorder() -> Recorder:
     """The stand-in as strict as CUDA for the compute stream too: every stream deferred, the
     model's kernels launched through theirs, poison on (tests/recording_streams.py)."""
@@ -403,7 +414,7 @@ def _recorder() -> Recorder:
 
 
 def _reference(device, compact):
-    grads, _ = _run(None, Recorder(), device, compact, None)
+    grads, _ = _run(None, _eager(device), device, compact, None)
     return grads
 
 

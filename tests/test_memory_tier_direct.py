@@ -103,7 +103,12 @@ def _run(off, rec, abandon_first: bool = False, device=torch.device("cpu")):
 
 
 def _reference(abandon_first: bool = False, device=torch.device("cpu")):
-    rec = Recorder()  # eager streams: kernels run when issued
+    if device.type == "cuda":  # the model's memory on the device: real streams (logged)
+        from ssdtrain_megatron.cache.stream_ops import CudaStreams
+
+        rec = Recorder(inner=CudaStreams())
+    else:
+        rec = Recorder()  # eager streams: kernels run when issued
     grads = []
     for mb in range(1 if abandon_first else 0, 2):
         out = torch.zeros(ROWS, COLS, device=device)
