@@ -78,8 +78,8 @@ def _backward(y: torch.Tensor) -> None:
     torch.autograd.backward(y, torch.ones(y.shape))
 
 
-def _recorder(seed=None) -> Recorder:
-    return Recorder(seed=seed, poison=True, deferred_compute=True)
+def _recorder() -> Recorder:
+    return Recorder(poison=True, deferred_compute=True)
 
 
 class Drive:
@@ -103,8 +103,11 @@ class Drive:
         return None
 
 
-def _scene(tmp_path, seed=None, **kw):
-    rec = _recorder(seed)
+def _scene(tmp_path, seed=None, deferred_compute=False, **kw):
+    """(recorder, drive, offloader); ``deferred_compute``: every stream deferred (this file's
+    scenes, whose kernels are launched); left eager for tests/test_late_tail.py's, whose
+    kernels run on the host when issued."""
+    rec = Recorder(seed=seed, poison=True, deferred_compute=deferred_compute)
     drive = Drive()
     settings = dict(min_tensor_bytes=0, keep_last_layers=0, prefetch_layers=1, chunk_bytes=NBYTES, io_threads=1,
                     max_inflight_bytes=1 << 20, pinned_staging_bytes=1 << 20)
@@ -112,6 +115,10 @@ def _scene(tmp_path, seed=None, **kw):
     engine = Logged(FaultyEngine(make_engine(config), drive), rec, pooled=False)
     off = ActivationOffloader(config, device=torch.device("cpu"), engine=engine, streams=rec)
     return rec, drive, off
+
+
+def _deferred(tmp_path, seed=None, **kw):
+    return _scene(tmp_path, seed, deferred_compute=True, **kw)
 
 
 def _save(off, rec, seen, name: str, value: float):
@@ -153,7 +160,7 @@ def test_device_memory_goes_when_the_copy_lands_not_when_the_drive_has_it(tmp_pa
     none resident, no device bytes in flight, each record's device bytes let go (after its
     copy), while no drive write has completed. Backward then reads them back from the drive,
     bitwise."""
-    rec, drive, off = _scene(tmp_path)
+    rec, drive, off = _deferred(tmp_path)
     seen = []
     try:
         drive.holding = True
@@ -187,7 +194,7 @@ def test_a_record_wanted_during_its_drive_write_comes_back_from_its_staging_bloc
     its write cannot be taken back, so it too is copied back from staging, and READY once
     the write ends. Each copy back is ordered after the copy into that block, the consumer
     after the copy back, and the blocks are reused only after both."""
-    rec, drive, off = _scene(tmp_path, seed)
+    rec, drive, off = _deferred(tmp_path, seed)
     seen = []
     try:
         drive.holding = True
@@ -226,7 +233,7 @@ def test_a_full_staging_pool_makes_pack_wait_for_the_drive_not_overflow(tmp_path
     """Two blocks of staging, the drive held on the first write: the third save waits (counted
     as IO wait) until a drive write frees a block, instead of taking pinned memory from torch's
     allocator (cudaHostAlloc on a GPU: synchronising, slow)."""
-    rec, drive, off = _scene(tmp_path, pinned_staging_bytes=2 * NBYTES)
+    rec, drive, off = _deferred(tmp_path, pinned_staging_bytes=2 * NBYTES)
     seen = []
     try:
         drive.holding = True
@@ -253,7 +260,7 @@ def test_a_full_staging_pool_makes_pack_wait_for_the_drive_not_overflow(tmp_path
 
 
 def test_with_nothing_in_flight_a_record_larger_than_the_pool_overflows_with_a_warning(tmp_path, caplog):
-    rec, drive, off = _scene(tmp_path, pinned_staging_bytes=NBYTES // 2)
+    rec, drive, off = _deferred(tmp_path, pinned_staging_bytes=NBYTES // 2)
     seen = []
     try:
         y = _save(off, rec, seen, "a", 1.0)
@@ -271,7 +278,7 @@ def test_a_drive_write_that_fails_after_its_copy_landed_comes_back_from_staging(
     """The device memory went when the copy landed; the drive write then fails: the tensor is
     copied back from its staging block (the fallback: kept in memory), and backward gets its
     bytes."""
-    rec, drive, off = _scene(tmp_path)
+    rec, drive, off = _deferred(tmp_path)
     seen = []
     try:
         drive.holding = True
@@ -326,7 +333,7 @@ def test_writes_backward_wanted_before_their_copy_landed_are_not_started_in_the_
     last layer's, so they are kept for the backward that follows at once instead of copied
     out for nothing. Broken variant: ``Decisions.learn`` not growing ``late_tail`` leaves
     the second step writing the same layers ("written again")."""
-    rec, drive, off = _scene(tmp_path, keep_last_layers=1)
+    rec, drive, off = _deferred(tmp_path, keep_last_layers=1)
     rec.unobserved.add(off.copy.offload_stream.name)
     try:
         kept = []
@@ -366,7 +373,7 @@ def test_read_ahead_leaves_a_write_whose_copy_has_not_landed(tmp_path, seed):
     backward itself reaches them, after the consumers of the layers above. Broken variant:
     the refusal in ``Transfers._wanted_while_writing`` (``elif ahead: return False``)
     removed: read-ahead takes layer 2's write back before layer 3's consumer ran."""
-    rec, drive, off = _scene(tmp_path, seed, keep_last_layers=1, prefetch_layers=1)
+    rec, drive, off = _deferred(tmp_path, seed, keep_last_layers=1, prefetch_layers=1)
     rec.unobserved.add(off.copy.offload_stream.name)
     try:
         drive.holding = True
