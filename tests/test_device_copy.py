@@ -36,7 +36,7 @@ from ssdtrain_megatron.io import IOEngine, make_engine
 from tests import fake_kvikio
 from tests.faulty import FaultyEngine, HeldWrites
 from tests.forwarding import ForwardingEngine
-from tests.gpu_scenes import SEEDS
+from tests.gpu_scenes import SEEDS, Sink
 from tests.recording_streams import Node, Recorder, _range, contains, overlaps
 from tests.staging_checks import check_staging_reuse
 
@@ -248,35 +248,68 @@ def check_read_chains(rec: Recorder, direct: bool, alloc_stream: str) -> int:
 
 # -- a model whose kernels the recorder sees ------------------------------------------------
 
+def _saves_forward(y, out, x, k, compact) -> None:
+    torch.tanh(x, out=y)
+    if compact:
+        out.copy_(y[:, k:2 * k].repeat(1, 3))
+    else:
+        out.copy_(y)
+
+
+def _saves_backward(s, gx, g, k, compact) -> None:
+    if compact:
+        gx.zero_()
+        gx[:, k:2 * k] = (g[:, :k] + g[:, k:2 * k] + g[:, 2 * k:]) * (1 - s * s)
+    else:
+        torch.mul(g, 1 - s * s, out=gx)
+
+
+def _like(rec: Recorder, x: torch.Tensor) -> torch.Tensor:
+    return rec.empty(x.numel(), x.dtype, x.device).view(x.shape)
+
+
 class Saves(torch.autograd.Function):
     """y = tanh(x); saves y (or, ``compact``, the middle third of its columns: a view that
     touches a third of its storage span) and uses it in backward. The producing and the
-    consuming kernels are logged on the current stream."""
+    consuming kernels go through the current stream (``Recorder.launch``, logged with the
+    saved tensor's bytes): on the deferred stand-in their torch code runs when the stream
+    runs it, so the host never reads a tensor before its stream ran."""
 
     @staticmethod
     def forward(ctx, x, compact, rec):
         rec._delay()
-        y = torch.tanh(x)
-        rec.kernel("produce", y)
         k = x.shape[1] // 3
+        y, out = _like(rec, x), _like(rec, x)
+        rec.launch("produce", lambda y, out, x: _saves_forward(y, out, x, k, compact), y, out, x)
         ctx.compact, ctx.rec, ctx.k = compact, rec, k
-        if compact:
-            mid = y[:, k:2 * k]
-            ctx.save_for_backward(mid)
-            return mid.repeat(1, 3)
-        ctx.save_for_backward(y)
-        return y * 1.0
+        ctx.save_for_backward(y[:, k:2 * k] if compact else y)
+        return out
 
     @staticmethod
     def backward(ctx, g):
         (s,) = ctx.saved_tensors
-        ctx.rec.kernel("consume", s)
-        if ctx.compact:
-            k = ctx.k
-            gx = torch.zeros_like(g)
-            gx[:, k:2 * k] = (g[:, :k] + g[:, k:2 * k] + g[:, 2 * k:]) * (1 - s * s)
-            return gx, None, None
-        return g * (1 - s * s), None, None
+        gx = _like(ctx.rec, g)
+        k, compact = ctx.k, ctx.compact
+        ctx.rec.launch("consume", lambda s, gx, g: _saves_backward(s, gx, g, k, compact), s, gx, g)
+        return gx, None, None
+
+
+def _forward(off: Optional[ActivationOffloader], rec: Recorder, device, compact: bool, mb: int,
+             out: torch.Tensor, n_layers: int = 4) -> torch.Tensor:
+    """Micro-batch ``mb``'s forward (under the offloader when given): its output. The input's
+    gradient lands in ``out`` through the stream (tests/gpu_scenes.py ``Sink``)."""
+    x = torch.randn(64, 3 * 128, generator=torch.Generator().manual_seed(mb)).to(device).requires_grad_()
+    h = Sink.apply(x, out, rec)
+    with off.microbatch(mb) if off is not None else _null():
+        for i in range(n_layers):
+            with (off.layer(i) if off is not None else _null()):
+                h = Saves.apply(h, compact, rec)
+    return h
+
+
+def _backward(h: torch.Tensor) -> None:
+    """Backward from ``h`` with a gradient of ones (no host op reads ``h``)."""
+    torch.autograd.backward(h, torch.ones_like(h))
 
 
 def _run(off: Optional[ActivationOffloader], rec: Recorder, device, compact: bool, stream, n_layers=4, n_mb=2):
@@ -284,20 +317,15 @@ def _run(off: Optional[ActivationOffloader], rec: Recorder, device, compact: boo
     ctx = rec.use(stream) if stream is not None else _null()
     with ctx:
         for mb in range(n_mb):
-            g = torch.Generator().manual_seed(mb)
-            x = torch.randn(64, 3 * 128, generator=g).to(device).requires_grad_()
-            outer = off.microbatch(mb) if off is not None else _null()
-            with outer:
-                h = x
-                for i in range(n_layers):
-                    with (off.layer(i) if off is not None else _null()):
-                        h = Saves.apply(h, compact, rec)
-                loss = h.sum()
+            out = torch.zeros(64, 3 * 128, device=device)
+            h = _forward(off, rec, device, compact, mb, out, n_layers)
             if off is not None:
                 off.wait_writes()  # every tensor goes to the engine and comes back by a read
-            loss.backward()
-            grads.append(x.grad)
+            _backward(h)
+            del h
+            grads.append(out)
     stats = off.end_step() if off is not None else None
+    rec.run_all()  # the gradients' kernels ran
     return grads, stats
 
 
@@ -368,8 +396,25 @@ def _bitwise(a, b):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32))
 
 
+def _eager(device) -> Recorder:
+    """Streams that run each kernel when it is issued, for a reference run: the stand-in's
+    eager ones on the CPU, the real streams (logged) on a GPU, where the model's memory must
+    be device memory."""
+    if device.type == "cuda":
+        from ssdtrain_megatron.cache.device_copy import CudaStreams
+
+        return Recorder(inner=CudaStreams())
+    return Recorder()
+
+
+def _recorder() -> Recorder:
+    """The stand-in as strict as CUDA for the compute stream too: every stream deferred, the
+    model's kernels launched through theirs, poison on (tests/recording_streams.py)."""
+    return Recorder(poison=True, deferred_compute=True)
+
+
 def _reference(device, compact):
-    grads, _ = _run(None, Recorder(), device, compact, None)
+    grads, _ = _run(None, _eager(device), device, compact, None)
     return grads
 
 
@@ -380,7 +425,7 @@ def _reference(device, compact):
 @pytest.mark.parametrize("stream_name", ["default", "compute"])
 def test_every_offloaded_tensor_is_ordered_producer_to_disk_to_consumer(tmp_path, monkeypatch, engine,
                                                                         compact, stream_name):
-    rec = Recorder(poison=True)
+    rec = _recorder()
     cpu = torch.device("cpu")
     grads, stats, direct, alloc = _offloaded_run(tmp_path, monkeypatch, engine, compact, stream_name, rec, cpu)
     assert direct == (engine == "gds")
@@ -430,23 +475,24 @@ def test_a_write_released_before_it_starts_is_cancelled_by_the_real_engine(tmp_p
     """The offloader's cancel reaches the real engine through the wrapper and takes back the
     writes still queued behind a held one. Broken variant: LoggedEngine without the forwarding
     base (IOEngine.cancel, always False): "no write was taken back: cancels=[(1, False), ...]"."""
-    rec = Recorder()
+    rec = _recorder()
     cpu = torch.device("cpu")
     config = _config(tmp_path, "posix", io_threads=1)
     gate = HeldWrites()
     logged = LoggedEngine(FaultyEngine(make_engine(config), gate), rec)
+    grad = torch.zeros(64, 3 * 128)
     with ActivationOffloader(config, device=cpu, engine=logged, streams=rec) as off:
         gate.held = True
+        x = torch.randn(64, 3 * 128, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        h = Sink.apply(x, grad, rec)
         with off.microbatch(0):
-            x = torch.randn(64, 3 * 128, generator=torch.Generator().manual_seed(0)).requires_grad_()
-            h = x
             for i in range(4):
                 with off.layer(i):
                     h = Saves.apply(h, False, rec)
                 if i == 0:
                     assert gate.entered.wait(30), "the first write never reached the disk"
-            loss = h.sum()
-        loss.backward()  # every tensor from memory; each record released while its write waits
+        _backward(h)  # every tensor from memory; each record released while its write waits
+        del h
         off.poll()
         gate.go.set()
         stats = off.end_step()
@@ -456,13 +502,14 @@ def test_a_write_released_before_it_starts_is_cancelled_by_the_real_engine(tmp_p
     logged.close()
     assert stats.tensors_offloaded + len(taken) == 4 and stats.tensors_forwarded == 4
     assert stats.bytes_read == 0 and stats.bytes_on_disk == 0
-    _bitwise(_reference(cpu, False)[:1], [x.grad])
+    rec.run_all()
+    _bitwise(_reference(cpu, False)[:1], [grad])
 
 
 def test_the_checks_fail_when_the_offload_stream_does_not_wait_for_the_producer(tmp_path, monkeypatch):
     """The bug the producer event prevents: the copy (and a compact record's packing, on the
     offload stream) not ordered after the kernel that wrote the bytes."""
-    rec = Recorder()
+    rec = _recorder()
 
     def patch(copy: DeviceCopy) -> None:
         copy.offload_stream.wait_event = lambda ev: None
@@ -476,7 +523,7 @@ def test_the_checks_fail_when_the_offload_stream_does_not_wait_for_the_producer(
 def test_the_checks_fail_when_device_bytes_are_let_go_before_their_copy_ran(tmp_path, monkeypatch):
     """The bug the landing poll prevents: a write's device memory let go as soon as its copy
     was queued (the allocator could hand it out under the copy)."""
-    rec = Recorder()
+    rec = _recorder()
 
     def patch(copy: DeviceCopy) -> None:
         real = copy.stage_out
@@ -499,7 +546,7 @@ def test_the_checks_fail_without_the_reload_waits(tmp_path, monkeypatch, missing
     A: its memory from a pool backward's frees never reach), the reload copy not ordered after
     the allocation on the compute stream (it could write into a block a compute kernel still
     uses), or the consumer not waiting for the reload."""
-    rec = Recorder()
+    rec = _recorder()
 
     def patch(copy: DeviceCopy) -> None:
         if missing == "alloc":
@@ -524,7 +571,7 @@ def test_the_checks_fail_without_the_reload_waits(tmp_path, monkeypatch, missing
 
 
 def test_gds_checks_fail_when_cufile_does_not_wait_for_the_producer(tmp_path, monkeypatch):
-    rec = Recorder()
+    rec = _recorder()
 
     def patch(copy: DeviceCopy) -> None:
         real = copy.stage_out

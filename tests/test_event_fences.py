@@ -10,7 +10,8 @@ out only when the consumer waited for the ready event on the compute stream: a c
 side stream (a communication or a second compute stream) left the next copy into the block
 unordered, and on a GPU it would overwrite bytes the reload copy had not read yet.
 
-CPU machine: the streams are the recording stand-in (tests/recording_streams.py) with the
+CPU machine: the streams are the recording stand-in (tests/recording_streams.py), every one
+deferred, the compute and side streams too (their kernels go through the stream), with the
 reload stream ``unobserved`` (the host never sees a copy out finish: a GPU far behind, the
 case where only the fence orders the reuse); engines, files, pinned pools and autograd are
 real. Broken variant tried: ``forget`` calling ``_recycle`` instead of ``_retire`` fails the
@@ -28,7 +29,7 @@ from ssdtrain_megatron.cache.device_copy import DeviceCopy
 from ssdtrain_megatron.io import make_engine
 from tests.gpu_scenes import SEEDS
 from tests.recording_streams import Recorder, _range, overlaps
-from tests.test_memory_tier_direct import COLS, LAYERS, NBYTES, ROWS, Saves
+from tests.test_memory_tier_direct import COLS, LAYERS, NBYTES, ROWS, backward, forward
 from tests.test_staging_race import Logged, check_staging_reuse
 
 class ClosingLogged(Logged):
@@ -40,24 +41,19 @@ class ClosingLogged(Logged):
 
 
 def _forward(off, rec, mb):
-    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(mb)).requires_grad_()
-    with off.microbatch(mb):
-        h = x
-        for i in range(LAYERS):
-            with off.layer(i):
-                h = Saves.apply(h, rec)
-    return x, h.sum()
+    """Micro-batch ``mb``'s forward: (the buffer its input's gradient lands in, its output)."""
+    out = torch.zeros(ROWS, COLS)
+    return out, forward(off, rec, mb, out)
 
 
 def _reference(n: int = 3):
+    rec = Recorder()  # eager streams: kernels run when issued
     grads = []
     for mb in range(n):
-        x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(mb)).requires_grad_()
-        h = x
-        for _ in range(LAYERS):
-            h = Saves.apply(h, Recorder())
-        h.sum().backward()
-        grads.append(x.grad)
+        out = torch.zeros(ROWS, COLS)
+        backward(forward(None, rec, mb, out))
+        rec.run_all()
+        grads.append(out)
     return grads
 
 
@@ -70,43 +66,43 @@ def _side_stream_scene(tmp_path, engine: str, seed: int, **kw):
     config = OffloadConfig(dirs=[str(tmp_path)], engine=engine, min_tensor_bytes=0, keep_last_layers=0,
                            prefetch_layers=LAYERS, chunk_bytes=64 * 1024, max_inflight_bytes=1 << 20,
                            **kw)
-    rec = Recorder(seed=seed)
+    rec = Recorder(seed=seed, poison=True, deferred_compute=True)
     eng = ClosingLogged(make_engine(config), rec)
     off = ActivationOffloader(config, device=torch.device("cpu"), engine=eng, streams=rec)
     rec.unobserved.add(off.copy.reload_stream.name)
-    # Named, so eager (tests/recording_streams.py): the backward's kernels run on the host when
-    # autograd calls them, so the stream they are issued on must have run its waits by then.
-    # Left deferred, the host read a restored tensor before the side stream's wait (and so the
-    # reload copy into it) ran: wrong gradients with every ordering check passing, a fault of
-    # this scene, not of the data path.
+    # Deferred like every stream here: the backward's kernels go through it (Recorder.launch),
+    # so a kernel reads a restored tensor only once the side stream ran its wait for the reload.
     side = off.copy.ops.new_stream(torch.device("cpu"), "side")
     grads = []
-    x, loss = _forward(off, rec, 0)
+    out, h = _forward(off, rec, 0)
     off.wait_writes()
     with rec.use(side):  # autograd runs a CPU backward on this thread: unpack sees the side stream
-        loss.backward()
-    grads.append(x.grad)
-    del loss
+        backward(h)
+    grads.append(out)
+    del h
     off.poll()  # the first micro-batch's records are released
-    x, loss = _forward(off, rec, 1)
+    out, h = _forward(off, rec, 1)
     off.wait_writes()
     # The GPU catches up (the host sees the reloads finish): the second micro-batch's reads
     # and the third's writes reuse the first one's blocks or extents, ordered by the fences'
     # first record points.
     rec.unobserved.discard(off.copy.reload_stream.name)
-    loss.backward()
-    grads.append(x.grad)
-    x, loss = _forward(off, rec, 2)
+    backward(h)
+    grads.append(out)
+    out, h = _forward(off, rec, 2)
     off.wait_writes()
-    loss.backward()
-    grads.append(x.grad)
+    backward(h)
+    del h
+    grads.append(out)
     off.end_step()
     return rec, off, eng, grads
 
 
-def _exact(grads) -> None:
-    for a, b in zip(grads, _reference(), strict=True):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+def _exact(rec, grads) -> None:
+    rec.run_all()  # the gradients' kernels ran
+    for mb, (a, b) in enumerate(zip(grads, _reference(), strict=True)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), \
+            f"micro-batch {mb}'s gradient differs (seed {rec.seed})"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -124,7 +120,7 @@ def test_a_side_stream_consumer_keeps_memory_engine_extents_exact(tmp_path, seed
         assert pairs > 0, "no extent was reused across streams (nothing was checked)"
     finally:
         off.close()
-    _exact(grads)
+    _exact(rec, grads)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -138,7 +134,7 @@ def test_a_side_stream_consumer_keeps_staging_blocks_exact(tmp_path, seed):
         assert pairs > 0, "no staging block was reused across streams (nothing was checked)"
     finally:
         off.close()
-    _exact(grads)
+    _exact(rec, grads)
 
 
 def test_close_synchronises_the_streams_before_the_engine_lets_its_pool_go(tmp_path, monkeypatch):
@@ -149,19 +145,19 @@ def test_close_synchronises_the_streams_before_the_engine_lets_its_pool_go(tmp_p
     config = OffloadConfig(dirs=[str(tmp_path)], engine="memory", min_tensor_bytes=0, keep_last_layers=0,
                            prefetch_layers=LAYERS, chunk_bytes=64 * 1024, max_inflight_bytes=1 << 20,
                            host_memory_bytes=4 * LAYERS * NBYTES)
-    rec = Recorder()
+    rec = Recorder(poison=True, deferred_compute=True)
     eng = ClosingLogged(make_engine(config), rec)
     off = ActivationOffloader(config, device=torch.device("cpu"), engine=eng, streams=rec)
     rec.unobserved.add(off.copy.reload_stream.name)
     pool = _range(eng.inner._pool)
-    side = off.copy.ops.new_stream(torch.device("cpu"), "side")  # eager: _side_stream_scene
-    x, loss = _forward(off, rec, 0)
+    side = off.copy.ops.new_stream(torch.device("cpu"), "side")  # deferred: _side_stream_scene
+    out, h = _forward(off, rec, 0)
     off.wait_writes()
     with rec.use(side):
-        loss.backward()
-    del loss
+        backward(h)
+    del h
     off.poll()  # released: the ready events go back to the pool
-    x, loss = _forward(off, rec, 1)  # ... and are re-recorded as producer and copy events
+    out, h = _forward(off, rec, 1)  # ... and are re-recorded as producer and copy events
     off.close()
     (closed,) = rec.nodes("engine_closed")
     copies = [n for n in rec.nodes("copy") if overlaps(n.tags["dst"], pool) or overlaps(n.tags["src"], pool)]

@@ -6,17 +6,23 @@ the same twice back. Now the engine hands out the pool extent (``pool_view``) an
 stream copies into it directly; a read copies out of it on the reload stream. The extent is
 reused only after the event of the last copy into or out of it completed (``fence``).
 
-CPU machine: the streams are the recording stand-in (tests/recording_streams.py), the
-engines, pool memory, offloader and autograd are real. Only a GPU run shows the bandwidth.
+CPU machine: the streams are the recording stand-in (tests/recording_streams.py), every one
+deferred, the compute stream too (``deferred_compute``: the model's kernels go through their
+stream, ``Recorder.launch``), with the caching-allocator model and poison on; the two ordering scenes over
+tests/gpu_scenes.py ``SEEDS`` (printed); the engines,
+pool memory, offloader and autograd are real. Only a GPU run shows the bandwidth.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.io import make_engine
+from tests.gpu_scenes import SEEDS, Sink
 from tests.recording_streams import Recorder, _range, overlaps
 from tests.test_staging_race import Logged, check_staging_reuse
 
@@ -24,20 +30,55 @@ ROWS, COLS, LAYERS = 64, 256, 3
 NBYTES = ROWS * COLS * 4
 
 
+def _like(rec: Recorder, x: torch.Tensor) -> torch.Tensor:
+    return rec.empty(x.numel(), x.dtype, x.device).view(x.shape)
+
+
+def _forward_kernel(y, out, x) -> None:
+    torch.tanh(x, out=y)
+    out.copy_(y)
+
+
+def _backward_kernel(s, gx, g) -> None:
+    torch.mul(g, 1 - s * s, out=gx)
+
+
 class Saves(torch.autograd.Function):
+    """y = tanh(x), saved for backward. Both kernels go through the stream
+    (``Recorder.launch``): on the deferred stand-in the torch code runs when the stream runs
+    it, so the host never reads a tensor before its stream ran."""
+
     @staticmethod
     def forward(ctx, x, rec):
-        y = torch.tanh(x)
-        rec.kernel("produce", y)
+        y, out = _like(rec, x), _like(rec, x)
+        rec.launch("produce", _forward_kernel, y, out, x)
         ctx.save_for_backward(y)
         ctx.rec = rec
-        return y * 1
+        return out
 
     @staticmethod
     def backward(ctx, g):
         (s,) = ctx.saved_tensors
-        ctx.rec.kernel("consume", s)
-        return g * (1 - s * s), None
+        gx = _like(ctx.rec, g)
+        ctx.rec.launch("consume", _backward_kernel, s, gx, g)
+        return gx, None
+
+
+def forward(off, rec: Recorder, mb: int, out: torch.Tensor, device=torch.device("cpu")) -> torch.Tensor:
+    """Micro-batch ``mb``'s forward (under the offloader when given): its output. The input's
+    gradient lands in ``out`` through the stream (tests/gpu_scenes.py ``Sink``)."""
+    x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(mb)).to(device).requires_grad_()
+    h = Sink.apply(x, out, rec)
+    with off.microbatch(mb) if off is not None else contextlib.nullcontext():
+        for i in range(LAYERS):
+            with off.layer(i) if off is not None else contextlib.nullcontext():
+                h = Saves.apply(h, rec)
+    return h
+
+
+def backward(h: torch.Tensor) -> None:
+    """Backward from ``h`` with a gradient of ones (no host op reads ``h``)."""
+    torch.autograd.backward(h, torch.ones_like(h))
 
 
 def _run(off, rec, abandon_first: bool = False, device=torch.device("cpu")):
@@ -46,40 +87,39 @@ def _run(off, rec, abandon_first: bool = False, device=torch.device("cpu")):
     compute stream waits for those reads, only the fence orders the extents' reuse."""
     grads = []
     for mb in range(2):
-        x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(mb)).to(device).requires_grad_()
-        with off.microbatch(mb):
-            h = x
-            for i in range(LAYERS):
-                with off.layer(i):
-                    h = Saves.apply(h, rec)
-            loss = h.sum()
+        out = torch.zeros(ROWS, COLS, device=device)
+        h = forward(off, rec, mb, out, device)
         off.wait_writes()
         if abandon_first and mb == 0:
             off.begin_backward(0)  # reads start (prefetch_layers covers every layer)
             off.transfers.wait_all()
-            del loss, h
+            del h
             off.poll()  # the handles dropped: the records (and their extents) are released
             continue
-        loss.backward()
-        grads.append(x.grad)
+        backward(h)
+        del h
+        grads.append(out)
     return grads, off.end_step()
 
 
 def _reference(abandon_first: bool = False, device=torch.device("cpu")):
-    rec = Recorder()
+    if device.type == "cuda":  # the model's memory on the device: real streams (logged)
+        from ssdtrain_megatron.cache.stream_ops import CudaStreams
+
+        rec = Recorder(inner=CudaStreams())
+    else:
+        rec = Recorder()  # eager streams: kernels run when issued
     grads = []
     for mb in range(1 if abandon_first else 0, 2):
-        x = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(mb)).to(device).requires_grad_()
-        h = x
-        for _ in range(LAYERS):
-            h = Saves.apply(h, rec)
-        h.sum().backward()
-        grads.append(x.grad)
+        out = torch.zeros(ROWS, COLS, device=device)
+        backward(forward(None, rec, mb, out, device))
+        rec.run_all()
+        grads.append(out)
     return grads
 
 
 def _offload(tmp_path, engine: str, host_bytes: int, abandon_first: bool = False, cuda: bool = False,
-             unobserved_reloads: bool = False):
+             unobserved_reloads: bool = False, seed=None):
     config = OffloadConfig(dirs=[str(tmp_path)], engine=engine, min_tensor_bytes=0, keep_last_layers=0,
                            prefetch_layers=LAYERS, chunk_bytes=64 * 1024, max_inflight_bytes=1 << 20,
                            pinned_staging_bytes=1 << 20, host_memory_bytes=host_bytes)
@@ -87,8 +127,8 @@ def _offload(tmp_path, engine: str, host_bytes: int, abandon_first: bool = False
         from ssdtrain_megatron.cache.stream_ops import CudaStreams
 
         rec, device = Recorder(inner=CudaStreams(), delay_s=0.002), torch.device("cuda", torch.cuda.current_device())
-    else:
-        rec, device = Recorder(), torch.device("cpu")
+    else:  # every stream deferred, the compute stream too, poison on
+        rec, device = Recorder(seed=seed, poison=True, deferred_compute=True), torch.device("cpu")
     engine_ = Logged(make_engine(config), rec)
     with ActivationOffloader(config, device=device, engine=engine_, streams=rec) as off:
         if unobserved_reloads:  # the host never sees a copy out of the pool finish
@@ -98,13 +138,14 @@ def _offload(tmp_path, engine: str, host_bytes: int, abandon_first: bool = False
         grads, stats = _run(off, rec, abandon_first, device)
         if cuda:
             torch.cuda.synchronize()
+        rec.run_all()
         check_staging_reuse(rec, memory._pool)
         check_staging_reuse(rec, off.copy.pool._mem)
     ref = _reference(abandon_first, device)
     if cuda:
         torch.cuda.synchronize()
     for a, b in zip(grads, ref, strict=True):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"gradients differ (seed {rec.seed})"
     return rec, stats, pool, staging
 
 
@@ -112,10 +153,11 @@ def _copies(rec, side: str, where):
     return [n for n in rec.nodes("copy") if overlaps(n.tags[side], where)]
 
 
-def test_the_memory_engine_is_written_and_read_with_one_copy_each_way(tmp_path):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_memory_engine_is_written_and_read_with_one_copy_each_way(tmp_path, seed):
     """Its pool holds one micro-batch's tensors: the second micro-batch reuses the first's
     extents, which the reuse check orders after the first's copies out of them."""
-    rec, stats, pool, staging = _offload(tmp_path, "memory", LAYERS * NBYTES)
+    rec, stats, pool, staging = _offload(tmp_path, "memory", LAYERS * NBYTES, seed=seed)
     n = stats.tensors_offloaded
     assert n == 2 * LAYERS and stats.bytes_read == n * NBYTES and stats.fallbacks == 0
     assert len(_copies(rec, "dst", pool)) == n, "each tensor: one device->pool copy"
@@ -141,11 +183,12 @@ def _check_copies_out_follow_copies_in(rec, pool) -> None:
             last_in[n.tags["dst"]] = n
 
 
-def test_an_extent_read_back_but_never_used_is_reused_only_after_its_copy_out(tmp_path):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_extent_read_back_but_never_used_is_reused_only_after_its_copy_out(tmp_path, seed):
     """The first micro-batch's reads are abandoned (nothing on the compute stream waits for
     them): the second micro-batch's copies into the same extents are still ordered after the
     copies out, by the fence the engine checks (``query``) before it hands an extent out."""
-    rec, stats, pool, _ = _offload(tmp_path, "memory", LAYERS * NBYTES, abandon_first=True)
+    rec, stats, pool, _ = _offload(tmp_path, "memory", LAYERS * NBYTES, abandon_first=True, seed=seed)
     assert len({c.tags["dst"] for c in _copies(rec, "dst", pool)}) == LAYERS  # reused
     assert len(_copies(rec, "src", pool)) == 2 * LAYERS  # the abandoned reads did copy out
 

@@ -2,9 +2,12 @@
 staging, then the drive write from there. The device memory goes when the copy has landed,
 not when the drive has the bytes (issue 47: a slow drive fills host staging, not the GPU).
 
-The streams are the recording stand-in (tests/recording_streams.py: copies run when their stream
-runs them, at seeded random moments; a scene that needs them landed says so with ``run_all``,
-one that needs them never seen to land marks the offload stream ``unobserved``); the
+The streams are the recording stand-in (tests/recording_streams.py: every stream deferred, the
+compute stream too, whose kernels run when it runs them (``Recorder.launch``); copies run when
+their stream runs them, at seeded random moments; poison on; the copy-back and read-ahead
+scenes over tests/gpu_scenes.py ``SEEDS``, printed; a scene that needs the copies landed says
+so with ``run_all``, one that needs them never seen to land marks the offload stream
+``unobserved``); the
 posix engine, its files and IO threads are real, with an IO thread held inside a write where a
 test needs a drive write to be under way (tests/faulty.py). What only a GPU shows: how fast
 the copies land, and the memory the allocator really gets back.
@@ -30,10 +33,53 @@ from ssdtrain_megatron import ActivationOffloader, OffloadConfig
 from ssdtrain_megatron.cache.lifecycle import State
 from ssdtrain_megatron.io import make_engine
 from tests.faulty import FaultyEngine
+from tests.gpu_scenes import SEEDS
 from tests.recording_streams import Recorder, contains
-from tests.test_staging_race import Logged, Saves, check_staging_reuse
+from tests.test_staging_race import Logged, check_staging_reuse
 
 NBYTES = 64 * 1024
+
+
+def _plus_one(y, out, x) -> None:
+    torch.add(x, 1, out=y)
+    out.copy_(y)
+
+
+def _seen(s, keep) -> None:
+    keep.copy_(s)
+
+
+class Saves(torch.autograd.Function):
+    """y = x + 1, saved for backward; backward keeps a copy of what it got (``seen``). Every
+    stream is deferred, the compute stream too: the kernels go through it
+    (``Recorder.launch``), so the host never reads a tensor before its stream ran; ``seen``
+    holds the bytes once every stream ran (``run_all``)."""
+
+    @staticmethod
+    def forward(ctx, x, rec, seen):
+        y = rec.empty(x.numel(), x.dtype, x.device).view(x.shape)
+        out = rec.empty(x.numel(), x.dtype, x.device).view(x.shape)
+        rec.launch("produce", _plus_one, y, out, x)
+        ctx.save_for_backward(y)
+        ctx.rec, ctx.seen = rec, seen
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (s,) = ctx.saved_tensors
+        keep = torch.empty(s.shape, dtype=s.dtype)
+        ctx.rec.launch("consume", _seen, s, keep)
+        ctx.seen.append(keep)
+        return g, None, None
+
+
+def _backward(y: torch.Tensor) -> None:
+    """Backward from ``y`` with a gradient of ones (no host op reads ``y``)."""
+    torch.autograd.backward(y, torch.ones(y.shape))
+
+
+def _recorder() -> Recorder:
+    return Recorder(poison=True, deferred_compute=True)
 
 
 class Drive:
@@ -57,8 +103,11 @@ class Drive:
         return None
 
 
-def _scene(tmp_path, **kw):
-    rec = Recorder()
+def _scene(tmp_path, seed=None, deferred_compute=False, **kw):
+    """(recorder, drive, offloader); ``deferred_compute``: every stream deferred (this file's
+    scenes, whose kernels are launched); left eager for tests/test_late_tail.py's, whose
+    kernels run on the host when issued."""
+    rec = Recorder(seed=seed, poison=True, deferred_compute=deferred_compute)
     drive = Drive()
     settings = dict(min_tensor_bytes=0, keep_last_layers=0, prefetch_layers=1, chunk_bytes=NBYTES, io_threads=1,
                     max_inflight_bytes=1 << 20, pinned_staging_bytes=1 << 20)
@@ -66,6 +115,10 @@ def _scene(tmp_path, **kw):
     engine = Logged(FaultyEngine(make_engine(config), drive), rec, pooled=False)
     off = ActivationOffloader(config, device=torch.device("cpu"), engine=engine, streams=rec)
     return rec, drive, off
+
+
+def _deferred(tmp_path, seed=None, **kw):
+    return _scene(tmp_path, seed, deferred_compute=True, **kw)
 
 
 def _save(off, rec, seen, name: str, value: float):
@@ -107,7 +160,7 @@ def test_device_memory_goes_when_the_copy_lands_not_when_the_drive_has_it(tmp_pa
     none resident, no device bytes in flight, each record's device bytes let go (after its
     copy), while no drive write has completed. Backward then reads them back from the drive,
     bitwise."""
-    rec, drive, off = _scene(tmp_path)
+    rec, drive, off = _deferred(tmp_path)
     seen = []
     try:
         drive.holding = True
@@ -124,22 +177,24 @@ def test_device_memory_goes_when_the_copy_lands_not_when_the_drive_has_it(tmp_pa
         drive.gate.set()
         off.wait_writes()
         for y in reversed(ys):
-            y.sum().backward()
+            _backward(y)
         stats = off.end_step()
         assert stats.bytes_read == 3 * NBYTES and stats.tensors_from_staging == 0
+        rec.run_all()  # the consumers' kernels ran: seen holds their bytes
         assert [_is(v, s) for v, s in zip((3.0, 2.0, 1.0), seen)] == [True] * 3
     finally:
         drive.gate.set()
         off.close()
 
 
-def test_a_record_wanted_during_its_drive_write_comes_back_from_its_staging_block(tmp_path):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_record_wanted_during_its_drive_write_comes_back_from_its_staging_block(tmp_path, seed):
     """a's drive write is under way (held), b's queued behind it. Backward wants b: its write
     is taken back and its bytes copied back from its staging block (no drive read); then a:
     its write cannot be taken back, so it too is copied back from staging, and READY once
     the write ends. Each copy back is ordered after the copy into that block, the consumer
     after the copy back, and the blocks are reused only after both."""
-    rec, drive, off = _scene(tmp_path)
+    rec, drive, off = _deferred(tmp_path, seed)
     seen = []
     try:
         drive.holding = True
@@ -148,9 +203,9 @@ def test_a_record_wanted_during_its_drive_write_comes_back_from_its_staging_bloc
         yb = _save(off, rec, seen, "b", 2.0)
         rec.run_all()  # the GPU ran both copies: b is STAGED once the poll sees it
         off.poll()
-        yb.sum().backward()
+        _backward(yb)
         assert off.table.get(1) is None or off.table.get(1).state in (State.READY, State.RELEASED)
-        ya.sum().backward()
+        _backward(ya)
         assert off.table.get(0).state == State.STAGED_WANTED
         drive.holding = False
         drive.gate.set()
@@ -158,6 +213,7 @@ def test_a_record_wanted_during_its_drive_write_comes_back_from_its_staging_bloc
         assert stats.tensors_from_staging == 2 and stats.bytes_from_staging == 2 * NBYTES
         assert stats.writes_taken_back == 1 and stats.bytes_read == 0
         assert stats.bytes_offloaded == NBYTES  # a's write completed; b's was taken back
+        rec.run_all()  # the consumers' kernels ran: seen holds their bytes
         assert _is(2.0, seen[0]) and _is(1.0, seen[1])
         backs, (lo, hi) = _copies_back(rec, off)
         outs = [n for n in rec.nodes("copy") if contains((lo, hi), n.tags["dst"])]
@@ -177,7 +233,7 @@ def test_a_full_staging_pool_makes_pack_wait_for_the_drive_not_overflow(tmp_path
     """Two blocks of staging, the drive held on the first write: the third save waits (counted
     as IO wait) until a drive write frees a block, instead of taking pinned memory from torch's
     allocator (cudaHostAlloc on a GPU: synchronising, slow)."""
-    rec, drive, off = _scene(tmp_path, pinned_staging_bytes=2 * NBYTES)
+    rec, drive, off = _deferred(tmp_path, pinned_staging_bytes=2 * NBYTES)
     seen = []
     try:
         drive.holding = True
@@ -194,8 +250,9 @@ def test_a_full_staging_pool_makes_pack_wait_for_the_drive_not_overflow(tmp_path
         assert off.step.counters.io_wait_s >= 0.2
         off.wait_writes()
         for y in reversed(ys):
-            y.sum().backward()
+            _backward(y)
         off.end_step()
+        rec.run_all()  # the consumers' kernels ran: seen holds their bytes
         assert [_is(v, s) for v, s in zip((3.0, 2.0, 1.0), seen)] == [True] * 3
     finally:
         drive.gate.set()
@@ -203,14 +260,15 @@ def test_a_full_staging_pool_makes_pack_wait_for_the_drive_not_overflow(tmp_path
 
 
 def test_with_nothing_in_flight_a_record_larger_than_the_pool_overflows_with_a_warning(tmp_path, caplog):
-    rec, drive, off = _scene(tmp_path, pinned_staging_bytes=NBYTES // 2)
+    rec, drive, off = _deferred(tmp_path, pinned_staging_bytes=NBYTES // 2)
     seen = []
     try:
         y = _save(off, rec, seen, "a", 1.0)
         off.wait_writes()
-        y.sum().backward()
+        _backward(y)
         off.end_step()
         assert off.copy.staging_overflows >= 1 and "Raise pinned_staging_bytes" in caplog.text
+        rec.run_all()  # the consumers' kernels ran: seen holds their bytes
         assert _is(1.0, seen[0])
     finally:
         off.close()
@@ -220,7 +278,7 @@ def test_a_drive_write_that_fails_after_its_copy_landed_comes_back_from_staging(
     """The device memory went when the copy landed; the drive write then fails: the tensor is
     copied back from its staging block (the fallback: kept in memory), and backward gets its
     bytes."""
-    rec, drive, off = _scene(tmp_path)
+    rec, drive, off = _deferred(tmp_path)
     seen = []
     try:
         drive.holding = True
@@ -233,10 +291,11 @@ def test_a_drive_write_that_fails_after_its_copy_landed_comes_back_from_staging(
         drive.gate.set()
         off.wait_writes()
         assert off.table.get(0).state == State.KEPT
-        y.sum().backward()
+        _backward(y)
         stats = off.end_step()
         assert stats.fallbacks == 1 and stats.bytes_offloaded == 0
         assert _copies_back(rec, off)[0], "no copy back from staging"
+        rec.run_all()  # the consumers' kernels ran: seen holds their bytes
         assert _is(1.0, seen[0])
     finally:
         drive.gate.set()
@@ -248,7 +307,7 @@ def test_the_memory_engine_needs_no_io_thread_either_way(tmp_path, engine):
     """Writes into its pool complete when their copy lands (commit), reads are copies out of
     it issued at once: the engine is never handed a write or a read, and its meters still
     count both ways."""
-    rec = Recorder()
+    rec = _recorder()
     config = OffloadConfig(dirs=[str(tmp_path)], engine=engine, min_tensor_bytes=0, keep_last_layers=0,
                            prefetch_layers=4, host_memory_bytes=8 * NBYTES, pinned_staging_bytes=1 << 20)
     engine_ = Logged(make_engine(config), rec)
@@ -257,11 +316,12 @@ def test_the_memory_engine_needs_no_io_thread_either_way(tmp_path, engine):
         ys = [_save(off, rec, seen, str(i), float(i)) for i in range(3)]
         off.wait_writes()
         for y in reversed(ys):
-            y.sum().backward()
+            _backward(y)
         stats = off.end_step()
     assert not rec.nodes("engine_write") and not rec.nodes("engine_read")
     assert stats.bytes_offloaded == stats.bytes_read == 3 * NBYTES
     assert stats.write_gbps > 0 and stats.read_gbps > 0
+    rec.run_all()  # the consumers' kernels ran: seen holds their bytes
     assert [_is(v, s) for v, s in zip((2.0, 1.0, 0.0), seen)] == [True] * 3
 
 
@@ -273,7 +333,7 @@ def test_writes_backward_wanted_before_their_copy_landed_are_not_started_in_the_
     last layer's, so they are kept for the backward that follows at once instead of copied
     out for nothing. Broken variant: ``Decisions.learn`` not growing ``late_tail`` leaves
     the second step writing the same layers ("written again")."""
-    rec, drive, off = _scene(tmp_path, keep_last_layers=1)
+    rec, drive, off = _deferred(tmp_path, keep_last_layers=1)
     rec.unobserved.add(off.copy.offload_stream.name)
     try:
         kept = []
@@ -286,8 +346,8 @@ def test_writes_backward_wanted_before_their_copy_landed_are_not_started_in_the_
                 for i in range(4):
                     with off.layer(i):
                         h = Saves.apply(h, rec, [])
-                loss = h.sum()
-            loss.backward()
+            _backward(h)
+            del h
             drive.holding = False
             drive.gate.set()
             stats = off.end_step()
@@ -305,14 +365,15 @@ def test_writes_backward_wanted_before_their_copy_landed_are_not_started_in_the_
         off.close()
 
 
-def test_read_ahead_leaves_a_write_whose_copy_has_not_landed(tmp_path):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_read_ahead_leaves_a_write_whose_copy_has_not_landed(tmp_path, seed):
     """Read-ahead does not take from memory a record whose device->host copy is still running
     (issue 54, break 3): with the offload stream never seen to finish and the drive held
     inside layer 0's write, layers 1 and 2's writes are taken back (``cancel``) only when
     backward itself reaches them, after the consumers of the layers above. Broken variant:
     the refusal in ``Transfers._wanted_while_writing`` (``elif ahead: return False``)
     removed: read-ahead takes layer 2's write back before layer 3's consumer ran."""
-    rec, drive, off = _scene(tmp_path, keep_last_layers=1, prefetch_layers=1)
+    rec, drive, off = _deferred(tmp_path, seed, keep_last_layers=1, prefetch_layers=1)
     rec.unobserved.add(off.copy.offload_stream.name)
     try:
         drive.holding = True
@@ -322,9 +383,9 @@ def test_read_ahead_leaves_a_write_whose_copy_has_not_landed(tmp_path):
             for i in range(4):
                 with off.layer(i):
                     h = Saves.apply(h, rec, [])  # records 0, 1, 2 (layer 3 is kept)
-            loss = h.sum()
         assert drive.entered.wait(60), "layer 0's write never reached the drive"
-        loss.backward()
+        _backward(h)
+        del h
         drive.holding = False
         drive.gate.set()
         off.end_step()
