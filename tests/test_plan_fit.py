@@ -281,3 +281,13 @@ def test_the_plan_states_the_assumptions_that_move_its_answer(capsys):
     for said in ("assumed: h100-sxm: GEMM BF16 989.4 x 0.72", "8 x 400 Gb/s NICs per node",
                  "the model's error over 7 published H100 Megatron runs: median +5.2%"):
         assert said in node_line, said
+
+
+def test_the_model_state_row_gives_the_bytes_per_parameter_the_state_was_counted_with(capsys):
+    """llama3-8b (distributed optimizer over dp 16, fp32 gradients): 2 + 4 + 12 / 16 = 6.75 B,
+    what plan/memory.py counted. Broken variant (the row's old fixed text): "x 6 + 12/d B"
+    whatever the gradients' precision or megatron-core's optimizer offload."""
+    assert main(["plan", "--config", "llama3-8b"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("model state per GPU"))
+    assert "dense + 0 expert parameters x 6.75 B on average (dp=16" in row

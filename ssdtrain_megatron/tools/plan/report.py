@@ -187,7 +187,10 @@ def memory_rows(r: Dict[str, Any]) -> List[Tuple[str, str]]:
     state = m["model_state"]
     budget = m["activation_budget_bytes"]
     model = r["model"]
-    per_param = "6 + 12/d B" if model["distributed_optimizer"] else "18 B"
+    # the bytes per parameter as plan/memory.py counts them (gradients in their precision,
+    # the optimizer's part sharded and less what megatron-core's optimizer offload moves)
+    params = state["dense_parameters"] + state["expert_parameters"]
+    per_param = f"{state['bytes'] / params:.2f} B on average" if params else "0 B"
     rows = [("model state per GPU", f"{state['bytes'] / 1e9:.1f} GB: {state['dense_parameters']:,} "
              f"dense + {state['expert_parameters']:,} expert parameters x {per_param} (dp="
              f"{model['dp']}, distributed optimizer {'on' if model['distributed_optimizer'] else 'off'})"),
