@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
-from .node import _fail, _is_int, _is_number
+from .profile_checks import _fail, _is_int, _is_number
 
 GEMM_ROW_KEYS = ("m", "n", "k", "dtype", "tflops")
 """The keys of one ``gemm_tflops_by_shape`` row, in its tuple's order."""

@@ -24,24 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from ..sizes import parse_size_with_unit
+from .profile_checks import ProfileError, _fail, _is_int, _is_number
 
 GB = 10 ** 9
-
-
-class ProfileError(ValueError):
-    """An invalid node profile: the message names the field, the value and what is allowed."""
-
-
-def _fail(name: str, value: Any, allowed: str, source: str = "NodeProfile") -> None:
-    raise ProfileError(f"{source}.{name}={value!r} is invalid: {allowed}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 @dataclass(frozen=True)
