@@ -24,9 +24,11 @@ from tests.test_staged_writes import _scene
 from tests.test_staging_race import Saves
 
 
-def _step(off, rec, drive, step: int, hold: bool = False):
+def _step(off, rec, drive, step: int, hold: bool = False, land: bool = False):
     """One step of four layers; ``hold``: the drive holds its first write until backward ended
-    (so backward finds the records' writes under way)."""
+    (so backward finds the records' writes under way); ``land``: the offload stream runs every
+    copy forward gave it before backward starts (the copies landed in time by that event, not
+    by the stand-in's random pace, which under load could leave one not yet run)."""
     drive.holding = hold
     drive.gate.clear()
     x = torch.randn(64, 3 * 128, generator=torch.Generator().manual_seed(step)).requires_grad_()
@@ -37,6 +39,8 @@ def _step(off, rec, drive, step: int, hold: bool = False):
             with off.layer(i):
                 h = Saves.apply(h, rec, seen)
         loss = h.sum()
+    if land:
+        rec.run(off.copy.offload_stream)
     loss.backward()
     drive.holding = False
     drive.gate.set()
@@ -45,8 +49,9 @@ def _step(off, rec, drive, step: int, hold: bool = False):
 
 def test_layers_a_slow_first_step_kept_are_offloaded_again_once_their_writes_land(tmp_path):
     """Step 0 on a GPU far behind (nothing lands before backward): the later layers are found
-    late and kept from then on. From step 1 the copies land at once: within a few steps the
-    tail is empty and the step keeps only ``keep_last_layers``' layer again, as step 0 did."""
+    late and kept from then on. From step 1 the copies land before backward (``land``): within
+    a few steps the tail is empty and the step keeps only ``keep_last_layers``' layer again, as
+    step 0 did."""
     rec, drive, off = _scene(tmp_path, keep_last_layers=1)
     try:
         rec.unobserved.add(off.copy.offload_stream.name)
@@ -56,7 +61,7 @@ def test_layers_a_slow_first_step_kept_are_offloaded_again_once_their_writes_lan
         rec.unobserved.discard(off.copy.offload_stream.name)
         kept = []
         for step in range(1, 5):
-            stats = _step(off, rec, drive, step)
+            stats = _step(off, rec, drive, step, land=True)
             kept.append(stats.tensors_kept)
             assert not any(r.late_writes for r in stats.layers)
         assert off._decisions.late_tail == 0, f"late_tail {off._decisions.late_tail} after 4 steps in time"
